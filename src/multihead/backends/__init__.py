@@ -1,0 +1,39 @@
+"""Attention kernels behind one signature, registered by name.
+
+Built in, in the order ``backend="auto"`` considers them:
+
+- ``sdpa``: torch's fused scaled_dot_product_attention, where it matches our semantics exactly.
+- ``tiled``: our online-softmax kernel, O(n) memory, every mask, LSE, dropout, backward.
+- ``materialized``: one pass that writes all weights once; auto's pick when every weight is asked for.
+- ``reference``: the readable oracle, any dtype, everything (including gradients to a bias).
+"""
+
+from multihead.backends import materialized, reference, sdpa, tiled
+from multihead.backends.registry import (
+    AttentionCall,
+    Backend,
+    BackendOutput,
+    Capabilities,
+    Explanation,
+    available_backends,
+    get_backend,
+    register,
+    unregister,
+)
+
+__all__ = [
+    "AttentionCall",
+    "Backend",
+    "BackendOutput",
+    "Capabilities",
+    "Explanation",
+    "available_backends",
+    "get_backend",
+    "register",
+    "unregister",
+]
+
+register("sdpa", sdpa.sdpa_attention, sdpa.CAPABILITIES, priority=10)
+register("tiled", tiled.tiled_attention, tiled.CAPABILITIES, priority=20)
+register("materialized", materialized.materialized_attention, materialized.CAPABILITIES, priority=30)
+register("reference", reference.reference_attention, reference.CAPABILITIES, priority=100)

@@ -1,0 +1,55 @@
+"""The oracle: textbook attention, readable, any dtype (float64 included), returns weights and LSE.
+
+Every other backend is tested against this one. It copies K/V to every query
+head and materialises the (b, h, i, j) scores: clarity over speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from multihead.backends.registry import BackendOutput, Capabilities
+from multihead.masks import BoundMask
+
+
+def masked_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last axis that gives 0 (weights and gradient) on rows that are all -inf.
+
+    scores: (..., j) with -inf where masked. Returns weights (..., j) and log-sum-exp (...),
+    which is -inf on fully masked rows.
+    """
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = row_max.masked_fill(row_max == -math.inf, 0.0)
+    exp = torch.exp(scores - row_max)
+    total = exp.sum(dim=-1, keepdim=True)
+    alive = total > 0
+    weights = exp / torch.where(alive, total, torch.ones_like(total))
+    # log of a clamped total keeps the gradient finite on dead rows, which are then set to -inf
+    lse = torch.where(alive, torch.log(torch.where(alive, total, torch.ones_like(total))) + row_max,
+                      torch.full_like(total, -math.inf))
+    return weights, lse.squeeze(-1)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BoundMask, scale: float,
+                        dropout: float, need_weights: bool, need_lse: bool) -> BackendOutput:
+    """softmax(q k^T * scale + mask) v. q (b, h, i, d), k (b, g, j, d), v (b, g, j, e)."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)  # (b, h, j, d): query head n reads key head n // groups
+    v = v.repeat_interleave(groups, dim=1)  # (b, h, j, e)
+    scores = q @ k.transpose(-2, -1) * scale  # (b, h, i, j)
+    keep, bias = mask.dense(dtype=scores.dtype)
+    if bias is not None:
+        scores = scores + bias
+    if keep is not None:
+        scores = scores.masked_fill(~keep, -math.inf)
+    weights, lse = masked_softmax(scores)
+    if dropout > 0:
+        weights = F.dropout(weights, p=dropout, training=True)
+    output = weights @ v  # (b, h, i, e)
+    return BackendOutput(output, weights if need_weights else None, lse if need_lse else None)
+
+
+CAPABILITIES = Capabilities(lse=True, weights=True, dropout=True, backward=True, bias_grad=True)

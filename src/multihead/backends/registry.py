@@ -1,0 +1,177 @@
+"""The backend registry: kernels with one signature, looked up by name, chosen with reasons.
+
+Every backend is a function
+
+    fn(q, k, v, *, mask, scale, dropout, need_weights, need_lse) -> BackendOutput
+
+with q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), ``mask`` a bound
+:class:`multihead.masks.BoundMask`, ``dropout`` the probability actually applied
+(0.0 outside training), and returns output (b, h, i, e), plus weights (b, h, i, j)
+when ``need_weights`` and the log-sum-exp (b, h, i) when ``need_lse``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from multihead._errors import bad_argument
+from multihead.masks import BoundMask
+
+
+class BackendOutput(NamedTuple):
+    output: torch.Tensor  # (b, h, i, e)
+    weights: torch.Tensor | None = None  # (b, h, i, j)
+    lse: torch.Tensor | None = None  # (b, h, i)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What one call asks for: enough for a backend to say whether it can serve it."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    k_len: int
+    qk_dim: int
+    v_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    mask: BoundMask
+    dropout: float  # probability applied; 0.0 outside training
+    weights: str  # "none", "all" or "subset"
+    need_lse: bool
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; :meth:`reasons` lists what it lacks for a call."""
+
+    dtypes: frozenset[torch.dtype] | None = None  # None: every floating dtype
+    device_types: frozenset[str] | None = None  # None: every device
+    lse: bool = False  # returns the log-sum-exp
+    weights: bool = False  # returns all weights itself (one materialised pass)
+    dropout: bool = False
+    backward: bool = True
+    bias_grad: bool = False  # gradient with respect to an additive bias
+    check: Callable[[AttentionCall], list[str]] | None = None  # backend-specific limits
+
+    def reasons(self, call: AttentionCall) -> list[str]:
+        missing = []
+        if self.dtypes is not None and call.dtype not in self.dtypes:
+            missing.append(f"dtype {call.dtype} (supports {sorted(str(d) for d in self.dtypes)})")
+        if self.device_types is not None and call.device.type not in self.device_types:
+            missing.append(f"device {call.device.type} (supports {sorted(self.device_types)})")
+        if call.need_lse and not self.lse:
+            missing.append("return_lse (it does not compute the log-sum-exp)")
+        if call.dropout > 0 and not self.dropout:
+            missing.append("dropout")
+        if call.dropout > 0 and call.weights != "none" and not self.weights:
+            missing.append("returning the weights it applied under dropout (it never materialises them)")
+        if call.requires_grad and not self.backward:
+            missing.append("backward (inputs require grad)")
+        if call.requires_grad and call.mask.bias_requires_grad and not self.bias_grad:
+            missing.append("gradient with respect to an additive bias that requires grad")
+        if self.check is not None:
+            missing.extend(self.check(call))
+        return missing
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    fn: Callable[..., BackendOutput]
+    capabilities: Capabilities
+    priority: int  # lower runs first under backend="auto"
+
+
+@dataclass
+class Explanation:
+    """Which backend ``auto`` (or the named one) serves a call, and why the others do not."""
+
+    chosen: str | None
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"chosen: {self.chosen}"]
+        for name, why in self.rejected.items():
+            lines.append(f"  {name}: " + "; ".join(why))
+        return "\n".join(lines)
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(name: str, fn: Callable[..., BackendOutput], capabilities: Capabilities, *,
+             priority: int = 50, replace: bool = False) -> None:
+    """Add a backend under ``name``; ``priority`` orders ``auto`` (lower first)."""
+    if not isinstance(name, str) or not name or name == "auto":
+        raise bad_argument("name", "a non-empty string other than 'auto'", repr(name), "choose another name")
+    if name in _REGISTRY and not replace:
+        raise bad_argument("name", "a name not yet registered", repr(name), "pass replace=True to override it")
+    if not isinstance(capabilities, Capabilities):
+        raise bad_argument("capabilities", "a multihead.backends.Capabilities", type(capabilities).__name__,
+                           "describe the backend with Capabilities(...)", kind=TypeError)
+    _REGISTRY[name] = Backend(name, fn, capabilities, priority)
+
+
+def unregister(name: str) -> None:
+    """Remove a backend added with :func:`register`."""
+    _REGISTRY.pop(get_backend(name).name)
+
+
+def available_backends() -> list[str]:
+    """Registered backend names, in the order ``auto`` considers them."""
+    return [b.name for b in sorted(_REGISTRY.values(), key=lambda b: b.priority)]
+
+
+def get_backend(name: str) -> Backend:
+    if name not in _REGISTRY:
+        raise bad_argument("backend", f"'auto' or one of {available_backends()}", repr(name),
+                           "pick a registered name, or register your own with multihead.backends.register")
+    return _REGISTRY[name]
+
+
+def _auto_order(call: AttentionCall) -> list[Backend]:
+    # With every weight asked for, one materialised pass beats a fused kernel plus recomputing them.
+    prefer_native_weights = call.weights == "all"
+    return sorted(_REGISTRY.values(),
+                  key=lambda b: (prefer_native_weights and not b.capabilities.weights, b.priority))
+
+
+def explain_call(call: AttentionCall, backend: str) -> Explanation:
+    """The backend that serves ``call`` and, for each other one, why not."""
+    if backend != "auto":
+        chosen = get_backend(backend)
+        missing = chosen.capabilities.reasons(call)
+        return Explanation(None if missing else chosen.name, {chosen.name: missing} if missing else {})
+    explanation = Explanation(None)
+    for candidate in _auto_order(call):
+        missing = candidate.capabilities.reasons(call)
+        if missing:
+            explanation.rejected[candidate.name] = missing
+        elif explanation.chosen is None:
+            explanation.chosen = candidate.name
+        elif call.weights == "all" and not candidate.capabilities.weights:
+            explanation.rejected[candidate.name] = [
+                f"could serve, but it does not return weights itself and {explanation.chosen!r} "
+                "writes all of them in one pass"]
+        else:
+            explanation.rejected[candidate.name] = [f"could serve, but {explanation.chosen!r} ranks first"]
+    return explanation
+
+
+def choose(call: AttentionCall, backend: str) -> Backend:
+    """The backend to run, or a ValueError naming what the requested one lacks."""
+    explanation = explain_call(call, backend)
+    if explanation.chosen is None:
+        why = "; ".join(f"{n} lacks {', '.join(r)}" for n, r in explanation.rejected.items())
+        fix = "use backend='auto'" if backend != "auto" else "drop the unsupported option"
+        raise bad_argument("backend", f"a backend that supports this call ({backend!r} requested)",
+                           f"none: {why}", fix)
+    return _REGISTRY[explanation.chosen]

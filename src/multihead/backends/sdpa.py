@@ -1,0 +1,56 @@
+"""torch.nn.functional.scaled_dot_product_attention, used only where it gives exactly our semantics.
+
+What differs from ours, and how this backend bridges it:
+- SDPA's ``is_causal`` is top-left aligned; ours is bottom-right. is_causal is
+  passed only when the two coincide (equal lengths or an explicit top-left
+  causal mask); every other mask is handed over as a dense tensor.
+- Fully masked rows give 0 (not NaN) in torch's CPU kernels, verified by the
+  tests; on other devices that is not verified here, so calls whose mask may
+  empty a row are left to other backends there.
+- Dropout is passed only when it applies (training); GQA uses enable_gqa.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities
+from multihead.masks import BoundMask
+
+VERIFIED_EMPTY_ROW_DEVICES = frozenset({"cpu"})
+
+
+def sdpa_mask(mask: BoundMask, dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
+    """Our mask as SDPA's (attn_mask, is_causal): bool keep-mask, or float with -inf where masked."""
+    if mask.is_empty:
+        return None, False
+    if mask.is_plain_causal:
+        return None, True
+    keep, bias = mask.dense(dtype=dtype)
+    if bias is None:
+        return keep, False
+    if keep is not None:
+        bias = bias.masked_fill(~keep, -math.inf)
+    return bias, False
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BoundMask, scale: float,
+                   dropout: float, need_weights: bool, need_lse: bool) -> BackendOutput:
+    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e)."""
+    attn_mask, is_causal = sdpa_mask(mask, q.dtype)
+    output = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal,
+                                            scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return BackendOutput(output)
+
+
+def _sdpa_limits(call: AttentionCall) -> list[str]:
+    if call.device.type not in VERIFIED_EMPTY_ROW_DEVICES and call.mask.may_empty_rows():
+        return [f"fully masked rows on {call.device.type} (0 output not verified there)"]
+    return []
+
+
+CAPABILITIES = Capabilities(lse=False, weights=False, dropout=True, backward=True, bias_grad=False,
+                            check=_sdpa_limits)

@@ -1,0 +1,284 @@
+"""``attention(q, k, v, ...)``: the one entry to every kernel.
+
+    out = softmax(q k^T * scale + mask) v
+
+Shapes (axis letters as everywhere in multihead):
+
+    q    (b, h, i, d)    b batch, h query heads, i query positions, d query/key head dim
+    k    (b, g, j, d)    g key/value heads (h % g == 0: grouped / multi-query attention), j key positions
+    v    (b, g, j, e)    e value head dim (may differ from d)
+    out  (b, h, i, e)
+
+Unbatched inputs (h, i, d), (g, j, d), (g, j, e) give (h, i, e). Query head n
+reads key/value head n // (h / g), as torch's ``enable_gqa`` and
+``repeat_interleave`` do.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from multihead._errors import bad_argument, describe
+from multihead.backends import registry
+from multihead.backends._blocks import compute_dtype
+from multihead.backends.reference import masked_softmax
+from multihead.masks import AttentionShape, BoundMask, Mask, bind_mask
+
+__all__ = ["attention", "explain", "AttentionResult", "WeightSelection"]
+
+
+class AttentionResult(NamedTuple):
+    """What :func:`attention` returns when more than the output is asked for."""
+
+    output: torch.Tensor  # (b, h, i, e)
+    weights: torch.Tensor | None  # (b, h, i, j), or (b, len(heads), len(queries), j) for a selection
+    lse: torch.Tensor | None  # (b, h, i); -inf on rows with every key masked
+
+
+@dataclass(frozen=True)
+class WeightSelection:
+    """Ask for the weights of some heads and query rows only, at a cost proportional to them.
+
+    ``heads``: query head indices (None = all); ``queries``: query positions, a slice
+    or indices (None = all). The weights come back as (b, len(heads), len(queries), j).
+    """
+
+    heads: Sequence[int] | None = None
+    queries: Sequence[int] | slice | None = None
+
+
+@dataclass
+class _Prepared:
+    q: torch.Tensor  # (b, h, i, d)
+    k: torch.Tensor  # (b, g, j, d)
+    v: torch.Tensor  # (b, g, j, e)
+    mask: BoundMask
+    scale: float
+    dropout: float  # as applied: 0.0 outside training
+    selection: WeightSelection | None
+    unbatched: bool
+    call: registry.AttentionCall
+
+
+def _check_tensors(q: object, k: object, v: object) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise bad_argument(name, "a torch.Tensor", describe(t), "pass a tensor", kind=TypeError)
+    if q.ndim not in (3, 4):
+        raise bad_argument("q", "shape (b, h, i, d), or unbatched (h, i, d)", f"shape {tuple(q.shape)}",
+                           "add or remove axes so q has 4 dims (or 3 unbatched)")
+    layouts = {"k": "(b, g, j, d)", "v": "(b, g, j, e)"}
+    for name, t in (("k", k), ("v", v)):
+        if t.ndim != q.ndim:
+            raise bad_argument(name, f"{q.ndim} dims like q, {layouts[name]}", f"shape {tuple(t.shape)}",
+                               "give q, k and v the same number of dims")
+    if not q.is_floating_point():
+        raise bad_argument("q", "a floating dtype (float16, bfloat16, float32 or float64)", q.dtype,
+                           "convert with q.float()", kind=TypeError)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise bad_argument(name, f"dtype {q.dtype} (the dtype of q)", t.dtype,
+                               "cast q, k and v to one dtype", kind=TypeError)
+        if t.device != q.device:
+            raise bad_argument(name, f"a tensor on {q.device} (the device of q)", f"one on {t.device}",
+                               "move q, k and v to one device")
+
+
+def _check_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    (b, h, i, d), (bk, g, j, dk), (bv, gv, jv, _) = q.shape, k.shape, v.shape  # e is free
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.numel() == 0:
+            raise bad_argument(name, "every size at least 1", f"shape {tuple(t.shape)}",
+                               "drop empty batches or sequences before calling attention")
+    if bk != b:
+        raise bad_argument("k", f"batch size b = {b} (from q)", bk, "give q, k and v the same batch size")
+    if bv != b:
+        raise bad_argument("v", f"batch size b = {b} (from q)", bv, "give q, k and v the same batch size")
+    if gv != g:
+        raise bad_argument("v", f"g = {g} key/value heads (from k)", gv, "give k and v the same number of heads")
+    if h % g != 0:
+        divisors = [n for n in range(1, h + 1) if h % n == 0]
+        raise bad_argument("k", f"a number of key/value heads g that divides the query heads h = {h}", f"g = {g}",
+                           f"use g in {divisors}")
+    if dk != d:
+        raise bad_argument("k", f"head dim d = {d} (from q)", dk, "project queries and keys to one head dim")
+    if jv != j:
+        raise bad_argument("v", f"key length j = {j} (from k)", jv, "give k and v the same sequence length")
+
+
+def _check_options(scale: object, dropout: object, training: object, causal: object, backend: object,
+                   return_weights: object, return_lse: object) -> None:
+    if scale is not None:
+        if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+            raise bad_argument("scale", "a real number or None (1/sqrt(d))", describe(scale), "pass a float",
+                               kind=TypeError)
+        if not math.isfinite(scale):
+            raise bad_argument("scale", "a finite number", scale, "pass e.g. 1/sqrt(d), or None")
+    if not isinstance(dropout, numbers.Real) or isinstance(dropout, bool):
+        raise bad_argument("dropout", "a float in [0, 1)", describe(dropout), "pass e.g. dropout=0.1",
+                           kind=TypeError)
+    if not 0.0 <= dropout < 1.0:
+        raise bad_argument("dropout", "a probability in [0, 1)", dropout, "pass e.g. dropout=0.1, or 0.0 for none")
+    for name, value in (("training", training), ("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(value, bool):
+            raise bad_argument(name, "True or False", describe(value), f"pass {name}=True or {name}=False",
+                               kind=TypeError)
+    if not isinstance(backend, str):
+        raise bad_argument("backend", "a backend name (str)", describe(backend), "pass e.g. backend='auto'",
+                           kind=TypeError)
+    if not isinstance(return_weights, (bool, WeightSelection)):
+        raise bad_argument("return_weights", "True, False or a multihead.WeightSelection", describe(return_weights),
+                           "pass return_weights=True, or WeightSelection(heads=[...], queries=[...])",
+                           kind=TypeError)
+
+
+def _check_selection(selection: WeightSelection, heads: int, q_len: int) -> None:
+    for name, values, limit, axis in (("heads", selection.heads, heads, "h"),
+                                      ("queries", selection.queries, q_len, "i")):
+        if values is None or isinstance(values, slice) and name == "queries":
+            continue
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values or not all(
+                isinstance(n, int) and not isinstance(n, bool) for n in values):
+            raise bad_argument(f"WeightSelection.{name}", "a non-empty sequence of ints (or None for all)",
+                               describe(values), f"pass e.g. {name}=[0, 3]", kind=TypeError)
+        out_of_range = [n for n in values if not 0 <= n < limit]
+        if out_of_range:
+            raise bad_argument(f"WeightSelection.{name}", f"indices in [0, {limit}) ({axis} = {limit})",
+                               out_of_range, f"pick {name} below {limit}")
+
+
+def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return_weights, return_lse) -> _Prepared:
+    _check_tensors(q, k, v)
+    _check_options(scale, dropout, training, causal, backend, return_weights, return_lse)
+    unbatched = q.ndim == 3
+    if unbatched:  # (h, i, d) -> (1, h, i, d)
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    _check_sizes(q, k, v)
+    b, h, i, d = q.shape
+    g, j, e = k.shape[1], k.shape[2], v.shape[3]
+    if mask is not None and not isinstance(mask, (Mask, torch.Tensor)):
+        raise bad_argument("mask", "a multihead.masks mask, a bool tensor or a float tensor", describe(mask),
+                           "build one with multihead.masks.causal(), padding(...), or pass a tensor",
+                           kind=TypeError)
+    bound = bind_mask(mask, causal, AttentionShape(b, h, i, j, q.device))
+    selection = None
+    if isinstance(return_weights, WeightSelection):
+        _check_selection(return_weights, h, i)
+        selection = return_weights
+    weights = "none" if return_weights is False else ("subset" if selection is not None else "all")
+    applied_dropout = float(dropout) if training else 0.0
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    call = registry.AttentionCall(
+        batch=b, heads=h, kv_heads=g, q_len=i, k_len=j, qk_dim=d, v_dim=e, dtype=q.dtype, device=q.device,
+        mask=bound, dropout=applied_dropout, weights=weights, need_lse=return_lse,
+        requires_grad=requires_grad or (bound.bias_requires_grad and torch.is_grad_enabled()))
+    return _Prepared(q, k, v, bound, 1.0 / math.sqrt(d) if scale is None else float(scale), applied_dropout,
+                     selection, unbatched, call)
+
+
+def _index(selected: Sequence[int] | slice | None, device: torch.device) -> torch.Tensor | slice:
+    if selected is None:
+        return slice(None)
+    if isinstance(selected, slice):
+        return selected
+    return torch.as_tensor(list(selected), dtype=torch.long, device=device)
+
+
+def _select_weights(weights: torch.Tensor, selection: WeightSelection) -> torch.Tensor:
+    heads = _index(selection.heads, weights.device)
+    queries = _index(selection.queries, weights.device)
+    weights = weights[:, heads] if isinstance(heads, slice) else weights.index_select(1, heads)
+    return weights[:, :, queries] if isinstance(queries, slice) else weights.index_select(2, queries)
+
+
+def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
+    """Exact weights for the selected heads and rows only: cost proportional to the selection.
+
+    Returns (b, n_heads, n_queries, j) in q's dtype.
+    """
+    b, h, i, d = p.q.shape
+    group = h // p.k.shape[1]
+    heads = torch.arange(h, device=p.q.device) if selection.heads is None else _index(selection.heads, p.q.device)
+    queries = _index(selection.queries, p.q.device)
+    work = compute_dtype(p.q.dtype)
+    q_sel = p.q.index_select(1, heads)  # (b, n_heads, i, d)
+    q_sel = q_sel[:, :, queries] if isinstance(queries, slice) else q_sel.index_select(2, queries)
+    k_sel = p.k.index_select(1, heads // group)  # (b, n_heads, j, d): each selected head's own key head
+    scores = (q_sel.to(work) * p.scale) @ k_sel.to(work).transpose(-2, -1)  # (b, n_heads, n_queries, j)
+    keep, bias = p.mask.block(queries, slice(None), heads, dtype=work)
+    if bias is not None:
+        scores = scores + bias
+    if keep is not None:
+        scores = scores.masked_fill(~keep, -math.inf)
+    return masked_softmax(scores)[0].to(p.q.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | torch.Tensor | None = None,
+              causal: bool = False, scale: float | None = None, dropout: float = 0.0, training: bool = False,
+              backend: str = "auto", return_weights: bool | WeightSelection = False,
+              return_lse: bool = False) -> torch.Tensor | AttentionResult:
+    """Scaled dot-product attention: softmax(q k^T * scale + mask) v.
+
+    Args:
+        q: (b, h, i, d) queries, or unbatched (h, i, d).
+        k: (b, g, j, d) keys; h % g == 0 (g < h: grouped-query, g == 1: multi-query attention).
+        v: (b, g, j, e) values.
+        mask: a typed mask from :mod:`multihead.masks` (combine with ``&``), or a tensor broadcastable
+            to (b, h, i, j): bool with True = may attend, or float added to the scores.
+        causal: add ``masks.causal()``, aligned bottom-right when i != j (i = 2, j = 4)::
+
+                x x x .
+                x x x x
+
+        scale: multiplies q k^T; default 1/sqrt(d).
+        dropout: probability of dropping a weight; applied only when ``training`` is True.
+        backend: "auto" (fastest that serves the call; see :func:`explain`) or a registered name.
+        return_weights: True for all weights (b, h, i, j), or a :class:`WeightSelection` for some heads
+            and query rows. Asking never changes the output. Under dropout (training) the weights
+            returned are those applied, after dropout, as torch.nn.MultiheadAttention returns them.
+        return_lse: also return the log-sum-exp of the masked scaled scores, (b, h, i).
+
+    Returns:
+        The output (b, h, i, e) alone, or an :class:`AttentionResult` (output, weights, lse) when
+        weights or the LSE are asked for. Rows whose keys are all masked give output 0, weights 0,
+        gradient 0 and LSE -inf.
+
+    Example:
+        >>> q = torch.randn(2, 8, 5, 16); k = v = torch.randn(2, 2, 7, 16)
+        >>> attention(q, k, v, causal=True).shape
+        torch.Size([2, 8, 5, 16])
+    """
+    p = _prepare(q, k, v, mask=mask, causal=causal, scale=scale, dropout=dropout, training=training,
+                 backend=backend, return_weights=return_weights, return_lse=return_lse)
+    chosen = registry.choose(p.call, backend)
+    native_weights = p.call.weights != "none" and chosen.capabilities.weights
+    result = chosen.fn(p.q, p.k, p.v, mask=p.mask, scale=p.scale, dropout=p.dropout,
+                       need_weights=native_weights, need_lse=return_lse)
+    output, weights, lse = result.output, None, result.lse
+    if native_weights:
+        weights = result.weights if p.selection is None else _select_weights(result.weights, p.selection)
+    elif p.call.weights != "none":
+        weights = _weights_for(p, p.selection or WeightSelection())
+    if p.unbatched:
+        output = output.squeeze(0)
+        weights = None if weights is None else weights.squeeze(0)
+        lse = None if lse is None else lse.squeeze(0)
+    if p.call.weights == "none" and not return_lse:
+        return output
+    return AttentionResult(output, weights, lse)
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | torch.Tensor | None = None,
+            causal: bool = False, scale: float | None = None, dropout: float = 0.0, training: bool = False,
+            backend: str = "auto", return_weights: bool | WeightSelection = False,
+            return_lse: bool = False) -> registry.Explanation:
+    """Which backend :func:`attention` with these arguments would run, and why each other was not chosen."""
+    p = _prepare(q, k, v, mask=mask, causal=causal, scale=scale, dropout=dropout, training=training,
+                 backend=backend, return_weights=return_weights, return_lse=return_lse)
+    return registry.explain_call(p.call, backend)

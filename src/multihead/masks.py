@@ -1,0 +1,541 @@
+"""Typed attention masks.
+
+A mask says which keys each query may attend to, and optionally adds a bias to
+the scores. Typed masks remove the polarity question and never build an
+``i x j`` tensor unless a backend asks for one: a kernel evaluates them one
+block at a time, and skips blocks they rule out entirely.
+
+    causal()                 j <= i (+ offset for unequal lengths, see below)
+    window(left, right)      sliding window around the (aligned) diagonal
+    padding(lengths)         key j is real for batch row b when j < lengths[b]
+    padding(valid)           ... or from a (b, j) boolean of real tokens
+    alibi(slopes)            additive -slope_h * |i - j| (Press et al., 2022)
+    bias(tensor)             any additive float tensor broadcastable to (b, h, i, j)
+    allowed(tensor)          any boolean tensor broadcastable to (b, h, i, j), True = may attend
+
+Masks combine with ``&``: keys must be allowed by every boolean term, and the
+bias terms add up. A plain tensor is accepted wherever a mask is: boolean means
+True = may attend, floating means additive.
+
+Alignment when the query length i differs from the key length j
+----------------------------------------------------------------
+``"bottom_right"`` (the default) aligns the last query with the last key, which
+is what a KV cache needs: query ``i`` sits at key position ``i + (j - i_len)``.
+``"top_left"`` aligns the first query with the first key. For i = 3, j = 5
+(``x`` = may attend)::
+
+    bottom_right          top_left
+    x x x . .             x . . . .
+    x x x x .             x x . . .
+    x x x x x             x x x . .
+
+With i > j, bottom-right alignment leaves the first ``i - j`` rows with no key
+at all; such fully masked rows give output 0 on every backend.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from multihead._errors import bad_argument, describe
+
+__all__ = [
+    "Mask",
+    "BoundMask",
+    "BlockState",
+    "causal",
+    "window",
+    "padding",
+    "alibi",
+    "alibi_slopes",
+    "bias",
+    "allowed",
+    "as_mask",
+]
+
+ALIGNMENTS = ("bottom_right", "top_left")
+
+
+class BlockState(enum.Enum):
+    """What a mask does to a block of (query, key) pairs."""
+
+    EMPTY = "empty"  # every pair masked: the block can be skipped
+    FULL = "full"  # every pair allowed: the block needs no boolean mask
+    PARTIAL = "partial"  # must be evaluated element by element
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The sizes a mask is bound to: batch b, query heads h, query length i, key length j."""
+
+    batch: int
+    heads: int
+    q_len: int
+    k_len: int
+    device: torch.device
+
+
+Index = slice | torch.Tensor  # a range of positions, or a 1-D LongTensor of them
+
+
+class Mask:
+    """Base of the typed masks. Combine with ``&``; bind to sizes with :meth:`bind`."""
+
+    def terms(self) -> tuple[Mask, ...]:
+        return (self,)
+
+    def __and__(self, other: Mask | torch.Tensor) -> Mask:
+        return Combined(self.terms() + as_mask(other, name="mask").terms())
+
+    def __rand__(self, other: torch.Tensor) -> Mask:
+        return Combined(as_mask(other, name="mask").terms() + self.terms())
+
+    def bind(self, shape: AttentionShape) -> BoundMask:
+        """Validate against the call's sizes and return a mask kernels can evaluate."""
+        return BoundMask([term._bind(shape) for term in self.terms()], shape)
+
+    def _bind(self, shape: AttentionShape) -> _BoundTerm:  # implemented by primitive masks
+        raise TypeError(f"{type(self).__name__} is not a primitive mask")
+
+
+class Combined(Mask):
+    """Several masks at once: every boolean term must allow a pair, bias terms add."""
+
+    def __init__(self, parts: tuple[Mask, ...]):
+        self.parts = parts
+
+    def terms(self) -> tuple[Mask, ...]:
+        return self.parts
+
+    def __repr__(self) -> str:
+        return " & ".join(repr(p) for p in self.parts)
+
+
+# --------------------------------------------------------------------------- primitives
+
+
+class _Diagonal(Mask):
+    """Keys within [p - left, p + right] of the aligned query position p; None = unbounded."""
+
+    def __init__(self, left: int | None, right: int | None, align: str, name: str):
+        for arg, value in (("left", left), ("right", right)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise bad_argument(f"{name}({arg}=...)", "a non-negative int or None", describe(value),
+                                   f"pass a whole number of positions, e.g. {arg}=128", kind=TypeError)
+            if value is not None and value < 0:
+                raise bad_argument(f"{name}({arg}=...)", "a non-negative int or None", value,
+                                   f"use {arg}=0 for no keys on that side, or None for unbounded")
+        if align not in ALIGNMENTS:
+            raise bad_argument(f"{name}(align=...)", f"one of {ALIGNMENTS}", repr(align),
+                               'use "bottom_right" (KV-cache style) or "top_left"')
+        self.left, self.right, self.align, self.name = left, right, align, name
+
+    def __repr__(self) -> str:
+        if self.name == "causal":
+            return f"causal(align={self.align!r})"
+        return f"window(left={self.left}, right={self.right}, align={self.align!r})"
+
+    def _bind(self, shape: AttentionShape) -> _BoundTerm:
+        offset = shape.k_len - shape.q_len if self.align == "bottom_right" else 0
+        return _BoundDiagonal(self, offset, shape)
+
+
+def causal(align: str = "bottom_right") -> Mask:
+    """Query i attends key j only when j <= i + offset (see the module docstring for alignment)."""
+    return _Diagonal(None, 0, align, "causal")
+
+
+def window(left: int | None, right: int | None = 0, *, align: str = "bottom_right") -> Mask:
+    """Sliding window: the query at aligned position p attends keys p - left ... p + right.
+
+    ``window(W - 1, 0)`` is a causal window of W keys (the query's own and W - 1 before it);
+    ``window(64, 64)`` a symmetric local window; None leaves that side unbounded.
+    """
+    return _Diagonal(left, right, align, "window")
+
+
+class _Padding(Mask):
+    def __init__(self, keys: torch.Tensor | Sequence[int]):
+        if not isinstance(keys, torch.Tensor):
+            try:
+                keys = torch.as_tensor(keys)
+            except (TypeError, ValueError, RuntimeError):
+                raise bad_argument("padding(keys)", "a (b,) tensor of key lengths or a (b, j) bool tensor",
+                                   describe(keys), "pass torch.tensor(lengths) or a boolean (b, j) tensor",
+                                   kind=TypeError) from None
+        if keys.dtype == torch.bool:
+            if keys.ndim != 2:
+                raise bad_argument("padding(keys)", "a (b, j) bool tensor of real keys", describe(keys),
+                                   "pass one row per batch element, True where the key is a real token")
+        elif not keys.is_floating_point() and not keys.is_complex():
+            if keys.ndim != 1:
+                raise bad_argument("padding(keys)", "a (b,) integer tensor of key lengths", describe(keys),
+                                   "pass one length per batch element")
+        else:
+            raise bad_argument("padding(keys)", "integer lengths (b,) or a bool (b, j) tensor", describe(keys),
+                               "convert with .long() for lengths or .bool() for a validity mask", kind=TypeError)
+        self.keys = keys
+
+    def __repr__(self) -> str:
+        return f"padding({'valid' if self.keys.dtype == torch.bool else 'lengths'}={tuple(self.keys.shape)})"
+
+    def _bind(self, shape: AttentionShape) -> _BoundTerm:
+        keys = self.keys.to(shape.device)
+        if keys.dtype == torch.bool:
+            if tuple(keys.shape) != (shape.batch, shape.k_len):
+                raise bad_argument("padding(valid)", f"shape (b, j) = ({shape.batch}, {shape.k_len})",
+                                   tuple(keys.shape), "give one row per batch element and one column per key")
+            valid = keys
+        else:
+            if keys.shape[0] != shape.batch:
+                raise bad_argument("padding(lengths)", f"shape (b,) = ({shape.batch},)", tuple(keys.shape),
+                                   "give one key length per batch element")
+            lo, hi = int(keys.min()), int(keys.max())
+            if lo < 0 or hi > shape.k_len:
+                raise bad_argument("padding(lengths)", f"lengths in [0, {shape.k_len}] (the key length j)",
+                                   f"values from {lo} to {hi}", "clip the lengths to the number of keys")
+            valid = torch.arange(shape.k_len, device=shape.device) < keys[:, None]
+        return _BoundPadding(valid, shape)
+
+
+def padding(keys: torch.Tensor | Sequence[int]) -> Mask:
+    """Mask padded keys: ``keys`` is a (b,) tensor of key lengths, or a (b, j) bool tensor, True = real."""
+    return _Padding(keys)
+
+
+class _Alibi(Mask):
+    def __init__(self, slopes: torch.Tensor | Sequence[float], align: str):
+        if not isinstance(slopes, torch.Tensor):
+            slopes = torch.as_tensor(slopes, dtype=torch.float32)
+        if slopes.ndim != 1 or not slopes.is_floating_point():
+            raise bad_argument("alibi(slopes)", "a 1-D float tensor with one slope per query head",
+                               describe(slopes), "use multihead.masks.alibi_slopes(num_heads)")
+        if align not in ALIGNMENTS:
+            raise bad_argument("alibi(align=...)", f"one of {ALIGNMENTS}", repr(align), 'use "bottom_right"')
+        self.slopes, self.align = slopes, align
+
+    def __repr__(self) -> str:
+        return f"alibi(heads={self.slopes.shape[0]})"
+
+    def _bind(self, shape: AttentionShape) -> _BoundTerm:
+        if self.slopes.shape[0] != shape.heads:
+            raise bad_argument("alibi(slopes)", f"one slope per query head ({shape.heads},)",
+                               tuple(self.slopes.shape), f"use multihead.masks.alibi_slopes({shape.heads})")
+        offset = shape.k_len - shape.q_len if self.align == "bottom_right" else 0
+        return _BoundAlibi(self.slopes.to(shape.device), offset, shape)
+
+
+def alibi(slopes: torch.Tensor | Sequence[float], *, align: str = "bottom_right") -> Mask:
+    """ALiBi bias (Press et al., 2022): score(i, j) += -slopes[h] * |p_i - j|, p_i the aligned position.
+
+    Under a causal mask this is the paper's ``slope * (j - i)``; without one it is the
+    symmetric variant used by bidirectional encoders.
+    """
+    return _Alibi(slopes, align)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The geometric head slopes of Press et al. (2022), shape (num_heads,).
+
+    For n a power of two: 2^(-8/n), 2^(-16/n), ..., 2^(-8). Otherwise the slopes of
+    the largest power of two below n, then every other slope of twice that power.
+    """
+    if not isinstance(num_heads, int) or num_heads < 1:
+        raise bad_argument("num_heads", "a positive int", describe(num_heads), "pass the number of query heads")
+
+    def geometric(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (k + 1) / n) for k in range(n)]
+
+    power = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = geometric(power)
+    if power < num_heads:
+        slopes += geometric(2 * power)[0::2][: num_heads - power]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class _Dense(Mask):
+    """A user tensor broadcastable to (b, h, i, j): boolean (True = may attend) or additive float."""
+
+    def __init__(self, tensor: torch.Tensor, name: str):
+        if not isinstance(tensor, torch.Tensor):
+            raise bad_argument(name, "a torch.Tensor", describe(tensor), "wrap the values with torch.as_tensor",
+                               kind=TypeError)
+        if tensor.dtype != torch.bool and not tensor.is_floating_point():
+            raise bad_argument(name, "a bool tensor (True = may attend) or a floating tensor (added to scores)",
+                               describe(tensor), "convert with .bool() for a keep-mask or .float() for a bias",
+                               kind=TypeError)
+        if tensor.ndim > 4:
+            raise bad_argument(name, "at most 4 dims, broadcastable to (b, h, i, j)", describe(tensor),
+                               "drop the extra dimensions")
+        self.tensor, self.name = tensor, name
+
+    @property
+    def is_bias(self) -> bool:
+        return self.tensor.is_floating_point()
+
+    def __repr__(self) -> str:
+        return f"{'bias' if self.is_bias else 'allowed'}(shape={tuple(self.tensor.shape)})"
+
+    def _bind(self, shape: AttentionShape) -> _BoundTerm:
+        target = (shape.batch, shape.heads, shape.q_len, shape.k_len)
+        t = self.tensor.reshape((1,) * (4 - self.tensor.ndim) + tuple(self.tensor.shape))
+        if any(size not in (1, want) for size, want in zip(t.shape, target)):
+            raise bad_argument(self.name, f"a shape broadcastable to (b, h, i, j) = {target} (each dim 1 or equal)",
+                               tuple(self.tensor.shape),
+                               "reshape the mask so each dimension is 1 or matches, e.g. (b, 1, 1, j) for keys")
+        if t.device != shape.device:
+            raise bad_argument(self.name, f"a tensor on {shape.device} (the device of q)", f"one on {t.device}",
+                               f"move it with .to({str(shape.device)!r})")
+        return _BoundDense(t)
+
+
+def bias(tensor: torch.Tensor) -> Mask:
+    """An additive float bias broadcastable to (b, h, i, j); -inf entries mask pairs out."""
+    mask = _Dense(tensor, "bias(tensor)")
+    if not mask.is_bias:
+        raise bad_argument("bias(tensor)", "a floating tensor", describe(tensor),
+                           "use multihead.masks.allowed for a boolean mask", kind=TypeError)
+    return mask
+
+
+def allowed(tensor: torch.Tensor) -> Mask:
+    """A boolean mask broadcastable to (b, h, i, j): True = may attend."""
+    mask = _Dense(tensor, "allowed(tensor)")
+    if mask.is_bias:
+        raise bad_argument("allowed(tensor)", "a bool tensor (True = may attend)", describe(tensor),
+                           "use multihead.masks.bias for an additive float mask", kind=TypeError)
+    return mask
+
+
+def as_mask(value: Mask | torch.Tensor, *, name: str = "mask") -> Mask:
+    """Accept a typed mask or a plain tensor (bool: True = may attend; float: additive)."""
+    if isinstance(value, Mask):
+        return value
+    if isinstance(value, torch.Tensor):
+        return _Dense(value, name)
+    raise bad_argument(name, "a multihead.masks mask, a bool tensor or a float tensor", describe(value),
+                       "build one with multihead.masks.causal(), padding(...), window(...) or pass a tensor",
+                       kind=TypeError)
+
+
+# --------------------------------------------------------------------------- bound terms
+
+
+def _positions(index: Index, size: int, device: torch.device) -> torch.Tensor:
+    if isinstance(index, slice):
+        return torch.arange(*index.indices(size), device=device)
+    return index
+
+
+def _select(t: torch.Tensor, dim: int, index: Index | None) -> torch.Tensor:
+    """Index a broadcastable dim: size-1 dims stay as they are."""
+    if index is None or t.shape[dim] == 1:
+        return t
+    if isinstance(index, slice):
+        return t[(slice(None),) * dim + (index,)]
+    return t.index_select(dim, index)
+
+
+class _BoundTerm:
+    is_bias = False
+    requires_grad = False
+
+    def state(self, rows: range, cols: range) -> BlockState:
+        return BlockState.PARTIAL
+
+    def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
+        """A bool (keep) or float (bias) tensor broadcastable to (b, h_sel, rows, cols)."""
+        raise TypeError(type(self).__name__)
+
+    def may_empty_rows(self) -> bool:
+        return False
+
+
+class _BoundDiagonal(_BoundTerm):
+    def __init__(self, spec: _Diagonal, offset: int, shape: AttentionShape):
+        self.spec, self.offset, self.shape = spec, offset, shape
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """Equal to SDPA's is_causal=True (top-left lower triangle)."""
+        return self.spec.left is None and self.spec.right == 0 and self.offset == 0
+
+    def state(self, rows: range, cols: range) -> BlockState:
+        # relative position r = j - (i + offset) ranges over [lo, hi] in this block
+        lo = cols.start - (rows.stop - 1 + self.offset)
+        hi = cols.stop - 1 - (rows.start + self.offset)
+        left = -math.inf if self.spec.left is None else -self.spec.left
+        right = math.inf if self.spec.right is None else self.spec.right
+        if hi < left or lo > right:
+            return BlockState.EMPTY
+        if lo >= left and hi <= right:
+            return BlockState.FULL
+        return BlockState.PARTIAL
+
+    def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
+        i = _positions(rows, self.shape.q_len, self.shape.device)
+        j = _positions(cols, self.shape.k_len, self.shape.device)
+        rel = j[None, :] - (i[:, None] + self.offset)  # (rows, cols)
+        keep = torch.ones_like(rel, dtype=torch.bool)
+        if self.spec.left is not None:
+            keep &= rel >= -self.spec.left
+        if self.spec.right is not None:
+            keep &= rel <= self.spec.right
+        return keep[None, None]
+
+    def may_empty_rows(self) -> bool:
+        # aligned positions run from offset to q_len - 1 + offset; keys from 0 to k_len - 1
+        first, last = self.offset, self.shape.q_len - 1 + self.offset
+        too_early = self.spec.right is not None and first + self.spec.right < 0
+        too_late = self.spec.left is not None and last - self.spec.left > self.shape.k_len - 1
+        return too_early or too_late
+
+
+class _BoundPadding(_BoundTerm):
+    def __init__(self, valid: torch.Tensor, shape: AttentionShape):
+        self.valid = valid[:, None, None, :]  # (b, 1, 1, j)
+        # per-key-column counts over the batch, cumulated, so block states need no device sync
+        any_valid = valid.any(0).cpu().long()
+        all_valid = valid.all(0).cpu().long()
+        zero = torch.zeros(1, dtype=torch.long)
+        self.any_cum = torch.cat([zero, any_valid.cumsum(0)]).tolist()
+        self.all_cum = torch.cat([zero, all_valid.cumsum(0)]).tolist()
+        self.empty_rows = bool((~valid.any(1)).any())
+
+    def state(self, rows: range, cols: range) -> BlockState:
+        if self.any_cum[cols.stop] == self.any_cum[cols.start]:
+            return BlockState.EMPTY
+        if self.all_cum[cols.stop] - self.all_cum[cols.start] == len(cols):
+            return BlockState.FULL
+        return BlockState.PARTIAL
+
+    def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
+        return _select(self.valid, 3, cols)
+
+    def may_empty_rows(self) -> bool:
+        return self.empty_rows
+
+
+class _BoundAlibi(_BoundTerm):
+    is_bias = True
+
+    def __init__(self, slopes: torch.Tensor, offset: int, shape: AttentionShape):
+        self.slopes, self.offset, self.shape = slopes, offset, shape
+        self.requires_grad = slopes.requires_grad
+
+    def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
+        i = _positions(rows, self.shape.q_len, self.shape.device)
+        j = _positions(cols, self.shape.k_len, self.shape.device)
+        distance = (j[None, :] - (i[:, None] + self.offset)).abs()  # (rows, cols)
+        slopes = self.slopes if heads is None else self.slopes.index_select(0, heads)
+        return -slopes[None, :, None, None] * distance[None, None].to(slopes.dtype)
+
+
+class _BoundDense(_BoundTerm):
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor  # 4-D, each dim 1 or full size
+        self.is_bias = tensor.is_floating_point()
+        self.requires_grad = tensor.requires_grad
+
+    def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
+        return _select(_select(_select(self.tensor, 1, heads), 2, rows), 3, cols)
+
+    def may_empty_rows(self) -> bool:
+        keep = self.tensor > -math.inf if self.is_bias else self.tensor
+        return bool((~keep.any(-1)).any())
+
+
+# --------------------------------------------------------------------------- the bound mask
+
+
+class BoundMask:
+    """A mask validated against one call's sizes; what kernels use.
+
+    ``block(rows, cols)`` returns ``(keep, bias)``: a bool tensor (True = may attend)
+    and a float tensor, each broadcastable to (b, h, rows, cols), or None when the
+    block needs none. ``state(rows, cols)`` says whether the block can be skipped.
+    """
+
+    def __init__(self, terms: list[_BoundTerm], shape: AttentionShape):
+        self.terms = terms
+        self.shape = shape
+        self.keep_terms = [t for t in terms if not t.is_bias]
+        self.bias_terms = [t for t in terms if t.is_bias]
+
+    @classmethod
+    def none(cls, shape: AttentionShape) -> BoundMask:
+        return cls([], shape)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.terms
+
+    @property
+    def has_bias(self) -> bool:
+        return bool(self.bias_terms)
+
+    @property
+    def bias_requires_grad(self) -> bool:
+        return any(t.requires_grad for t in self.bias_terms)
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """Exactly a top-left-aligned causal mask, nothing else (SDPA's is_causal=True)."""
+        return len(self.terms) == 1 and isinstance(self.terms[0], _BoundDiagonal) and self.terms[0].is_plain_causal
+
+    def may_empty_rows(self) -> bool:
+        """Whether some query row may have every key masked (computed exactly where cheap)."""
+        if any(t.may_empty_rows() for t in self.terms):
+            return True
+        if len(self.keep_terms) > 1:
+            keep, _ = self.block(slice(None), slice(None))
+            return bool((~keep.any(-1)).any())
+        return False
+
+    def state(self, rows: range, cols: range) -> BlockState:
+        states = [t.state(rows, cols) for t in self.keep_terms]
+        if BlockState.EMPTY in states:
+            return BlockState.EMPTY
+        if all(s is BlockState.FULL for s in states):
+            return BlockState.FULL
+        return BlockState.PARTIAL
+
+    def block(self, rows: Index, cols: Index, heads: torch.Tensor | None = None,
+              *, dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Evaluate for query positions ``rows`` and key positions ``cols`` (slices or index tensors)."""
+        keep = None
+        for term in self.keep_terms:
+            if isinstance(rows, slice) and isinstance(cols, slice):
+                state = term.state(range(*rows.indices(self.shape.q_len)), range(*cols.indices(self.shape.k_len)))
+                if state is BlockState.FULL:
+                    continue
+            part = term.evaluate(rows, cols, heads)
+            keep = part if keep is None else keep & part
+        total = None
+        for term in self.bias_terms:
+            part = term.evaluate(rows, cols, heads)
+            if dtype is not None:
+                part = part.to(dtype)
+            total = part if total is None else total + part
+        return keep, total
+
+    def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.block(slice(None), slice(None), dtype=dtype)
+
+    def kinds(self) -> list[str]:
+        return [type(t).__name__.removeprefix("_Bound").lower() for t in self.terms]
+
+
+def bind_mask(mask: Mask | torch.Tensor | None, causal_flag: bool, shape: AttentionShape) -> BoundMask:
+    """Combine ``mask`` with ``causal=True`` (bottom-right) and bind to the call's sizes."""
+    parts: list[Mask] = []
+    if mask is not None:
+        parts.extend(as_mask(mask).terms())
+    if causal_flag:
+        parts.append(causal())
+    return Combined(tuple(parts)).bind(shape) if parts else BoundMask.none(shape)
