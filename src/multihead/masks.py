@@ -492,10 +492,13 @@ class BoundMask:
         """Whether some query row may have every key masked (computed exactly where cheap)."""
         if any(t.may_empty_rows() for t in self.terms):
             return True
-        if len(self.keep_terms) > 1:
-            keep, _ = self.block(slice(None), slice(None))
-            return bool((~keep.any(-1)).any())
-        return False
+        if len(self.terms) < 2:
+            return False
+        keep, bias = self.dense(torch.float32)  # terms that each leave a key may still jointly leave none
+        if bias is not None:
+            finite = bias > -math.inf
+            keep = finite if keep is None else keep & finite
+        return keep is not None and bool((~keep.any(-1)).any())
 
     def state(self, rows: range, cols: range) -> BlockState:
         states = [t.state(rows, cols) for t in self.keep_terms]

@@ -1,0 +1,55 @@
+"""Shared fixtures: inputs with pairwise-distinct sizes, the DESIGN.md tolerance rule, small kernel blocks."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from multihead.backends import materialized, tiled
+
+torch.set_num_threads(2)
+
+
+def make_qkv(b=2, h=6, g=3, i=5, j=7, d=4, e=3, *, dtype=torch.float64, seed=0, requires_grad=False):
+    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) from a fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+               for shape in ((b, h, i, d), (b, g, j, d), (b, g, j, e))]
+    return [t.requires_grad_(requires_grad) for t in tensors]
+
+
+TINY = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5}
+
+
+def assert_within_rule(fast: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, *, what: str = "output",
+                       tiny: float | None = None) -> None:
+    """The FlashAttention test rule, over the whole tensor: max|fast - ref64| <= 2 max|ref_lowp - ref64| + tiny.
+
+    ref_lowp is the reference run in fast's dtype; tiny depends on that dtype.
+    """
+    tiny = TINY[fast.dtype] if tiny is None else tiny
+    fast64, ref64, ref_lowp = (t.detach().double() for t in (fast, ref64, ref_lowp))
+    assert fast64.shape == ref64.shape, f"{what}: shape {tuple(fast64.shape)} != {tuple(ref64.shape)}"
+    assert not fast64.isnan().any(), f"{what}: NaN"
+    error = (fast64 - ref64).abs().max().item()
+    bound = 2 * (ref_lowp - ref64).abs().max().item() + tiny
+    assert error <= bound, f"{what}: max error {error:.3g} > bound {bound:.3g}"
+
+
+@contextlib.contextmanager
+def tiny_blocks(block_q: int = 2, block_k: int = 3, rows: int = 2):
+    """Tiny kernel blocks, so small tests cross many blocks, partial blocks and skipped blocks."""
+    saved = tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK
+    tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK = block_q, block_k, rows
+    try:
+        yield
+    finally:
+        tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK = saved
+
+
+@pytest.fixture
+def small_blocks():
+    with tiny_blocks():
+        yield

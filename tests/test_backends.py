@@ -1,0 +1,408 @@
+"""Every backend against the float64 reference: outputs, gradients, LSE, weights, for every mask kind."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import multihead
+from multihead import masks
+from multihead.functional import WeightSelection, attention
+
+from conftest import assert_within_rule, make_qkv, tiny_blocks
+
+FAST_BACKENDS = ["sdpa", "tiled", "materialized"]
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+def make_mask(kind: str, b: int, h: int, i: int, j: int, seed: int = 1):
+    """One mask of each kind for a (b, h, i, j) call; some kinds leave rows with no key at all."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return masks.causal()
+    if kind == "causal_top_left":
+        return masks.causal("top_left")
+    if kind == "window":
+        return masks.window(2, 1)
+    if kind == "padding_lengths":
+        return masks.padding(torch.tensor([j, 2] + [1] * (b - 2))[:b])
+    if kind == "padding_valid":
+        valid = torch.rand(b, j, generator=gen) < 0.6
+        valid[0] = False  # batch 0 has no real key: every row fully masked
+        return masks.padding(valid)
+    if kind == "alibi":
+        return masks.alibi(masks.alibi_slopes(h))
+    if kind == "bias":
+        return masks.bias(torch.randn(b, 1, i, j, generator=gen, dtype=torch.float64))
+    if kind == "bool_tensor":
+        keep = torch.rand(i, j, generator=gen) < 0.7
+        keep[1] = False  # one fully masked row
+        return keep
+    if kind == "float_neg_inf":
+        bias = torch.randn(h, i, j, generator=gen, dtype=torch.float64)
+        bias[:, 0] = -math.inf  # a row masked through the bias alone
+        return bias
+    if kind == "combo":
+        return masks.causal() & masks.padding(torch.tensor([j, 3] + [2] * (b - 2))[:b]) & masks.alibi(
+            masks.alibi_slopes(h))
+    raise ValueError(kind)
+
+
+MASK_KINDS = ["none", "causal", "causal_top_left", "window", "padding_lengths", "padding_valid", "alibi", "bias",
+              "bool_tensor", "float_neg_inf", "combo"]
+
+
+def cast_mask(mask, dtype):
+    """Float mask tensors follow the inputs' dtype, as a user's would."""
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+        return mask.to(dtype)
+    return mask
+
+
+def run(backend, q, k, v, mask, *, dout, **kwargs):
+    """Output and input gradients of one backend; q, k, v are leaves that require grad."""
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = attention(q, k, v, mask=cast_mask(mask, q.dtype), backend=backend, **kwargs)
+    out.backward(dout.to(out.dtype))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("lengths", [(5, 7), (7, 5)], ids=["i<j", "i>j"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_backend_matches_reference(backend, kind, dtype, lengths, small_blocks):
+    i, j = lengths
+    q, k, v = make_qkv(b=2, h=6, g=3, i=i, j=j, d=4, e=3)
+    mask = make_mask(kind, 2, 6, i, j)
+    dout = torch.randn(2, 6, i, 3, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    ref64 = run("reference", q, k, v, mask, dout=dout)
+    low = [t.to(dtype) for t in (q, k, v)]
+    ref_lowp = run("reference", *low, mask, dout=dout)
+    fast = run(backend, *low, mask, dout=dout)
+    for name, f, r64, rlp in zip(("output", "dq", "dk", "dv"), fast, ref64, ref_lowp):
+        assert f.dtype == dtype
+        assert_within_rule(f, r64, rlp, what=f"{backend}/{kind}/{dtype} {name}")
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_tiled_lse_and_weights_from_lse_match_reference(kind, small_blocks):
+    q, k, v = make_qkv(b=2, h=6, g=2, i=7, j=5, d=4, e=3)
+    mask = make_mask(kind, 2, 6, 7, 5)
+    ref = attention(q, k, v, mask=mask, backend="reference", return_weights=True, return_lse=True)
+    tiled = attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+    dead = ref.lse == -math.inf
+    assert torch.equal(dead, tiled.lse == -math.inf)
+    torch.testing.assert_close(tiled.lse[~dead], ref.lse[~dead], rtol=0, atol=1e-12)
+    # weights recovered from the LSE alone: exp(q k^T * scale + mask - lse)
+    keep, bias = multihead.masks.bind_mask(mask, False, multihead.masks.AttentionShape(2, 6, 7, 5, q.device)).dense(
+        torch.float64)
+    scores = q @ k.repeat_interleave(3, 1).transpose(-2, -1) / 2.0
+    scores = scores + (bias if bias is not None else 0)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, -math.inf)
+    weights = torch.exp(scores - torch.where(dead, 0.0, tiled.lse)[..., None])
+    torch.testing.assert_close(weights, ref.weights, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", ["materialized", "reference", "sdpa", "tiled"])
+def test_returned_weights_match_reference(backend, dtype, small_blocks):
+    q, k, v = make_qkv(b=2, h=6, g=3, i=5, j=7, dtype=torch.float64)
+    mask = masks.causal() & masks.padding(torch.tensor([7, 4]))
+    ref64 = attention(q, k, v, mask=mask, backend="reference", return_weights=True)
+    low = [t.to(dtype) for t in (q, k, v)]
+    ref_lowp = attention(*low, mask=mask, backend="reference", return_weights=True)
+    fast = attention(*low, mask=mask, backend=backend, return_weights=True)
+    assert_within_rule(fast.weights, ref64.weights, ref_lowp.weights, what="weights")
+    assert_within_rule(fast.output, ref64.output, ref_lowp.output, what="output")
+
+
+def test_weights_gradient_flows_through_materialized():
+    """A loss on the returned weights reaches q and k through the materialized backward."""
+    q, k, v = make_qkv(b=2, h=4, g=2, i=5, j=7, requires_grad=True)
+    target = torch.randn(2, 4, 5, 7, dtype=torch.float64)
+    grads = {}
+    for backend in ("reference", "materialized"):
+        q.grad = k.grad = v.grad = None
+        res = attention(q, k, v, causal=True, backend=backend, return_weights=True)
+        ((res.weights * target).sum() + res.output.square().sum()).backward()
+        grads[backend] = [t.grad.clone() for t in (q, k, v)]
+    for ref, fast in zip(grads["reference"], grads["materialized"]):
+        torch.testing.assert_close(fast, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled", "materialized"])
+def test_gradcheck_float64(backend, small_blocks):
+    q, k, v = make_qkv(b=1, h=4, g=2, i=5, j=6, d=3, e=2, requires_grad=True)
+    mask = masks.window(3, 1) & masks.padding(torch.tensor([5])) & masks.alibi([0.5, 0.25, 0.125, 0.0625])
+
+    def fn(q, k, v):
+        return attention(q, k, v, mask=mask, backend=backend)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_gradcheck_tiled_through_lse_and_dropout(small_blocks):
+    """Backward regenerates the dropout keep-mask from its seed, and takes a gradient on the LSE."""
+    q, k, v = make_qkv(b=1, h=2, g=1, i=5, j=6, d=3, e=2, requires_grad=True)
+
+    def fn(q, k, v):
+        torch.manual_seed(0)  # the same dropout pattern on every evaluation
+        res = attention(q, k, v, causal=True, dropout=0.3, training=True, backend="tiled", return_lse=True)
+        return res.output, res.lse.masked_fill(res.lse == -math.inf, 0.0)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_gradcheck_materialized_weights_output():
+    q, k, v = make_qkv(b=1, h=2, g=2, i=4, j=5, d=3, e=2, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: tuple(attention(q, k, v, causal=True, backend="materialized", return_weights=True)[:2]),
+        (q, k, v))
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled", "materialized"])
+@pytest.mark.parametrize("case", ["bottom_right_i>j", "padding_zero", "bool_row", "neg_inf_bias"])
+def test_fully_masked_rows_give_zero_output_weights_and_gradient(backend, case, small_blocks):
+    i, j = (7, 4) if case == "bottom_right_i>j" else (5, 6)
+    q, k, v = make_qkv(b=2, h=4, g=2, i=i, j=j, requires_grad=True)
+    mask = {"bottom_right_i>j": masks.causal(),
+            "padding_zero": masks.padding(torch.tensor([0, 4])),
+            "bool_row": torch.ones(i, j, dtype=torch.bool).index_fill_(0, torch.tensor([2]), False),
+            "neg_inf_bias": torch.zeros(i, j, dtype=torch.float64).index_fill_(0, torch.tensor([2]), -math.inf)}[case]
+    dead = {"bottom_right_i>j": (slice(None), slice(None), slice(0, 3)),
+            "padding_zero": (0, slice(None), slice(None)),
+            "bool_row": (slice(None), slice(None), 2),
+            "neg_inf_bias": (slice(None), slice(None), 2)}[case]
+    res = attention(q, k, v, mask=mask, backend=backend, return_weights=True)
+    assert not res.output.isnan().any() and not res.weights.isnan().any()
+    assert (res.output[dead] == 0).all() and (res.weights[dead] == 0).all()
+    grad_out = torch.zeros_like(res.output)
+    grad_out[dead] = 1.0  # gradient only into the dead rows
+    res.output.backward(grad_out)
+    for t in (q, k, v):
+        assert not t.grad.isnan().any()
+        assert (t.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled", "materialized"])
+@pytest.mark.parametrize("i,j", [(3, 5), (5, 3), (4, 4)])
+def test_causal_alignments_match_explicit_triangles(backend, i, j, small_blocks):
+    q, k, v = make_qkv(b=1, h=2, g=1, i=i, j=j)
+    ones = torch.ones(i, j, dtype=torch.bool)
+    expected = {"bottom_right": ones.tril(diagonal=j - i), "top_left": ones.tril()}
+    for align, keep in expected.items():
+        got = attention(q, k, v, mask=masks.causal(align), backend=backend)
+        want = attention(q, k, v, mask=keep, backend="reference")
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    # causal=True is the bottom-right mask
+    torch.testing.assert_close(attention(q, k, v, causal=True, backend=backend),
+                               attention(q, k, v, mask=expected["bottom_right"], backend="reference"),
+                               rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
+def test_dropout_is_off_outside_training(backend, small_blocks):
+    q, k, v = make_qkv()
+    plain = attention(q, k, v, causal=True, backend=backend)
+    torch.testing.assert_close(attention(q, k, v, causal=True, backend=backend, dropout=0.5, training=False), plain,
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
+def test_dropout_in_training_drops_weights_with_probability_p_and_rescales(backend, small_blocks):
+    """With one-hot values the output row is the dropped weights row itself: P * Z / (1 - p)."""
+    torch.manual_seed(0)
+    p, i, j, trials = 0.3, 6, 8, 400
+    q = torch.randn(1, 2, i, 4, dtype=torch.float64)
+    k = torch.randn(1, 1, j, 4, dtype=torch.float64)
+    v = torch.eye(j, dtype=torch.float64).view(1, 1, j, j)  # e = j, value of key n is the n-th unit vector
+    weights = attention(q, k, v, causal=True, backend="reference", return_weights=True).weights
+    allowed = weights > 0
+    samples = torch.stack([attention(q, k, v, causal=True, dropout=p, training=True, backend=backend)
+                           for _ in range(trials)])
+    kept = samples[:, allowed] != 0
+    dropped_share = 1 - kept.double().mean().item()
+    n = kept.numel()
+    assert abs(dropped_share - p) < 4 * math.sqrt(p * (1 - p) / n)  # within 4 standard errors
+    # every kept weight is rescaled by exactly 1 / (1 - p); masked weights are never revived
+    torch.testing.assert_close(samples[:, allowed][kept],
+                               (weights[allowed] / (1 - p)).expand(trials, -1)[kept], rtol=1e-12, atol=0)
+    assert (samples[:, ~allowed] == 0).all()
+    # and the expectation is the dropout-free output: each mean within 5 standard errors of P
+    standard_error = weights * math.sqrt(p / (1 - p)) / math.sqrt(trials)
+    assert ((samples.mean(0) - weights).abs() <= 5 * standard_error + 1e-12).all()
+
+
+def test_weights_under_dropout_are_the_applied_ones():
+    torch.manual_seed(1)
+    q, k, v = make_qkv(b=1, h=2, g=2, i=4, j=6)
+    res = attention(q, k, v, dropout=0.5, training=True, return_weights=True)
+    torch.testing.assert_close(res.output, res.weights @ v, rtol=0, atol=1e-12)
+    assert multihead.explain(q, k, v, dropout=0.5, training=True, return_weights=True).chosen == "reference"
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "tiled", "materialized", "reference"])
+def test_weight_selection_equals_slice_of_all_weights(backend, small_blocks):
+    q, k, v = make_qkv(b=2, h=6, g=3, i=5, j=7)
+    mask = masks.causal() & masks.alibi(masks.alibi_slopes(6)) & masks.padding(torch.tensor([7, 5]))
+    full = attention(q, k, v, mask=mask, backend="reference", return_weights=True)
+    heads, queries = [4, 1], [0, 3, 4]
+    sub = attention(q, k, v, mask=mask, backend=backend, return_weights=WeightSelection(heads, queries))
+    torch.testing.assert_close(sub.weights, full.weights[:, heads][:, :, queries], rtol=0, atol=1e-12)
+    torch.testing.assert_close(sub.output, full.output, rtol=0, atol=1e-12)
+    sliced = attention(q, k, v, mask=mask, backend=backend, return_weights=WeightSelection([5], slice(1, 4)))
+    torch.testing.assert_close(sliced.weights, full.weights[:, [5], 1:4], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_asking_for_weights_does_not_change_the_output(backend, small_blocks):
+    q, k, v = make_qkv(dtype=torch.float32)
+    plain = attention(q, k, v, causal=True, backend=backend)
+    for request in (True, WeightSelection(heads=[2])):
+        with_weights = attention(q, k, v, causal=True, backend=backend, return_weights=request).output
+        torch.testing.assert_close(with_weights, plain, rtol=0, atol=0)
+    # auto switches kernel when every weight is asked for: equal within float32 rounding
+    auto = attention(q, k, v, causal=True, return_weights=True).output
+    torch.testing.assert_close(auto, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_unbatched_inputs_match_batched():
+    q, k, v = make_qkv(b=1, h=6, g=2, i=5, j=7)
+    batched = attention(q, k, v, causal=True, return_weights=True, return_lse=True, backend="tiled")
+    single = attention(q[0], k[0], v[0], causal=True, return_weights=True, return_lse=True, backend="tiled")
+    assert single.output.shape == (6, 5, 3) and single.weights.shape == (6, 5, 7) and single.lse.shape == (6, 5)
+    for a, b in zip(single, batched):
+        torch.testing.assert_close(a, b[0], rtol=0, atol=0)
+
+
+def test_default_scale_is_inverse_sqrt_d_and_custom_scale_applies():
+    q, k, v = make_qkv(d=9)
+    torch.testing.assert_close(attention(q, k, v), attention(q, k, v, scale=1 / 3), rtol=0, atol=0)
+    torch.testing.assert_close(attention(q, k, v, scale=0.7, backend="tiled"),
+                               attention(q * 0.7, k, v, scale=1.0, backend="reference"), rtol=0, atol=1e-12)
+
+
+def test_bias_that_requires_grad_goes_to_reference_and_gets_its_gradient():
+    q, k, v = make_qkv(requires_grad=True)
+    bias = torch.randn(1, 6, 5, 7, dtype=torch.float64, requires_grad=True)
+    explanation = multihead.explain(q, k, v, mask=bias)
+    assert explanation.chosen == "reference"
+    assert "bias that requires grad" in " ".join(explanation.rejected["sdpa"])
+    assert torch.autograd.gradcheck(lambda b_: attention(q.detach(), k.detach(), v.detach(), mask=b_), (bias,))
+
+
+def test_auto_dispatch_and_reasons():
+    q, k, v = make_qkv()
+    assert multihead.explain(q, k, v, causal=True).chosen == "sdpa"
+    assert multihead.explain(q, k, v, return_lse=True).chosen == "tiled"
+    lse_reasons = multihead.explain(q, k, v, return_lse=True).rejected["sdpa"]
+    assert any("return_lse" in r for r in lse_reasons)
+    every = multihead.explain(q, k, v, return_weights=True)
+    assert every.chosen == "materialized"
+    assert "one pass" in " ".join(every.rejected["sdpa"])
+    assert multihead.explain(q, k, v, return_weights=WeightSelection(heads=[0])).chosen == "sdpa"
+    assert multihead.explain(q, k, v, dropout=0.1, training=True, return_lse=True).chosen == "tiled"
+    assert "chosen: sdpa" in str(multihead.explain(q, k, v))
+    with pytest.raises(ValueError, match="return_lse"):
+        attention(q, k, v, backend="sdpa", return_lse=True)
+
+
+def test_auto_overhead_passes_plain_causal_to_sdpa_as_is_causal(monkeypatch):
+    """For equal lengths auto hands SDPA is_causal=True (its fastest kernel), not a dense mask."""
+    seen = {}
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    q, k, v = make_qkv(i=6, j=6)
+    attention(q, k, v, causal=True)
+    assert seen["is_causal"] is True and seen["attn_mask"] is None
+    attention(q, k[:, :, :5], v[:, :, :5], causal=True)  # unequal lengths: explicit bottom-right mask
+    assert seen["is_causal"] is False and seen["attn_mask"].shape[-2:] == (6, 5)
+
+
+def test_custom_backend_registers_and_is_ranked_by_priority():
+    calls = []
+
+    def doubling(q, k, v, *, mask, scale, dropout, need_weights, need_lse):
+        calls.append(q.shape)
+        return multihead.backends.reference.reference_attention(
+            q, k, v, mask=mask, scale=scale, dropout=dropout, need_weights=need_weights, need_lse=need_lse)
+
+    multihead.backends.register("mine", doubling, multihead.backends.Capabilities(lse=True), priority=1)
+    try:
+        q, k, v = make_qkv()
+        assert multihead.explain(q, k, v).chosen == "mine"
+        attention(q, k, v)
+        assert calls == [q.shape]
+        assert "mine" in multihead.backends.available_backends()
+    finally:
+        multihead.backends.unregister("mine")
+    assert "mine" not in multihead.backends.available_backends()
+
+
+def test_sdpa_cpu_gives_zero_for_fully_masked_rows():
+    """Pins the torch behaviour the sdpa backend relies on (see backends/sdpa.py)."""
+    q, k, v = make_qkv(b=1, h=2, g=2, i=64, j=80, d=64, e=64, dtype=torch.float32, requires_grad=True)
+    keep = torch.ones(64, 80, dtype=torch.bool)
+    keep[5] = False
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    out.sum().backward()
+    assert (out[:, :, 5] == 0).all()
+    assert all(not t.grad.isnan().any() for t in (q, k, v)) and (q.grad[:, :, 5] == 0).all()
+
+
+# --------------------------------------------------------------------------- property-based
+
+sizes = st.integers(min_value=1, max_value=9)
+
+
+@st.composite
+def attention_cases(draw):
+    b, g, r = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    i, j, d, e = draw(sizes), draw(sizes), draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    parts = []
+    if draw(st.booleans()):
+        parts.append(masks.causal(draw(st.sampled_from(["bottom_right", "top_left"]))))
+    if draw(st.booleans()):
+        left = draw(st.one_of(st.none(), st.integers(0, 4)))
+        parts.append(masks.window(left, draw(st.one_of(st.none(), st.integers(0, 4)))))
+    if draw(st.booleans()):
+        parts.append(masks.padding(torch.tensor(draw(st.lists(st.integers(0, j), min_size=b, max_size=b)))))
+    if draw(st.booleans()):
+        parts.append(masks.alibi(torch.rand(g * r, dtype=torch.float64)))
+    if draw(st.booleans()):
+        parts.append(torch.rand(i, j, generator=torch.Generator().manual_seed(draw(st.integers(0, 99)))) < 0.7)
+    mask = None
+    for part in parts:
+        mask = part if mask is None else mask & part
+    return (b, g * r, g, i, j, d, e), mask
+
+
+def draw_block(seed: int, largest: int) -> int:
+    return 1 + seed % largest
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=attention_cases(), seed=st.integers(0, 2**16))
+def test_property_every_backend_equals_reference_in_float64(case, seed):
+    (b, h, g, i, j, d, e), mask = case
+    q, k, v = make_qkv(b, h, g, i, j, d, e, seed=seed, requires_grad=True)
+    dout = torch.randn(b, h, i, e, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    ref = run("reference", q, k, v, mask, dout=dout)
+    for backend in FAST_BACKENDS:
+        with tiny_blocks(block_q=draw_block(seed, 3), block_k=draw_block(seed // 3, 4), rows=draw_block(seed, 2)):
+            got = run(backend, q, k, v, mask, dout=dout)
+        for name, a, want in zip(("output", "dq", "dk", "dv"), got, ref):
+            torch.testing.assert_close(a, want, rtol=0, atol=1e-10, msg=f"{backend} {name} {mask!r}")

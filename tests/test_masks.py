@@ -1,0 +1,134 @@
+"""Typed masks: dense values, block states that kernels rely on for skipping, ALiBi slopes, combination."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from multihead import masks
+from multihead.masks import AttentionShape, BlockState, bind_mask
+
+CPU = torch.device("cpu")
+
+
+def dense_keep(mask, b=2, h=3, i=5, j=7):
+    """(b, h, i, j) bool of the pairs a mask allows."""
+    bound = bind_mask(mask, False, AttentionShape(b, h, i, j, CPU))
+    keep, bias = bound.dense(torch.float64)
+    keep = torch.ones(b, h, i, j, dtype=torch.bool) if keep is None else keep.expand(b, h, i, j)
+    if bias is not None:
+        keep = keep & (bias.expand(b, h, i, j) > -math.inf)
+    return keep
+
+
+def test_causal_and_window_values_for_unequal_lengths():
+    # i = 3, j = 5, as drawn in the module docstring
+    assert dense_keep(masks.causal(), 1, 1, 3, 5)[0, 0].int().tolist() == [
+        [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert dense_keep(masks.causal("top_left"), 1, 1, 3, 5)[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    # window(1, 0): own key and one before; window(0, 1): own key and one after (square)
+    assert dense_keep(masks.window(1, 0), 1, 1, 3, 3)[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    assert dense_keep(masks.window(0, 1), 1, 1, 3, 3)[0, 0].int().tolist() == [[1, 1, 0], [0, 1, 1], [0, 0, 1]]
+    assert dense_keep(masks.window(None, None), 1, 1, 3, 3).all()
+
+
+def test_padding_from_lengths_equals_padding_from_valid():
+    lengths = torch.tensor([7, 2])
+    valid = torch.arange(7) < lengths[:, None]
+    assert torch.equal(dense_keep(masks.padding(lengths)), dense_keep(masks.padding(valid)))
+    assert dense_keep(masks.padding([7, 2]))[1, :, :, 2:].any().item() is False
+
+
+def test_alibi_slopes_follow_press_et_al():
+    assert masks.alibi_slopes(8).tolist() == [2.0 ** -n for n in range(1, 9)]
+    # 12 heads: the 8-head slopes, then every other slope of 16 heads (2^-0.5, 2^-1.5, ...)
+    expected = [2.0 ** -n for n in range(1, 9)] + [2.0 ** -(k + 0.5) for k in range(4)]
+    torch.testing.assert_close(masks.alibi_slopes(12), torch.tensor(expected), rtol=1e-6, atol=0)
+
+
+def test_alibi_bias_is_minus_slope_times_distance_to_the_aligned_query():
+    bound = bind_mask(masks.alibi([0.5, 0.25]), False, AttentionShape(1, 2, 2, 4, CPU))
+    _, bias = bound.dense(torch.float64)
+    # query 0 sits at key position 2 (bottom-right), query 1 at key position 3
+    assert bias[0, 0].tolist() == [[-1.0, -0.5, 0.0, -0.5], [-1.5, -1.0, -0.5, 0.0]]
+    assert bias[0, 1].tolist() == [[-0.5, -0.25, 0.0, -0.25], [-0.75, -0.5, -0.25, 0.0]]
+
+
+def test_masks_combine_with_and_and_biases_add():
+    bias_a, bias_b = torch.randn(5, 7, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64)
+    combined = masks.bias(bias_a) & masks.causal() & bias_b
+    bound = bind_mask(combined, False, AttentionShape(2, 3, 5, 7, CPU))
+    keep, bias = bound.dense(torch.float64)
+    torch.testing.assert_close(bias[0, 0], bias_a + bias_b)
+    assert torch.equal(keep[0, 0], torch.ones(5, 7, dtype=torch.bool).tril(2))
+    # a plain tensor on the left works too
+    assert torch.equal(dense_keep(torch.ones(5, 7, dtype=torch.bool) & masks.causal()), dense_keep(masks.causal()))
+    assert "causal" in repr(combined) and "bias" in repr(combined)
+
+
+def test_causal_flag_adds_bottom_right_causal():
+    bound = bind_mask(masks.padding([7, 3]), True, AttentionShape(2, 3, 5, 7, CPU))
+    keep, _ = bound.dense(torch.float64)
+    expected = dense_keep(masks.causal() & masks.padding([7, 3]))
+    assert torch.equal(keep.expand(2, 3, 5, 7), expected)
+
+
+@st.composite
+def masks_and_blocks(draw):
+    b, h, i, j = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    kind = draw(st.sampled_from(["causal", "window", "padding", "combo"]))
+    align = draw(st.sampled_from(["bottom_right", "top_left"]))
+    window = masks.window(draw(st.one_of(st.none(), st.integers(0, 5))),
+                          draw(st.one_of(st.none(), st.integers(0, 5))), align=align)
+    padding = masks.padding(torch.tensor(draw(st.lists(st.integers(0, j), min_size=b, max_size=b))))
+    mask = {"causal": masks.causal(align), "window": window, "padding": padding,
+            "combo": masks.causal(align) & padding & window}[kind]
+    i0 = draw(st.integers(0, i - 1))
+    j0 = draw(st.integers(0, j - 1))
+    rows = range(i0, draw(st.integers(i0 + 1, i)))
+    cols = range(j0, draw(st.integers(j0 + 1, j)))
+    return (b, h, i, j), mask, rows, cols
+
+
+@settings(max_examples=300, deadline=None)
+@given(masks_and_blocks())
+def test_block_state_never_contradicts_the_dense_mask(case):
+    """EMPTY blocks are skipped by kernels and FULL blocks get no mask: both must be exact."""
+    (b, h, i, j), mask, rows, cols = case
+    keep = dense_keep(mask, b, h, i, j)[:, :, rows.start:rows.stop, cols.start:cols.stop]
+    bound = bind_mask(mask, False, AttentionShape(b, h, i, j, CPU))
+    state = bound.state(rows, cols)
+    if state is BlockState.EMPTY:
+        assert not keep.any()
+    if state is BlockState.FULL:
+        assert keep.all()
+    # and the block evaluation equals the slice of the dense mask
+    block_keep, _ = bound.block(slice(rows.start, rows.stop), slice(cols.start, cols.stop))
+    block_keep = torch.ones_like(keep) if block_keep is None else block_keep.expand_as(keep)
+    assert torch.equal(block_keep, keep)
+    # may_empty_rows is exact: True iff some row has no allowed key
+    assert bound.may_empty_rows() == bool((~dense_keep(mask, b, h, i, j).any(-1)).any())
+
+
+def test_causal_blocks_above_the_diagonal_are_empty_and_below_full():
+    bound = bind_mask(masks.causal(), False, AttentionShape(1, 1, 8, 8, CPU))
+    assert bound.state(range(0, 4), range(4, 8)) is BlockState.EMPTY
+    assert bound.state(range(4, 8), range(0, 4)) is BlockState.FULL
+    assert bound.state(range(0, 4), range(0, 4)) is BlockState.PARTIAL
+    assert bound.is_plain_causal
+    assert not bind_mask(masks.causal(), False, AttentionShape(1, 1, 4, 8, CPU)).is_plain_causal
+
+
+def test_rows_and_heads_selection_of_a_bound_mask():
+    slopes = torch.tensor([0.5, 0.25, 0.125])
+    mask = masks.alibi(slopes) & masks.causal() & torch.randn(2, 3, 5, 7)
+    bound = bind_mask(mask, False, AttentionShape(2, 3, 5, 7, CPU))
+    keep, bias = bound.dense(torch.float32)
+    rows, heads = torch.tensor([4, 0]), torch.tensor([2])
+    sub_keep, sub_bias = bound.block(rows, slice(None), heads, dtype=torch.float32)
+    torch.testing.assert_close(sub_bias, bias[:, [2]][:, :, [4, 0]])
+    assert torch.equal(sub_keep.expand(2, 1, 2, 7), keep.expand(2, 3, 5, 7)[:, [2]][:, :, [4, 0]])
