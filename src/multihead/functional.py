@@ -141,12 +141,23 @@ def _check_options(scale: object, dropout: object, training: object, causal: obj
 def _check_selection(selection: WeightSelection, heads: int, q_len: int) -> None:
     for name, values, limit, axis in (("heads", selection.heads, heads, "h"),
                                       ("queries", selection.queries, q_len, "i")):
-        if values is None or isinstance(values, slice) and name == "queries":
+        if values is None:
             continue
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values or not all(
+        if isinstance(values, slice) and name == "queries":
+            if values.step is not None and (not isinstance(values.step, int) or values.step < 1):
+                raise bad_argument("WeightSelection.queries", "a slice with a positive step", values,
+                                   "use a step of 1 or more, e.g. slice(0, 8, 2)")
+            if not range(*values.indices(limit)):
+                raise bad_argument("WeightSelection.queries", f"a slice selecting some of the {limit} queries",
+                                   values, f"pick rows within [0, {limit})")
+            continue
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not all(
                 isinstance(n, int) and not isinstance(n, bool) for n in values):
-            raise bad_argument(f"WeightSelection.{name}", "a non-empty sequence of ints (or None for all)",
+            raise bad_argument(f"WeightSelection.{name}", "a sequence of ints (or None for all)",
                                describe(values), f"pass e.g. {name}=[0, 3]", kind=TypeError)
+        if not values:
+            raise bad_argument(f"WeightSelection.{name}", "at least one index (or None for all)", "an empty sequence",
+                               f"pass e.g. {name}=[0], or None for all")
         out_of_range = [n for n in values if not 0 <= n < limit]
         if out_of_range:
             raise bad_argument(f"WeightSelection.{name}", f"indices in [0, {limit}) ({axis} = {limit})",

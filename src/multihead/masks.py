@@ -211,8 +211,17 @@ def padding(keys: torch.Tensor | Sequence[int]) -> Mask:
 class _Alibi(Mask):
     def __init__(self, slopes: torch.Tensor | Sequence[float], align: str):
         if not isinstance(slopes, torch.Tensor):
-            slopes = torch.as_tensor(slopes, dtype=torch.float32)
-        if slopes.ndim != 1 or not slopes.is_floating_point():
+            try:
+                slopes = torch.as_tensor(slopes, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):
+                raise bad_argument("alibi(slopes)", "a 1-D float tensor with one slope per query head",
+                                   describe(slopes), "use multihead.masks.alibi_slopes(num_heads)",
+                                   kind=TypeError) from None
+        if not slopes.is_floating_point():
+            raise bad_argument("alibi(slopes)", "a 1-D float tensor with one slope per query head", describe(slopes),
+                               "convert with .float(), or use multihead.masks.alibi_slopes(num_heads)",
+                               kind=TypeError)
+        if slopes.ndim != 1:
             raise bad_argument("alibi(slopes)", "a 1-D float tensor with one slope per query head",
                                describe(slopes), "use multihead.masks.alibi_slopes(num_heads)")
         if align not in ALIGNMENTS:
@@ -245,8 +254,11 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     For n a power of two: 2^(-8/n), 2^(-16/n), ..., 2^(-8). Otherwise the slopes of
     the largest power of two below n, then every other slope of twice that power.
     """
-    if not isinstance(num_heads, int) or num_heads < 1:
-        raise bad_argument("num_heads", "a positive int", describe(num_heads), "pass the number of query heads")
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool):
+        raise bad_argument("num_heads", "a positive int", describe(num_heads), "pass the number of query heads",
+                           kind=TypeError)
+    if num_heads < 1:
+        raise bad_argument("num_heads", "a positive int", num_heads, "pass the number of query heads")
 
     def geometric(n: int) -> list[float]:
         return [2.0 ** (-8.0 * (k + 1) / n) for k in range(n)]

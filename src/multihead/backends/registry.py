@@ -110,8 +110,13 @@ _REGISTRY: dict[str, Backend] = {}
 def register(name: str, fn: Callable[..., BackendOutput], capabilities: Capabilities, *,
              priority: int = 50, replace: bool = False) -> None:
     """Add a backend under ``name``; ``priority`` orders ``auto`` (lower first)."""
-    if not isinstance(name, str) or not name or name == "auto":
+    if not isinstance(name, str):
+        raise bad_argument("name", "a string", repr(name), "name the backend with a str", kind=TypeError)
+    if not name or name == "auto":
         raise bad_argument("name", "a non-empty string other than 'auto'", repr(name), "choose another name")
+    if not callable(fn):
+        raise bad_argument("fn", "a callable fn(q, k, v, *, mask, scale, dropout, need_weights, need_lse)",
+                           repr(fn), "pass the kernel function", kind=TypeError)
     if name in _REGISTRY and not replace:
         raise bad_argument("name", "a name not yet registered", repr(name), "pass replace=True to override it")
     if not isinstance(capabilities, Capabilities):
