@@ -26,7 +26,7 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead.backends import registry
-from multihead.backends._blocks import compute_dtype
+from multihead.backends._blocks import compute_dtype, mask_scores_, softmax_rows_
 from multihead.backends.reference import masked_softmax
 from multihead.masks import AttentionShape, BoundMask, Mask, bind_mask
 
@@ -222,6 +222,10 @@ def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
     q_sel = q_sel[:, :, queries] if isinstance(queries, slice) else q_sel.index_select(2, queries)
     k_sel = p.k.index_select(1, heads // group)  # (b, n_heads, j, d): each selected head's own key head
     scores = (q_sel.to(work) * p.scale) @ k_sel.to(work).transpose(-2, -1)  # (b, n_heads, n_queries, j)
+    if not (torch.is_grad_enabled() and (scores.requires_grad or p.mask.bias_requires_grad)):
+        # nothing to differentiate: mask and softmax in place, no i x j temporaries beyond the result
+        return softmax_rows_(mask_scores_(scores, p.mask, queries, slice(None), heads),
+                             rows_may_be_empty=p.mask.may_empty_rows()).to(p.q.dtype)
     keep, bias = p.mask.block(queries, slice(None), heads, dtype=work)
     if bias is not None:
         scores = scores + bias

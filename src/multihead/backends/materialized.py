@@ -1,17 +1,19 @@
 """All weights in one materialised pass: the fast path for ``return_weights=True``.
 
 The textbook code allocates scores, scaled scores, masked scores and weights as
-separate (b, h, i, j) tensors. Here each block of query rows is written once,
-straight into the returned weights tensor, softmaxed in place while it is in
-cache, and multiplied by V. The only i x j memory is the tensor returned to the
+separate (b, h, i, j) tensors. Here each head's block of query rows is written
+once, straight into the returned weights tensor, masked and softmaxed in place
+while it is in cache, and multiplied by V. The only i x j memory is the tensor returned to the
 caller. Backward reads the saved weights (no recomputation) block by block.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from multihead.backends._blocks import compute_dtype, finite_or_zero, mask_scores_
+from multihead.backends._blocks import compute_dtype, softmax_rows_
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BoundMask
 
@@ -22,12 +24,9 @@ def _row_blocks(n: int) -> list[slice]:
     return [slice(start, min(start + ROWS_PER_BLOCK, n)) for start in range(0, n, ROWS_PER_BLOCK)]
 
 
-def _softmax_rows_(scores: torch.Tensor) -> torch.Tensor:
-    """In-place softmax over the last axis; rows that are all -inf become 0."""
-    row_max = finite_or_zero(scores.amax(dim=-1, keepdim=True))
-    scores.sub_(row_max).exp_()
-    total = scores.sum(dim=-1, keepdim=True)
-    return scores.div_(total.masked_fill_(total == 0, 1.0))
+def _head_slice(t: torch.Tensor, bb: int, hh: int) -> torch.Tensor:
+    """The (n, j) slice for batch bb, head hh of a tensor broadcastable to (b, h, n, j)."""
+    return t[bb if t.shape[0] > 1 else 0, hh if t.shape[1] > 1 else 0]
 
 
 def _heads(b: int, h: int, group: int) -> list[tuple[int, int, int]]:
@@ -46,17 +45,24 @@ class _MaterializedAttention(torch.autograd.Function):
         out = torch.empty(b, h, i, e, dtype=work, device=q.device)
         in_place = work == q.dtype
         heads = _heads(b, h, h // g)
+        rows_may_be_empty = mask.may_empty_rows()
         for rows in _row_blocks(i):
-            # every head's scores for these rows, written straight into the returned tensor when dtypes agree
-            block = weights[:, :, rows] if in_place else torch.empty(
-                b, h, rows.stop - rows.start, j, dtype=work, device=q.device)  # (b, h, n, j)
+            keep, bias = mask.block(rows, slice(None), dtype=work)  # once per row block, shared by every head
+            drop = None if keep is None else keep.logical_not()
             for bb, hh, kv in heads:
-                torch.mm(q_scaled[bb, hh, rows], k_work[bb, kv].t(), out=block[bb, hh])
-            _softmax_rows_(mask_scores_(block, mask, rows, slice(None)))  # mask evaluated once for all heads
-            for bb, hh, kv in heads:
-                torch.mm(block[bb, hh], v_work[bb, kv], out=out[bb, hh, rows])
-            if not in_place:
-                weights[:, :, rows] = block
+                # this head's (n, j) scores, written into the returned tensor when dtypes agree, stay in cache
+                # through masking, softmax and the product with V
+                scores = weights[bb, hh, rows] if in_place else torch.empty(
+                    rows.stop - rows.start, j, dtype=work, device=q.device)
+                torch.mm(q_scaled[bb, hh, rows], k_work[bb, kv].t(), out=scores)
+                if bias is not None:
+                    scores.add_(_head_slice(bias, bb, hh))
+                if drop is not None:
+                    scores.masked_fill_(_head_slice(drop, bb, hh), -math.inf)
+                softmax_rows_(scores, rows_may_be_empty=rows_may_be_empty)
+                torch.mm(scores, v_work[bb, kv], out=out[bb, hh, rows])
+                if not in_place:
+                    weights[bb, hh, rows] = scores
         ctx.save_for_backward(q, k, v, weights)
         ctx.scale = scale
         ctx.set_materialize_grads(False)
