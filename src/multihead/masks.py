@@ -390,14 +390,17 @@ class _BoundDiagonal(_BoundTerm):
         return BlockState.PARTIAL
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
-        i = _positions(rows, self.shape.q_len, self.shape.device)
+        i = _positions(rows, self.shape.q_len, self.shape.device) + self.offset  # aligned query positions
         j = _positions(cols, self.shape.k_len, self.shape.device)
-        rel = j[None, :] - (i[:, None] + self.offset)  # (rows, cols)
-        keep = torch.ones_like(rel, dtype=torch.bool)
-        if self.spec.left is not None:
-            keep &= rel >= -self.spec.left
+        # compare against per-row bounds: the only (rows, cols) tensor built is the bool result
+        keep = None
         if self.spec.right is not None:
-            keep &= rel <= self.spec.right
+            keep = j[None, :] <= (i + self.spec.right)[:, None]
+        if self.spec.left is not None:
+            after_start = j[None, :] >= (i - self.spec.left)[:, None]
+            keep = after_start if keep is None else keep.logical_and_(after_start)
+        if keep is None:  # window(None, None): everything allowed
+            keep = torch.ones(len(i), len(j), dtype=torch.bool, device=j.device)
         return keep[None, None]
 
     def may_empty_rows(self) -> bool:

@@ -143,10 +143,11 @@ def get_backend(name: str) -> Backend:
 
 
 def _auto_order(call: AttentionCall) -> list[Backend]:
-    # With every weight asked for, one materialised pass beats a fused kernel plus recomputing them.
-    prefer_native_weights = call.weights == "all"
-    return sorted(_REGISTRY.values(),
-                  key=lambda b: (prefer_native_weights and not b.capabilities.weights, b.priority))
+    by_priority = sorted(_REGISTRY.values(), key=lambda b: b.priority)
+    if call.weights == "all":
+        # with every weight asked for, one materialised pass beats a fused kernel plus recomputing them
+        return sorted(by_priority, key=lambda b: not b.capabilities.weights)
+    return by_priority
 
 
 def explain_call(call: AttentionCall, backend: str) -> Explanation:
@@ -172,7 +173,14 @@ def explain_call(call: AttentionCall, backend: str) -> Explanation:
 
 
 def choose(call: AttentionCall, backend: str) -> Backend:
-    """The backend to run, or a ValueError naming what the requested one lacks."""
+    """The backend to run, or a ValueError naming what the requested one lacks.
+
+    Stops at the first backend that serves (the hot path); the full explanation is built only to report failure.
+    """
+    candidates = [get_backend(backend)] if backend != "auto" else _auto_order(call)
+    for candidate in candidates:
+        if not candidate.capabilities.reasons(call):
+            return candidate
     explanation = explain_call(call, backend)
     if explanation.chosen is None:
         why = "; ".join(f"{n} lacks {', '.join(r)}" for n, r in explanation.rejected.items())
