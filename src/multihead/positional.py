@@ -1,0 +1,413 @@
+"""Position information for attention: rotary (RoPE), fixed sinusoidal and learned absolute positions.
+
+    RotaryEmbedding(head_dim)        rotates q and k per head so scores depend on i - j (Su et al., 2021)
+    SinusoidalPositions(dim)         adds the fixed sin/cos table of Vaswani et al. (2017) to the input
+    LearnedPositions(max_len, dim)   adds a trained (max_len, dim) table (BERT, GPT-2)
+
+Rotary works on per-head tensors, after the projections: q (b, h, i, d) and
+k (b, g, j, d). The two absolute kinds work on the layer input (b, n, dim),
+before the projections.
+
+Fixed tables (rotary cos/sin, sinusoidal) are computed in float64 and cached in
+float32 (float64 for float64 inputs) as non-persistent buffers: they grow on
+demand, move with ``module.to(device)``, and never appear in ``state_dict()``.
+A cast of the module (``.half()``) is undone on the next call, so the tables keep
+their precision.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import nn
+
+from multihead._errors import bad_argument, describe
+
+__all__ = ["RotaryEmbedding", "SinusoidalPositions", "LearnedPositions"]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_int(name: str, value: object, *, minimum: int, expected: str, fix: str) -> int:
+    """An int (not bool) >= minimum; TypeError for the wrong type, ValueError below the minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise bad_argument(name, expected, describe(value), fix, kind=TypeError)
+    if value < minimum:
+        raise bad_argument(name, expected, value, fix)
+    return int(value)
+
+
+def _check_even_dim(name: str, value: object) -> int:
+    expected = "a positive even int (sin/cos come in pairs)"
+    _check_int(name, value, minimum=1, expected=expected, fix=f"pass the size of the vectors, e.g. {name}=64")
+    if value % 2:
+        raise bad_argument(name, expected, value, f"use an even size, e.g. {name}={value + 1}")
+    return int(value)
+
+
+def _check_base(value: object) -> float:
+    expected = "a positive finite float"
+    fix = "use the usual base=10000.0"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise bad_argument("base", expected, describe(value), fix, kind=TypeError)
+    if not math.isfinite(value) or value <= 0:
+        raise bad_argument("base", expected, value, fix)
+    return float(value)
+
+
+def _check_offset(name: str, value: object) -> int:
+    return _check_int(name, value, minimum=0, expected="a non-negative int (the position of the first row)",
+                      fix=f"pass the number of positions before this chunk, e.g. {name}=cache_length")
+
+
+def _check_tensor(name: str, x: object, layout: str, ranks: tuple[int, ...], size: int, size_name: str) -> None:
+    """x is a floating tensor of one of ``ranks`` dims whose last dim is ``size``."""
+    if not isinstance(x, torch.Tensor):
+        raise bad_argument(name, "a torch.Tensor", describe(x), "wrap the values with torch.as_tensor",
+                           kind=TypeError)
+    if not x.is_floating_point():
+        raise bad_argument(name, "a floating dtype", x.dtype, f"convert with {name}.float()", kind=TypeError)
+    if x.ndim not in ranks:
+        raise bad_argument(name, f"shape {layout}", f"shape {tuple(x.shape)}",
+                           "add or remove dimensions to match; the last one is the feature size")
+    if x.shape[-1] != size:
+        raise bad_argument(name, f"last dim {size_name} = {size}", f"shape {tuple(x.shape)}",
+                           f"construct the module with {size_name}={x.shape[-1]}, or pass a tensor laid out as "
+                           f"{layout}")
+
+
+def _table_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Cached tables are float32, or float64 for float64 inputs (half precision tables lose positions)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _inverse_frequencies(dim: int, base: float) -> torch.Tensor:
+    """base^(-2m/dim) for m = 0 .. dim/2 - 1, float64 on the CPU: shape (dim/2,)."""
+    return base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+
+
+def _grown(current: int, needed: int, same_place: bool, cap: int | None = None) -> int:
+    """New cache length: at least ``needed``, doubling when growing in place, never above ``cap``."""
+    size = max(needed, 2 * current if same_place else current)
+    return size if cap is None else min(size, cap)
+
+
+# --------------------------------------------------------------------------- rotary
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE; Su et al., 2021, RoFormer) in the "rotate half" layout.
+
+    Each head vector of size d is split into halves; the pair (x[m], x[m + d/2]) is
+    rotated by the angle ``pos * base^(-2m/d)``, m = 0 .. d/2 - 1::
+
+        out[m]       = x[m] cos(a) - x[m + d/2] sin(a)
+        out[m + d/2] = x[m + d/2] cos(a) + x[m] sin(a)
+
+    This is the layout of GPT-NeoX, LLaMA and Hugging Face ``rotate_half`` (not the
+    interleaved (x[2m], x[2m+1]) pairing of the paper and GPT-J): checkpoints from those
+    models load as they are. Because every pair turns by an angle proportional to its
+    position, ``<rotate(q, m), rotate(k, n)>`` depends only on m - n.
+
+    Args:
+        head_dim: d, the per-head size of queries and keys; a positive even int.
+        base: the wavelength base (10000.0 in the paper; larger values stretch the context).
+
+    The cos/sin tables are cached per position in float32 (float64 for float64 inputs),
+    computed in float64 so that large positions keep their precision. The cache grows on
+    demand (doubling) and costs ``2 * positions * d/2`` floats; it is a non-persistent buffer.
+
+    Example:
+        >>> import torch
+        >>> rope = RotaryEmbedding(head_dim=8)
+        >>> q, k = torch.randn(2, 6, 5, 8), torch.randn(2, 3, 5, 8)   # (b, h, i, d), (b, g, j, d)
+        >>> q_rot, k_rot = rope(q, k, offset=4)                       # positions 4 .. 8
+        >>> tuple(q_rot.shape), tuple(k_rot.shape)
+        ((2, 6, 5, 8), (2, 3, 5, 8))
+        >>> torch.allclose(rope.rotate(q, 4), rope.rotate(q, torch.arange(4, 9)))
+        True
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        self.head_dim = _check_even_dim("head_dim", head_dim)
+        self.base = _check_base(base)
+        # cos/sin of pos * base^(-2m/d): (positions cached, d/2); not saved, moved by .to(device)
+        self.register_buffer("_cos", torch.empty(0, head_dim // 2), persistent=False)
+        self.register_buffer("_sin", torch.empty(0, head_dim // 2), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base}"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate queries and keys; keys sit at positions offset .. offset + j - 1.
+
+        Args:
+            q: (b, h, i, d), or unbatched (h, i, d).
+            k: (b, g, j, d), or unbatched (g, j, d); g may differ from h (grouped heads).
+            offset: the position of the first key: the number of tokens already in the
+                KV cache when q and k are the new tokens.
+
+        Returns:
+            (q rotated, k rotated), the shapes and dtypes of q and k.
+
+        Queries are aligned bottom-right with the keys, as in the causal masks: the last
+        query sits at the last key's position. With i == j (prefill, or new tokens with a
+        cache) both use positions offset .. offset + i - 1. For i = 2, j = 5, offset = 0::
+
+            keys     0 1 2 3 4
+            queries        3 4
+
+        i > j is rejected; rotate each tensor with :meth:`rotate` and explicit positions.
+
+        Example:
+            >>> import torch
+            >>> rope = RotaryEmbedding(4)
+            >>> q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+            >>> q_rot, k_rot = rope(q, k)
+            >>> torch.allclose((q_rot * k_rot).sum(-1), (q * k).sum(-1))  # same positions: scores unchanged
+            True
+        """
+        offset = _check_offset("offset", offset)
+        _check_tensor("q", q, "(b, h, i, d), or unbatched (h, i, d)", (3, 4), self.head_dim, "head_dim")
+        _check_tensor("k", k, "(b, g, j, d), or unbatched (g, j, d)", (3, 4), self.head_dim, "head_dim")
+        i, j = q.shape[-2], k.shape[-2]
+        if i > j:
+            raise bad_argument("q", f"at most j = {j} query positions (queries are aligned bottom-right with the "
+                               "keys)", f"i = {i}", "rotate q and k separately with rotate(q, positions) and "
+                               "rotate(k, positions)")
+        return self._rotate_range(q, offset + j - i), self._rotate_range(k, offset)
+
+    def rotate(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> torch.Tensor:
+        """Rotate x as if its rows stood at ``positions``.
+
+        Args:
+            x: (b, h, n, d), or unbatched (h, n, d).
+            positions: an int offset (rows at offset .. offset + n - 1), or an integer tensor
+                of non-negative positions, (n,) shared by the batch or (b, n) one row per
+                batch element (e.g. left-padded batches). A tensor costs one device sync
+                (its maximum sizes the cache).
+
+        Returns:
+            x rotated: shape and dtype of x.
+
+        Example:
+            >>> import torch
+            >>> rope = RotaryEmbedding(6)
+            >>> x = torch.randn(2, 3, 5, 6)                                  # (b, h, n, d)
+            >>> per_row = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])   # (b, n)
+            >>> torch.allclose(rope.rotate(x, per_row)[1], rope.rotate(x[1], 7))
+            True
+        """
+        _check_tensor("x", x, "(b, h, n, d), or unbatched (h, n, d)", (3, 4), self.head_dim, "head_dim")
+        if not isinstance(positions, torch.Tensor):
+            return self._rotate_range(x, _check_offset("positions", positions))
+        n = x.shape[-2]
+        if positions.dtype == torch.bool or positions.is_floating_point() or positions.is_complex():
+            raise bad_argument("positions", "an int or an integer tensor of positions", describe(positions),
+                               "convert with positions.long()", kind=TypeError)
+        batched_shape = f" or (b, n) = ({x.shape[0]}, {n})" if x.ndim == 4 else " (x is unbatched (h, n, d))"
+        if positions.ndim not in (1, 2) or positions.shape[-1] != n or (
+                positions.ndim == 2 and (x.ndim != 4 or positions.shape[0] != x.shape[0])):
+            raise bad_argument("positions", f"shape (n,) = ({n},){batched_shape}, one per row of x",
+                               f"shape {tuple(positions.shape)}", "pass one position per row of x (x.shape[-2])")
+        positions = positions.to(device=x.device, dtype=torch.long)
+        if n == 0:
+            return x.clone()
+        lowest, highest = torch.stack((positions.min(), positions.max())).tolist()  # the one device sync
+        if lowest < 0:
+            raise bad_argument("positions", "non-negative positions", f"a minimum of {lowest}",
+                               "count positions from 0, the first token of the sequence")
+        cos, sin = self._tables(highest + 1, x)
+        cos, sin = cos[positions], sin[positions]  # (n, d/2) or (b, n, d/2)
+        if positions.ndim == 2:
+            cos, sin = cos[:, None], sin[:, None]  # (b, 1, n, d/2): shared by the heads of each batch row
+        return self._rotate_pairs(x, cos, sin)
+
+    # ----------------------------------------------------------------------- internals
+
+    def _rotate_range(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+        n = x.shape[-2]
+        cos, sin = self._tables(offset + n, x)
+        return self._rotate_pairs(x, cos[offset:offset + n], sin[offset:offset + n])  # tables (n, d/2)
+
+    def _tables(self, length: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions 0 .. >= length - 1, each (positions, d/2), in x's table dtype and device."""
+        dtype = _table_dtype(x.dtype)
+        same_place = self._cos.device == x.device and self._cos.dtype == dtype
+        if not same_place or self._cos.shape[0] < length:
+            size = _grown(self._cos.shape[0], length, same_place)
+            positions = torch.arange(size, dtype=torch.float64)
+            angles = positions[:, None] * _inverse_frequencies(self.head_dim, self.base)[None, :]  # (size, d/2)
+            self._cos = angles.cos().to(device=x.device, dtype=dtype)
+            self._sin = angles.sin().to(device=x.device, dtype=dtype)
+        return self._cos, self._sin
+
+    def _rotate_pairs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the pairs (x[m], x[m + d/2]); cos, sin broadcast against (..., n, d/2)."""
+        half = self.head_dim // 2
+        xt = x.to(cos.dtype)
+        x1, x2 = xt[..., :half], xt[..., half:]  # (..., n, d/2) each
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (..., n, d)
+        return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- absolute positions
+
+
+def _check_length(name: str, n: int, offset: int, max_len: int | None, owner: str) -> None:
+    if max_len is not None and offset + n > max_len:
+        raise bad_argument(name, f"offset + length <= max_len = {max_len}",
+                           f"offset {offset} + length {n} = {offset + n}",
+                           f"truncate the sequence so that offset + length <= {max_len}, or construct "
+                           f"{owner} with max_len >= {offset + n}")
+
+
+class SinusoidalPositions(nn.Module):
+    """The fixed sinusoidal table of Vaswani et al. (2017), added to the input.
+
+    Interleaved as in the paper, for m = 0 .. dim/2 - 1::
+
+        PE[pos, 2m]     = sin(pos / base^(2m/dim))
+        PE[pos, 2m + 1] = cos(pos / base^(2m/dim))
+
+    so that PE[pos + k] is a fixed rotation of PE[pos] in every (2m, 2m + 1) pair.
+
+    Args:
+        dim: the feature size of the input; a positive even int.
+        max_len: the number of positions allowed, or None (default) for no limit.
+        base: the wavelength base (10000.0 in the paper).
+
+    No parameters: the table is computed in float64 on demand and cached in float32
+    (float64 for float64 inputs) as a non-persistent buffer.
+
+    Example:
+        >>> import torch
+        >>> pe = SinusoidalPositions(dim=6)
+        >>> x = torch.zeros(2, 5, 6)                                      # (b, n, dim)
+        >>> torch.equal(pe(x, offset=3)[0], pe.table(5, offset=3))
+        True
+        >>> pe.table(1, offset=0).tolist()                                # pos 0: sin 0 = 0, cos 0 = 1
+        [[0.0, 1.0, 0.0, 1.0, 0.0, 1.0]]
+    """
+
+    def __init__(self, dim: int, max_len: int | None = None, base: float = 10000.0):
+        super().__init__()
+        self.dim = _check_even_dim("dim", dim)
+        if max_len is not None:
+            max_len = _check_int("max_len", max_len, minimum=1, expected="a positive int or None",
+                                 fix="pass the longest sequence to allow, or None for no limit")
+        self.max_len = max_len
+        self.base = _check_base(base)
+        self.register_buffer("_table", torch.empty(0, dim), persistent=False)  # (positions cached, dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, max_len={self.max_len}, base={self.base}"
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x + PE[offset : offset + n], in x's dtype.
+
+        Args:
+            x: (b, n, dim), or unbatched (n, dim).
+            offset: the position of the first row (tokens already seen, for incremental decoding).
+
+        Returns:
+            the shape and dtype of x.
+        """
+        _check_tensor("x", x, "(b, n, dim), or unbatched (n, dim)", (2, 3), self.dim, "dim")
+        offset = _check_offset("offset", offset)
+        n = x.shape[-2]
+        _check_length("x", n, offset, self.max_len, "SinusoidalPositions")
+        pe = self._cached(offset + n, x.device, _table_dtype(x.dtype))[offset:offset + n]  # (n, dim)
+        return (x + pe).to(x.dtype)  # one rounding for half-precision x
+
+    def table(self, n: int, offset: int = 0, *, dtype: torch.dtype = torch.float32,
+              device: torch.device | str | None = None) -> torch.Tensor:
+        """PE[offset : offset + n] as a new (n, dim) tensor.
+
+        Args:
+            n: the number of positions.
+            offset: the first position.
+            dtype: a floating dtype for the result (computed in float64, cached in float32 or float64).
+            device: where to put it (default: where the module's buffers are).
+
+        Example:
+            >>> pe = SinusoidalPositions(4)
+            >>> pe.table(3, offset=2).shape
+            torch.Size([3, 4])
+        """
+        n = _check_int("n", n, minimum=0, expected="a non-negative int (number of positions)",
+                       fix="pass the sequence length, e.g. x.shape[-2]")
+        offset = _check_offset("offset", offset)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise bad_argument("dtype", "a floating torch.dtype", describe(dtype),
+                               "pass e.g. dtype=torch.float32", kind=TypeError)
+        _check_length("n", n, offset, self.max_len, "SinusoidalPositions")
+        device = self._table.device if device is None else torch.device(device)
+        return self._cached(offset + n, device, _table_dtype(dtype))[offset:offset + n].to(dtype, copy=True)
+
+    def _cached(self, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """PE for positions 0 .. >= length - 1: (positions, dim)."""
+        same_place = self._table.device == device and self._table.dtype == dtype
+        if not same_place or self._table.shape[0] < length:
+            size = _grown(self._table.shape[0], length, same_place, self.max_len)
+            positions = torch.arange(size, dtype=torch.float64)
+            angles = positions[:, None] * _inverse_frequencies(self.dim, self.base)[None, :]  # (size, dim/2)
+            table = torch.stack((angles.sin(), angles.cos()), dim=-1)  # (size, dim/2, 2): (sin, cos) per pair
+            self._table = table.reshape(size, self.dim).to(device=device, dtype=dtype)  # interleaved (size, dim)
+        return self._table
+
+
+class LearnedPositions(nn.Module):
+    """A learned table of absolute positions (BERT, GPT-2), added to the input.
+
+    Args:
+        max_len: the number of positions, i.e. rows of the table.
+        dim: the feature size of the input.
+        device, dtype: for the table, as in torch.nn layers.
+
+    Attributes:
+        weight: nn.Parameter (max_len, dim), initialised N(0, 0.02^2) as in BERT and GPT-2.
+
+    Example:
+        >>> import torch
+        >>> pos = LearnedPositions(max_len=16, dim=6)
+        >>> x = torch.zeros(2, 5, 6)                                      # (b, n, dim)
+        >>> torch.equal(pos(x, offset=3)[1], pos.weight[3:8])
+        True
+    """
+
+    def __init__(self, max_len: int, dim: int, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.max_len = _check_int("max_len", max_len, minimum=1, expected="a positive int",
+                                  fix="pass the longest sequence the model should accept, e.g. max_len=512")
+        self.dim = _check_int("dim", dim, minimum=1, expected="a positive int",
+                              fix="pass the feature size of the input, e.g. dim=768")
+        self.weight = nn.Parameter(torch.empty(self.max_len, self.dim, device=device, dtype=dtype))  # (max_len, dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+    def extra_repr(self) -> str:
+        return f"max_len={self.max_len}, dim={self.dim}"
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x + weight[offset : offset + n], in x's dtype.
+
+        Args:
+            x: (b, n, dim), or unbatched (n, dim).
+            offset: the position of the first row (tokens already seen, for incremental decoding).
+
+        Returns:
+            the shape and dtype of x. Gradients reach only rows offset .. offset + n - 1 of weight.
+        """
+        _check_tensor("x", x, "(b, n, dim), or unbatched (n, dim)", (2, 3), self.dim, "dim")
+        offset = _check_offset("offset", offset)
+        n = x.shape[-2]
+        _check_length("x", n, offset, self.max_len, "LearnedPositions")
+        return (x + self.weight[offset:offset + n]).to(x.dtype)  # weight rows (n, dim)
