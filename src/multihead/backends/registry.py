@@ -60,8 +60,11 @@ class Capabilities:
     backward: bool = True
     bias_grad: bool = False  # gradient with respect to an additive bias
     check: Callable[[AttentionCall], list[str]] | None = None  # backend-specific limits
+    # calls it can serve but auto should not give it (measurably slower than another backend here);
+    # naming the backend explicitly still runs it
+    auto_skip: Callable[[AttentionCall], list[str]] | None = None
 
-    def reasons(self, call: AttentionCall) -> list[str]:
+    def reasons(self, call: AttentionCall, *, for_auto: bool = False) -> list[str]:
         missing = []
         if self.dtypes is not None and call.dtype not in self.dtypes:
             missing.append(f"dtype {call.dtype} (supports {sorted(str(d) for d in self.dtypes)})")
@@ -79,6 +82,8 @@ class Capabilities:
             missing.append("gradient with respect to an additive bias that requires grad")
         if self.check is not None:
             missing.extend(self.check(call))
+        if for_auto and self.auto_skip is not None:
+            missing.extend(self.auto_skip(call))
         return missing
 
 
@@ -158,7 +163,7 @@ def explain_call(call: AttentionCall, backend: str) -> Explanation:
         return Explanation(None if missing else chosen.name, {chosen.name: missing} if missing else {})
     explanation = Explanation(None)
     for candidate in _auto_order(call):
-        missing = candidate.capabilities.reasons(call)
+        missing = candidate.capabilities.reasons(call, for_auto=True)
         if missing:
             explanation.rejected[candidate.name] = missing
         elif explanation.chosen is None:
@@ -179,7 +184,7 @@ def choose(call: AttentionCall, backend: str) -> Backend:
     """
     candidates = [get_backend(backend)] if backend != "auto" else _auto_order(call)
     for candidate in candidates:
-        if not candidate.capabilities.reasons(call):
+        if not candidate.capabilities.reasons(call, for_auto=backend == "auto"):
             return candidate
     explanation = explain_call(call, backend)
     if explanation.chosen is None:

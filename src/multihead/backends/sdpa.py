@@ -8,6 +8,9 @@ What differs from ours, and how this backend bridges it:
   tests; on other devices that is not verified here, so calls whose mask may
   empty a row are left to other backends there.
 - Dropout is passed only when it applies (training); GQA uses enable_gqa.
+- Auto passes it over for bf16/fp16 backward on CPUs without bf16/fp16 matrix
+  units, where torch's kernel is several times slower than tiled; naming it
+  explicitly still runs it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,24 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: B
     return BackendOutput(output)
 
 
+def cpu_has_half_matrix_units() -> bool:
+    """Whether this CPU multiplies bf16/fp16 matrices natively (AVX512-BF16 or AMX)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+HALF_TYPES = (torch.bfloat16, torch.float16)
+
+
+def _sdpa_slower_here(call: AttentionCall) -> list[str]:
+    # Measured on an AVX2 CPU (BENCHMARKS.md): torch's bf16 SDPA backward runs 4x slower than tiled,
+    # which computes its blocks in float32.
+    if (call.device.type == "cpu" and call.requires_grad and call.dtype in HALF_TYPES
+            and not cpu_has_half_matrix_units()):
+        return [f"{call.dtype} backward on a CPU without bf16/fp16 matrix units (slower than tiled here)"]
+    return []
+
+
 def _sdpa_limits(call: AttentionCall) -> list[str]:
     if call.device.type not in VERIFIED_EMPTY_ROW_DEVICES and call.mask.may_empty_rows():
         return [f"fully masked rows on {call.device.type} (0 output not verified there)"]
@@ -53,4 +74,4 @@ def _sdpa_limits(call: AttentionCall) -> list[str]:
 
 
 CAPABILITIES = Capabilities(lse=False, weights=False, dropout=True, backward=True, bias_grad=False,
-                            check=_sdpa_limits)
+                            check=_sdpa_limits, auto_skip=_sdpa_slower_here)
