@@ -1,8 +1,21 @@
 """multihead: multi-head attention for PyTorch: correct in every corner, fast, and transparent."""
 
-from multihead import backends, masks
+from multihead import backends, masks, positional
+from multihead.cache import KVCache
 from multihead.functional import AttentionResult, WeightSelection, attention, explain
+from multihead.layer import MultiHeadAttention
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "explain", "AttentionResult", "WeightSelection", "masks", "backends", "__version__"]
+__all__ = [
+    "attention",
+    "explain",
+    "AttentionResult",
+    "WeightSelection",
+    "MultiHeadAttention",
+    "KVCache",
+    "masks",
+    "backends",
+    "positional",
+    "__version__",
+]

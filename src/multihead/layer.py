@@ -1,0 +1,256 @@
+"""``MultiHeadAttention``: projections, attention per head, concatenation, output projection.
+
+    MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,   head_n = attention(Q W_n^Q, K W_n^K, V W_n^V)
+
+Each projection is one matrix for all heads: W^Q (h*d, embed_dim), W^K (g*d, kdim),
+W^V (g*e, vdim), W^O (out_dim, h*e). With the defaults, d = e = embed_dim / h,
+g = h and out_dim = embed_dim: the classic layer, 4 * embed_dim^2 weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multihead._errors import bad_argument, describe
+from multihead.backends import registry
+from multihead.cache import KVCache
+from multihead.functional import attention
+from multihead.masks import Mask, window
+from multihead.positional import RotaryEmbedding
+
+
+def _size(name: str, value: object, *, default: int | None = None) -> int:
+    """A positive int option (None takes the default)."""
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad_argument(name, "a positive int", describe(value), f"pass a whole number for {name}",
+                           kind=TypeError)
+    if value < 1:
+        raise bad_argument(name, "a positive int", value, f"pass {name} >= 1")
+    return value
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention over batch-first inputs (b, seq, features).
+
+    Args:
+        embed_dim: query feature size (and the default output size).
+        num_heads: query heads h.
+        kdim, vdim: key and value input sizes for cross-attention from another model (default embed_dim).
+        head_dim: query/key size per head d (default embed_dim / num_heads; need not divide embed_dim).
+        value_head_dim: value size per head e (default head_dim).
+        out_dim: output size (default embed_dim).
+        num_kv_heads: key/value heads g (default h); h % g == 0. g < h is grouped-query attention,
+            g == 1 multi-query.
+        bias: biases on all four projections.
+        dropout: dropout on the attention weights, in training mode only.
+        rotary: True (or a :class:`RotaryEmbedding` of size head_dim) to rotate queries and keys by
+            position (self-attention only).
+        backend: attention kernel, "auto" or a registered name (see :func:`multihead.explain`).
+
+    Example:
+        >>> layer = MultiHeadAttention(64, 8, num_kv_heads=2, rotary=True)
+        >>> x = torch.randn(3, 10, 64)                       # (b, i, embed_dim)
+        >>> out, weights = layer(x, causal=True, need_weights=True)
+        >>> out.shape, weights.shape                         # (b, i, out_dim), (b, h, i, j)
+        (torch.Size([3, 10, 64]), torch.Size([3, 8, 10, 10]))
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, kdim: int | None = None, vdim: int | None = None,
+                 head_dim: int | None = None, value_head_dim: int | None = None, out_dim: int | None = None,
+                 num_kv_heads: int | None = None, bias: bool = True, dropout: float = 0.0,
+                 rotary: bool | RotaryEmbedding | None = None, backend: str = "auto",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.embed_dim = _size("embed_dim", embed_dim)
+        self.num_heads = _size("num_heads", num_heads)
+        if head_dim is None and embed_dim % num_heads != 0:
+            raise bad_argument("num_heads", f"a divisor of embed_dim = {embed_dim}", num_heads,
+                               "pick num_heads that divides embed_dim, or pass head_dim explicitly")
+        self.head_dim = _size("head_dim", head_dim, default=embed_dim // num_heads)
+        self.value_head_dim = _size("value_head_dim", value_head_dim, default=self.head_dim)
+        self.num_kv_heads = _size("num_kv_heads", num_kv_heads, default=num_heads)
+        if num_heads % self.num_kv_heads != 0:
+            divisors = [n for n in range(1, num_heads + 1) if num_heads % n == 0]
+            raise bad_argument("num_kv_heads", f"a divisor of num_heads = {num_heads}", self.num_kv_heads,
+                               f"use one of {divisors}")
+        self.kdim = _size("kdim", kdim, default=embed_dim)
+        self.vdim = _size("vdim", vdim, default=embed_dim)
+        self.out_dim = _size("out_dim", out_dim, default=embed_dim)
+        if not isinstance(bias, bool):
+            raise bad_argument("bias", "True or False", describe(bias), "pass bias=True or bias=False",
+                               kind=TypeError)
+        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0:
+            raise bad_argument("dropout", "a probability in [0, 1)", describe(dropout), "pass e.g. dropout=0.1")
+        self.dropout = float(dropout)
+        if not isinstance(backend, str):
+            raise bad_argument("backend", "a backend name (str)", describe(backend), "pass e.g. backend='auto'",
+                               kind=TypeError)
+        if backend != "auto":
+            registry.get_backend(backend)  # raises with the list of names
+        self.backend = backend
+        self.rotary = self._rotary(rotary)
+        factory = {"device": device, "dtype": dtype}
+        h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+        self.q_proj = nn.Linear(embed_dim, h * d, bias=bias, **factory)  # W^Q of every head, stacked
+        self.k_proj = nn.Linear(self.kdim, g * d, bias=bias, **factory)
+        self.v_proj = nn.Linear(self.vdim, g * e, bias=bias, **factory)
+        self.out_proj = nn.Linear(h * e, self.out_dim, bias=bias, **factory)
+        self.reset_parameters()
+
+    def _rotary(self, rotary: bool | RotaryEmbedding | None) -> RotaryEmbedding | None:
+        if rotary is None or rotary is False:
+            return None
+        if rotary is True:
+            return RotaryEmbedding(self.head_dim)
+        if not isinstance(rotary, RotaryEmbedding):
+            raise bad_argument("rotary", "True, False/None or a multihead.positional.RotaryEmbedding",
+                               describe(rotary), "pass rotary=True", kind=TypeError)
+        if rotary.head_dim != self.head_dim:
+            raise bad_argument("rotary", f"a RotaryEmbedding of head_dim = {self.head_dim}",
+                               f"one of head_dim = {rotary.head_dim}", f"use RotaryEmbedding({self.head_dim})")
+        return rotary
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projection weights and zero biases (torch.nn.MultiheadAttention's scheme)."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            nn.init.xavier_uniform_(proj.weight)
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+
+    def extra_repr(self) -> str:
+        parts = [f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"]
+        if self.num_kv_heads != self.num_heads:
+            parts.append(f"num_kv_heads={self.num_kv_heads}")
+        parts.append(f"head_dim={self.head_dim}")
+        if self.value_head_dim != self.head_dim:
+            parts.append(f"value_head_dim={self.value_head_dim}")
+        if self.dropout:
+            parts.append(f"dropout={self.dropout}")
+        if self.backend != "auto":
+            parts.append(f"backend={self.backend!r}")
+        return ", ".join(parts)
+
+    def new_cache(self, batch_size: int, max_len: int, *, window: int | None = None) -> KVCache:
+        """A :class:`KVCache` shaped for this layer: (b, g, max_len, d) keys, (b, g, max_len, e) values."""
+        weight = self.k_proj.weight
+        return KVCache(batch_size, max_len, self.num_kv_heads, self.head_dim, self.value_head_dim, window=window,
+                       dtype=weight.dtype, device=weight.device)
+
+    # ----------------------------------------------------------------------- forward
+
+    def _check_input(self, name: str, x: object, features: int, batch: int | None) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise bad_argument(name, "a torch.Tensor", describe(x), "pass a tensor", kind=TypeError)
+        if x.ndim != 3 or x.shape[-1] != features:
+            raise bad_argument(name, f"shape (b, seq, {features})", f"shape {tuple(x.shape)}",
+                               f"pass batch-first input whose last dim is {features}")
+        if batch is not None and x.shape[0] != batch:
+            raise bad_argument(name, f"batch size {batch} (from query)", x.shape[0],
+                               "give query, key and value the same batch size")
+        if x.shape[1] == 0:
+            raise bad_argument(name, "at least one position", f"shape {tuple(x.shape)}",
+                               "drop empty sequences before calling the layer")
+
+    def _project(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None):
+        """q (b, i, h*d), k (b, j, g*d), v (b, j, g*e): one fused matmul for self-attention."""
+        if key is None:
+            if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+                raise bad_argument("key", f"a key tensor (b, j, {self.kdim}) since kdim/vdim differ from embed_dim",
+                                   None, "pass key= (and value=) for cross-attention")
+            weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            bias = None if self.q_proj.bias is None else torch.cat(
+                [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+            return F.linear(query, weight, bias).split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
+        return self.q_proj(query), self.k_proj(key), self.v_proj(key if value is None else value)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None, *,
+                mask: Mask | torch.Tensor | None = None, causal: bool = False, need_weights: bool = False,
+                average_weights: bool = False, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend from ``query`` to ``key``/``value`` (or to itself).
+
+        Args:
+            query: (b, i, embed_dim).
+            key: (b, j, kdim), or None for self-attention (one fused QKV matmul).
+            value: (b, j, vdim); None takes ``key``.
+            mask: typed mask or tensor broadcastable to (b, h, i, j), over every key attended (the
+                cached ones included). True = may attend.
+            causal: bottom-right causal mask (what decoding with a cache needs).
+            need_weights: also return the attention weights, (b, h, i, j), or (b, i, j) averaged over
+                heads with ``average_weights``. Never changes the output.
+            cache: a :class:`KVCache` from :meth:`new_cache`: this call's keys/values are appended
+                and the queries attend over everything cached so far.
+            positions: absolute positions of the new tokens for rotary, (i,) or (b, i); default:
+                ``cache.seen + arange(i)`` with a cache, ``arange(i)`` without.
+
+        Returns:
+            (output (b, i, out_dim), weights or None)
+        """
+        self._check_input("query", query, self.embed_dim, None)
+        b, i = query.shape[:2]
+        if key is not None:
+            self._check_input("key", key, self.kdim, b)
+        if value is not None:
+            if key is None:
+                raise bad_argument("key", "a key tensor when value is given", None,
+                                   "pass key= too, or neither for self-attention")
+            self._check_input("value", value, self.vdim, b)
+            if value.shape[1] != key.shape[1]:
+                raise bad_argument("value", f"length j = {key.shape[1]} (from key)", value.shape[1],
+                                   "give key and value the same length")
+        for name, flag in (("need_weights", need_weights), ("average_weights", average_weights),
+                           ("causal", causal)):
+            if not isinstance(flag, bool):
+                raise bad_argument(name, "True or False", describe(flag), f"pass {name}=True or False",
+                                   kind=TypeError)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise bad_argument("cache", "a multihead.KVCache (layer.new_cache(...))", describe(cache),
+                               "build one with layer.new_cache(batch_size, max_len)", kind=TypeError)
+        h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+
+        q, k, v = self._project(query, key, value)
+        q = q.view(b, i, h, d).transpose(1, 2)  # (b, h, i, d)
+        k = k.view(b, -1, g, d).transpose(1, 2)  # (b, g, j, d)
+        v = v.view(b, -1, g, e).transpose(1, 2)  # (b, g, j, e)
+        if self.rotary is not None:
+            if key is not None:
+                raise bad_argument("key", "None: rotary positions are defined for self-attention", "a key tensor",
+                                   "build the layer without rotary for cross-attention")
+            where = self._positions(positions, b, i, cache, query.device)
+            q, k = self.rotary.rotate(q, where), self.rotary.rotate(k, where)
+        elif positions is not None:
+            raise bad_argument("positions", "None (the layer has no rotary embedding)", describe(positions),
+                               "build the layer with rotary=True, or drop positions")
+        if cache is not None:
+            window_size = cache.window
+            k, v = cache.append(k, v)  # (b, g, L, d), (b, g, L, e): every key attended
+            if window_size is not None:  # a window cache: each query sees its last `window` keys
+                sliding = window(window_size - 1, 0)
+                mask = sliding if mask is None else mask & sliding
+        result = attention(q, k, v, mask=mask, causal=causal, dropout=self.dropout, training=self.training,
+                           backend=self.backend, return_weights=need_weights)
+        out, weights = (result.output, result.weights) if need_weights else (result, None)
+        out = out.transpose(1, 2).reshape(b, i, h * e)  # (b, i, h*e): heads concatenated
+        if weights is not None and average_weights:
+            weights = weights.mean(dim=1)  # (b, i, j)
+        return self.out_proj(out), weights
+
+    def _positions(self, positions: torch.Tensor | None, b: int, i: int, cache: KVCache | None,
+                   device: torch.device) -> int | torch.Tensor:
+        start = 0 if cache is None else cache.seen
+        if positions is None:
+            return start
+        if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
+            raise bad_argument("positions", "an integer tensor (i,) or (b, i)", describe(positions),
+                               "pass torch.arange(start, start + i)", kind=TypeError)
+        if tuple(positions.shape) not in ((i,), (b, i)):
+            raise bad_argument("positions", f"shape (i,) = ({i},) or (b, i) = ({b}, {i})",
+                               tuple(positions.shape), "give one position per new token")
+        return positions.to(device)

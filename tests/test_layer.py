@@ -1,0 +1,256 @@
+"""MultiHeadAttention against the formula written per head, KV-cache decoding against the full forward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from multihead import KVCache, MultiHeadAttention, masks
+from multihead.positional import RotaryEmbedding
+
+torch.manual_seed(0)
+
+
+def per_head_formula(layer: MultiHeadAttention, query, key, value, keep=None):
+    """Concat_n(softmax(Q W_n^Q (K W_n^K)^T / sqrt(d) + mask) V W_n^V) W^O, one head at a time, from the weights.
+
+    query (b, i, E), key (b, j, kdim), value (b, j, vdim), keep (i, j) bool or None -> (b, i, out_dim).
+    """
+    h, g, d, e = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.value_head_dim
+
+    def rows(proj, n, size):
+        weight = proj.weight[n * size:(n + 1) * size]  # this head's rows of the stacked projection
+        bias = None if proj.bias is None else proj.bias[n * size:(n + 1) * size]
+        return weight, bias
+
+    heads = []
+    for n in range(h):
+        wq, bq = rows(layer.q_proj, n, d)
+        wk, bk = rows(layer.k_proj, n // (h // g), d)
+        wv, bv = rows(layer.v_proj, n // (h // g), e)
+        q = torch.nn.functional.linear(query, wq, bq)
+        k = torch.nn.functional.linear(key, wk, bk)
+        v = torch.nn.functional.linear(value, wv, bv)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+        if keep is not None:
+            scores = scores.masked_fill(~keep, -math.inf)
+        heads.append(torch.softmax(scores, dim=-1) @ v)
+    return layer.out_proj(torch.cat(heads, dim=-1))
+
+
+CONFIGS = {
+    "classic": dict(embed_dim=24, num_heads=4),
+    "gqa": dict(embed_dim=24, num_heads=6, num_kv_heads=2),
+    "mqa": dict(embed_dim=24, num_heads=6, num_kv_heads=1),
+    "head_dims": dict(embed_dim=24, num_heads=3, head_dim=5, value_head_dim=7, out_dim=11),
+    "cross_dims": dict(embed_dim=24, num_heads=4, kdim=9, vdim=13),
+    "no_bias": dict(embed_dim=24, num_heads=4, bias=False),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_layer_equals_the_per_head_formula(name):
+    layer = MultiHeadAttention(**CONFIGS[name], dtype=torch.float64)
+    b, i, j = 2, 5, 7
+    query = torch.randn(b, i, 24, dtype=torch.float64)
+    key = torch.randn(b, j, layer.kdim, dtype=torch.float64)
+    value = torch.randn(b, j, layer.vdim, dtype=torch.float64)
+    out, weights = layer(query, key, value)
+    assert weights is None and out.shape == (b, i, layer.out_dim)
+    torch.testing.assert_close(out, per_head_formula(layer, query, key, value), rtol=0, atol=1e-12)
+    if layer.kdim == layer.vdim == 24:  # self-attention: the fused QKV path
+        self_out, _ = layer(query, causal=True)
+        keep = torch.ones(i, i, dtype=torch.bool).tril()
+        torch.testing.assert_close(self_out, per_head_formula(layer, query, query, query, keep), rtol=0, atol=1e-12)
+
+
+def test_defaults_reproduce_the_classic_layer():
+    layer = MultiHeadAttention(512, 8)
+    assert (layer.head_dim, layer.value_head_dim, layer.num_kv_heads, layer.out_dim) == (64, 64, 8, 512)
+    weights = sum(p.numel() for n, p in layer.named_parameters() if n.endswith("weight"))
+    biases = sum(p.numel() for n, p in layer.named_parameters() if n.endswith("bias"))
+    assert weights == 4 * 512 ** 2 == 1_048_576  # the textbook's d = 512, h = 8 count
+    assert biases == 4 * 512
+
+
+def test_grouped_heads_store_fewer_key_value_weights():
+    layer = MultiHeadAttention(64, 8, num_kv_heads=2)
+    assert layer.k_proj.weight.shape == (2 * 8, 64) and layer.v_proj.weight.shape == (2 * 8, 64)
+
+
+def test_need_weights_never_changes_the_output_and_average_is_the_head_mean():
+    layer = MultiHeadAttention(24, 6, num_kv_heads=3)
+    x = torch.randn(2, 5, 24)
+    plain, _ = layer(x, causal=True)
+    out, weights = layer(x, causal=True, need_weights=True)
+    torch.testing.assert_close(out, plain, rtol=1e-6, atol=1e-6)
+    assert weights.shape == (2, 6, 5, 5)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 6, 5))
+    _, averaged = layer(x, causal=True, need_weights=True, average_weights=True)
+    torch.testing.assert_close(averaged, weights.mean(1))
+
+
+def test_value_defaults_to_key_and_self_attention_equals_cross_attention_on_itself():
+    layer = MultiHeadAttention(24, 4, dtype=torch.float64)
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    memory = torch.randn(2, 7, 24, dtype=torch.float64)
+    torch.testing.assert_close(layer(x, memory)[0], layer(x, memory, memory)[0], rtol=0, atol=0)
+    # the fused QKV path and three separate projections agree; nothing depends on `query is key`
+    torch.testing.assert_close(layer(x)[0], layer(x, x.clone(), x.clone())[0], rtol=0, atol=1e-12)
+
+
+def test_dropout_only_in_training():
+    layer = MultiHeadAttention(24, 4, dropout=0.5)
+    x = torch.randn(2, 5, 24)
+    layer.eval()
+    torch.testing.assert_close(layer(x)[0], layer(x)[0], rtol=0, atol=0)
+    layer.train()
+    torch.manual_seed(0)
+    first = layer(x)[0]
+    assert not torch.allclose(first, layer(x)[0])
+    # weights returned under dropout are the ones applied: rows no longer sum to 1
+    _, weights = layer(x, need_weights=True)
+    assert not torch.allclose(weights.sum(-1), torch.ones(2, 4, 5))
+
+
+def test_gradients_flow_to_every_projection():
+    layer = MultiHeadAttention(24, 6, num_kv_heads=2, rotary=True)
+    layer(torch.randn(2, 5, 24), causal=True)[0].square().sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+def decode_in_steps(layer, x, steps, cache):
+    """Feed x (b, n, E) in chunks of the given sizes through the cache; concatenate the outputs."""
+    outputs, start = [], 0
+    for size in steps:
+        outputs.append(layer(x[:, start:start + size], causal=True, cache=cache)[0])
+        start += size
+    return torch.cat(outputs, dim=1)
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+@pytest.mark.parametrize("kv_heads", [6, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_decoding_with_a_cache_equals_the_full_causal_forward(rotary, kv_heads):
+    layer = MultiHeadAttention(24, 6, num_kv_heads=kv_heads, rotary=rotary, dtype=torch.float64)
+    x = torch.randn(3, 11, 24, dtype=torch.float64)
+    full, _ = layer(x, causal=True)
+    cache = layer.new_cache(batch_size=3, max_len=16)
+    assert cache.keys.shape == (3, kv_heads, 16, 4)  # g heads cached, not h
+    stepped = decode_in_steps(layer, x, [5, 1, 1, 3, 1], cache)  # prefill, then one or more per step
+    torch.testing.assert_close(stepped, full, rtol=0, atol=1e-12)
+    assert len(cache) == 11 and cache.seen == 11
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_window_cache_keeps_only_the_last_keys_and_matches_the_windowed_forward(rotary):
+    w = 4
+    layer = MultiHeadAttention(24, 6, num_kv_heads=3, rotary=rotary, dtype=torch.float64)
+    x = torch.randn(2, 13, 24, dtype=torch.float64)
+    full, _ = layer(x, causal=True, mask=masks.window(w - 1, 0))
+    cache = layer.new_cache(batch_size=2, max_len=32, window=w)
+    assert cache.keys.shape == (2, 3, w, 4)  # storage bounded by the window
+    stepped = decode_in_steps(layer, x, [6, 1, 2, 1, 3], cache)
+    torch.testing.assert_close(stepped, full, rtol=0, atol=1e-12)
+    assert len(cache) == w and cache.seen == 13
+
+
+def test_cache_reset_and_reuse():
+    layer = MultiHeadAttention(24, 4, dtype=torch.float64)
+    x = torch.randn(2, 6, 24, dtype=torch.float64)
+    cache = layer.new_cache(2, 8)
+    first = decode_in_steps(layer, x, [3, 3], cache)
+    cache.reset()
+    assert len(cache) == 0 and cache.seen == 0
+    torch.testing.assert_close(decode_in_steps(layer, x, [2, 4], cache), first, rtol=0, atol=1e-12)
+
+
+def test_explicit_rotary_positions_match_the_default_offsets():
+    layer = MultiHeadAttention(24, 4, rotary=True, dtype=torch.float64)
+    x = torch.randn(2, 6, 24, dtype=torch.float64)
+    cache = layer.new_cache(2, 8)
+    layer(x[:, :4], causal=True, cache=cache)
+    default, _ = layer(x[:, 4:], causal=True, cache=cache)
+    cache.reset()
+    layer(x[:, :4], causal=True, cache=cache, positions=torch.arange(4))
+    explicit, _ = layer(x[:, 4:], causal=True, cache=cache, positions=torch.arange(4, 6).expand(2, 2))
+    torch.testing.assert_close(explicit, default, rtol=0, atol=0)
+
+
+def test_rotary_makes_scores_depend_on_relative_position_only():
+    """Shifting every position by the same amount leaves a rotary layer's output unchanged."""
+    layer = MultiHeadAttention(24, 4, rotary=RotaryEmbedding(6), dtype=torch.float64)
+    x = torch.randn(1, 5, 24, dtype=torch.float64)
+    at_zero, _ = layer(x, causal=True)
+    shifted, _ = layer(x, causal=True, positions=torch.arange(100, 105))
+    torch.testing.assert_close(shifted, at_zero, rtol=0, atol=1e-10)
+    moved, _ = layer(x, causal=True, positions=torch.tensor([0, 1, 2, 3, 9]))
+    assert not torch.allclose(moved, at_zero)
+
+
+BAD_CONSTRUCTION = [
+    (dict(embed_dim=0, num_heads=2), ValueError, "embed_dim: expected a positive int"),
+    (dict(embed_dim=10, num_heads=3), ValueError, "num_heads: expected a divisor of embed_dim = 10"),
+    (dict(embed_dim=12, num_heads=6, num_kv_heads=4), ValueError, "num_kv_heads: expected a divisor of num_heads"),
+    (dict(embed_dim=12, num_heads=2, head_dim=2.5), TypeError, "head_dim: expected a positive int"),
+    (dict(embed_dim=12, num_heads=2, dropout=1.0), ValueError, "dropout: expected a probability in [0, 1)"),
+    (dict(embed_dim=12, num_heads=2, bias="yes"), TypeError, "bias: expected True or False"),
+    (dict(embed_dim=12, num_heads=2, backend="fastest"), ValueError, "backend: expected 'auto' or one of"),
+    (dict(embed_dim=12, num_heads=2, rotary=RotaryEmbedding(4)), ValueError,
+     "rotary: expected a RotaryEmbedding of head_dim = 6"),
+    (dict(embed_dim=12, num_heads=2, rotary="yes"), TypeError, "rotary: expected True, False/None"),
+]
+
+
+@pytest.mark.parametrize("kwargs,kind,fragment", BAD_CONSTRUCTION)
+def test_bad_construction_raises_clearly(kwargs, kind, fragment):
+    with pytest.raises(kind) as excinfo:
+        MultiHeadAttention(**kwargs)
+    assert type(excinfo.value) is kind and fragment in str(excinfo.value) and "Fix:" in str(excinfo.value)
+
+
+def bad_calls():
+    layer = MultiHeadAttention(12, 2, num_kv_heads=1)
+    cross = MultiHeadAttention(12, 2, kdim=5, vdim=5)
+    rotary = MultiHeadAttention(12, 2, rotary=True)
+    x = torch.randn(2, 5, 12)
+    other_layer_cache = MultiHeadAttention(12, 3).new_cache(2, 8)
+    full_cache = layer.new_cache(2, 6)
+    layer(x, causal=True, cache=full_cache)
+    return [
+        (lambda: layer(torch.randn(5, 12)), ValueError, "query: expected shape (b, seq, 12)"),
+        (lambda: layer(torch.randn(2, 5, 11)), ValueError, "query: expected shape (b, seq, 12)"),
+        (lambda: layer([1.0]), TypeError, "query: expected a torch.Tensor"),
+        (lambda: layer(x, torch.randn(3, 5, 12)), ValueError, "key: expected batch size 2"),
+        (lambda: layer(x, torch.randn(2, 5, 12), torch.randn(2, 4, 12)), ValueError, "value: expected length j = 5"),
+        (lambda: layer(x, None, x), ValueError, "key: expected a key tensor when value is given"),
+        (lambda: cross(x), ValueError, "key: expected a key tensor (b, j, 5)"),
+        (lambda: rotary(x, x), ValueError, "key: expected None: rotary positions are defined for self-attention"),
+        (lambda: layer(x, positions=torch.arange(5)), ValueError, "positions: expected None"),
+        (lambda: rotary(x, positions=torch.arange(4)), ValueError, "positions: expected shape (i,)"),
+        (lambda: rotary(x, positions=torch.arange(5.0)), TypeError, "positions: expected an integer tensor"),
+        (lambda: layer(x, need_weights=1), TypeError, "need_weights: expected True or False"),
+        (lambda: layer(x, cache={}), TypeError, "cache: expected a multihead.KVCache"),
+        (lambda: layer(x, causal=True, cache=other_layer_cache), ValueError, "cache: expected a cache for key/value"),
+        (lambda: layer(torch.randn(3, 1, 12), causal=True, cache=layer.new_cache(2, 8)), ValueError,
+         "cache: expected a cache for batch size = 3"),
+        (lambda: layer(x[:, :2], causal=True, cache=full_cache), ValueError,
+         "cache: expected room for 2 more token(s) (max_len = 6)"),
+        (lambda: layer(x, mask=torch.ones(5, 6, dtype=torch.bool)), ValueError, "mask: expected a shape broadcastable"),
+        (lambda: KVCache(0, 4, 1, 8), ValueError, "batch_size: expected a positive int"),
+        (lambda: layer.new_cache(2, 8, window=0), ValueError, "window: expected a positive int"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(bad_calls())))
+def test_bad_calls_raise_clearly(index):
+    call, kind, fragment = bad_calls()[index]
+    with pytest.raises(kind) as excinfo:
+        call()
+    message = str(excinfo.value)
+    assert type(excinfo.value) is kind and fragment in message and "Fix:" in message, message
