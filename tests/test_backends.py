@@ -124,6 +124,19 @@ def test_returned_weights_match_reference(backend, dtype, small_blocks):
     assert_within_rule(fast.output, ref64.output, ref_lowp.output, what="output")
 
 
+@pytest.mark.parametrize("backend", ["materialized", "tiled"])
+def test_bfloat16_blocks_scale_after_the_float32_upcast(backend):
+    """Scaling q in bf16 before the upcast rounds it twice: 4x the error of the fp32-blocked kernels."""
+    low_inputs = [(3 * t).to(torch.bfloat16) for t in make_qkv(b=2, h=4, g=4, i=64, j=64, d=48, e=48, seed=3)]
+    # exact attention of the bf16 inputs themselves, so the error measured is the kernel's alone
+    exact = attention(*(t.double() for t in low_inputs), backend="reference")  # scale 1/sqrt(48)
+    error = {}
+    for name in ("sdpa", backend):
+        low = attention(*low_inputs, backend=name)
+        error[name] = (low.double() - exact).abs().max().item()
+    assert error[backend] <= 1.5 * error["sdpa"], error
+
+
 def test_weights_gradient_flows_through_materialized():
     """A loss on the returned weights reaches q and k through the materialized backward."""
     q, k, v = make_qkv(b=2, h=4, g=2, i=5, j=7, requires_grad=True)

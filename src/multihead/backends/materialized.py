@@ -40,7 +40,7 @@ class _MaterializedAttention(torch.autograd.Function):
         b, h, i, _ = q.shape
         g, j, e = k.shape[1], k.shape[2], v.shape[3]
         work = compute_dtype(q.dtype)
-        q_scaled, k_work, v_work = (q * scale).to(work), k.to(work), v.to(work)
+        q_scaled, k_work, v_work = q.to(work) * scale, k.to(work), v.to(work)  # scale after the upcast
         weights = torch.empty(b, h, i, j, dtype=q.dtype, device=q.device)
         out = torch.empty(b, h, i, e, dtype=work, device=q.device)
         in_place = work == q.dtype
