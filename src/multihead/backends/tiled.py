@@ -24,7 +24,7 @@ from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BlockState, BoundMask
 
 BLOCK_Q = 256  # query positions per block
-BLOCK_K = 512  # key positions per block
+BLOCK_K = 256  # key positions per block (256 x 256 measured fastest here, see BENCHMARKS.md)
 
 
 def _blocks(n: int, size: int) -> list[range]:
