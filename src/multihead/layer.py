@@ -136,6 +136,19 @@ class MultiHeadAttention(nn.Module):
             parts.append(f"backend={self.backend!r}")
         return ", ".join(parts)
 
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """This layer (batch first) with the weights of a ``torch.nn.MultiheadAttention``."""
+        from multihead.compat import from_torch  # compat builds on this module
+
+        return from_torch(module)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """A ``torch.nn.MultiheadAttention(batch_first=True)`` with these weights (classic options only)."""
+        from multihead.compat import to_torch
+
+        return to_torch(self)
+
     def new_cache(self, batch_size: int, max_len: int, *, window: int | None = None) -> KVCache:
         """A :class:`KVCache` shaped for this layer: (b, g, max_len, d) keys, (b, g, max_len, e) values."""
         weight = self.k_proj.weight
