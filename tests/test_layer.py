@@ -254,3 +254,20 @@ def test_bad_calls_raise_clearly(index):
         call()
     message = str(excinfo.value)
     assert type(excinfo.value) is kind and fragment in message and "Fix:" in message, message
+
+
+def test_stacked_qkv_weights_follow_every_weight_update_without_grad():
+    """Inference keeps the stacked W^Q/W^K/W^V; any in-place change of a weight must rebuild it."""
+    layer = MultiHeadAttention(24, 4, dtype=torch.float64)
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    with torch.no_grad():
+        before = layer(x)[0]
+        layer.k_proj.weight.mul_(2.0)  # as an optimizer step would
+        after = layer(x)[0]
+        torch.testing.assert_close(after, per_head_formula(layer, x, x, x), rtol=0, atol=1e-12)
+        assert not torch.allclose(after, before)
+        layer.load_state_dict(MultiHeadAttention(24, 4, dtype=torch.float64).state_dict())
+        torch.testing.assert_close(layer(x)[0], per_head_formula(layer, x, x, x), rtol=0, atol=1e-12)
+    # with gradients the stack is rebuilt per call and gradients reach the separate weights
+    layer(x)[0].sum().backward()
+    assert layer.q_proj.weight.grad is not None and layer.v_proj.bias.grad is not None

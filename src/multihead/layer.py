@@ -176,12 +176,34 @@ class MultiHeadAttention(nn.Module):
             if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
                 raise bad_argument("key", f"a key tensor (b, j, {self.kdim}) since kdim/vdim differ from embed_dim",
                                    None, "pass key= (and value=) for cross-attention")
-            weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-            bias = None if self.q_proj.bias is None else torch.cat(
-                [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+            weight, bias = self._fused_qkv()
             return F.linear(query, weight, bias).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
         return self.q_proj(query), self.k_proj(key), self.v_proj(key if value is None else value)
+
+    def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W^Q, W^K, W^V stacked (h*d + g*d + g*e, embed_dim), and their biases, for one self-attention matmul.
+
+        Concatenated on every call when gradients flow (the concatenation's backward splits them);
+        without gradients the stack is kept and rebuilt only when a weight's storage or version
+        changes (an optimizer step, load_state_dict, .to()), which saves copying 3 d^2 values per call.
+        """
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        tensors = [p.weight for p in projections] + [p.bias for p in projections if p.bias is not None]
+
+        def stack() -> tuple[torch.Tensor, torch.Tensor | None]:
+            biases = [p.bias for p in projections]
+            return (torch.cat([p.weight for p in projections]),
+                    None if biases[0] is None else torch.cat(biases))
+
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return stack()
+        version = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+        if getattr(self, "_stacked_version", None) != version:
+            with torch.no_grad():
+                self._stacked = stack()
+            self._stacked_version = version
+        return self._stacked
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None, *,
                 mask: Mask | torch.Tensor | None = None, causal: bool = False, need_weights: bool = False,
