@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install test bench-kernel demo clean
+.PHONY: install test bench-kernel bench-layer demo clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ test: install
 
 bench-kernel: install
 	$(PY) benchmarks/kernel.py
+
+bench-layer: install
+	$(PY) benchmarks/layer.py
 
 demo: install
 	@echo "make demo will run 'multihead inspect' on all-MiniLM-L6-v2 once the inspect command lands (issue 4)."
