@@ -15,3 +15,13 @@ def describe(value: object) -> str:
     if shape is not None and dtype is not None:
         return f"tensor of shape {tuple(shape)} and dtype {dtype}"
     return f"{type(value).__name__} {value!r}"
+
+
+def positive_int(name: str, value: object) -> int:
+    """Validate a size option: TypeError unless an int (not bool), ValueError unless >= 1."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad_argument(name, "a positive int", describe(value), f"pass a whole number for {name}",
+                           kind=TypeError)
+    if value < 1:
+        raise bad_argument(name, "a positive int", value, f"pass {name} >= 1")
+    return value

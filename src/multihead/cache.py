@@ -14,16 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from multihead._errors import bad_argument, describe
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise bad_argument(name, "a positive int", describe(value), f"pass a whole number for {name}",
-                           kind=TypeError)
-    if value < 1:
-        raise bad_argument(name, "a positive int", value, f"pass {name} >= 1")
-    return value
+from multihead._errors import bad_argument, positive_int
 
 
 class KVCache:
@@ -44,12 +35,12 @@ class KVCache:
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
                  value_head_dim: int | None = None, *, window: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.max_len = _positive_int("max_len", max_len)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.value_head_dim = _positive_int("value_head_dim", head_dim if value_head_dim is None else value_head_dim)
-        self.window = None if window is None else _positive_int("window", window)
+        self.batch_size = positive_int("batch_size", batch_size)
+        self.max_len = positive_int("max_len", max_len)
+        self.num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
+        self.head_dim = positive_int("head_dim", head_dim)
+        self.value_head_dim = positive_int("value_head_dim", head_dim if value_head_dim is None else value_head_dim)
+        self.window = None if window is None else positive_int("window", window)
         capacity = self.max_len if self.window is None else min(self.window, self.max_len)
         self.keys = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch_size, num_kv_heads, capacity, self.value_head_dim, dtype=dtype,

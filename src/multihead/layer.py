@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multihead._errors import bad_argument, describe
+from multihead._errors import bad_argument, describe, positive_int
 from multihead.backends import registry
 from multihead.cache import KVCache
 from multihead.functional import attention
@@ -27,12 +27,7 @@ def _size(name: str, value: object, *, default: int | None = None) -> int:
     """A positive int option (None takes the default)."""
     if value is None and default is not None:
         return default
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise bad_argument(name, "a positive int", describe(value), f"pass a whole number for {name}",
-                           kind=TypeError)
-    if value < 1:
-        raise bad_argument(name, "a positive int", value, f"pass {name} >= 1")
-    return value
+    return positive_int(name, value)
 
 
 class MultiHeadAttention(nn.Module):
