@@ -2,8 +2,9 @@
 
 The textbook code allocates scores, scaled scores, masked scores and weights as
 separate (b, h, i, j) tensors. Here each head's block of query rows is written
-once, straight into the returned weights tensor, masked and softmaxed in place
-while it is in cache, and multiplied by V. The only i x j memory is the tensor returned to the
+once, straight into the returned weights tensor, masked and softmaxed in place,
+and multiplied by V. Blocks of 1024 rows measured faster than smaller,
+cache-sized ones: fewer, larger matrix products outweigh the cache misses. The only i x j memory is the tensor returned to the
 caller. Backward reads the saved weights (no recomputation) block by block.
 """
 
@@ -50,8 +51,8 @@ class _MaterializedAttention(torch.autograd.Function):
             keep, bias = mask.block(rows, slice(None), dtype=work)  # once per row block, shared by every head
             drop = None if keep is None else keep.logical_not()
             for bb, hh, kv in heads:
-                # this head's (n, j) scores, written into the returned tensor when dtypes agree, stay in cache
-                # through masking, softmax and the product with V
+                # this head's (n, j) scores, written into the returned tensor when dtypes agree, then masked,
+                # softmaxed and multiplied by V in place
                 scores = weights[bb, hh, rows] if in_place else torch.empty(
                     rows.stop - rows.start, j, dtype=work, device=q.device)
                 torch.mm(q_scaled[bb, hh, rows], k_work[bb, kv].t(), out=scores)
