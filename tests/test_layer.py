@@ -256,8 +256,8 @@ def test_bad_calls_raise_clearly(index):
     assert type(excinfo.value) is kind and fragment in message and "Fix:" in message, message
 
 
-def test_stacked_qkv_weights_follow_every_weight_update_without_grad():
-    """Inference keeps the stacked W^Q/W^K/W^V; any in-place change of a weight must rebuild it."""
+def test_fused_qkv_follows_every_weight_update_without_grad():
+    """The fused self-attention matmul must see every change of a weight, through .data too."""
     layer = MultiHeadAttention(24, 4, dtype=torch.float64)
     x = torch.randn(2, 5, 24, dtype=torch.float64)
     with torch.no_grad():
@@ -266,6 +266,8 @@ def test_stacked_qkv_weights_follow_every_weight_update_without_grad():
         after = layer(x)[0]
         torch.testing.assert_close(after, per_head_formula(layer, x, x, x), rtol=0, atol=1e-12)
         assert not torch.allclose(after, before)
+        layer.q_proj.weight.data.mul_(0.5)  # EMA-style update: does not bump the version counter
+        torch.testing.assert_close(layer(x)[0], per_head_formula(layer, x, x, x), rtol=0, atol=1e-12)
         layer.load_state_dict(MultiHeadAttention(24, 4, dtype=torch.float64).state_dict())
         torch.testing.assert_close(layer(x)[0], per_head_formula(layer, x, x, x), rtol=0, atol=1e-12)
     # with gradients the stack is rebuilt per call and gradients reach the separate weights

@@ -179,26 +179,12 @@ class MultiHeadAttention(nn.Module):
     def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """W^Q, W^K, W^V stacked (h*d + g*d + g*e, embed_dim), and their biases, for one self-attention matmul.
 
-        Concatenated on every call when gradients flow (the concatenation's backward splits them);
-        without gradients the stack is kept and rebuilt only when a weight's storage or version
-        changes (an optimizer step, load_state_dict, .to()), which saves copying 3 d^2 values per call.
+        Stacked on every call: a cached stack cannot see in-place updates made through ``.data`` (they
+        do not bump the version counter), and a silently stale weight is worse than copying 3 d^2 values.
         """
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        tensors = [p.weight for p in projections] + [p.bias for p in projections if p.bias is not None]
-
-        def stack() -> tuple[torch.Tensor, torch.Tensor | None]:
-            biases = [p.bias for p in projections]
-            return (torch.cat([p.weight for p in projections]),
-                    None if biases[0] is None else torch.cat(biases))
-
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return stack()
-        version = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
-        if getattr(self, "_stacked_version", None) != version:
-            with torch.no_grad():
-                self._stacked = stack()
-            self._stacked_version = version
-        return self._stacked
+        biases = [p.bias for p in projections]
+        return (torch.cat([p.weight for p in projections]), None if biases[0] is None else torch.cat(biases))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None, *,
                 mask: Mask | torch.Tensor | None = None, causal: bool = False, need_weights: bool = False,

@@ -477,6 +477,10 @@ class BoundMask:
     """
 
     def __init__(self, terms: list[_BoundTerm], shape: AttentionShape):
+        everything = range(shape.q_len), range(shape.k_len)
+        # a boolean term that keeps every pair (causal with one decoding query, full-length padding)
+        # changes nothing; dropping it spares kernels a dense mask
+        terms = [t for t in terms if t.is_bias or t.state(*everything) is not BlockState.FULL]
         self.terms = terms
         self.shape = shape
         self.keep_terms = [t for t in terms if not t.is_bias]
