@@ -27,7 +27,7 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead.backends import registry
 from multihead.backends._blocks import compute_dtype, mask_scores_, softmax_rows_
-from multihead.backends.reference import masked_softmax
+from multihead.backends.reference import apply_mask, masked_softmax
 from multihead.masks import AttentionShape, BoundMask, Mask, bind_mask
 
 __all__ = ["attention", "explain", "AttentionResult", "WeightSelection"]
@@ -226,12 +226,8 @@ def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
         # nothing to differentiate: mask and softmax in place, no i x j temporaries beyond the result
         return softmax_rows_(mask_scores_(scores, p.mask, queries, slice(None), heads),
                              rows_may_be_empty=p.mask.may_empty_rows()).to(p.q.dtype)
-    keep, bias = p.mask.block(queries, slice(None), heads, dtype=work)
-    if bias is not None:
-        scores = scores + bias
-    if keep is not None:
-        scores = scores.masked_fill(~keep, -math.inf)
-    return masked_softmax(scores)[0].to(p.q.dtype)
+    masked = apply_mask(scores, *p.mask.block(queries, slice(None), heads, dtype=work))
+    return masked_softmax(masked)[0].to(p.q.dtype)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | torch.Tensor | None = None,

@@ -33,6 +33,15 @@ def masked_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weights, lse.squeeze(-1)
 
 
+def apply_mask(scores: torch.Tensor, keep: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """scores + bias, with -inf where keep is False (out of place, so autograd sees it)."""
+    if bias is not None:
+        scores = scores + bias
+    if keep is not None:
+        scores = scores.masked_fill(~keep, -math.inf)
+    return scores
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BoundMask, scale: float,
                         dropout: float, need_weights: bool, need_lse: bool) -> BackendOutput:
     """softmax(q k^T * scale + mask) v. q (b, h, i, d), k (b, g, j, d), v (b, g, j, e)."""
@@ -40,12 +49,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
     k = k.repeat_interleave(groups, dim=1)  # (b, h, j, d): query head n reads key head n // groups
     v = v.repeat_interleave(groups, dim=1)  # (b, h, j, e)
     scores = q @ k.transpose(-2, -1) * scale  # (b, h, i, j)
-    keep, bias = mask.dense(dtype=scores.dtype)
-    if bias is not None:
-        scores = scores + bias
-    if keep is not None:
-        scores = scores.masked_fill(~keep, -math.inf)
-    weights, lse = masked_softmax(scores)
+    weights, lse = masked_softmax(apply_mask(scores, *mask.dense(dtype=scores.dtype)))
     if dropout > 0:
         weights = F.dropout(weights, p=dropout, training=True)
     output = weights @ v  # (b, h, i, e)
