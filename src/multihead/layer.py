@@ -18,7 +18,7 @@ from torch import nn
 from multihead._errors import bad_argument, describe, positive_int
 from multihead.backends import registry
 from multihead.cache import KVCache
-from multihead.functional import attention
+from multihead.functional import AttentionResult, WeightSelection, attention
 from multihead.masks import Mask, window
 from multihead.positional import RotaryEmbedding
 
@@ -28,6 +28,26 @@ def _size(name: str, value: object, *, default: int | None = None) -> int:
     if value is None and default is not None:
         return default
     return positive_int(name, value)
+
+
+class Attend(nn.Module):
+    """The attention step of :class:`MultiHeadAttention` as its own (parameter-free) module.
+
+    It exists so that forward hooks see the per-head tensors: inputs q (b, h, i, d), k (b, g, j, d),
+    v (b, g, j, e) after projection and rotary, and output (b, h, i, e) before the heads are
+    concatenated. :func:`multihead.inspect.capture` hooks here; nothing is threaded through forward.
+    """
+
+    def __init__(self, dropout: float, backend: str):
+        super().__init__()
+        self.dropout, self.backend = dropout, backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | torch.Tensor | None = None,
+                causal: bool = False, return_weights: bool | WeightSelection = False
+                ) -> torch.Tensor | AttentionResult:
+        """``multihead.attention`` with this layer's dropout (in training mode) and backend."""
+        return attention(q, k, v, mask=mask, causal=causal, dropout=self.dropout, training=self.training,
+                         backend=self.backend, return_weights=return_weights)
 
 
 class MultiHeadAttention(nn.Module):
@@ -82,13 +102,12 @@ class MultiHeadAttention(nn.Module):
                                kind=TypeError)
         if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0:
             raise bad_argument("dropout", "a probability in [0, 1)", describe(dropout), "pass e.g. dropout=0.1")
-        self.dropout = float(dropout)
         if not isinstance(backend, str):
             raise bad_argument("backend", "a backend name (str)", describe(backend), "pass e.g. backend='auto'",
                                kind=TypeError)
         if backend != "auto":
             registry.get_backend(backend)  # raises with the list of names
-        self.backend = backend
+        self.attend = Attend(float(dropout), backend)  # holds dropout and backend (see the properties below)
         self.rotary = self._rotary(rotary)
         factory = {"device": device, "dtype": dtype}
         h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
@@ -110,6 +129,24 @@ class MultiHeadAttention(nn.Module):
             raise bad_argument("rotary", f"a RotaryEmbedding of head_dim = {self.head_dim}",
                                f"one of head_dim = {rotary.head_dim}", f"use RotaryEmbedding({self.head_dim})")
         return rotary
+
+    @property
+    def dropout(self) -> float:
+        """Dropout probability on the attention weights (training mode only)."""
+        return self.attend.dropout
+
+    @dropout.setter
+    def dropout(self, value: float) -> None:
+        self.attend.dropout = value
+
+    @property
+    def backend(self) -> str:
+        """Attention kernel name, "auto" or a registered backend."""
+        return self.attend.backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self.attend.backend = value
 
     def reset_parameters(self) -> None:
         """Xavier-uniform projection weights and zero biases (torch.nn.MultiheadAttention's scheme)."""
@@ -250,8 +287,7 @@ class MultiHeadAttention(nn.Module):
             if window_size is not None:  # a window cache: each query sees its last `window` keys
                 sliding = window(window_size - 1, 0)
                 mask = sliding if mask is None else mask & sliding
-        result = attention(q, k, v, mask=mask, causal=causal, dropout=self.dropout, training=self.training,
-                           backend=self.backend, return_weights=need_weights)
+        result = self.attend(q, k, v, mask=mask, causal=causal, return_weights=need_weights)
         out, weights = (result.output, result.weights) if need_weights else (result, None)
         out = out.transpose(1, 2).reshape(b, i, h * e)  # (b, i, h*e): heads concatenated
         if weights is not None and average_weights:
