@@ -1,0 +1,190 @@
+"""A BERT-style encoder built only from :class:`multihead.MultiHeadAttention`.
+
+    x = LayerNorm(word[ids] + position[0..n) + token_type[types])
+    for each block:  x = LayerNorm(x + W^O attention(x));  x = LayerNorm(x + W_2 gelu(W_1 x))
+    sentence = normalize(mean of x over real tokens)
+
+This is the architecture of BERT (Devlin et al. 2019) with post-LayerNorm residual blocks and the
+exact (erf) GELU, and of the sentence-transformers mean-pooling head on top. Padding is a typed
+:func:`multihead.masks.padding` mask over keys, so padded keys get exactly zero weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from multihead._errors import bad_argument, describe
+from multihead.layer import MultiHeadAttention
+from multihead.masks import padding
+
+__all__ = ["EncoderConfig", "EncoderBlock", "Encoder"]
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Sizes of a BERT-style encoder (the fields of a Hugging Face ``config.json`` we use)."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 384
+    num_layers: int = 6
+    num_heads: int = 12
+    intermediate_size: int = 1536
+    max_positions: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_hf(cls, config: dict) -> EncoderConfig:
+        """From a parsed Hugging Face BERT ``config.json``."""
+        if config.get("model_type", "bert") != "bert" or config.get("position_embedding_type",
+                                                                   "absolute") != "absolute":
+            raise bad_argument("config.json", "a BERT model with absolute positions",
+                               f"model_type={config.get('model_type')!r}, "
+                               f"position_embedding_type={config.get('position_embedding_type')!r}",
+                               "point --model at a BERT-style checkpoint such as all-MiniLM-L6-v2")
+        if config.get("hidden_act", "gelu") != "gelu":
+            raise bad_argument("config.json hidden_act", '"gelu"', repr(config.get("hidden_act")),
+                               "this encoder implements BERT's exact GELU only")
+        return cls(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+                   num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
+                   intermediate_size=config["intermediate_size"],
+                   max_positions=config["max_position_embeddings"], type_vocab_size=config["type_vocab_size"],
+                   layer_norm_eps=config["layer_norm_eps"], dropout=config["hidden_dropout_prob"],
+                   attention_dropout=config["attention_probs_dropout_prob"],
+                   pad_token_id=config.get("pad_token_id", 0))
+
+
+class EncoderBlock(nn.Module):
+    """One post-LayerNorm transformer block: self-attention, then a GELU feed-forward, each residual."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.attention = MultiHeadAttention(config.hidden_size, config.num_heads,
+                                            dropout=config.attention_dropout)
+        self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.feed_forward_in = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.feed_forward_out = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.output_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        """x (b, n, hidden) -> (b, n, hidden); ``mask`` is the padding mask over keys."""
+        attended, _ = self.attention(x, mask=mask)
+        x = self.attention_norm(x + self.dropout(attended))
+        hidden = F.gelu(self.feed_forward_in(x))  # (b, n, intermediate): the exact erf GELU, as BERT
+        return self.output_norm(x + self.dropout(self.feed_forward_out(hidden)))
+
+
+class Encoder(nn.Module):
+    """Token + position + type embeddings, ``num_layers`` :class:`EncoderBlock` s, mean pooling.
+
+    ``encoder.blocks[l].attention`` is layer l's :class:`multihead.MultiHeadAttention`. Use
+    :func:`multihead.models.load_minilm` for the pretrained all-MiniLM-L6-v2 and its tokenizer.
+    """
+
+    def __init__(self, config: EncoderConfig = EncoderConfig()):
+        super().__init__()
+        self.config = config
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
+                                            padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size)
+        self.type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.embedding_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(EncoderBlock(config) for _ in range(config.num_layers))
+        self.tokenizer = None  # set by the loader: encode() takes text only when it has one
+        self.name = "encoder"  # the checkpoint's name, set by the loader
+
+    @property
+    def attention_layers(self) -> list[MultiHeadAttention]:
+        """The attention layer of every block, in order (index = layer number)."""
+        return [block.attention for block in self.blocks]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token states.
+
+        Args:
+            input_ids: (b, n) token ids.
+            attention_mask: (b, n), 1/True for real tokens and 0/False for padding (default: all real).
+            token_type_ids: (b, n) segment ids (default: all 0).
+
+        Returns:
+            (b, n, hidden) the last block's token states.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point():
+            raise bad_argument("input_ids", "an integer tensor (b, n)", describe(input_ids),
+                               "tokenize the text first (model.tokenizer.batch(texts))", kind=TypeError)
+        b, n = input_ids.shape
+        if n > self.config.max_positions:
+            raise bad_argument("input_ids", f"at most {self.config.max_positions} positions (the model's limit)",
+                               f"{n} tokens", "shorten the text or truncate it")
+        positions = torch.arange(n, device=input_ids.device)
+        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.type_embeddings(types)
+        x = self.dropout(self.embedding_norm(x))  # (b, n, hidden)
+        # A padding mask only when something is padded: an all-real batch takes the unmasked (fastest) path.
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            mask = padding(attention_mask.bool())
+        for block in self.blocks:
+            x = block(x, mask)
+        return x
+
+    @staticmethod
+    def mean_pool(states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(b, n, hidden) states, (b, n) mask -> (b, hidden) mean over real tokens (sentence-transformers)."""
+        weights = attention_mask.to(states.dtype).unsqueeze(-1)  # (b, n, 1)
+        return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+
+    @torch.no_grad()
+    def encode(self, texts: str | list[str], *, batch_size: int = 32, normalize: bool = True,
+               truncate: bool = False) -> torch.Tensor:
+        """Sentence embeddings as sentence-transformers computes them: mean pooling, then L2 normalisation.
+
+        Args:
+            texts: a string or a list of strings.
+            batch_size: texts per forward pass (padded to the longest in the batch).
+            normalize: L2-normalise each embedding (sentence-transformers' ``Normalize`` module).
+            truncate: cut texts at the tokenizer's ``sentence_max_length`` (256 for all-MiniLM-L6-v2, as
+                sentence-transformers does). Without it, texts up to the model's 512 positions are
+                encoded whole and longer ones raise.
+
+        Returns:
+            (len(texts), hidden) float32 embeddings; (1, hidden) for a single string.
+
+        Example:
+            >>> model, tokenizer = multihead.models.load_minilm()
+            >>> model.encode(["The bank was full of money.", "We sat on the river bank."]).shape
+            torch.Size([2, 384])
+        """
+        if self.tokenizer is None:
+            raise bad_argument("model.tokenizer", "a Tokenizer (set by multihead.models.load_minilm)", None,
+                               "load the model with load_minilm(), or call forward() on token ids")
+        batch_texts = [texts] if isinstance(texts, str) else texts
+        if not isinstance(batch_texts, list) or not all(isinstance(t, str) for t in batch_texts):
+            raise bad_argument("texts", "a string or a list of strings", describe(texts),
+                               "pass e.g. model.encode(['first text', 'second text'])", kind=TypeError)
+        if not batch_texts:
+            raise bad_argument("texts", "at least one text", "an empty list", "pass one or more strings")
+        was_training = self.training
+        self.eval()
+        try:
+            embeddings = []
+            for start in range(0, len(batch_texts), batch_size):
+                # truncation cuts where sentence-transformers does; without it, only the position limit applies
+                batch = self.tokenizer.batch(batch_texts[start:start + batch_size], truncate=truncate,
+                                             max_length=self.tokenizer.sentence_max_length if truncate else None)
+                states = self(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+                embeddings.append(self.mean_pool(states, batch.attention_mask))
+        finally:
+            self.train(was_training)
+        pooled = torch.cat(embeddings)  # (len(texts), hidden)
+        return F.normalize(pooled, p=2, dim=-1) if normalize else pooled
