@@ -5,6 +5,8 @@ from multihead.cache import KVCache
 from multihead.functional import AttentionResult, WeightSelection, attention, explain
 from multihead.layer import MultiHeadAttention
 
+from multihead import inspect, models  # isort: skip  (they build on the layer above)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -17,5 +19,7 @@ __all__ = [
     "masks",
     "backends",
     "positional",
+    "models",
+    "inspect",
     "__version__",
 ]

@@ -1,0 +1,279 @@
+"""One text through an encoder, every head measured and labelled: terminal, HTML, PNG and JSON reports.
+
+    inspection = inspect_text(model, "The bank was full of money.", token="bank")
+    inspection.top_attended(layer=2, head=5)     # [('money', 6, 0.41), ...]
+    report(model, "The bank was full of money.", out_dir="report")   # report.html, heads.png, inspect.json
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from multihead._errors import bad_argument, describe
+from multihead.inspect.capture import capture
+from multihead.inspect.stats import STAT_NAMES, HeadStats, head_stats
+
+__all__ = ["Inspection", "inspect_text", "report", "bundled_corpus", "read_corpus", "pick_token", "FORMATS",
+           "BUNDLED_CORPUS"]
+
+FORMATS = ("terminal", "html", "png", "json")
+BUNDLED_CORPUS = Path(__file__).with_name("corpus.txt")
+# Words that are rarely what a user means by "the token to look at": the default --token skips them.
+_FUNCTION_WORDS = frozenset(
+    "a an the this that these those of to in on at by for from with into onto about as and or but nor so if "
+    "is am are was were be been being has have had do does did will would shall should can could may might "
+    "must it its he she they we you i me him her them us my your his their our not no".split())
+
+
+def read_corpus(path: str | Path) -> list[str]:
+    """The texts of a corpus file: one per line, blank lines and lines starting with '# ' skipped."""
+    corpus = Path(path).expanduser()
+    if not corpus.is_file():
+        raise bad_argument("corpus", "a text file with one sentence per line", f"{str(corpus)!r}, which does not "
+                           "exist" if not corpus.exists() else f"{str(corpus)!r}, which is not a file",
+                           "pass an existing file, or --corpus alone for the bundled corpus",
+                           kind=FileNotFoundError)
+    texts = [line.strip() for line in corpus.read_text(encoding="utf-8").splitlines()]
+    texts = [text for text in texts if text and not text.startswith("# ")]
+    if not texts:
+        raise bad_argument("corpus", "at least one non-empty line", f"none in {str(corpus)!r}",
+                           "put one sentence per line in the file")
+    return texts
+
+
+def bundled_corpus() -> list[str]:
+    """The project's corpus of varied English sentences (written for multihead; MIT licence)."""
+    return read_corpus(BUNDLED_CORPUS)
+
+
+def _words(tokens: Sequence[str]) -> list[tuple[str, int]]:
+    """Whole words re-joined from word pieces, each with the index of its first piece."""
+    words: list[tuple[str, int]] = []
+    for index, piece in enumerate(tokens):
+        if piece.startswith("##") and words:
+            words[-1] = (words[-1][0] + piece[2:], words[-1][1])
+        else:
+            words.append((piece, index))
+    return words
+
+
+def pick_token(tokens: Sequence[str], token: str | int | None) -> int:
+    """The index of the query token to show.
+
+    ``token``: a word piece or whole word of the text (case-insensitive; the first occurrence), an
+    int index, or None for the first content word (not special, punctuation or a function word).
+    """
+    if token is None:
+        for word, index in _words(tokens):
+            if word.isalnum() and word.lower() not in _FUNCTION_WORDS and not tokens[index].startswith("["):
+                return index
+        return 1 if len(tokens) > 2 else 0
+    if isinstance(token, int) and not isinstance(token, bool):
+        if not 0 <= token < len(tokens):
+            raise bad_argument("token", f"a token index in 0..{len(tokens) - 1}", token, "pick one of the text's tokens")
+        return token
+    if not isinstance(token, str):
+        raise bad_argument("token", "a word of the text (str) or a token index (int)", describe(token),
+                           "pass e.g. token='bank'", kind=TypeError)
+    wanted = token.strip().lower()
+    for index, piece in enumerate(tokens):
+        if piece.lower() == wanted:
+            return index
+    for word, index in _words(tokens):
+        if word.lower() == wanted:
+            return index
+    shown = " ".join(tokens if len(tokens) <= 40 else list(tokens[:40]) + ["..."])
+    raise bad_argument("token", "a word of the text", repr(token), f"pick one of its tokens: {shown}")
+
+
+@dataclass
+class Inspection:
+    """Every recorded head's weights on one text, with statistics and roles.
+
+    ``weights``: (len(layers), len(heads), n, n) float32, weights[l, h, i, j] from token i to token j.
+    ``stats``: statistics of this text; ``role_stats``: those the roles were labelled from (the
+    corpus when one was given, else this text); ``corpus``: corpus statistics or None.
+    """
+
+    model_name: str
+    text: str
+    tokens: list[str]
+    layers: list[int]
+    heads: list[int]
+    weights: torch.Tensor
+    stats: HeadStats
+    role_stats: HeadStats
+    corpus: HeadStats | None
+    token: int
+
+    def head_weights(self, layer: int, head: int) -> torch.Tensor:
+        """(n, n) weights of model layer ``layer``, head ``head``."""
+        row, col = self.stats._position(layer, head)
+        return self.weights[row, col]
+
+    def top_attended(self, layer: int, head: int, token: int | None = None, k: int = 3) -> list[tuple[str, int, float]]:
+        """The ``k`` tokens ``token`` (default: the selected one) attends to most: (piece, index, weight)."""
+        row = self.head_weights(layer, head)[self.token if token is None else token]
+        values, indices = row.topk(min(k, row.numel()))
+        return [(self.tokens[j], j, float(w)) for w, j in zip(values.tolist(), indices.tolist())]
+
+    def report_data(self, extra_columns: dict[str, list[list[float]]] | None = None) -> dict:
+        """The dict :func:`multihead.inspect.html.render_html` draws."""
+        roles = self.role_stats.roles()
+        text_stats = self.stats.as_dict()["stats"]
+        data = {
+            "title": f"multihead inspect: {self.model_name}",
+            "text": self.text,
+            "model": self.model_name,
+            "tokens": self.tokens,
+            "special": [piece in ("[CLS]", "[SEP]") for piece in self.tokens],
+            "layers": self.layers,
+            "heads": self.heads,
+            "weights": self.weights.to(torch.float64).round(decimals=5).tolist(),
+            "roles": [[{"label": r.label, "pattern": r.pattern, "summary": r.summary} for r in row] for row in roles],
+            "stats": text_stats,
+            "stat_names": STAT_NAMES,
+            "roles_source": self.role_stats.source,
+            "selected_token": self.token,
+            "corpus": None if self.corpus is None else {
+                "source": self.corpus.source, "sentences": self.corpus.texts, "tokens": self.corpus.tokens,
+                "stats": self.corpus.as_dict()["stats"]},
+            "extra_columns": extra_columns or {},
+        }
+        return data
+
+    def as_json(self) -> dict:
+        """Everything measured, as plain lists: tokens, weights, statistics, roles, the token's top keys."""
+        return {
+            "model": self.model_name, "text": self.text, "tokens": self.tokens,
+            "layers": self.layers, "heads": self.heads, "token": self.token,
+            "weights": self.weights.to(torch.float64).round(decimals=6).tolist(),
+            "text_stats": self.stats.as_dict(),
+            "roles_from": self.role_stats.source,
+            "roles": self.role_stats.as_dict()["roles"],
+            "corpus_stats": None if self.corpus is None else self.corpus.as_dict(),
+            "top_attended": [[[{"token": piece, "index": index, "weight": round(weight, 6)}
+                               for piece, index, weight in self.top_attended(layer, head)]
+                              for head in self.heads] for layer in self.layers],
+        }
+
+    def html(self) -> str:
+        """The self-contained HTML report (inline JS/CSS)."""
+        from multihead.inspect.html import render_html
+
+        return render_html(self.report_data())
+
+    def save_png(self, path: str | Path) -> Path:
+        """A grid of every recorded head's heatmap (rows layers, columns heads) with its role."""
+        from multihead.inspect.plots import heatmap_grid
+
+        return heatmap_grid(self, Path(path))
+
+    def print_terminal(self, console=None) -> None:
+        """The role grid and where the selected token attends, drawn with rich (fits 100 columns)."""
+        from multihead.inspect.terminal import print_inspection
+
+        print_inspection(self, console)
+
+
+def inspect_text(model, text: str, *, layers: Sequence[int] | None = None, heads: Sequence[int] | None = None,
+                 token: str | int | None = None, corpus: Sequence[str] | None = None, corpus_source: str | None = None,
+                 truncate: bool = False, progress: Callable[[int], None] | None = None) -> Inspection:
+    """Run ``text`` through ``model`` recording the chosen heads, and measure and label them.
+
+    Args:
+        model: a :class:`multihead.models.Encoder` with its tokenizer (``load_minilm()``).
+        text: the text (non-empty).
+        layers, heads: which heads to record (default all).
+        token: the query token to show (see :func:`pick_token`).
+        corpus: texts for corpus statistics; roles are then labelled from the corpus.
+        truncate: cut a text over the model's positions instead of raising.
+        progress: called with texts done, over the corpus.
+
+    Returns:
+        :class:`Inspection` with (layers, heads, n, n) weights.
+    """
+    if not isinstance(text, str):
+        raise bad_argument("text", "a string", describe(text), 'pass e.g. "The bank was full of money."',
+                           kind=TypeError)
+    if not text.strip():
+        raise bad_argument("text", "a non-empty text", repr(text), 'pass e.g. "The bank was full of money."')
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise bad_argument("model", "an encoder with a tokenizer (multihead.models.load_minilm())",
+                           type(model).__name__, "load the model with load_minilm()", kind=TypeError)
+    batch = tokenizer.batch([text], truncate=truncate)
+    tokens = batch.tokens[0]
+    selected = pick_token(tokens, token)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), capture(model, layers=layers, heads=heads) as rec:
+            model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+    finally:
+        model.train(was_training)
+    weights = torch.stack([rec.weights(layer)[0] for layer in rec.layers]).float()  # (layers, heads, n, n)
+    recorded_heads = rec.heads(rec.layers[0])
+    stats = head_stats(model, [text], layers=rec.layers, heads=recorded_heads, truncate=truncate,
+                       source="this text")
+    corpus_stats = None
+    if corpus is not None:
+        corpus_stats = head_stats(model, list(corpus), layers=rec.layers, heads=recorded_heads, truncate=truncate,
+                                  source=corpus_source or f"{len(corpus)} corpus texts", progress=progress)
+    return Inspection(getattr(model, "name", type(model).__name__), text, tokens, rec.layers, recorded_heads,
+                      weights, stats, corpus_stats or stats, corpus_stats, selected)
+
+
+def report(model, text: str, *, out_dir: str | Path = "multihead-report", formats: Sequence[str] = ("html", "png", "json"),
+           **options) -> dict[str, Path]:
+    """Inspect ``text`` (options as :func:`inspect_text`) and write the reports; returns {format: path}.
+
+    Files: ``report.html`` (self-contained, opens offline), ``heads.png``, ``inspect.json``;
+    "terminal" prints to the terminal.
+
+    Example:
+        >>> import tempfile
+        >>> model, _ = multihead.models.load_minilm()
+        >>> paths = multihead.inspect.report(model, "The bank was full of money.", out_dir=tempfile.mkdtemp())
+        >>> sorted(paths)
+        ['html', 'json', 'png']
+    """
+    chosen = check_formats(formats)
+    inspection = inspect_text(model, text, **options)
+    return write_reports(inspection, out_dir, chosen)
+
+
+def check_formats(formats: Sequence[str] | str) -> list[str]:
+    """Validated report formats (a list, or a comma-separated string)."""
+    names = formats.split(",") if isinstance(formats, str) else list(formats)
+    names = [name.strip() for name in names if name.strip()]
+    unknown = [name for name in names if name not in FORMATS]
+    if unknown or not names:
+        raise bad_argument("format", f"one or more of {', '.join(FORMATS)}", ", ".join(unknown) or "none",
+                           "pass e.g. --format terminal,html")
+    return names
+
+
+def write_reports(inspection: Inspection, out_dir: str | Path, formats: Sequence[str], console=None) -> dict[str, Path]:
+    """Write (or print) ``inspection`` in each format; returns {format: path} for the files written."""
+    paths: dict[str, Path] = {}
+    directory = Path(out_dir)
+    if any(name != "terminal" for name in formats):
+        directory.mkdir(parents=True, exist_ok=True)
+    for name in formats:
+        if name == "terminal":
+            inspection.print_terminal(console)
+        elif name == "html":
+            paths[name] = directory / "report.html"
+            paths[name].write_text(inspection.html(), encoding="utf-8")
+        elif name == "png":
+            paths[name] = inspection.save_png(directory / "heads.png")
+        elif name == "json":
+            paths[name] = directory / "inspect.json"
+            paths[name].write_text(json.dumps(inspection.as_json(), indent=1, allow_nan=False), encoding="utf-8")
+    return paths

@@ -1,0 +1,121 @@
+"""The `multihead inspect` command: its outputs agree with the library, and user mistakes get one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from multihead.cli import main, parse_indices
+from multihead.inspect import capture
+from multihead.inspect.report import pick_token
+from multihead.models import load_minilm
+
+TEXT = "The bank was full of money."
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load_minilm()
+
+
+def test_terminal_report_fits_100_columns_and_shows_roles_and_the_token(capsys):
+    assert main(["inspect", TEXT, "--format", "terminal"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert "Head roles (from this text)" in out
+    assert "Where 'bank' (token 2) attends" in out  # the default token: the first content word
+    grid = [line for line in lines if line.strip().startswith(("0 ", "5 "))]
+    assert len(grid) == 2 and all(len(line.split()) == 13 for line in grid)  # layer + 12 role labels
+    assert "prev" in grid[0]  # layer 0 head 2 of all-MiniLM-L6-v2 attends to the previous token
+    assert "Strongest links from 'bank'" in out
+
+
+def test_json_report_matches_a_direct_capture(tmp_path, minilm):
+    model, tokenizer = minilm
+    assert main(["inspect", TEXT, "--format", "json", "--layers", "1,4-5", "--heads", "0,7", "--token", "money",
+                 "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "inspect.json").read_text())
+    assert report["layers"] == [1, 4, 5] and report["heads"] == [0, 7]
+    assert report["tokens"] == tokenizer.tokenize(TEXT) and report["token"] == 6
+    with torch.no_grad(), capture(model, layers=[1, 4, 5], heads=[0, 7]) as rec:
+        model.encode(TEXT)
+    for row, layer in enumerate([1, 4, 5]):
+        for col, head in enumerate([0, 7]):
+            captured = rec.weights(layer, head)[0]  # (n, n)
+            reported = torch.tensor(report["weights"][row][col], dtype=torch.float32)
+            torch.testing.assert_close(reported, captured, atol=1e-6, rtol=0)
+            top = report["top_attended"][row][col]
+            assert [entry["index"] for entry in top] == captured[6].topk(3).indices.tolist()
+    assert report["corpus_stats"] is None and report["roles_from"] == "this text"
+    assert len(report["roles"]) == 3 and len(report["roles"][0]) == 2
+
+
+def test_corpus_file_gives_corpus_statistics_and_roles(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("# a comment line\nThe cat sat on the mat.\n\nRain fell all night, and the river rose.\n")
+    assert main(["inspect", TEXT, "--corpus", str(corpus), "--format", "json,html", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "inspect.json").read_text())
+    assert report["corpus_stats"]["texts"] == 2
+    assert report["roles_from"].endswith("(2 texts)")
+    html = (tmp_path / "report.html").read_text()
+    assert 'id="report-data"' in html and "corpus.txt (2 texts)" in html
+
+
+def test_png_report_is_an_image(tmp_path):
+    assert main(["inspect", TEXT, "--format", "png", "--layers", "0", "--out", str(tmp_path)]) == 0
+    data = (tmp_path / "heads.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "   "], "text: expected a non-empty text"),
+    (["inspect", TEXT, "--token", "river"], "token: expected a word of the text, got 'river'. Fix: pick one of its "
+                                            "tokens: [CLS] the bank"),
+    (["inspect", TEXT, "--layers", "6"], "layers: expected layer indices in 0..5, got 6"),
+    (["inspect", TEXT, "--heads", "12"], "heads: expected head indices in 0..11, got 12"),
+    (["inspect", TEXT, "--layers", "a-b"], "--layers: expected indices like 0,2,5-7, got 'a-b'"),
+    (["inspect", TEXT, "--format", "pdf"], "format: expected one or more of terminal, html, png, json, got pdf"),
+    (["inspect", TEXT, "--model", "/nonexistent/model"], "model: expected an existing model directory"),
+    (["inspect", TEXT, "--corpus", "/nonexistent/corpus.txt"], "corpus: expected a text file"),
+    (["inspect", "word " * 600, "--format", "terminal"], "text: expected at most 512 tokens (the model's 512 "
+                                                          "positions), got 602 tokens. Fix: shorten the text, or "
+                                                          "truncate it (truncate=True, or --truncate)"),
+])
+def test_user_mistakes_get_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("multihead inspect: error: ")
+    assert message in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_truncate_cuts_long_texts_to_the_model_limit(tmp_path):
+    assert main(["inspect", "word " * 600, "--truncate", "--format", "json", "--layers", "0", "--heads", "0",
+                 "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "inspect.json").read_text())
+    assert len(report["tokens"]) == 512 and report["tokens"][-1] == "[SEP]"
+
+
+def test_console_script_runs_without_a_traceback():
+    result = subprocess.run([sys.executable, "-m", "multihead.cli", "inspect", ""], capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == ("multihead inspect: error: text: expected a non-empty text, got ''. "
+                                     'Fix: pass e.g. "The bank was full of money."')
+
+
+def test_index_lists_and_token_choice():
+    assert parse_indices("layers", "0,2,5-7") == [0, 2, 5, 6, 7]
+    assert parse_indices("layers", None) is None
+    tokens = ["[CLS]", "the", "photo", "##syn", "##thesis", "of", "it", ".", "[SEP]"]
+    assert pick_token(tokens, None) == 2  # the first content word, as its first piece
+    assert pick_token(tokens, "Photosynthesis") == 2  # a whole word re-joined from its pieces
+    assert pick_token(tokens, "##syn") == 3
+    assert pick_token(tokens, 7) == 7
+    with pytest.raises(ValueError, match=r"token: expected a token index in 0\.\.8, got 9"):
+        pick_token(tokens, 9)
