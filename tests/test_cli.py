@@ -51,6 +51,7 @@ def test_json_report_matches_a_direct_capture(tmp_path, minilm):
             torch.testing.assert_close(reported, captured, atol=1e-6, rtol=0)
             top = report["top_attended"][row][col]
             assert [entry["index"] for entry in top] == captured[6].topk(3).indices.tolist()
+            assert report["most_attended"][row][col] == captured.argmax(dim=-1).tolist()
     assert report["corpus_stats"] is None and report["roles_from"] == "this text"
     assert len(report["roles"]) == 3 and len(report["roles"][0]) == 2
 
@@ -119,3 +120,15 @@ def test_index_lists_and_token_choice():
     assert pick_token(tokens, 7) == 7
     with pytest.raises(ValueError, match=r"token: expected a token index in 0\.\.8, got 9"):
         pick_token(tokens, 9)
+
+
+def test_most_attended_token_for_every_token(minilm):
+    from multihead.inspect import inspect_text
+
+    model, _ = minilm
+    inspection = inspect_text(model, TEXT, layers=[0], heads=[2])
+    pairs = inspection.most_attended(0, 2)
+    assert [query for query, _, _ in pairs] == inspection.tokens
+    # layer 0 head 2 is the previous-token head: every word piece attends most to the one before it
+    assert [key for _, key, _ in pairs[1:]] == inspection.tokens[:-1]
+    assert all(weight > 0.9 for _, _, weight in pairs[1:])

@@ -122,6 +122,13 @@ class Inspection:
         values, indices = row.topk(min(k, row.numel()))
         return [(self.tokens[j], j, float(w)) for w, j in zip(values.tolist(), indices.tolist())]
 
+    def most_attended(self, layer: int, head: int) -> list[tuple[str, str, float]]:
+        """For every token, the token it attends to most: (query piece, key piece, weight), in text order."""
+        weights = self.head_weights(layer, head)  # (n, n)
+        best, keys = weights.max(dim=-1)
+        return [(self.tokens[i], self.tokens[j], float(w)) for i, (w, j) in enumerate(zip(best.tolist(),
+                                                                                           keys.tolist()))]
+
     def report_data(self, extra_columns: dict[str, list[list[float]]] | None = None) -> dict:
         """The dict :func:`multihead.inspect.html.render_html` draws."""
         roles = self.role_stats.roles()
@@ -160,6 +167,8 @@ class Inspection:
             "top_attended": [[[{"token": piece, "index": index, "weight": round(weight, 6)}
                                for piece, index, weight in self.top_attended(layer, head)]
                               for head in self.heads] for layer in self.layers],
+            # for every head and token, the index of the token it attends to most: (layers, heads, n)
+            "most_attended": self.weights.argmax(dim=-1).tolist(),
         }
 
     def html(self) -> str:
