@@ -132,3 +132,56 @@ def test_most_attended_token_for_every_token(minilm):
     # layer 0 head 2 is the previous-token head: every word piece attends most to the one before it
     assert [key for _, key, _ in pairs[1:]] == inspection.tokens[:-1]
     assert all(weight > 0.9 for _, _, weight in pairs[1:])
+
+
+# --------------------------------------------------------------------------- multihead cost
+
+
+def test_cost_json_matches_the_library():
+    from multihead.cost import LayerShape, crossover, estimate
+
+    result = subprocess.run([sys.executable, "-m", "multihead.cli", "cost", "--embed-dim", "512", "--heads", "8",
+                             "--seq", "2048", "--kv-heads", "2", "--batch", "3", "--causal", "--backward", "--json"],
+                            capture_output=True, text=True, check=True)
+    report = json.loads(result.stdout)
+    expected = estimate(LayerShape(512, 8, num_kv_heads=2), seq=2048, batch=3, causal=True, mode="forward+backward")
+    assert report["flops"] == expected.flops and report["backward_flops"] == expected.backward_flops
+    assert report["bytes"]["peak"] == expected.bytes.peak
+    assert report["params"]["weights"] == 512 * 512 * 2 + 512 * 128 * 2
+    assert report["dominant"] == "Q K^T"
+    # grouped K/V heads make the projections cheaper, so the n x n terms catch up sooner than 2 x 512
+    assert report["crossover_n"] == crossover(LayerShape(512, 8, num_kv_heads=2)) and 600 < report["crossover_n"] < 650
+
+
+def test_cost_tables_and_plot(tmp_path, capsys):
+    plot = tmp_path / "cost.png"
+    assert main(["cost", "--embed-dim", "768", "--heads", "12", "--seq", "128", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "parameters: 2,362,368 (2,359,296 weights + 3,072 biases" in out
+    assert "dominant term: Q/K/V projections" in out and "at j = 128, projections dominate" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["cost", "--embed-dim", "64", "--heads", "4", "--seq", "1", "--decode-cache", "4095"]) == 0
+    assert "KV cache (4096 tokens)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--embed-dim", "0", "--heads", "8", "--seq", "4"], "embed_dim: expected a positive int, got 0"),
+    (["--embed-dim", "512", "--heads", "-8", "--seq", "4"], "num_heads: expected a positive int, got -8"),
+    (["--embed-dim", "512", "--heads", "7", "--seq", "4"], "num_heads: expected a divisor of embed_dim = 512"),
+    (["--embed-dim", "512", "--heads", "8", "--kv-heads", "3", "--seq", "4"], "num_kv_heads: expected a divisor"),
+    (["--embed-dim", "512", "--heads", "8", "--seq", "0"], "seq: expected a positive int, got 0"),
+    (["--embed-dim", "512", "--heads", "8", "--seq", "4", "--dtype", "int4"], "dtype: expected one of float32"),
+    (["--embed-dim", "512", "--heads", "8", "--seq", "4", "--backward", "--decode-cache", "3"],
+     "--decode-cache: expected no --backward"),
+    (["--embed-dim", "x", "--heads", "8", "--seq", "4"], "argument --embed-dim: invalid int value: 'x'"),
+    (["--heads", "8", "--seq", "4"], "the following arguments are required: --embed-dim"),
+])
+def test_cost_mistakes_get_one_line(argv, message, capsys):
+    code = None
+    try:
+        code = main(["cost", *argv])
+    except SystemExit as exit_:  # argparse's own errors exit from inside parse_args
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from multihead._errors import bad_argument
 
@@ -95,10 +96,80 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cost_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "cost", help="parameters, FLOPs and bytes of an attention layer, exactly, and its roofline here",
+        description="Count what one call of a multi-head attention layer costs: parameters, FLOPs by term, "
+                    "memory, the n x n crossover, and (after `multihead bench --calibrate`) the roofline bound.")
+    parser.add_argument("--embed-dim", type=int, required=True, help="D, the query feature size")
+    parser.add_argument("--heads", type=int, required=True, help="h, the query heads")
+    parser.add_argument("--seq", type=int, required=True, help="i, the query length (decode: new tokens)")
+    parser.add_argument("--kv-seq", type=int, help="j, the key length for cross-attention (default: --seq)")
+    parser.add_argument("--kv-heads", type=int, help="g, key/value heads (default: --heads)")
+    parser.add_argument("--kdim", type=int, help="key input size (default: embed dim)")
+    parser.add_argument("--vdim", type=int, help="value input size (default: embed dim)")
+    parser.add_argument("--head-dim", type=int, help="d per head (default: embed dim / heads)")
+    parser.add_argument("--value-head-dim", type=int, help="e per head (default: head dim)")
+    parser.add_argument("--out-dim", type=int, help="output size (default: embed dim)")
+    parser.add_argument("--no-bias", action="store_true", help="projections without biases")
+    parser.add_argument("--batch", type=int, default=1, help="b (default 1)")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64")
+    parser.add_argument("--causal", action="store_true", help="causal mask")
+    parser.add_argument("--backward", action="store_true", help="a training step: forward and backward")
+    parser.add_argument("--decode-cache", type=int, metavar="L", help="one decode step with L cached tokens")
+    parser.add_argument("--need-weights", action="store_true", help="the (b, h, i, j) weights are returned")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw FLOPs and memory against n")
+    parser.set_defaults(run=run_cost)
+
+
+def run_cost(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from multihead.cost import LayerShape, estimate, load_calibration
+    from multihead.cost_report import cost_json, plot_cost, print_cost
+
+    if args.backward and args.decode_cache is not None:
+        raise bad_argument("--decode-cache", "no --backward (a decode step is inference)", "both",
+                           "drop one of --backward and --decode-cache")
+    shape = LayerShape(args.embed_dim, args.heads, num_kv_heads=args.kv_heads, kdim=args.kdim, vdim=args.vdim,
+                       head_dim=args.head_dim, value_head_dim=args.value_head_dim, out_dim=args.out_dim,
+                       bias=not args.no_bias)
+    mode = "decode" if args.decode_cache is not None else "forward+backward" if args.backward else "forward"
+    report = estimate(shape, seq=args.seq, kv_seq=args.kv_seq, batch=args.batch, causal=args.causal,
+                      dtype=args.dtype, mode=mode, cache_len=args.decode_cache, need_weights=args.need_weights)
+    rates = load_calibration()
+    plot_path = None
+    if args.plot:
+        if args.kv_seq is not None or mode == "decode":
+            raise bad_argument("--plot", "a self-attention forward or training configuration",
+                               "cross-attention or decode", "drop --kv-seq / --decode-cache to plot against n")
+        plot_path = plot_cost(shape, Path(args.plot), seq=args.seq, batch=args.batch, dtype=report.dtype, mode=mode,
+                              causal=args.causal)
+    if args.json:
+        print(json.dumps(cost_json(report, rates), indent=1))
+    else:
+        console = Console() if sys.stdout.isatty() else Console(width=100)
+        print_cost(report, rates, console)
+        if plot_path is not None:
+            console.print(f"plot: {plot_path.resolve()}", soft_wrap=True)
+    return 0
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line on stderr (exit 2), not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}. Fix: see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="multihead", description="Multi-head attention you can see into.")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = OneLineParser(prog="multihead", description="Multi-head attention you can see into.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
     _inspect_parser(subparsers)
+    _cost_parser(subparsers)
     return parser
 
 
