@@ -165,11 +165,69 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}. Fix: see `{self.prog} --help`\n")
 
 
+def _bench_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="measure the kernels and the layer against the peers and this machine's roofline",
+        description="Run the kernel and layer benchmarks side by side with the textbook code, torch SDPA and "
+                    "torch.nn.MultiheadAttention; write JSON, a PNG chart and a markdown table with ratios to "
+                    "each peer and the fraction of the roofline bound reached.")
+    parser.add_argument("--quick", action="store_true", help="small sizes, float32: under a minute on 2 cores")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine's matmul rate and bandwidth again (cached for `multihead cost`); "
+                             "alone, only that")
+    parser.add_argument("--dtype", action="append", help="with --calibrate alone: dtypes to calibrate "
+                        "(repeatable; default float32)")
+    parser.add_argument("--only", choices=("kernel", "layer"), help="run one of the two benchmarks")
+    parser.add_argument("--out", metavar="DIR", help="where the reports go (default: benchmarks/results of "
+                        "the source checkout, else ./benchmarks/results)")
+    parser.set_defaults(run=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from multihead.bench.common import default_out_dir, ensure_malloc_env
+    from multihead.cost import DTYPES, calibrate, save_calibration
+
+    console = Console() if sys.stdout.isatty() else Console(width=100)
+    for dtype in args.dtype or []:
+        if dtype not in DTYPES:
+            raise bad_argument("--dtype", f"one of {', '.join(DTYPES)}", repr(dtype), "pass e.g. --dtype float32")
+    if args.calibrate and not (args.quick or args.only):
+        rates = calibrate(args.dtype or ["float32"])
+        path = save_calibration(rates)
+        console.print("calibrated: " + ", ".join(f"{k} matmul {v:.1f} GFLOP/s" for k, v in rates.matmul_gflops.items())
+                      + f", bandwidth {rates.bandwidth_gbs:.1f} GB/s ({rates.threads} threads); saved to {path}",
+                      soft_wrap=True)
+        return 0
+    ensure_malloc_env()  # the benchmarks' allocator setting: re-executes this command once with it
+    from multihead.bench.suite import run_suite
+
+    out_dir = Path(args.out) if args.out else default_out_dir()
+    with Progress(SpinnerColumn(), TextColumn("[bold]{task.completed} steps"), BarColumn(),
+                  TimeElapsedColumn(), TextColumn("{task.description}"), console=console) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def progress(line: str) -> None:
+            bar.update(task, advance=1, description=line.strip().splitlines()[0][:60])
+
+        summary = run_suite(quick=args.quick, out_dir=out_dir, benchmarks=[args.only] if args.only else
+                            ("kernel", "layer"), recalibrate=args.calibrate, progress=progress)
+    from multihead.bench.suite import markdown_summary
+
+    console.print(markdown_summary(summary), soft_wrap=True)
+    for path in summary["files"]:
+        console.print(f"wrote {Path(path).resolve()}", soft_wrap=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="multihead", description="Multi-head attention you can see into.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
     _inspect_parser(subparsers)
     _cost_parser(subparsers)
+    _bench_parser(subparsers)
     return parser
 
 

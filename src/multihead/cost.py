@@ -48,7 +48,7 @@ import torch
 from multihead._errors import bad_argument, describe, positive_int
 
 __all__ = ["LayerShape", "Params", "Bytes", "CostReport", "MachineRates", "Roofline", "estimate", "roofline",
-           "crossover", "measure_peak_bytes", "calibrate", "load_calibration", "save_calibration",
+           "crossover", "bound", "attention_kernel_cost", "measure_peak_bytes", "calibrate", "load_calibration", "save_calibration",
            "calibration_path", "DTYPES", "MODES", "SOFTMAX_FLOPS_FORWARD", "SOFTMAX_FLOPS_BACKWARD"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -194,6 +194,15 @@ class CostReport:
         """Forward and backward FLOPs of the matmuls only (what FlopCounterMode counts)."""
         return sum(v for k, v in {**self.flops}.items() if k != "softmax") + sum(
             v for k, v in self.backward_flops.items() if k != "softmax")
+
+    @property
+    def needed_flops(self) -> int:
+        """FLOPs a kernel that skips causally masked pairs must still do: the n x n terms scaled by
+        ``attended_fraction`` (the roofline's compute bound uses this)."""
+        quadratic = ("Q K^T", "softmax", "weights x V")
+        both = {term: self.flops[term] + self.backward_flops.get(term, 0) for term in TERMS}
+        return round(sum(v for t, v in both.items() if t not in quadratic)
+                     + self.attended_fraction * sum(both[t] for t in quadratic))
 
     @property
     def dominant(self) -> str:
@@ -389,18 +398,45 @@ class Roofline:
 def roofline(report: CostReport, rates: MachineRates) -> Roofline:
     """Lower-bound time of ``report``'s call on a machine with ``rates`` (the roofline model).
 
-    Compute time counts every FLOP (softmax included) at the dense matmul rate, so it is a lower
-    bound; memory time is the least traffic (:attr:`Bytes.traffic`) at the copy bandwidth.
+    Compute time counts the needed FLOPs (softmax included, masked pairs skipped) at the dense
+    matmul rate, so it is a lower bound; memory time is the least traffic (:attr:`Bytes.traffic`)
+    at the copy bandwidth.
     """
-    if report.dtype not in rates.matmul_gflops:
-        raise bad_argument("dtype", f"one of the calibrated dtypes {sorted(rates.matmul_gflops)}", report.dtype,
-                           f"run `multihead bench --calibrate --dtype {report.dtype}`")
-    flop_rate = rates.matmul_gflops[report.dtype] * 1e9
+    return bound(report.needed_flops, report.bytes.traffic, report.dtype, rates)
+
+
+def bound(flops: float, traffic: float, dtype: str, rates: MachineRates) -> Roofline:
+    """The roofline bound of ``flops`` FLOPs moving ``traffic`` bytes in ``dtype`` at ``rates``."""
+    if dtype not in rates.matmul_gflops:
+        raise bad_argument("dtype", f"one of the calibrated dtypes {sorted(rates.matmul_gflops)}", dtype,
+                           f"run `multihead bench --calibrate --dtype {dtype}`")
+    flop_rate = rates.matmul_gflops[dtype] * 1e9
     byte_rate = rates.bandwidth_gbs * 1e9
-    compute_s = report.total_flops / flop_rate
-    memory_s = report.bytes.traffic / byte_rate
+    compute_s, memory_s = flops / flop_rate, traffic / byte_rate
     return Roofline(compute_s, memory_s, max(compute_s, memory_s), "compute" if compute_s >= memory_s else "memory",
-                    report.total_flops / report.bytes.traffic, flop_rate / byte_rate)
+                    flops / traffic, flop_rate / byte_rate)
+
+
+def attention_kernel_cost(*, batch: int, heads: int, q_len: int, k_len: int, head_dim: int,
+                          value_head_dim: int | None = None, kv_heads: int | None = None, causal: bool = False,
+                          dtype: str = "float32", mode: str = "forward") -> tuple[int, int]:
+    """(needed FLOPs, least traffic in bytes) of the attention step alone, ``attention(q, k, v)``.
+
+    FLOPs: Q K^T, softmax and weights x V (twice the matmuls and 4 per score backward), scaled by the
+    causal attended fraction. Traffic: q, k, v read and the output written once; backward also reads
+    the output's gradient and the LSE, and writes dq, dk, dv.
+    """
+    e = value_head_dim or head_dim
+    g = kv_heads or heads
+    size = torch.empty((), dtype=DTYPES[_dtype_name(dtype)]).element_size()
+    scores = batch * heads * q_len * k_len * _attended_pairs(q_len, k_len, causal) / (q_len * k_len)
+    flops = scores * (2 * head_dim + SOFTMAX_FLOPS_FORWARD + 2 * e)
+    q, kv, out = batch * heads * q_len * head_dim, batch * g * k_len * (head_dim + e), batch * heads * q_len * e
+    traffic = (q + kv + out) * size
+    if mode == "forward+backward":
+        flops += scores * (4 * head_dim + SOFTMAX_FLOPS_BACKWARD + 4 * e)
+        traffic += (q + kv + 2 * out) * size + batch * heads * q_len * LSE_BYTES + (q + kv) * size
+    return round(flops), traffic
 
 
 def calibration_path() -> Path:
@@ -430,7 +466,7 @@ def calibrate(dtypes: Sequence[str] = ("float32",), *, matmul_size: int = 2048, 
     rates = {}
     for name in dtypes:
         dtype = DTYPES[_dtype_name(name)]
-        n = matmul_size if dtype in (torch.float32, torch.float64) else min(matmul_size, 1024)
+        n = matmul_size if dtype in (torch.float32, torch.float64) else min(matmul_size, 512)  # slow on CPUs
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         out = torch.empty(n, n, dtype=dtype)
         rates[_dtype_name(name)] = 2 * n ** 3 / _best_seconds(lambda: torch.mm(a, b, out=out), repeats) / 1e9
