@@ -183,3 +183,12 @@ def test_roofline_picks_the_binding_resource(tmp_path):
 def test_bad_arguments(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_half_precision_work_is_bounded_by_the_faster_of_its_rate_and_float32():
+    rates = MachineRates({"float32": 150.0, "bfloat16": 1.3}, bandwidth_gbs=25.0, threads=2)
+    report = estimate(LayerShape(768, 12), seq=512, dtype="bfloat16")
+    bound_bf16 = roofline(report, rates)
+    assert bound_bf16.compute_s == pytest.approx(report.needed_flops / 150e9)  # not the 1.3 GFLOP/s bf16 matmul
+    faster = MachineRates({"float32": 150.0, "bfloat16": 600.0}, bandwidth_gbs=25.0, threads=2)
+    assert roofline(report, faster).compute_s == pytest.approx(report.needed_flops / 600e9)

@@ -178,6 +178,9 @@ def _bench_parser(subparsers) -> None:
     parser.add_argument("--dtype", action="append", help="with --calibrate alone: dtypes to calibrate "
                         "(repeatable; default float32)")
     parser.add_argument("--only", choices=("kernel", "layer"), help="run one of the two benchmarks")
+    parser.add_argument("--rescore", action="store_true",
+                        help="run nothing: score the kernel.json and layer.json already in --out against the "
+                             "calibrated roofline and rewrite bench.*")
     parser.add_argument("--out", metavar="DIR", help="where the reports go (default: benchmarks/results of "
                         "the source checkout, else ./benchmarks/results)")
     parser.set_defaults(run=run_bench)
@@ -201,10 +204,12 @@ def run_bench(args: argparse.Namespace) -> int:
                       + f", bandwidth {rates.bandwidth_gbs:.1f} GB/s ({rates.threads} threads); saved to {path}",
                       soft_wrap=True)
         return 0
+    out_dir = Path(args.out) if args.out else default_out_dir()
+    if args.rescore:
+        return rescore(out_dir, args, console)
     ensure_malloc_env()  # the benchmarks' allocator setting: re-executes this command once with it
     from multihead.bench.suite import run_suite
 
-    out_dir = Path(args.out) if args.out else default_out_dir()
     with Progress(SpinnerColumn(), TextColumn("[bold]{task.completed} steps"), BarColumn(),
                   TimeElapsedColumn(), TextColumn("{task.description}"), console=console) as bar:
         task = bar.add_task("starting", total=None)
@@ -216,6 +221,32 @@ def run_bench(args: argparse.Namespace) -> int:
                             ("kernel", "layer"), recalibrate=args.calibrate, progress=progress)
     from multihead.bench.suite import markdown_summary
 
+    console.print(markdown_summary(summary), soft_wrap=True)
+    for path in summary["files"]:
+        console.print(f"wrote {Path(path).resolve()}", soft_wrap=True)
+    return 0
+
+
+def rescore(out_dir: Path, args: argparse.Namespace, console) -> int:
+    """``multihead bench --rescore``: the summary of results already on disk, against today's calibration."""
+    import json
+
+    from multihead.bench.suite import ensure_rates, markdown_summary, summarize
+
+    stem = "_quick" if args.quick else ""
+    names = [args.only] if args.only else ["kernel", "layer"]
+    results = {}
+    for name in names:
+        path = out_dir / f"{name}{stem}.json"
+        if not path.is_file():
+            raise bad_argument("--out", f"a folder with {name}{stem}.json", f"{str(out_dir)!r} without it",
+                               f"run `multihead bench{' --quick' if args.quick else ''}` first, or point --out at "
+                               "the results")
+        results[name] = json.loads(path.read_text())
+    dtypes = sorted({r["dtype"] for result in results.values() for r in result["cases"]})
+    rates = ensure_rates(dtypes, say=console.print)
+    summary = summarize(results, rates, out_dir=out_dir, quick=args.quick,
+                        reports={name: f"{name}{stem}.md" for name in names})
     console.print(markdown_summary(summary), soft_wrap=True)
     for path in summary["files"]:
         console.print(f"wrote {Path(path).resolve()}", soft_wrap=True)

@@ -48,7 +48,7 @@ import torch
 from multihead._errors import bad_argument, describe, positive_int
 
 __all__ = ["LayerShape", "Params", "Bytes", "CostReport", "MachineRates", "Roofline", "estimate", "roofline",
-           "crossover", "bound", "attention_kernel_cost", "measure_peak_bytes", "calibrate", "load_calibration", "save_calibration",
+           "crossover", "bound", "compute_rate", "attention_kernel_cost", "measure_peak_bytes", "calibrate", "load_calibration", "save_calibration",
            "calibration_path", "DTYPES", "MODES", "SOFTMAX_FLOPS_FORWARD", "SOFTMAX_FLOPS_BACKWARD"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -410,11 +410,21 @@ def bound(flops: float, traffic: float, dtype: str, rates: MachineRates) -> Roof
     if dtype not in rates.matmul_gflops:
         raise bad_argument("dtype", f"one of the calibrated dtypes {sorted(rates.matmul_gflops)}", dtype,
                            f"run `multihead bench --calibrate --dtype {dtype}`")
-    flop_rate = rates.matmul_gflops[dtype] * 1e9
+    flop_rate = compute_rate(dtype, rates) * 1e9
     byte_rate = rates.bandwidth_gbs * 1e9
     compute_s, memory_s = flops / flop_rate, traffic / byte_rate
     return Roofline(compute_s, memory_s, max(compute_s, memory_s), "compute" if compute_s >= memory_s else "memory",
                     flops / traffic, flop_rate / byte_rate)
+
+
+def compute_rate(dtype: str, rates: MachineRates) -> float:
+    """The compute ceiling in GFLOP/s for work in ``dtype``: its calibrated matmul rate, and for a half
+    type at least the float32 rate, since half-precision work can always be done in float32 (multihead's
+    kernels do so on CPUs without half-precision units, where a bfloat16 matmul runs at a few GFLOP/s)."""
+    rate = rates.matmul_gflops[dtype]
+    if dtype in ("bfloat16", "float16") and "float32" in rates.matmul_gflops:
+        rate = max(rate, rates.matmul_gflops["float32"])
+    return rate
 
 
 def attention_kernel_cost(*, batch: int, heads: int, q_len: int, k_len: int, head_dim: int,
@@ -457,7 +467,7 @@ def _best_seconds(step: Callable[[], object], repeats: int) -> float:
 
 
 def calibrate(dtypes: Sequence[str] = ("float32",), *, matmul_size: int = 2048, copy_mib: int = 256,
-              repeats: int = 5) -> MachineRates:
+              repeats: int = 10) -> MachineRates:
     """Measure this machine: a square matmul of ``matmul_size`` per dtype, and copying ``copy_mib`` MiB.
 
     The matmul rate is 2 n^3 / the best of ``repeats`` times; the bandwidth counts the bytes read

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from multihead.cost import TERMS, CostReport, LayerShape, MachineRates, crossover, estimate, roofline
+from multihead.cost import TERMS, CostReport, LayerShape, MachineRates, compute_rate, crossover, estimate, roofline
 
 __all__ = ["human_flops", "human_bytes", "print_cost", "plot_cost", "cost_json"]
 
@@ -100,7 +100,7 @@ def print_cost(report: CostReport, rates: MachineRates | None, console: Console)
                       f"{report.dtype}`", style="dim")
     else:
         bound = roofline(report, rates)
-        console.print(f"roofline ({rates.matmul_gflops[report.dtype]:.1f} GFLOP/s {report.dtype} matmul, "
+        console.print(f"roofline ({compute_rate(report.dtype, rates):.1f} GFLOP/s for {report.dtype} work, "
                       f"{rates.bandwidth_gbs:.1f} GB/s, measured {rates.measured_at}): at least "
                       f"{_seconds(bound.bound_s)}, {bound.bound_by}-bound (compute {_seconds(bound.compute_s)}, "
                       f"memory {_seconds(bound.memory_s)}; {bound.arithmetic_intensity:.1f} FLOP/byte vs ridge "

@@ -23,7 +23,7 @@ from pathlib import Path
 from multihead.cost import (LayerShape, MachineRates, attention_kernel_cost, bound, calibrate, estimate,
                             load_calibration, save_calibration)
 
-__all__ = ["run_suite", "kernel_rows", "layer_rows", "markdown_summary", "plot_summary", "ensure_rates"]
+__all__ = ["run_suite", "summarize", "kernel_rows", "layer_rows", "markdown_summary", "plot_summary", "ensure_rates"]
 
 KERNEL_OURS = ("auto", "tiled")
 KERNEL_PEERS = ("textbook", "sdpa")
@@ -38,7 +38,7 @@ def ensure_rates(dtypes: Sequence[str], *, recalibrate: bool = False,
     """The cached machine rates, measured (and cached) first when missing, stale for a dtype, or asked for."""
     rates = None if recalibrate else load_calibration()
     if rates is None or any(dtype not in rates.matmul_gflops for dtype in dtypes):
-        wanted = sorted(set(dtypes) | (set(rates.matmul_gflops) if rates else set()))
+        wanted = sorted(set(dtypes) | {"float32"} | (set(rates.matmul_gflops) if rates else set()))
         say(f"calibrating: matmul rate ({', '.join(wanted)}) and memory bandwidth ...")
         rates = calibrate(wanted)
         path = save_calibration(rates)
@@ -174,16 +174,25 @@ def run_suite(*, quick: bool, out_dir: Path, benchmarks: Sequence[str] = ("kerne
     dtypes = sorted({dtype for config in configs.values() for dtype in config.dtypes})
     rates = ensure_rates(dtypes, recalibrate=recalibrate, say=progress)
     started = time.time()
-    results, rows = {}, []
+    results = {}
     for name in benchmarks:
         progress(f"{name} benchmark")
         results[name] = modules[name].run(configs[name], progress=progress)
         modules[name].write_reports(results[name], out_dir, stem=configs[name].stem)
-        rows += (kernel_rows if name == "kernel" else layer_rows)(results[name], rates)
-    summary = {"quick": quick, "elapsed_s": time.time() - started, "rates": {
+    return summarize(results, rates, out_dir=out_dir, quick=quick, elapsed_s=time.time() - started,
+                     reports={name: f"{configs[name].stem}.md" for name in benchmarks})
+
+
+def summarize(results: dict[str, dict], rates: MachineRates, *, out_dir: Path, quick: bool,
+              elapsed_s: float | None = None, reports: dict[str, str] | None = None) -> dict:
+    """Score benchmark results ({"kernel": ..., "layer": ...}) against ``rates``; write bench[_quick].json/md/png."""
+    rows = []
+    for name, result in results.items():
+        rows += (kernel_rows if name == "kernel" else layer_rows)(result, rates)
+    summary = {"quick": quick, "elapsed_s": elapsed_s, "rates": {
         "matmul_gflops": rates.matmul_gflops, "bandwidth_gbs": rates.bandwidth_gbs, "threads": rates.threads,
         "measured_at": rates.measured_at}, "machine": next(iter(results.values()))["machine"], "rows": rows,
-        "reports": {name: f"{configs[name].stem}.md" for name in benchmarks}}
+        "reports": reports or {}}
     stem = "bench_quick" if quick else "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=1))
