@@ -158,7 +158,8 @@ def test_cost_tables_and_plot(tmp_path, capsys):
     assert main(["cost", "--embed-dim", "768", "--heads", "12", "--seq", "128", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "parameters: 2,362,368 (2,359,296 weights + 3,072 biases" in out
-    assert "dominant term: Q/K/V projections" in out and "at j = 128, projections dominate" in out
+    assert "dominant term: Q/K/V projections" in out
+    assert "at j = 128 they take 8% of the FLOPs and the projections 92%" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["cost", "--embed-dim", "64", "--heads", "4", "--seq", "1", "--decode-cache", "4095"]) == 0
     assert "KV cache (4096 tokens)" in capsys.readouterr().out

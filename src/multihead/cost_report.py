@@ -68,10 +68,11 @@ def print_cost(report: CostReport, rates: MachineRates | None, console: Console)
     console.print(flops)
     console.print(f"dominant term: [bold]{report.dominant}[/bold]")
     n_star = crossover(report.shape)
-    side = "projections" if report.k_len < n_star else "the n x n terms"
+    quadratic = sum(report.flops[t] + report.backward_flops[t] for t in ("Q K^T", "softmax", "weights x V"))
     console.print(f"crossover: the n x n terms (Q K^T, softmax, weights x V) cost as much as the projections "
-                  f"at n = {n_star:.0f} (about 2 x embed_dim for the classic layer); at j = {report.k_len}, "
-                  f"{side} dominate", soft_wrap=True)
+                  f"at n = {n_star:.0f} (about 2 x embed_dim for the classic layer); at j = {report.k_len} they "
+                  f"take {quadratic / total:.0%} of the FLOPs and the projections {1 - quadratic / total:.0%}",
+                  soft_wrap=True)
     if report.causal:
         console.print(f"causal: a block-skipping kernel needs {report.attended_fraction:.1%} of the Q K^T and "
                       f"weights x V FLOPs (dense kernels compute them all)", soft_wrap=True)
@@ -79,8 +80,8 @@ def print_cost(report: CostReport, rates: MachineRates | None, console: Console)
     memory = Table(box=box.SIMPLE_HEAD, title="Memory", title_justify="left")
     memory.add_column("what")
     memory.add_column("bytes", justify="right")
-    rows = [("parameters", report.bytes.weights), ("activations (q, k, v, head outputs, output)",
-                                                   report.bytes.activations)]
+    allocated = "activations (q, k, v, head outputs, output" + (", weights)" if report.need_weights else ")")
+    rows = [("parameters", report.bytes.weights), (allocated, report.bytes.activations)]
     if report.mode == "forward+backward":
         rows.append(("saved for backward", report.bytes.saved_for_backward))
     if report.mode == "decode":
