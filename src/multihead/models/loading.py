@@ -31,13 +31,16 @@ class TokenBatch:
     """Tokenized texts, padded to the longest.
 
     input_ids, attention_mask (1 = real token), token_type_ids: (b, n) int64;
-    tokens: the word pieces of each text, without padding.
+    tokens: the word pieces of each text, without padding;
+    word_ids: for each piece, the index of the word it came from (None for [CLS]/[SEP]); words are the
+    pre-tokenized words when the texts were given as word lists, else the tokenizer's own words.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     token_type_ids: torch.Tensor
     tokens: list[list[str]]
+    word_ids: list[list[int | None]]
 
 
 class Tokenizer:
@@ -62,18 +65,21 @@ class Tokenizer:
         """The word pieces of ``text`` with [CLS] and [SEP]: e.g. ['[CLS]', 'the', 'bank', ..., '[SEP]']."""
         return self.batch([text], max_length=None).tokens[0]
 
-    def batch(self, texts: list[str], *, truncate: bool = False, max_length: int | None = None) -> TokenBatch:
-        """Tokenize and pad ``texts``.
+    def batch(self, texts: list[str] | list[list[str]], *, truncate: bool = False,
+              max_length: int | None = None) -> TokenBatch:
+        """Tokenize and pad ``texts`` (strings, or lists of words already split, e.g. a treebank's).
 
         Texts longer than ``max_length`` (default: the model's limit) raise, or are cut to it
         (keeping [SEP]) with ``truncate=True``; ``encode`` truncates at ``sentence_max_length`` as
         sentence-transformers does.
         """
         limit = self.max_length if max_length is None else max_length
-        encodings = self._wordpiece.encode_batch(texts)
-        ids, types, tokens = [], [], []
+        pretokenized = bool(texts) and not isinstance(texts[0], str)
+        encodings = self._wordpiece.encode_batch(texts, is_pretokenized=pretokenized)
+        ids, types, tokens, words = [], [], [], []
         for index, encoding in enumerate(encodings):
             piece_ids, piece_types, pieces = list(encoding.ids), list(encoding.type_ids), list(encoding.tokens)
+            piece_words = list(encoding.word_ids)
             if len(piece_ids) > limit:
                 if not truncate:
                     raise bad_argument("text" if len(texts) == 1 else f"texts[{index}]",
@@ -84,9 +90,11 @@ class Tokenizer:
                 piece_ids = piece_ids[:limit - 1] + piece_ids[-1:]
                 piece_types = piece_types[:limit - 1] + piece_types[-1:]
                 pieces = pieces[:limit - 1] + pieces[-1:]
+                piece_words = piece_words[:limit - 1] + piece_words[-1:]
             ids.append(piece_ids)
             types.append(piece_types)
             tokens.append(pieces)
+            words.append(piece_words)
         longest = max(len(row) for row in ids)
         input_ids = torch.full((len(ids), longest), self.pad_id, dtype=torch.long)  # (b, n)
         token_type_ids = torch.zeros((len(ids), longest), dtype=torch.long)
@@ -95,7 +103,7 @@ class Tokenizer:
             input_ids[row, :len(piece_ids)] = torch.tensor(piece_ids)
             token_type_ids[row, :len(piece_types)] = torch.tensor(piece_types)
             attention_mask[row, :len(piece_ids)] = 1
-        return TokenBatch(input_ids, attention_mask, token_type_ids, tokens)
+        return TokenBatch(input_ids, attention_mask, token_type_ids, tokens, words)
 
     def __call__(self, texts: str | list[str], *, truncate: bool = False) -> TokenBatch:
         return self.batch([texts] if isinstance(texts, str) else list(texts), truncate=truncate)
