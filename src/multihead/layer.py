@@ -108,6 +108,9 @@ class MultiHeadAttention(nn.Module):
         if backend != "auto":
             registry.get_backend(backend)  # raises with the list of names
         self.attend = Attend(float(dropout), backend)  # holds dropout and backend (see the properties below)
+        # Head surgery (multihead.heads): None on the ungated path, which then runs unchanged.
+        self.head_gate: torch.Tensor | None = None  # (h,) factors on each head's output, may need a gradient
+        self.head_ablation = None  # a multihead.heads.HeadAblation
         self.rotary = self._rotary(rotary)
         factory = {"device": device, "dtype": dtype}
         h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
@@ -147,6 +150,35 @@ class MultiHeadAttention(nn.Module):
     @backend.setter
     def backend(self, value: str) -> None:
         self.attend.backend = value
+
+    def config(self) -> dict:
+        """The constructor arguments that rebuild this layer's shape: ``MultiHeadAttention(**layer.config())``
+        then ``load_state_dict`` restores it (a pruned layer included)."""
+        return {"embed_dim": self.embed_dim, "num_heads": self.num_heads, "kdim": self.kdim, "vdim": self.vdim,
+                "head_dim": self.head_dim, "value_head_dim": self.value_head_dim, "out_dim": self.out_dim,
+                "num_kv_heads": self.num_kv_heads, "bias": self.q_proj.bias is not None, "dropout": self.dropout,
+                "rotary": self.rotary is not None, "backend": self.backend}
+
+    def ablate_heads(self, heads: list[int] | int, how: str = "zero", mean_outputs: torch.Tensor | None = None) -> None:
+        """Ablate ``heads`` until :meth:`restore_heads`: how="zero" zeroes their outputs, "uniform" makes
+        them attend uniformly over the keys they may see, "mean" outputs ``mean_outputs`` (len(heads), e)."""
+        from multihead.heads import make_ablation
+
+        self.head_ablation = make_ablation(self, heads, how, mean_outputs)
+
+    def restore_heads(self) -> None:
+        """Undo :meth:`ablate_heads` and remove ``head_gate``."""
+        self.head_ablation = None
+        self.head_gate = None
+
+    def prune_heads(self, heads: list[int] | int) -> list[int]:
+        """Remove ``heads`` (W^Q/W^K/W^V rows, W^O columns); returns the old indices of the heads kept.
+
+        Same outputs as zero-ablating them, with proportionally less work. See :func:`multihead.heads.prune_layer`.
+        """
+        from multihead.heads import prune_layer
+
+        return prune_layer(self, heads)
 
     def reset_parameters(self) -> None:
         """Xavier-uniform projection weights and zero biases (torch.nn.MultiheadAttention's scheme)."""
@@ -289,6 +321,10 @@ class MultiHeadAttention(nn.Module):
                 mask = sliding if mask is None else mask & sliding
         result = self.attend(q, k, v, mask=mask, causal=causal, return_weights=need_weights)
         out, weights = (result.output, result.weights) if need_weights else (result, None)
+        if self.head_gate is not None or self.head_ablation is not None:
+            from multihead.heads import gate_head_outputs
+
+            out = gate_head_outputs(self, out, q, k, v, mask, causal)
         out = out.transpose(1, 2).reshape(b, i, h * e)  # (b, i, h*e): heads concatenated
         if weights is not None and average_weights:
             weights = weights.mean(dim=1)  # (b, i, j)

@@ -1,0 +1,139 @@
+"""Head surgery on a :class:`multihead.MultiHeadAttention`: gates, ablations and pruning.
+
+    layer.ablate_heads([3, 7], how="zero")      # head 3 and 7 outputs -> 0
+    layer.ablate_heads([2], how="uniform")      # head 2 attends uniformly over the keys it may see
+    layer.ablate_heads([5], how="mean", mean_outputs=m)   # head 5 outputs its corpus mean m (1, e)
+    layer.head_gate = torch.ones(h, requires_grad=True)   # differentiable gate on every head's output
+    kept = layer.prune_heads([3, 7])            # remove them: W^Q rows, W^K/W^V rows, W^O columns
+
+Every change acts on the per-head outputs (b, h, i, e) before they are concatenated and projected
+by W^O. A layer with no gate and no ablation runs exactly its ungated code (one ``is None`` check).
+Zero-ablating heads and pruning them give the same outputs (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from multihead._errors import bad_argument, describe
+from multihead.functional import attention
+
+__all__ = ["ABLATIONS", "HeadAblation", "check_heads", "gate_head_outputs", "prune_layer"]
+
+ABLATIONS = ("zero", "uniform", "mean")
+
+
+@dataclass(frozen=True)
+class HeadAblation:
+    """Which heads are ablated and how; ``mean_outputs`` (len(heads), e) for how="mean"."""
+
+    heads: tuple[int, ...]
+    how: str
+    mean_outputs: torch.Tensor | None = None
+
+
+def check_heads(layer, heads: Sequence[int] | int, name: str = "heads") -> list[int]:
+    """Distinct valid head indices of ``layer`` (sorted)."""
+    values = [heads] if isinstance(heads, int) else heads
+    try:
+        values = list(values)
+    except TypeError:
+        raise bad_argument(name, "a list of head indices", describe(heads), f"pass e.g. {name}=[0, 3]",
+                           kind=TypeError) from None
+    for value in values:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise bad_argument(name, "head indices (int)", describe(value), f"pass e.g. {name}=[0, 3]",
+                               kind=TypeError)
+        if not 0 <= value < layer.num_heads:
+            raise bad_argument(name, f"head indices in 0..{layer.num_heads - 1}", value,
+                               f"the layer has {layer.num_heads} heads")
+    if len(set(values)) != len(values):
+        raise bad_argument(name, "distinct head indices", values, "list each head once")
+    return sorted(values)
+
+
+def make_ablation(layer, heads: Sequence[int] | int, how: str, mean_outputs: torch.Tensor | None) -> HeadAblation:
+    chosen = check_heads(layer, heads)
+    if how not in ABLATIONS:
+        raise bad_argument("how", f"one of {', '.join(ABLATIONS)}", repr(how), 'pass how="zero"')
+    if how == "mean":
+        expected = (len(chosen), layer.value_head_dim)
+        if not isinstance(mean_outputs, torch.Tensor) or tuple(mean_outputs.shape) != expected:
+            raise bad_argument("mean_outputs", f"a tensor of shape (len(heads), e) = {expected}",
+                               describe(mean_outputs), "average each head's outputs over a corpus "
+                               "(multihead.inspect.importance.mean_head_outputs)")
+    elif mean_outputs is not None:
+        raise bad_argument("mean_outputs", 'None unless how="mean"', describe(mean_outputs), "drop mean_outputs")
+    return HeadAblation(tuple(chosen), how, None if mean_outputs is None else mean_outputs.detach())
+
+
+def gate_head_outputs(layer, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
+                      causal: bool) -> torch.Tensor:
+    """Apply ``layer.head_ablation`` and ``layer.head_gate`` to the per-head outputs ``out`` (b, h, i, e)."""
+    ablation = layer.head_ablation
+    if ablation is not None:
+        ablated = torch.zeros(layer.num_heads, dtype=torch.bool, device=out.device)
+        ablated[list(ablation.heads)] = True
+        if ablation.how == "zero":
+            replacement = torch.zeros((), dtype=out.dtype, device=out.device)
+        elif ablation.how == "uniform":
+            # all-zero queries score every allowed key the same: softmax is uniform over the keys the
+            # mask allows (an additive bias such as ALiBi still applies). Called directly, not through
+            # layer.attend, so recorders do not see an extra call.
+            replacement = attention(torch.zeros_like(q), k, v, mask=mask, causal=causal, backend=layer.backend)
+        else:
+            replacement = torch.zeros(layer.num_heads, out.shape[-1], dtype=out.dtype, device=out.device)
+            replacement[list(ablation.heads)] = ablation.mean_outputs.to(out.dtype)
+            replacement = replacement[None, :, None, :]  # (1, h, 1, e)
+        out = torch.where(ablated[None, :, None, None], replacement, out)
+    if layer.head_gate is not None:
+        out = out * layer.head_gate.to(out.dtype)[None, :, None, None]
+    return out
+
+
+def prune_layer(layer, heads: Sequence[int] | int) -> list[int]:
+    """Remove ``heads`` from ``layer`` in place; returns the indices (before pruning) of the heads kept.
+
+    Rows of W^Q (and its bias) and columns of W^O go with each head. Under grouped-query attention
+    a key/value head goes when all its query heads go; every group kept must keep the same number
+    of query heads, so h % g == 0 still holds.
+    """
+    removed = set(check_heads(layer, heads))
+    kept = [n for n in range(layer.num_heads) if n not in removed]
+    if not kept:
+        raise bad_argument("heads", f"fewer than all {layer.num_heads} heads of the layer", sorted(removed),
+                           "keep at least one head in every layer (ablate the whole layer's output instead)")
+    h, g, d, e = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.value_head_dim
+    per_group = h // g
+    groups: dict[int, list[int]] = {}
+    for n in kept:
+        groups.setdefault(n // per_group, []).append(n)
+    sizes = {len(members) for members in groups.values()}
+    if len(sizes) != 1:
+        detail = ", ".join(f"kv head {group}: {len(members)}" for group, members in sorted(groups.items()))
+        raise bad_argument("heads", "the same number of query heads removed from every key/value group kept "
+                           f"(groups of {per_group})", f"query heads left per group {detail}",
+                           "remove whole groups, or as many heads from each group")
+    kept_groups = sorted(groups)
+
+    def rows(linear: nn.Linear, blocks: list[int], size: int) -> None:
+        index = torch.cat([torch.arange(b * size, (b + 1) * size) for b in blocks]).to(linear.weight.device)
+        linear.weight = nn.Parameter(linear.weight.detach()[index].clone())
+        if linear.bias is not None:
+            linear.bias = nn.Parameter(linear.bias.detach()[index].clone())
+        linear.out_features = len(index)
+
+    rows(layer.q_proj, kept, d)
+    rows(layer.k_proj, kept_groups, d)
+    rows(layer.v_proj, kept_groups, e)
+    columns = torch.cat([torch.arange(n * e, (n + 1) * e) for n in kept]).to(layer.out_proj.weight.device)
+    layer.out_proj.weight = nn.Parameter(layer.out_proj.weight.detach()[:, columns].clone())
+    layer.out_proj.in_features = len(columns)
+    layer.num_heads, layer.num_kv_heads = len(kept), len(kept_groups)
+    layer.head_ablation = None
+    layer.head_gate = None
+    return kept

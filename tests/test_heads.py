@@ -1,0 +1,145 @@
+"""Head gates, ablations and pruning on MultiHeadAttention: each checked against the formula it stands for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead import MultiHeadAttention
+from multihead.masks import padding
+
+B, I, E = 3, 7, 30
+
+
+def make_layer(**options) -> MultiHeadAttention:
+    torch.manual_seed(11)
+    return MultiHeadAttention(E, options.pop("num_heads", 6), dtype=torch.float64, **options)
+
+
+def per_head(layer, x, **kwargs):
+    """The per-head outputs (b, h, i, e) as the layer computes them, via a forward hook on its attend step."""
+    seen = {}
+    handle = layer.attend.register_forward_hook(lambda module, args, output: seen.setdefault("out", output))
+    layer(x, **kwargs)
+    handle.remove()
+    return seen["out"], seen
+
+
+def from_heads(layer, heads_out):
+    b, h, i, e = heads_out.shape
+    return layer.out_proj(heads_out.transpose(1, 2).reshape(b, i, h * e))
+
+
+@pytest.fixture
+def x():
+    torch.manual_seed(4)
+    return torch.randn(B, I, E, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("options, heads", [
+    (dict(), [1, 4]),
+    (dict(num_kv_heads=2), [0, 1, 2]),  # a whole key/value group (heads 0-2 read kv head 0)
+    (dict(num_kv_heads=3), [0, 3, 5]),  # one query head from each group of two... left: 1 per group
+    (dict(num_kv_heads=1), [2]),  # multi-query
+])
+def test_pruning_equals_zero_ablation_and_survives_save_and_load(options, heads, x):
+    layer = make_layer(**options)
+    layer.ablate_heads(heads, how="zero")
+    ablated, _ = layer(x, causal=True)
+    layer.restore_heads()
+    kept = layer.prune_heads(heads)
+    assert kept == [n for n in range(6) if n not in heads]
+    pruned, _ = layer(x, causal=True)
+    torch.testing.assert_close(pruned, ablated, atol=1e-12, rtol=0)
+    assert layer.num_heads == 6 - len(heads)
+    assert layer.q_proj.weight.shape == (layer.num_heads * 5, E)
+    assert layer.out_proj.weight.shape == (E, layer.num_heads * 5)
+    rebuilt = MultiHeadAttention(**layer.config(), dtype=torch.float64)
+    rebuilt.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(rebuilt(x, causal=True)[0], pruned, atol=0, rtol=0)
+
+
+def test_uniform_ablation_attends_evenly_over_the_allowed_keys(x):
+    layer = make_layer()
+    lengths = torch.tensor([7, 4, 2])
+    mask = padding(lengths)
+    plain, _ = per_head(layer, x, mask=mask, causal=True)
+    layer.ablate_heads([2], how="uniform")
+    out, _ = layer(x, mask=mask, causal=True)
+    v = (x @ layer.v_proj.weight.T + layer.v_proj.bias).view(B, I, 6, 5).transpose(1, 2)  # (b, h, j, e)
+    expected = plain.clone()
+    for b in range(B):
+        for t in range(I):
+            allowed = min(t + 1, int(lengths[b]))  # causal and padding together
+            expected[b, 2, t] = v[b, 2, :allowed].mean(dim=0)
+    torch.testing.assert_close(out, from_heads(layer, expected), atol=1e-12, rtol=0)
+
+
+def test_mean_ablation_outputs_the_given_vectors(x):
+    layer = make_layer()
+    plain, _ = per_head(layer, x)
+    means = torch.randn(2, 5, dtype=torch.float64)
+    layer.ablate_heads([0, 5], how="mean", mean_outputs=means)
+    expected = plain.clone()
+    expected[:, 0] = means[0]
+    expected[:, 5] = means[1]
+    torch.testing.assert_close(layer(x)[0], from_heads(layer, expected), atol=1e-12, rtol=0)
+
+
+def test_gate_scales_heads_and_its_gradient_is_the_head_output_times_its_gradient(x):
+    layer = make_layer()
+    plain, _ = layer(x)
+    layer.head_gate = torch.ones(6, dtype=torch.float64)
+    assert torch.equal(layer(x)[0], plain)  # a gate of ones changes nothing
+    gate = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    layer.head_gate = gate
+    gated, _ = layer(x)
+    layer.head_gate = None
+    layer.ablate_heads([1, 4])
+    torch.testing.assert_close(gated, layer(x)[0], atol=1e-12, rtol=0)
+    layer.restore_heads()
+    # d loss / d gate_h = sum over positions of (head h's output) . (d loss / d head h's output)
+    gate = torch.ones(6, dtype=torch.float64, requires_grad=True)
+    layer.head_gate = gate
+    target = torch.randn(B, I, E, dtype=torch.float64)
+    ((layer(x)[0] - target) ** 2).sum().backward()
+    layer.head_gate = None
+    heads_out, _ = per_head(layer, x)
+    heads_out = heads_out.detach().requires_grad_(True)
+    ((from_heads(layer, heads_out) - target) ** 2).sum().backward()
+    torch.testing.assert_close(gate.grad, (heads_out * heads_out.grad).sum(dim=(0, 2, 3)), atol=1e-9, rtol=0)
+
+
+def test_restore_brings_back_the_exact_ungated_output(x):
+    layer = make_layer(num_kv_heads=3)
+    plain, _ = layer(x, causal=True)
+    layer.ablate_heads([1], how="uniform")
+    layer.head_gate = torch.full((6,), 0.5, dtype=torch.float64)
+    assert not torch.equal(layer(x, causal=True)[0], plain)
+    layer.restore_heads()
+    assert torch.equal(layer(x, causal=True)[0], plain)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda l: l.ablate_heads([6]), ValueError, r"heads: expected head indices in 0\.\.5, got 6"),
+    (lambda l: l.ablate_heads([1, 1]), ValueError, "heads: expected distinct head indices"),
+    (lambda l: l.ablate_heads(["a"]), TypeError, "heads: expected head indices"),
+    (lambda l: l.ablate_heads([1], how="noise"), ValueError, "how: expected one of zero, uniform, mean"),
+    (lambda l: l.ablate_heads([1], how="mean"), ValueError, r"mean_outputs: expected a tensor of shape "
+                                                           r"\(len\(heads\), e\) = \(1, 5\)"),
+    (lambda l: l.ablate_heads([1], mean_outputs=torch.zeros(1, 5)), ValueError, "mean_outputs: expected None"),
+    (lambda l: l.prune_heads(list(range(6))), ValueError, "heads: expected fewer than all 6 heads of the layer"),
+])
+def test_bad_head_arguments(call, error, message):
+    with pytest.raises(error, match=message):
+        call(make_layer())
+
+
+def test_pruning_must_keep_grouped_heads_even():
+    layer = make_layer(num_kv_heads=2)  # groups {0, 1, 2} and {3, 4, 5}
+    with pytest.raises(ValueError, match=r"heads: expected the same number of query heads removed from every "
+                                         r"key/value group kept \(groups of 3\), got query heads left per group "
+                                         r"kv head 0: 2, kv head 1: 3"):
+        layer.prune_heads([0])
+    assert layer.num_heads == 6  # nothing changed
+    assert layer.prune_heads([0, 4]) == [1, 2, 3, 5] and layer.num_kv_heads == 2
