@@ -12,6 +12,7 @@ exact (erf) GELU, and of the sentence-transformers mean-pooling head on top. Pad
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +102,44 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList(EncoderBlock(config) for _ in range(config.num_layers))
         self.tokenizer = None  # set by the loader: encode() takes text only when it has one
         self.name = "encoder"  # the checkpoint's name, set by the loader
+        # for each layer, the original index of every head still there (prune_heads removes some)
+        self.head_ids = [list(range(config.num_heads)) for _ in range(config.num_layers)]
+
+    def prune_heads(self, heads: dict[int, list[int]]) -> None:
+        """Remove heads: ``{layer: [original head indices]}`` (indices as in the unpruned checkpoint).
+
+        Raises before changing anything when an index is unknown (or already pruned) or a layer would
+        lose every head.
+        """
+        if not isinstance(heads, dict):
+            raise bad_argument("heads", "a dict {layer: [head indices]}", describe(heads),
+                               "pass e.g. {0: [2, 5], 3: [1]}", kind=TypeError)
+        plan = {}
+        for layer, originals in heads.items():
+            if not isinstance(layer, int) or not 0 <= layer < len(self.blocks):
+                raise bad_argument("heads", f"layer indices in 0..{len(self.blocks) - 1}", layer,
+                                   "use the model's layer numbers")
+            present = self.head_ids[layer]
+            missing = [h for h in originals if h not in present]
+            if missing:
+                raise bad_argument(f"heads[{layer}]", f"heads still in layer {layer}: {present}", missing,
+                                   "drop heads that were pruned already or do not exist")
+            if len(set(originals)) >= len(present):
+                raise bad_argument(f"heads[{layer}]", f"fewer than all {len(present)} heads of layer {layer}",
+                                   sorted(originals), "keep at least one head in every layer")
+            plan[layer] = [present.index(h) for h in originals]
+        for layer, positions in plan.items():
+            if positions:
+                kept = self.blocks[layer].attention.prune_heads(positions)
+                self.head_ids[layer] = [self.head_ids[layer][n] for n in kept]
+
+    def save(self, directory: str | Path) -> Path:
+        """Write this (possibly pruned) encoder to ``directory``: ``multihead_config.json`` (sizes, every
+        layer's heads), ``model.safetensors`` (our parameter names) and the tokenizer's files, so that
+        :func:`multihead.models.load_minilm` (``--model DIR``) loads it back."""
+        from multihead.models.loading import save_encoder
+
+        return save_encoder(self, Path(directory))
 
     @property
     def attention_layers(self) -> list[MultiHeadAttention]:

