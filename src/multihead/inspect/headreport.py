@@ -1,0 +1,145 @@
+"""Tables, plots and files for ``multihead heads importance|prune|syntax`` (the CLI only parses and calls)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["importance_table", "write_importance", "load_importance", "curve_table", "write_curve",
+           "heads_at_fidelity", "report_columns"]
+
+IMPORTANCE_FILE = "importance.json"
+CURVE_FILE = "pruning.json"
+SYNTAX_FILE = "syntax.json"
+
+
+def importance_table(scores: torch.Tensor, title: str, scale: float = 1000.0) -> Table:
+    """Rows layers, columns heads: scores x ``scale`` (1 - cosine x 1000 for ablation importance)."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+    table.add_column("L", justify="right", style="bold")
+    for head in range(scores.shape[1]):
+        table.add_column(f"h{head}", justify="right")
+    top = set(torch.topk(torch.nan_to_num(scores, nan=-1.0).flatten(), k=min(5, scores.numel())).indices.tolist())
+    for layer in range(scores.shape[0]):
+        cells = []
+        for head in range(scores.shape[1]):
+            value = float(scores[layer, head])
+            text = "-" if value != value else f"{value * scale:.1f}"
+            cells.append(f"[bold red]{text}[/bold red]" if layer * scores.shape[1] + head in top else text)
+        table.add_row(str(layer), *cells)
+    return table
+
+
+def write_importance(importance, out_dir: Path, *, source: str) -> dict[str, Path]:
+    """importance.json and importance.png (a layer x head heatmap) in ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {**importance.as_dict(), "source": source,
+            "ranking": [{"layer": layer, "head": head, "score": score} for layer, head, score in importance.ranking()]}
+    json_path = out_dir / IMPORTANCE_FILE
+    json_path.write_text(json.dumps(data, indent=1, allow_nan=False))
+    figure, axis = plt.subplots(figsize=(8, 4))
+    image = axis.imshow(importance.scores.numpy(), cmap="magma", aspect="auto")
+    axis.set(xlabel="head", ylabel="layer", title=f"head importance: {importance.metric}")
+    axis.set_xticks(range(importance.scores.shape[1]))
+    axis.set_yticks(range(importance.scores.shape[0]))
+    figure.colorbar(image, ax=axis)
+    figure.tight_layout()
+    png_path = out_dir / "importance.png"
+    figure.savefig(png_path, dpi=110)
+    plt.close(figure)
+    return {"json": json_path, "png": png_path}
+
+
+def load_importance(path: Path) -> torch.Tensor:
+    """The (layers, heads) scores from an importance.json (a file, or the folder holding it)."""
+    from multihead._errors import bad_argument
+
+    source = path / IMPORTANCE_FILE if path.is_dir() else path
+    try:
+        rows = json.loads(source.read_text())["scores"]
+        return torch.tensor([[float("nan") if v is None else v for v in row] for row in rows], dtype=torch.float32)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise bad_argument("--importance", "an importance.json written by `multihead heads importance`",
+                           repr(str(source)), "run `multihead heads importance --out DIR` first") from None
+
+
+def heads_at_fidelity(curve: list[dict], threshold: float = 0.99) -> dict | None:
+    """The row of ``curve`` with the most heads removed whose mean cosine is still >= ``threshold``."""
+    good = [row for row in curve if row["cosine"] >= threshold]
+    return max(good, key=lambda row: row["heads_removed"]) if good else None
+
+
+def curve_table(curve: list[dict]) -> Table:
+    table = Table(title="Pruning curve (heads removed least important first; speed measured on the pruned copy)",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("fraction", "heads removed", "mean cosine", "min cosine", "NN agreement", "encode (ms)",
+                 "speed-up", "attention speed-up"):
+        table.add_column(name, justify="right")
+    for row in curve:
+        table.add_row(f"{row['fraction']:.2f}", str(row["heads_removed"]), f"{row['cosine']:.4f}",
+                      f"{row['min_cosine']:.4f}", f"{row['nn_agreement']:.2f}", f"{row['seconds'] * 1e3:.0f}",
+                      f"{row['speedup']:.2f}x", f"{row['attention_speedup']:.2f}x")
+    return table
+
+
+def write_curve(curve: list[dict], out_dir: Path) -> dict[str, Path]:
+    """pruning.json and pruning.png (fidelity and speed-up against the fraction of heads removed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / CURVE_FILE
+    json_path.write_text(json.dumps(curve, indent=1))
+    fractions = [row["heads_removed"] for row in curve]
+    figure, left = plt.subplots(figsize=(7, 4))
+    left.plot(fractions, [row["cosine"] for row in curve], "o-", label="mean cosine to the original")
+    left.plot(fractions, [row["nn_agreement"] for row in curve], "s--", label="nearest-neighbour agreement")
+    left.axhline(0.99, color="grey", linestyle=":", label="0.99")
+    left.set(xlabel="heads removed (least important first)", ylabel="embedding fidelity")
+    right = left.twinx()
+    right.plot(fractions, [row["attention_speedup"] for row in curve], "^-", color="tab:red",
+               label="attention speed-up")
+    right.plot(fractions, [row["speedup"] for row in curve], "v-", color="tab:orange", label="encode speed-up")
+    right.set_ylabel("speed-up (measured)")
+    lines = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    labels = left.get_legend_handles_labels()[1] + right.get_legend_handles_labels()[1]
+    left.legend(lines, labels, fontsize=7, loc="lower left")
+    figure.tight_layout()
+    png_path = out_dir / "pruning.png"
+    figure.savefig(png_path, dpi=110)
+    plt.close(figure)
+    return {"json": json_path, "png": png_path}
+
+
+def report_columns(directory: Path) -> dict[str, list[list[float]]]:
+    """Per-head columns for the inspect HTML report from a `multihead heads` output folder:
+    "importance" (from importance.json) and "best syntax score" (from syntax.json), when present."""
+    columns: dict[str, list[list[float]]] = {}
+    importance = directory / IMPORTANCE_FILE
+    if importance.is_file():
+        scores = json.loads(importance.read_text())["scores"]
+        columns["importance (1 - cos) x 1000"] = [[None if v is None else round(v * 1000, 3) for v in row]
+                                                  for row in scores]
+    syntax = directory / SYNTAX_FILE
+    if syntax.is_file():
+        data = json.loads(syntax.read_text())
+        if "per_head_best" in data:
+            columns["best syntax score"] = [[round(v, 4) for v in row] for row in data["per_head_best"]]
+    return columns
+
+
+def print_lines(console: Console, lines: list[str]) -> None:
+    for line in lines:
+        console.print(line, soft_wrap=True)
