@@ -237,3 +237,31 @@ def test_heads_mistakes_get_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+def test_heads_syntax_table_and_files(tmp_path, capsys):
+    assert main(["heads", "syntax", "--max-sentences", "60", "--relations", "det,case", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "Syntactic heads on UD English EWT dev (60 sentences)" in printed
+    saved = json.loads((tmp_path / "syntax.json").read_text())
+    assert saved["relations"] == ["det", "case"] and len(saved["per_head_best"]) == 6
+    best = {row["relation"]: row for row in saved["best"]}
+    assert best["det"]["score"] == max(max(max(r) for r in saved["dependent_to_head"]["det"]),
+                                       max(max(r) for r in saved["head_to_dependent"]["det"]))
+    assert (tmp_path / "syntax.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("treebank, relations, message", [
+    (None, "det,frobnicate", "relations: expected relations present in the sentences"),
+    ("1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_\n2\tdog\tdog\tNOUN\n", None, "line 2: expected 10 tab-separated fields"),
+])
+def test_heads_syntax_mistakes(treebank, relations, message, tmp_path, capsys):
+    argv = ["heads", "syntax", "--max-sentences", "5", "--out", str(tmp_path)]
+    if treebank is not None:
+        (tmp_path / "bad.conllu").write_text(treebank)
+        argv += ["--treebank", str(tmp_path / "bad.conllu")]
+    if relations is not None:
+        argv += ["--relations", relations]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err

@@ -9,11 +9,11 @@ import torch
 
 import multihead
 from multihead import cost
-from multihead.inspect import capture, report, stats
+from multihead.inspect import capture, report, stats, syntax
 from multihead.models import bert, loading
 
 
-@pytest.mark.parametrize("module", [bert, loading, capture, stats, report, cost], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [bert, loading, capture, stats, report, cost, syntax], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     finder = doctest.DocTestFinder()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)

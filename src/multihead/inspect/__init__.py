@@ -12,6 +12,10 @@
 from multihead.inspect.capture import Recorder, attention_layers, capture
 from multihead.inspect.report import Inspection, bundled_corpus, inspect_text, read_corpus, report
 from multihead.inspect.stats import STAT_NAMES, HeadStats, Role, head_stats, label_head
+from multihead.inspect.importance import ablation_importance, gradient_importance, pruning_curve
+from multihead.inspect.syntax import SyntaxScores, bundled_treebank, read_conllu, syntax_scores
 
 __all__ = ["capture", "Recorder", "attention_layers", "head_stats", "HeadStats", "Role", "label_head", "STAT_NAMES",
-           "inspect_text", "Inspection", "report", "bundled_corpus", "read_corpus"]
+           "inspect_text", "Inspection", "report", "bundled_corpus", "read_corpus", "ablation_importance",
+           "gradient_importance", "pruning_curve", "syntax_scores", "SyntaxScores", "bundled_treebank",
+           "read_conllu"]

@@ -143,3 +143,79 @@ def report_columns(directory: Path) -> dict[str, list[list[float]]]:
 def print_lines(console: Console, lines: list[str]) -> None:
     for line in lines:
         console.print(line, soft_wrap=True)
+
+
+def syntax_table(scores) -> Table:
+    """One row per relation: dependents, the best offset baseline, the best head and its margin."""
+    table = Table(title=f"Syntactic heads on {scores.source} ({scores.sentences} sentences): the share of "
+                        "dependents whose most-attended word is their head (or the reverse)",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("relation", "dependents", "baseline", "best head", "direction", "score", "margin"):
+        table.add_column(name, justify="left" if name in ("relation", "direction", "best head") else "right")
+    for row in scores.table():
+        if row["layer"] is None:
+            table.add_row(row["relation"], "0", "", "", "", "", "")
+            continue
+        margin = row["margin"]
+        style = "green" if margin > 0.05 else "red" if margin < 0 else ""
+        table.add_row(row["relation"], str(row["count"]), f"{row['baseline_score']:.3f} at {row['baseline_offset']:+d}",
+                      f"L{row['layer']} H{row['head']}",
+                      "dependent -> head" if row["direction"] == "dependent_to_head" else "head -> dependent",
+                      f"{row['score']:.3f}", f"[{style}]{margin:+.3f}[/{style}]" if style else f"{margin:+.3f}")
+    return table
+
+
+def write_syntax(scores, out_dir: Path) -> dict[str, Path]:
+    """syntax.json (every head's shares, the best heads, per-head best) and syntax.png (best vs baseline)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {**scores.as_dict(), "per_head_best": scores.per_head_best().tolist()}
+    json_path = out_dir / SYNTAX_FILE
+    json_path.write_text(json.dumps(data, indent=1))
+    rows = [row for row in scores.table() if row["layer"] is not None]
+    figure, axis = plt.subplots(figsize=(8, 4))
+    positions = range(len(rows))
+    axis.bar([p - 0.2 for p in positions], [row["baseline_score"] for row in rows], width=0.4,
+             label="best fixed offset", color="tab:grey")
+    axis.bar([p + 0.2 for p in positions], [row["score"] for row in rows], width=0.4, label="best head",
+             color="tab:blue")
+    axis.set_xticks(list(positions), [f"{row['relation']}\nL{row['layer']}H{row['head']}" for row in rows],
+                    fontsize=7)
+    axis.set(ylabel="share of dependents", ylim=(0, 1), title="Syntactic heads against the offset baseline")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    png_path = out_dir / "syntax.png"
+    figure.savefig(png_path, dpi=110)
+    plt.close(figure)
+    return {"json": json_path, "png": png_path}
+
+
+def run_syntax_command(args, console: Console, out_dir: Path) -> int:
+    """``multihead heads syntax``: score every head on the treebank, print the table, write JSON and PNG."""
+    from rich.progress import Progress
+
+    from multihead._errors import bad_argument
+    from multihead.inspect.syntax import RELATIONS, bundled_treebank, read_conllu, syntax_scores
+    from multihead.models import load_minilm
+
+    relations = RELATIONS if args.relations is None else tuple(r.strip() for r in args.relations.split(",") if r.strip())
+    if args.max_sentences is not None and args.max_sentences < 1:
+        raise bad_argument("--max-sentences", "a positive number of sentences", args.max_sentences,
+                           "pass e.g. --max-sentences 200")
+    sentences = read_conllu(Path(args.treebank)) if args.treebank else bundled_treebank()
+    model, _ = load_minilm(args.model)
+    total = len(sentences) if args.max_sentences is None else min(len(sentences), args.max_sentences)
+    source = args.treebank or "UD English EWT dev"
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("sentences", total=total)
+        scores = syntax_scores(model, sentences, relations=relations, max_sentences=args.max_sentences,
+                               progress=lambda done: bar.update(task, completed=done))
+    scores.source = source
+    console.print(syntax_table(scores))
+    for path in write_syntax(scores, out_dir).values():
+        console.print(f"wrote {path.resolve()}", soft_wrap=True)
+    return 0
