@@ -115,7 +115,7 @@ def write_curve(curve: list[dict], out_dir: Path) -> dict[str, Path]:
     right.set_ylabel("speed-up (measured)")
     lines = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
     labels = left.get_legend_handles_labels()[1] + right.get_legend_handles_labels()[1]
-    left.legend(lines, labels, fontsize=7, loc="lower left")
+    left.legend(lines, labels, fontsize=7, loc="center left", framealpha=0.9)
     figure.tight_layout()
     png_path = out_dir / "pruning.png"
     figure.savefig(png_path, dpi=110)
