@@ -16,6 +16,21 @@ DEFAULT_TEXT = "The bank was full of money."
 BUNDLED = "bundled"
 
 
+def make_console():
+    """A rich console for this command's output: the terminal's width, at most 100 columns (100 when piped)."""
+    from rich.console import Console
+
+    console = Console() if sys.stdout.isatty() else Console(width=100)
+    console.width = min(console.width, 100)
+    return console
+
+
+def print_written(console, paths) -> None:
+    """One line per file written: its absolute path."""
+    for path in paths:
+        console.print(f"wrote {Path(path).resolve()}", soft_wrap=True)
+
+
 def parse_indices(name: str, spec: str | None) -> list[int] | None:
     """'0,2,5-7' -> [0, 2, 5, 6, 7]; None -> None (all)."""
     if spec is None:
@@ -62,17 +77,14 @@ def _inspect_parser(subparsers) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import Progress
 
     from multihead.inspect.report import bundled_corpus, check_formats, inspect_text, read_corpus, write_reports
-    from multihead.inspect.terminal import MAX_WIDTH
     from multihead.models import load_minilm
 
     formats = check_formats(args.format)
     layers, heads = parse_indices("layers", args.layers), parse_indices("heads", args.heads)
-    console = Console() if sys.stdout.isatty() else Console(width=MAX_WIDTH)
-    console.width = min(console.width, MAX_WIDTH)
+    console = make_console()
     if not args.text.strip():
         raise bad_argument("text", "a non-empty text", repr(args.text), 'pass e.g. "The bank was full of money."')
     corpus, corpus_source = None, None
@@ -131,7 +143,6 @@ def _cost_parser(subparsers) -> None:
 def run_cost(args: argparse.Namespace) -> int:
     import json
 
-    from rich.console import Console
 
     from multihead.cost import LayerShape, estimate, load_calibration
     from multihead.cost_report import cost_json, plot_cost, print_cost
@@ -156,7 +167,7 @@ def run_cost(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(cost_json(report, rates), indent=1))
     else:
-        console = Console() if sys.stdout.isatty() else Console(width=100)
+        console = make_console()
         print_cost(report, rates, console)
         if plot_path is not None:
             console.print(f"plot: {plot_path.resolve()}", soft_wrap=True)
@@ -192,13 +203,12 @@ def _bench_parser(subparsers) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from multihead.bench.common import default_out_dir, ensure_malloc_env
     from multihead.cost import DTYPES, calibrate, save_calibration
 
-    console = Console() if sys.stdout.isatty() else Console(width=100)
+    console = make_console()
     for dtype in args.dtype or []:
         if dtype not in DTYPES:
             raise bad_argument("--dtype", f"one of {', '.join(DTYPES)}", repr(dtype), "pass e.g. --dtype float32")
@@ -227,8 +237,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from multihead.bench.suite import markdown_summary
 
     console.print(markdown_summary(summary), soft_wrap=True)
-    for path in summary["files"]:
-        console.print(f"wrote {Path(path).resolve()}", soft_wrap=True)
+    print_written(console, summary["files"])
     return 0
 
 
@@ -253,8 +262,7 @@ def rescore(out_dir: Path, args: argparse.Namespace, console) -> int:
     summary = summarize(results, rates, out_dir=out_dir, quick=args.quick,
                         reports={name: f"{name}{stem}.md" for name in names})
     console.print(markdown_summary(summary), soft_wrap=True)
-    for path in summary["files"]:
-        console.print(f"wrote {Path(path).resolve()}", soft_wrap=True)
+    print_written(console, summary["files"])
     return 0
 
 
@@ -296,14 +304,13 @@ def _parse_removal(spec: str) -> dict[int, list[int]]:
 
 
 def run_heads(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import Progress
 
     from multihead.inspect import headreport
     from multihead.inspect.report import bundled_corpus, read_corpus
     from multihead.models import load_minilm
 
-    console = Console() if sys.stdout.isatty() else Console(width=100)
+    console = make_console()
     out_dir = Path(args.out)
     if args.mode == "prune":
         if (args.fraction is None) == (args.remove is None):
@@ -340,8 +347,7 @@ def run_heads(args: argparse.Namespace) -> int:
                                                               f"cosine) x 1000 when the head is {args.how}-ablated"))
             ranked = ", ".join(f"L{layer}H{head} {score * 1000:.1f}" for layer, head, score in importance.ranking()[:8])
             console.print(f"most important: {ranked}", soft_wrap=True)
-            for path in paths.values():
-                console.print(f"wrote {path.resolve()}", soft_wrap=True)
+            print_written(console, paths.values())
             return 0
     fractions = sorted({0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, round(args.fraction, 4)})
     with Progress(console=console, transient=True) as bar:
@@ -363,8 +369,7 @@ def run_heads(args: argparse.Namespace) -> int:
     paths = headreport.write_curve(curve, out_dir)
     console.print(f"pruned {chosen['heads_removed']} heads (fraction {args.fraction}): mean cosine "
                   f"{chosen['cosine']:.4f}; model saved to {model_path.resolve()}", soft_wrap=True)
-    for path in paths.values():
-        console.print(f"wrote {path.resolve()}", soft_wrap=True)
+    print_written(console, paths.values())
     return 0
 
 

@@ -91,7 +91,7 @@ def _check_tensors(q: object, k: object, v: object) -> None:
 
 
 def _check_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    (b, h, i, d), (bk, g, j, dk), (bv, gv, jv, _) = q.shape, k.shape, v.shape  # e is free
+    (b, h, _, d), (bk, g, j, dk), (bv, gv, jv, _) = q.shape, k.shape, v.shape  # e is free
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.numel() == 0:
             raise bad_argument(name, "every size at least 1", f"shape {tuple(t.shape)}",

@@ -9,7 +9,6 @@ g = h and out_dim = embed_dim: the classic layer, 4 * embed_dim^2 weights.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
