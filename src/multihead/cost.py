@@ -58,6 +58,7 @@ SOFTMAX_FLOPS_BACKWARD = 4  # per score: dP * P, row sum, subtract, times P
 LSE_BYTES = 4  # torch's CPU SDPA keeps a float32 log-sum-exp per query row
 
 TERMS = ("Q/K/V projections", "Q K^T", "softmax", "weights x V", "output projection")
+QUADRATIC_TERMS = ("Q K^T", "softmax", "weights x V")  # the n x n terms; the rest scale with n
 
 
 @dataclass(frozen=True)
@@ -190,24 +191,27 @@ class CostReport:
         return sum(self.flops.values()) + sum(self.backward_flops.values())
 
     @property
+    def per_term(self) -> dict[str, int]:
+        """FLOPs by term, forward and backward together."""
+        return {term: self.flops[term] + self.backward_flops[term] for term in TERMS}
+
+    @property
     def matmul_flops(self) -> int:
         """Forward and backward FLOPs of the matmuls only (what FlopCounterMode counts)."""
-        return sum(v for k, v in {**self.flops}.items() if k != "softmax") + sum(
-            v for k, v in self.backward_flops.items() if k != "softmax")
+        return sum(v for term, v in self.per_term.items() if term != "softmax")
 
     @property
     def needed_flops(self) -> int:
         """FLOPs a kernel that skips causally masked pairs must still do: the n x n terms scaled by
         ``attended_fraction`` (the roofline's compute bound uses this)."""
-        quadratic = ("Q K^T", "softmax", "weights x V")
-        both = {term: self.flops[term] + self.backward_flops.get(term, 0) for term in TERMS}
-        return round(sum(v for t, v in both.items() if t not in quadratic)
-                     + self.attended_fraction * sum(both[t] for t in quadratic))
+        both = self.per_term
+        return round(sum(v for term, v in both.items() if term not in QUADRATIC_TERMS)
+                     + self.attended_fraction * sum(both[term] for term in QUADRATIC_TERMS))
 
     @property
     def dominant(self) -> str:
         """The term with the most FLOPs (forward and backward together)."""
-        both = {term: self.flops[term] + self.backward_flops.get(term, 0) for term in TERMS}
+        both = self.per_term
         return max(both, key=both.get)
 
     def as_dict(self) -> dict:

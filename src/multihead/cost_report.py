@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from multihead.cost import TERMS, CostReport, LayerShape, MachineRates, compute_rate, crossover, estimate, roofline
+from multihead.cost import QUADRATIC_TERMS, TERMS, CostReport, LayerShape, MachineRates, compute_rate, crossover, estimate, roofline
 
 __all__ = ["human_flops", "human_bytes", "print_cost", "plot_cost", "cost_json"]
 
@@ -68,7 +68,7 @@ def print_cost(report: CostReport, rates: MachineRates | None, console: Console)
     console.print(flops)
     console.print(f"dominant term: [bold]{report.dominant}[/bold]")
     n_star = crossover(report.shape)
-    quadratic = sum(report.flops[t] + report.backward_flops[t] for t in ("Q K^T", "softmax", "weights x V"))
+    quadratic = sum(report.per_term[term] for term in QUADRATIC_TERMS)
     console.print(f"crossover: the n x n terms (Q K^T, softmax, weights x V) cost as much as the projections "
                   f"at n = {n_star:.0f} (about 2 x embed_dim for the classic layer); at j = {report.k_len} they "
                   f"take {quadratic / total:.0%} of the FLOPs and the projections {1 - quadratic / total:.0%}",
@@ -136,7 +136,7 @@ def plot_cost(shape: LayerShape, path: Path, *, seq: int, batch: int, dtype: str
     groups = {"projections (Q/K/V + output)": ("Q/K/V projections", "output projection"),
               "Q K^T + weights x V": ("Q K^T", "weights x V"), "softmax": ("softmax",)}
     for label, terms in groups.items():
-        left.plot(lengths, [sum(r.flops[t] + r.backward_flops[t] for t in terms) for r in reports], label=label)
+        left.plot(lengths, [sum(r.per_term[t] for t in terms) for r in reports], label=label)
     left.plot(lengths, [r.total_flops for r in reports], "k--", label="total", linewidth=1)
     left.axvline(n_star, color="grey", linestyle=":", label=f"crossover n = {n_star:.0f}")
     left.axvline(seq, color="red", linestyle="-", alpha=0.4, label=f"your n = {seq}")

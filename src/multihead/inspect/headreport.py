@@ -140,11 +140,6 @@ def report_columns(directory: Path) -> dict[str, list[list[float]]]:
     return columns
 
 
-def print_lines(console: Console, lines: list[str]) -> None:
-    for line in lines:
-        console.print(line, soft_wrap=True)
-
-
 def syntax_table(scores) -> Table:
     """One row per relation: dependents, the best offset baseline, the best head and its margin."""
     table = Table(title=f"Syntactic heads on {scores.source} ({scores.sentences} sentences): the share of "
