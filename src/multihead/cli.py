@@ -11,18 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from multihead._errors import bad_argument
+from multihead.inspect.terminal import make_console
 
 DEFAULT_TEXT = "The bank was full of money."
 BUNDLED = "bundled"
-
-
-def make_console():
-    """A rich console for this command's output: the terminal's width, at most 100 columns (100 when piped)."""
-    from rich.console import Console
-
-    console = Console() if sys.stdout.isatty() else Console(width=100)
-    console.width = min(console.width, 100)
-    return console
 
 
 def print_written(console, paths) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead.inspect.capture import capture
-from multihead.inspect.stats import STAT_NAMES, HeadStats, head_stats
+from multihead.inspect.stats import STAT_NAMES, HeadStats, head_stats, weight_stats
 
 __all__ = ["Inspection", "inspect_text", "report", "bundled_corpus", "read_corpus", "pick_token", "FORMATS",
            "BUNDLED_CORPUS"]
@@ -227,10 +227,11 @@ def inspect_text(model, text: str, *, layers: Sequence[int] | None = None, heads
             model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
     finally:
         model.train(was_training)
-    weights = torch.stack([rec.weights(layer)[0] for layer in rec.layers]).float()  # (layers, heads, n, n)
+    recorded = [rec.weights(layer) for layer in rec.layers]  # each (1, heads, n, n)
+    weights = torch.stack([layer_weights[0] for layer_weights in recorded]).float()  # (layers, heads, n, n)
     recorded_heads = rec.heads(rec.layers[0])
-    stats = head_stats(model, [text], layers=rec.layers, heads=recorded_heads, truncate=truncate,
-                       source="this text")
+    stats = weight_stats(recorded, [tokens], layers=rec.layers, heads=recorded_heads,
+                         max_offset=tokenizer.max_length, source="this text")
     corpus_stats = None
     if corpus is not None:
         corpus_stats = head_stats(model, list(corpus), layers=rec.layers, heads=recorded_heads, truncate=truncate,

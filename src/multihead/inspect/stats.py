@@ -35,7 +35,7 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead.inspect.capture import capture
 
-__all__ = ["HeadStats", "Role", "TokenInfo", "head_stats", "token_info", "kovaleva_pattern", "label_head",
+__all__ = ["HeadStats", "Role", "TokenInfo", "head_stats", "weight_stats", "token_info", "kovaleva_pattern", "label_head",
            "STAT_NAMES", "PATTERNS", "POSITIONAL_SHARE", "SINK_SHARE", "PUNCT_SHARE", "BROAD_MAX_WEIGHT",
            "BROAD_NORM_ENTROPY", "FOCUSED_NORM_ENTROPY"]
 
@@ -371,9 +371,31 @@ def head_stats(model, texts: str | Sequence[str], *, layers: Sequence[int] | Non
             recorded_layers = rec.layers
     finally:
         model.train(was_training)
-    results = [accumulators[layer].result() for layer in recorded_layers]
+    return _finish(accumulators, recorded_layers, recorded_heads, texts=len(batch_texts), tokens=tokens_seen,
+                   source=source or f"{len(batch_texts)} text{'s' if len(batch_texts) != 1 else ''}")
+
+
+def weight_stats(weights: Sequence[torch.Tensor], tokens: Sequence[Sequence[str]], *, layers: Sequence[int],
+                 heads: Sequence[int], max_offset: int = 512, source: str = "this text") -> HeadStats:
+    """:class:`HeadStats` of weights already recorded, without running the model again.
+
+    ``weights[k]``: (b, len(heads), n, n) of model layer ``layers[k]``, for texts whose word pieces
+    are ``tokens`` (one list per text, padded to n in the weights).
+    """
+    n = weights[0].shape[-1]
+    info = token_info(tokens, n)
+    accumulators = {}
+    for layer, layer_weights in zip(layers, weights):
+        accumulators[layer] = _Accumulator(len(heads), max_offset)
+        accumulators[layer].add(layer_weights, info)
+    return _finish(accumulators, list(layers), list(heads), texts=len(tokens),
+                   tokens=sum(len(pieces) for pieces in tokens), source=source)
+
+
+def _finish(accumulators: dict[int, _Accumulator], layers: list[int], heads: list[int], *, texts: int, tokens: int,
+            source: str) -> HeadStats:
+    results = [accumulators[layer].result() for layer in layers]
     values = {name: torch.stack([r[name] for r in results]) for name in results[0] if name != "patterns"}
     patterns = torch.stack([r["patterns"] for r in results])
-    return HeadStats(recorded_layers, recorded_heads, values, patterns, texts=len(batch_texts), tokens=tokens_seen,
-                     source=source or f"{len(batch_texts)} text{'s' if len(batch_texts) != 1 else ''}")
+    return HeadStats(layers, heads, values, patterns, texts=texts, tokens=tokens, source=source)
 

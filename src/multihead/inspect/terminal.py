@@ -6,6 +6,7 @@ most attended tokens with their weights (rows heads, columns layers).
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from rich import box
@@ -20,6 +21,13 @@ MAX_WIDTH = 100
 _TOKEN_CHARS = 8  # longer word pieces are shortened so six layers fit in 100 columns
 _ROLE_STYLES = {"prev": "cyan", "next": "cyan", "self": "cyan", "[CLS]": "magenta", "[SEP]": "magenta",
                 "punct": "yellow", "broad": "green", "focused": "bold red", "mixed": "dim"}
+
+
+def make_console() -> Console:
+    """A console for reports: the terminal's width up to 100 columns, and 100 when output is piped."""
+    console = Console() if sys.stdout.isatty() else Console(width=MAX_WIDTH)
+    console.width = min(console.width, MAX_WIDTH)
+    return console
 
 
 def _short(piece: str) -> str:
@@ -79,8 +87,7 @@ def strongest_links(inspection: Inspection, count: int = 6) -> list[tuple[int, i
 def print_inspection(inspection: Inspection, console: Console | None = None) -> None:
     """Print the header, the role grid and the token table to ``console`` (default: stdout, <= 100 cols)."""
     if console is None:
-        console = Console()
-        console.width = min(console.width, MAX_WIDTH)
+        console = make_console()
     console.print(Text(f"{inspection.model_name}: {len(inspection.layers)} layers x {len(inspection.heads)} heads "
                        f"on {len(inspection.tokens)} tokens", style="bold"))
     console.print(Text(" ".join(inspection.tokens), overflow="fold"))
