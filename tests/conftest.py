@@ -53,3 +53,11 @@ def tiny_blocks(block_q: int = 2, block_k: int = 3, rows: int = 2):
 def small_blocks():
     with tiny_blocks():
         yield
+
+
+def is_input_error(exc: BaseException, kind: type[Exception]) -> bool:
+    """Exactly multihead's input-error class for ``kind`` (ValueError or TypeError): catchable as ``kind``,
+    and marked as the caller's mistake (:class:`multihead._errors.InputError`)."""
+    from multihead._errors import ArgumentTypeError, ArgumentValueError
+
+    return type(exc) is {ValueError: ArgumentValueError, TypeError: ArgumentTypeError}.get(kind, kind)

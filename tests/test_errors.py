@@ -13,6 +13,8 @@ import re
 import pytest
 import torch
 
+from conftest import is_input_error
+
 from multihead import WeightSelection, attention, explain, masks
 from multihead.backends import Capabilities, registry
 
@@ -282,7 +284,7 @@ def _raised(run, fn) -> BaseException:
 
 def _check(exc: BaseException, kind: type[Exception], fragment: str) -> None:
     message = str(exc)
-    assert type(exc) is kind, f"raised {type(exc).__name__} instead of {kind.__name__}: {message}"
+    assert is_input_error(exc, kind), f"raised {type(exc).__name__} instead of {kind.__name__}: {message}"
     assert fragment in message, f"{fragment!r} not in message {message!r}"
     for word in ("expected", "got", "Fix:"):
         assert word in message, f"{word!r} not in message {message!r}"

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from conftest import is_input_error
+
 from multihead import KVCache, MultiHeadAttention, masks
 from multihead.positional import RotaryEmbedding
 
@@ -211,7 +213,7 @@ BAD_CONSTRUCTION = [
 def test_bad_construction_raises_clearly(kwargs, kind, fragment):
     with pytest.raises(kind) as excinfo:
         MultiHeadAttention(**kwargs)
-    assert type(excinfo.value) is kind and fragment in str(excinfo.value) and "Fix:" in str(excinfo.value)
+    assert is_input_error(excinfo.value, kind) and fragment in str(excinfo.value) and "Fix:" in str(excinfo.value)
 
 
 def bad_calls():
@@ -253,7 +255,7 @@ def test_bad_calls_raise_clearly(index):
     with pytest.raises(kind) as excinfo:
         call()
     message = str(excinfo.value)
-    assert type(excinfo.value) is kind and fragment in message and "Fix:" in message, message
+    assert is_input_error(excinfo.value, kind) and fragment in message and "Fix:" in message, message
 
 
 def test_fused_qkv_follows_every_weight_update_without_grad():
