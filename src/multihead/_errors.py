@@ -7,6 +7,8 @@ command line tells a user's mistake (one line, no traceback) from a bug in multi
 
 from __future__ import annotations
 
+import torch
+
 
 class InputError(Exception):
     """Marks an error as the caller's mistake (a bad argument, an unreadable file), not multihead's bug."""
@@ -52,3 +54,37 @@ def positive_int(name: str, value: object) -> int:
     if value < 1:
         raise bad_argument(name, "a positive int", value, f"pass {name} >= 1")
     return value
+
+
+FLOATING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def floating_dtype(name: str, value: object, *, allow_none: bool = True) -> torch.dtype | None:
+    """A real floating torch.dtype (float16, bfloat16, float32, float64), or None when allowed."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, torch.dtype):
+        raise bad_argument(name, "a torch.dtype such as torch.float32", describe(value),
+                           f"pass {name}=torch.float32 (a torch.dtype, not a string)", kind=TypeError)
+    if value not in FLOATING_DTYPES:
+        raise bad_argument(name, "a real floating dtype (float16, bfloat16, float32 or float64)", value,
+                           f"pass {name}=torch.float32")
+    return value
+
+
+def usable_device(name: str, value: object, *, allow_none: bool = True) -> torch.device | None:
+    """A torch.device (or a string naming one) that this build of torch can allocate on, or None when allowed."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, (str, torch.device, int)) or isinstance(value, bool):
+        raise bad_argument(name, "a torch.device, a device string such as 'cpu', or a device index",
+                           describe(value),
+                           f"pass {name}='cpu'", kind=TypeError)
+    try:
+        device = torch.device(value)
+        torch.empty(0, device=device)  # an unknown or absent device (no CUDA here, a bad index) fails now
+    except (RuntimeError, AssertionError, ValueError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise bad_argument(name, "a device this torch can use (e.g. 'cpu')", f"{value!r} ({reason})",
+                           f"pass {name}='cpu', or a device listed by torch") from None
+    return device
