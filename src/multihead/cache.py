@@ -8,13 +8,43 @@ embedding, at their absolute positions, so nothing is re-rotated later.
 A window cache (``window=W``) keeps only the last W keys: a query at position p
 attends keys p - W + 1 ... p, so after each step the W most recent keys are all
 a later query can need. Its storage is (b, g, W, d) whatever the total length.
+
+Nothing is lost on failure: :meth:`KVCache.stage` validates and prepares an append
+without changing what the cache holds, and :meth:`PendingAppend.commit` makes it
+count. The layer commits only after its whole call succeeded, so a call that raises
+(a bad mask, a backend that cannot serve it, ...) leaves ``len(cache)``, ``seen`` and
+every stored key and value as they were. (A plain cache stages the new keys in its
+free slots past ``len(cache)``, which hold nothing yet.)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from multihead._errors import bad_argument, positive_int
+from multihead._errors import bad_argument, describe, floating_dtype, positive_int, usable_device
+from multihead._limits import check_fits
+
+
+@dataclass
+class PendingAppend:
+    """An append prepared by :meth:`KVCache.stage`: what to attend over now, and how to make it count.
+
+    keys (b, g, L, d) and values (b, g, L, e) are every key/value the new queries attend over.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    cache: KVCache
+    new: int  # tokens appended
+    stored_before: int
+    seen_before: int
+    committed: bool = False
+
+    def commit(self) -> None:
+        """Make the append count: the cache now holds the new keys and values."""
+        self.cache._commit(self)
 
 
 class KVCache:
@@ -41,7 +71,11 @@ class KVCache:
         self.head_dim = positive_int("head_dim", head_dim)
         self.value_head_dim = positive_int("value_head_dim", head_dim if value_head_dim is None else value_head_dim)
         self.window = None if window is None else positive_int("window", window)
+        dtype = floating_dtype("dtype", dtype, allow_none=False)
+        device = usable_device("device", device)
         capacity = self.max_len if self.window is None else min(self.window, self.max_len)
+        check_fits("max_len", (self.batch_size, self.num_kv_heads, capacity, self.head_dim + self.value_head_dim),
+                   dtype, device, "use a smaller max_len (or window) or batch_size", what="the cache's storage")
         self.keys = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch_size, num_kv_heads, capacity, self.value_head_dim, dtype=dtype,
                                   device=device)
@@ -51,6 +85,12 @@ class KVCache:
     def __len__(self) -> int:
         """Number of keys held now (for a window cache, at most the window)."""
         return self._stored
+
+    def __repr__(self) -> str:
+        window = "" if self.window is None else f", window={self.window}"
+        return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, value_head_dim={self.value_head_dim}{window}, held={len(self)}, "
+                f"seen={self.seen})")
 
     def reset(self) -> None:
         """Forget everything; the storage is kept for reuse."""
@@ -68,35 +108,85 @@ class KVCache:
                 raise bad_argument("cache", f"a cache for {name} = {got} (this call's)", f"one for {want}",
                                    "build the cache with layer.new_cache(batch_size, max_len) for this layer "
                                    "and batch")
-        if dtype != self.keys.dtype or device != self.keys.device:
+        if dtype != self.keys.dtype or torch.device(device) != self.keys.device:
             raise bad_argument("cache", f"a cache of {dtype} on {device}",
                                f"one of {self.keys.dtype} on {self.keys.device}",
                                "build the cache with layer.new_cache after moving or casting the layer")
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add keys (b, g, n, d) and values (b, g, n, e); return everything to attend over.
-
-        Returns keys (b, g, L, d) and values (b, g, L, e): views of the storage, L = len(cache)
-        after the append; for a window cache, the previous min(W, seen) keys and the n new ones.
-        """
-        b, g, n, d = keys.shape
-        self.check_compatible(b, g, d, values.shape[-1], keys.dtype, keys.device)
-        if self.seen + n > self.max_len:
-            raise bad_argument("cache", f"room for {n} more token(s) (max_len = {self.max_len})",
+    def check_room(self, new_tokens: int) -> None:
+        """Raise if ``new_tokens`` more tokens would exceed max_len."""
+        if self.seen + new_tokens > self.max_len:
+            raise bad_argument("cache", f"room for {new_tokens} more token(s) (max_len = {self.max_len})",
                                f"{self.seen} already appended", "build the cache with a larger max_len, "
                                "or call cache.reset() to start a new sequence")
+
+    def _check_new(self, keys: object, values: object) -> int:
+        """Validate keys (b, g, n, d) and values (b, g, n, e) exactly (no broadcast, no cast); returns n."""
+        layouts = {"keys": f"(b, g, n, d) = ({self.batch_size}, {self.num_kv_heads}, n, {self.head_dim})",
+                   "values": f"(b, g, n, e) = ({self.batch_size}, {self.num_kv_heads}, n, {self.value_head_dim})"}
+        for name, t, last in (("keys", keys, self.head_dim), ("values", values, self.value_head_dim)):
+            if not isinstance(t, torch.Tensor):
+                raise bad_argument(name, f"a tensor {layouts[name]}", describe(t), f"pass {name} as a tensor",
+                                   kind=TypeError)
+            if t.dtype != self.keys.dtype:
+                raise bad_argument(name, f"dtype {self.keys.dtype} (the cache's)", t.dtype,
+                                   f"cast with {name}.to({self.keys.dtype}), or build the cache with that dtype",
+                                   kind=TypeError)
+            if t.device != self.keys.device:
+                raise bad_argument(name, f"a tensor on {self.keys.device} (the cache's device)", f"one on {t.device}",
+                                   f"move it with {name}.to({str(self.keys.device)!r})")
+            if t.ndim != 4 or tuple(t.shape[:2]) != (self.batch_size, self.num_kv_heads) or t.shape[3] != last \
+                    or t.shape[2] < 1:
+                raise bad_argument(name, f"shape {layouts[name]} with n >= 1", f"shape {tuple(t.shape)}",
+                                   "give every batch row and key/value head, one entry per new token")
+        if values.shape[2] != keys.shape[2]:
+            raise bad_argument("values", f"n = {keys.shape[2]} new tokens (from keys)", values.shape[2],
+                               "give keys and values the same number of new tokens")
+        return keys.shape[2]
+
+    def stage(self, keys: torch.Tensor, values: torch.Tensor) -> PendingAppend:
+        """Validate and prepare appending keys (b, g, n, d) and values (b, g, n, e); nothing counts until
+        :meth:`PendingAppend.commit`. ``len(self)``, ``seen`` and the keys held are unchanged here.
+
+        The pending append's keys (b, g, L, d) and values (b, g, L, e) are everything to attend over:
+        L = len(cache) + n, or for a window cache the kept min(W, seen) keys and the n new ones.
+        """
+        n = self._check_new(keys, values)
+        self.check_room(n)
+        stored = self._stored
         if self.window is None:
-            self.keys[:, :, self._stored:self._stored + n] = keys
-            self.values[:, :, self._stored:self._stored + n] = values
-            self._stored += n
-            self.seen += n
-            return self.keys[:, :, :self._stored], self.values[:, :, :self._stored]
-        # window: attend over the kept keys and the new ones, then keep the last W of them
-        all_keys = torch.cat([self.keys[:, :, :self._stored], keys], dim=2)  # (b, g, stored + n, d)
-        all_values = torch.cat([self.values[:, :, :self._stored], values], dim=2)  # (b, g, stored + n, e)
-        keep = min(all_keys.shape[2], self.keys.shape[2])
-        self.keys[:, :, :keep] = all_keys[:, :, -keep:]
-        self.values[:, :, :keep] = all_values[:, :, -keep:]
-        self._stored = keep
-        self.seen += n
-        return all_keys, all_values
+            # the free slots past len(self) hold nothing yet: writing there changes nothing that counts
+            self.keys[:, :, stored:stored + n] = keys
+            self.values[:, :, stored:stored + n] = values
+            all_keys, all_values = self.keys[:, :, :stored + n], self.values[:, :, :stored + n]
+        else:  # attend over the kept keys and the new ones; commit keeps the last W of them
+            all_keys = torch.cat([self.keys[:, :, :stored], keys], dim=2)  # (b, g, stored + n, d)
+            all_values = torch.cat([self.values[:, :, :stored], values], dim=2)  # (b, g, stored + n, e)
+        return PendingAppend(all_keys, all_values, self, n, stored, self.seen)
+
+    def _commit(self, pending: PendingAppend) -> None:
+        if pending.committed:
+            raise RuntimeError("this cache append was already committed")
+        if (self._stored, self.seen) != (pending.stored_before, pending.seen_before):
+            raise RuntimeError("the cache changed between stage() and commit(): another append or reset came "
+                               "in between; stage again")
+        if self.window is None:
+            self._stored += pending.new
+        else:
+            keep = min(pending.keys.shape[2], self.keys.shape[2])
+            self.keys[:, :, :keep] = pending.keys[:, :, -keep:]
+            self.values[:, :, :keep] = pending.values[:, :, -keep:]
+            self._stored = keep
+        self.seen += pending.new
+        pending.committed = True
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add keys (b, g, n, d) and values (b, g, n, e) now; return everything to attend over.
+
+        Returns keys (b, g, L, d) and values (b, g, L, e): L = len(cache) after the append; for a
+        window cache, the previous min(W, seen) keys and the n new ones. Invalid keys or values
+        raise before anything is written.
+        """
+        pending = self.stage(keys, values)
+        pending.commit()
+        return pending.keys, pending.values

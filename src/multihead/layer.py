@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multihead._errors import bad_argument, describe, positive_int
+from multihead._errors import bad_argument, describe, floating_dtype, positive_int, usable_device
+from multihead._limits import check_fits
 from multihead.backends import registry
 from multihead.cache import KVCache
 from multihead.functional import AttentionResult, WeightSelection, attention
-from multihead.masks import Mask, window
+from multihead.masks import Mask, as_mask, window
 from multihead.positional import RotaryEmbedding
 
 
@@ -111,8 +112,12 @@ class MultiHeadAttention(nn.Module):
         self.head_gate: torch.Tensor | None = None  # (h,) factors on each head's output, may need a gradient
         self.head_ablation = None  # a multihead.heads.HeadAblation
         self.rotary = self._rotary(rotary)
-        factory = {"device": device, "dtype": dtype}
+        factory = {"device": usable_device("device", device), "dtype": floating_dtype("dtype", dtype)}
         h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+        weights = h * d * self.embed_dim + g * d * self.kdim + g * e * self.vdim + self.out_dim * h * e
+        check_fits("embed_dim", (weights,), factory["dtype"] or torch.get_default_dtype(), factory["device"],
+                   "use smaller sizes (embed_dim, num_heads, head_dim, kdim, vdim, out_dim)",
+                   what="the projection weights")
         self.q_proj = nn.Linear(embed_dim, h * d, bias=bias, **factory)  # W^Q of every head, stacked
         self.k_proj = nn.Linear(self.kdim, g * d, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, g * e, bias=bias, **factory)
@@ -220,25 +225,44 @@ class MultiHeadAttention(nn.Module):
 
     # ----------------------------------------------------------------------- forward
 
-    def _check_input(self, name: str, x: object, features: int, batch: int | None) -> None:
+    def _check_input(self, name: str, x: object, features: int, like: torch.Tensor | None) -> None:
+        """x is (b, seq, features) with b, seq >= 1, on the layer's device, in the dtype the call computes in:
+        the layer's (any floating dtype under autocast), and the query's for key and value."""
         if not isinstance(x, torch.Tensor):
             raise bad_argument(name, "a torch.Tensor", describe(x), "pass a tensor", kind=TypeError)
+        weight = self.out_proj.weight
+        if like is None:  # the query: checked against the layer's parameters
+            if not x.is_floating_point():
+                raise bad_argument(name, f"a floating tensor ({weight.dtype}, the layer's dtype)", x.dtype,
+                                   f"convert with {name}.to({weight.dtype})", kind=TypeError)
+            if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+                raise bad_argument(name, f"dtype {weight.dtype} (the layer's parameters)", x.dtype,
+                                   f"cast the input with {name}.to({weight.dtype}), or the layer with "
+                                   f"layer.to({x.dtype})", kind=TypeError)
+            if x.device != weight.device:
+                raise bad_argument(name, f"a tensor on {weight.device} (the layer's device)", f"one on {x.device}",
+                                   f"move the input with {name}.to({str(weight.device)!r}) or the layer with "
+                                   "layer.to(...)")
+        else:
+            if x.dtype != like.dtype:
+                raise bad_argument(name, f"dtype {like.dtype} (the query's)", x.dtype,
+                                   "give query, key and value one dtype", kind=TypeError)
+            if x.device != like.device:
+                raise bad_argument(name, f"a tensor on {like.device} (the query's device)", f"one on {x.device}",
+                                   "move query, key and value to one device")
         if x.ndim != 3 or x.shape[-1] != features:
             raise bad_argument(name, f"shape (b, seq, {features})", f"shape {tuple(x.shape)}",
                                f"pass batch-first input whose last dim is {features}")
-        if batch is not None and x.shape[0] != batch:
-            raise bad_argument(name, f"batch size {batch} (from query)", x.shape[0],
+        if like is not None and x.shape[0] != like.shape[0]:
+            raise bad_argument(name, f"batch size {like.shape[0]} (from query)", x.shape[0],
                                "give query, key and value the same batch size")
-        if x.shape[1] == 0:
-            raise bad_argument(name, "at least one position", f"shape {tuple(x.shape)}",
-                               "drop empty sequences before calling the layer")
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            raise bad_argument(name, "at least one batch row and one position", f"shape {tuple(x.shape)}",
+                               "drop empty batches and sequences before calling the layer")
 
     def _project(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None):
         """q (b, i, h*d), k (b, j, g*d), v (b, j, g*e): one fused matmul for self-attention."""
         if key is None:
-            if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
-                raise bad_argument("key", f"a key tensor (b, j, {self.kdim}) since kdim/vdim differ from embed_dim",
-                                   None, "pass key= (and value=) for cross-attention")
             weight, bias = self._fused_qkv()
             return F.linear(query, weight, bias).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
@@ -279,13 +303,21 @@ class MultiHeadAttention(nn.Module):
         """
         self._check_input("query", query, self.embed_dim, None)
         b, i = query.shape[:2]
-        if key is not None:
-            self._check_input("key", key, self.kdim, b)
-        if value is not None:
-            if key is None:
+        if key is None:
+            if value is not None:
                 raise bad_argument("key", "a key tensor when value is given", None,
                                    "pass key= too, or neither for self-attention")
-            self._check_input("value", value, self.vdim, b)
+            if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+                raise bad_argument("key", f"a key tensor (b, j, {self.kdim}) since kdim/vdim differ from embed_dim",
+                                   None, "pass key= (and value=) for cross-attention")
+        else:
+            self._check_input("key", key, self.kdim, query)
+            if value is None and self.vdim != self.kdim:
+                raise bad_argument("value", f"a value tensor (b, j, {self.vdim}): vdim = {self.vdim} differs from "
+                                   f"kdim = {self.kdim}, so the key cannot serve as value", None,
+                                   "pass value= explicitly")
+        if value is not None:
+            self._check_input("value", value, self.vdim, query)
             if value.shape[1] != key.shape[1]:
                 raise bad_argument("value", f"length j = {key.shape[1]} (from key)", value.shape[1],
                                    "give key and value the same length")
@@ -298,6 +330,11 @@ class MultiHeadAttention(nn.Module):
             raise bad_argument("cache", "a multihead.KVCache (layer.new_cache(...))", describe(cache),
                                "build one with layer.new_cache(batch_size, max_len)", kind=TypeError)
         h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+        if cache is not None:
+            compute_dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(
+                query.device.type) else query.dtype
+            cache.check_compatible(b, g, d, e, compute_dtype, query.device)
+            cache.check_room(i)
 
         q, k, v = self._project(query, key, value)
         q = q.view(b, i, h, d).transpose(1, 2)  # (b, h, i, d)
@@ -312,12 +349,15 @@ class MultiHeadAttention(nn.Module):
         elif positions is not None:
             raise bad_argument("positions", "None (the layer has no rotary embedding)", describe(positions),
                                "build the layer with rotary=True, or drop positions")
+        pending = None
         if cache is not None:
-            window_size = cache.window
-            k, v = cache.append(k, v)  # (b, g, L, d), (b, g, L, e): every key attended
-            if window_size is not None:  # a window cache: each query sees its last `window` keys
-                sliding = window(window_size - 1, 0)
-                mask = sliding if mask is None else mask & sliding
+            # staged, not appended: the keys count only once the whole call has succeeded (commit below),
+            # so a call that raises leaves the cache exactly as it was
+            pending = cache.stage(k, v)
+            k, v = pending.keys, pending.values  # (b, g, L, d), (b, g, L, e): every key attended
+            if cache.window is not None:  # a window cache: each query sees its last `window` keys
+                sliding = window(cache.window - 1, 0)
+                mask = sliding if mask is None else as_mask(mask) & sliding
         result = self.attend(q, k, v, mask=mask, causal=causal, return_weights=need_weights)
         out, weights = (result.output, result.weights) if need_weights else (result, None)
         if self.head_gate is not None or self.head_ablation is not None:
@@ -327,7 +367,10 @@ class MultiHeadAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, i, h * e)  # (b, i, h*e): heads concatenated
         if weights is not None and average_weights:
             weights = weights.mean(dim=1)  # (b, i, j)
-        return self.out_proj(out), weights
+        out = self.out_proj(out)
+        if pending is not None:
+            pending.commit()
+        return out, weights
 
     def _positions(self, positions: torch.Tensor | None, b: int, i: int, cache: KVCache | None,
                    device: torch.device) -> int | torch.Tensor:
