@@ -49,5 +49,5 @@ def check_fits(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: to
     limit = device_memory(device)
     if limit is not None and nbytes > limit:
         where = "this machine's memory" if device is None or torch.device(device).type == "cpu" else f"{device}"
-        raise bad_argument(name, f"sizes whose {what} fits in {where} ({format_bytes(limit)})",
-                           f"{what} of shape {tuple(shape)} needing {format_bytes(nbytes)}", fix)
+        raise bad_argument(name, f"{what} to fit in {where} ({format_bytes(limit)})",
+                           f"shape {tuple(shape)} needing {format_bytes(nbytes)}", fix)

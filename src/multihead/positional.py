@@ -12,18 +12,24 @@ Fixed tables (rotary cos/sin, sinusoidal) are computed in float64 and cached in
 float32 (float64 for float64 inputs) as non-persistent buffers: they grow on
 demand, move with ``module.to(device)``, and never appear in ``state_dict()``.
 A cast of the module (``.half()``) is undone on the next call, so the tables keep
-their precision.
+their precision. A table is built whole before it replaces the old one (one attribute
+assignment, under a lock), so threads sharing a module, or an allocation that fails half
+way, never see a table of the wrong length; positions whose table cannot fit in memory
+are refused before anything is allocated.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import threading
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from multihead._errors import bad_argument, describe
+from multihead._limits import check_fits
 
 __all__ = ["RotaryEmbedding", "SinusoidalPositions", "LearnedPositions"]
 
@@ -90,9 +96,44 @@ def _inverse_frequencies(dim: int, base: float) -> torch.Tensor:
 
 
 def _grown(current: int, needed: int, same_place: bool, cap: int | None = None) -> int:
-    """New cache length: at least ``needed``, doubling when growing in place, never above ``cap``."""
-    size = max(needed, 2 * current if same_place else current)
+    """New cache length: at least ``needed``, doubling when growing in place (at most 2 x needed), never above
+    ``cap``."""
+    size = max(needed, min(2 * current, 2 * needed) if same_place else needed)
     return size if cap is None else min(size, cap)
+
+
+# Growing a table is rare and cheap next to attention; one lock for every module keeps modules picklable.
+_GROWTH_LOCK = threading.Lock()
+
+
+def _table_for(module: nn.Module, buffer: str, length: int, device: torch.device, dtype: torch.dtype,
+               build: Callable[[int], torch.Tensor], *, row_size: int, cap: int | None = None,
+               name: str = "positions") -> torch.Tensor:
+    """The cached table ``module.<buffer>`` (positions first) covering ``length`` positions, grown if needed.
+
+    ``build(size)`` computes a table of ``size`` positions in float64 on the CPU. The new table is
+    complete before it replaces the buffer (one assignment), so a reader in another thread sees
+    the old table or the new one, never a mix, and a failure leaves the old one in place. Each
+    caller works on the table it read, never re-reading the attribute.
+    """
+    table = getattr(module, buffer)
+    if table.device == device and table.dtype == dtype and table.shape[-2] >= length:
+        return table
+    with _GROWTH_LOCK:
+        table = getattr(module, buffer)  # another thread may have grown it meanwhile
+        same_place = table.device == device and table.dtype == dtype
+        if same_place and table.shape[-2] >= length:
+            return table
+        fix = "use smaller positions: the table of values up to the largest one must fit in memory"
+        check_fits(name, (length, row_size), torch.float64, None, fix, what="the position table")
+        size = _grown(table.shape[-2], length, same_place, cap)
+        try:  # room to grow ahead (doubling) only where that fits too
+            check_fits(name, (size, row_size), torch.float64, None, fix, what="the position table")
+        except ValueError:
+            size = length
+        table = build(size).to(device=device, dtype=dtype)
+        setattr(module, buffer, table)
+        return table
 
 
 # --------------------------------------------------------------------------- rotary
@@ -135,9 +176,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = _check_even_dim("head_dim", head_dim)
         self.base = _check_base(base)
-        # cos/sin of pos * base^(-2m/d): (positions cached, d/2); not saved, moved by .to(device)
-        self.register_buffer("_cos", torch.empty(0, head_dim // 2), persistent=False)
-        self.register_buffer("_sin", torch.empty(0, head_dim // 2), persistent=False)
+        # cos and sin of pos * base^(-2m/d), stacked: (2, positions cached, d/2); one buffer, so that it is
+        # replaced in one assignment; not saved, moved by .to(device)
+        self.register_buffer("_cos_sin", torch.empty(2, 0, head_dim // 2), persistent=False)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"
@@ -236,15 +277,15 @@ class RotaryEmbedding(nn.Module):
 
     def _tables(self, length: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for positions 0 .. >= length - 1, each (positions, d/2), in x's table dtype and device."""
-        dtype = _table_dtype(x.dtype)
-        same_place = self._cos.device == x.device and self._cos.dtype == dtype
-        if not same_place or self._cos.shape[0] < length:
-            size = _grown(self._cos.shape[0], length, same_place)
-            positions = torch.arange(size, dtype=torch.float64)
-            angles = positions[:, None] * _inverse_frequencies(self.head_dim, self.base)[None, :]  # (size, d/2)
-            self._cos = angles.cos().to(device=x.device, dtype=dtype)
-            self._sin = angles.sin().to(device=x.device, dtype=dtype)
-        return self._cos, self._sin
+
+        def build(size: int) -> torch.Tensor:  # (2, size, d/2) in float64
+            angles = torch.arange(size, dtype=torch.float64)[:, None] * _inverse_frequencies(
+                self.head_dim, self.base)[None, :]  # (size, d/2)
+            return torch.stack((angles.cos(), angles.sin()))
+
+        table = _table_for(self, "_cos_sin", length, x.device, _table_dtype(x.dtype), build,
+                           row_size=self.head_dim)
+        return table[0], table[1]
 
     def _rotate_pairs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate the pairs (x[m], x[m + d/2]); cos, sin broadcast against (..., n, d/2)."""
@@ -351,14 +392,13 @@ class SinusoidalPositions(nn.Module):
 
     def _cached(self, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """PE for positions 0 .. >= length - 1: (positions, dim)."""
-        same_place = self._table.device == device and self._table.dtype == dtype
-        if not same_place or self._table.shape[0] < length:
-            size = _grown(self._table.shape[0], length, same_place, self.max_len)
-            positions = torch.arange(size, dtype=torch.float64)
-            angles = positions[:, None] * _inverse_frequencies(self.dim, self.base)[None, :]  # (size, dim/2)
-            table = torch.stack((angles.sin(), angles.cos()), dim=-1)  # (size, dim/2, 2): (sin, cos) per pair
-            self._table = table.reshape(size, self.dim).to(device=device, dtype=dtype)  # interleaved (size, dim)
-        return self._table
+
+        def build(size: int) -> torch.Tensor:  # (size, dim) in float64
+            angles = torch.arange(size, dtype=torch.float64)[:, None] * _inverse_frequencies(
+                self.dim, self.base)[None, :]  # (size, dim/2)
+            return torch.stack((angles.sin(), angles.cos()), dim=-1).reshape(size, self.dim)  # interleaved pairs
+
+        return _table_for(self, "_table", length, device, dtype, build, row_size=self.dim, cap=self.max_len)
 
 
 class LearnedPositions(nn.Module):
