@@ -27,7 +27,7 @@ def assert_within_rule(fast: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.
                        tiny: float | None = None) -> None:
     """The FlashAttention test rule, over the whole tensor: max|fast - ref64| <= 2 max|ref_lowp - ref64| + tiny.
 
-    ref_lowp is the reference run in fast's dtype; tiny depends on that dtype.
+    ref_lowp is the textbook computed in fast's dtype without upcasting (textbook_lowp); tiny depends on that dtype.
     """
     tiny = TINY[fast.dtype] if tiny is None else tiny
     fast64, ref64, ref_lowp = (t.detach().double() for t in (fast, ref64, ref_lowp))
@@ -61,3 +61,24 @@ def is_input_error(exc: BaseException, kind: type[Exception]) -> bool:
     from multihead._errors import ArgumentTypeError, ArgumentValueError
 
     return type(exc) is {ValueError: ArgumentValueError, TypeError: ArgumentTypeError}.get(kind, kind)
+
+
+def textbook_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, causal: bool = False,
+                  scale: float | None = None):
+    """softmax(q k^T * scale + mask) v computed in q's dtype throughout, no upcast (differentiable).
+
+    Returns (output (b, h, i, e), weights (b, h, i, j), lse (b, h, i)). This is the low-precision
+    baseline of the tolerance rule (FlashAttention's ``attention_ref(upcast=False)``): the oracle
+    itself upcasts half types to float32, so it is no measure of what low precision costs.
+    """
+    from multihead.backends.reference import apply_mask, masked_softmax
+    from multihead.masks import AttentionShape, bind_mask
+
+    b, h, i, d = q.shape
+    g, j = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    keep, bias = bind_mask(mask, causal, AttentionShape(b, h, i, j, q.device)).dense(q.dtype)
+    keys, values = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)  # (b, h, j, d|e)
+    scores = q @ keys.transpose(-2, -1) * scale  # (b, h, i, j), rounded to q's dtype
+    weights, lse = masked_softmax(apply_mask(scores, keep, bias))
+    return weights @ values, weights, lse

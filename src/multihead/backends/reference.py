@@ -1,7 +1,10 @@
 """The oracle: textbook attention, readable, any dtype (float64 included), returns weights and LSE.
 
 Every other backend is tested against this one. It copies K/V to every query
-head and materialises the (b, h, i, j) scores: clarity over speed.
+head and materialises the (b, h, i, j) scores: clarity over speed. It is also the
+most robust path: it computes in float32 for half types (float64 for float64) and
+scales q before the product, so a score the input dtype can hold never overflows
+on the way (a float16 score of -40000 stays -40000).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from multihead.backends._blocks import compute_dtype
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BoundMask
 
@@ -46,14 +50,17 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ma
                         dropout: float, need_weights: bool, need_lse: bool) -> BackendOutput:
     """softmax(q k^T * scale + mask) v. q (b, h, i, d), k (b, g, j, d), v (b, g, j, e)."""
     groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)  # (b, h, j, d): query head n reads key head n // groups
-    v = v.repeat_interleave(groups, dim=1)  # (b, h, j, e)
-    scores = q @ k.transpose(-2, -1) * scale  # (b, h, i, j)
-    weights, lse = masked_softmax(apply_mask(scores, *mask.dense(dtype=scores.dtype)))
+    work = compute_dtype(q.dtype)  # float32 for half types, float64 for float64: the oracle never overflows first
+    k = k.to(work).repeat_interleave(groups, dim=1)  # (b, h, j, d): query head n reads key head n // groups
+    v = v.to(work).repeat_interleave(groups, dim=1)  # (b, h, j, e)
+    # scale before the product: q k^T can overflow where (q * scale) k^T does not
+    scores = (q.to(work) * scale) @ k.transpose(-2, -1)  # (b, h, i, j)
+    weights, lse = masked_softmax(apply_mask(scores, *mask.dense(dtype=work)))
     if dropout > 0:
         weights = F.dropout(weights, p=dropout, training=True)
     output = weights @ v  # (b, h, i, e)
-    return BackendOutput(output, weights if need_weights else None, lse if need_lse else None)
+    return BackendOutput(output.to(q.dtype), weights.to(q.dtype) if need_weights else None,
+                         lse.to(q.dtype) if need_lse else None)
 
 
 CAPABILITIES = Capabilities(lse=True, weights=True, dropout=True, backward=True, bias_grad=True)
