@@ -5,8 +5,10 @@ What differs from ours, and how this backend bridges it:
   passed only when the two coincide (equal lengths or an explicit top-left
   causal mask); every other mask is handed over as a dense tensor.
 - Fully masked rows give 0 (not NaN) in torch's CPU kernels, verified by the
-  tests; on other devices that is not verified here, so calls whose mask may
-  empty a row are left to other backends there.
+  tests, as long as their scores are finite: their queries are zeroed first, so
+  scores that would overflow (q, k ~ 1e20) cannot turn them into inf - inf = NaN.
+  On other devices this is not verified here, so calls whose mask may empty a
+  row are left to other backends there.
 - Dropout is passed only when it applies (training); GQA uses enable_gqa.
 - Auto passes it over for bf16/fp16 backward on CPUs without bf16/fp16 matrix
   units, where torch's kernel is several times slower than tiled; naming it
@@ -44,6 +46,11 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: B
                    dropout: float, need_weights: bool, need_lse: bool) -> BackendOutput:
     """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e)."""
     attn_mask, is_causal = sdpa_mask(mask, q.dtype)
+    if attn_mask is not None and mask.may_empty_rows():
+        # SDPA adds the mask to q k^T: a fully masked row whose scores overflow to +inf gets inf - inf = NaN.
+        # Zero queries score 0 everywhere, so such rows give 0 (output and gradient) like every other backend.
+        masked_out = attn_mask.logical_not() if attn_mask.dtype == torch.bool else attn_mask == -math.inf
+        q = q.masked_fill(masked_out.all(dim=-1, keepdim=True), 0.0)  # rows (.., i, 1) broadcast over d
     output = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal,
                                             scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return BackendOutput(output)
