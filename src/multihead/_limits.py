@@ -8,6 +8,7 @@ are refused at once instead of overflowing, allocating for a minute, or filling 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -20,7 +21,11 @@ __all__ = ["device_memory", "check_fits", "format_bytes"]
 
 def device_memory(device: torch.device | str | None) -> int | None:
     """Total bytes of memory of ``device`` (None: the CPU), or None when there is no limit to apply (meta)."""
-    device = torch.device("cpu") if device is None else torch.device(device)
+    return _memory_of(torch.device("cpu") if device is None else torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_of(device: torch.device) -> int | None:
     if device.type == "meta":
         return None
     if device.type == "cuda":
@@ -44,7 +49,12 @@ def format_bytes(n: int) -> str:
 
 def check_fits(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None,
                fix: str, *, what: str = "a tensor") -> None:
-    """Raise a ValueError naming ``name`` if ``what`` of ``shape`` and ``dtype`` cannot fit in the device's memory."""
+    """Raise a ValueError naming ``name`` if ``what`` of ``shape`` and ``dtype`` cannot fit in the device's memory.
+
+    Skipped while torch.compile traces: sizes there are symbolic, and the check is for eager calls.
+    """
+    if torch.compiler.is_compiling():
+        return
     nbytes = math.prod(int(n) for n in shape) * dtype.itemsize
     limit = device_memory(device)
     if limit is not None and nbytes > limit:

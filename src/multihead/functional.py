@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from multihead._errors import bad_argument, describe
+from multihead._limits import check_fits
 from multihead.backends import registry
 from multihead.backends._blocks import compute_dtype, mask_scores_, softmax_rows_
 from multihead.backends.reference import apply_mask, masked_softmax
@@ -144,7 +145,11 @@ def _check_selection(selection: WeightSelection, heads: int, q_len: int) -> None
         if values is None:
             continue
         if isinstance(values, slice) and name == "queries":
-            if values.step is not None and (not isinstance(values.step, int) or values.step < 1):
+            parts = (values.start, values.stop, values.step)
+            if not all(part is None or (isinstance(part, int) and not isinstance(part, bool)) for part in parts):
+                raise bad_argument("WeightSelection.queries", "a slice of ints (or None)", values,
+                                   "use whole numbers, e.g. slice(0, 8)", kind=TypeError)
+            if values.step is not None and values.step < 1:
                 raise bad_argument("WeightSelection.queries", "a slice with a positive step", values,
                                    "use a step of 1 or more, e.g. slice(0, 8, 2)")
             if not range(*values.indices(limit)):
@@ -164,6 +169,23 @@ def _check_selection(selection: WeightSelection, heads: int, q_len: int) -> None
                                out_of_range, f"pick {name} below {limit}")
 
 
+def _check_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_weights: object) -> None:
+    """Refuse, before any kernel allocates, inputs and results that cannot exist in the device's memory.
+
+    Inputs count at their full logical size: an expanded view (k.expand(...) over 2**40 keys) costs
+    nothing to build, but kernels copy or traverse every key.
+    """
+    (b, h, i, _), (_, g, j, d), e = q.shape, k.shape, v.shape[3]
+    fix = "split the batch or the sequence into chunks that fit"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_fits(name, tuple(t.shape), t.dtype, t.device, fix)
+    check_fits("q", (b, h, i, e), q.dtype, q.device, fix, what="the output")
+    if return_weights is True:
+        check_fits("return_weights", (b, h, i, j), q.dtype, q.device,
+                   "ask for some heads and rows with WeightSelection(heads=[...], queries=[...])",
+                   what="the weights")
+
+
 def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return_weights, return_lse) -> _Prepared:
     _check_tensors(q, k, v)
     _check_options(scale, dropout, training, causal, backend, return_weights, return_lse)
@@ -173,6 +195,7 @@ def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return
     _check_sizes(q, k, v)
     b, h, i, d = q.shape
     g, j, e = k.shape[1], k.shape[2], v.shape[3]
+    _check_fits(q, k, v, return_weights)
     if mask is not None and not isinstance(mask, (Mask, torch.Tensor)):
         raise bad_argument("mask", "a multihead.masks mask, a bool tensor or a float tensor", describe(mask),
                            "build one with multihead.masks.causal(), padding(...), or pass a tensor",

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from multihead._errors import bad_argument, describe
+from multihead._limits import check_fits
 
 __all__ = [
     "Mask",
@@ -195,16 +196,22 @@ class _Padding(Mask):
             if keys.shape[0] != shape.batch:
                 raise bad_argument("padding(lengths)", f"shape (b,) = ({shape.batch},)", tuple(keys.shape),
                                    "give one key length per batch element")
-            lo, hi = int(keys.min()), int(keys.max())
-            if lo < 0 or hi > shape.k_len:
-                raise bad_argument("padding(lengths)", f"lengths in [0, {shape.k_len}] (the key length j)",
-                                   f"values from {lo} to {hi}", "clip the lengths to the number of keys")
+            if _has_values(keys):
+                lo, hi = torch.stack((keys.min(), keys.max())).tolist()  # one device sync
+                if lo < 0 or hi > shape.k_len:
+                    raise bad_argument("padding(lengths)", f"lengths in [0, {shape.k_len}] (the key length j)",
+                                       f"values from {lo} to {hi}", "clip the lengths to the number of keys")
             valid = torch.arange(shape.k_len, device=shape.device) < keys[:, None]
         return _BoundPadding(valid, shape)
 
 
 def padding(keys: torch.Tensor | Sequence[int]) -> Mask:
-    """Mask padded keys: ``keys`` is a (b,) tensor of key lengths, or a (b, j) bool tensor, True = real."""
+    """Mask padded keys: ``keys`` is a (b,) tensor of key lengths, or a (b, j) bool tensor, True = real.
+
+    Lengths outside [0, j] are refused when the mask is bound, except where their values cannot be
+    read: on the meta device, and while torch.compile traces (reading a value would break the graph);
+    there a length above j keeps every key and one below 0 masks the whole row.
+    """
     return _Padding(keys)
 
 
@@ -259,15 +266,18 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
                            kind=TypeError)
     if num_heads < 1:
         raise bad_argument("num_heads", "a positive int", num_heads, "pass the number of query heads")
+    check_fits("num_heads", (num_heads,), torch.float64, None, "pass the number of query heads",
+               what="the slopes")
 
-    def geometric(n: int) -> list[float]:
-        return [2.0 ** (-8.0 * (k + 1) / n) for k in range(n)]
+    def geometric(n: int, count: int, step: int = 1) -> torch.Tensor:  # 2^(-8 (m + 1) / n) for m = 0, step, ...
+        m = torch.arange(0, count * step, step, dtype=torch.float64)
+        return torch.exp2(-8.0 * (m + 1) / n)
 
-    power = 2 ** int(math.floor(math.log2(num_heads)))
-    slopes = geometric(power)
+    power = 1 << (num_heads.bit_length() - 1)  # the largest power of two <= num_heads
+    slopes = geometric(power, power)
     if power < num_heads:
-        slopes += geometric(2 * power)[0::2][: num_heads - power]
-    return torch.tensor(slopes, dtype=torch.float32)
+        slopes = torch.cat([slopes, geometric(2 * power, num_heads - power, step=2)])
+    return slopes.to(torch.float32)
 
 
 class _Dense(Mask):
@@ -336,6 +346,12 @@ def as_mask(value: Mask | torch.Tensor, *, name: str = "mask") -> Mask:
 
 
 # --------------------------------------------------------------------------- bound terms
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    """Whether t's values can be read now: not on the meta device (shapes only) and not under torch.compile's
+    tracing, where reading a value would break the graph."""
+    return t.device.type != "meta" and not torch.compiler.is_compiling()
 
 
 def _positions(index: Index, size: int, device: torch.device) -> torch.Tensor:
@@ -414,18 +430,28 @@ class _BoundDiagonal(_BoundTerm):
 class _BoundPadding(_BoundTerm):
     def __init__(self, valid: torch.Tensor, shape: AttentionShape):
         self.valid = valid[:, None, None, :]  # (b, 1, 1, j)
-        # per-key-column counts over the batch, cumulated, so block states need no device sync
-        any_valid = valid.any(0).cpu().long()
-        all_valid = valid.all(0).cpu().long()
-        zero = torch.zeros(1, dtype=torch.long)
-        self.any_cum = torch.cat([zero, any_valid.cumsum(0)]).tolist()
-        self.all_cum = torch.cat([zero, all_valid.cumsum(0)]).tolist()
-        self.empty_rows = bool((~valid.any(1)).any())
+        self._key_counts: tuple[torch.Tensor, torch.Tensor] | None = None  # built on the first block query
+
+    def _cumulative_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per key column, whether some / every batch row has it real, cumulated: two (j + 1,) CPU tensors.
+
+        Computed once, on the first block state asked for (kernels that never skip blocks never pay
+        the device sync), so a block's state is two lookups.
+        """
+        if self._key_counts is None:
+            valid = self.valid[:, 0, 0, :]  # (b, j)
+            zero = torch.zeros(1, dtype=torch.long)
+            self._key_counts = (torch.cat([zero, valid.any(0).cpu().long().cumsum(0)]),
+                                torch.cat([zero, valid.all(0).cpu().long().cumsum(0)]))
+        return self._key_counts
 
     def state(self, rows: range, cols: range) -> BlockState:
-        if self.any_cum[cols.stop] == self.any_cum[cols.start]:
+        if not _has_values(self.valid):
+            return BlockState.PARTIAL
+        any_cum, all_cum = self._cumulative_counts()
+        if any_cum[cols.stop] == any_cum[cols.start]:
             return BlockState.EMPTY
-        if self.all_cum[cols.stop] - self.all_cum[cols.start] == len(cols):
+        if all_cum[cols.stop] - all_cum[cols.start] == len(cols):
             return BlockState.FULL
         return BlockState.PARTIAL
 
@@ -433,7 +459,9 @@ class _BoundPadding(_BoundTerm):
         return _select(self.valid, 3, cols)
 
     def may_empty_rows(self) -> bool:
-        return self.empty_rows
+        if not _has_values(self.valid):
+            return True  # nothing to look at (meta tensors, or tracing): assume the worst
+        return bool((~self.valid.any(-1)).any())
 
 
 class _BoundAlibi(_BoundTerm):
@@ -461,6 +489,8 @@ class _BoundDense(_BoundTerm):
         return _select(_select(_select(self.tensor, 1, heads), 2, rows), 3, cols)
 
     def may_empty_rows(self) -> bool:
+        if not _has_values(self.tensor):
+            return True
         keep = self.tensor > -math.inf if self.is_bias else self.tensor
         return bool((~keep.any(-1)).any())
 
@@ -513,6 +543,8 @@ class BoundMask:
             return True
         if len(self.terms) < 2:
             return False
+        if self.shape.device.type == "meta" or torch.compiler.is_compiling():
+            return True  # no values to look at: assume the worst (kernels then guard every row)
         keep, bias = self.dense(torch.float32)  # terms that each leave a key may still jointly leave none
         if bias is not None:
             finite = bias > -math.inf
