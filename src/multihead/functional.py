@@ -253,6 +253,25 @@ def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
     return masked_softmax(masked)[0].to(p.q.dtype)
 
 
+def _autocasting(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and torch.is_autocast_enabled(t.device.type)
+
+
+def _autocast_inputs(q: object, k: object, v: object) -> tuple[object, object, object]:
+    """Under autocast, q, k and v in the autocast dtype, as torch's SDPA takes them (float64 left alone,
+    as autocast leaves it); otherwise unchanged. Validation of what comes out happens in _prepare."""
+    if not _autocasting(q):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+
+    def cast(t: object) -> object:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+            return t.to(dtype)
+        return t
+
+    return cast(q), cast(k), cast(v)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | torch.Tensor | None = None,
               causal: bool = False, scale: float | None = None, dropout: float = 0.0, training: bool = False,
               backend: str = "auto", return_weights: bool | WeightSelection = False,
@@ -278,6 +297,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
             returned are those applied, after dropout, as torch.nn.MultiheadAttention returns them.
         return_lse: also return the log-sum-exp of the masked scaled scores, (b, h, i).
 
+    Under ``torch.autocast``, q, k and v are cast to the autocast dtype first (float64 excepted), as
+    torch's scaled_dot_product_attention is, and the kernel runs with autocast off: its blocks keep
+    their own precision (float32 for half types).
+
     Returns:
         The output (b, h, i, e) alone, or an :class:`AttentionResult` (output, weights, lse) when
         weights or the LSE are asked for. Rows whose keys are all masked give output 0, weights 0,
@@ -288,6 +311,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         >>> attention(q, k, v, causal=True).shape
         torch.Size([2, 8, 5, 16])
     """
+    q, k, v = _autocast_inputs(q, k, v)
+    if _autocasting(q):
+        with torch.autocast(q.device.type, enabled=False):  # the kernels pick their own block precision
+            return attention(q, k, v, mask=mask, causal=causal, scale=scale, dropout=dropout, training=training,
+                             backend=backend, return_weights=return_weights, return_lse=return_lse)
     p = _prepare(q, k, v, mask=mask, causal=causal, scale=scale, dropout=dropout, training=training,
                  backend=backend, return_weights=return_weights, return_lse=return_lse)
     chosen = registry.choose(p.call, backend)
@@ -313,6 +341,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | t
             backend: str = "auto", return_weights: bool | WeightSelection = False,
             return_lse: bool = False) -> registry.Explanation:
     """Which backend :func:`attention` with these arguments would run, and why each other was not chosen."""
+    q, k, v = _autocast_inputs(q, k, v)
     p = _prepare(q, k, v, mask=mask, causal=causal, scale=scale, dropout=dropout, training=training,
                  backend=backend, return_weights=return_weights, return_lse=return_lse)
     return registry.explain_call(p.call, backend)
