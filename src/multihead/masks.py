@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from multihead._errors import bad_argument, describe
 from multihead._limits import check_fits
@@ -348,15 +349,36 @@ def as_mask(value: Mask | torch.Tensor, *, name: str = "mask") -> Mask:
 # --------------------------------------------------------------------------- bound terms
 
 
+def _surely(condition: bool) -> bool:
+    """The condition, for plain ints; for symbolic sizes (torch.compile, torch.export) True only when it
+    holds for every size, without adding a guard that would pin a sequence length."""
+    return statically_known_true(condition)
+
+
 def _has_values(t: torch.Tensor) -> bool:
     """Whether t's values can be read now: not on the meta device (shapes only) and not under torch.compile's
     tracing, where reading a value would break the graph."""
     return t.device.type != "meta" and not torch.compiler.is_compiling()
 
 
+Span = range | slice  # consecutive positions start .. stop - 1 (a slice here has step 1 and int bounds)
+
+
+def _span(index: slice, size: int) -> tuple[int, int]:
+    """(start, stop) of a slice of step 1, without ``slice.indices`` or ``range``: both force a symbolic
+    size to a constant, which under torch.compile would pin every sequence length."""
+    if index.step in (None, 1) and (index.start is None or index.start >= 0) and (index.stop is None or
+                                                                                index.stop >= 0):
+        return 0 if index.start is None else index.start, size if index.stop is None else min(index.stop, size)
+    start, stop, step = index.indices(size)
+    if step != 1:
+        raise ValueError(f"mask blocks take consecutive positions, got step {step}")
+    return start, stop
+
+
 def _positions(index: Index, size: int, device: torch.device) -> torch.Tensor:
     if isinstance(index, slice):
-        return torch.arange(*index.indices(size), device=device)
+        return torch.arange(*_span(index, size), device=device)
     return index
 
 
@@ -373,8 +395,17 @@ class _BoundTerm:
     is_bias = False
     requires_grad = False
 
-    def state(self, rows: range, cols: range) -> BlockState:
+    def state(self, rows: Span, cols: Span) -> BlockState:
+        """What this term does to the block of query positions ``rows`` and key positions ``cols``."""
+        return self.span_state(rows.start, rows.stop, cols.start, cols.stop)
+
+    def span_state(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> BlockState:
         return BlockState.PARTIAL
+
+    def surely_full(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> bool:
+        """Whether this term keeps every pair of the block, provably: for symbolic sizes (torch.compile,
+        torch.export) only what holds for every size, so that asking never pins a length."""
+        return False
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
         """A bool (keep) or float (bias) tensor broadcastable to (b, h_sel, rows, cols)."""
@@ -391,12 +422,14 @@ class _BoundDiagonal(_BoundTerm):
     @property
     def is_plain_causal(self) -> bool:
         """Equal to SDPA's is_causal=True (top-left lower triangle)."""
-        return self.spec.left is None and self.spec.right == 0 and self.offset == 0
+        return self.spec.left is None and self.spec.right == 0 and _surely(self.offset == 0)
 
-    def state(self, rows: range, cols: range) -> BlockState:
-        # relative position r = j - (i + offset) ranges over [lo, hi] in this block
-        lo = cols.start - (rows.stop - 1 + self.offset)
-        hi = cols.stop - 1 - (rows.start + self.offset)
+    def _relative_range(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> tuple[int, int]:
+        """[lo, hi]: the relative positions r = j - (i + offset) of the block's pairs."""
+        return col_start - (row_stop - 1 + self.offset), col_stop - 1 - (row_start + self.offset)
+
+    def span_state(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> BlockState:
+        lo, hi = self._relative_range(row_start, row_stop, col_start, col_stop)
         left = -math.inf if self.spec.left is None else -self.spec.left
         right = math.inf if self.spec.right is None else self.spec.right
         if hi < left or lo > right:
@@ -404,6 +437,11 @@ class _BoundDiagonal(_BoundTerm):
         if lo >= left and hi <= right:
             return BlockState.FULL
         return BlockState.PARTIAL
+
+    def surely_full(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> bool:
+        lo, hi = self._relative_range(row_start, row_stop, col_start, col_stop)
+        return ((self.spec.left is None or _surely(lo >= -self.spec.left))
+                and (self.spec.right is None or _surely(hi <= self.spec.right)))
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
         i = _positions(rows, self.shape.q_len, self.shape.device) + self.offset  # aligned query positions
@@ -422,9 +460,9 @@ class _BoundDiagonal(_BoundTerm):
     def may_empty_rows(self) -> bool:
         # aligned positions run from offset to q_len - 1 + offset; keys from 0 to k_len - 1
         first, last = self.offset, self.shape.q_len - 1 + self.offset
-        too_early = self.spec.right is not None and first + self.spec.right < 0
-        too_late = self.spec.left is not None and last - self.spec.left > self.shape.k_len - 1
-        return too_early or too_late
+        starts_in_time = self.spec.right is None or _surely(first + self.spec.right >= 0)
+        ends_in_time = self.spec.left is None or _surely(last - self.spec.left <= self.shape.k_len - 1)
+        return not (starts_in_time and ends_in_time)
 
 
 class _BoundPadding(_BoundTerm):
@@ -445,15 +483,18 @@ class _BoundPadding(_BoundTerm):
                                 torch.cat([zero, valid.all(0).cpu().long().cumsum(0)]))
         return self._key_counts
 
-    def state(self, rows: range, cols: range) -> BlockState:
+    def span_state(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> BlockState:
         if not _has_values(self.valid):
             return BlockState.PARTIAL
         any_cum, all_cum = self._cumulative_counts()
-        if any_cum[cols.stop] == any_cum[cols.start]:
+        if any_cum[col_stop] == any_cum[col_start]:
             return BlockState.EMPTY
-        if all_cum[cols.stop] - all_cum[cols.start] == len(cols):
+        if all_cum[col_stop] - all_cum[col_start] == col_stop - col_start:
             return BlockState.FULL
         return BlockState.PARTIAL
+
+    def surely_full(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> bool:
+        return _has_values(self.valid) and self.span_state(row_start, row_stop, col_start, col_stop) is BlockState.FULL
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
         return _select(self.valid, 3, cols)
@@ -507,10 +548,9 @@ class BoundMask:
     """
 
     def __init__(self, terms: list[_BoundTerm], shape: AttentionShape):
-        everything = range(shape.q_len), range(shape.k_len)
         # a boolean term that keeps every pair (causal with one decoding query, full-length padding)
         # changes nothing; dropping it spares kernels a dense mask
-        terms = [t for t in terms if t.is_bias or t.state(*everything) is not BlockState.FULL]
+        terms = [t for t in terms if t.is_bias or not t.surely_full(0, shape.q_len, 0, shape.k_len)]
         self.terms = terms
         self.shape = shape
         self.keep_terms = [t for t in terms if not t.is_bias]
@@ -551,7 +591,7 @@ class BoundMask:
             keep = finite if keep is None else keep & finite
         return keep is not None and bool((~keep.any(-1)).any())
 
-    def state(self, rows: range, cols: range) -> BlockState:
+    def state(self, rows: Span, cols: Span) -> BlockState:
         states = [t.state(rows, cols) for t in self.keep_terms]
         if BlockState.EMPTY in states:
             return BlockState.EMPTY
@@ -564,10 +604,9 @@ class BoundMask:
         """Evaluate for query positions ``rows`` and key positions ``cols`` (slices or index tensors)."""
         keep = None
         for term in self.keep_terms:
-            if isinstance(rows, slice) and isinstance(cols, slice):
-                state = term.state(range(*rows.indices(self.shape.q_len)), range(*cols.indices(self.shape.k_len)))
-                if state is BlockState.FULL:
-                    continue
+            if isinstance(rows, slice) and isinstance(cols, slice) and term.surely_full(
+                    *_span(rows, self.shape.q_len), *_span(cols, self.shape.k_len)):
+                continue
             part = term.evaluate(rows, cols, heads)
             keep = part if keep is None else keep & part
         total = None
