@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import math
 
 import pytest
@@ -196,6 +198,11 @@ def test_rotary_makes_scores_depend_on_relative_position_only():
 
 
 BAD_CONSTRUCTION = [
+    (dict(embed_dim=12, num_heads=2, dtype=torch.int64), ValueError, "dtype: expected a real floating dtype"),
+    (dict(embed_dim=12, num_heads=2, dtype=torch.complex64), ValueError, "dtype: expected a real floating dtype"),
+    (dict(embed_dim=12, num_heads=2, dtype="float32"), TypeError, "dtype: expected a torch.dtype"),
+    (dict(embed_dim=12, num_heads=2, device="nope"), ValueError, "device: expected a device this torch can use"),
+    (dict(embed_dim=2**17, num_heads=1), ValueError, "embed_dim: expected the projection weights to fit"),
     (dict(embed_dim=0, num_heads=2), ValueError, "embed_dim: expected a positive int"),
     (dict(embed_dim=10, num_heads=3), ValueError, "num_heads: expected a divisor of embed_dim = 10"),
     (dict(embed_dim=12, num_heads=6, num_kv_heads=4), ValueError, "num_kv_heads: expected a divisor of num_heads"),
@@ -246,6 +253,18 @@ def bad_calls():
         (lambda: layer(x, mask=torch.ones(5, 6, dtype=torch.bool)), ValueError, "mask: expected a shape broadcastable"),
         (lambda: KVCache(0, 4, 1, 8), ValueError, "batch_size: expected a positive int"),
         (lambda: layer.new_cache(2, 8, window=0), ValueError, "window: expected a positive int"),
+        # dtypes and devices: checked against the layer's parameters, then the query's
+        (lambda: layer(x.double()), TypeError, "query: expected dtype torch.float32 (the layer's parameters)"),
+        (lambda: layer(x.half()), TypeError, "query: expected dtype torch.float32 (the layer's parameters)"),
+        (lambda: layer(x.long()), TypeError, "query: expected a floating tensor"),
+        (lambda: layer(x.to(torch.complex64)), TypeError, "query: expected a floating tensor"),
+        (lambda: layer(torch.randn(2, 5, 12, device="meta")), ValueError, "query: expected a tensor on cpu"),
+        (lambda: layer(x, x.double()), TypeError, "key: expected dtype torch.float32 (the query's)"),
+        (lambda: cross(x, torch.randn(2, 5, 5), torch.randn(2, 5, 5, dtype=torch.float64)), TypeError,
+         "value: expected dtype torch.float32 (the query's)"),
+        (lambda: layer(torch.randn(0, 5, 12)), ValueError, "query: expected at least one batch row and one position"),
+        (lambda: MultiHeadAttention(12, 2, kdim=5, vdim=7)(x, torch.randn(2, 5, 5)), ValueError,
+         "value: expected a value tensor (b, j, 7)"),
     ]
 
 
@@ -275,3 +294,66 @@ def test_fused_qkv_follows_every_weight_update_without_grad():
     # with gradients the stack is rebuilt per call and gradients reach the separate weights
     layer(x)[0].sum().backward()
     assert layer.q_proj.weight.grad is not None and layer.v_proj.bias.grad is not None
+
+
+def _failing_steps(layer, x):
+    """Cached calls of the token x[:, 3:4] that must raise, each for a different reason: {reason: (call, fragment)}."""
+    token = x[:, 3:4]
+    return {
+        "mask of the wrong shape": (lambda cache: layer(token, causal=True, cache=cache, mask=torch.ones(
+            5, 5, dtype=torch.bool)), "mask: expected a shape broadcastable"),
+        "mask of a bad type": (lambda cache: layer(token, causal=True, cache=cache, mask="causal"),
+                               "mask: expected a multihead.masks mask"),
+        "integer mask": (lambda cache: layer(token, causal=True, cache=cache, mask=torch.ones(1, 4, dtype=torch.int32)),
+                         "mask: expected a bool tensor"),
+        "a backend that cannot serve it": (lambda cache: _with_backend(layer, "sdpa", lambda: layer(
+            token, causal=True, cache=cache, mask=masks.bias(torch.zeros(4, dtype=torch.float64, requires_grad=True)))),
+            "gradient with respect to an additive bias"),
+        "weights asked of rows that do not exist": (lambda cache: _with_capture(layer, lambda: layer(
+            token, causal=True, cache=cache)), "WeightSelection.queries"),
+        "a failure after attention (bad head gate)": (lambda cache: _with_gate(layer, lambda: layer(
+            token, causal=True, cache=cache)), "size of tensor"),
+    }
+
+
+def _with_backend(layer, name, call):
+    saved = layer.backend
+    layer.backend = name
+    try:
+        return call()
+    finally:
+        layer.backend = saved
+
+
+def _with_capture(layer, call):
+    from multihead.inspect import capture
+
+    with capture(layer, heads=[0], queries=[7]):  # row 7 of a one-token call: refused inside the kernel call
+        return call()
+
+
+def _with_gate(layer, call):
+    layer.head_gate = torch.ones(5)  # wrong length: fails after the attention ran
+    try:
+        return call()
+    finally:
+        layer.head_gate = None
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["plain", "window"])
+def test_a_failed_cached_call_leaves_the_cache_as_it_was(window):
+    layer = MultiHeadAttention(12, 3, num_kv_heads=1, rotary=True, dtype=torch.float64)
+    x = torch.randn(2, 6, 12, dtype=torch.float64)
+    cache, uninterrupted = layer.new_cache(2, 8, window=window), layer.new_cache(2, 8, window=window)
+    layer(x[:, :3], causal=True, cache=cache)
+    layer(x[:, :3], causal=True, cache=uninterrupted)
+    for reason, (step, fragment) in _failing_steps(layer, x).items():
+        held = len(cache), cache.seen, cache.keys.clone(), cache.values.clone()
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=re.escape(fragment)):
+            step(cache)
+        assert (len(cache), cache.seen) == held[:2], reason
+        assert torch.equal(cache.keys[:, :, :len(cache)], held[2][:, :, :len(cache)]), reason
+        assert torch.equal(cache.values[:, :, :len(cache)], held[3][:, :, :len(cache)]), reason
+    for start in (3, 4, 5):  # the retried token and the next ones are exactly the uninterrupted run's
+        torch.testing.assert_close(layer(x[:, start:start + 1], causal=True, cache=cache)[0],
+                                   layer(x[:, start:start + 1], causal=True, cache=uninterrupted)[0], rtol=0, atol=0)
