@@ -470,3 +470,69 @@ def test_bad_inputs_raise_the_right_error_with_a_fix(thunk, kind, fragment):
     message = str(info.value)
     assert fragment in message
     assert "expected" in message and "got" in message and "Fix:" in message
+
+
+# --------------------------------------------------------------------------- shared tables: threads and failures
+
+
+def test_a_rotary_layer_shared_by_four_threads_gives_the_single_threaded_outputs():
+    """Threads growing the cos/sin tables at once (2500 then 7 positions...) must never read a mixed table."""
+    import threading
+
+    from multihead import MultiHeadAttention
+
+    layer = MultiHeadAttention(16, 4, rotary=True)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, n, 16, generator=gen) for n in (7, 300, 2500, 40, 1200, 9, 3000, 5)]
+    with torch.no_grad():
+        expected = [layer(x)[0] for x in inputs]
+        for _ in range(3):
+            layer.rotary._cos_sin = torch.empty(2, 0, 2)  # start empty, so the threads race to grow it
+            errors, mismatches = [], []
+
+            def work(first: int) -> None:
+                try:
+                    for index in range(first, len(inputs), 2):
+                        if not torch.equal(layer(inputs[index])[0], expected[index]):
+                            mismatches.append(index)
+                except Exception as error:  # noqa: BLE001 - every failure is reported below
+                    errors.append(repr(error))
+
+            threads = [threading.Thread(target=work, args=(n % 2,)) for n in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert not errors and not mismatches, (errors, mismatches)
+
+
+@pytest.mark.parametrize("module", [RotaryEmbedding(6), SinusoidalPositions(6)], ids=["rotary", "sinusoidal"])
+def test_an_allocation_failing_while_a_table_grows_leaves_the_old_table_working(module, monkeypatch):
+    x = torch.randn(2, 3, 5, 6)
+    run = (lambda n, offset: module.rotate(x[:, :, :n], offset)) if isinstance(module, RotaryEmbedding) else (
+        lambda n, offset: module(x[0, :, :n], offset))
+    small = run(5, 0)  # tables for a few positions
+    buffer = "_cos_sin" if isinstance(module, RotaryEmbedding) else "_table"
+    before = getattr(module, buffer).clone()
+    real_stack = torch.stack
+
+    def failing_stack(*args, **kwargs):
+        raise MemoryError("simulated: no memory for the new table")
+
+    monkeypatch.setattr(torch, "stack", failing_stack)
+    with pytest.raises(MemoryError):
+        run(5, 1000)  # needs a bigger table
+    monkeypatch.setattr(torch, "stack", real_stack)
+    assert torch.equal(getattr(module, buffer), before)  # the old table, whole
+    torch.testing.assert_close(run(5, 0), small, rtol=0, atol=0)
+    assert run(5, 1000).shape == small.shape  # and growing works once memory is back
+
+
+def test_positions_whose_table_cannot_fit_are_refused_before_allocating():
+    with pytest.raises(ValueError, match="positions: expected the position table to fit") as info:
+        RotaryEmbedding(8).rotate(torch.randn(1, 1, 2, 8), 2**40)
+    assert is_input_error(info.value, ValueError)
+    with pytest.raises(ValueError, match="offset: expected the position table to fit"):
+        SinusoidalPositions(8)(torch.randn(1, 2, 8), offset=2**40)
+    with pytest.raises(ValueError, match="offset: expected the position table to fit"):
+        RotaryEmbedding(8)(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8), offset=2**40)

@@ -107,8 +107,8 @@ _GROWTH_LOCK = threading.Lock()
 
 
 def _table_for(module: nn.Module, buffer: str, length: int, device: torch.device, dtype: torch.dtype,
-               build: Callable[[int], torch.Tensor], *, row_size: int, cap: int | None = None,
-               name: str = "positions") -> torch.Tensor:
+               build: Callable[[int], torch.Tensor], *, row_size: int, name: str, cap: int | None = None
+               ) -> torch.Tensor:
     """The cached table ``module.<buffer>`` (positions first) covering ``length`` positions, grown if needed.
 
     ``build(size)`` computes a table of ``size`` positions in float64 on the CPU. The new table is
@@ -220,7 +220,7 @@ class RotaryEmbedding(nn.Module):
             raise bad_argument("q", f"at most j = {j} query positions (queries are aligned bottom-right with the "
                                "keys)", f"i = {i}", "rotate q and k separately with rotate(q, positions) and "
                                "rotate(k, positions)")
-        return self._rotate_range(q, offset + j - i), self._rotate_range(k, offset)
+        return self._rotate_range(q, offset + j - i, "offset"), self._rotate_range(k, offset, "offset")
 
     def rotate(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> torch.Tensor:
         """Rotate x as if its rows stood at ``positions``.
@@ -245,7 +245,7 @@ class RotaryEmbedding(nn.Module):
         """
         _check_tensor("x", x, "(b, h, n, d), or unbatched (h, n, d)", (3, 4), self.head_dim, "head_dim")
         if not isinstance(positions, torch.Tensor):
-            return self._rotate_range(x, _check_offset("positions", positions))
+            return self._rotate_range(x, _check_offset("positions", positions), "positions")
         n = x.shape[-2]
         if positions.dtype == torch.bool or positions.is_floating_point() or positions.is_complex():
             raise bad_argument("positions", "an int or an integer tensor of positions", describe(positions),
@@ -262,7 +262,7 @@ class RotaryEmbedding(nn.Module):
         if lowest < 0:
             raise bad_argument("positions", "non-negative positions", f"a minimum of {lowest}",
                                "count positions from 0, the first token of the sequence")
-        cos, sin = self._tables(highest + 1, x)
+        cos, sin = self._tables(highest + 1, x, "positions")
         cos, sin = cos[positions], sin[positions]  # (n, d/2) or (b, n, d/2)
         if positions.ndim == 2:
             cos, sin = cos[:, None], sin[:, None]  # (b, 1, n, d/2): shared by the heads of each batch row
@@ -270,13 +270,14 @@ class RotaryEmbedding(nn.Module):
 
     # ----------------------------------------------------------------------- internals
 
-    def _rotate_range(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+    def _rotate_range(self, x: torch.Tensor, offset: int, name: str) -> torch.Tensor:
         n = x.shape[-2]
-        cos, sin = self._tables(offset + n, x)
+        cos, sin = self._tables(offset + n, x, name)
         return self._rotate_pairs(x, cos[offset:offset + n], sin[offset:offset + n])  # tables (n, d/2)
 
-    def _tables(self, length: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for positions 0 .. >= length - 1, each (positions, d/2), in x's table dtype and device."""
+    def _tables(self, length: int, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions 0 .. >= length - 1, each (positions, d/2), in x's table dtype and device;
+        ``name`` is the argument that asked for them (named if they cannot fit)."""
 
         def build(size: int) -> torch.Tensor:  # (2, size, d/2) in float64
             angles = torch.arange(size, dtype=torch.float64)[:, None] * _inverse_frequencies(
@@ -284,7 +285,7 @@ class RotaryEmbedding(nn.Module):
             return torch.stack((angles.cos(), angles.sin()))
 
         table = _table_for(self, "_cos_sin", length, x.device, _table_dtype(x.dtype), build,
-                           row_size=self.head_dim)
+                           row_size=self.head_dim, name=name)
         return table[0], table[1]
 
     def _rotate_pairs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -362,7 +363,7 @@ class SinusoidalPositions(nn.Module):
         offset = _check_offset("offset", offset)
         n = x.shape[-2]
         _check_length("x", n, offset, self.max_len, "SinusoidalPositions")
-        pe = self._cached(offset + n, x.device, _table_dtype(x.dtype))[offset:offset + n]  # (n, dim)
+        pe = self._cached(offset + n, x.device, _table_dtype(x.dtype), "offset")[offset:offset + n]  # (n, dim)
         return (x + pe).to(x.dtype)  # one rounding for half-precision x
 
     def table(self, n: int, offset: int = 0, *, dtype: torch.dtype = torch.float32,
@@ -388,9 +389,9 @@ class SinusoidalPositions(nn.Module):
                                "pass e.g. dtype=torch.float32", kind=TypeError)
         _check_length("n", n, offset, self.max_len, "SinusoidalPositions")
         device = self._table.device if device is None else torch.device(device)
-        return self._cached(offset + n, device, _table_dtype(dtype))[offset:offset + n].to(dtype, copy=True)
+        return self._cached(offset + n, device, _table_dtype(dtype), "offset")[offset:offset + n].to(dtype, copy=True)
 
-    def _cached(self, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def _cached(self, length: int, device: torch.device, dtype: torch.dtype, name: str) -> torch.Tensor:
         """PE for positions 0 .. >= length - 1: (positions, dim)."""
 
         def build(size: int) -> torch.Tensor:  # (size, dim) in float64
@@ -398,7 +399,8 @@ class SinusoidalPositions(nn.Module):
                 self.dim, self.base)[None, :]  # (size, dim/2)
             return torch.stack((angles.sin(), angles.cos()), dim=-1).reshape(size, self.dim)  # interleaved pairs
 
-        return _table_for(self, "_table", length, device, dtype, build, row_size=self.dim, cap=self.max_len)
+        return _table_for(self, "_table", length, device, dtype, build, row_size=self.dim, cap=self.max_len,
+                          name=name)
 
 
 class LearnedPositions(nn.Module):
