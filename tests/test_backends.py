@@ -459,3 +459,44 @@ def test_auto_skips_sdpa_for_half_backward_on_cpus_without_half_units(monkeypatc
         assert multihead.explain(q, k, v, causal=True).chosen == "sdpa"
     monkeypatch.setattr(sdpa, "cpu_has_half_matrix_units", lambda: True)
     assert multihead.explain(q, k, v, causal=True).chosen == "sdpa"
+
+
+# --------------------------------------------------------------------------- extreme but valid magnitudes
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled", "materialized", "sdpa"])
+def test_float16_scores_of_minus_40000_are_not_a_masked_row(backend):
+    """q k^T = -80000 overflows float16 to -inf on the way (the row then looked fully masked: output 0);
+    (q * scale) k^T = -40000 does not, and two equal scores average the values."""
+    q = torch.tensor([[[[200.0, 0, 0, 0]]]], dtype=torch.float16)
+    k = torch.tensor([[[[-400.0, 0, 0, 0], [-400.0, 0, 0, 0]]]], dtype=torch.float16)
+    v = torch.tensor([[[[1.0], [2.0]]]], dtype=torch.float16)
+    assert attention(q, k, v, scale=0.5, backend=backend).item() == 1.5
+
+
+def test_the_oracle_stays_finite_on_large_float16_inputs():
+    """Random inputs x100 overflowed the oracle's float16 product (NaN); it now computes in float32."""
+    q, k, v = make_qkv(b=2, h=4, g=2, i=9, j=11, d=16, e=8, seed=5)
+    q16, k16, v16 = (100 * q).half(), (100 * k).half(), v.half()
+    result = attention(q16, k16, v16, backend="reference", return_weights=True, return_lse=True)
+    assert all(t.isfinite().all() for t in result)
+    exact = attention(q16.double(), k16.double(), v16.double(), backend="reference")
+    torch.testing.assert_close(result.output.double(), exact, rtol=0, atol=2e-3)  # float16 output rounding
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled", "materialized", "sdpa"])
+def test_fully_masked_rows_stay_zero_when_their_scores_would_overflow(backend):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 3, 4, generator=gen)
+    q[0, 0, 1] *= 1e30  # the row that sees no key: its scores overflow float32
+    k = (torch.randn(1, 1, 5, 4, generator=gen) * 1e10).requires_grad_()
+    v = torch.randn(1, 1, 5, 4, generator=gen).requires_grad_()
+    q.requires_grad_()
+    keep = torch.ones(3, 5, dtype=torch.bool)
+    keep[1] = False
+    keep[0, 3:] = False
+    output = attention(q, k, v, mask=keep, backend=backend)
+    assert torch.equal(output[0, 0, 1], torch.zeros(4))
+    output.sum().backward()
+    assert torch.equal(q.grad[0, 0, 1], torch.zeros(4))
+    assert all(t.grad.isfinite().all() for t in (q, k, v))

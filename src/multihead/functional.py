@@ -253,8 +253,13 @@ def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
     return masked_softmax(masked)[0].to(p.q.dtype)
 
 
+def autocast_on(device: torch.device) -> bool:
+    """Whether torch.autocast is on for this device (devices without autocast, such as meta: never)."""
+    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+
+
 def _autocasting(t: object) -> bool:
-    return isinstance(t, torch.Tensor) and torch.is_autocast_enabled(t.device.type)
+    return isinstance(t, torch.Tensor) and autocast_on(t.device)
 
 
 def _autocast_inputs(q: object, k: object, v: object) -> tuple[object, object, object]:

@@ -18,7 +18,7 @@ from multihead._errors import bad_argument, describe, floating_dtype, positive_i
 from multihead._limits import check_fits
 from multihead.backends import registry
 from multihead.cache import KVCache
-from multihead.functional import AttentionResult, WeightSelection, attention
+from multihead.functional import AttentionResult, WeightSelection, attention, autocast_on
 from multihead.masks import Mask, as_mask, window
 from multihead.positional import RotaryEmbedding
 
@@ -235,7 +235,7 @@ class MultiHeadAttention(nn.Module):
             if not x.is_floating_point():
                 raise bad_argument(name, f"a floating tensor ({weight.dtype}, the layer's dtype)", x.dtype,
                                    f"convert with {name}.to({weight.dtype})", kind=TypeError)
-            if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            if x.dtype != weight.dtype and not autocast_on(x.device):
                 raise bad_argument(name, f"dtype {weight.dtype} (the layer's parameters)", x.dtype,
                                    f"cast the input with {name}.to({weight.dtype}), or the layer with "
                                    f"layer.to({x.dtype})", kind=TypeError)
@@ -331,8 +331,7 @@ class MultiHeadAttention(nn.Module):
                                "build one with layer.new_cache(batch_size, max_len)", kind=TypeError)
         h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         if cache is not None:
-            compute_dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(
-                query.device.type) else query.dtype
+            compute_dtype = torch.get_autocast_dtype(query.device.type) if autocast_on(query.device) else query.dtype
             cache.check_compatible(b, g, d, e, compute_dtype, query.device)
             cache.check_room(i)
 
