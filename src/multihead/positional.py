@@ -258,6 +258,11 @@ class RotaryEmbedding(nn.Module):
         positions = positions.to(device=x.device, dtype=torch.long)
         if n == 0:
             return x.clone()
+        if torch.compiler.is_compiling():  # no table, no device sync: angles computed in the graph
+            cos, sin = self._cos_sin_of(positions, x)
+            if positions.ndim == 2:
+                cos, sin = cos[:, None], sin[:, None]
+            return self._rotate_pairs(x, cos, sin)
         lowest, highest = torch.stack((positions.min(), positions.max())).tolist()  # the one device sync
         if lowest < 0:
             raise bad_argument("positions", "non-negative positions", f"a minimum of {lowest}",
@@ -272,8 +277,19 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate_range(self, x: torch.Tensor, offset: int, name: str) -> torch.Tensor:
         n = x.shape[-2]
+        if torch.compiler.is_compiling():
+            # in a compiled graph the table's length would pin the sequence length: compute the angles there
+            return self._rotate_pairs(x, *self._cos_sin_of(torch.arange(offset, offset + n, device=x.device), x))
         cos, sin = self._tables(offset + n, x, name)
         return self._rotate_pairs(x, cos[offset:offset + n], sin[offset:offset + n])  # tables (n, d/2)
+
+    def _cos_sin_of(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the angles of ``positions`` (any shape (...)), each (..., d/2) in x's table dtype:
+        computed in float64 like the tables, without caching them (for torch.compile's graphs)."""
+        inverse = _inverse_frequencies(self.head_dim, self.base).to(x.device)  # (d/2,)
+        angles = positions.to(torch.float64)[..., None] * inverse  # (..., d/2)
+        dtype = _table_dtype(x.dtype)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def _tables(self, length: int, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for positions 0 .. >= length - 1, each (positions, d/2), in x's table dtype and device;
@@ -306,6 +322,13 @@ def _check_length(name: str, n: int, offset: int, max_len: int | None, owner: st
                            f"offset {offset} + length {n} = {offset + n}",
                            f"truncate the sequence so that offset + length <= {max_len}, or construct "
                            f"{owner} with max_len >= {offset + n}")
+
+
+def _sinusoid(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
+    """PE rows of ``positions`` (n,), in float64 on their device: (n, dim), sin and cos interleaved per pair."""
+    inverse = _inverse_frequencies(dim, base).to(positions.device)  # (dim/2,)
+    angles = positions.to(torch.float64)[:, None] * inverse[None, :]  # (n, dim/2)
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).reshape(len(positions), dim)
 
 
 class SinusoidalPositions(nn.Module):
@@ -363,7 +386,11 @@ class SinusoidalPositions(nn.Module):
         offset = _check_offset("offset", offset)
         n = x.shape[-2]
         _check_length("x", n, offset, self.max_len, "SinusoidalPositions")
-        pe = self._cached(offset + n, x.device, _table_dtype(x.dtype), "offset")[offset:offset + n]  # (n, dim)
+        if torch.compiler.is_compiling():  # computed in the graph: a cached table would pin the length
+            pe = _sinusoid(torch.arange(offset, offset + n, device=x.device), self.dim, self.base)
+            pe = pe.to(_table_dtype(x.dtype))  # (n, dim)
+        else:
+            pe = self._cached(offset + n, x.device, _table_dtype(x.dtype), "offset")[offset:offset + n]  # (n, dim)
         return (x + pe).to(x.dtype)  # one rounding for half-precision x
 
     def table(self, n: int, offset: int = 0, *, dtype: torch.dtype = torch.float32,
@@ -395,9 +422,7 @@ class SinusoidalPositions(nn.Module):
         """PE for positions 0 .. >= length - 1: (positions, dim)."""
 
         def build(size: int) -> torch.Tensor:  # (size, dim) in float64
-            angles = torch.arange(size, dtype=torch.float64)[:, None] * _inverse_frequencies(
-                self.dim, self.base)[None, :]  # (size, dim/2)
-            return torch.stack((angles.sin(), angles.cos()), dim=-1).reshape(size, self.dim)  # interleaved pairs
+            return _sinusoid(torch.arange(size), self.dim, self.base)
 
         return _table_for(self, "_table", length, device, dtype, build, row_size=self.dim, cap=self.max_len,
                           name=name)
