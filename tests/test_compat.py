@@ -2,8 +2,12 @@
 
 The oracle here is torch's own module, built in float64 with random (non-zero) parameters whose
 state_dict is loaded unchanged into the drop-in. A seeded grid covers every constructor option and
-every forward argument; fully masked rows (the one intended difference: 0 where torch gives NaN),
-dropout, a swap inside user modules, from_torch/to_torch and a table of bad inputs are tested apart.
+every forward argument; fully masked rows (the one intended numerical difference: 0 where torch gives
+NaN), dropout, a swap inside user modules and from_torch/to_torch are tested apart. Then the contracts of
+PyTorch's test/nn/test_multihead_attention.py, re-derived here: 3-D masks equal per-element 2-D masks,
+bias=False, kdim/vdim layouts, empty sizes, the functional form (static_k/static_v), jagged nested
+inputs, TorchScript's refusal, and a table of bad inputs whose errors read in the caller's terms, carry
+torch's wording and are catchable the torch way (AssertionError) as well as ours (ValueError/TypeError).
 
 Sizes are pairwise distinct within a case (batch N, query length L, key length S, heads, head dim,
 embed_dim, kdim, vdim) so that a swapped axis cannot pass.
@@ -14,16 +18,17 @@ from __future__ import annotations
 import copy
 import math
 import random
+import re
 from dataclasses import dataclass, fields
 
 import pytest
 import torch
 
-from conftest import is_input_error
 import torch.nn.functional as F
 from torch import nn
 
 from multihead import MultiHeadAttention, compat
+from multihead._errors import ArgumentTypeError, ArgumentValueError, InputError
 from multihead.compat import from_torch, to_torch
 
 F64 = torch.float64
@@ -31,6 +36,15 @@ OUT_ATOL = 1e-12  # outputs and weights, float64
 GRAD_ATOL = 1e-10  # gradients, float64
 # torch warns (and then converts) when key_padding_mask and attn_mask have different dtypes; the grid does that
 MISMATCHED_MASKS = "ignore:Support for mismatched key_padding_mask and attn_mask:UserWarning"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster and immune to a busy machine's scheduling."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 def randomize_(module: nn.Module, seed: int) -> nn.Module:
@@ -645,7 +659,7 @@ def test_from_torch_accepts_the_compat_module():
 
 def _assert_clear_error(excinfo, kind, fragments):
     message = str(excinfo.value)
-    assert is_input_error(excinfo.value, kind), message
+    assert type(excinfo.value) is {ValueError: ArgumentValueError, TypeError: ArgumentTypeError}[kind], message
     for fragment in ("expected", "got", "Fix:", *fragments):
         assert fragment in message, (fragment, message)
 
@@ -678,38 +692,500 @@ def test_to_torch_rejects_what_torch_cannot_express(options, fragment):
     _assert_clear_error(excinfo, ValueError, ["layer: expected a configuration", fragment])
 
 
+# --------------------------------------------------------------------------- torch's contracts, re-derived
+
+
+def test_3d_attn_mask_equals_each_batch_element_with_its_own_2d_mask():
+    """A (N * num_heads, L, S) mask built by repeating one (L, S) mask per batch element over the heads
+    gives, for element n, exactly what element n alone gives with its (L, S) mask."""
+    _, ours = torch_and_compat(30, E, H, batch_first=True)
+    gen = torch.Generator().manual_seed(30)
+    query = torch.randn(N, L, E, generator=gen, dtype=F64)
+    key = torch.randn(N, S, E, generator=gen, dtype=F64)
+    for kind in ("bool", "float"):
+        masked = torch.rand(N, L, S, generator=gen) < 0.4
+        masked[..., 3] = False  # key 3 stays visible: no row is fully masked
+        per_element = masked if kind == "bool" else torch.zeros(N, L, S, dtype=F64).masked_fill(masked, -math.inf)
+        stacked = per_element.repeat_interleave(H, dim=0)  # (N * H, L, S), n-major as torch orders it
+        out, weights = ours(query, key, key, attn_mask=stacked)
+        for n in range(N):
+            alone, alone_w = ours(query[n:n + 1], key[n:n + 1], key[n:n + 1], attn_mask=per_element[n])
+            assert_close(out[n:n + 1], alone, OUT_ATOL, f"{kind} output of element {n}")
+            assert_close(weights[n:n + 1], alone_w, OUT_ATOL, f"{kind} weights of element {n}")
+            assert (weights[n][masked[n]] == 0).all()
+
+
+def test_bias_false_removes_every_bias_like_torch():
+    theirs, ours = torch_and_compat(31, E, H, bias=False, kdim=7, vdim=9)
+    assert ours.in_proj_bias is None and ours.out_proj.bias is None
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert "in_proj_bias" not in ours.state_dict() and "out_proj.bias" not in ours.state_dict()
+
+
+@pytest.mark.parametrize("dims", [dict(kdim=7, vdim=9), dict(kdim=7), dict(vdim=9), dict(kdim=E, vdim=E)],
+                         ids=["both", "kdim", "vdim", "equal"])
+def test_kdim_vdim_choose_the_weight_layout_like_torch(dims):
+    theirs, ours = torch_and_compat(32, E, H, **dims)
+    same = dims.get("kdim", E) == E and dims.get("vdim", E) == E
+    assert ours._qkv_same_embed_dim is same is theirs._qkv_same_embed_dim
+    assert (ours.kdim, ours.vdim) == (theirs.kdim, theirs.vdim)
+    for name, p in theirs.named_parameters():
+        assert dict(ours.named_parameters())[name].shape == p.shape, name
+    assert (ours.in_proj_weight is None) is (not same)
+    gen = torch.Generator().manual_seed(32)
+    q = torch.randn(L, N, E, generator=gen, dtype=F64)
+    k = torch.randn(S, N, ours.kdim, generator=gen, dtype=F64)
+    v = torch.randn(S, N, ours.vdim, generator=gen, dtype=F64)
+    assert_close(ours(q, k, v)[0], theirs(q, k, v)[0], OUT_ATOL, "output")
+
+
+def test_module_looks_like_torchs():
+    theirs, ours = torch_and_compat(33, E, H, add_bias_kv=True, kdim=7)
+    assert repr(ours) == repr(theirs)
+    assert type(ours.out_proj) is type(theirs.out_proj)  # NonDynamicallyQuantizableLinear
+    for attribute in ("embed_dim", "kdim", "vdim", "num_heads", "head_dim", "dropout", "batch_first",
+                      "add_zero_attn", "_qkv_same_embed_dim"):
+        assert getattr(ours, attribute) == getattr(theirs, attribute), attribute
+
+
+@pytest.mark.parametrize("sizes", [(0, N, L), (S, 0, L), (S, N, 0), (0, 0, 0)], ids=["S0", "N0", "L0", "all0"])
+@pytest.mark.parametrize("options", [dict(), dict(add_bias_kv=True), dict(add_zero_attn=True)],
+                         ids=["plain", "bias_kv", "zero_attn"])
+def test_empty_sizes_match_torch(sizes, options):
+    """No keys, no batch or no queries: torch answers (a sum over no keys is 0, so the output is out_proj's
+    bias); so does the drop-in, with the same shapes and gradients, instead of an error from its kernels."""
+    theirs, ours = torch_and_compat(34, E, H, **options)
+    k_len, batch, q_len = sizes
+    gen = torch.Generator().manual_seed(34)
+    query = torch.randn(q_len, batch, E, generator=gen, dtype=F64)
+    key = torch.randn(k_len, batch, E, generator=gen, dtype=F64)
+    padding = torch.zeros(batch, k_len, dtype=torch.bool)
+    for kwargs in (dict(), dict(key_padding_mask=padding, average_attn_weights=False), dict(need_weights=False)):
+        (out_t, w_t, g_t), (out_o, w_o, g_o) = (run_empty(module, query, key, kwargs) for module in (theirs, ours))
+        assert_close(out_o, out_t, OUT_ATOL, f"output {kwargs}")
+        assert (w_o is None) == (w_t is None) and (w_o is None or w_o.shape == w_t.shape)
+        if w_o is not None:
+            assert_close(w_o, w_t, OUT_ATOL, "weights")
+        for name in g_t:
+            assert_close(g_o[name], g_t[name], GRAD_ATOL, f"grad {name}")
+
+
+def run_empty(module, query, key, kwargs):
+    leaves = [query.clone().requires_grad_(True), key.clone().requires_grad_(True)]
+    out, weights = module(leaves[0], leaves[1], leaves[1], **kwargs)
+    loss = (out * torch.arange(out.numel(), dtype=F64).view(out.shape)).sum()
+    params = dict(module.named_parameters())
+    grads = torch.autograd.grad(loss, leaves + list(params.values()), allow_unused=True)
+    names = ["query", "key"] + list(params)
+    return out, weights, {n: torch.zeros_like(t) if g is None else g
+                          for n, t, g in zip(names, leaves + list(params.values()), grads)}
+
+
+# --------------------------------------------------------------------------- the functional form
+
+
+FUNCTIONAL_CASES = {
+    "packed": dict(),
+    "separate": dict(kdim=7, vdim=9),
+    "bias_kv": dict(add_bias_kv=True),
+    "zero_attn_no_bias": dict(add_zero_attn=True, bias=False),
+}
+
+
+def _functional_args(module, use_static: bool, gen):
+    """torch's functional arguments for a module's parameters (and static keys/values when asked)."""
+    args = dict(embed_dim_to_check=E, num_heads=H, in_proj_weight=module.in_proj_weight,
+                in_proj_bias=module.in_proj_bias, bias_k=module.bias_k, bias_v=module.bias_v,
+                add_zero_attn=module.add_zero_attn, dropout_p=0.0, out_proj_weight=module.out_proj.weight,
+                out_proj_bias=module.out_proj.bias, training=False)
+    if not module._qkv_same_embed_dim:
+        args.update(use_separate_proj_weight=True, q_proj_weight=module.q_proj_weight,
+                    k_proj_weight=module.k_proj_weight, v_proj_weight=module.v_proj_weight)
+    if use_static:
+        args.update(static_k=torch.randn(N * H, S, E // H, generator=gen, dtype=F64),
+                    static_v=torch.randn(N * H, S, E // H, generator=gen, dtype=F64))
+    return args
+
+
+@pytest.mark.filterwarnings(MISMATCHED_MASKS)
+@pytest.mark.parametrize("static", [False, True], ids=["projected", "static_kv"])
+@pytest.mark.parametrize("name", list(FUNCTIONAL_CASES))
+def test_functional_matches_torch_functional(name, static):
+    options = FUNCTIONAL_CASES[name]
+    if static:  # torch refuses static keys/values with bias_k (see the next test); the zero key comes after them
+        options = {k: v for k, v in options.items() if k != "add_bias_kv"}
+    theirs, _ = torch_and_compat(35, E, H, **options)
+    gen = torch.Generator().manual_seed(35)
+    query = torch.randn(L, N, E, generator=gen, dtype=F64)
+    key = torch.randn(S, N, theirs.kdim, generator=gen, dtype=F64)
+    value = torch.randn(S, N, theirs.vdim, generator=gen, dtype=F64)
+    args = _functional_args(theirs, static, gen)
+    padding = torch.zeros(N, S, dtype=torch.bool)
+    padding[0, 2] = padding[2, 5:] = True
+    attn = torch.zeros(L, S, dtype=F64).masked_fill(torch.rand(L, S, generator=gen) < 0.3, -math.inf)
+    attn[:, 1] = 0.0  # key 1 visible to every query
+    padding[:, 1] = False
+    for kwargs in (dict(), dict(key_padding_mask=padding, attn_mask=attn, average_attn_weights=False),
+                   dict(attn_mask=attn, need_weights=False)):
+        outs = []
+        for fn in (F.multi_head_attention_forward, compat.multi_head_attention_forward):
+            leaves = [t.clone().requires_grad_(True) for t in (query, key, value)]
+            out, weights = fn(*leaves, **args, **kwargs)
+            grads = torch.autograd.grad(loss_of(out, weights, 35), leaves + [theirs.out_proj.weight],
+                                        allow_unused=True)  # static keys/values leave key and value unused
+            outs.append((out, weights, grads))
+        (out_t, w_t, g_t), (out_o, w_o, g_o) = outs
+        assert_close(out_o, out_t, OUT_ATOL, f"{name} output {list(kwargs)}")
+        assert (w_o is None) == (w_t is None)
+        if w_t is not None:
+            assert_close(w_o, w_t, OUT_ATOL, "weights")
+        assert [g is None for g in g_o] == [g is None for g in g_t] == [False, static, static, False]
+        for n, (a, b) in enumerate(zip(g_o, g_t)):
+            if b is not None:
+                assert_close(a, b, GRAD_ATOL, f"grad {n}")
+
+
+def test_functional_refuses_static_kv_with_bias_kv():
+    theirs, _ = torch_and_compat(36, E, H, add_bias_kv=True)
+    gen = torch.Generator().manual_seed(36)
+    x = torch.randn(L, N, E, generator=gen, dtype=F64)
+    args = _functional_args(theirs, True, gen)
+    for fn in (F.multi_head_attention_forward, compat.multi_head_attention_forward):
+        with pytest.raises(AssertionError, match="bias cannot be added to static key."):
+            fn(x, x, x, **args)
+
+
+# --------------------------------------------------------------------------- nested (jagged) inputs
+
+
+def _nested(lengths, features, gen, layout=torch.jagged):
+    return torch.nested.nested_tensor([torch.randn(n, features, generator=gen, dtype=F64) for n in lengths],
+                                      layout=layout)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+@pytest.mark.parametrize("options", [dict(), dict(kdim=7, vdim=9, add_bias_kv=True), dict(add_zero_attn=True)],
+                         ids=["self", "cross_bias_kv", "zero_attn"])
+def test_nested_inputs_equal_each_sequence_alone(options, layout):
+    """Nested (N, *, E) inputs: each sequence's output equals that sequence run alone (and torch's result for
+    it); the output is nested like the query; the weights come back padded (N, L_max, S_max), 0 past each
+    sequence's lengths; gradients reach the nested inputs and equal the per-sequence ones."""
+    theirs, ours = torch_and_compat(37, E, H, batch_first=True, **options)
+    gen = torch.Generator().manual_seed(37)
+    q_lens, k_lens = [4, 6, 2], [7, 3, 5]
+    query = _nested(q_lens, E, gen, layout).requires_grad_(True)
+    key = _nested(k_lens, ours.kdim, gen, layout).requires_grad_(True)
+    value = _nested(k_lens, ours.vdim, gen, layout).requires_grad_(True)
+    out, weights = ours(query, key, value, average_attn_weights=False)
+    assert out.is_nested and out.layout == layout
+    extra = int(bool(options.get("add_bias_kv"))) + int(bool(options.get("add_zero_attn")))
+    assert weights.shape == (3, H, max(q_lens), max(k_lens) + extra)
+    flat = torch.cat(out.unbind())  # (sum L, E)
+    cotangent = torch.randn(flat.shape, generator=gen, dtype=F64)
+    grads = torch.autograd.grad((flat * cotangent).sum(), [query, key, value])
+    offsets = [0, 4, 10, 12]
+    for n, (q, k, v) in enumerate(zip(query.unbind(), key.unbind(), value.unbind())):
+        leaves = [t.detach().clone().requires_grad_(True)[None] for t in (q, k, v)]  # (1, len, features)
+        alone, alone_w = ours(*leaves, average_attn_weights=False)
+        expected, _ = theirs(*leaves, average_attn_weights=False)
+        assert_close(out.unbind()[n], alone[0], OUT_ATOL, f"sequence {n}")
+        assert_close(alone, expected, OUT_ATOL, f"torch on sequence {n}")
+        S_n = k_lens[n]
+        padded = weights[n, :, :q_lens[n]]  # (H, L_n, S_max + extra)
+        real_keys = list(range(S_n)) + list(range(max(k_lens), max(k_lens) + extra))
+        assert_close(padded[..., real_keys], alone_w[0], OUT_ATOL, f"weights of sequence {n}")
+        assert (weights[n, :, q_lens[n]:] == 0).all() and (padded[..., S_n:max(k_lens)] == 0).all()
+        alone_grads = torch.autograd.grad((alone[0] * cotangent[offsets[n]:offsets[n + 1]]).sum(), leaves)
+        for g, g_alone, name in zip(grads, alone_grads, ("query", "key", "value")):
+            assert_close(g.unbind()[n], g_alone[0], GRAD_ATOL, f"grad {name} of sequence {n}")
+    with torch.no_grad():
+        assert_close(torch.cat(ours(query, key, value)[0].unbind()), flat.detach(), OUT_ATOL, "no_grad")
+    with torch.inference_mode():
+        assert_close(torch.cat(ours(query, key, value, need_weights=False)[0].unbind()), flat.detach(), OUT_ATOL,
+                     "inference_mode")
+
+
+# --------------------------------------------------------------------------- inside torch's transformer modules
+
+
+def _encoder_layers(seed):
+    """torch's TransformerEncoderLayer (random parameters) and a copy whose self_attn is the drop-in."""
+    theirs = nn.TransformerEncoderLayer(E, H, dim_feedforward=20, dropout=0.0, batch_first=True)
+    randomize_(theirs, seed).eval()
+    ours = copy.deepcopy(theirs)
+    ours.self_attn = compat.MultiheadAttention(E, H, batch_first=True)
+    ours.self_attn.load_state_dict(theirs.self_attn.state_dict())
+    return theirs.float(), ours.float()
+
+
+def test_torch_encoder_layer_runs_the_drop_in_even_on_its_fast_path(monkeypatch):
+    """In eval mode without grad, torch's encoder layer takes a fused fast path (its own kernel, with the
+    self_attn's weights) unless a submodule has hooks: the drop-in's no-op pre-hook keeps its forward in
+    charge, so a fully padded batch element gives finite numbers where torch's path gives NaN."""
+    theirs, ours = _encoder_layers(38)
+    calls = []
+    attend = compat._attend
+    monkeypatch.setattr(compat, "_attend", lambda *args, **kwargs: calls.append(1) or attend(*args, **kwargs))
+    gen = torch.Generator().manual_seed(38)
+    x = torch.randn(N, L, E, generator=gen)
+    padding = torch.zeros(N, L, dtype=torch.bool)
+    padding[0, 3:] = True
+    padding[2] = True  # every key of element 2
+    with torch.no_grad():
+        expected, got = theirs(x, src_key_padding_mask=padding), ours(x, src_key_padding_mask=padding)
+    assert calls, "the drop-in's forward was bypassed"
+    assert expected[2].isnan().all() and got.isfinite().all()
+    torch.testing.assert_close(got[:2], expected[:2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+def test_torch_encoder_stack_with_its_nested_fast_path():
+    """torch's TransformerEncoder turns padded input into a (strided) nested tensor in eval mode without grad
+    and hands it to each layer: the drop-in takes it, and the result equals torch's own fast path."""
+    theirs, ours = _encoder_layers(39)
+    stacks = [nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval() for layer in (theirs, ours)]
+    gen = torch.Generator().manual_seed(39)
+    x = torch.randn(N, L, E, generator=gen)
+    padding = torch.zeros(N, L, dtype=torch.bool)
+    padding[0, 3:] = padding[1, 4:] = True
+    with torch.no_grad():
+        expected, got = (stack(x, src_key_padding_mask=padding) for stack in stacks)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with_grad = stacks[1](x, src_key_padding_mask=padding)  # the dense path: equal where tokens are real
+    torch.testing.assert_close(with_grad[~padding], expected[~padding], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- TorchScript
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_torchscript_is_refused_with_the_reason_and_the_alternatives():
+    """TorchScript cannot compile multihead's kernels (typed masks, backend dispatch, autograd Functions);
+    torch.jit.script of the drop-in, or of any module holding it, raises one clear error."""
+    encoder = nn.TransformerEncoderLayer(E, H, dim_feedforward=20, batch_first=True)
+    encoder.self_attn = compat.MultiheadAttention(E, H, batch_first=True)
+    for module in (compat.MultiheadAttention(E, H), encoder):
+        with pytest.raises(compat.NotScriptableError) as excinfo:
+            torch.jit.script(module)
+        message = str(excinfo.value)
+        assert MESSAGE_FORM.match(message), message
+        for fragment in ("torch.jit.script: expected a module TorchScript can compile", "torch.compile",
+                         "torch.export", "torch.nn.MultiheadAttention"):
+            assert fragment in message
+    assert issubclass(compat.NotScriptableError, RuntimeError)
+    torch.jit.script(nn.MultiheadAttention(E, H))  # torch's own module still scripts: the refusal is ours alone
+
+
 # --------------------------------------------------------------------------- bad inputs
 
-
-def bad_compat_calls():
-    mha = compat.MultiheadAttention(12, 4)
-    x = torch.randn(5, 3, 12)  # (L, N, E)
-    memory = torch.randn(7, 3, 12)  # (S, N, E)
-    return [
-        (lambda: compat.MultiheadAttention(10, 4), ValueError, "num_heads: expected a divisor of embed_dim = 10"),
-        (lambda: compat.MultiheadAttention(12, 4, dropout=1.0), ValueError,
-         "dropout: expected a probability in [0, 1)"),
-        (lambda: mha(x, x, x, is_causal=True), ValueError, "attn_mask: expected a causal attn_mask"),
-        (lambda: mha(x, memory, memory, attn_mask=torch.zeros(5, 5, dtype=torch.bool)), ValueError,
-         "attn_mask: expected shape (L, S) = (5, 7) or (N * num_heads, L, S) = (12, 5, 7)"),
-        (lambda: mha(x, memory, memory, attn_mask=torch.zeros(3, 5, 7, dtype=torch.bool)), ValueError,
-         "attn_mask: expected shape (L, S) = (5, 7)"),
-        (lambda: mha(x, memory, memory, key_padding_mask=torch.zeros(7, 3, dtype=torch.bool)), ValueError,
-         "key_padding_mask: expected shape (N, S) = (3, 7)"),
-        (lambda: mha(x, memory, memory, attn_mask=torch.zeros(5, 7, dtype=torch.long)), TypeError,
-         "attn_mask: expected a bool or floating tensor"),
-        (lambda: mha(x, memory, memory, key_padding_mask=torch.zeros(3, 7, dtype=torch.int32)), TypeError,
-         "key_padding_mask: expected a bool or floating tensor"),
-        (lambda: mha(x[None], x[None], x[None]), ValueError, "query: expected shape (L, N, E)"),
-        (lambda: mha(x, torch.randn(7, 2, 12), torch.randn(7, 2, 12)), ValueError, "key: expected (seq, N = 3, 12)"),
-        (lambda: mha(x, memory, torch.randn(6, 3, 12)), ValueError, "value: expected length S = 7"),
-        (lambda: mha(x, torch.randn(7, 3, 11), memory), ValueError, "key: expected (seq, N = 3, 12)"),
-    ]
+MESSAGE_FORM = re.compile(r"^\S.*: expected .+, got .+\. Fix: .+", re.DOTALL)
+BOTH_WAYS = {compat.ShapeError: (ValueError, AssertionError, RuntimeError),
+             compat.CompatValueError: (ValueError, AssertionError, RuntimeError),
+             compat.DtypeError: (TypeError, AssertionError, RuntimeError),
+             ArgumentValueError: (ValueError,), ArgumentTypeError: (TypeError,)}
 
 
-@pytest.mark.parametrize("index", range(len(bad_compat_calls())))
-def test_bad_compat_input_raises_clearly(index):
-    call, kind, fragment = bad_compat_calls()[index]
-    with pytest.raises(kind) as excinfo:
-        call()
-    _assert_clear_error(excinfo, kind, [fragment])
+def test_error_classes_are_catchable_the_torch_way_and_ours():
+    for cls, bases in BOTH_WAYS.items():
+        assert issubclass(cls, InputError) and all(issubclass(cls, base) for base in bases), cls
+    assert issubclass(compat.ShapeError, ArgumentValueError) and issubclass(compat.DtypeError, ArgumentTypeError)
+
+
+def _modules():
+    """Fresh modules for the table: seq-first, batch-first, cross-attention (kdim 7, vdim 9), add_bias_kv."""
+    return dict(seq=compat.MultiheadAttention(E, H), bf=compat.MultiheadAttention(E, H, batch_first=True),
+                cross=compat.MultiheadAttention(E, H, kdim=7, vdim=9),
+                bias_kv=compat.MultiheadAttention(E, H, add_bias_kv=True))
+
+
+x3, mem3 = torch.randn(L, N, E), torch.randn(S, N, E)  # (L, N, E), (S, N, E)
+x2, mem2 = torch.randn(L, E), torch.randn(S, E)  # unbatched
+
+
+def _jagged(*lengths, features=E):
+    return torch.nested.nested_tensor([torch.randn(n, features) for n in lengths], layout=torch.jagged)
+
+
+def _half_bias(m):
+    m.in_proj_bias = nn.Parameter(m.in_proj_bias.detach().half())
+    return m
+
+
+def _functional(module, **overrides):
+    args = dict(embed_dim_to_check=E, num_heads=H, in_proj_weight=module.in_proj_weight,
+                in_proj_bias=module.in_proj_bias, bias_k=module.bias_k, bias_v=module.bias_v,
+                add_zero_attn=False, dropout_p=0.0, out_proj_weight=module.out_proj.weight,
+                out_proj_bias=module.out_proj.bias)
+    args.update(overrides)
+    return compat.multi_head_attention_forward(x3, mem3, mem3, **args)
+
+
+# (id, call on the fresh modules, exact class, message fragments)
+BAD_CALLS = [
+    # torch's shape table (test_multihead_attn_invalid_shape), with its wording inside ours
+    ("batched-2d-key", lambda m: m["seq"](x3, mem2, mem3), compat.ShapeError,
+     ["key: expected 3-D key and value",
+      "expected `key` and `value` to be 3-D but found 2-D and 3-D tensors respectively"]),
+    ("batched-2d-value", lambda m: m["seq"](x3, mem3, mem2), compat.ShapeError,
+     ["value:", "expected `key` and `value` to be 3-D but found 3-D and 2-D tensors respectively"]),
+    ("batched-1d-padding", lambda m: m["seq"](x3, mem3, mem3, key_padding_mask=torch.zeros(S, dtype=torch.bool)),
+     compat.ShapeError, ["key_padding_mask: expected a 2-D mask (N, S)",
+                         "expected `key_padding_mask` to be `None` or 2-D but found 1-D tensor instead"]),
+    ("batched-1d-attn", lambda m: m["seq"](x3, mem3, mem3, attn_mask=torch.zeros(S, dtype=torch.bool)),
+     compat.ShapeError, ["attn_mask:", "expected `attn_mask` to be `None`, 2-D or 3-D but found 1-D tensor instead"]),
+    ("unbatched-3d-key", lambda m: m["seq"](x2, mem3, mem2), compat.ShapeError,
+     ["key:", "expected `key` and `value` to be 2-D but found 3-D and 2-D tensors respectively"]),
+    ("unbatched-3d-value", lambda m: m["seq"](x2, mem2, mem3), compat.ShapeError,
+     ["value:", "expected `key` and `value` to be 2-D but found 2-D and 3-D tensors respectively"]),
+    ("unbatched-2d-padding", lambda m: m["seq"](x2, mem2, mem2, key_padding_mask=torch.zeros(1, S, dtype=torch.bool)),
+     compat.ShapeError, ["key_padding_mask:", "expected `key_padding_mask` to be `None` or 1-D but found 2-D tensor"]),
+    ("unbatched-1d-attn", lambda m: m["seq"](x2, mem2, mem2, attn_mask=torch.zeros(S, dtype=torch.bool)),
+     compat.ShapeError, ["attn_mask:", "expected `attn_mask` to be `None`, 2-D or 3-D but found 1-D tensor instead"]),
+    ("unbatched-3d-attn-heads",
+     lambda m: m["seq"](x2, mem2, mem2, attn_mask=torch.zeros(H + 1, L, S, dtype=torch.bool)),
+     compat.ShapeError, ["attn_mask: expected shape (L, S) = (5, 7) or (num_heads, L, S) = (4, 5, 7)",
+                         "Expected `attn_mask` shape to be (4, 5, 7)"]),
+    ("query-4d", lambda m: m["seq"](x3[None], mem3, mem3), compat.ShapeError,
+     ["query: expected an unbatched 2-D (L, E) or batched 3-D tensor",
+      "query should be unbatched 2D or batched 3D tensor but received 4-D query tensor"]),
+    ("query-1d", lambda m: m["seq"](x2[0], mem2[0], mem2[0]), compat.ShapeError, ["received 1-D query tensor"]),
+    # sizes
+    ("embed-dim", lambda m: m["seq"](x3[..., :-1], mem3, mem3), compat.ShapeError,
+     ["query: expected (L, N, E) with E = embed_dim = 12", "was expecting embedding dimension of 12, but got 11"]),
+    ("embed-dim-batch-first", lambda m: m["bf"](torch.randn(N, L, E - 1), torch.randn(N, S, E), torch.randn(N, S, E)),
+     compat.ShapeError, ["query: expected (N, L, E) with E = embed_dim = 12"]),
+    ("kdim", lambda m: m["cross"](x3, mem3, torch.randn(S, N, 9)), compat.ShapeError,
+     ["key: expected last dim kdim = 7"]),
+    ("vdim", lambda m: m["cross"](x3, torch.randn(S, N, 7), mem3), compat.ShapeError,
+     ["value: expected last dim vdim = 9"]),
+    ("key-batch", lambda m: m["seq"](x3, torch.randn(S, N + 1, E), mem3), compat.ShapeError,
+     ["key: expected batch size N = 3 (from query) on dim 1"]),
+    ("key-batch-batch-first", lambda m: m["bf"](torch.randn(N, L, E), torch.randn(N + 1, S, E), torch.randn(N, S, E)),
+     compat.ShapeError, ["key: expected batch size N = 3 (from query) on dim 0"]),
+    ("value-length", lambda m: m["seq"](x3, mem3, mem3[:-1]), compat.ShapeError,
+     ["value: expected length S = 7 (from key), got 6", "key shape (7, 3, 12) does not match value shape (6, 3, 12)"]),
+    ("padding-shape", lambda m: m["seq"](x3, mem3, mem3, key_padding_mask=torch.zeros(S, N, dtype=torch.bool)),
+     compat.ShapeError, ["key_padding_mask: expected shape (N, S) = (3, 7)",
+                         "expecting key_padding_mask shape of (3, 7), but got torch.Size([7, 3])"]),
+    ("attn-2d-shape", lambda m: m["seq"](x3, mem3, mem3, attn_mask=torch.zeros(L, L, dtype=torch.bool)),
+     compat.ShapeError, ["attn_mask: expected shape (L, S) = (5, 7) or (N * num_heads, L, S) = (12, 5, 7)",
+                         "The shape of the 2D attn_mask is torch.Size([5, 5]), but should be (5, 7)."]),
+    ("attn-3d-shape", lambda m: m["seq"](x3, mem3, mem3, attn_mask=torch.zeros(N, L, S, dtype=torch.bool)),
+     compat.ShapeError, ["The shape of the 3D attn_mask is torch.Size([3, 5, 7]), but should be (12, 5, 7)."]),
+    # dtypes
+    ("attn-long", lambda m: m["seq"](x3, mem3, mem3, attn_mask=torch.zeros(L, S, dtype=torch.long)), compat.DtypeError,
+     ["attn_mask: expected a bool (True = masked out) or floating (added) tensor",
+      "only bool and floating types of attn_mask are supported"]),
+    ("padding-int", lambda m: m["seq"](x3, mem3, mem3, key_padding_mask=torch.zeros(N, S, dtype=torch.int32)),
+     compat.DtypeError, ["only bool and floating types of key_padding_mask are supported"]),
+    ("query-float64", lambda m: m["seq"](x3.double(), mem3.double(), mem3.double()), compat.DtypeError,
+     ["query: expected dtype torch.float32 (the parameters')"]),
+    ("key-float64", lambda m: m["seq"](x3, mem3.double(), mem3), compat.DtypeError,
+     ["key: expected dtype torch.float32 (the query's)"]),
+    ("query-int", lambda m: m["seq"](x3.long(), mem3.long(), mem3.long()), compat.DtypeError,
+     ["query: expected a real floating tensor"]),
+    ("query-complex", lambda m: m["seq"](x3.cfloat(), mem3.cfloat(), mem3.cfloat()), compat.DtypeError,
+     ["query: expected a real floating tensor"]),
+    ("parameter-dtype", lambda m: _half_bias(m["bf"])(x3, x3, x3), compat.DtypeError,
+     ["in_proj_bias: expected dtype torch.float32, like the other parameters, got torch.float16"]),
+    ("weights-too-big", lambda m: m["seq"](*[torch.zeros(1, 1, E).expand(2 ** 20, 1, E)] * 3), ArgumentValueError,
+     ["need_weights: expected the attention weights to fit", "pass need_weights=False"]),
+    ("projection-too-big", lambda m: m["seq"](*[torch.zeros(1, 1, E).expand(1, 2 ** 40, E)] * 3,
+                                              need_weights=False), ArgumentValueError,
+     ["query: expected its projection to fit"]),
+    # flags and types
+    ("need-weights-str", lambda m: m["seq"](x3, mem3, mem3, need_weights="no"), ArgumentTypeError,
+     ["need_weights: expected True or False, got str 'no'"]),
+    ("average-int", lambda m: m["seq"](x3, mem3, mem3, average_attn_weights=1), ArgumentTypeError,
+     ["average_attn_weights: expected True or False"]),
+    ("is-causal-str", lambda m: m["seq"](x3, mem3, mem3, is_causal="yes"), ArgumentTypeError,
+     ["is_causal: expected True or False"]),
+    ("is-causal-alone", lambda m: m["seq"](x3, x3, x3, is_causal=True), compat.CompatValueError,
+     ["attn_mask: expected a causal attn_mask when is_causal=True", "Need attn_mask if specifying the is_causal hint"]),
+    ("query-list", lambda m: m["seq"](x3.tolist(), mem3, mem3), ArgumentTypeError, ["query: expected a torch.Tensor"]),
+    ("attn-list", lambda m: m["seq"](x3, mem3, mem3, attn_mask=[[True]]), ArgumentTypeError,
+     ["attn_mask: expected None or a tensor"]),
+    # nested tensors
+    ("nested-dense-key", lambda m: m["bf"](_jagged(3, 4), torch.randn(2, 5, E), _jagged(5, 5)), compat.CompatValueError,
+     ["key: expected a nested tensor (N, *, features) of the query's layout"]),
+    ("dense-nested-key", lambda m: m["bf"](torch.randn(2, 5, E), _jagged(5, 5), _jagged(5, 5)), compat.CompatValueError,
+     ["key: expected a dense tensor like the others (or all three nested)"]),
+    ("nested-seq-first", lambda m: m["seq"](_jagged(3, 4), _jagged(3, 4), _jagged(3, 4)), compat.CompatValueError,
+     ["query: expected batch_first=True for nested tensors"]),
+    ("nested-padding", lambda m: m["bf"](_jagged(3, 4), _jagged(3, 4), _jagged(3, 4),
+                                         key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)),
+     compat.CompatValueError, ["key_padding_mask: expected None with nested inputs"]),
+    ("nested-mixed-layouts", lambda m: m["bf"](_jagged(3, 4), *[torch.nested.nested_tensor(
+        [torch.randn(3, E), torch.randn(4, E)])] * 2), compat.CompatValueError,
+     ["key: expected a nested tensor (N, *, features) of the query's layout (torch.jagged)"]),
+    ("nested-empty", lambda m: m["bf"](*[torch.nested.nested_tensor([])] * 3), compat.ShapeError,
+     ["query should be unbatched 2D or batched 3D tensor but received 1-D query tensor"]),
+    ("nested-lengths", lambda m: m["bf"](_jagged(3, 4), _jagged(5, 2), _jagged(5, 3)), compat.ShapeError,
+     ["value: expected the key's length in every sequence ([5, 2]), got [5, 3]"]),
+    # the constructor
+    ("kdim-negative", lambda m: compat.MultiheadAttention(E, H, kdim=-1), ArgumentValueError,
+     ["kdim: expected a positive int, got -1"]),
+    ("kdim-str", lambda m: compat.MultiheadAttention(E, H, kdim="4"), ArgumentTypeError,
+     ["kdim: expected a positive int, got str '4'"]),
+    ("vdim-zero", lambda m: compat.MultiheadAttention(E, H, vdim=0), ArgumentValueError,
+     ["vdim: expected a positive int"]),
+    ("embed-zero", lambda m: compat.MultiheadAttention(0, H), ArgumentValueError,
+     ["embed_dim: expected a positive int"]),
+    ("heads-float", lambda m: compat.MultiheadAttention(E, 2.0), ArgumentTypeError,
+     ["num_heads: expected a positive int"]),
+    ("not-divisible", lambda m: compat.MultiheadAttention(10, 4), compat.ShapeError,
+     ["num_heads: expected a divisor of embed_dim = 10", "embed_dim must be divisible by num_heads"]),
+    ("dropout-one", lambda m: compat.MultiheadAttention(E, H, dropout=1.0), ArgumentValueError,
+     ["dropout: expected a probability in [0, 1)"]),
+    ("dropout-str", lambda m: compat.MultiheadAttention(E, H, dropout="0.1"), ArgumentTypeError, ["dropout:"]),
+    ("bias-str", lambda m: compat.MultiheadAttention(E, H, bias="yes"), ArgumentTypeError,
+     ["bias: expected True or False"]),
+    ("batch-first-int", lambda m: compat.MultiheadAttention(E, H, batch_first=1), ArgumentTypeError, ["batch_first:"]),
+    ("device-nope", lambda m: compat.MultiheadAttention(E, H, device="nope"), ArgumentValueError,
+     ["device: expected a device this torch can use"]),
+    ("dtype-int64", lambda m: compat.MultiheadAttention(E, H, dtype=torch.int64), ArgumentValueError,
+     ["dtype: expected a real floating dtype"]),
+    ("dtype-complex", lambda m: compat.MultiheadAttention(E, H, dtype=torch.complex64), ArgumentValueError,
+     ["dtype: expected a real floating dtype"]),
+    ("dtype-str", lambda m: compat.MultiheadAttention(E, H, dtype="float32"), ArgumentTypeError,
+     ["dtype: expected a torch.dtype"]),
+    ("too-big", lambda m: compat.MultiheadAttention(2 ** 40, 1), ArgumentValueError,
+     ["embed_dim: expected the projection weights to fit"]),
+    ("to-torch-str", lambda m: to_torch("x"), ArgumentTypeError,
+     ["layer: expected a multihead.MultiHeadAttention, got str 'x'"]),
+    # the functional form
+    ("static-with-bias-kv", lambda m: _functional(m["bias_kv"], static_k=torch.randn(N * H, S, E // H)),
+     compat.CompatValueError, ["static_k: expected None when bias_k / bias_v are added",
+                               "bias cannot be added to static key."]),
+    ("static-size", lambda m: _functional(m["seq"], static_k=torch.randn(N * H + 1, S, E // H)), compat.ShapeError,
+     ["static_k: expected (N * num_heads, S, head_dim) = (12, S, 3)", "expecting static_k.size(0) of 12, but got 13"]),
+    ("separate-missing", lambda m: _functional(m["seq"], use_separate_proj_weight=True), ArgumentTypeError,
+     ["q_proj_weight: expected a tensor (12, 12)"]),
+    ("bias-k-alone", lambda m: _functional(m["bias_kv"], bias_v=None), compat.CompatValueError,
+     ["bias_v: expected a tensor (1, 1, E)", "bias_k is set but bias_v is None"]),
+    ("in-proj-shape", lambda m: _functional(m["seq"], in_proj_weight=torch.randn(E, E)), compat.ShapeError,
+     ["in_proj_weight: expected shape (36, 12), got shape (12, 12)"]),
+]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+@pytest.mark.parametrize("call,kind,fragments", [row[1:] for row in BAD_CALLS], ids=[row[0] for row in BAD_CALLS])
+def test_bad_input_raises_clearly_in_the_callers_terms(call, kind, fragments):
+    modules = _modules()
+    before = {name: copy.deepcopy(m.state_dict()) for name, m in modules.items()}
+    with pytest.raises(Exception) as excinfo:
+        call(modules)
+    error = excinfo.value
+    assert type(error) is kind, f"{type(error).__name__}: {error}"
+    assert all(isinstance(error, base) for base in BOTH_WAYS[kind]), type(error).__mro__
+    message = str(error)
+    assert MESSAGE_FORM.match(message), message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    assert "return_weights" not in message and "(b, h, i" not in message and "(b, g, j" not in message
+    for name, m in modules.items():  # a failed call changes nothing
+        if name == "bf" and "in_proj_bias" in message:
+            continue  # that row swapped the parameter itself before calling
+        state = m.state_dict()
+        assert list(state) == list(before[name]) and all(torch.equal(state[k], before[name][k]) for k in state)
