@@ -13,7 +13,7 @@ import multihead
 from multihead import masks
 from multihead.functional import WeightSelection, attention
 
-from conftest import assert_within_rule, make_qkv, tiny_blocks, textbook_lowp
+from support import assert_within_rule, make_qkv, tiny_blocks, textbook_lowp
 
 FAST_BACKENDS = ["sdpa", "tiled", "materialized"]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import is_input_error
+from support import is_input_error
 from multihead import KVCache
 
 B, G, D, E = 2, 3, 4, 5

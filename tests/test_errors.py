@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from conftest import is_input_error
+from support import is_input_error
 
 from multihead import WeightSelection, attention, explain, masks
 from multihead.backends import Capabilities, registry

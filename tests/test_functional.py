@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import is_input_error, make_qkv
+from support import is_input_error, make_qkv
 from multihead import WeightSelection, attention, explain, masks
 
 BACKENDS = ["auto", "sdpa", "tiled", "materialized", "reference"]

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import is_input_error
+from support import is_input_error
 
 from multihead import KVCache, MultiHeadAttention, masks
 from multihead.positional import RotaryEmbedding

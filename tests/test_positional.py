@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from conftest import is_input_error
+from support import is_input_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -1,0 +1,80 @@
+"""Shared test helpers: inputs with pairwise-distinct sizes, the DESIGN.md tolerance rule, small kernel blocks,
+the input-error check and the low-precision textbook baseline.
+
+Imported as ``from support import ...``: a module of its own, because ``conftest`` names two files here
+(tests/ and tests/fuzz/), and importing either by name finds whichever pytest loaded last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from multihead.backends import materialized, tiled
+
+
+def make_qkv(b=2, h=6, g=3, i=5, j=7, d=4, e=3, *, dtype=torch.float64, seed=0, requires_grad=False):
+    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) from a fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+               for shape in ((b, h, i, d), (b, g, j, d), (b, g, j, e))]
+    return [t.requires_grad_(requires_grad) for t in tensors]
+
+
+TINY = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5}
+
+
+def assert_within_rule(fast: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, *, what: str = "output",
+                       tiny: float | None = None) -> None:
+    """The FlashAttention test rule, over the whole tensor: max|fast - ref64| <= 2 max|ref_lowp - ref64| + tiny.
+
+    ref_lowp is the textbook computed in fast's dtype without upcasting (textbook_lowp); tiny depends on that dtype.
+    """
+    tiny = TINY[fast.dtype] if tiny is None else tiny
+    fast64, ref64, ref_lowp = (t.detach().double() for t in (fast, ref64, ref_lowp))
+    assert fast64.shape == ref64.shape, f"{what}: shape {tuple(fast64.shape)} != {tuple(ref64.shape)}"
+    assert not fast64.isnan().any(), f"{what}: NaN"
+    error = (fast64 - ref64).abs().max().item()
+    bound = 2 * (ref_lowp - ref64).abs().max().item() + tiny
+    assert error <= bound, f"{what}: max error {error:.3g} > bound {bound:.3g}"
+
+
+@contextlib.contextmanager
+def tiny_blocks(block_q: int = 2, block_k: int = 3, rows: int = 2):
+    """Tiny kernel blocks, so small tests cross many blocks, partial blocks and skipped blocks."""
+    saved = tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK
+    tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK = block_q, block_k, rows
+    try:
+        yield
+    finally:
+        tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK = saved
+
+
+def is_input_error(exc: BaseException, kind: type[Exception]) -> bool:
+    """Exactly multihead's input-error class for ``kind`` (ValueError or TypeError): catchable as ``kind``,
+    and marked as the caller's mistake (:class:`multihead._errors.InputError`)."""
+    from multihead._errors import ArgumentTypeError, ArgumentValueError
+
+    return type(exc) is {ValueError: ArgumentValueError, TypeError: ArgumentTypeError}.get(kind, kind)
+
+
+def textbook_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, causal: bool = False,
+                  scale: float | None = None):
+    """softmax(q k^T * scale + mask) v computed in q's dtype throughout, no upcast (differentiable).
+
+    Returns (output (b, h, i, e), weights (b, h, i, j), lse (b, h, i)). This is the low-precision
+    baseline of the tolerance rule (FlashAttention's ``attention_ref(upcast=False)``): the oracle
+    itself upcasts half types to float32, so it is no measure of what low precision costs.
+    """
+    from multihead.backends.reference import apply_mask, masked_softmax
+    from multihead.masks import AttentionShape, bind_mask
+
+    b, h, i, d = q.shape
+    g, j = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    keep, bias = bind_mask(mask, causal, AttentionShape(b, h, i, j, q.device)).dense(q.dtype)
+    keys, values = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)  # (b, h, j, d|e)
+    scores = q @ keys.transpose(-2, -1) * scale  # (b, h, i, j), rounded to q's dtype
+    weights, lse = masked_softmax(apply_mask(scores, keep, bias))
+    return weights @ values, weights, lse
