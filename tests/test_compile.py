@@ -93,3 +93,22 @@ def test_export_takes_a_dynamic_sequence_length(case):
         for n in (3, 17, 40):
             x, extra = torch.randn(2, n, 32), inputs_for(n)
             torch.testing.assert_close(program.module()(x, extra), call(layer, x, *extra)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_weights_and_lse_compile_to_one_graph_for_every_length(fresh_dynamo):
+    """auto passes over the blocked kernels while compiling (their Python loops would pin the length)."""
+    from multihead import attention
+
+    layer = _layer()
+    weights_call = torch.compile(lambda x: layer(x, causal=True, need_weights=True), dynamic=True, backend="eager")
+    lse_call = torch.compile(lambda q, k, v: attention(q, k, v, causal=True, return_lse=True), dynamic=True,
+                             backend="eager")
+    with torch.no_grad():
+        for n in LENGTHS:
+            x, q = torch.randn(2, n, 32), torch.randn(2, 4, n, 8)
+            for got, want in zip(weights_call(x), layer(x, causal=True, need_weights=True)):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            for got, want in zip(lse_call(q, q, q), attention(q, q, q, causal=True, return_lse=True)):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one per compiled function
+    assert not counters["graph_break"], dict(counters["graph_break"])

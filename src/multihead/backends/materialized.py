@@ -4,8 +4,17 @@ The textbook code allocates scores, scaled scores, masked scores and weights as
 separate (b, h, i, j) tensors. Here each head's block of query rows is written
 once, straight into the returned weights tensor, masked and softmaxed in place,
 and multiplied by V. Blocks of 1024 rows measured faster than smaller,
-cache-sized ones: fewer, larger matrix products outweigh the cache misses. The only i x j memory is the tensor returned to the
-caller. Backward reads the saved weights (no recomputation) block by block.
+cache-sized ones: fewer, larger matrix products outweigh the cache misses. The
+only i x j memory is the tensor returned to the caller. Backward reads the
+saved weights (no recomputation) block by block.
+
+The autograd stack, as in tiled.py: the backward kernel is an autograd Function
+of its own whose backward (double backward) differentiates the dense closed-form
+gradients; torch.func.vmap, grad, vjp and jacrev work through vmap rules that
+fold the vmapped dim into the batch dim (the mask is not vmapped); gradients
+batched by ``is_grads_batched=True`` take the dense closed form; under
+torch.autocast the inputs are cast to the autocast dtype (float64 excepted) and
+the kernels run with autocast off. No forward-mode AD (torch.func.jvp).
 """
 
 from __future__ import annotations
@@ -14,15 +23,29 @@ import math
 
 import torch
 
-from multihead.backends._blocks import compute_dtype, softmax_rows_
+from multihead.backends._blocks import (
+    Blocks,
+    FoldedMask,
+    KernelFunction,
+    autocast_inputs,
+    autocast_off,
+    compute_dtype,
+    dense_input_grads,
+    double_backward,
+    fold,
+    legacy_batched,
+    softmax_rows_,
+    unfold,
+)
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BoundMask
 
 ROWS_PER_BLOCK = 1024  # rows per head block: 1024 measured 17% faster than 256 at n = 2048 (BENCHMARKS.md)
 
 
-def _row_blocks(n: int) -> list[slice]:
-    return [slice(start, min(start + ROWS_PER_BLOCK, n)) for start in range(0, n, ROWS_PER_BLOCK)]
+def _row_blocks(n: int):
+    """Blocks of ROWS_PER_BLOCK query rows, as slices (made as they are iterated)."""
+    return (slice(rows.start, rows.stop) for rows in Blocks(n, ROWS_PER_BLOCK))
 
 
 def _head_slice(t: torch.Tensor, bb: int, hh: int) -> torch.Tensor:
@@ -35,73 +58,153 @@ def _heads(b: int, h: int, group: int) -> list[tuple[int, int, int]]:
     return [(bb, hh, hh // group) for bb in range(b) for hh in range(h)]
 
 
-class _MaterializedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, mask: BoundMask, scale: float):
-        b, h, i, _ = q.shape
-        g, j, e = k.shape[1], k.shape[2], v.shape[3]
-        work = compute_dtype(q.dtype)
-        q_scaled, k_work, v_work = q.to(work) * scale, k.to(work), v.to(work)  # scale after the upcast
-        weights = torch.empty(b, h, i, j, dtype=q.dtype, device=q.device)
-        out = torch.empty(b, h, i, e, dtype=work, device=q.device)
-        in_place = work == q.dtype
-        heads = _heads(b, h, h // g)
-        rows_may_be_empty = mask.may_empty_rows()
-        for rows in _row_blocks(i):
-            keep, bias = mask.block(rows, slice(None), dtype=work)  # once per row block, shared by every head
-            drop = None if keep is None else keep.logical_not()
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BoundMask | FoldedMask,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (b, h, i, e) and weights (b, h, i, j), both in q's dtype."""
+    b, h, i, _ = q.shape
+    g, j, e = k.shape[1], k.shape[2], v.shape[3]
+    work = compute_dtype(q.dtype)
+    q_scaled, k_work, v_work = q.to(work) * scale, k.to(work), v.to(work)  # scale after the upcast
+    weights = torch.empty(b, h, i, j, dtype=q.dtype, device=q.device)
+    out = torch.empty(b, h, i, e, dtype=work, device=q.device)
+    in_place = work == q.dtype
+    heads = _heads(b, h, h // g)
+    rows_may_be_empty = mask.may_empty_rows()
+    for rows in _row_blocks(i):
+        keep, bias = mask.block(rows, slice(None), dtype=work)  # once per row block, shared by every head
+        drop = None if keep is None else keep.logical_not()
+        for bb, hh, kv in heads:
+            # this head's (n, j) scores, written into the returned tensor when dtypes agree, then masked,
+            # softmaxed and multiplied by V in place
+            scores = weights[bb, hh, rows] if in_place else torch.empty(
+                rows.stop - rows.start, j, dtype=work, device=q.device)
+            torch.mm(q_scaled[bb, hh, rows], k_work[bb, kv].t(), out=scores)
+            if bias is not None:
+                scores.add_(_head_slice(bias, bb, hh))
+            if drop is not None:
+                scores.masked_fill_(_head_slice(drop, bb, hh), -math.inf)
+            softmax_rows_(scores, rows_may_be_empty=rows_may_be_empty)
+            torch.mm(scores, v_work[bb, kv], out=out[bb, hh, rows])
+            if not in_place:
+                weights[bb, hh, rows] = scores
+    return out.to(q.dtype), weights
+
+
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights: torch.Tensor,
+              grad_out: torch.Tensor | None, grad_weights: torch.Tensor | None, scale: float):
+    """Gradients for q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) from the saved weights (b, h, i, j)."""
+    b, h, i, d = q.shape
+    g = k.shape[1]
+    work = compute_dtype(q.dtype)
+    q_work, k_work, v_work = q.to(work), k.to(work), v.to(work)
+    d_out = grad_out.to(work) if grad_out is not None else None
+    dq = torch.empty(b, h, i, d, dtype=work, device=q.device)
+    dk = torch.zeros_like(k_work)  # (b, g, j, d)
+    dv = torch.zeros_like(v_work)  # (b, g, j, e)
+    heads = _heads(b, h, h // g)
+    for rows in _row_blocks(i):
+        p = weights[:, :, rows].to(work)  # (b, h, n, j)
+        dp = torch.zeros_like(p) if grad_weights is None else grad_weights[:, :, rows].to(work, copy=True)
+        if d_out is not None:
             for bb, hh, kv in heads:
-                # this head's (n, j) scores, written into the returned tensor when dtypes agree, then masked,
-                # softmaxed and multiplied by V in place
-                scores = weights[bb, hh, rows] if in_place else torch.empty(
-                    rows.stop - rows.start, j, dtype=work, device=q.device)
-                torch.mm(q_scaled[bb, hh, rows], k_work[bb, kv].t(), out=scores)
-                if bias is not None:
-                    scores.add_(_head_slice(bias, bb, hh))
-                if drop is not None:
-                    scores.masked_fill_(_head_slice(drop, bb, hh), -math.inf)
-                softmax_rows_(scores, rows_may_be_empty=rows_may_be_empty)
-                torch.mm(scores, v_work[bb, kv], out=out[bb, hh, rows])
-                if not in_place:
-                    weights[bb, hh, rows] = scores
-        ctx.save_for_backward(q, k, v, weights)
-        ctx.scale = scale
-        ctx.set_materialize_grads(False)
-        return out.to(q.dtype), weights
+                dv[bb, kv].addmm_(p[bb, hh].t(), d_out[bb, hh, rows])
+                dp[bb, hh].addmm_(d_out[bb, hh, rows], v_work[bb, kv].t())
+        ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p)  # dS = P * (dP - rowsum(P * dP))
+        for bb, hh, kv in heads:
+            torch.mm(ds[bb, hh], k_work[bb, kv], out=dq[bb, hh, rows])
+            dk[bb, kv].addmm_(ds[bb, hh].t(), q_work[bb, hh, rows])
+    dq.mul_(scale)
+    dk.mul_(scale)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _MaterializedAttention(KernelFunction):
+    """(q, k, v) -> (output, weights); backward is :class:`_MaterializedBackward`.
+
+    The torch.func-style Function (forward without ctx, setup_context, an explicit vmap rule), so it
+    works under vmap, grad, vjp and jacrev as well as under plain autograd.
+    """
 
     @staticmethod
+    @autocast_off
+    def forward(q, k, v, mask: BoundMask, scale: float):
+        return _forward(q, k, v, mask, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, mask, scale = inputs
+        ctx.save_for_backward(q, k, v, output[1])
+        ctx.mask, ctx.scale = mask, scale
+        ctx.set_materialize_grads(False)  # a gradient on only one of output / weights arrives as None
+
+    @staticmethod
+    @autocast_off
     def backward(ctx, grad_out, grad_weights):
+        if grad_out is None and grad_weights is None:  # reached from a double backward, which returns None for weights
+            return None, None, None, None, None
         q, k, v, weights = ctx.saved_tensors
-        b, h, i, d = q.shape
-        g = k.shape[1]
-        work = compute_dtype(q.dtype)
-        q_work, k_work, v_work = q.to(work), k.to(work), v.to(work)
-        d_out = grad_out.to(work) if grad_out is not None else None
-        dq = torch.empty(b, h, i, d, dtype=work, device=q.device)
-        dk = torch.zeros_like(k_work)  # (b, g, j, d)
-        dv = torch.zeros_like(v_work)  # (b, g, j, e)
-        heads = _heads(b, h, h // g)
-        for rows in _row_blocks(i):
-            p = weights[:, :, rows].to(work)  # (b, h, n, j)
-            dp = torch.zeros_like(p) if grad_weights is None else grad_weights[:, :, rows].to(work, copy=True)
-            if d_out is not None:
-                for bb, hh, kv in heads:
-                    dv[bb, kv].addmm_(p[bb, hh].t(), d_out[bb, hh, rows])
-                    dp[bb, hh].addmm_(d_out[bb, hh, rows], v_work[bb, kv].t())
-            ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p)  # dS = P * (dP - rowsum(P * dP))
-            for bb, hh, kv in heads:
-                torch.mm(ds[bb, hh], k_work[bb, kv], out=dq[bb, hh, rows])
-                dk[bb, kv].addmm_(ds[bb, hh].t(), q_work[bb, hh, rows])
-        dq.mul_(ctx.scale)
-        dk.mul_(ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        if legacy_batched(grad_out, grad_weights):
+            dq, dk, dv = dense_input_grads(q, k, v, grad_out, grad_weights, None, mask=ctx.mask, scale=ctx.scale)
+            return dq, dk, dv, None, None
+        # a Function of its own, so that the gradients are differentiable (double backward) and batchable
+        # (vmap over vjp); with create_graph=False and no transform it just runs the kernel
+        dq, dk, dv = _MaterializedBackward.call_or_run(q, k, v, weights, grad_out, grad_weights, ctx.mask,
+                                                       ctx.scale)
+        return dq, dk, dv, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, mask, scale):
+        q, k, v = (fold(t, dim, info.batch_size) for t, dim in zip((q, k, v), in_dims))
+        out, weights = _MaterializedAttention.apply(q, k, v, FoldedMask(mask, info.batch_size), scale)
+        return (unfold(out, info.batch_size), unfold(weights, info.batch_size)), (0, 0)
+
+
+class _MaterializedBackward(KernelFunction):
+    """(q, k, v, weights, grad_out, grad_weights) -> (dq, dk, dv): the blocked backward kernel.
+
+    Its own backward (double backward) differentiates the dense closed-form gradients
+    (:func:`~multihead.backends._blocks.dense_input_grads`), recomputing the weights from q and k: the
+    saved weights are a function of q and k, so their contribution is in the derivative through q, k.
+    """
+
+    @staticmethod
+    @autocast_off
+    def forward(q, k, v, weights, grad_out, grad_weights, mask: BoundMask, scale: float):
+        return _backward(q, k, v, weights, grad_out, grad_weights, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, weights, grad_out, grad_weights, mask, scale = inputs
+        ctx.save_for_backward(q, k, v, grad_out, grad_weights)
+        ctx.mask, ctx.scale = mask, scale
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, grad_dq, grad_dk, grad_dv):
+        q, k, v, grad_out, grad_weights = ctx.saved_tensors
+        dq, dk, dv, d_grad_out, d_grad_weights = double_backward(
+            {"q": q, "k": k, "v": v, "grad_out": grad_out, "grad_weights": grad_weights}, (grad_dq, grad_dk, grad_dv),
+            grad_lse=None, mask=ctx.mask, scale=ctx.scale)
+        return dq, dk, dv, None, d_grad_out, d_grad_weights, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, weights, grad_out, grad_weights, mask, scale):
+        tensors = (fold(t, dim, info.batch_size)
+                   for t, dim in zip((q, k, v, weights, grad_out, grad_weights), in_dims))
+        grads = _MaterializedBackward.apply(*tensors, FoldedMask(mask, info.batch_size), scale)
+        return tuple(unfold(t, info.batch_size) for t in grads), (0, 0, 0)
 
 
 def materialized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BoundMask, scale: float,
                            dropout: float, need_weights: bool, need_lse: bool) -> BackendOutput:
-    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), weights (b, h, i, j)."""
-    output, weights = _MaterializedAttention.apply(q, k, v, mask, scale)
+    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), weights (b, h, i, j).
+
+    Both in q's dtype; under torch.autocast, in the autocast dtype (float64 excepted), as torch's SDPA.
+    """
+    q, k, v = autocast_inputs(q, k, v)
+    output, weights = _MaterializedAttention.call(q, k, v, mask, scale)
     return BackendOutput(output, weights if need_weights else None, None)
 
 
-CAPABILITIES = Capabilities(lse=False, weights=True, dropout=False, backward=True, bias_grad=False)
+CAPABILITIES = Capabilities(lse=False, weights=True, dropout=False, backward=True, bias_grad=False,
+                            compiles_dynamic=False)

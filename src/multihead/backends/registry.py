@@ -59,6 +59,9 @@ class Capabilities:
     dropout: bool = False
     backward: bool = True
     bias_grad: bool = False  # gradient with respect to an additive bias
+    # whole-tensor ops only, so torch.compile traces one graph for every length; the blocked kernels' Python
+    # loops over blocks and heads unroll for one length instead, and auto passes them over while compiling
+    compiles_dynamic: bool = True
     check: Callable[[AttentionCall], list[str]] | None = None  # backend-specific limits
     # calls it can serve but auto should not give it (measurably slower than another backend here);
     # naming the backend explicitly still runs it
@@ -84,6 +87,9 @@ class Capabilities:
             missing.extend(self.check(call))
         if for_auto and self.auto_skip is not None:
             missing.extend(self.auto_skip(call))
+        if for_auto and not self.compiles_dynamic and torch.compiler.is_compiling():
+            missing.append("torch.compile tracing (its Python block loops would pin the sequence length; "
+                           "name the backend to compile it anyway)")
         return missing
 
 

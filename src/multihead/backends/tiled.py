@@ -11,6 +11,19 @@ Blocks are computed in float32 for half types and float64 for float64. Dropout
 keep-masks are regenerated in backward from a per-call seed, not stored.
 Grouped heads read their shared key/value head through a view: q (b, h, i, d)
 is regrouped to (b*g, r*i, d), r = h / g, and K/V are never copied per head.
+
+The autograd stack. The backward kernel is an autograd Function of its own, so
+gradients are differentiable: double backward (create_graph=True, gradgradcheck,
+Hessians) differentiates the dense closed-form gradients, which cost i x j
+memory only when asked for, and the first-order path stays the blocked kernel.
+Both Functions use the torch.func API (setup_context, and vmap rules that fold
+the vmapped dim into the batch dim), so torch.func.vmap, grad, vjp and jacrev
+work, and gradients batched by ``is_grads_batched=True`` take the dense closed
+form. Under torch.autocast the inputs are cast to the autocast dtype (float64
+excepted) and the kernels run with autocast off. Limits: the mask is not
+vmapped (every vmapped element gets the mask bound to the unbatched sizes);
+dropout under vmap follows vmap's ``randomness`` flag and runs element by
+element; forward-mode AD (torch.func.jvp) is not implemented.
 """
 
 from __future__ import annotations
@@ -19,7 +32,23 @@ import math
 
 import torch
 
-from multihead.backends._blocks import compute_dtype, dropout_keep, finite_or_zero, mask_scores_
+from multihead.backends._blocks import (
+    Blocks,
+    FoldedMask,
+    KernelFunction,
+    autocast_inputs,
+    autocast_off,
+    compute_dtype,
+    dense_input_grads,
+    double_backward,
+    dropout_keep,
+    finite_or_zero,
+    fold,
+    legacy_batched,
+    mask_scores_,
+    unfold,
+    vmap_by_loop,
+)
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BlockState, BoundMask
 
@@ -27,8 +56,8 @@ BLOCK_Q = 256  # query positions per block
 BLOCK_K = 256  # key positions per block (256 x 256 measured fastest here, see BENCHMARKS.md)
 
 
-def _blocks(n: int, size: int) -> list[range]:
-    return [range(start, min(start + size, n)) for start in range(0, n, size)]
+def _blocks(n: int, size: int) -> Blocks:
+    return Blocks(n, size)
 
 
 class _Layout:
@@ -138,30 +167,131 @@ def _backward(lay: _Layout, mask: BoundMask, dropout: float, seed: int, out: tor
     return dq, dk.view(lay.b, lay.g, lay.j, lay.d), dv.view(lay.b, lay.g, lay.j, lay.e)
 
 
-class _TiledAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, mask: BoundMask, scale: float, dropout: float, seed: int):
-        lay = _Layout(q, k, v, scale)
-        out, lse = _forward(lay, mask, dropout, seed)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.scale, ctx.dropout, ctx.seed = mask, scale, dropout, seed
-        ctx.set_materialize_grads(False)
-        return out.to(q.dtype), lse.to(q.dtype)
+def _dropout_dense(q: torch.Tensor, k: torch.Tensor, dropout: float, seed: int) -> torch.Tensor:
+    """The dropout multipliers the blocks of a call drew, as one (b, h, i, j) tensor (double backward only).
+
+    q (b, h, i, d), k (b, g, j, d) give the sizes; block n's keep-mask is drawn as :func:`_forward` draws it.
+    """
+    b, h, i, _ = q.shape
+    g, j = k.shape[1], k.shape[2]
+    r = h // g
+    drop = torch.empty(b, g, r, i, j, dtype=compute_dtype(q.dtype), device=q.device)
+    key_blocks = _blocks(j, BLOCK_K)
+    for qi, qb in enumerate(_blocks(i, BLOCK_Q)):
+        for ki, kb in enumerate(key_blocks):
+            keep = dropout_keep((b * g, r * len(qb), len(kb)), dropout, seed, qi * len(key_blocks) + ki,
+                                drop.device, drop.dtype)  # rows (b*g, r*n), as _Layout.rows orders them
+            drop[:, :, :, qb.start:qb.stop, kb.start:kb.stop] = keep.view(b, g, r, len(qb), len(kb))
+    return drop.view(b, h, i, j)
+
+
+def _seed(seed: torch.Tensor | None) -> int:
+    """The dropout seed travels as a tensor, so vmap's randomness modes can batch it; kernels read it here."""
+    return 0 if seed is None else int(seed.item())
+
+
+class _TiledAttention(KernelFunction):
+    """(q, k, v) -> (output, lse) in the compute dtype; backward is :class:`_TiledBackward`.
+
+    The torch.func-style Function (forward without ctx, setup_context, an explicit vmap rule), so it
+    works under vmap, grad, vjp and jacrev as well as under plain autograd.
+    """
 
     @staticmethod
+    @autocast_off
+    def forward(q, k, v, mask: BoundMask, scale: float, dropout: float, seed: torch.Tensor | None):
+        return _forward(_Layout(q, k, v, scale), mask, dropout, _seed(seed))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, mask, scale, dropout, seed = inputs
+        ctx.save_for_backward(q, k, v, *output, seed)
+        ctx.mask, ctx.scale, ctx.dropout = mask, scale, dropout
+        ctx.set_materialize_grads(False)  # a gradient on only one of output / lse arrives as None
+
+    @staticmethod
+    @autocast_off
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        lay = _Layout(q, k, v, ctx.scale)
-        dq, dk, dv = _backward(lay, ctx.mask, ctx.dropout, ctx.seed, out, lse, grad_out, grad_lse, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        if grad_out is None and grad_lse is None:  # reached from a double backward, which returns None for out, lse
+            return None, None, None, None, None, None, None
+        q, k, v, out, lse, seed = ctx.saved_tensors
+        if legacy_batched(grad_out, grad_lse):
+            if ctx.dropout > 0:
+                raise NotImplementedError(
+                    "tiled attention with dropout under torch.autograd.grad(..., is_grads_batched=True): that mode "
+                    "refuses random ops, and backward redraws the dropout masks. Loop over the grad outputs, or "
+                    "use torch.func.vmap over torch.func.vjp, which supports it")
+            dq, dk, dv = dense_input_grads(q, k, v, grad_out, None, grad_lse, mask=ctx.mask, scale=ctx.scale)
+            return dq, dk, dv, None, None, None, None
+        # a Function of its own, so that the gradients are differentiable (double backward) and batchable
+        # (vmap over vjp); with create_graph=False and no transform it just runs the kernel
+        dq, dk, dv = _TiledBackward.call_or_run(q, k, v, out, lse, grad_out, grad_lse, ctx.mask, ctx.scale,
+                                                 ctx.dropout, seed)
+        return dq, dk, dv, None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, mask, scale, dropout, seed):
+        if dropout > 0:
+            return vmap_by_loop(_TiledAttention, info, in_dims, (q, k, v, mask, scale, dropout, seed))
+        q, k, v = (fold(t, dim, info.batch_size) for t, dim in zip((q, k, v), in_dims))
+        out, lse = _TiledAttention.apply(q, k, v, FoldedMask(mask, info.batch_size), scale, dropout, seed)
+        return (unfold(out, info.batch_size), unfold(lse, info.batch_size)), (0, 0)
+
+
+class _TiledBackward(KernelFunction):
+    """(q, k, v, out, lse, grad_out, grad_lse) -> (dq, dk, dv): the blocked backward kernel.
+
+    Its own backward (double backward) differentiates the dense closed-form gradients
+    (:func:`~multihead.backends._blocks.dense_input_grads`), recomputing the weights from q and k: out and
+    lse are functions of q, k, v, so their contribution is in the derivative through q, k, v.
+    """
+
+    @staticmethod
+    @autocast_off
+    def forward(q, k, v, out, lse, grad_out, grad_lse, mask: BoundMask, scale: float, dropout: float,
+                seed: torch.Tensor | None):
+        lay = _Layout(q, k, v, scale)
+        dq, dk, dv = _backward(lay, mask, dropout, _seed(seed), out, lse, grad_out, grad_lse, scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, out, lse, grad_out, grad_lse, mask, scale, dropout, seed = inputs
+        ctx.save_for_backward(q, k, v, grad_out, grad_lse, seed)
+        ctx.mask, ctx.scale, ctx.dropout = mask, scale, dropout
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, grad_dq, grad_dk, grad_dv):
+        q, k, v, grad_out, grad_lse, seed = ctx.saved_tensors
+        drop = _dropout_dense(q, k, ctx.dropout, _seed(seed)) if ctx.dropout > 0 else None
+        dq, dk, dv, d_grad_out, d_grad_lse = double_backward(
+            {"q": q, "k": k, "v": v, "grad_out": grad_out, "grad_lse": grad_lse}, (grad_dq, grad_dk, grad_dv),
+            grad_weights=None, mask=ctx.mask, scale=ctx.scale, drop=drop)
+        return dq, dk, dv, None, None, d_grad_out, d_grad_lse, None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, out, lse, grad_out, grad_lse, mask, scale, dropout, seed):
+        args = (q, k, v, out, lse, grad_out, grad_lse, mask, scale, dropout, seed)
+        if dropout > 0:
+            return vmap_by_loop(_TiledBackward, info, in_dims, args)
+        tensors = (fold(t, dim, info.batch_size) for t, dim in zip(args[:7], in_dims))  # q ... grad_lse
+        grads = _TiledBackward.apply(*tensors, FoldedMask(mask, info.batch_size), scale, dropout, seed)
+        return tuple(unfold(t, info.batch_size) for t in grads), (0, 0, 0)
 
 
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BoundMask, scale: float,
                     dropout: float, need_weights: bool, need_lse: bool) -> BackendOutput:
-    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), lse (b, h, i)."""
-    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
-    output, lse = _TiledAttention.apply(q, k, v, mask, scale, dropout, seed)
-    return BackendOutput(output, None, lse if need_lse else None)
+    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), lse (b, h, i).
+
+    Both in q's dtype; under torch.autocast, in the autocast dtype (float64 excepted), as torch's SDPA.
+    """
+    q, k, v = autocast_inputs(q, k, v)
+    seed = torch.randint(0, 2**62, (1,)) if dropout > 0 else None
+    # the Function returns the compute dtype (float32 for half inputs), which backward reads; cast after
+    output, lse = _TiledAttention.call(q, k, v, mask, scale, dropout, seed)
+    return BackendOutput(output.to(q.dtype), None, lse.to(q.dtype) if need_lse else None)
 
 
-CAPABILITIES = Capabilities(lse=True, weights=False, dropout=True, backward=True, bias_grad=False)
+CAPABILITIES = Capabilities(lse=True, weights=False, dropout=True, backward=True, bias_grad=False,
+                            compiles_dynamic=False)
