@@ -27,7 +27,7 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead._limits import check_fits
 from multihead.backends import registry
-from multihead.backends._blocks import compute_dtype, mask_scores_, softmax_rows_
+from multihead.backends._blocks import autocast_device, autocast_inputs, compute_dtype, mask_scores_, softmax_rows_
 from multihead.backends.reference import apply_mask, masked_softmax
 from multihead.masks import AttentionShape, BoundMask, Mask, bind_mask
 
@@ -255,26 +255,7 @@ def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
 
 def autocast_on(device: torch.device) -> bool:
     """Whether torch.autocast is on for this device (devices without autocast, such as meta: never)."""
-    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
-
-
-def _autocasting(t: object) -> bool:
-    return isinstance(t, torch.Tensor) and autocast_on(t.device)
-
-
-def _autocast_inputs(q: object, k: object, v: object) -> tuple[object, object, object]:
-    """Under autocast, q, k and v in the autocast dtype, as torch's SDPA takes them (float64 left alone,
-    as autocast leaves it); otherwise unchanged. Validation of what comes out happens in _prepare."""
-    if not _autocasting(q):
-        return q, k, v
-    dtype = torch.get_autocast_dtype(q.device.type)
-
-    def cast(t: object) -> object:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
-            return t.to(dtype)
-        return t
-
-    return cast(q), cast(k), cast(v)
+    return autocast_device(device) is not None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | torch.Tensor | None = None,
@@ -316,8 +297,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         >>> attention(q, k, v, causal=True).shape
         torch.Size([2, 8, 5, 16])
     """
-    q, k, v = _autocast_inputs(q, k, v)
-    if _autocasting(q):
+    if all(isinstance(t, torch.Tensor) for t in (q, k, v)) and autocast_on(q.device):
+        q, k, v = autocast_inputs(q, k, v)  # as torch's SDPA casts its inputs under autocast
         with torch.autocast(q.device.type, enabled=False):  # the kernels pick their own block precision
             return attention(q, k, v, mask=mask, causal=causal, scale=scale, dropout=dropout, training=training,
                              backend=backend, return_weights=return_weights, return_lse=return_lse)
@@ -346,7 +327,8 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | t
             backend: str = "auto", return_weights: bool | WeightSelection = False,
             return_lse: bool = False) -> registry.Explanation:
     """Which backend :func:`attention` with these arguments would run, and why each other was not chosen."""
-    q, k, v = _autocast_inputs(q, k, v)
+    if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        q, k, v = autocast_inputs(q, k, v)
     p = _prepare(q, k, v, mask=mask, causal=causal, scale=scale, dropout=dropout, training=training,
                  backend=backend, return_weights=return_weights, return_lse=return_lse)
     return registry.explain_call(p.call, backend)

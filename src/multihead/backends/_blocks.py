@@ -90,12 +90,12 @@ def dropout_keep(shape: torch.Size, p: float, seed: int, block_id: int, device: 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
-def _autocast_device(t: torch.Tensor) -> str | None:
-    """t's device type if autocast is enabled for it, else None."""
+def autocast_device(device: torch.device) -> str | None:
+    """The device's type if torch.autocast is on for it, else None (also for devices without autocast: meta)."""
     if _any_autocast is not None and not _any_autocast():
         return None
-    device = t.device.type
-    return device if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device) else None
+    kind = device.type
+    return kind if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind) else None
 
 
 def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -106,7 +106,7 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     differentiable and happens outside the kernels' autograd Functions, so gradients reach the caller's
     tensors in their own dtype.
     """
-    device = _autocast_device(tensors[0])
+    device = autocast_device(tensors[0].device)
     if device is None:
         return tensors
     dtype = torch.get_autocast_dtype(device)
@@ -122,13 +122,13 @@ def autocast_off(method: Callable) -> Callable:
     """
 
     @functools.wraps(method)
-    def run(*args):
+    def run(*args, **kwargs):
         tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        device = None if tensor is None else _autocast_device(tensor)
+        device = None if tensor is None else autocast_device(tensor.device)
         if device is None:
-            return method(*args)
+            return method(*args, **kwargs)
         with torch.autocast(device, enabled=False):
-            return method(*args)
+            return method(*args, **kwargs)
 
     return run
 

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from multihead.backends._blocks import compute_dtype
+from multihead.backends._blocks import autocast_inputs, autocast_off, compute_dtype
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BoundMask
 
@@ -49,6 +49,13 @@ def apply_mask(scores: torch.Tensor, keep: torch.Tensor | None, bias: torch.Tens
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BoundMask, scale: float,
                         dropout: float, need_weights: bool, need_lse: bool) -> BackendOutput:
     """softmax(q k^T * scale + mask) v. q (b, h, i, d), k (b, g, j, d), v (b, g, j, e)."""
+    q, k, v = autocast_inputs(q, k, v)  # as the other kernels: the autocast dtype in, then autocast off inside
+    return _reference(q, k, v, mask=mask, scale=scale, dropout=dropout, need_weights=need_weights, need_lse=need_lse)
+
+
+@autocast_off
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BoundMask, scale: float, dropout: float,
+               need_weights: bool, need_lse: bool) -> BackendOutput:
     groups = q.shape[1] // k.shape[1]
     work = compute_dtype(q.dtype)  # float32 for half types, float64 for float64: the oracle never overflows first
     k = k.to(work).repeat_interleave(groups, dim=1)  # (b, h, j, d): query head n reads key head n // groups
