@@ -92,3 +92,20 @@ def test_bad_query_slices_are_refused_in_the_callers_terms(queries, kind, fragme
     with pytest.raises(kind) as info:
         attention(*make_qkv(), return_weights=WeightSelection(queries=queries))
     assert is_input_error(info.value, kind) and fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_stepped_query_slice_selects_those_rows_with_any_mask(backend):
+    q, k, v = make_qkv()
+    mask = masks.causal() & masks.padding(torch.tensor([7, 5]))
+    selected = attention(q, k, v, mask=mask, backend=backend, return_weights=WeightSelection(queries=slice(None, None, 2)))
+    every = attention(q, k, v, mask=mask, backend="reference", return_weights=True)
+    torch.testing.assert_close(selected.weights, every.weights[:, :, ::2], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mask", [lambda: masks.padding(torch.tensor([1, 2], device="meta")),
+                                  lambda: masks.alibi(torch.ones(6, device="meta"))], ids=["padding", "alibi"])
+def test_a_mask_tensor_on_meta_for_a_real_call_is_refused_clearly(mask):
+    with pytest.raises(ValueError, match="expected a tensor with values, on cpu") as info:
+        attention(*make_qkv(), mask=mask())
+    assert is_input_error(info.value, ValueError)

@@ -187,7 +187,7 @@ class _Padding(Mask):
         return f"padding({'valid' if self.keys.dtype == torch.bool else 'lengths'}={tuple(self.keys.shape)})"
 
     def _bind(self, shape: AttentionShape) -> _BoundTerm:
-        keys = self.keys.to(shape.device)
+        keys = _moved("padding(keys)", self.keys, shape.device)
         if keys.dtype == torch.bool:
             if tuple(keys.shape) != (shape.batch, shape.k_len):
                 raise bad_argument("padding(valid)", f"shape (b, j) = ({shape.batch}, {shape.k_len})",
@@ -244,7 +244,7 @@ class _Alibi(Mask):
             raise bad_argument("alibi(slopes)", f"one slope per query head ({shape.heads},)",
                                tuple(self.slopes.shape), f"use multihead.masks.alibi_slopes({shape.heads})")
         offset = shape.k_len - shape.q_len if self.align == "bottom_right" else 0
-        return _BoundAlibi(self.slopes.to(shape.device), offset, shape)
+        return _BoundAlibi(_moved("alibi(slopes)", self.slopes, shape.device), offset, shape)
 
 
 def alibi(slopes: torch.Tensor | Sequence[float], *, align: str = "bottom_right") -> Mask:
@@ -355,6 +355,15 @@ def _surely(condition: bool) -> bool:
     return statically_known_true(condition)
 
 
+def _moved(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A mask's small tensor (lengths, slopes) on the call's device: moved for convenience, except from the
+    meta device, which has no values to move."""
+    if t.device.type == "meta" and device.type != "meta":
+        raise bad_argument(name, f"a tensor with values, on {device} (the device of q)", f"one on {t.device}",
+                           f"build it on {device}, or call attention on meta tensors throughout")
+    return t.to(device)
+
+
 def _has_values(t: torch.Tensor) -> bool:
     """Whether t's values can be read now: not on the meta device (shapes only) and not under torch.compile's
     tracing, where reading a value would break the graph."""
@@ -364,21 +373,24 @@ def _has_values(t: torch.Tensor) -> bool:
 Span = range | slice  # consecutive positions start .. stop - 1 (a slice here has step 1 and int bounds)
 
 
-def _span(index: slice, size: int) -> tuple[int, int]:
-    """(start, stop) of a slice of step 1, without ``slice.indices`` or ``range``: both force a symbolic
-    size to a constant, which under torch.compile would pin every sequence length."""
-    if index.step in (None, 1) and (index.start is None or index.start >= 0) and (index.stop is None or
-                                                                                index.stop >= 0):
+def _span(index: slice, size: int) -> tuple[int, int] | None:
+    """(start, stop) of a slice of consecutive positions, or None for a slice with a step.
+
+    Read without ``slice.indices`` or ``range`` for the common slices: both force a symbolic size to a
+    constant, which under torch.compile would pin every sequence length.
+    """
+    if index.step not in (None, 1):
+        return None
+    if (index.start is None or index.start >= 0) and (index.stop is None or index.stop >= 0):
         return 0 if index.start is None else index.start, size if index.stop is None else min(index.stop, size)
-    start, stop, step = index.indices(size)
-    if step != 1:
-        raise ValueError(f"mask blocks take consecutive positions, got step {step}")
+    start, stop, _ = index.indices(size)
     return start, stop
 
 
 def _positions(index: Index, size: int, device: torch.device) -> torch.Tensor:
     if isinstance(index, slice):
-        return torch.arange(*_span(index, size), device=device)
+        span = _span(index, size)
+        return torch.arange(*(index.indices(size) if span is None else span), device=device)
     return index
 
 
@@ -394,6 +406,7 @@ def _select(t: torch.Tensor, dim: int, index: Index | None) -> torch.Tensor:
 class _BoundTerm:
     is_bias = False
     requires_grad = False
+    may_hold_minus_inf = False  # a bias term with -inf entries (pairs it masks)
 
     def state(self, rows: Span, cols: Span) -> BlockState:
         """What this term does to the block of query positions ``rows`` and key positions ``cols``."""
@@ -523,7 +536,7 @@ class _BoundAlibi(_BoundTerm):
 class _BoundDense(_BoundTerm):
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor  # 4-D, each dim 1 or full size
-        self.is_bias = tensor.is_floating_point()
+        self.is_bias = self.may_hold_minus_inf = tensor.is_floating_point()
         self.requires_grad = tensor.requires_grad
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
@@ -602,10 +615,11 @@ class BoundMask:
     def block(self, rows: Index, cols: Index, heads: torch.Tensor | None = None,
               *, dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Evaluate for query positions ``rows`` and key positions ``cols`` (slices or index tensors)."""
+        spans = (_span(rows, self.shape.q_len) if isinstance(rows, slice) else None,
+                 _span(cols, self.shape.k_len) if isinstance(cols, slice) else None)
         keep = None
         for term in self.keep_terms:
-            if isinstance(rows, slice) and isinstance(cols, slice) and term.surely_full(
-                    *_span(rows, self.shape.q_len), *_span(cols, self.shape.k_len)):
+            if None not in spans and term.surely_full(*spans[0], *spans[1]):
                 continue
             part = term.evaluate(rows, cols, heads)
             keep = part if keep is None else keep & part
@@ -614,6 +628,12 @@ class BoundMask:
             part = term.evaluate(rows, cols, heads)
             if dtype is not None:
                 part = part.to(dtype)
+            if term.may_hold_minus_inf:
+                # -inf in a bias means "masked": as a keep term it masks the pair even where the score
+                # overflowed to +inf (inf + -inf would be NaN, and a fully masked row NaN, not 0)
+                masked = part == -math.inf
+                keep = masked.logical_not() if keep is None else keep & masked.logical_not()
+                part = part.masked_fill(masked, 0.0)
             total = part if total is None else total + part
         return keep, total
 
