@@ -34,6 +34,7 @@ from multihead.backends._blocks import (
     double_backward,
     fold,
     legacy_batched,
+    mask_scores_,
     softmax_rows_,
     unfold,
 )
@@ -91,10 +92,16 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BoundMask 
 
 
 def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights: torch.Tensor,
-              grad_out: torch.Tensor | None, grad_weights: torch.Tensor | None, scale: float):
-    """Gradients for q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) from the saved weights (b, h, i, j)."""
+              grad_out: torch.Tensor | None, grad_weights: torch.Tensor | None, mask: BoundMask | FoldedMask,
+              scale: float):
+    """Gradients for q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) from the saved weights (b, h, i, j).
+
+    Half-precision weights are not read back: rounded to 8 bits of mantissa, they would make
+    dS = P * (dP - rowsum(P * dP)) about 20 times less accurate than the other kernels' gradients. Each
+    row block's weights are recomputed in float32 from q, k and the mask instead (one more product).
+    """
     b, h, i, d = q.shape
-    g = k.shape[1]
+    g, j = k.shape[1], k.shape[2]
     work = compute_dtype(q.dtype)
     q_work, k_work, v_work = q.to(work), k.to(work), v.to(work)
     d_out = grad_out.to(work) if grad_out is not None else None
@@ -102,8 +109,15 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights: torch.
     dk = torch.zeros_like(k_work)  # (b, g, j, d)
     dv = torch.zeros_like(v_work)  # (b, g, j, e)
     heads = _heads(b, h, h // g)
+    recompute = weights.dtype != work
+    rows_may_be_empty = recompute and mask.may_empty_rows()
     for rows in _row_blocks(i):
-        p = weights[:, :, rows].to(work)  # (b, h, n, j)
+        if recompute:  # (b, g, r, n, d) @ (b, g, 1, d, j): each query head against its key/value head
+            scores = (q_work[:, :, rows] * scale).view(b, g, h // g, -1, d) @ k_work[:, :, None].transpose(-2, -1)
+            p = softmax_rows_(mask_scores_(scores.view(b, h, -1, j), mask, rows, slice(None)),
+                              rows_may_be_empty=rows_may_be_empty)  # (b, h, n, j) in float32
+        else:
+            p = weights[:, :, rows].to(work)  # (b, h, n, j)
         dp = torch.zeros_like(p) if grad_weights is None else grad_weights[:, :, rows].to(work, copy=True)
         if d_out is not None:
             for bb, hh, kv in heads:
@@ -170,7 +184,7 @@ class _MaterializedBackward(KernelFunction):
     @staticmethod
     @autocast_off
     def forward(q, k, v, weights, grad_out, grad_weights, mask: BoundMask, scale: float):
-        return _backward(q, k, v, weights, grad_out, grad_weights, scale)
+        return _backward(q, k, v, weights, grad_out, grad_weights, mask, scale)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
