@@ -349,11 +349,24 @@ def test_a_failed_cached_call_leaves_the_cache_as_it_was(window):
     layer(x[:, :3], causal=True, cache=uninterrupted)
     for reason, (step, fragment) in _failing_steps(layer, x).items():
         held = len(cache), cache.seen, cache.keys.clone(), cache.values.clone()
+        table = layer.rotary._cos_sin.clone()
         with pytest.raises((ValueError, TypeError, RuntimeError), match=re.escape(fragment)):
             step(cache)
+        assert torch.equal(layer.rotary._cos_sin, table), reason  # tables grow only when a call succeeds
         assert (len(cache), cache.seen) == held[:2], reason
         assert torch.equal(cache.keys[:, :, :len(cache)], held[2][:, :, :len(cache)]), reason
         assert torch.equal(cache.values[:, :, :len(cache)], held[3][:, :, :len(cache)]), reason
     for start in (3, 4, 5):  # the retried token and the next ones are exactly the uninterrupted run's
         torch.testing.assert_close(layer(x[:, start:start + 1], causal=True, cache=cache)[0],
                                    layer(x[:, start:start + 1], causal=True, cache=uninterrupted)[0], rtol=0, atol=0)
+
+
+def test_rotary_positions_past_any_table_are_rotated_per_call():
+    """A position of 2**40 needs no 2**40-row table: the layer computes those angles for the call."""
+    layer = MultiHeadAttention(24, 4, rotary=True, dtype=torch.float64)
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    near, _ = layer(x, causal=True)
+    table = layer.rotary._cos_sin.clone()
+    far, _ = layer(x, causal=True, positions=torch.arange(5) + 2**40)
+    assert torch.equal(layer.rotary._cos_sin, table)
+    torch.testing.assert_close(far, near, rtol=0, atol=1e-3)  # relative positions; float64 angles lose ~2^-12 there

@@ -335,6 +335,7 @@ class MultiHeadAttention(nn.Module):
             cache.check_compatible(b, g, d, e, compute_dtype, query.device)
             cache.check_room(i)
 
+        rotary_end = None  # positions the rotary tables must cover after this call
         q, k, v = self._project(query, key, value)
         q = q.view(b, i, h, d).transpose(1, 2)  # (b, h, i, d)
         k = k.view(b, -1, g, d).transpose(1, 2)  # (b, g, j, d)
@@ -344,7 +345,9 @@ class MultiHeadAttention(nn.Module):
                 raise bad_argument("key", "None: rotary positions are defined for self-attention", "a key tensor",
                                    "build the layer without rotary for cross-attention")
             where = self._positions(positions, b, i, cache, query.device)
-            q, k = self.rotary.rotate(q, where), self.rotary.rotate(k, where)
+            # tables grow only once the call has succeeded (below): a failed call leaves them as they were
+            q, k = self.rotary.rotate(q, where, grow=False), self.rotary.rotate(k, where, grow=False)
+            rotary_end = where + i if isinstance(where, int) else None
         elif positions is not None:
             raise bad_argument("positions", "None (the layer has no rotary embedding)", describe(positions),
                                "build the layer with rotary=True, or drop positions")
@@ -367,6 +370,8 @@ class MultiHeadAttention(nn.Module):
         if weights is not None and average_weights:
             weights = weights.mean(dim=1)  # (b, i, j)
         out = self.out_proj(out)
+        if rotary_end is not None:
+            self.rotary.reserve(rotary_end, q)
         if pending is not None:
             pending.commit()
         return out, weights

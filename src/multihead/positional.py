@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from multihead._errors import bad_argument, describe
+from multihead._errors import bad_argument, describe, floating_dtype, usable_device
 from multihead._limits import check_fits
 
 __all__ = ["RotaryEmbedding", "SinusoidalPositions", "LearnedPositions"]
@@ -222,7 +222,7 @@ class RotaryEmbedding(nn.Module):
                                "rotate(k, positions)")
         return self._rotate_range(q, offset + j - i, "offset"), self._rotate_range(k, offset, "offset")
 
-    def rotate(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: int | torch.Tensor = 0, *, grow: bool = True) -> torch.Tensor:
         """Rotate x as if its rows stood at ``positions``.
 
         Args:
@@ -231,6 +231,9 @@ class RotaryEmbedding(nn.Module):
                 of non-negative positions, (n,) shared by the batch or (b, n) one row per
                 batch element (e.g. left-padded batches). A tensor costs one device sync
                 (its maximum sizes the cache).
+            grow: grow the cached tables when they are too short. With False, positions past
+                them are computed for this call only (the layer grows the tables with
+                :meth:`reserve` once its whole call has succeeded, so a failed call changes nothing).
 
         Returns:
             x rotated: shape and dtype of x.
@@ -245,7 +248,7 @@ class RotaryEmbedding(nn.Module):
         """
         _check_tensor("x", x, "(b, h, n, d), or unbatched (h, n, d)", (3, 4), self.head_dim, "head_dim")
         if not isinstance(positions, torch.Tensor):
-            return self._rotate_range(x, _check_offset("positions", positions), "positions")
+            return self._rotate_range(x, _check_offset("positions", positions), "positions", grow)
         n = x.shape[-2]
         if positions.dtype == torch.bool or positions.is_floating_point() or positions.is_complex():
             raise bad_argument("positions", "an int or an integer tensor of positions", describe(positions),
@@ -260,32 +263,48 @@ class RotaryEmbedding(nn.Module):
             return x.clone()
         if torch.compiler.is_compiling():  # no table, no device sync: angles computed in the graph
             cos, sin = self._cos_sin_of(positions, x)
-            if positions.ndim == 2:
-                cos, sin = cos[:, None], sin[:, None]
-            return self._rotate_pairs(x, cos, sin)
-        lowest, highest = torch.stack((positions.min(), positions.max())).tolist()  # the one device sync
-        if lowest < 0:
-            raise bad_argument("positions", "non-negative positions", f"a minimum of {lowest}",
-                               "count positions from 0, the first token of the sequence")
-        cos, sin = self._tables(highest + 1, x, "positions")
-        cos, sin = cos[positions], sin[positions]  # (n, d/2) or (b, n, d/2)
+        else:
+            lowest, highest = torch.stack((positions.min(), positions.max())).tolist()  # the one device sync
+            if lowest < 0:
+                raise bad_argument("positions", "non-negative positions", f"a minimum of {lowest}",
+                                   "count positions from 0, the first token of the sequence")
+            if grow or self._covers(highest + 1, x):
+                cos, sin = self._tables(highest + 1, x, "positions")
+                cos, sin = cos[positions], sin[positions]  # (n, d/2) or (b, n, d/2)
+            else:
+                cos, sin = self._cos_sin_of(positions, x)
         if positions.ndim == 2:
             cos, sin = cos[:, None], sin[:, None]  # (b, 1, n, d/2): shared by the heads of each batch row
         return self._rotate_pairs(x, cos, sin)
 
     # ----------------------------------------------------------------------- internals
 
-    def _rotate_range(self, x: torch.Tensor, offset: int, name: str) -> torch.Tensor:
+    def reserve(self, length: int, like: torch.Tensor) -> None:
+        """Grow the cached tables to cover positions 0 .. length - 1 for tensors like ``like``, where they fit
+        in memory (past that, rotations compute their angles per call)."""
+        if torch.compiler.is_compiling():  # compiled graphs compute their angles in the graph
+            return
+        try:
+            self._tables(length, like, "length")
+        except ValueError:  # a table that cannot fit: rotate(grow=False) keeps computing per call
+            pass
+
+    def _covers(self, length: int, x: torch.Tensor) -> bool:
+        table = self._cos_sin
+        return table.device == x.device and table.dtype == _table_dtype(x.dtype) and table.shape[-2] >= length
+
+    def _rotate_range(self, x: torch.Tensor, offset: int, name: str, grow: bool = True) -> torch.Tensor:
         n = x.shape[-2]
-        if torch.compiler.is_compiling():
-            # in a compiled graph the table's length would pin the sequence length: compute the angles there
+        if torch.compiler.is_compiling() or not (grow or self._covers(offset + n, x)):
+            # no table growth: in a compiled graph the table's length would pin the sequence length, and
+            # with grow=False the call must leave the tables as they are
             return self._rotate_pairs(x, *self._cos_sin_of(torch.arange(offset, offset + n, device=x.device), x))
         cos, sin = self._tables(offset + n, x, name)
         return self._rotate_pairs(x, cos[offset:offset + n], sin[offset:offset + n])  # tables (n, d/2)
 
     def _cos_sin_of(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the angles of ``positions`` (any shape (...)), each (..., d/2) in x's table dtype:
-        computed in float64 like the tables, without caching them (for torch.compile's graphs)."""
+        computed in float64 like the tables, without caching them (torch.compile's graphs, rotate(grow=False))."""
         inverse = _inverse_frequencies(self.head_dim, self.base).to(x.device)  # (d/2,)
         angles = positions.to(torch.float64)[..., None] * inverse  # (..., d/2)
         dtype = _table_dtype(x.dtype)
@@ -411,11 +430,9 @@ class SinusoidalPositions(nn.Module):
         n = _check_int("n", n, minimum=0, expected="a non-negative int (number of positions)",
                        fix="pass the sequence length, e.g. x.shape[-2]")
         offset = _check_offset("offset", offset)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise bad_argument("dtype", "a floating torch.dtype", describe(dtype),
-                               "pass e.g. dtype=torch.float32", kind=TypeError)
+        dtype = floating_dtype("dtype", dtype, allow_none=False)
         _check_length("n", n, offset, self.max_len, "SinusoidalPositions")
-        device = self._table.device if device is None else torch.device(device)
+        device = self._table.device if device is None else usable_device("device", device)
         return self._cached(offset + n, device, _table_dtype(dtype), "offset")[offset:offset + n].to(dtype, copy=True)
 
     def _cached(self, length: int, device: torch.device, dtype: torch.dtype, name: str) -> torch.Tensor:
@@ -454,6 +471,9 @@ class LearnedPositions(nn.Module):
                                   fix="pass the longest sequence the model should accept, e.g. max_len=512")
         self.dim = _check_int("dim", dim, minimum=1, expected="a positive int",
                               fix="pass the feature size of the input, e.g. dim=768")
+        device, dtype = usable_device("device", device), floating_dtype("dtype", dtype)
+        check_fits("max_len", (self.max_len, self.dim), dtype or torch.get_default_dtype(), device,
+                   "use a smaller max_len or dim", what="the table")
         self.weight = nn.Parameter(torch.empty(self.max_len, self.dim, device=device, dtype=dtype))  # (max_len, dim)
         self.reset_parameters()
 
