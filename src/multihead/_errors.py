@@ -22,13 +22,18 @@ class ArgumentTypeError(InputError, TypeError):
     """A TypeError about an argument the caller passed."""
 
 
-_INPUT_KINDS: dict[type[Exception], type[Exception]] = {ValueError: ArgumentValueError, TypeError: ArgumentTypeError}
+class MissingFileError(InputError, FileNotFoundError):
+    """A path the caller gave does not exist (catchable as FileNotFoundError, marked as the caller's mistake)."""
+
+
+_INPUT_KINDS: dict[type[Exception], type[Exception]] = {ValueError: ArgumentValueError, TypeError: ArgumentTypeError,
+                                                        FileNotFoundError: MissingFileError}
 
 
 def bad_argument(name: str, expected: str, got: object, fix: str, *, kind: type[Exception] = ValueError) -> Exception:
     """Build (not raise) an exception whose message names the argument, expected vs actual, and the fix.
 
-    ``kind`` ValueError or TypeError gives the :class:`InputError` subclass of it; any other class
+    ``kind`` ValueError, TypeError or FileNotFoundError gives the :class:`InputError` subclass of it; any other class
     (one that derives from :class:`InputError`, such as compat's torch-style errors) is used as given.
     """
     return _INPUT_KINDS.get(kind, kind)(f"{name}: expected {expected}, got {got}. Fix: {fix}")

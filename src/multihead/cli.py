@@ -6,15 +6,21 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from multihead._errors import bad_argument
+from multihead._errors import InputError, bad_argument
+from multihead._userfiles import from_option, output_file, output_folder
 from multihead.inspect.terminal import make_console
 
 DEFAULT_TEXT = "The bank was full of money."
 BUNDLED = "bundled"
+# Without a model to check against, index lists may name up to this many layers or heads: more than any
+# model has, and few enough that expanding a range costs nothing.
+MAX_INDICES = 1 << 16
+_INDEX_PART = re.compile(r"([0-9]+)(?:\s*-\s*([0-9]+))?")
 
 
 def print_written(console, paths) -> None:
@@ -23,24 +29,49 @@ def print_written(console, paths) -> None:
         console.print(f"wrote {Path(path).resolve()}", soft_wrap=True)
 
 
-def parse_indices(name: str, spec: str | None) -> list[int] | None:
-    """'0,2,5-7' -> [0, 2, 5, 6, 7]; None -> None (all)."""
+def parse_indices(name: str, spec: str | None, count: int | None = None) -> list[int] | None:
+    """'0,2,5-7' -> [0, 2, 5, 6, 7] for ``--<name>``; None -> None (all).
+
+    Refused with an error naming ``--<name>``: anything but whole numbers and ranges a-b (a <= b),
+    negative indices (they do not mean "from the end" here), an index listed twice, and an index
+    >= ``count`` (the model's layers or heads; without it, >= MAX_INDICES). Every bound is checked
+    before a range is expanded, so ``0-99999999999`` is an error, not a memory exhaustion.
+    """
     if spec is None:
         return None
+    option, what = f"--{name}", name.removesuffix("s")
+    limit = MAX_INDICES if count is None else count
+    if count is None:  # only the form is known to be wrong: the model's size is checked once it is loaded
+        valid, fix = f"{what} indices from 0 (at most {limit - 1})", f"pick {what}s of the model, counting from 0"
+    else:
+        valid, fix = f"{what} indices in 0..{limit - 1}", f"the model has {limit} {what}s: pick indices below {limit}"
+    ranges: list[tuple[int, int]] = []
+    for part in spec.split(","):
+        text = part.strip()
+        match = _INDEX_PART.fullmatch(text)
+        if match is None:
+            if re.fullmatch(r"-\s*[0-9]+", text):
+                raise bad_argument(option, valid, text, f"negative indices are not accepted; {fix}")
+            raise bad_argument(option, "indices like 0,2,5-7", repr(spec), f"pass e.g. {option} 0,3")
+        bounds = [match.group(1), match.group(2) or match.group(1)]
+        for number in bounds:
+            # digits are counted first: Python refuses int() of a few thousand digits
+            digits = number.lstrip("0") or "0"
+            if len(digits) > len(str(limit)) or int(digits) >= limit:
+                raise bad_argument(option, valid, number if len(number) <= 20 else number[:17] + "...", fix)
+        low, high = (int(number.lstrip("0") or "0") for number in bounds)
+        if high < low:
+            raise bad_argument(option, "ranges a-b with a <= b", repr(text), f"write it as {high}-{low}")
+        ranges.append((low, high))
     indices: list[int] = []
-    try:
-        for part in spec.split(","):
-            part = part.strip()
-            if "-" in part[1:]:
-                start, end = part.split("-", 1)
-                lo, hi = int(start), int(end)
-                if hi < lo:
-                    raise ValueError
-                indices.extend(range(lo, hi + 1))
-            else:
-                indices.append(int(part))
-    except ValueError:
-        raise bad_argument(f"--{name}", "indices like 0,2,5-7", repr(spec), f"pass e.g. --{name} 0,3") from None
+    seen: set[int] = set()
+    for low, high in ranges:  # at most limit + 1 steps: the first repeat stops it
+        for index in range(low, high + 1):
+            if index in seen:
+                raise bad_argument(option, f"each {what} once", f"{index} twice in {spec!r}",
+                                   f"list every {what} once")
+            seen.add(index)
+            indices.append(index)
     return indices
 
 
@@ -62,7 +93,8 @@ def _inspect_parser(subparsers) -> None:
                         help="where the html/png/json reports go (default: multihead-report)")
     parser.add_argument("--format", default="terminal,html", metavar="LIST",
                         help="any of terminal,html,png,json, comma-separated (default: terminal,html)")
-    parser.add_argument("--truncate", action="store_true", help="cut texts over the model's 512 positions")
+    parser.add_argument("--truncate", action="store_true",
+                        help="cut texts over the model's position limit (512 for all-MiniLM-L6-v2)")
     parser.add_argument("--scores", metavar="DIR", help="a `multihead heads` output folder: its importance.json "
                         "and syntax.json become per-head columns of the HTML report")
     parser.set_defaults(run=run_inspect)
@@ -74,35 +106,57 @@ def run_inspect(args: argparse.Namespace) -> int:
     from multihead.inspect.report import bundled_corpus, check_formats, inspect_text, read_corpus, write_reports
     from multihead.models import load_minilm
 
-    formats = check_formats(args.format)
-    layers, heads = parse_indices("layers", args.layers), parse_indices("heads", args.heads)
+    with from_option("--format"):
+        formats = check_formats(args.format)
+    parse_indices("layers", args.layers)  # their form now, before the model loads; their range once it has
+    parse_indices("heads", args.heads)
     console = make_console()
     if not args.text.strip():
         raise bad_argument("text", "a non-empty text", repr(args.text), 'pass e.g. "The bank was full of money."')
+    if any(name != "terminal" for name in formats):
+        output_folder("--out", args.out, create=False)  # checked now; made when the reports are written
     corpus, corpus_source = None, None
     if args.corpus == BUNDLED:
         corpus = bundled_corpus()
         corpus_source = f"bundled corpus ({len(corpus)} sentences)"
     elif args.corpus is not None:
-        corpus = read_corpus(args.corpus)
+        corpus = read_corpus(args.corpus, argument="--corpus")
         corpus_source = f"{args.corpus} ({len(corpus)} texts)"
-    model, _ = load_minilm(args.model)
+    with from_option("--model"):
+        model, _ = load_minilm(args.model)
+    layers, heads = _chosen_heads(model, args.layers, args.heads)
+    extra_columns = None
+    if args.scores:
+        extra_columns = _report_columns(args.scores, model, layers, heads)
     if corpus is None:
-        inspection = inspect_text(model, args.text, layers=layers, heads=heads, token=args.token,
-                                  truncate=args.truncate)
+        with from_option("--token", names=("token",)):
+            inspection = inspect_text(model, args.text, layers=layers, heads=heads, token=args.token,
+                                      truncate=args.truncate)
     else:
-        with Progress(console=console, transient=True) as progress:
+        with Progress(console=console, transient=True) as progress, from_option("--token", names=("token",)):
             task = progress.add_task("corpus statistics", total=len(corpus))
             inspection = inspect_text(model, args.text, layers=layers, heads=heads, token=args.token, corpus=corpus,
                                       corpus_source=corpus_source, truncate=args.truncate,
                                       progress=lambda done: progress.update(task, completed=done))
-    extra_columns = None
-    if args.scores:
-        extra_columns = _report_columns(Path(args.scores), inspection.layers, inspection.heads)
-    paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns)
+    paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns,
+                          argument="--out")
     for name, path in paths.items():
         console.print(f"{name} report: {path.resolve()}", soft_wrap=True)
     return 0
+
+
+def _chosen_heads(model, layers_spec: str | None, heads_spec: str | None) -> tuple[list[int] | None, list[int] | None]:
+    """--layers and --heads checked against the model's real sizes (a pruned model has fewer heads in some layers)."""
+    counts = [layer.num_heads for layer in model.attention_layers]
+    layers = parse_indices("layers", layers_spec, len(counts))
+    chosen = [counts[layer] for layer in (layers if layers is not None else range(len(counts)))]
+    fewest = min(chosen)
+    heads = parse_indices("heads", heads_spec, fewest)
+    if heads is None and len(set(chosen)) > 1:  # the report is a layers x heads grid
+        raise bad_argument("--heads", "heads that every chosen layer has (the report is a layers x heads grid)",
+                           f"all heads of layers with {sorted(set(chosen))} heads (a pruned model)",
+                           f"pass --heads 0-{fewest - 1}, or --layers with layers of equal head counts")
+    return layers, heads
 
 
 def _cost_parser(subparsers) -> None:
@@ -132,11 +186,13 @@ def _cost_parser(subparsers) -> None:
     parser.set_defaults(run=run_cost)
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")  # formats matplotlib writes everywhere, named by --plot's suffix
+
+
 def run_cost(args: argparse.Namespace) -> int:
     import json
 
-
-    from multihead.cost import LayerShape, estimate, load_calibration
+    from multihead.cost import LayerShape, estimate, read_calibration
     from multihead.cost_report import cost_json, plot_cost, print_cost
 
     if args.backward and args.decode_cache is not None:
@@ -148,14 +204,18 @@ def run_cost(args: argparse.Namespace) -> int:
     mode = "decode" if args.decode_cache is not None else "forward+backward" if args.backward else "forward"
     report = estimate(shape, seq=args.seq, kv_seq=args.kv_seq, batch=args.batch, causal=args.causal,
                       dtype=args.dtype, mode=mode, cache_len=args.decode_cache, need_weights=args.need_weights)
-    rates = load_calibration()
     plot_path = None
-    if args.plot:
+    if args.plot is not None:
         if args.kv_seq is not None or mode == "decode":
             raise bad_argument("--plot", "a self-attention forward or training configuration",
                                "cross-attention or decode", "drop --kv-seq / --decode-cache to plot against n")
-        plot_path = plot_cost(shape, Path(args.plot), seq=args.seq, batch=args.batch, dtype=report.dtype, mode=mode,
-                              causal=args.causal)
+        plot_path = output_file("--plot", args.plot, suffixes=PLOT_SUFFIXES, fix="pass e.g. --plot cost.png")
+    rates, note = read_calibration()
+    if note:  # a damaged cache is not the user's argument: say it was ignored, and go on without it
+        print(f"multihead cost: note: {note}", file=sys.stderr)
+    if plot_path is not None:
+        plot_path = plot_cost(shape, plot_path, seq=args.seq, batch=args.batch, dtype=report.dtype, mode=mode,
+                              causal=args.causal, argument="--plot")
     if args.json:
         print(json.dumps(cost_json(report, rates), indent=1))
     else:
@@ -167,10 +227,44 @@ def run_cost(args: argparse.Namespace) -> int:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one line on stderr (exit 2), not the usage block."""
+    """argparse, but a usage mistake is one line on stderr (exit 2) in the house form, not the usage block."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}. Fix: see `{self.prog} --help`\n")
+        self.exit(2, f"{self.prog}: error: {one_line(usage_error(message, self.prog))}\n")
+
+
+# argparse's own messages, recast as "<option>: expected ..., got ..." (argparse's words are kept after it).
+# Each pattern names the option (or "arguments") and gives what was expected and what came.
+_ARGPARSE_MESSAGES = [
+    (r"argument (?P<option>[^:]+): invalid choice: (?P<got>.+?) \(choose from (?P<choices>.+)\)",
+     lambda m: (f"one of {m['choices']}", m["got"])),
+    (r"argument (?P<option>[^:]+): invalid (?P<kind>\w+) value: (?P<got>.+)",
+     lambda m: ({"int": "a whole number", "float": "a number"}.get(m["kind"], f"a {m['kind']} value"), m["got"])),
+    (r"argument (?P<option>[^:]+): expected one argument", lambda m: ("a value after it", "none")),
+    (r"argument (?P<option>[^:]+): expected (?P<count>.+?) arguments?", lambda m: (f"{m['count']} values", "fewer")),
+    (r"argument (?P<option>[^:]+): ignored explicit argument (?P<got>.+)",
+     lambda m: ("no value (it is a switch)", m["got"])),
+    (r"argument (?P<option>[^:]+): not allowed with argument (?P<other>.+)",
+     lambda m: (f"not both {m['option']} and {m['other']}", "both")),
+    (r"the following arguments are required: (?P<option>[^,]+)(?P<rest>.*)",
+     lambda m: ("a value (it is required" + (f"; so are{m['rest'].lstrip(',')}" if m["rest"] else "") + ")",
+                "none")),
+    (r"unrecognized arguments: (?P<got>.+)", lambda m: ("only the arguments --help lists", repr(m["got"]))),
+    (r"ambiguous option: (?P<option>\S+) could match (?P<choices>.+)",
+     lambda m: (f"one of {m['choices']} in full", repr(m["option"]))),
+]
+
+
+def usage_error(message: str, prog: str) -> str:
+    """argparse's ``message`` in the house form: ``<option>: expected ..., got ... (argparse's words). Fix: ...``."""
+    fix = f"see `{prog} --help`"
+    for pattern, recast in _ARGPARSE_MESSAGES:
+        match = re.fullmatch(pattern, message, flags=re.DOTALL)
+        if match is not None:
+            expected, got = recast(match)
+            subject = match.groupdict().get("option") or "arguments"
+            return f"{subject}: expected {expected}, got {got} ({message}). Fix: {fix}"
+    return f"arguments: expected what --help lists, got {message!r}. Fix: {fix}"
 
 
 def _bench_parser(subparsers) -> None:
@@ -197,16 +291,20 @@ def _bench_parser(subparsers) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    from multihead._userfiles import writing
     from multihead.bench.common import default_out_dir, ensure_malloc_env
-    from multihead.cost import DTYPES, calibrate, save_calibration
+    from multihead.cost import DTYPES, calibrate, calibration_path, save_calibration
 
     console = make_console()
     for dtype in args.dtype or []:
         if dtype not in DTYPES:
             raise bad_argument("--dtype", f"one of {', '.join(DTYPES)}", repr(dtype), "pass e.g. --dtype float32")
     if args.calibrate and not (args.quick or args.only):
+        cache = calibration_path()
+        output_folder("MULTIHEAD_CACHE", cache.parent, fix="set MULTIHEAD_CACHE to a folder you can write to")
         rates = calibrate(args.dtype or ["float32"])
-        path = save_calibration(rates)
+        with writing("MULTIHEAD_CACHE", cache, fix="set MULTIHEAD_CACHE to a folder you can write to"):
+            path = save_calibration(rates)
         console.print("calibrated: " + ", ".join(f"{k} matmul {v:.1f} GFLOP/s" for k, v in rates.matmul_gflops.items())
                       + f", bandwidth {rates.bandwidth_gbs:.1f} GB/s ({rates.threads} threads); saved to {path}",
                       soft_wrap=True)
@@ -214,6 +312,7 @@ def run_bench(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else default_out_dir()
     if args.rescore:
         return rescore(out_dir, args, console)
+    out_dir = output_folder("--out", out_dir, create=False)  # before minutes of measuring, not after
     ensure_malloc_env()  # the benchmarks' allocator setting: re-executes this command once with it
     from multihead.bench.suite import run_suite
 
@@ -235,24 +334,24 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def rescore(out_dir: Path, args: argparse.Namespace, console) -> int:
     """``multihead bench --rescore``: the summary of results already on disk, against today's calibration."""
-    import json
-
-    from multihead.bench.suite import ensure_rates, markdown_summary, summarize
+    from multihead._userfiles import existing_folder, path_kind
+    from multihead.bench.suite import ensure_rates, markdown_summary, read_results, summarize
 
     stem = "_quick" if args.quick else ""
     names = [args.only] if args.only else ["kernel", "layer"]
+    rerun = (f"run `multihead bench{' --quick' if args.quick else ''}` first, or point --out at the results")
+    out_dir = existing_folder("--out", out_dir, what="a folder of benchmark results", fix=rerun)
     results = {}
     for name in names:
         path = out_dir / f"{name}{stem}.json"
-        if not path.is_file():
-            raise bad_argument("--out", f"a folder with {name}{stem}.json", f"{str(out_dir)!r} without it",
-                               f"run `multihead bench{' --quick' if args.quick else ''}` first, or point --out at "
-                               "the results")
-        results[name] = json.loads(path.read_text())
+        if path_kind(path) != "file":
+            raise bad_argument("--out", f"a folder with {name}{stem}.json", f"{str(out_dir)!r} without it", rerun)
+        results[name] = read_results(name, path, argument="--out", fix=rerun)
+    output_folder("--out", out_dir, create=False)  # the summary is written beside the results
     dtypes = sorted({r["dtype"] for result in results.values() for r in result["cases"]})
     rates = ensure_rates(dtypes, say=console.print)
     summary = summarize(results, rates, out_dir=out_dir, quick=args.quick,
-                        reports={name: f"{name}{stem}.md" for name in names})
+                        reports={name: f"{name}{stem}.md" for name in names}, argument="--out")
     console.print(markdown_summary(summary), soft_wrap=True)
     print_written(console, summary["files"])
     return 0
@@ -285,25 +384,33 @@ def _heads_parser(subparsers) -> None:
 def _parse_removal(spec: str) -> dict[int, list[int]]:
     """'0:1,5;3:2' -> {0: [1, 5], 3: [2]}."""
     plan: dict[int, list[int]] = {}
-    try:
-        for part in filter(None, (p.strip() for p in spec.split(";"))):
-            layer, heads = part.split(":")
-            plan.setdefault(int(layer), []).extend(int(h) for h in heads.split(","))
-    except ValueError:
-        raise bad_argument("--remove", "LAYER:HEAD,HEAD;LAYER:HEAD, e.g. '0:1,5;3:2'", repr(spec),
-                           "separate layers with ';' and heads with ','") from None
+    form = "LAYER:HEAD,HEAD;LAYER:HEAD, e.g. '0:1,5;3:2'"
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        match = re.fullmatch(r"([0-9]{1,9})\s*:\s*([0-9]{1,9}(?:\s*,\s*[0-9]{1,9})*)", part)
+        if match is None:
+            raise bad_argument("--remove", form, repr(spec), "separate layers with ';' and heads with ',' "
+                               "(whole numbers from 0)")
+        heads = plan.setdefault(int(match.group(1)), [])
+        for head in (int(h) for h in match.group(2).split(",")):
+            if head in heads:
+                raise bad_argument("--remove", f"each head of a layer once, {form}", f"head {head} of layer "
+                                   f"{match.group(1)} twice in {spec!r}", "list every head once")
+            heads.append(head)
+    if not plan:
+        raise bad_argument("--remove", form, repr(spec), "name at least one head to remove")
     return plan
 
 
 def run_heads(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
+    from multihead._userfiles import writing
     from multihead.inspect import headreport
     from multihead.inspect.report import bundled_corpus, read_corpus
     from multihead.models import load_minilm
 
     console = make_console()
-    out_dir = Path(args.out)
+    plan = None
     if args.mode == "prune":
         if (args.fraction is None) == (args.remove is None):
             raise bad_argument("--fraction", "either --fraction F or --remove L:H,...", "both or neither",
@@ -311,21 +418,34 @@ def run_heads(args: argparse.Namespace) -> int:
         if args.fraction is not None and not 0.0 <= args.fraction < 1.0:
             raise bad_argument("--fraction", "a fraction of all heads in [0, 1)", args.fraction,
                                "pass e.g. --fraction 0.3")
+        if args.remove is not None:
+            plan = _parse_removal(args.remove)
+    out_dir = output_folder("--out", args.out, create=False)  # checked now; made when a file is written
     if args.mode == "syntax":
         return run_syntax(args, console, out_dir)
-    texts = read_corpus(args.corpus) if args.corpus else bundled_corpus()
+    texts = read_corpus(args.corpus, argument="--corpus") if args.corpus else bundled_corpus()
+    if len(texts) < 2:  # embedding fidelity compares each text's nearest neighbour
+        raise bad_argument("--corpus", "at least two texts, one per line", f"{len(texts)} in {args.corpus!r}",
+                           "add texts to the file")
     source = args.corpus or f"bundled corpus ({len(texts)} sentences)"
-    model, _ = load_minilm(args.model)
-    if args.mode == "prune" and args.remove is not None:
-        model.prune_heads(_parse_removal(args.remove))
-        path = model.save(out_dir / "model")
-        console.print(f"pruned {sum(12 - len(ids) for ids in model.head_ids)} heads; model saved to "
-                      f"{path.resolve()} (load it with --model)", soft_wrap=True)
+    with from_option("--model"):
+        model, _ = load_minilm(args.model)
+    counts = [layer.num_heads for layer in model.attention_layers]
+    if plan is not None:
+        with from_option("--remove"):
+            model.prune_heads(plan)
+        model_dir = output_folder("--out", out_dir / "model")
+        with writing("--out", model_dir):
+            path = model.save(model_dir)
+        removed = sum(counts) - sum(layer.num_heads for layer in model.attention_layers)
+        console.print(f"pruned {removed} heads; model saved to {path.resolve()} (load it with --model)",
+                      soft_wrap=True)
         return 0
     from multihead.inspect.importance import ablation_importance, pruning_curve
 
     if args.mode == "prune" and args.importance:
-        scores = headreport.load_importance(Path(args.importance))
+        scores = headreport.load_importance(args.importance, argument="--importance",
+                                            shape=(len(counts), max(counts)))
     else:
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("ablating heads", total=None)
@@ -349,15 +469,17 @@ def run_heads(args: argparse.Namespace) -> int:
     console.print(headreport.curve_table(curve))
     best = headreport.heads_at_fidelity(curve)
     if best is not None:
-        console.print(f"at mean cosine >= 0.99: {best['heads_removed']} of 72 heads removed "
+        console.print(f"at mean cosine >= 0.99: {best['heads_removed']} of {sum(counts)} heads removed "
                       f"(fraction {best['fraction']:.2f}), attention {best['attention_speedup']:.2f}x faster",
                       soft_wrap=True)
     chosen = next(row for row in curve if row["fraction"] == round(args.fraction, 4))
-    plan: dict[int, list[int]] = {}
+    prune_plan: dict[int, list[int]] = {}
     for layer, head in chosen["removed"]:
-        plan.setdefault(layer, []).append(model.head_ids[layer][head])
-    model.prune_heads(plan)
-    model_path = model.save(out_dir / "model")
+        prune_plan.setdefault(layer, []).append(model.head_ids[layer][head])
+    model.prune_heads(prune_plan)
+    model_dir = output_folder("--out", out_dir / "model")
+    with writing("--out", model_dir):
+        model_path = model.save(model_dir)
     paths = headreport.write_curve(curve, out_dir)
     console.print(f"pruned {chosen['heads_removed']} heads (fraction {args.fraction}): mean cosine "
                   f"{chosen['cosine']:.4f}; model saved to {model_path.resolve()}", soft_wrap=True)
@@ -371,17 +493,16 @@ def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
     return headreport.run_syntax_command(args, console, out_dir)
 
 
-def _report_columns(directory: Path, layers: list[int], heads: list[int]) -> dict[str, list[list[float]]]:
+def _report_columns(folder: str, model, layers: list[int] | None,
+                    heads: list[int] | None) -> dict[str, list[list[float]]]:
+    """The --scores folder's per-head columns for the chosen heads (its scores must be of this model's size)."""
     from multihead.inspect.headreport import report_columns
 
-    if not directory.is_dir():
-        raise bad_argument("--scores", "a folder written by `multihead heads importance` or `syntax`",
-                           repr(str(directory)), "run `multihead heads importance --out DIR` first")
-    columns = report_columns(directory)
-    if not columns:
-        raise bad_argument("--scores", "a folder with importance.json or syntax.json", repr(str(directory)),
-                           "run `multihead heads importance --out DIR` or `multihead heads syntax --out DIR`")
-    return {name: [[values[layer][head] for head in heads] for layer in layers] for name, values in columns.items()}
+    counts = [layer.num_heads for layer in model.attention_layers]
+    columns = report_columns(folder, argument="--scores", shape=(len(counts), max(counts)))
+    rows = layers if layers is not None else range(len(counts))
+    return {name: [[values[layer][head] for head in (heads if heads is not None else range(counts[layer]))]
+                   for layer in rows] for name, values in columns.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -395,16 +516,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``multihead`` console script; returns the exit status."""
+    """Entry point of the ``multihead`` console script; returns the exit status.
+
+    A mistake in the user's input (an :class:`~multihead._errors.InputError`: a bad option, a file
+    that cannot be used) is one line on stderr and exit status 2. Any other exception is a bug in
+    multihead and propagates with its traceback.
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help (0), or a usage mistake argparse already printed as one line (2)
+        return exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 2
     try:
         return args.run(args)
-    except (ValueError, TypeError, FileNotFoundError) as error:  # our errors say what to do: no traceback
-        print(f"multihead {args.command}: error: {error}", file=sys.stderr)
+    except InputError as error:  # it says what to do: no traceback
+        print(f"multihead {args.command}: error: {one_line(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def one_line(message: str) -> str:
+    """``message`` on a single line (a quoted text or file line may carry line breaks)."""
+    return " ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
 if __name__ == "__main__":

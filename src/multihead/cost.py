@@ -45,10 +45,12 @@ from pathlib import Path
 
 import torch
 
-from multihead._errors import bad_argument, describe, positive_int
+from multihead._errors import InputError, bad_argument, describe, positive_int
+from multihead._userfiles import (ANY_OBJECT, POSITIVE_INT, POSITIVE_NUMBER, STRING, MapOf, OptionalKey, path_kind,
+                                  read_json)
 
 __all__ = ["LayerShape", "Params", "Bytes", "CostReport", "MachineRates", "Roofline", "estimate", "roofline",
-           "crossover", "bound", "compute_rate", "attention_kernel_cost", "measure_peak_bytes", "calibrate", "load_calibration", "save_calibration",
+           "crossover", "bound", "compute_rate", "attention_kernel_cost", "measure_peak_bytes", "calibrate", "load_calibration", "read_calibration", "save_calibration",
            "calibration_path", "DTYPES", "MODES", "SOFTMAX_FLOPS_FORWARD", "SOFTMAX_FLOPS_BACKWARD"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -499,15 +501,33 @@ def save_calibration(rates: MachineRates, path: Path | None = None) -> Path:
     return target
 
 
-def load_calibration(path: Path | None = None) -> MachineRates | None:
-    """The cached rates, or None when this machine was not calibrated (or the file is unreadable)."""
+_CALIBRATION_SCHEMA = {"matmul_gflops": MapOf(POSITIVE_NUMBER, 1), "bandwidth_gbs": POSITIVE_NUMBER,
+                       "threads": POSITIVE_INT, "measured_at": OptionalKey(STRING), "details": OptionalKey(ANY_OBJECT)}
+
+
+def read_calibration(path: Path | None = None) -> tuple[MachineRates | None, str | None]:
+    """(the cached rates or None, a note when a cache file was there but is unusable).
+
+    The cache is ours, not the user's argument: a damaged one (not JSON, not UTF-8, fields missing
+    or of the wrong type, rates that are not positive) counts as absent, and the note says why and
+    how to measure again.
+    """
     source = path or calibration_path()
+    if path_kind(source) == "missing":
+        return None, None
     try:
-        data = json.loads(source.read_text())
-        return MachineRates(dict(data["matmul_gflops"]), float(data["bandwidth_gbs"]), int(data["threads"]),
-                            data.get("measured_at", ""), data.get("details", {}))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        data = read_json("calibration cache", source, what="rates written by `multihead bench --calibrate`",
+                         schema=_CALIBRATION_SCHEMA, fix="run `multihead bench --calibrate` to measure them again")
+    except InputError as error:
+        return None, f"ignored the calibration cache ({error})"
+    return MachineRates(dict(data["matmul_gflops"]), float(data["bandwidth_gbs"]), int(data["threads"]),
+                        data.get("measured_at", ""), data.get("details", {})), None
+
+
+def load_calibration(path: Path | None = None) -> MachineRates | None:
+    """The cached rates, or None when this machine was not calibrated (or the cache is damaged:
+    :func:`read_calibration` also says why)."""
+    return read_calibration(path)[0]
 
 
 def measure_peak_bytes(step: Callable[[], object]) -> int:

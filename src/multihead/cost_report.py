@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from multihead._userfiles import output_folder, writing
 from multihead.cost import QUADRATIC_TERMS, TERMS, CostReport, LayerShape, MachineRates, compute_rate, crossover, estimate, roofline
 
 __all__ = ["human_flops", "human_bytes", "print_cost", "plot_cost", "cost_json"]
@@ -121,15 +122,19 @@ def cost_json(report: CostReport, rates: MachineRates | None) -> dict:
 
 
 def plot_cost(shape: LayerShape, path: Path, *, seq: int, batch: int, dtype: str, mode: str,
-              causal: bool = False) -> Path:
-    """FLOPs by term and peak memory against the sequence length n (self-attention), log-log."""
+              causal: bool = False, argument: str = "path") -> Path:
+    """FLOPs by term and peak memory against the sequence length n (self-attention), log-log.
+
+    ``path``'s folder is created; a path that cannot be written raises ValueError naming ``argument``
+    (the CLI passes "--plot").
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     n_star = crossover(shape)
-    top = max(4 * seq, int(8 * n_star))
+    top = max(4 * seq, int(8 * n_star), 256)  # a tiny layer's crossover is below 16: still draw a range
     lengths = sorted({int(16 * 2 ** (k / 4)) for k in range(200) if 16 * 2 ** (k / 4) <= top})
     reports = [estimate(shape, seq=n, batch=batch, dtype=dtype, mode=mode, causal=causal) for n in lengths]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -153,7 +158,10 @@ def plot_cost(shape: LayerShape, path: Path, *, seq: int, batch: int, dtype: str
     figure.suptitle(f"multihead cost: embed_dim {s.embed_dim}, {s.h} heads"
                     + (f" ({s.g} kv heads)" if s.g != s.h else "") + f", batch {batch}", fontsize=10)
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    try:
+        output_folder(argument, path.parent)
+        with writing(argument, path):
+            figure.savefig(path, dpi=110)
+    finally:
+        plt.close(figure)
     return path

@@ -513,9 +513,17 @@ def bench_main(argv: Sequence[str] | None, parser: Callable[[], argparse.Argumen
                run: Callable[[Any], dict], write_reports: Callable[[dict, Path, str], str], reexec: bool) -> int:
     """A benchmark's main: re-execute with MALLOC_MMAP_THRESHOLD_ set (with ``reexec``), parse ``argv``, run,
     write the reports under --out, print the markdown. The parser is built after the re-exec."""
+    from multihead._errors import InputError
+    from multihead._userfiles import output_folder
+
     if reexec:
         ensure_malloc_env()
     config = config_from_args(config_cls, parser().parse_args(argv))
+    try:
+        output_folder("--out", config.out_dir, create=False)  # before minutes of measuring, not after
+    except InputError as error:  # the user's mistake: one line, as `multihead` prints it
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     results = run(config)
     report = write_reports(results, config.out_dir, config.stem)
     print(report, flush=True)

@@ -20,10 +20,14 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from multihead.cost import (LayerShape, MachineRates, attention_kernel_cost, bound, calibrate, estimate,
-                            load_calibration, save_calibration)
+from multihead._errors import InputError, bad_argument
+from multihead._userfiles import (ANY_OBJECT, BOOLEAN, POSITIVE_INT, POSITIVE_NUMBER, STRING, ListOf, OptionalKey,
+                                  nullable, one_of, read_json, writing)
+from multihead.cost import (DTYPES, LayerShape, MachineRates, attention_kernel_cost, bound, calibrate, estimate,
+                            read_calibration, save_calibration)
 
-__all__ = ["run_suite", "summarize", "kernel_rows", "layer_rows", "markdown_summary", "plot_summary", "ensure_rates"]
+__all__ = ["run_suite", "summarize", "kernel_rows", "layer_rows", "markdown_summary", "plot_summary", "ensure_rates",
+           "read_results"]
 
 KERNEL_OURS = ("auto", "tiled")
 KERNEL_PEERS = ("textbook", "sdpa")
@@ -36,7 +40,9 @@ PEER_COLUMNS = {"kernel": KERNEL_PEERS, "layer": LAYER_PEERS["multihead"]}
 def ensure_rates(dtypes: Sequence[str], *, recalibrate: bool = False,
                  say: Callable[[str], None] = print) -> MachineRates:
     """The cached machine rates, measured (and cached) first when missing, stale for a dtype, or asked for."""
-    rates = None if recalibrate else load_calibration()
+    rates, note = (None, None) if recalibrate else read_calibration()
+    if note:  # a damaged cache is measured again, not trusted
+        say(note)
     if rates is None or any(dtype not in rates.matmul_gflops for dtype in dtypes):
         wanted = sorted(set(dtypes) | {"float32"} | (set(rates.matmul_gflops) if rates else set()))
         say(f"calibrating: matmul rate ({', '.join(wanted)}) and memory bandwidth ...")
@@ -44,6 +50,25 @@ def ensure_rates(dtypes: Sequence[str], *, recalibrate: bool = False,
         path = save_calibration(rates)
         say(f"calibration saved to {path}")
     return rates
+
+
+# What kernel_rows / layer_rows / summarize read from a benchmark's <name>.json (other fields are ignored).
+_CASE = {"impl": STRING, "n": POSITIVE_INT, "dtype": one_of(*DTYPES), "mode": one_of("forward", "forward+backward"),
+         "status": STRING, "median_s": OptionalKey(nullable(POSITIVE_NUMBER))}
+RESULT_SCHEMAS = {
+    "kernel": {"machine": ANY_OBJECT, "cases": ListOf({**_CASE, "causal": BOOLEAN}),
+               "config": {"batch": POSITIVE_INT, "heads": POSITIVE_INT, "head_dim": POSITIVE_INT}},
+    "layer": {"machine": ANY_OBJECT, "cases": ListOf({**_CASE, "shape": STRING, "batch": POSITIVE_INT,
+                                                       "causal": BOOLEAN, "embed_dim": POSITIVE_INT,
+                                                       "heads": POSITIVE_INT})},
+}
+
+
+def read_results(name: str, path: Path, *, argument: str = "path",
+                 fix: str = "run `multihead bench` again to write it") -> dict:
+    """A benchmark's results file (``name`` "kernel" or "layer"), checked to have what the summary reads."""
+    return read_json(argument, path, what=f"{name} benchmark results written by `multihead bench`",
+                     schema=RESULT_SCHEMAS[name], fix=fix)
 
 
 def _times(records: Sequence[dict], key_fields: Sequence[str]) -> dict[tuple, dict[str, float]]:
@@ -184,19 +209,31 @@ def run_suite(*, quick: bool, out_dir: Path, benchmarks: Sequence[str] = ("kerne
 
 
 def summarize(results: dict[str, dict], rates: MachineRates, *, out_dir: Path, quick: bool,
-              elapsed_s: float | None = None, reports: dict[str, str] | None = None) -> dict:
-    """Score benchmark results ({"kernel": ..., "layer": ...}) against ``rates``; write bench[_quick].json/md/png."""
+              elapsed_s: float | None = None, reports: dict[str, str] | None = None,
+              argument: str | None = None) -> dict:
+    """Score benchmark results ({"kernel": ..., "layer": ...}) against ``rates``; write bench[_quick].json/md/png.
+
+    ``argument``: the option the results were read from (``--out`` for ``bench --rescore``): a case
+    whose sizes multihead.cost refuses, or a failed write, is then an error naming it.
+    """
     rows = []
     for name, result in results.items():
-        rows += (kernel_rows if name == "kernel" else layer_rows)(result, rates)
+        try:
+            rows += (kernel_rows if name == "kernel" else layer_rows)(result, rates)
+        except InputError as error:
+            if argument is None:  # results we measured ourselves: a refusal is our bug
+                raise
+            raise bad_argument(argument, f"{name} benchmark results multihead can score",
+                               f"a case it cannot ({error})", "run `multihead bench` again to rewrite them") from None
     summary = {"quick": quick, "elapsed_s": elapsed_s, "rates": {
         "matmul_gflops": rates.matmul_gflops, "bandwidth_gbs": rates.bandwidth_gbs, "threads": rates.threads,
         "measured_at": rates.measured_at}, "machine": next(iter(results.values()))["machine"], "rows": rows,
         "reports": reports or {}}
     stem = "bench_quick" if quick else "bench"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / f"{stem}.md").write_text(markdown_summary(summary))
-    plot_summary(summary, out_dir / f"{stem}.png")
+    with writing(argument or "out_dir", out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=1))
+        (out_dir / f"{stem}.md").write_text(markdown_summary(summary))
+        plot_summary(summary, out_dir / f"{stem}.png")
     summary["files"] = [str(out_dir / f"{stem}.{ext}") for ext in ("json", "md", "png")]
     return summary

@@ -10,6 +10,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from multihead._errors import bad_argument
+from multihead._userfiles import (NUMBER, Grid, OptionalKey, Rule, existing_folder, from_option, output_folder,
+                                  path_kind, read_json, writing)
+
 __all__ = ["importance_table", "write_importance", "load_importance", "curve_table", "write_curve",
            "heads_at_fidelity", "report_columns"]
 
@@ -42,11 +46,11 @@ def write_importance(importance, out_dir: Path, *, source: str) -> dict[str, Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    output_folder("--out", out_dir)  # created now, at the first file written into it
     data = {**importance.as_dict(), "source": source,
             "ranking": [{"layer": layer, "head": head, "score": score} for layer, head, score in importance.ranking()]}
     json_path = out_dir / IMPORTANCE_FILE
-    json_path.write_text(json.dumps(data, indent=1, allow_nan=False))
+    _write_json(json_path, data, allow_nan=False)
     figure, axis = plt.subplots(figsize=(8, 4))
     image = axis.imshow(importance.scores.numpy(), cmap="magma", aspect="auto")
     axis.set(xlabel="head", ylabel="layer", title=f"head importance: {importance.metric}")
@@ -55,22 +59,55 @@ def write_importance(importance, out_dir: Path, *, source: str) -> dict[str, Pat
     figure.colorbar(image, ax=axis)
     figure.tight_layout()
     png_path = out_dir / "importance.png"
-    figure.savefig(png_path, dpi=110)
-    plt.close(figure)
+    _save_figure(plt, figure, png_path)
     return {"json": json_path, "png": png_path}
 
 
-def load_importance(path: Path) -> torch.Tensor:
-    """The (layers, heads) scores from an importance.json (a file, or the folder holding it)."""
-    from multihead._errors import bad_argument
+def _write_json(path: Path, data, *, allow_nan: bool = True) -> None:
+    """Write ``data`` as JSON into the user's --out folder (a failed write names --out)."""
+    text = json.dumps(data, indent=1, allow_nan=allow_nan)
+    with writing("--out", path):
+        path.write_text(text)
 
-    source = path / IMPORTANCE_FILE if path.is_dir() else path
+
+def _save_figure(plt, figure, path: Path) -> None:
+    """Save and close ``figure`` in the user's --out folder (a failed write names --out)."""
     try:
-        rows = json.loads(source.read_text())["scores"]
-        return torch.tensor([[float("nan") if v is None else v for v in row] for row in rows], dtype=torch.float32)
-    except (OSError, ValueError, KeyError, TypeError):
-        raise bad_argument("--importance", "an importance.json written by `multihead heads importance`",
-                           repr(str(source)), "run `multihead heads importance --out DIR` first") from None
+        with writing("--out", path):
+            figure.savefig(path, dpi=110)
+    finally:
+        plt.close(figure)
+
+
+# A score is 1 - cosine (in [0, 2]) for ablation, |E[A dL/dA]| for gradient importance: bounded well below
+# 1e9, so x 1000 for the report stays finite. null: a head the model did not have (pruned).
+_IMPORTANCE_SCHEMA = {"scores": Grid(Rule("a number in [-1e9, 1e9] or null", lambda v: v is None or (
+    NUMBER.test(v) and abs(v) <= 1e9)))}
+_SYNTAX_SCHEMA = {"per_head_best": OptionalKey(Grid(Rule("a share in [0, 1]",
+                                                          lambda v: NUMBER.test(v) and 0 <= v <= 1)))}
+_RUN_IMPORTANCE = "run `multihead heads importance --out DIR` first (with the same --model)"
+
+
+def _check_grid_shape(argument: str, source: Path, grid: list[list], shape: tuple[int, int] | None,
+                      fix: str) -> None:
+    """Per-head scores must have one row per layer and one column per head of the model they are used with."""
+    if shape is not None and (len(grid), len(grid[0])) != shape:
+        raise bad_argument(argument, f"scores of a model with {shape[0]} layers x {shape[1]} heads",
+                           f"{len(grid)} x {len(grid[0])} in {str(source)!r}", fix)
+
+
+def load_importance(path: str | Path, *, argument: str = "path", shape: tuple[int, int] | None = None
+                    ) -> torch.Tensor:
+    """The (layers, heads) scores from an importance.json (a file, or the folder holding it).
+
+    ``argument`` names the option in errors; ``shape``: the (layers, heads) the scores must have.
+    """
+    source = Path(path) / IMPORTANCE_FILE if path_kind(Path(path)) == "folder" else Path(path)
+    data = read_json(argument, source, what="an importance.json written by `multihead heads importance`",
+                     schema=_IMPORTANCE_SCHEMA, fix=_RUN_IMPORTANCE)
+    _check_grid_shape(argument, source, data["scores"], shape, _RUN_IMPORTANCE)
+    return torch.tensor([[float("nan") if v is None else v for v in row] for row in data["scores"]],
+                        dtype=torch.float32)
 
 
 def heads_at_fidelity(curve: list[dict], threshold: float = 0.99) -> dict | None:
@@ -99,9 +136,9 @@ def write_curve(curve: list[dict], out_dir: Path) -> dict[str, Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    output_folder("--out", out_dir)  # created now, at the first file written into it
     json_path = out_dir / CURVE_FILE
-    json_path.write_text(json.dumps(curve, indent=1))
+    _write_json(json_path, curve)
     fractions = [row["heads_removed"] for row in curve]
     figure, left = plt.subplots(figsize=(7, 4))
     left.plot(fractions, [row["cosine"] for row in curve], "o-", label="mean cosine to the original")
@@ -118,25 +155,35 @@ def write_curve(curve: list[dict], out_dir: Path) -> dict[str, Path]:
     left.legend(lines, labels, fontsize=7, loc="center left", framealpha=0.9)
     figure.tight_layout()
     png_path = out_dir / "pruning.png"
-    figure.savefig(png_path, dpi=110)
-    plt.close(figure)
+    _save_figure(plt, figure, png_path)
     return {"json": json_path, "png": png_path}
 
 
-def report_columns(directory: Path) -> dict[str, list[list[float]]]:
+def report_columns(folder: str | Path, *, argument: str = "folder", shape: tuple[int, int] | None = None
+                   ) -> dict[str, list[list[float]]]:
     """Per-head columns for the inspect HTML report from a `multihead heads` output folder:
-    "importance" (from importance.json) and "best syntax score" (from syntax.json), when present."""
+    "importance" (from importance.json) and "best syntax score" (from syntax.json), when present.
+
+    ``argument`` names the option in errors; ``shape``: the (layers, heads) the scores must have.
+    """
+    fix = "run `multihead heads importance --out DIR` or `multihead heads syntax --out DIR` (with the same --model)"
+    directory = existing_folder(argument, folder, what="a folder written by `multihead heads importance` or `syntax`",
+                                fix=fix)
     columns: dict[str, list[list[float]]] = {}
     importance = directory / IMPORTANCE_FILE
-    if importance.is_file():
-        scores = json.loads(importance.read_text())["scores"]
-        columns["importance (1 - cos) x 1000"] = [[None if v is None else round(v * 1000, 3) for v in row]
+    if path_kind(importance) == "file":
+        scores = load_importance(importance, argument=argument, shape=shape).tolist()
+        columns["importance (1 - cos) x 1000"] = [[None if v != v else round(v * 1000, 3) for v in row]
                                                   for row in scores]
     syntax = directory / SYNTAX_FILE
-    if syntax.is_file():
-        data = json.loads(syntax.read_text())
+    if path_kind(syntax) == "file":
+        data = read_json(argument, syntax, what="a syntax.json written by `multihead heads syntax`",
+                         schema=_SYNTAX_SCHEMA, fix=fix)
         if "per_head_best" in data:
+            _check_grid_shape(argument, syntax, data["per_head_best"], shape, fix)
             columns["best syntax score"] = [[round(v, 4) for v in row] for row in data["per_head_best"]]
+    if not columns:
+        raise bad_argument(argument, "a folder with importance.json or syntax.json", repr(str(folder)), fix)
     return columns
 
 
@@ -167,10 +214,10 @@ def write_syntax(scores, out_dir: Path) -> dict[str, Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    output_folder("--out", out_dir)  # created now, at the first file written into it
     data = {**scores.as_dict(), "per_head_best": scores.per_head_best().tolist()}
     json_path = out_dir / SYNTAX_FILE
-    json_path.write_text(json.dumps(data, indent=1))
+    _write_json(json_path, data)
     rows = [row for row in scores.table() if row["layer"] is not None]
     figure, axis = plt.subplots(figsize=(8, 4))
     positions = range(len(rows))
@@ -184,8 +231,7 @@ def write_syntax(scores, out_dir: Path) -> dict[str, Path]:
     axis.legend(fontsize=8)
     figure.tight_layout()
     png_path = out_dir / "syntax.png"
-    figure.savefig(png_path, dpi=110)
-    plt.close(figure)
+    _save_figure(plt, figure, png_path)
     return {"json": json_path, "png": png_path}
 
 
@@ -193,7 +239,6 @@ def run_syntax_command(args, console: Console, out_dir: Path) -> int:
     """``multihead heads syntax``: score every head on the treebank, print the table, write JSON and PNG."""
     from rich.progress import Progress
 
-    from multihead._errors import bad_argument
     from multihead.inspect.syntax import RELATIONS, bundled_treebank, read_conllu, syntax_scores
     from multihead.models import load_minilm
 
@@ -201,14 +246,16 @@ def run_syntax_command(args, console: Console, out_dir: Path) -> int:
     if args.max_sentences is not None and args.max_sentences < 1:
         raise bad_argument("--max-sentences", "a positive number of sentences", args.max_sentences,
                            "pass e.g. --max-sentences 200")
-    sentences = read_conllu(Path(args.treebank)) if args.treebank else bundled_treebank()
-    model, _ = load_minilm(args.model)
+    sentences = read_conllu(Path(args.treebank), argument="--treebank") if args.treebank else bundled_treebank()
+    with from_option("--model"):
+        model, _ = load_minilm(args.model)
     total = len(sentences) if args.max_sentences is None else min(len(sentences), args.max_sentences)
     source = args.treebank or "UD English EWT dev"
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("sentences", total=total)
-        scores = syntax_scores(model, sentences, relations=relations, max_sentences=args.max_sentences,
-                               progress=lambda done: bar.update(task, completed=done))
+        with from_option("--relations", names=("relations",)), from_option("--treebank", names=("sentences",)):
+            scores = syntax_scores(model, sentences, relations=relations, max_sentences=args.max_sentences,
+                                   progress=lambda done: bar.update(task, completed=done))
     scores.source = source
     console.print(syntax_table(scores))
     for path in write_syntax(scores, out_dir).values():

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from multihead._errors import bad_argument, describe
-from multihead.inspect.capture import capture
+from multihead._userfiles import output_folder, read_text, writing
+from multihead.inspect.capture import attention_layers, capture
 from multihead.inspect.stats import STAT_NAMES, HeadStats, head_stats, weight_stats
 
 __all__ = ["Inspection", "inspect_text", "report", "bundled_corpus", "read_corpus", "pick_token", "FORMATS",
@@ -30,18 +31,18 @@ _FUNCTION_WORDS = frozenset(
     "must it its he she they we you i me him her them us my your his their our not no".split())
 
 
-def read_corpus(path: str | Path) -> list[str]:
-    """The texts of a corpus file: one per line, blank lines and lines starting with '# ' skipped."""
-    corpus = Path(path).expanduser()
-    if not corpus.is_file():
-        raise bad_argument("corpus", "a text file with one sentence per line", f"{str(corpus)!r}, which does not "
-                           "exist" if not corpus.exists() else f"{str(corpus)!r}, which is not a file",
-                           "pass an existing file, or --corpus alone for the bundled corpus",
-                           kind=FileNotFoundError)
-    texts = [line.strip() for line in corpus.read_text(encoding="utf-8").splitlines()]
+def read_corpus(path: str | Path, *, argument: str = "corpus") -> list[str]:
+    """The texts of a corpus file: one per line, blank lines and lines starting with '# ' skipped.
+
+    ``argument`` names the path in errors (the CLI passes "--corpus"). A missing file raises
+    FileNotFoundError; a folder, an unreadable or non-UTF-8 file, or one without a text, ValueError.
+    """
+    text = read_text(argument, path, what="a text file with one sentence per line",
+                     fix="pass an existing UTF-8 text file, or --corpus alone for the bundled corpus")
+    texts = [line.strip() for line in text.splitlines()]
     texts = [text for text in texts if text and not text.startswith("# ")]
     if not texts:
-        raise bad_argument("corpus", "at least one non-empty line", f"none in {str(corpus)!r}",
+        raise bad_argument(argument, "at least one non-empty line", f"none in {str(path)!r}",
                            "put one sentence per line in the file")
     return texts
 
@@ -217,6 +218,7 @@ def inspect_text(model, text: str, *, layers: Sequence[int] | None = None, heads
     if tokenizer is None:
         raise bad_argument("model", "an encoder with a tokenizer (multihead.models.load_minilm())",
                            type(model).__name__, "load the model with load_minilm()", kind=TypeError)
+    _check_even_heads(model, layers, heads)
     batch = tokenizer.batch([text], truncate=truncate)
     tokens = batch.tokens[0]
     selected = pick_token(tokens, token)
@@ -238,6 +240,21 @@ def inspect_text(model, text: str, *, layers: Sequence[int] | None = None, heads
                                   source=corpus_source or f"{len(corpus)} corpus texts", progress=progress)
     return Inspection(getattr(model, "name", type(model).__name__), text, tokens, rec.layers, recorded_heads,
                       weights, stats, corpus_stats or stats, corpus_stats, selected)
+
+
+def _check_even_heads(model, layers: Sequence[int] | None, heads: Sequence[int] | None) -> None:
+    """All heads of layers with different head counts (a pruned model) do not make a layers x heads grid."""
+    if heads is not None:
+        return  # capture checks the chosen heads against every chosen layer
+    counts = [layer.num_heads for layer in attention_layers(model)]
+    try:
+        chosen = sorted({counts[layer] for layer in (range(len(counts)) if layers is None else layers)})
+    except (TypeError, IndexError):
+        return  # a bad selection: capture says what is wrong with it
+    if len(chosen) > 1:
+        raise bad_argument("heads", "heads that every chosen layer has (the report is a layers x heads grid)",
+                           f"all heads of layers with {chosen} heads (a pruned model)",
+                           f"pass heads=range({chosen[0]}), or layers with equal head counts")
 
 
 def report(model, text: str, *, out_dir: str | Path = "multihead-report", formats: Sequence[str] = ("html", "png", "json"),
@@ -271,21 +288,31 @@ def check_formats(formats: Sequence[str] | str) -> list[str]:
 
 
 def write_reports(inspection: Inspection, out_dir: str | Path, formats: Sequence[str], console=None,
-                  extra_columns: dict[str, list[list[float]]] | None = None) -> dict[str, Path]:
-    """Write (or print) ``inspection`` in each format; returns {format: path} for the files written."""
+                  extra_columns: dict[str, list[list[float]]] | None = None, *,
+                  argument: str = "out_dir") -> dict[str, Path]:
+    """Write (or print) ``inspection`` in each format; returns {format: path} for the files written.
+
+    ``out_dir`` is created when a file is to be written; a path that cannot be a writable folder
+    raises ValueError naming ``argument`` (the CLI passes "--out").
+    """
     paths: dict[str, Path] = {}
     directory = Path(out_dir)
     if any(name != "terminal" for name in formats):
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = output_folder(argument, out_dir)
     for name in formats:
         if name == "terminal":
             inspection.print_terminal(console)
         elif name == "html":
             paths[name] = directory / "report.html"
-            paths[name].write_text(inspection.html(extra_columns), encoding="utf-8")
+            page = inspection.html(extra_columns)
+            with writing(argument, paths[name]):
+                paths[name].write_text(page, encoding="utf-8")
         elif name == "png":
-            paths[name] = inspection.save_png(directory / "heads.png")
+            with writing(argument, directory / "heads.png"):
+                paths[name] = inspection.save_png(directory / "heads.png")
         elif name == "json":
             paths[name] = directory / "inspect.json"
-            paths[name].write_text(json.dumps(inspection.as_json(), indent=1, allow_nan=False), encoding="utf-8")
+            text = json.dumps(inspection.as_json(), indent=1, allow_nan=False)
+            with writing(argument, paths[name]):
+                paths[name].write_text(text, encoding="utf-8")
     return paths

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from multihead._errors import bad_argument, describe
+from multihead._userfiles import MissingFileError, read_text
 from multihead.inspect.capture import capture
 
 __all__ = ["TREEBANK", "RELATIONS", "DIRECTIONS", "Sentence", "SyntaxScores", "bundled_treebank", "read_conllu",
@@ -53,10 +54,11 @@ TREEBANK = Path(__file__).resolve().parent.parent / "data" / "ud-english-ewt" / 
 RELATIONS = ("nsubj", "obj", "det", "amod", "advmod", "aux", "case", "nmod:poss", "compound", "mark")
 DIRECTIONS = ("dependent_to_head", "head_to_dependent")
 
-_ID_WORD = re.compile(r"[1-9][0-9]*")
-_ID_RANGE = re.compile(r"[1-9][0-9]*-[1-9][0-9]*")
-_ID_EMPTY = re.compile(r"[0-9]+\.[1-9][0-9]*")
-_HEAD = re.compile(r"0|[1-9][0-9]*")
+# At most 9 digits: no sentence is longer, and Python refuses int() of a few thousand digits.
+_ID_WORD = re.compile(r"[1-9][0-9]{0,8}")
+_ID_RANGE = re.compile(r"[1-9][0-9]{0,8}-[1-9][0-9]{0,8}")
+_ID_EMPTY = re.compile(r"[0-9]{1,9}\.[1-9][0-9]{0,8}")
+_HEAD = re.compile(r"0|[1-9][0-9]{0,8}")
 
 
 @dataclass
@@ -144,7 +146,7 @@ def _validate_conllu(text: str, source: str) -> None:
     end_sentence()
 
 
-def read_conllu(path_or_text: str | Path) -> list[Sentence]:
+def read_conllu(path_or_text: str | Path, *, argument: str = "path") -> list[Sentence]:
     """The sentences of a CoNLL-U file (a path) or string, parsed with the ``conllu`` package.
 
     Multiword-token ranges (IDs like 3-4) and empty nodes (IDs like 5.1) are skipped, so ``words``
@@ -155,6 +157,7 @@ def read_conllu(path_or_text: str | Path) -> list[Sentence]:
     Args:
         path_or_text: a :class:`~pathlib.Path`, a path string, or CoNLL-U text (a string with a
             newline or a tab in it is taken as text).
+        argument: the name of the path in errors (the CLI passes "--treebank").
 
     Returns:
         list of :class:`Sentence`, in file order (sentences without words left out).
@@ -162,7 +165,7 @@ def read_conllu(path_or_text: str | Path) -> list[Sentence]:
     Raises:
         ValueError: a malformed line, naming it: ``"conllu line 17: expected 10 tab-separated
             fields ..., got 3. Fix: ..."`` (``"<path> line 17"`` for a file).
-        FileNotFoundError: the path does not exist.
+        FileNotFoundError: the path does not exist (ValueError: a folder, unreadable, not UTF-8).
 
     Example:
         >>> from multihead.inspect.syntax import read_conllu
@@ -177,13 +180,9 @@ def read_conllu(path_or_text: str | Path) -> list[Sentence]:
     if isinstance(path_or_text, str) and ("\n" in path_or_text or "\t" in path_or_text):
         text, source = path_or_text, "conllu"
     elif isinstance(path_or_text, (str, Path)):
-        path = Path(path_or_text).expanduser()
-        if not path.is_file():
-            raise bad_argument("path", "an existing CoNLL-U file",
-                               f"{str(path)!r}, which " + ("is not a file" if path.exists() else "does not exist"),
-                               "pass the path of a .conllu file (or CoNLL-U text), or use bundled_treebank()",
-                               kind=FileNotFoundError)
-        text, source = path.read_text(encoding="utf-8"), str(path)
+        text = read_text(argument, path_or_text, what="an existing CoNLL-U file",
+                         fix="pass the path of a UTF-8 .conllu file (or CoNLL-U text), or use bundled_treebank()")
+        source = str(path_or_text) if argument == "path" else f"{argument} {path_or_text}"
     else:
         raise bad_argument("path_or_text", "a path or CoNLL-U text (str or Path)", describe(path_or_text),
                            "pass e.g. multihead.inspect.syntax.TREEBANK", kind=TypeError)
@@ -204,7 +203,7 @@ def read_conllu(path_or_text: str | Path) -> list[Sentence]:
 def _bundled() -> tuple[Sentence, ...]:
     if not TREEBANK.is_file():
         raise bad_argument("treebank", "the bundled UD English EWT dev split", f"no file at {TREEBANK}",
-                           "reinstall multihead (the .conllu ships as package data)", kind=FileNotFoundError)
+                           "reinstall multihead (the .conllu ships as package data)", kind=MissingFileError)
     return tuple(read_conllu(TREEBANK))
 
 

