@@ -14,3 +14,12 @@ torch.set_num_threads(2)
 def small_blocks():
     with tiny_blocks():
         yield
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, for files of tiny tensors: faster, and immune to a busy machine's scheduling."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

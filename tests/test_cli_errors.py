@@ -24,35 +24,11 @@ from multihead.models.loading import Tokenizer, find_model_dir
 
 HOUSE_FORM = re.compile(r"^\S.*: expected .+, got .+\. Fix: .+")
 
-# our parameter name prefix -> Hugging Face BertModel's (the reverse of the loader's renaming)
-_HF_NAMES = [
-    (r"word_embeddings\.", "embeddings.word_embeddings."),
-    (r"position_embeddings\.", "embeddings.position_embeddings."),
-    (r"type_embeddings\.", "embeddings.token_type_embeddings."),
-    (r"embedding_norm\.", "embeddings.LayerNorm."),
-    (r"blocks\.(\d+)\.attention\.q_proj\.", r"encoder.layer.\1.attention.self.query."),
-    (r"blocks\.(\d+)\.attention\.k_proj\.", r"encoder.layer.\1.attention.self.key."),
-    (r"blocks\.(\d+)\.attention\.v_proj\.", r"encoder.layer.\1.attention.self.value."),
-    (r"blocks\.(\d+)\.attention\.out_proj\.", r"encoder.layer.\1.attention.output.dense."),
-    (r"blocks\.(\d+)\.attention_norm\.", r"encoder.layer.\1.attention.output.LayerNorm."),
-    (r"blocks\.(\d+)\.feed_forward_in\.", r"encoder.layer.\1.intermediate.dense."),
-    (r"blocks\.(\d+)\.feed_forward_out\.", r"encoder.layer.\1.output.dense."),
-    (r"blocks\.(\d+)\.output_norm\.", r"encoder.layer.\1.output.LayerNorm."),
-]
-
-
-def _hf_name(name: str) -> str:
-    for pattern, replacement in _HF_NAMES:
-        renamed, count = re.subn("^" + pattern, replacement, name)
-        if count:
-            return renamed
-    raise KeyError(name)
-
-
 def write_tiny_checkpoints(folder: Path) -> dict[str, Path]:
-    """Two valid model folders of one tiny random encoder: "hf" (config.json, Hugging Face names, as
-    a downloaded checkpoint) and "saved" (multihead_config.json, as Encoder.save / heads prune write)."""
-    from safetensors.torch import save_file
+    """Two valid model folders of tiny random encoders (2 layers x 2 heads, 8 wide, the real tokenizer): "hf"
+    (a BertModel saved by transformers' save_pretrained, as a downloaded checkpoint) and "saved"
+    (multihead_config.json, as Encoder.save / heads prune write)."""
+    from transformers import BertConfig, BertModel
 
     real = find_model_dir()
     torch.manual_seed(0)
@@ -61,13 +37,10 @@ def write_tiny_checkpoints(folder: Path) -> dict[str, Path]:
     model.tokenizer = Tokenizer(real / "tokenizer.json", max_length=config.max_positions)
     saved = model.save(folder / "saved")
     hf = folder / "hf"
-    hf.mkdir(parents=True)
-    save_file({_hf_name(name): tensor.contiguous() for name, tensor in model.state_dict().items()},
-              str(hf / "model.safetensors"))
     hf_config = json.loads((real / "config.json").read_text())
     hf_config.update(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16,
                      max_position_embeddings=64)
-    (hf / "config.json").write_text(json.dumps(hf_config))
+    BertModel(BertConfig(**hf_config)).save_pretrained(hf)
     shutil.copy(real / "tokenizer.json", hf / "tokenizer.json")
     return {"hf": hf, "saved": saved}
 

@@ -38,13 +38,7 @@ GRAD_ATOL = 1e-10  # gradients, float64
 MISMATCHED_MASKS = "ignore:Support for mismatched key_padding_mask and attn_mask:UserWarning"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to a busy machine's scheduling."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (see tests/conftest.py)
 
 
 def randomize_(module: nn.Module, seed: int) -> nn.Module:

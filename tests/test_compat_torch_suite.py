@@ -69,13 +69,7 @@ SAMPLES = [Sample(index, *setting) for setting in SETTINGS for index in range(N_
 F64_GRAD = [s for s in SAMPLES if s.dtype == torch.float64 and s.requires_grad and not s.training]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to a busy machine's scheduling."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (see tests/conftest.py)
 
 
 def test_module_db_entry_is_the_one_we_cover():

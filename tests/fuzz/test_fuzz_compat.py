@@ -39,13 +39,7 @@ ATTN_KINDS = ("none", "bool2", "float2", "bool3", "float3", "causal")
 PAD_KINDS = ("none", "bool", "float")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to a busy machine's scheduling."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (see tests/conftest.py)
 
 
 @dataclass(frozen=True)
