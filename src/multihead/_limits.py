@@ -21,7 +21,9 @@ __all__ = ["device_memory", "check_fits", "format_bytes"]
 
 def device_memory(device: torch.device | str | None) -> int | None:
     """Total bytes of memory of ``device`` (None: the CPU), or None when there is no limit to apply (meta)."""
-    return _memory_of(torch.device("cpu") if device is None else torch.device(device))
+    if not isinstance(device, torch.device):
+        device = torch.device("cpu") if device is None else torch.device(device)
+    return _memory_of(device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from multihead._errors import bad_argument, describe
-from multihead._limits import check_fits
+from multihead._limits import check_fits, device_memory
 from multihead.backends import registry
 from multihead.backends._blocks import autocast_device, autocast_inputs, compute_dtype, mask_scores_, softmax_rows_
 from multihead.backends.reference import apply_mask, masked_softmax
@@ -173,17 +173,23 @@ def _check_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_weight
     """Refuse, before any kernel allocates, inputs and results that cannot exist in the device's memory.
 
     Inputs count at their full logical size: an expanded view (k.expand(...) over 2**40 keys) costs
-    nothing to build, but kernels copy or traverse every key.
+    nothing to build, but kernels copy or traverse every key. One comparison on the hot path; the
+    per-tensor messages are built only when something is too big.
     """
-    (b, h, i, _), (_, g, j, d), e = q.shape, k.shape, v.shape[3]
+    limit = device_memory(q.device)
+    if limit is None or torch.compiler.is_compiling():
+        return
+    (b, h, i, _), j, e, itemsize = q.shape, k.shape[2], v.shape[3], q.element_size()
+    weights = b * h * i * j * itemsize if return_weights is True else 0
+    if max(q.numel() * itemsize, k.numel() * itemsize, v.numel() * itemsize, b * h * i * e * itemsize,
+           weights) <= limit:
+        return
     fix = "split the batch or the sequence into chunks that fit"
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_fits(name, tuple(t.shape), t.dtype, t.device, fix)
     check_fits("q", (b, h, i, e), q.dtype, q.device, fix, what="the output")
-    if return_weights is True:
-        check_fits("return_weights", (b, h, i, j), q.dtype, q.device,
-                   "ask for some heads and rows with WeightSelection(heads=[...], queries=[...])",
-                   what="the weights")
+    check_fits("return_weights", (b, h, i, j), q.dtype, q.device,
+               "ask for some heads and rows with WeightSelection(heads=[...], queries=[...])", what="the weights")
 
 
 def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return_weights, return_lse) -> _Prepared:
