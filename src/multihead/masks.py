@@ -352,7 +352,7 @@ def as_mask(value: Mask | torch.Tensor, *, name: str = "mask") -> Mask:
 def _surely(condition: bool) -> bool:
     """The condition, for plain ints; for symbolic sizes (torch.compile, torch.export) True only when it
     holds for every size, without adding a guard that would pin a sequence length."""
-    return condition if isinstance(condition, bool) else statically_known_true(condition)
+    return statically_known_true(condition)
 
 
 def _moved(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
