@@ -613,8 +613,14 @@ class BoundMask:
         return BlockState.PARTIAL
 
     def block(self, rows: Index, cols: Index, heads: torch.Tensor | None = None,
-              *, dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Evaluate for query positions ``rows`` and key positions ``cols`` (slices or index tensors)."""
+              *, dtype: torch.dtype | None = None, minus_inf_as_keep: bool = True
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Evaluate for query positions ``rows`` and key positions ``cols`` (slices or index tensors).
+
+        ``minus_inf_as_keep``: a dense bias's -inf entries come back as keep=False with bias 0, so that
+        kernels masking with masked_fill mask those pairs even where a score overflowed to +inf. A
+        consumer that puts -inf back into one additive mask anyway (SDPA) passes False.
+        """
         spans = (_span(rows, self.shape.q_len) if isinstance(rows, slice) else None,
                  _span(cols, self.shape.k_len) if isinstance(cols, slice) else None)
         keep = None
@@ -628,7 +634,7 @@ class BoundMask:
             part = term.evaluate(rows, cols, heads)
             if dtype is not None:
                 part = part.to(dtype)
-            if term.may_hold_minus_inf:
+            if term.may_hold_minus_inf and minus_inf_as_keep:
                 # -inf in a bias means "masked": as a keep term it masks the pair even where the score
                 # overflowed to +inf (inf + -inf would be NaN, and a fully masked row NaN, not 0)
                 masked = part == -math.inf
@@ -637,8 +643,9 @@ class BoundMask:
             total = part if total is None else total + part
         return keep, total
 
-    def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.block(slice(None), slice(None), dtype=dtype)
+    def dense(self, dtype: torch.dtype, *, minus_inf_as_keep: bool = True
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.block(slice(None), slice(None), dtype=dtype, minus_inf_as_keep=minus_inf_as_keep)
 
     def kinds(self) -> list[str]:
         return [type(t).__name__.removeprefix("_Bound").lower() for t in self.terms]

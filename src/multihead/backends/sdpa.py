@@ -34,7 +34,7 @@ def sdpa_mask(mask: BoundMask, dtype: torch.dtype) -> tuple[torch.Tensor | None,
         return None, False
     if mask.is_plain_causal:
         return None, True
-    keep, bias = mask.dense(dtype=dtype)
+    keep, bias = mask.dense(dtype=dtype, minus_inf_as_keep=False)  # -inf stays in the one additive mask
     if bias is None:
         return keep, False
     if keep is not None:
@@ -49,6 +49,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: B
     if attn_mask is not None and mask.may_empty_rows():
         # SDPA adds the mask to q k^T: a fully masked row whose scores overflow to +inf gets inf - inf = NaN.
         # Zero queries score 0 everywhere, so such rows give 0 (output and gradient) like every other backend.
+        # Only where a row may be empty: the copy of q would cost every other call a few percent.
         masked_out = attn_mask.logical_not() if attn_mask.dtype == torch.bool else attn_mask == -math.inf
         q = q.masked_fill(masked_out.all(dim=-1, keepdim=True), 0.0)  # rows (.., i, 1) broadcast over d
     output = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal,
