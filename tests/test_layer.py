@@ -312,7 +312,7 @@ def _failing_steps(layer, x):
         "weights asked of rows that do not exist": (lambda cache: _with_capture(layer, lambda: layer(
             token, causal=True, cache=cache)), "WeightSelection.queries"),
         "a failure after attention (bad head gate)": (lambda cache: _with_gate(layer, lambda: layer(
-            token, causal=True, cache=cache)), "size of tensor"),
+            token, causal=True, cache=cache)), "head_gate: expected a tensor of shape (h,) = (3,)"),
     }
 
 

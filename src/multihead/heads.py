@@ -91,7 +91,12 @@ def gate_head_outputs(layer, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
             replacement = replacement[None, :, None, :]  # (1, h, 1, e)
         out = torch.where(ablated[None, :, None, None], replacement, out)
     if layer.head_gate is not None:
-        out = out * layer.head_gate.to(out.dtype)[None, :, None, None]
+        gate = layer.head_gate
+        if not isinstance(gate, torch.Tensor) or tuple(gate.shape) != (layer.num_heads,):
+            raise bad_argument("head_gate", f"a tensor of shape (h,) = ({layer.num_heads},), one factor per head",
+                               describe(gate), f"set layer.head_gate = torch.ones({layer.num_heads}, "
+                               "requires_grad=True), or None")
+        out = out * gate.to(out.dtype)[None, :, None, None]
     return out
 
 
