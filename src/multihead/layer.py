@@ -331,7 +331,9 @@ class MultiHeadAttention(nn.Module):
                                "build one with layer.new_cache(batch_size, max_len)", kind=TypeError)
         h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         if cache is not None:
-            compute_dtype = torch.get_autocast_dtype(query.device.type) if autocast_on(query.device) else query.dtype
+            # the projections' dtype: autocast's for float32 and half inputs (it leaves float64 alone)
+            autocast = autocast_on(query.device) and query.dtype != torch.float64
+            compute_dtype = torch.get_autocast_dtype(query.device.type) if autocast else query.dtype
             cache.check_compatible(b, g, d, e, compute_dtype, query.device)
             cache.check_room(i)
 

@@ -277,8 +277,6 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos[:, None], sin[:, None]  # (b, 1, n, d/2): shared by the heads of each batch row
         return self._rotate_pairs(x, cos, sin)
 
-    # ----------------------------------------------------------------------- internals
-
     def reserve(self, length: int, like: torch.Tensor) -> None:
         """Grow the cached tables to cover positions 0 .. length - 1 for tensors like ``like``, where they fit
         in memory (past that, rotations compute their angles per call)."""
@@ -288,6 +286,8 @@ class RotaryEmbedding(nn.Module):
             self._tables(length, like, "length")
         except ValueError:  # a table that cannot fit: rotate(grow=False) keeps computing per call
             pass
+
+    # ----------------------------------------------------------------------- internals
 
     def _covers(self, length: int, x: torch.Tensor) -> bool:
         table = self._cos_sin
