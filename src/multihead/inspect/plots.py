@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,9 @@ def heatmap_grid(inspection: Inspection, path: Path) -> Path:
                     fontsize=8)
     figure.tight_layout(rect=(0, 0, 1, 0.97))
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    with warnings.catch_warnings():  # a character of the user's text the font lacks is drawn as a box, quietly
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
 
