@@ -562,3 +562,11 @@ def test_a_bug_in_the_loader_is_not_swallowed(tiny, monkeypatch):
     monkeypatch.setattr(loading, "_check_weights", broken_check)
     with pytest.raises(AttributeError):
         main(["inspect", "--model", str(tiny["hf"]), "--format", "terminal"])
+
+
+def test_a_text_of_bytes_that_are_not_utf8_is_one_line(tiny, tmp_path, capsys):
+    """Bytes that are not UTF-8 reach Python's argv as lone surrogates, which the tokenizer cannot take."""
+    text = b"the bank \x85 money".decode("utf-8", "surrogateescape")
+    message = assert_one_line(capsys, ["inspect", text, "--model", str(tiny["hf"]), "--format", "json",
+                                       "--out", str(tmp_path / "out")], "inspect", "text", "not UTF-8")
+    assert "valid Unicode text" in message

@@ -354,8 +354,11 @@ INDEX_SPECS = mostly(
               st.sampled_from(["", ",", "0-", "-", "0,,1", "a-b", "1-0", "0-99999999999", "9" * 5000, "٣", "0x1",
                                "-1", "0,0", "2"]),
               st.text(max_size=6)))
+# what argv can carry: any bytes, decoded as Python decodes argv (not UTF-8 -> lone surrogates)
+ARGV_BYTES = st.binary(max_size=12).map(lambda raw: raw.decode("utf-8", "surrogateescape"))
 TEXTS = mostly(st.sampled_from([None, "The bank was full of money.", "Rain fell. The river rose.", "ü ∑ 😀"]),
-               st.one_of(st.sampled_from(["", "   ", "word " * 70, "x\x00y", "\n\n"]), st.text(max_size=30)))
+               st.one_of(st.sampled_from(["", "   ", "word " * 70, "x\x00y", "\n\n"]), st.text(max_size=30),
+                         ARGV_BYTES))
 FORMATS = mostly(st.lists(st.sampled_from(["terminal", "html", "json", "png"]), min_size=1, max_size=2,
                           unique=True).map(",".join),
                  st.sampled_from(["", "pdf", "terminal,pdf", ",", "json,json"]))
@@ -410,6 +413,19 @@ def test_fuzz_inspect(workspace, tally, request):
                 scores_dir.write_text("{}")
             argv += ["--scores", str(scores_dir)]
         judge(tally, request.node.name, argv)
+
+    case()
+
+
+def test_fuzz_inspect_text(workspace, tally, request):
+    """Any text argv can carry (any bytes, lone surrogates for those that are not UTF-8), everything else valid:
+    the text alone decides between a report and one clean line."""
+
+    @given(text=st.one_of(ARGV_BYTES, st.text(max_size=30)).filter(lambda t: not t.startswith("-")))
+    def case(text):
+        folder = workspace.fresh()
+        judge(tally, request.node.name, ["inspect", text, "--model", str(workspace.tiny["hf"]), "--format", "json",
+                                         "--out", str(folder / "report")])
 
     case()
 
@@ -557,7 +573,7 @@ ARGV_TOKENS = ["inspect", "cost", "heads", "importance", "prune", "syntax", "--l
 def test_fuzz_argv_tokens(workspace, tally, request):
     """Random token lists: argparse's own mistakes must come out in the house form as well."""
 
-    @given(tokens=st.lists(st.one_of(st.sampled_from(ARGV_TOKENS), st.text(max_size=5)), max_size=6))
+    @given(tokens=st.lists(st.one_of(st.sampled_from(ARGV_TOKENS), st.text(max_size=5), ARGV_BYTES), max_size=6))
     def case(tokens):
         argv = list(tokens)
         if "bench" in argv:  # a real benchmark re-executes the process: keep bench to --rescore of nothing

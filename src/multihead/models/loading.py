@@ -82,6 +82,15 @@ class Tokenizer:
         """
         limit = self.max_length if max_length is None else max_length
         pretokenized = bool(texts) and not isinstance(texts[0], str)
+        for index, text in enumerate(texts):
+            for piece in [text] if isinstance(text, str) else text:
+                try:
+                    piece.encode("utf-8")
+                except UnicodeEncodeError:  # lone surrogates: what Python makes of bytes that are not UTF-8
+                    raise bad_argument("text" if len(texts) == 1 else f"texts[{index}]", "valid Unicode text",
+                                       f"{piece!r}, which holds bytes that are not UTF-8",
+                                       "pass the text as UTF-8 (check the terminal's or the file's encoding)"
+                                       ) from None
         try:
             encodings = self._wordpiece.encode_batch(texts, is_pretokenized=pretokenized)
         except Exception as error:  # tokenizers reports a broken tokenizer.json as a plain Exception
