@@ -60,20 +60,35 @@ def run(quick: bool) -> dict:
             ablated_s = measure(full, x, mode, repeats)
             full.restore_heads()
             flops = estimate(LayerShape.of(pruned), seq=n, batch=batch, mode=mode).needed_flops
-            rows.append({"mode": mode, "heads_kept": kept, "pruned_s": pruned_s, "zero_ablated_s": ablated_s,
-                         "unpruned_s": full_s, "flops_fraction": flops / full_flops,
-                         "time_fraction": pruned_s / full_s, "proportional_s": full_s * flops / full_flops})
+            rows.append(
+                {
+                    "mode": mode,
+                    "heads_kept": kept,
+                    "pruned_s": pruned_s,
+                    "zero_ablated_s": ablated_s,
+                    "unpruned_s": full_s,
+                    "flops_fraction": flops / full_flops,
+                    "time_fraction": pruned_s / full_s,
+                    "proportional_s": full_s * flops / full_flops,
+                }
+            )
     return {"machine": machine_info({}), "batch": batch, "n": n, "quick": quick, "rows": rows}
 
 
 def markdown(results: dict) -> str:
-    lines = [f"# Pruned layer speed (768 wide, 12 heads, batch {results['batch']}, n = {results['n']}, float32)", "",
-             "| mode | heads kept | pruned (ms) | zero-ablated (ms) | time / unpruned | FLOPs / unpruned | "
-             "pruned / proportional |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Pruned layer speed (768 wide, 12 heads, batch {results['batch']}, n = {results['n']}, float32)",
+        "",
+        "| mode | heads kept | pruned (ms) | zero-ablated (ms) | time / unpruned | FLOPs / unpruned | "
+        "pruned / proportional |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results["rows"]:
-        lines.append(f"| {r['mode']} | {r['heads_kept']} | {r['pruned_s'] * 1e3:.1f} | {r['zero_ablated_s'] * 1e3:.1f}"
-                     f" | {r['time_fraction']:.2f} | {r['flops_fraction']:.2f} | "
-                     f"{r['pruned_s'] / r['proportional_s']:.2f} |")
+        lines.append(
+            f"| {r['mode']} | {r['heads_kept']} | {r['pruned_s'] * 1e3:.1f} | {r['zero_ablated_s'] * 1e3:.1f}"
+            f" | {r['time_fraction']:.2f} | {r['flops_fraction']:.2f} | "
+            f"{r['pruned_s'] / r['proportional_s']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -35,16 +35,27 @@ from multihead import compat
 # Failures with a documented reason (docs/compat.md): (test name prefix, runs it applies to, a regex the
 # error must match, the reason). A failure that does not match its regex is not excused.
 DOCUMENTED = [
-    ("test_multihead_self_attn_two_masks_fast_path_mock", ("module", "+functional"), r"False is not true",
-     "mocks torch._native_multi_head_attention (torch's BetterTransformer fast path) and asserts it was called; "
-     "the drop-in never calls torch's fused kernels, it runs multihead's"),
-    ("test_multihead_attn_fast_path_query_and_bias_have_different_dtypes", ("module", "+functional"),
-     r"in_proj_bias: expected dtype torch.float64, like the other parameters, got torch.float16",
-     "an in_proj_bias of another dtype than the other parameters: only torch's fast path accepts it (its own "
-     "slow path fails in F.linear); the drop-in refuses it with a DtypeError naming in_proj_bias"),
-    ("test_multihead_attention_average_attn_weights", ("+functional",), r"nan location mismatch",
-     "a query whose keys are all masked (its random attn_mask masks every key): torch and the numpy reference give "
-     "NaN, multihead gives 0 by design"),
+    (
+        "test_multihead_self_attn_two_masks_fast_path_mock",
+        ("module", "+functional"),
+        r"False is not true",
+        "mocks torch._native_multi_head_attention (torch's BetterTransformer fast path) and asserts it was called; "
+        "the drop-in never calls torch's fused kernels, it runs multihead's",
+    ),
+    (
+        "test_multihead_attn_fast_path_query_and_bias_have_different_dtypes",
+        ("module", "+functional"),
+        r"in_proj_bias: expected dtype torch.float64, like the other parameters, got torch.float16",
+        "an in_proj_bias of another dtype than the other parameters: only torch's fast path accepts it (its own "
+        "slow path fails in F.linear); the drop-in refuses it with a DtypeError naming in_proj_bias",
+    ),
+    (
+        "test_multihead_attention_average_attn_weights",
+        ("+functional",),
+        r"nan location mismatch",
+        "a query whose keys are all masked (its random attn_mask masks every key): torch and the numpy reference give "
+        "NaN, multihead gives 0 by design",
+    ),
 ]
 
 
@@ -89,11 +100,11 @@ def run(path: Path, functional: bool) -> dict[str, tuple[str, str]]:
     module = importlib.util.module_from_spec(spec)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch("torch.nn.MultiheadAttention", compat.MultiheadAttention))
-        stack.enter_context(mock.patch("torch.nn.modules.transformer.MultiheadAttention",
-                                       compat.MultiheadAttention))
+        stack.enter_context(mock.patch("torch.nn.modules.transformer.MultiheadAttention", compat.MultiheadAttention))
         if functional:
-            stack.enter_context(mock.patch("torch.nn.functional.multi_head_attention_forward",
-                                           compat.multi_head_attention_forward))
+            stack.enter_context(
+                mock.patch("torch.nn.functional.multi_head_attention_forward", compat.multi_head_attention_forward)
+            )
         sys.modules[name] = module
         spec.loader.exec_module(module)  # the file does `from torch.nn import MultiheadAttention`: patched above
         assert module.MultiheadAttention is compat.MultiheadAttention
@@ -107,8 +118,14 @@ def run(path: Path, functional: bool) -> dict[str, tuple[str, str]]:
 
 def _documented(test_id: str, run_name: str, error: str) -> str | None:
     method = test_id.rsplit(".", 1)[-1]
-    return next((why for name, runs, pattern, why in DOCUMENTED
-                 if method.startswith(name) and run_name in runs and re.search(pattern, error)), None)
+    return next(
+        (
+            why
+            for name, runs, pattern, why in DOCUMENTED
+            if method.startswith(name) and run_name in runs and re.search(pattern, error)
+        ),
+        None,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                 reasons.append(reason)
         print(f"{test:<{width}}  {cells[0]:<10}  {cells[1]:<11}  {' | '.join(reasons)}")
     unexplained = tally.get("FAIL", 0) + tally.get("ERROR", 0)
-    print(f"\n{len(tests)} tests x 2 runs: " + ", ".join(f"{n} {c}" for c, n in sorted(tally.items())) +
-          f"; {unexplained} failures not documented")
+    print(
+        f"\n{len(tests)} tests x 2 runs: "
+        + ", ".join(f"{n} {c}" for c, n in sorted(tally.items()))
+        + f"; {unexplained} failures not documented"
+    )
     return 1 if unexplained else 0
 
 

@@ -17,16 +17,19 @@ from multihead.backends import materialized, tiled
 def make_qkv(b=2, h=6, g=3, i=5, j=7, d=4, e=3, *, dtype=torch.float64, seed=0, requires_grad=False):
     """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) from a fixed seed."""
     gen = torch.Generator().manual_seed(seed)
-    tensors = [torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
-               for shape in ((b, h, i, d), (b, g, j, d), (b, g, j, e))]
+    tensors = [
+        torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+        for shape in ((b, h, i, d), (b, g, j, d), (b, g, j, e))
+    ]
     return [t.requires_grad_(requires_grad) for t in tensors]
 
 
 TINY = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5}
 
 
-def assert_within_rule(fast: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, *, what: str = "output",
-                       tiny: float | None = None) -> None:
+def assert_within_rule(
+    fast: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, *, what: str = "output", tiny: float | None = None
+) -> None:
     """The FlashAttention test rule, over the whole tensor: max|fast - ref64| <= 2 max|ref_lowp - ref64| + tiny.
 
     ref_lowp is the textbook computed in fast's dtype without upcasting (textbook_lowp); tiny depends on that dtype.
@@ -59,8 +62,9 @@ def is_input_error(exc: BaseException, kind: type[Exception]) -> bool:
     return type(exc) is {ValueError: ArgumentValueError, TypeError: ArgumentTypeError}.get(kind, kind)
 
 
-def textbook_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, causal: bool = False,
-                  scale: float | None = None):
+def textbook_lowp(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, causal: bool = False, scale: float | None = None
+):
     """softmax(q k^T * scale + mask) v computed in q's dtype throughout, no upcast (differentiable).
 
     Returns (output (b, h, i, e), weights (b, h, i, j), lse (b, h, i)). This is the low-precision
@@ -72,7 +76,7 @@ def textbook_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=Non
 
     b, h, i, d = q.shape
     g, j = k.shape[1], k.shape[2]
-    scale = d ** -0.5 if scale is None else scale
+    scale = d**-0.5 if scale is None else scale
     keep, bias = bind_mask(mask, causal, AttentionShape(b, h, i, j, q.device)).dense(q.dtype)
     keys, values = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)  # (b, h, j, d|e)
     scores = q @ keys.transpose(-2, -1) * scale  # (b, h, i, j), rounded to q's dtype

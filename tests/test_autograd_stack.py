@@ -16,27 +16,34 @@ from multihead import masks
 from multihead.backends import materialized, reference, tiled
 from multihead.functional import attention
 from multihead.masks import AttentionShape, bind_mask
-
 from support import make_qkv
 
 # b, h, g, i, j, d, e: grouped heads (g < h), d != e, i > j so bottom-right causal leaves rows 0-1 with no key
 SIZES = dict(b=2, h=6, g=3, i=7, j=5, d=4, e=8)
-KERNELS = {"tiled": tiled.tiled_attention, "materialized": materialized.materialized_attention,
-           "reference": reference.reference_attention}
+KERNELS = {
+    "tiled": tiled.tiled_attention,
+    "materialized": materialized.materialized_attention,
+    "reference": reference.reference_attention,
+}
 
 
 def make_mask(b: int, h: int, i: int, j: int, *, seed: int = 3) -> masks.Mask:
     """Every kind of term, some per batch row (so a vmap fold must tile them): fully masked rows included."""
     keep = torch.rand(b, 1, i, j, generator=torch.Generator().manual_seed(seed)) < 0.8
     keep[-1, :, min(4, i - 1)] = False  # one more row with no key, through a boolean term alone
-    return (masks.causal() & masks.padding(torch.tensor([j, 3] + [2] * (b - 2))[:b])
-            & masks.alibi(masks.alibi_slopes(h)) & masks.allowed(keep))
+    return (
+        masks.causal()
+        & masks.padding(torch.tensor([j, 3] + [2] * (b - 2))[:b])
+        & masks.alibi(masks.alibi_slopes(h))
+        & masks.allowed(keep)
+    )
 
 
 def bound(q: torch.Tensor, k: torch.Tensor, mask: masks.Mask | None = None):
     b, h, i, _ = q.shape
-    return bind_mask(make_mask(b, h, i, k.shape[2]) if mask is None else mask, False,
-                     AttentionShape(b, h, i, k.shape[2], q.device))
+    return bind_mask(
+        make_mask(b, h, i, k.shape[2]) if mask is None else mask, False, AttentionShape(b, h, i, k.shape[2], q.device)
+    )
 
 
 def call(backend: str, q, k, v, mask, *, like: str | None = None, dropout: float = 0.0, finite: bool = False):
@@ -73,8 +80,9 @@ def random_like(outputs, seed: int, batch: tuple[int, ...] = ()):
 def test_gradcheck_through_output_and_lse_or_weights(backend, small_blocks):
     q, k, v = make_qkv(**SIZES, requires_grad=True)
     mask = bound(q, k)
-    assert torch.autograd.gradcheck(lambda q, k, v: call(backend, q, k, v, mask, finite=True), (q, k, v),
-                                    fast_mode=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: call(backend, q, k, v, mask, finite=True), (q, k, v), fast_mode=True
+    )
 
 
 @pytest.mark.parametrize("backend,dropout", [("tiled", 0.0), ("tiled", 0.3), ("materialized", 0.0)])
@@ -98,8 +106,10 @@ def test_double_backward_equals_the_reference(backend, small_blocks):
     q, k, v = make_qkv(**SIZES, seed=1)
     mask = bound(q, k)
     got, want, plain = {}, {}, {}
-    for name, fn, store in ((backend, lambda *a: call(backend, *a, mask, finite=True), got),
-                            ("reference", lambda *a: reference_call(backend, *a, mask, finite=True), want)):
+    for name, fn, store in (
+        (backend, lambda *a: call(backend, *a, mask, finite=True), got),
+        ("reference", lambda *a: reference_call(backend, *a, mask, finite=True), want),
+    ):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         outputs = fn(*leaves)
         loss = weighted_loss(outputs, random_like(outputs, seed=5))
@@ -119,8 +129,10 @@ def test_third_order_equals_the_reference(small_blocks):
     """The double backward is itself differentiable (torch.func.vjp, no detached leaves)."""
     q, k, v = make_qkv(b=1, h=4, g=2, i=5, j=3, d=2, e=6, seed=2)
     results = []
-    for fn in (lambda *a: call("tiled", *a, bound(q, k), finite=True)[0],
-               lambda *a: reference_call("tiled", *a, bound(q, k))[0]):
+    for fn in (
+        lambda *a: call("tiled", *a, bound(q, k), finite=True)[0],
+        lambda *a: reference_call("tiled", *a, bound(q, k))[0],
+    ):
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
         (dq,) = torch.autograd.grad(fn(qq, kk, vv).sin().sum(), qq, create_graph=True)
         (dk,) = torch.autograd.grad(dq.sin().sum(), kk, create_graph=True)
@@ -180,18 +192,24 @@ def test_vmap_equals_the_loop(backend, in_dims, small_blocks):
     q, k, v = make_qkv(**SIZES)
     mask = bound(q, k)
     gen = torch.Generator().manual_seed(8)
-    args = [t if dim is None else torch.randn(*t.shape[:dim], batch, *t.shape[dim:], generator=gen,
-                                                dtype=t.dtype)
-            for t, dim in zip((q, k, v), in_dims)]
+    args = [
+        t if dim is None else torch.randn(*t.shape[:dim], batch, *t.shape[dim:], generator=gen, dtype=t.dtype)
+        for t, dim in zip((q, k, v), in_dims)
+    ]
     got = torch.func.vmap(lambda *a: call(backend, *a, mask), in_dims=in_dims)(*args)
-    want = stacked(call(backend, *(a if dim is None else a.select(dim, n) for a, dim in zip(args, in_dims)), mask)
-                   for n in range(batch))
+    want = stacked(
+        call(backend, *(a if dim is None else a.select(dim, n) for a, dim in zip(args, in_dims)), mask)
+        for n in range(batch)
+    )
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("kwargs", [dict(backend="tiled"), dict(backend="materialized"), dict(return_weights=True),
-                                    dict(return_lse=True)], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(backend="tiled"), dict(backend="materialized"), dict(return_weights=True), dict(return_lse=True)],
+    ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()),
+)
 def test_vmap_through_attention_equals_the_loop(kwargs, small_blocks):
     q, k, v = make_qkv(**SIZES)
     qs = torch.stack([q, 2 * q, -q])  # (3, b, h, i, d)
@@ -230,8 +248,10 @@ def test_jacrev_of_grad_is_the_reference_hessian(backend, small_blocks):
     q, k, v = make_qkv(b=1, h=4, g=2, i=5, j=3, d=2, e=6, seed=4)
     mask = bound(q, k)
     hessians = []
-    for fn in (lambda q: call(backend, q, k, v, mask, finite=True),
-               lambda q: reference_call(backend, q, k, v, mask, finite=True)):
+    for fn in (
+        lambda q: call(backend, q, k, v, mask, finite=True),
+        lambda q: reference_call(backend, q, k, v, mask, finite=True),
+    ):
         hessians.append(torch.func.jacrev(torch.func.grad(lambda q: sum(o.sin().sum() for o in fn(q))))(q))
     torch.testing.assert_close(*hessians, rtol=0, atol=1e-10)
 
@@ -260,8 +280,9 @@ def test_vmap_dropout_follows_the_randomness_flag(small_blocks):
         out = call("tiled", q, k, v, mask, dropout=0.4)[0]
         return out.sum(), out
 
-    dv, (_, out) = torch.func.vmap(torch.func.grad_and_value(loss_and_output, argnums=1, has_aux=True),
-                                   in_dims=(0, None), randomness="different")(qs, v)
+    dv, (_, out) = torch.func.vmap(
+        torch.func.grad_and_value(loss_and_output, argnums=1, has_aux=True), in_dims=(0, None), randomness="different"
+    )(qs, v)
     assert not torch.equal(out[0], out[1])
     applied = out.view(3, 2, 3, 2, 7, 5).sum((3, 4))  # (vmap, b, g, j): summed over grouped heads and rows
     torch.testing.assert_close(dv, applied.unsqueeze(-1).expand_as(dv), rtol=0, atol=1e-12)

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 import multihead
 from multihead import masks
 from multihead.functional import WeightSelection, attention
-
-from support import assert_within_rule, make_qkv, tiny_blocks, textbook_lowp
+from support import assert_within_rule, make_qkv, textbook_lowp, tiny_blocks
 
 FAST_BACKENDS = ["sdpa", "tiled", "materialized"]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
@@ -49,13 +48,27 @@ def make_mask(kind: str, b: int, h: int, i: int, j: int, seed: int = 1):
         bias[:, 0] = -math.inf  # a row masked through the bias alone
         return bias
     if kind == "combo":
-        return masks.causal() & masks.padding(torch.tensor([j, 3] + [2] * (b - 2))[:b]) & masks.alibi(
-            masks.alibi_slopes(h))
+        return (
+            masks.causal()
+            & masks.padding(torch.tensor([j, 3] + [2] * (b - 2))[:b])
+            & masks.alibi(masks.alibi_slopes(h))
+        )
     raise ValueError(kind)
 
 
-MASK_KINDS = ["none", "causal", "causal_top_left", "window", "padding_lengths", "padding_valid", "alibi", "bias",
-              "bool_tensor", "float_neg_inf", "combo"]
+MASK_KINDS = [
+    "none",
+    "causal",
+    "causal_top_left",
+    "window",
+    "padding_lengths",
+    "padding_valid",
+    "alibi",
+    "bias",
+    "bool_tensor",
+    "float_neg_inf",
+    "combo",
+]
 
 
 def cast_mask(mask, dtype):
@@ -105,7 +118,8 @@ def test_tiled_lse_and_weights_from_lse_match_reference(kind, small_blocks):
     torch.testing.assert_close(tiled.lse[~dead], ref.lse[~dead], rtol=0, atol=1e-12)
     # weights recovered from the LSE alone: exp(q k^T * scale + mask - lse)
     keep, bias = multihead.masks.bind_mask(mask, False, multihead.masks.AttentionShape(2, 6, 7, 5, q.device)).dense(
-        torch.float64)
+        torch.float64
+    )
     scores = q @ k.repeat_interleave(3, 1).transpose(-2, -1) / 2.0
     scores = scores + (bias if bias is not None else 0)
     if keep is not None:
@@ -181,7 +195,8 @@ def test_gradcheck_materialized_weights_output():
     q, k, v = make_qkv(b=1, h=2, g=2, i=4, j=5, d=3, e=2, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda q, k, v: tuple(attention(q, k, v, causal=True, backend="materialized", return_weights=True)[:2]),
-        (q, k, v))
+        (q, k, v),
+    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled", "materialized"])
@@ -189,14 +204,18 @@ def test_gradcheck_materialized_weights_output():
 def test_fully_masked_rows_give_zero_output_weights_and_gradient(backend, case, small_blocks):
     i, j = (7, 4) if case == "bottom_right_i>j" else (5, 6)
     q, k, v = make_qkv(b=2, h=4, g=2, i=i, j=j, requires_grad=True)
-    mask = {"bottom_right_i>j": masks.causal(),
-            "padding_zero": masks.padding(torch.tensor([0, 4])),
-            "bool_row": torch.ones(i, j, dtype=torch.bool).index_fill_(0, torch.tensor([2]), False),
-            "neg_inf_bias": torch.zeros(i, j, dtype=torch.float64).index_fill_(0, torch.tensor([2]), -math.inf)}[case]
-    dead = {"bottom_right_i>j": (slice(None), slice(None), slice(0, 3)),
-            "padding_zero": (0, slice(None), slice(None)),
-            "bool_row": (slice(None), slice(None), 2),
-            "neg_inf_bias": (slice(None), slice(None), 2)}[case]
+    mask = {
+        "bottom_right_i>j": masks.causal(),
+        "padding_zero": masks.padding(torch.tensor([0, 4])),
+        "bool_row": torch.ones(i, j, dtype=torch.bool).index_fill_(0, torch.tensor([2]), False),
+        "neg_inf_bias": torch.zeros(i, j, dtype=torch.float64).index_fill_(0, torch.tensor([2]), -math.inf),
+    }[case]
+    dead = {
+        "bottom_right_i>j": (slice(None), slice(None), slice(0, 3)),
+        "padding_zero": (0, slice(None), slice(None)),
+        "bool_row": (slice(None), slice(None), 2),
+        "neg_inf_bias": (slice(None), slice(None), 2),
+    }[case]
     res = attention(q, k, v, mask=mask, backend=backend, return_weights=True)
     assert not res.output.isnan().any() and not res.weights.isnan().any()
     assert (res.output[dead] == 0).all() and (res.weights[dead] == 0).all()
@@ -219,17 +238,21 @@ def test_causal_alignments_match_explicit_triangles(backend, i, j, small_blocks)
         want = attention(q, k, v, mask=keep, backend="reference")
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     # causal=True is the bottom-right mask
-    torch.testing.assert_close(attention(q, k, v, causal=True, backend=backend),
-                               attention(q, k, v, mask=expected["bottom_right"], backend="reference"),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        attention(q, k, v, causal=True, backend=backend),
+        attention(q, k, v, mask=expected["bottom_right"], backend="reference"),
+        rtol=0,
+        atol=1e-12,
+    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
 def test_dropout_is_off_outside_training(backend, small_blocks):
     q, k, v = make_qkv()
     plain = attention(q, k, v, causal=True, backend=backend)
-    torch.testing.assert_close(attention(q, k, v, causal=True, backend=backend, dropout=0.5, training=False), plain,
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        attention(q, k, v, causal=True, backend=backend, dropout=0.5, training=False), plain, rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
@@ -242,15 +265,17 @@ def test_dropout_in_training_drops_weights_with_probability_p_and_rescales(backe
     v = torch.eye(j, dtype=torch.float64).view(1, 1, j, j)  # e = j, value of key n is the n-th unit vector
     weights = attention(q, k, v, causal=True, backend="reference", return_weights=True).weights
     allowed = weights > 0
-    samples = torch.stack([attention(q, k, v, causal=True, dropout=p, training=True, backend=backend)
-                           for _ in range(trials)])
+    samples = torch.stack(
+        [attention(q, k, v, causal=True, dropout=p, training=True, backend=backend) for _ in range(trials)]
+    )
     kept = samples[:, allowed] != 0
     dropped_share = 1 - kept.double().mean().item()
     n = kept.numel()
     assert abs(dropped_share - p) < 4 * math.sqrt(p * (1 - p) / n)  # within 4 standard errors
     # every kept weight is rescaled by exactly 1 / (1 - p); masked weights are never revived
-    torch.testing.assert_close(samples[:, allowed][kept],
-                               (weights[allowed] / (1 - p)).expand(trials, -1)[kept], rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        samples[:, allowed][kept], (weights[allowed] / (1 - p)).expand(trials, -1)[kept], rtol=1e-12, atol=0
+    )
     assert (samples[:, ~allowed] == 0).all()
     # and the expectation is the dropout-free output: each mean within 5 standard errors of P
     standard_error = weights * math.sqrt(p / (1 - p)) / math.sqrt(trials)
@@ -302,8 +327,12 @@ def test_unbatched_inputs_match_batched():
 def test_default_scale_is_inverse_sqrt_d_and_custom_scale_applies():
     q, k, v = make_qkv(d=9)
     torch.testing.assert_close(attention(q, k, v), attention(q, k, v, scale=1 / 3), rtol=0, atol=0)
-    torch.testing.assert_close(attention(q, k, v, scale=0.7, backend="tiled"),
-                               attention(q * 0.7, k, v, scale=1.0, backend="reference"), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        attention(q, k, v, scale=0.7, backend="tiled"),
+        attention(q * 0.7, k, v, scale=1.0, backend="reference"),
+        rtol=0,
+        atol=1e-12,
+    )
 
 
 def test_bias_that_requires_grad_goes_to_reference_and_gets_its_gradient():
@@ -354,7 +383,8 @@ def test_custom_backend_registers_and_is_ranked_by_priority():
     def doubling(q, k, v, *, mask, scale, dropout, need_weights, need_lse):
         calls.append(q.shape)
         return multihead.backends.reference.reference_attention(
-            q, k, v, mask=mask, scale=scale, dropout=dropout, need_weights=need_weights, need_lse=need_lse)
+            q, k, v, mask=mask, scale=scale, dropout=dropout, need_weights=need_weights, need_lse=need_lse
+        )
 
     multihead.backends.register("mine", doubling, multihead.backends.Capabilities(lse=True), priority=1)
     try:
@@ -435,7 +465,8 @@ def test_selected_weights_carry_gradients_like_the_reference(kind):
         q.grad = k.grad = v.grad = None
         if request == "reference":
             weights = attention(q, k, v, mask=mask, backend="reference", return_weights=True).weights[:, [4, 1]][
-                :, :, [0, 3, 4]]
+                :, :, [0, 3, 4]
+            ]
         else:
             weights = attention(q, k, v, mask=mask, return_weights=WeightSelection([4, 1], [0, 3, 4])).weights
         (weights * target).sum().backward()

@@ -34,8 +34,9 @@ def run_frozen(run, config) -> tuple[dict, list[str]]:
 @pytest.fixture(scope="module")
 def kernel_results() -> tuple[kernel.Config, dict, list[str]]:
     """Two sizes, so the second is predicted from the first; one call per case; no b*h = 12 weights section."""
-    config = kernel.Config(sizes=(16, 32), dtypes=("float32",), heads=2, max_repeats=1, max_total_s=0.0,
-                           weights=False, bh1=False)
+    config = kernel.Config(
+        sizes=(16, 32), dtypes=("float32",), heads=2, max_repeats=1, max_total_s=0.0, weights=False, bh1=False
+    )
     return (config, *run_frozen(kernel.run, config))
 
 
@@ -43,9 +44,17 @@ def kernel_results() -> tuple[kernel.Config, dict, list[str]]:
 def layer_results() -> tuple[layer.Config, dict, list[str]]:
     """GPT-2-small's shape (causal, and the decode shape) at two sizes, one call per case, a two-token decode;
     never waits for a quiet machine."""
-    config = layer.Config(shapes=("gpt2-small",), sizes=(8, 16), dtypes=("float32",), max_repeats=1,
-                          max_total_s=0.0, decode_prompts=(8, 16), decode_new_tokens=2, decode_repeats=1,
-                          busy_retries=0)
+    config = layer.Config(
+        shapes=("gpt2-small",),
+        sizes=(8, 16),
+        dtypes=("float32",),
+        max_repeats=1,
+        max_total_s=0.0,
+        decode_prompts=(8, 16),
+        decode_new_tokens=2,
+        decode_repeats=1,
+        busy_retries=0,
+    )
     return (config, *run_frozen(layer.run, config))
 
 
@@ -58,16 +67,29 @@ def test_kernel_run_records(kernel_results):
     assert set(results) >= {"machine", "config", "cases", "textbook_bh1", "weights", "targets", "elapsed_s"}
     assert results["textbook_bh1"] == [] and results["weights"] == []
     cases = results["cases"]
-    expected = {(impl, n, causal, mode) for impl in kernel.IMPLS for n in config.sizes
-                for causal in config.causal for mode in config.modes}
+    expected = {
+        (impl, n, causal, mode)
+        for impl in kernel.IMPLS
+        for n in config.sizes
+        for causal in config.causal
+        for mode in config.modes
+    }
     assert {(r["impl"], r["n"], r["causal"], r["mode"]) for r in cases} == expected
     assert len(cases) == len(expected)
     for r in cases:
         assert r["status"] == "ok", r
         assert r["repeats"] == 1 and len(r["times_s"]) == 1 and r["median_s"] > 0
         assert r["gflop"] > 0 and r["gflops"] > 0
-        assert {"warmup_s", "peak_mib", "baseline_rss_mib", "returned_mib", "predicted_s", "predicted_mib",
-                "served_by", "pct_peak"} <= set(r)
+        assert {
+            "warmup_s",
+            "peak_mib",
+            "baseline_rss_mib",
+            "returned_mib",
+            "predicted_s",
+            "predicted_mib",
+            "served_by",
+            "pct_peak",
+        } <= set(r)
         assert r["served_by"] == {"textbook": None, "sdpa": None, "tiled": "tiled"}.get(r["impl"], r["served_by"])
         # the second size is predicted from the first of its series
         assert (r["predicted_s"] is None) == (r["n"] == 16)
@@ -86,8 +108,12 @@ def test_kernel_targets_ratios(kernel_results):
         assert check["ratio"] == pytest.approx(auto["median_s"] / sdpa["median_s"])
     assert target["pass"] is (None if not served_by_sdpa else target["worst"]["ratio"] <= 1.05)
     # nothing measured at n = 4096 or 16384, nor weights: those targets are not evaluated
-    for name in ("2_tiled_memory_16384", "3_tiled_time_4096", "4_return_weights_speed_memory",
-                 "5_one_head_weights_cost"):
+    for name in (
+        "2_tiled_memory_16384",
+        "3_tiled_time_4096",
+        "4_return_weights_speed_memory",
+        "5_one_head_weights_cost",
+    ):
         assert results["targets"][name]["pass"] is None
 
 
@@ -104,7 +130,9 @@ def test_kernel_reports(kernel_results, tmp_path):
     tiled, sdpa, book = (common.find(results["cases"], impl=impl, **key) for impl in ("tiled", "sdpa", "textbook"))
     row = next(line for line in markdown.splitlines() if line.startswith("| tiled | 32 | True | float32 | forward |"))
     assert [cell.strip() for cell in row.split("|")[-3:-1]] == [
-        f"{tiled['median_s'] / sdpa['median_s']:.2f}", f"{tiled['median_s'] / book['median_s']:.2f}"]
+        f"{tiled['median_s'] / sdpa['median_s']:.2f}",
+        f"{tiled['median_s'] / book['median_s']:.2f}",
+    ]
     assert json.loads((tmp_path / "tiny.json").read_text())["cases"] == json.loads(json.dumps(results["cases"]))
     assert (tmp_path / "tiny.png").read_bytes()[:4] == b"\x89PNG"
     path = kernel.write_json(results, tmp_path / "json")
@@ -126,15 +154,28 @@ def test_layer_run_records(layer_results):
     assert results["complete"] is True and results["benchmark"] == "layer"
     assert set(results) >= {"machine", "config", "cases", "sanity", "decode", "targets", "elapsed_s"}
     cases = results["cases"]
-    expected = {(impl, shape, n, mode) for impl in layer.IMPLS for shape in config.shapes for n in config.sizes
-                for mode in config.modes}
+    expected = {
+        (impl, shape, n, mode)
+        for impl in layer.IMPLS
+        for shape in config.shapes
+        for n in config.sizes
+        for mode in config.modes
+    }
     assert {(r["impl"], r["shape"], r["n"], r["mode"]) for r in cases} == expected
     assert len(cases) == len(expected)
     for r in cases:
         assert r["status"] == "ok", r
         assert r["repeats"] == 1 and r["median_s"] > 0 and r["gflops"] > 0
-        assert {"warmup_s", "peak_mib", "memory_call_s", "returned_mib", "other_cpu_frac", "embed_dim",
-                "heads", "causal"} <= set(r)
+        assert {
+            "warmup_s",
+            "peak_mib",
+            "memory_call_s",
+            "returned_mib",
+            "other_cpu_frac",
+            "embed_dim",
+            "heads",
+            "causal",
+        } <= set(r)
         # every peer was measured at the same (shape, n, dtype, mode): a ratio to each
         assert set(r["ratios"]) == set(layer.IMPLS) - {r["impl"]}
         for peer, value in r["ratios"].items():
@@ -154,7 +195,8 @@ def test_layer_targets(layer_results):
     targets = results["targets"]
     first = targets["1_multihead_vs_torch_noweights"]
     assert {(c["shape"], c["n"], c["mode"]) for c in first["cases"]} == {
-        (r["shape"], r["n"], r["mode"]) for r in results["cases"] if r["impl"] == "multihead"}
+        (r["shape"], r["n"], r["mode"]) for r in results["cases"] if r["impl"] == "multihead"
+    }
     assert targets["2_weights_speedup_n2048"]["n"] == 16  # n = 2048 not measured: the largest n instead
     decode = targets["3_decode_flat"]
     assert decode["prompts"] == [8, 16] and decode["ratio"] > 0
@@ -233,12 +275,17 @@ def started() -> dict[str, subprocess.Popen]:
     kernel script's --help through the re-exec with MALLOC_MMAP_THRESHOLD_, the layer script's with it
     already set (one start fewer), and ``import multihead``."""
     env = {k: v for k, v in os.environ.items() if k != common.MALLOC_ENV}
-    commands = {"kernel": ([str(ROOT / "benchmarks" / "kernel.py"), "--help"], env),
-                "layer": ([str(ROOT / "benchmarks" / "layer.py"), "--help"], {**env, common.MALLOC_ENV: "65536"}),
-                "import": (["-c", IMPORT_CHECK], env)}
-    processes = {name: subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env_, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for name, (args, env_) in commands.items()}
+    commands = {
+        "kernel": ([str(ROOT / "benchmarks" / "kernel.py"), "--help"], env),
+        "layer": ([str(ROOT / "benchmarks" / "layer.py"), "--help"], {**env, common.MALLOC_ENV: "65536"}),
+        "import": (["-c", IMPORT_CHECK], env),
+    }
+    processes = {
+        name: subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, env=env_, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for name, (args, env_) in commands.items()
+    }
     yield processes
     for process in processes.values():
         if process.poll() is None:

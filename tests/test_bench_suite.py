@@ -27,11 +27,30 @@ def suite(tmp_path_factory):
     monkeypatch.setenv("MULTIHEAD_CACHE", str(cache))
     save_calibration(RATES)  # the suite must use the cached rates, not measure its own
     configs = {
-        "kernel": kernel.Config(sizes=(16, 32), dtypes=("float32",), heads=2, max_repeats=1, max_total_s=0.0,
-                                weights=False, bh1=False, quick=True, out_dir=out),
-        "layer": layer.Config(shapes=("gpt2-small",), sizes=(8, 16), dtypes=("float32",), max_repeats=1,
-                              max_total_s=0.0, decode_prompts=(8,), decode_new_tokens=2, decode_repeats=1,
-                              busy_retries=0, quick=True, out_dir=out),
+        "kernel": kernel.Config(
+            sizes=(16, 32),
+            dtypes=("float32",),
+            heads=2,
+            max_repeats=1,
+            max_total_s=0.0,
+            weights=False,
+            bh1=False,
+            quick=True,
+            out_dir=out,
+        ),
+        "layer": layer.Config(
+            shapes=("gpt2-small",),
+            sizes=(8, 16),
+            dtypes=("float32",),
+            max_repeats=1,
+            max_total_s=0.0,
+            decode_prompts=(8,),
+            decode_new_tokens=2,
+            decode_repeats=1,
+            busy_retries=0,
+            quick=True,
+            out_dir=out,
+        ),
     }
     lines: list[str] = []
     gc.freeze()  # the benchmarks collect garbage around each case: keep the test process's heap out of it
@@ -58,8 +77,9 @@ def test_kernel_rows_ratios_and_roofline(suite):
     rows = [row for row in summary["rows"] if row["benchmark"] == "kernel"]
     assert {row["impl"] for row in rows} == {"auto", "tiled"}
     assert len(rows) == 2 * 2 * 2 * 2  # two sizes x causal or not x two modes x our two kernels
-    times = {(r["impl"], r["n"], r["causal"], r["mode"]): r["median_s"] for r in results["cases"]
-             if r["status"] == "ok"}
+    times = {
+        (r["impl"], r["n"], r["causal"], r["mode"]): r["median_s"] for r in results["cases"] if r["status"] == "ok"
+    }
     for row in rows:
         n = int(row["case"].split(" n")[1].split()[0])
         causal = row["case"].endswith("causal")
@@ -67,8 +87,9 @@ def test_kernel_rows_ratios_and_roofline(suite):
         assert row["seconds"] == ours
         assert row["ratios"]["sdpa"] == pytest.approx(ours / times[("sdpa", n, causal, row["mode"])])
         assert row["ratios"]["textbook"] == pytest.approx(ours / times[("textbook", n, causal, row["mode"])])
-        flops, traffic = attention_kernel_cost(batch=1, heads=2, q_len=n, k_len=n, head_dim=64, causal=causal,
-                                               mode=row["mode"])
+        flops, traffic = attention_kernel_cost(
+            batch=1, heads=2, q_len=n, k_len=n, head_dim=64, causal=causal, mode=row["mode"]
+        )
         assert row["roofline_fraction"] == pytest.approx(bound(flops, traffic, "float32", RATES).bound_s / ours)
 
 
@@ -77,11 +98,15 @@ def test_layer_rows_ratios_and_roofline(suite):
     rows = [row for row in summary["rows"] if row["benchmark"] == "layer"]
     assert {row["impl"] for row in rows} == {"multihead", "multihead_weights"}
     for row in rows:
-        assert set(row["ratios"]) == ({"textbook", "torch_mha_noweights", "torch_mha_weights"}
-                                      if row["impl"] == "multihead" else {"textbook", "torch_mha_weights"})
+        assert set(row["ratios"]) == (
+            {"textbook", "torch_mha_noweights", "torch_mha_weights"}
+            if row["impl"] == "multihead"
+            else {"textbook", "torch_mha_weights"}
+        )
         n = int(row["case"].split(" n")[1])
-        report = estimate(LayerShape(768, 12), seq=n, causal=True, mode=row["mode"],
-                          need_weights=row["impl"] == "multihead_weights")
+        report = estimate(
+            LayerShape(768, 12), seq=n, causal=True, mode=row["mode"], need_weights=row["impl"] == "multihead_weights"
+        )
         expected = bound(report.needed_flops, report.bytes.traffic, "float32", RATES).bound_s
         assert row["bound_s"] == pytest.approx(expected)
         assert row["roofline_fraction"] == pytest.approx(expected / row["seconds"])
@@ -97,10 +122,21 @@ def test_markdown_lists_every_row(suite):
 
 
 def test_rows_skip_the_roofline_for_an_uncalibrated_dtype():
-    results = {"config": {"batch": 1, "heads": 2, "head_dim": 8},
-               "cases": [{"impl": impl, "n": 4, "causal": False, "dtype": "bfloat16", "mode": "forward",
-                          "status": "ok", "median_s": seconds} for impl, seconds in
-                         (("auto", 1.0), ("sdpa", 2.0), ("textbook", 4.0))]}
+    results = {
+        "config": {"batch": 1, "heads": 2, "head_dim": 8},
+        "cases": [
+            {
+                "impl": impl,
+                "n": 4,
+                "causal": False,
+                "dtype": "bfloat16",
+                "mode": "forward",
+                "status": "ok",
+                "median_s": seconds,
+            }
+            for impl, seconds in (("auto", 1.0), ("sdpa", 2.0), ("textbook", 4.0))
+        ],
+    }
     (row,) = kernel_rows(results, RATES)
     assert row["ratios"] == {"textbook": 0.25, "sdpa": 0.5}
     assert row["roofline_fraction"] is None and row["bound_s"] is None
@@ -109,11 +145,20 @@ def test_rows_skip_the_roofline_for_an_uncalibrated_dtype():
 
 def test_calibrate_alone_saves_the_rates(tmp_path):
     env = {"MULTIHEAD_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-m", "multihead.cli", "bench", "--calibrate"], capture_output=True,
-                            text=True, env=env, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "multihead.cli", "bench", "--calibrate"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     assert "calibrated: float32 matmul" in result.stdout
     saved = json.loads((tmp_path / "calibration.json").read_text())
     assert saved["matmul_gflops"]["float32"] > 0 and saved["bandwidth_gbs"] > 0
-    bad = subprocess.run([sys.executable, "-m", "multihead.cli", "bench", "--calibrate", "--dtype", "int8"],
-                         capture_output=True, text=True, env=env)
+    bad = subprocess.run(
+        [sys.executable, "-m", "multihead.cli", "bench", "--calibrate", "--dtype", "int8"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--dtype: expected one of float32" in bad.stderr

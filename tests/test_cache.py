@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support import is_input_error
 from multihead import KVCache
+from support import is_input_error
 
 B, G, D, E = 2, 3, 4, 5
 
@@ -18,8 +18,10 @@ def new_cache(**kwargs) -> KVCache:
 
 def keys_values(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, G, n, D, generator=gen, dtype=torch.float64),
-            torch.randn(B, G, n, E, generator=gen, dtype=torch.float64))
+    return (
+        torch.randn(B, G, n, D, generator=gen, dtype=torch.float64),
+        torch.randn(B, G, n, E, generator=gen, dtype=torch.float64),
+    )
 
 
 def snapshot(cache: KVCache) -> tuple:
@@ -76,12 +78,14 @@ def test_a_staged_append_counts_only_once_committed(window):
     first, second = keys_values(3, seed=1), keys_values(2, seed=2)
     cache.append(*first)
     reference.append(*first)
-    held = len(cache), cache.seen, cache.keys[:, :, :len(cache)].clone(), cache.values[:, :, :len(cache)].clone()
+    held = len(cache), cache.seen, cache.keys[:, :, : len(cache)].clone(), cache.values[:, :, : len(cache)].clone()
     pending = cache.stage(*second)
     # what to attend over already includes the new tokens; what the cache holds does not
     assert pending.keys.shape == (B, G, 5, D) and pending.values.shape == (B, G, 5, E)
     assert (len(cache), cache.seen) == held[:2]
-    assert torch.equal(cache.keys[:, :, :len(cache)], held[2]) and torch.equal(cache.values[:, :, :len(cache)], held[3])
+    assert torch.equal(cache.keys[:, :, : len(cache)], held[2]) and torch.equal(
+        cache.values[:, :, : len(cache)], held[3]
+    )
     pending.commit()
     expected_keys, expected_values = reference.append(*second)
     assert torch.equal(pending.keys, expected_keys) and torch.equal(pending.values, expected_values)

@@ -37,8 +37,25 @@ def test_terminal_report_fits_100_columns_and_shows_roles_and_the_token(capsys):
 
 def test_json_report_matches_a_direct_capture(tmp_path, minilm):
     model, tokenizer = minilm
-    assert main(["inspect", TEXT, "--format", "json", "--layers", "1,4-5", "--heads", "0,7", "--token", "money",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                TEXT,
+                "--format",
+                "json",
+                "--layers",
+                "1,4-5",
+                "--heads",
+                "0,7",
+                "--token",
+                "money",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "inspect.json").read_text())
     assert report["layers"] == [1, 4, 5] and report["heads"] == [0, 7]
     assert report["tokens"] == tokenizer.tokenize(TEXT) and report["token"] == 6
@@ -73,20 +90,28 @@ def test_png_report_is_an_image(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["inspect", "   "], "text: expected a non-empty text"),
-    (["inspect", TEXT, "--token", "river"], "token: expected a word of the text, got 'river'. Fix: pick one of its "
-                                            "tokens: [CLS] the bank"),
-    (["inspect", TEXT, "--layers", "6"], "layers: expected layer indices in 0..5, got 6"),
-    (["inspect", TEXT, "--heads", "12"], "heads: expected head indices in 0..11, got 12"),
-    (["inspect", TEXT, "--layers", "a-b"], "--layers: expected indices like 0,2,5-7, got 'a-b'"),
-    (["inspect", TEXT, "--format", "pdf"], "format: expected one or more of terminal, html, png, json, got pdf"),
-    (["inspect", TEXT, "--model", "/nonexistent/model"], "model: expected an existing model directory"),
-    (["inspect", TEXT, "--corpus", "/nonexistent/corpus.txt"], "corpus: expected a text file"),
-    (["inspect", "word " * 600, "--format", "terminal"], "text: expected at most 512 tokens (the model's 512 "
-                                                          "positions), got 602 tokens. Fix: shorten the text, or "
-                                                          "truncate it (truncate=True, or --truncate)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["inspect", "   "], "text: expected a non-empty text"),
+        (
+            ["inspect", TEXT, "--token", "river"],
+            "token: expected a word of the text, got 'river'. Fix: pick one of its tokens: [CLS] the bank",
+        ),
+        (["inspect", TEXT, "--layers", "6"], "layers: expected layer indices in 0..5, got 6"),
+        (["inspect", TEXT, "--heads", "12"], "heads: expected head indices in 0..11, got 12"),
+        (["inspect", TEXT, "--layers", "a-b"], "--layers: expected indices like 0,2,5-7, got 'a-b'"),
+        (["inspect", TEXT, "--format", "pdf"], "format: expected one or more of terminal, html, png, json, got pdf"),
+        (["inspect", TEXT, "--model", "/nonexistent/model"], "model: expected an existing model directory"),
+        (["inspect", TEXT, "--corpus", "/nonexistent/corpus.txt"], "corpus: expected a text file"),
+        (
+            ["inspect", "word " * 600, "--format", "terminal"],
+            "text: expected at most 512 tokens (the model's 512 "
+            "positions), got 602 tokens. Fix: shorten the text, or "
+            "truncate it (truncate=True, or --truncate)",
+        ),
+    ],
+)
 def test_user_mistakes_get_one_line_and_exit_2(argv, message, capsys):
     assert main(argv) == 2
     captured = capsys.readouterr()
@@ -97,8 +122,24 @@ def test_user_mistakes_get_one_line_and_exit_2(argv, message, capsys):
 
 
 def test_truncate_cuts_long_texts_to_the_model_limit(tmp_path):
-    assert main(["inspect", "word " * 600, "--truncate", "--format", "json", "--layers", "0", "--heads", "0",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                "word " * 600,
+                "--truncate",
+                "--format",
+                "json",
+                "--layers",
+                "0",
+                "--heads",
+                "0",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "inspect.json").read_text())
     assert len(report["tokens"]) == 512 and report["tokens"][-1] == "[SEP]"
 
@@ -106,8 +147,10 @@ def test_truncate_cuts_long_texts_to_the_model_limit(tmp_path):
 def test_console_script_runs_without_a_traceback():
     result = subprocess.run([sys.executable, "-m", "multihead.cli", "inspect", ""], capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == ("multihead inspect: error: text: expected a non-empty text, got ''. "
-                                     'Fix: pass e.g. "The bank was full of money."')
+    assert result.stderr.strip() == (
+        "multihead inspect: error: text: expected a non-empty text, got ''. "
+        'Fix: pass e.g. "The bank was full of money."'
+    )
 
 
 def test_index_lists_and_token_choice():
@@ -140,9 +183,30 @@ def test_most_attended_token_for_every_token(minilm):
 def test_cost_json_matches_the_library():
     from multihead.cost import LayerShape, crossover, estimate
 
-    result = subprocess.run([sys.executable, "-m", "multihead.cli", "cost", "--embed-dim", "512", "--heads", "8",
-                             "--seq", "2048", "--kv-heads", "2", "--batch", "3", "--causal", "--backward", "--json"],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "multihead.cli",
+            "cost",
+            "--embed-dim",
+            "512",
+            "--heads",
+            "8",
+            "--seq",
+            "2048",
+            "--kv-heads",
+            "2",
+            "--batch",
+            "3",
+            "--causal",
+            "--backward",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     report = json.loads(result.stdout)
     expected = estimate(LayerShape(512, 8, num_kv_heads=2), seq=2048, batch=3, causal=True, mode="forward+backward")
     assert report["flops"] == expected.flops and report["backward_flops"] == expected.backward_flops
@@ -165,18 +229,23 @@ def test_cost_tables_and_plot(tmp_path, capsys):
     assert "KV cache (4096 tokens)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--embed-dim", "0", "--heads", "8", "--seq", "4"], "embed_dim: expected a positive int, got 0"),
-    (["--embed-dim", "512", "--heads", "-8", "--seq", "4"], "num_heads: expected a positive int, got -8"),
-    (["--embed-dim", "512", "--heads", "7", "--seq", "4"], "num_heads: expected a divisor of embed_dim = 512"),
-    (["--embed-dim", "512", "--heads", "8", "--kv-heads", "3", "--seq", "4"], "num_kv_heads: expected a divisor"),
-    (["--embed-dim", "512", "--heads", "8", "--seq", "0"], "seq: expected a positive int, got 0"),
-    (["--embed-dim", "512", "--heads", "8", "--seq", "4", "--dtype", "int4"], "dtype: expected one of float32"),
-    (["--embed-dim", "512", "--heads", "8", "--seq", "4", "--backward", "--decode-cache", "3"],
-     "--decode-cache: expected no --backward"),
-    (["--embed-dim", "x", "--heads", "8", "--seq", "4"], "argument --embed-dim: invalid int value: 'x'"),
-    (["--heads", "8", "--seq", "4"], "the following arguments are required: --embed-dim"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--embed-dim", "0", "--heads", "8", "--seq", "4"], "embed_dim: expected a positive int, got 0"),
+        (["--embed-dim", "512", "--heads", "-8", "--seq", "4"], "num_heads: expected a positive int, got -8"),
+        (["--embed-dim", "512", "--heads", "7", "--seq", "4"], "num_heads: expected a divisor of embed_dim = 512"),
+        (["--embed-dim", "512", "--heads", "8", "--kv-heads", "3", "--seq", "4"], "num_kv_heads: expected a divisor"),
+        (["--embed-dim", "512", "--heads", "8", "--seq", "0"], "seq: expected a positive int, got 0"),
+        (["--embed-dim", "512", "--heads", "8", "--seq", "4", "--dtype", "int4"], "dtype: expected one of float32"),
+        (
+            ["--embed-dim", "512", "--heads", "8", "--seq", "4", "--backward", "--decode-cache", "3"],
+            "--decode-cache: expected no --backward",
+        ),
+        (["--embed-dim", "x", "--heads", "8", "--seq", "4"], "argument --embed-dim: invalid int value: 'x'"),
+        (["--heads", "8", "--seq", "4"], "the following arguments are required: --embed-dim"),
+    ],
+)
 def test_cost_mistakes_get_one_line(argv, message, capsys):
     code = None
     try:
@@ -206,8 +275,23 @@ def test_heads_importance_then_prune_then_inspect_columns(small_corpus, tmp_path
     saved = json.loads((out / "importance.json").read_text())
     assert len(saved["scores"]) == 6 and len(saved["scores"][0]) == 12
     assert saved["ranking"][0]["score"] == max(max(row) for row in saved["scores"])
-    assert main(["heads", "prune", "--fraction", "0.25", "--importance", str(out), "--corpus", str(small_corpus),
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "heads",
+                "prune",
+                "--fraction",
+                "0.25",
+                "--importance",
+                str(out),
+                "--corpus",
+                str(small_corpus),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "Pruning curve" in printed and "pruned 18 heads (fraction 0.25)" in printed
     curve = json.loads((out / "pruning.json").read_text())
@@ -215,24 +299,46 @@ def test_heads_importance_then_prune_then_inspect_columns(small_corpus, tmp_path
     pruned, _ = load_minilm(out / "model")
     assert sum(len(ids) for ids in pruned.head_ids) == 72 - 18
     # the report gains the importance column for the heads shown
-    assert main(["inspect", TEXT, "--format", "html", "--layers", "5", "--heads", "0,3", "--scores", str(out),
-                 "--out", str(tmp_path / "report")]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                TEXT,
+                "--format",
+                "html",
+                "--layers",
+                "5",
+                "--heads",
+                "0,3",
+                "--scores",
+                str(out),
+                "--out",
+                str(tmp_path / "report"),
+            ]
+        )
+        == 0
+    )
     html = (tmp_path / "report" / "report.html").read_text()
     expected = [round(saved["scores"][5][h] * 1000, 3) for h in (0, 3)]
     assert '"importance (1 - cos) x 1000":[[' + ",".join(repr(v) for v in expected) + "]]" in html
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["heads", "prune", "--fraction", "1.0"], "--fraction: expected a fraction of all heads in [0, 1), got 1.0"),
-    (["heads", "prune", "--fraction", "-0.1"], "--fraction: expected a fraction of all heads in [0, 1)"),
-    (["heads", "prune"], "--fraction: expected either --fraction F or --remove L:H,..., got both or neither"),
-    (["heads", "prune", "--remove", "0:0,1,2,3,4,5,6,7,8,9,10,11"], "heads[0]: expected fewer than all 12 heads"),
-    (["heads", "prune", "--remove", "zero"], "--remove: expected LAYER:HEAD,HEAD;LAYER:HEAD"),
-    (["heads", "prune", "--fraction", "0.2", "--importance", "/nonexistent"], "--importance: expected an "
-                                                                               "importance.json"),
-    (["heads", "importance", "--corpus", "/nonexistent.txt"], "corpus: expected a text file"),
-    (["inspect", TEXT, "--scores", "/nonexistent"], "--scores: expected a folder written by"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["heads", "prune", "--fraction", "1.0"], "--fraction: expected a fraction of all heads in [0, 1), got 1.0"),
+        (["heads", "prune", "--fraction", "-0.1"], "--fraction: expected a fraction of all heads in [0, 1)"),
+        (["heads", "prune"], "--fraction: expected either --fraction F or --remove L:H,..., got both or neither"),
+        (["heads", "prune", "--remove", "0:0,1,2,3,4,5,6,7,8,9,10,11"], "heads[0]: expected fewer than all 12 heads"),
+        (["heads", "prune", "--remove", "zero"], "--remove: expected LAYER:HEAD,HEAD;LAYER:HEAD"),
+        (
+            ["heads", "prune", "--fraction", "0.2", "--importance", "/nonexistent"],
+            "--importance: expected an importance.json",
+        ),
+        (["heads", "importance", "--corpus", "/nonexistent.txt"], "corpus: expected a text file"),
+        (["inspect", TEXT, "--scores", "/nonexistent"], "--scores: expected a folder written by"),
+    ],
+)
 def test_heads_mistakes_get_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -246,15 +352,23 @@ def test_heads_syntax_table_and_files(tmp_path, capsys):
     saved = json.loads((tmp_path / "syntax.json").read_text())
     assert saved["relations"] == ["det", "case"] and len(saved["per_head_best"]) == 6
     best = {row["relation"]: row for row in saved["best"]}
-    assert best["det"]["score"] == max(max(max(r) for r in saved["dependent_to_head"]["det"]),
-                                       max(max(r) for r in saved["head_to_dependent"]["det"]))
+    assert best["det"]["score"] == max(
+        max(max(r) for r in saved["dependent_to_head"]["det"]), max(max(r) for r in saved["head_to_dependent"]["det"])
+    )
     assert (tmp_path / "syntax.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("treebank, relations, message", [
-    (None, "det,frobnicate", "relations: expected relations present in the sentences"),
-    ("1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_\n2\tdog\tdog\tNOUN\n", None, "line 2: expected 10 tab-separated fields"),
-])
+@pytest.mark.parametrize(
+    "treebank, relations, message",
+    [
+        (None, "det,frobnicate", "relations: expected relations present in the sentences"),
+        (
+            "1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_\n2\tdog\tdog\tNOUN\n",
+            None,
+            "line 2: expected 10 tab-separated fields",
+        ),
+    ],
+)
 def test_heads_syntax_mistakes(treebank, relations, message, tmp_path, capsys):
     argv = ["heads", "syntax", "--max-sentences", "5", "--out", str(tmp_path)]
     if treebank is not None:

@@ -24,6 +24,7 @@ from multihead.models.loading import Tokenizer, find_model_dir
 
 HOUSE_FORM = re.compile(r"^\S.*: expected .+, got .+\. Fix: .+")
 
+
 def write_tiny_checkpoints(folder: Path) -> dict[str, Path]:
     """Two valid model folders of tiny random encoders (2 layers x 2 heads, 8 wide, the real tokenizer): "hf"
     (a BertModel saved by transformers' save_pretrained, as a downloaded checkpoint) and "saved"
@@ -38,8 +39,9 @@ def write_tiny_checkpoints(folder: Path) -> dict[str, Path]:
     saved = model.save(folder / "saved")
     hf = folder / "hf"
     hf_config = json.loads((real / "config.json").read_text())
-    hf_config.update(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16,
-                     max_position_embeddings=64)
+    hf_config.update(
+        hidden_size=8, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16, max_position_embeddings=64
+    )
     BertModel(BertConfig(**hf_config)).save_pretrained(hf)
     shutil.copy(real / "tokenizer.json", hf / "tokenizer.json")
     return {"hf": hf, "saved": saved}
@@ -94,7 +96,7 @@ def assert_one_line(capsys, argv: list[str], command: str, option: str, fragment
     assert "Traceback" not in err, err
     prefix = f"multihead {command}: error: " if command else "multihead: error: "
     assert err.startswith(prefix), err
-    message = err[len(prefix):].rstrip("\n")
+    message = err[len(prefix) :].rstrip("\n")
     assert HOUSE_FORM.match(message), message
     assert option in message and fragment in message, message
     return message
@@ -110,28 +112,82 @@ def _a_file(tmp_path: Path) -> Path:
 
 
 OUTPUT_CASES = {
-    "inspect --out is a file": (lambda t, f: ["inspect", "--model", str(t["hf"]), "--format", "json", "--out", str(f)],
-                                "inspect", "--out", "which is a file"),
-    "inspect --out under a file": (lambda t, f: ["inspect", "--model", str(t["hf"]), "--format", "html", "--out",
-                                                 str(f / "report")], "inspect", "--out", "a file"),
-    "inspect --out in /proc": (lambda t, f: ["inspect", "--model", str(t["hf"]), "--format", "json", "--out",
-                                             "/proc/multihead-report"], "inspect", "--out", "virtual file system"),
-    "inspect --out is /proc itself": (lambda t, f: ["inspect", "--model", str(t["hf"]), "--format", "png", "--out",
-                                                    "/proc"], "inspect", "--out", "virtual file system"),
-    "cost --plot under a file": (lambda t, f: ["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4", "--plot",
-                                               str(f / "cost.png")], "cost", "--plot", "a file"),
-    "cost --plot in /sys": (lambda t, f: ["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4", "--plot",
-                                          "/sys/cost.png"], "cost", "--plot", "virtual file system"),
-    "cost --plot is a folder": (lambda t, f: ["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4", "--plot",
-                                              str(f.parent / "a-folder.png")], "cost", "--plot", "not a regular file"),
-    "cost --plot of unknown format": (lambda t, f: ["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4",
-                                                    "--plot", str(f.parent / "cost.xyz")], "cost", "--plot", ".png"),
-    "heads importance --out is a file": (lambda t, f: ["heads", "importance", "--model", str(t["hf"]), "--out", str(f)],
-                                         "heads", "--out", "which is a file"),
-    "heads syntax --out under a file": (lambda t, f: ["heads", "syntax", "--model", str(t["hf"]), "--out",
-                                                      str(f / "x" / "y")], "heads", "--out", "a file"),
-    "heads prune --out in /dev": (lambda t, f: ["heads", "prune", "--remove", "0:1", "--model", str(t["hf"]), "--out",
-                                                "/dev/multihead-heads"], "heads", "--out", "virtual file system"),
+    "inspect --out is a file": (
+        lambda t, f: ["inspect", "--model", str(t["hf"]), "--format", "json", "--out", str(f)],
+        "inspect",
+        "--out",
+        "which is a file",
+    ),
+    "inspect --out under a file": (
+        lambda t, f: ["inspect", "--model", str(t["hf"]), "--format", "html", "--out", str(f / "report")],
+        "inspect",
+        "--out",
+        "a file",
+    ),
+    "inspect --out in /proc": (
+        lambda t, f: ["inspect", "--model", str(t["hf"]), "--format", "json", "--out", "/proc/multihead-report"],
+        "inspect",
+        "--out",
+        "virtual file system",
+    ),
+    "inspect --out is /proc itself": (
+        lambda t, f: ["inspect", "--model", str(t["hf"]), "--format", "png", "--out", "/proc"],
+        "inspect",
+        "--out",
+        "virtual file system",
+    ),
+    "cost --plot under a file": (
+        lambda t, f: ["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4", "--plot", str(f / "cost.png")],
+        "cost",
+        "--plot",
+        "a file",
+    ),
+    "cost --plot in /sys": (
+        lambda t, f: ["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4", "--plot", "/sys/cost.png"],
+        "cost",
+        "--plot",
+        "virtual file system",
+    ),
+    "cost --plot is a folder": (
+        lambda t, f: [
+            "cost",
+            "--embed-dim",
+            "8",
+            "--heads",
+            "2",
+            "--seq",
+            "4",
+            "--plot",
+            str(f.parent / "a-folder.png"),
+        ],
+        "cost",
+        "--plot",
+        "not a regular file",
+    ),
+    "cost --plot of unknown format": (
+        lambda t, f: ["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4", "--plot", str(f.parent / "cost.xyz")],
+        "cost",
+        "--plot",
+        ".png",
+    ),
+    "heads importance --out is a file": (
+        lambda t, f: ["heads", "importance", "--model", str(t["hf"]), "--out", str(f)],
+        "heads",
+        "--out",
+        "which is a file",
+    ),
+    "heads syntax --out under a file": (
+        lambda t, f: ["heads", "syntax", "--model", str(t["hf"]), "--out", str(f / "x" / "y")],
+        "heads",
+        "--out",
+        "a file",
+    ),
+    "heads prune --out in /dev": (
+        lambda t, f: ["heads", "prune", "--remove", "0:1", "--model", str(t["hf"]), "--out", "/dev/multihead-heads"],
+        "heads",
+        "--out",
+        "virtual file system",
+    ),
     "bench --out is a file": (lambda t, f: ["bench", "--quick", "--out", str(f)], "bench", "--out", "which is a file"),
 }
 
@@ -155,16 +211,27 @@ def test_unwritable_out_folder(tiny, tmp_path, monkeypatch, capsys):
                 if Path(path).parent == locked:
                     raise PermissionError(13, "Permission denied", str(path))
                 return real(path, *args, **kwargs)
+
             return call
 
         monkeypatch.setattr(os, "open", refuse_inside(real_open))
         monkeypatch.setattr(os, "mkdir", refuse_inside(real_mkdir))
     try:
-        message = assert_one_line(capsys, ["inspect", "--model", str(tiny["hf"]), "--format", "json",
-                                           "--out", str(locked)], "inspect", "--out", "Permission denied")
+        message = assert_one_line(
+            capsys,
+            ["inspect", "--model", str(tiny["hf"]), "--format", "json", "--out", str(locked)],
+            "inspect",
+            "--out",
+            "Permission denied",
+        )
         assert "files cannot be created" in message
-        message = assert_one_line(capsys, ["heads", "importance", "--model", str(tiny["hf"]),
-                                           "--out", str(locked / "new")], "heads", "--out", "Permission denied")
+        message = assert_one_line(
+            capsys,
+            ["heads", "importance", "--model", str(tiny["hf"]), "--out", str(locked / "new")],
+            "heads",
+            "--out",
+            "Permission denied",
+        )
         assert "cannot be created" in message
     finally:
         locked.chmod(0o700)
@@ -173,10 +240,18 @@ def test_unwritable_out_folder(tiny, tmp_path, monkeypatch, capsys):
 def test_a_refused_command_leaves_no_output_folder(tiny, tmp_path, capsys):
     """--out is checked before the work (a probe file, removed) but made only when a file is written."""
     out = tmp_path / "new" / "report"
-    assert_one_line(capsys, ["inspect", "--model", str(tiny["hf"]), "--format", "json", "--layers", "7",
-                             "--out", str(out)], "inspect", "--layers")
-    assert_one_line(capsys, ["heads", "prune", "--remove", "0:0,1", "--model", str(tiny["hf"]), "--out", str(out)],
-                    "heads", "--remove")
+    assert_one_line(
+        capsys,
+        ["inspect", "--model", str(tiny["hf"]), "--format", "json", "--layers", "7", "--out", str(out)],
+        "inspect",
+        "--layers",
+    )
+    assert_one_line(
+        capsys,
+        ["heads", "prune", "--remove", "0:0,1", "--model", str(tiny["hf"]), "--out", str(out)],
+        "heads",
+        "--remove",
+    )
     assert not (tmp_path / "new").exists()
     assert main(["inspect", "--model", str(tiny["hf"]), "--format", "json", "--out", str(out)]) == 0
     assert [path.name for path in out.iterdir()] == ["inspect.json"]  # and no probe file left in it
@@ -192,48 +267,122 @@ def _truncate(folder: Path) -> None:
 
 MODEL_CASES = {
     "truncated weights": ("hf", _truncate, "model.safetensors", "cannot be read"),
-    "empty weights": ("hf", lambda d: (d / "model.safetensors").write_bytes(b""), "model.safetensors",
-                      "cannot be read"),
-    "garbage weights": ("hf", lambda d: (d / "model.safetensors").write_bytes(bytes(range(256)) * 8),
-                        "model.safetensors", "cannot be read"),
-    "weights missing a tensor": ("hf", lambda d: edit_weights(d / "model.safetensors", lambda t: t.pop(
-        "encoder.layer.1.output.dense.weight")), "model.safetensors", "missing ['blocks.1.feed_forward_out.weight']"),
-    "weights with an unexpected tensor": ("hf", lambda d: edit_weights(d / "model.safetensors", lambda t: t.update(
-        {"encoder.layer.7.output.dense.weight": torch.zeros(2)})), "model.safetensors", "unexpected ['blocks.7."),
-    "weights with NaN": ("hf", lambda d: edit_weights(d / "model.safetensors", lambda t: t[
-        "embeddings.LayerNorm.weight"].fill_(float("nan"))), "model.safetensors", "finite weights"),
-    "integer weights": ("hf", lambda d: edit_weights(d / "model.safetensors", lambda t: t.update(
-        {"embeddings.LayerNorm.bias": torch.zeros(8, dtype=torch.int32)})), "model.safetensors", "floating-point"),
+    "empty weights": (
+        "hf",
+        lambda d: (d / "model.safetensors").write_bytes(b""),
+        "model.safetensors",
+        "cannot be read",
+    ),
+    "garbage weights": (
+        "hf",
+        lambda d: (d / "model.safetensors").write_bytes(bytes(range(256)) * 8),
+        "model.safetensors",
+        "cannot be read",
+    ),
+    "weights missing a tensor": (
+        "hf",
+        lambda d: edit_weights(d / "model.safetensors", lambda t: t.pop("encoder.layer.1.output.dense.weight")),
+        "model.safetensors",
+        "missing ['blocks.1.feed_forward_out.weight']",
+    ),
+    "weights with an unexpected tensor": (
+        "hf",
+        lambda d: edit_weights(
+            d / "model.safetensors", lambda t: t.update({"encoder.layer.7.output.dense.weight": torch.zeros(2)})
+        ),
+        "model.safetensors",
+        "unexpected ['blocks.7.",
+    ),
+    "weights with NaN": (
+        "hf",
+        lambda d: edit_weights(d / "model.safetensors", lambda t: t["embeddings.LayerNorm.weight"].fill_(float("nan"))),
+        "model.safetensors",
+        "finite weights",
+    ),
+    "integer weights": (
+        "hf",
+        lambda d: edit_weights(
+            d / "model.safetensors",
+            lambda t: t.update({"embeddings.LayerNorm.bias": torch.zeros(8, dtype=torch.int32)}),
+        ),
+        "model.safetensors",
+        "floating-point",
+    ),
     "config.json a list": ("hf", lambda d: (d / "config.json").write_text("[1, 2]"), "config.json", "got a list"),
     "config.json empty": ("hf", lambda d: (d / "config.json").write_text(""), "config.json", "not valid JSON"),
-    "config.json not UTF-8": ("hf", lambda d: (d / "config.json").write_bytes(b'{"hidden_size": "\xff"}'),
-                              "config.json", "not UTF-8"),
-    "config.json missing a key": ("hf", lambda d: drop_json_key(d / "config.json", "num_attention_heads"),
-                                  "config.json", '"num_attention_heads"'),
-    "config.json size of the wrong type": ("hf", lambda d: edit_json(d / "config.json", hidden_size="8"),
-                                           "config.json", '["hidden_size"] is a positive integer'),
-    "config.json sizes disagree with the weights": ("hf", lambda d: edit_json(d / "config.json", intermediate_size=32),
-                                                    "model.safetensors", "of shape (32, 8)"),
-    "config.json with more layers than the weights": ("hf", lambda d: edit_json(d / "config.json",
-                                                                               num_hidden_layers=10 ** 12),
-                                                      "model.safetensors", "missing ['blocks.2."),
-    "config.json heads that do not divide": ("hf", lambda d: edit_json(d / "config.json", num_attention_heads=3),
-                                             "config.json", "divisible"),
-    "config.json huge vocabulary": ("hf", lambda d: edit_json(d / "config.json", vocab_size=10 ** 15),
-                                    "model.safetensors", "word_embeddings.weight"),
-    "tokenizer.json corrupt": ("hf", lambda d: (d / "tokenizer.json").write_text('{"model": 1'), "tokenizer.json",
-                               "cannot load"),
+    "config.json not UTF-8": (
+        "hf",
+        lambda d: (d / "config.json").write_bytes(b'{"hidden_size": "\xff"}'),
+        "config.json",
+        "not UTF-8",
+    ),
+    "config.json missing a key": (
+        "hf",
+        lambda d: drop_json_key(d / "config.json", "num_attention_heads"),
+        "config.json",
+        '"num_attention_heads"',
+    ),
+    "config.json size of the wrong type": (
+        "hf",
+        lambda d: edit_json(d / "config.json", hidden_size="8"),
+        "config.json",
+        '["hidden_size"] is a positive integer',
+    ),
+    "config.json sizes disagree with the weights": (
+        "hf",
+        lambda d: edit_json(d / "config.json", intermediate_size=32),
+        "model.safetensors",
+        "of shape (32, 8)",
+    ),
+    "config.json with more layers than the weights": (
+        "hf",
+        lambda d: edit_json(d / "config.json", num_hidden_layers=10**12),
+        "model.safetensors",
+        "missing ['blocks.2.",
+    ),
+    "config.json heads that do not divide": (
+        "hf",
+        lambda d: edit_json(d / "config.json", num_attention_heads=3),
+        "config.json",
+        "divisible",
+    ),
+    "config.json huge vocabulary": (
+        "hf",
+        lambda d: edit_json(d / "config.json", vocab_size=10**15),
+        "model.safetensors",
+        "word_embeddings.weight",
+    ),
+    "tokenizer.json corrupt": (
+        "hf",
+        lambda d: (d / "tokenizer.json").write_text('{"model": 1'),
+        "tokenizer.json",
+        "cannot load",
+    ),
     "tokenizer.json missing": ("hf", lambda d: (d / "tokenizer.json").unlink(), "model:", "without tokenizer.json"),
-    "saved config a list": ("saved", lambda d: (d / "multihead_config.json").write_text("[]"),
-                            "multihead_config.json", "got a list"),
-    "saved config head ids out of range": ("saved", lambda d: edit_json(d / "multihead_config.json",
-                                                                        head_ids=[[0, 1], [0, 5]]),
-                                           "multihead_config.json", "head_ids[1]"),
-    "saved config head ids for the wrong weights": ("saved", lambda d: edit_json(d / "multihead_config.json",
-                                                                                 head_ids=[[0], [0, 1]]),
-                                                    "model.safetensors", "of shape (4, 8)"),
-    "saved config of another format": ("saved", lambda d: edit_json(d / "multihead_config.json", format="other"),
-                                       "multihead_config.json", "multihead-encoder"),
+    "saved config a list": (
+        "saved",
+        lambda d: (d / "multihead_config.json").write_text("[]"),
+        "multihead_config.json",
+        "got a list",
+    ),
+    "saved config head ids out of range": (
+        "saved",
+        lambda d: edit_json(d / "multihead_config.json", head_ids=[[0, 1], [0, 5]]),
+        "multihead_config.json",
+        "head_ids[1]",
+    ),
+    "saved config head ids for the wrong weights": (
+        "saved",
+        lambda d: edit_json(d / "multihead_config.json", head_ids=[[0], [0, 1]]),
+        "model.safetensors",
+        "of shape (4, 8)",
+    ),
+    "saved config of another format": (
+        "saved",
+        lambda d: edit_json(d / "multihead_config.json", format="other"),
+        "multihead_config.json",
+        "multihead-encoder",
+    ),
 }
 
 
@@ -241,8 +390,9 @@ MODEL_CASES = {
 def test_broken_model_folders(case, tiny, tmp_path, capsys):
     kind, damage, fragment, detail = MODEL_CASES[case]
     folder = broken_copy(tiny[kind], tmp_path / "model", damage)
-    message = assert_one_line(capsys, ["inspect", "--model", str(folder), "--format", "terminal"], "inspect",
-                              "--model", fragment)
+    message = assert_one_line(
+        capsys, ["inspect", "--model", str(folder), "--format", "terminal"], "inspect", "--model", fragment
+    )
     assert detail in message
     # the Python API raises the same clear error from the loader
     with pytest.raises(InputError, match=re.escape(fragment)):
@@ -250,10 +400,20 @@ def test_broken_model_folders(case, tiny, tmp_path, capsys):
 
 
 def test_model_that_is_not_a_folder(tmp_path, capsys):
-    assert_one_line(capsys, ["inspect", "--model", str(_a_file(tmp_path)), "--format", "terminal"], "inspect",
-                    "--model", "not a folder")
-    assert_one_line(capsys, ["heads", "syntax", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")],
-                    "heads", "--model", "does not exist")
+    assert_one_line(
+        capsys,
+        ["inspect", "--model", str(_a_file(tmp_path)), "--format", "terminal"],
+        "inspect",
+        "--model",
+        "not a folder",
+    )
+    assert_one_line(
+        capsys,
+        ["heads", "syntax", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")],
+        "heads",
+        "--model",
+        "does not exist",
+    )
 
 
 def test_load_minilm_raises_the_input_error(tiny, tmp_path):
@@ -277,12 +437,36 @@ def test_valid_tiny_folders_load_and_a_pruned_save_loads_back(tiny, tmp_path, ca
     pruned, _ = load_minilm(out / "model")
     assert pruned.head_ids == [[0, 1], [1]]
     # a pruned model's layers differ in heads: all heads of every layer do not make a grid
-    assert_one_line(capsys, ["inspect", "--model", str(out / "model"), "--format", "terminal"], "inspect", "--heads",
-                    "pass --heads 0-0")
-    assert_one_line(capsys, ["inspect", "--model", str(out / "model"), "--heads", "1", "--format", "terminal"],
-                    "inspect", "--heads", "head indices in 0..0, got 1")
-    assert main(["inspect", "--model", str(out / "model"), "--heads", "0", "--format", "json",
-                 "--out", str(tmp_path / "report")]) == 0
+    assert_one_line(
+        capsys,
+        ["inspect", "--model", str(out / "model"), "--format", "terminal"],
+        "inspect",
+        "--heads",
+        "pass --heads 0-0",
+    )
+    assert_one_line(
+        capsys,
+        ["inspect", "--model", str(out / "model"), "--heads", "1", "--format", "terminal"],
+        "inspect",
+        "--heads",
+        "head indices in 0..0, got 1",
+    )
+    assert (
+        main(
+            [
+                "inspect",
+                "--model",
+                str(out / "model"),
+                "--heads",
+                "0",
+                "--format",
+                "json",
+                "--out",
+                str(tmp_path / "report"),
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "report" / "inspect.json").read_text())["heads"] == [0]
 
 
@@ -298,22 +482,78 @@ def _files(tmp_path: Path) -> dict[str, Path]:
 
 
 FILE_CASES = {
-    "inspect --corpus not UTF-8": (lambda t, f: ["inspect", "--model", str(t["hf"]), "--format", "terminal",
-                                                 "--corpus", str(f["latin1"])], "inspect", "--corpus", "not UTF-8"),
-    "inspect --corpus a folder": (lambda t, f: ["inspect", "--model", str(t["hf"]), "--format", "terminal",
-                                                "--corpus", str(f["folder"])], "inspect", "--corpus", "a folder"),
-    "heads importance --corpus not UTF-8": (lambda t, f: ["heads", "importance", "--model", str(t["hf"]), "--corpus",
-                                                          str(f["latin1"]), "--out", str(f["folder"] / "o")],
-                                            "heads", "--corpus", "not UTF-8"),
-    "heads importance --corpus missing": (lambda t, f: ["heads", "importance", "--model", str(t["hf"]), "--corpus",
-                                                        str(f["missing"]), "--out", str(f["folder"] / "o")],
-                                          "heads", "--corpus", "does not exist"),
-    "heads syntax --treebank not UTF-8": (lambda t, f: ["heads", "syntax", "--model", str(t["hf"]), "--treebank",
-                                                        str(f["latin1"]), "--out", str(f["folder"] / "o")],
-                                          "heads", "--treebank", "not UTF-8"),
-    "heads syntax --treebank a folder": (lambda t, f: ["heads", "syntax", "--model", str(t["hf"]), "--treebank",
-                                                       str(f["folder"]), "--out", str(f["folder"] / "o")],
-                                         "heads", "--treebank", "a folder"),
+    "inspect --corpus not UTF-8": (
+        lambda t, f: ["inspect", "--model", str(t["hf"]), "--format", "terminal", "--corpus", str(f["latin1"])],
+        "inspect",
+        "--corpus",
+        "not UTF-8",
+    ),
+    "inspect --corpus a folder": (
+        lambda t, f: ["inspect", "--model", str(t["hf"]), "--format", "terminal", "--corpus", str(f["folder"])],
+        "inspect",
+        "--corpus",
+        "a folder",
+    ),
+    "heads importance --corpus not UTF-8": (
+        lambda t, f: [
+            "heads",
+            "importance",
+            "--model",
+            str(t["hf"]),
+            "--corpus",
+            str(f["latin1"]),
+            "--out",
+            str(f["folder"] / "o"),
+        ],
+        "heads",
+        "--corpus",
+        "not UTF-8",
+    ),
+    "heads importance --corpus missing": (
+        lambda t, f: [
+            "heads",
+            "importance",
+            "--model",
+            str(t["hf"]),
+            "--corpus",
+            str(f["missing"]),
+            "--out",
+            str(f["folder"] / "o"),
+        ],
+        "heads",
+        "--corpus",
+        "does not exist",
+    ),
+    "heads syntax --treebank not UTF-8": (
+        lambda t, f: [
+            "heads",
+            "syntax",
+            "--model",
+            str(t["hf"]),
+            "--treebank",
+            str(f["latin1"]),
+            "--out",
+            str(f["folder"] / "o"),
+        ],
+        "heads",
+        "--treebank",
+        "not UTF-8",
+    ),
+    "heads syntax --treebank a folder": (
+        lambda t, f: [
+            "heads",
+            "syntax",
+            "--model",
+            str(t["hf"]),
+            "--treebank",
+            str(f["folder"]),
+            "--out",
+            str(f["folder"] / "o"),
+        ],
+        "heads",
+        "--treebank",
+        "a folder",
+    ),
 }
 
 
@@ -342,15 +582,40 @@ def test_corrupt_scores(case, tiny, tmp_path, capsys):
     folder = tmp_path / "scores"
     folder.mkdir()
     (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
-    assert_one_line(capsys, ["inspect", "--model", str(tiny["hf"]), "--format", "terminal", "--scores", str(folder)],
-                    "inspect", "--scores", fragment)
-    assert_one_line(capsys, ["heads", "prune", "--fraction", "0.5", "--importance", str(folder / name), "--model",
-                             str(tiny["hf"]), "--out", str(tmp_path / "o")], "heads", "--importance")
+    assert_one_line(
+        capsys,
+        ["inspect", "--model", str(tiny["hf"]), "--format", "terminal", "--scores", str(folder)],
+        "inspect",
+        "--scores",
+        fragment,
+    )
+    assert_one_line(
+        capsys,
+        [
+            "heads",
+            "prune",
+            "--fraction",
+            "0.5",
+            "--importance",
+            str(folder / name),
+            "--model",
+            str(tiny["hf"]),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        "heads",
+        "--importance",
+    )
 
 
 def test_scores_folder_without_scores(tiny, tmp_path, capsys):
-    assert_one_line(capsys, ["inspect", "--model", str(tiny["hf"]), "--format", "terminal", "--scores",
-                             str(tmp_path)], "inspect", "--scores", "importance.json or syntax.json")
+    assert_one_line(
+        capsys,
+        ["inspect", "--model", str(tiny["hf"]), "--format", "terminal", "--scores", str(tmp_path)],
+        "inspect",
+        "--scores",
+        "importance.json or syntax.json",
+    )
 
 
 # ------------------------------------------------------------------------------- bench JSON
@@ -362,23 +627,49 @@ def _bench_results(out: Path, kernel: object, layer: object) -> None:
         (out / f"{name}.json").write_text(data if isinstance(data, str) else json.dumps(data))
 
 
-GOOD_KERNEL = {"machine": {}, "config": {"batch": 1, "heads": 2, "head_dim": 8}, "cases": [
-    {"impl": impl, "n": 16, "causal": False, "dtype": "float32", "mode": "forward", "status": "ok", "median_s": s}
-    for impl, s in (("auto", 1e-4), ("sdpa", 2e-4), ("textbook", 4e-4))]}
-GOOD_LAYER = {"machine": {}, "cases": [
-    {"impl": impl, "shape": "tiny", "n": 16, "causal": True, "dtype": "float32", "mode": "forward", "batch": 1,
-     "embed_dim": 16, "heads": 2, "status": "ok", "median_s": s}
-    for impl, s in (("multihead", 1e-4), ("textbook", 2e-4), ("torch_mha_noweights", 3e-4))]}
+GOOD_KERNEL = {
+    "machine": {},
+    "config": {"batch": 1, "heads": 2, "head_dim": 8},
+    "cases": [
+        {"impl": impl, "n": 16, "causal": False, "dtype": "float32", "mode": "forward", "status": "ok", "median_s": s}
+        for impl, s in (("auto", 1e-4), ("sdpa", 2e-4), ("textbook", 4e-4))
+    ],
+}
+GOOD_LAYER = {
+    "machine": {},
+    "cases": [
+        {
+            "impl": impl,
+            "shape": "tiny",
+            "n": 16,
+            "causal": True,
+            "dtype": "float32",
+            "mode": "forward",
+            "batch": 1,
+            "embed_dim": 16,
+            "heads": 2,
+            "status": "ok",
+            "median_s": s,
+        }
+        for impl, s in (("multihead", 1e-4), ("textbook", 2e-4), ("torch_mha_noweights", 3e-4))
+    ],
+}
 
 BENCH_CASES = {
     "both empty objects": ({}, {}, 'the key "machine"'),
     "kernel.json not JSON": ("{'cases': []}", GOOD_LAYER, "not valid JSON"),
     "kernel.json a list": ([], GOOD_LAYER, "got a list"),
-    "layer case without a shape": (GOOD_KERNEL, {**GOOD_LAYER, "cases": [{**GOOD_LAYER["cases"][0], "shape": None}]},
-                                   '["cases"][0]["shape"] is a string'),
+    "layer case without a shape": (
+        GOOD_KERNEL,
+        {**GOOD_LAYER, "cases": [{**GOOD_LAYER["cases"][0], "shape": None}]},
+        '["cases"][0]["shape"] is a string',
+    ),
     "kernel case of an unknown dtype": (GOOD_KERNEL, GOOD_LAYER, None),
-    "layer case of sizes that make no layer": (GOOD_KERNEL, {**GOOD_LAYER, "cases": [
-        {**case, "heads": 3} for case in GOOD_LAYER["cases"]]}, "num_heads"),
+    "layer case of sizes that make no layer": (
+        GOOD_KERNEL,
+        {**GOOD_LAYER, "cases": [{**case, "heads": 3} for case in GOOD_LAYER["cases"]]},
+        "num_heads",
+    ),
 }
 
 
@@ -397,10 +688,16 @@ def test_bench_rescore_on_good_results_and_missing_ones(tmp_path, capsys):
     assert main(["bench", "--rescore", "--out", str(tmp_path / "results")]) == 0
     assert "| tiny n16 |" in capsys.readouterr().out
     assert (tmp_path / "results" / "bench.json").is_file()
-    assert_one_line(capsys, ["bench", "--rescore", "--quick", "--out", str(tmp_path / "results")], "bench", "--out",
-                    "kernel_quick.json")
-    assert_one_line(capsys, ["bench", "--rescore", "--out", str(tmp_path / "nowhere")], "bench", "--out",
-                    "does not exist")
+    assert_one_line(
+        capsys,
+        ["bench", "--rescore", "--quick", "--out", str(tmp_path / "results")],
+        "bench",
+        "--out",
+        "kernel_quick.json",
+    )
+    assert_one_line(
+        capsys, ["bench", "--rescore", "--out", str(tmp_path / "nowhere")], "bench", "--out", "does not exist"
+    )
 
 
 def test_cost_plot_of_a_layer_too_small_for_the_default_range(tmp_path, capsys):
@@ -415,10 +712,14 @@ def test_a_corrupt_calibration_cache_is_ignored_with_a_note(tmp_path, capsys):
     assert main(["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4", "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["shape"]["embed_dim"] == 8  # stdout stays valid JSON
-    assert captured.err.startswith("multihead cost: note: ignored the calibration cache") and \
-        captured.err.count("\n") == 1 and "multihead bench --calibrate" in captured.err
-    (tmp_path / "cache" / "calibration.json").write_text('{"matmul_gflops": {"float32": -1}, "bandwidth_gbs": 5, '
-                                                         '"threads": 2}')
+    assert (
+        captured.err.startswith("multihead cost: note: ignored the calibration cache")
+        and captured.err.count("\n") == 1
+        and "multihead bench --calibrate" in captured.err
+    )
+    (tmp_path / "cache" / "calibration.json").write_text(
+        '{"matmul_gflops": {"float32": -1}, "bandwidth_gbs": 5, "threads": 2}'
+    )
     assert main(["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4"]) == 0
     assert "positive finite number" in capsys.readouterr().err
 
@@ -444,8 +745,9 @@ INDEX_CASES = {
 @pytest.mark.parametrize("case", INDEX_CASES)
 def test_index_lists(case, tiny, capsys):
     extra, option, fragment = INDEX_CASES[case]
-    assert_one_line(capsys, ["inspect", "--model", str(tiny["hf"]), "--format", "terminal", *extra], "inspect",
-                    option, fragment)
+    assert_one_line(
+        capsys, ["inspect", "--model", str(tiny["hf"]), "--format", "terminal", *extra], "inspect", option, fragment
+    )
 
 
 def test_parse_indices_checks_bounds_before_expanding():
@@ -470,19 +772,33 @@ REMOVE_CASES = {
 @pytest.mark.parametrize("case", REMOVE_CASES)
 def test_remove_lists(case, tiny, tmp_path, capsys):
     spec, fragment = REMOVE_CASES[case]
-    assert_one_line(capsys, ["heads", "prune", "--remove", spec, "--model", str(tiny["hf"]), "--out",
-                             str(tmp_path / "o")], "heads", "--remove", fragment)
+    assert_one_line(
+        capsys,
+        ["heads", "prune", "--remove", spec, "--model", str(tiny["hf"]), "--out", str(tmp_path / "o")],
+        "heads",
+        "--remove",
+        fragment,
+    )
 
 
 LIBRARY_ERROR_CASES = {
     "--format unknown": (["inspect", "--format", "pdf"], "inspect", "--format: expected one or more of"),
     "--token not in the text": (["inspect", "--token", "river"], "inspect", "--token: expected a word of the text"),
-    "--relations not in the treebank": (["heads", "syntax", "--max-sentences", "3", "--relations", "frobnicate"],
-                                        "heads", "--relations: expected relations present"),
-    "--treebank without a sentence": (["heads", "syntax", "--treebank", "{comments}"], "heads",
-                                      "--treebank: expected at least one sentence"),
-    "--corpus of one text": (["heads", "importance", "--corpus", "{one_line}"], "heads",
-                             "--corpus: expected at least two texts"),
+    "--relations not in the treebank": (
+        ["heads", "syntax", "--max-sentences", "3", "--relations", "frobnicate"],
+        "heads",
+        "--relations: expected relations present",
+    ),
+    "--treebank without a sentence": (
+        ["heads", "syntax", "--treebank", "{comments}"],
+        "heads",
+        "--treebank: expected at least one sentence",
+    ),
+    "--corpus of one text": (
+        ["heads", "importance", "--corpus", "{one_line}"],
+        "heads",
+        "--corpus: expected at least two texts",
+    ),
 }
 
 
@@ -493,8 +809,9 @@ def test_library_errors_name_the_option(case, tiny, tmp_path, capsys):
     (tmp_path / "comments.conllu").write_text("# sent_id = 1\n# text = nothing here\n\n")
     (tmp_path / "one.txt").write_text("Just one sentence.\n")
     argv = [arg.format(comments=tmp_path / "comments.conllu", one_line=tmp_path / "one.txt") for arg in argv]
-    argv += ["--model", str(tiny["hf"])] + (["--format", "terminal"] if command == "inspect" and
-                                            "--format" not in argv else ["--out", str(tmp_path / "o")])
+    argv += ["--model", str(tiny["hf"])] + (
+        ["--format", "terminal"] if command == "inspect" and "--format" not in argv else ["--out", str(tmp_path / "o")]
+    )
     assert_one_line(capsys, argv, command, fragment.split(":")[0], fragment)
 
 
@@ -510,16 +827,28 @@ def test_a_benchmark_script_checks_its_out_folder_first(tmp_path, capsys):
 
 
 ARGPARSE_CASES = {
-    "not an int": (["cost", "--embed-dim", "x", "--heads", "2", "--seq", "4"], "cost", "--embed-dim",
-                   "invalid int value: 'x'"),
+    "not an int": (
+        ["cost", "--embed-dim", "x", "--heads", "2", "--seq", "4"],
+        "cost",
+        "--embed-dim",
+        "invalid int value: 'x'",
+    ),
     "required option missing": (["cost", "--heads", "2", "--seq", "4"], "cost", "--embed-dim", "required"),
     "unknown command": (["frobnicate"], "", "COMMAND", "invalid choice"),
     "unknown mode": (["heads", "rank"], "heads", "mode", "'rank'"),
     "option without its value": (["inspect", "--layers"], "inspect", "--layers", "expected one argument"),
-    "a switch given a value": (["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4", "--json=yes"], "cost",
-                               "--json", "ignored explicit argument"),
-    "unrecognized option": (["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4", "--bogus"], "", "arguments",
-                            "--bogus"),
+    "a switch given a value": (
+        ["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4", "--json=yes"],
+        "cost",
+        "--json",
+        "ignored explicit argument",
+    ),
+    "unrecognized option": (
+        ["cost", "--embed-dim", "8", "--heads", "2", "--seq", "4", "--bogus"],
+        "",
+        "arguments",
+        "--bogus",
+    ),
     "a line break in an argument (found by the fuzz)": (["inspect", "inspect", "\r"], "", "arguments", "'\\r'"),
 }
 
@@ -538,8 +867,16 @@ def test_help_exits_zero(capsys):
 # ------------------------------------------------------------------------------- bugs stay bugs
 
 
-@pytest.mark.parametrize("error", [RuntimeError("a bug"), TypeError("unsupported operand"), ValueError("plain"),
-                                   KeyError("missing"), FileNotFoundError(2, "No such file", "/internal")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("a bug"),
+        TypeError("unsupported operand"),
+        ValueError("plain"),
+        KeyError("missing"),
+        FileNotFoundError(2, "No such file", "/internal"),
+    ],
+)
 def test_a_bug_is_not_swallowed(error, monkeypatch, capsys):
     import multihead.cost
 
@@ -567,6 +904,11 @@ def test_a_bug_in_the_loader_is_not_swallowed(tiny, monkeypatch):
 def test_a_text_of_bytes_that_are_not_utf8_is_one_line(tiny, tmp_path, capsys):
     """Bytes that are not UTF-8 reach Python's argv as lone surrogates, which the tokenizer cannot take."""
     text = b"the bank \x85 money".decode("utf-8", "surrogateescape")
-    message = assert_one_line(capsys, ["inspect", text, "--model", str(tiny["hf"]), "--format", "json",
-                                       "--out", str(tmp_path / "out")], "inspect", "text", "not UTF-8")
+    message = assert_one_line(
+        capsys,
+        ["inspect", text, "--model", str(tiny["hf"]), "--format", "json", "--out", str(tmp_path / "out")],
+        "inspect",
+        "text",
+        "not UTF-8",
+    )
     assert "valid Unicode text" in message

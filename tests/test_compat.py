@@ -23,7 +23,6 @@ from dataclasses import dataclass, fields
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 from torch import nn
 
@@ -114,11 +113,19 @@ class Case:
         return self.embed_dim if self.vdim is None else self.vdim
 
     def __str__(self) -> str:
-        parts = [f"c{self.index:02d}", f"E{self.embed_dim}h{self.num_heads}",
-                 "bf" if self.batch_first else "sf", f"N{self.batch}" if self.batched else "unbatched",
-                 "self" if self.self_attention else "cross", f"L{self.q_len}S{self.k_len}"]
-        parts += [name for name, on in (("nobias", not self.bias), ("biaskv", self.add_bias_kv),
-                                         ("zeroattn", self.add_zero_attn)) if on]
+        parts = [
+            f"c{self.index:02d}",
+            f"E{self.embed_dim}h{self.num_heads}",
+            "bf" if self.batch_first else "sf",
+            f"N{self.batch}" if self.batched else "unbatched",
+            "self" if self.self_attention else "cross",
+            f"L{self.q_len}S{self.k_len}",
+        ]
+        parts += [
+            name
+            for name, on in (("nobias", not self.bias), ("biaskv", self.add_bias_kv), ("zeroattn", self.add_zero_attn))
+            if on
+        ]
         if self.kdim is not None or self.vdim is not None:
             parts.append(f"k{self.kdim}v{self.vdim}")
         parts += [f"kpm-{self.key_padding}", f"attn-{self.attn}"]
@@ -150,13 +157,29 @@ def make_cases(n_cases: int = N_CASES, seed: int = 20240608) -> list[Case]:
             sizes += [d for d in {kdim, vdim} if d is not None and d != embed_dim]
             if len(set(sizes)) == len(sizes):
                 break
-        cases.append(Case(
-            index=index, embed_dim=embed_dim, num_heads=num_heads, bias=rng.random() < 0.7,
-            add_bias_kv=rng.random() < 0.3, add_zero_attn=rng.random() < 0.3, kdim=kdim, vdim=vdim,
-            batch_first=rng.random() < 0.5, batched=batched, self_attention=self_attention, batch=batch,
-            q_len=q_len, k_len=k_len, key_padding=rng.choice(PADDING_KINDS), attn=attn,
-            is_causal=attn.startswith("causal") and rng.random() < 0.75, need_weights=rng.random() < 0.7,
-            average=rng.random() < 0.5))
+        cases.append(
+            Case(
+                index=index,
+                embed_dim=embed_dim,
+                num_heads=num_heads,
+                bias=rng.random() < 0.7,
+                add_bias_kv=rng.random() < 0.3,
+                add_zero_attn=rng.random() < 0.3,
+                kdim=kdim,
+                vdim=vdim,
+                batch_first=rng.random() < 0.5,
+                batched=batched,
+                self_attention=self_attention,
+                batch=batch,
+                q_len=q_len,
+                k_len=k_len,
+                key_padding=rng.choice(PADDING_KINDS),
+                attn=attn,
+                is_causal=attn.startswith("causal") and rng.random() < 0.75,
+                need_weights=rng.random() < 0.7,
+                average=rng.random() < 0.5,
+            )
+        )
     return cases
 
 
@@ -184,8 +207,11 @@ def case_masks(case: Case, gen: torch.Generator) -> tuple[torch.Tensor | None, t
         return values
 
     padding_shape = (n, S) if case.batched else (S,)
-    key_padding = {"none": None, "bool": lambda: bool_mask(*padding_shape),
-                   "float": lambda: float_mask(*padding_shape)}[case.key_padding]
+    key_padding = {
+        "none": None,
+        "bool": lambda: bool_mask(*padding_shape),
+        "float": lambda: float_mask(*padding_shape),
+    }[case.key_padding]
     key_padding = key_padding() if key_padding is not None else None
     causal = torch.ones(L, S, dtype=torch.bool).triu(1)  # top-left, as torch's is_causal hint means
     attn_mask = {
@@ -202,6 +228,7 @@ def case_masks(case: Case, gen: torch.Generator) -> tuple[torch.Tensor | None, t
 
 def case_inputs(case: Case, gen: torch.Generator) -> list[torch.Tensor]:
     """The distinct leaf tensors: [x] for self-attention, [query, key, value] otherwise."""
+
     def seq(length, features):
         if not case.batched:
             shape = (length, features)
@@ -221,25 +248,45 @@ def torch_drops_the_extra_keys(case: Case) -> bool:
     and asks SDPA for a top-left causal mask over the keys *after* appending bias_k / the zero key, so
     earlier queries no longer see those keys, and torch's output then depends on need_weights. The
     drop-in honours attn_mask (torch's need_weights=True result); torch is then asked with is_causal=False."""
-    return case.is_causal and not case.need_weights and case.key_padding == "none" and (
-        case.add_bias_kv or case.add_zero_attn)
+    return (
+        case.is_causal
+        and not case.need_weights
+        and case.key_padding == "none"
+        and (case.add_bias_kv or case.add_zero_attn)
+    )
 
 
 def run_case(module: nn.Module, case: Case, inputs: list[torch.Tensor], key_padding, attn_mask, is_causal):
     leaves = [t.clone().requires_grad_(True) for t in inputs]
     qkv = leaves * 3 if case.self_attention else leaves  # self-attention: the same tensor three times
-    out, weights = module(*qkv, key_padding_mask=key_padding, need_weights=case.need_weights, attn_mask=attn_mask,
-                          average_attn_weights=case.average, is_causal=is_causal)
-    grads = torch.autograd.grad(loss_of(out, weights, seed=case.index),
-                                leaves + [p for _, p in module.named_parameters()])
+    out, weights = module(
+        *qkv,
+        key_padding_mask=key_padding,
+        need_weights=case.need_weights,
+        attn_mask=attn_mask,
+        average_attn_weights=case.average,
+        is_causal=is_causal,
+    )
+    grads = torch.autograd.grad(
+        loss_of(out, weights, seed=case.index), leaves + [p for _, p in module.named_parameters()]
+    )
     names = [f"input{n}" for n in range(len(leaves))] + [name for name, _ in module.named_parameters()]
     return out, weights, dict(zip(names, grads))
 
 
 def test_grid_covers_every_option():
     seen = {f.name: {getattr(c, f.name) for c in CASES} for f in fields(Case)}
-    for name in ("bias", "add_bias_kv", "add_zero_attn", "batch_first", "batched", "self_attention", "is_causal",
-                 "need_weights", "average"):
+    for name in (
+        "bias",
+        "add_bias_kv",
+        "add_zero_attn",
+        "batch_first",
+        "batched",
+        "self_attention",
+        "is_causal",
+        "need_weights",
+        "average",
+    ):
         assert seen[name] == {False, True}, name
     assert seen["key_padding"] == set(PADDING_KINDS) and seen["attn"] == set(ATTN_KINDS)
     assert {(c.embed_dim, c.num_heads) for c in CASES} == set(HEAD_CONFIGS)
@@ -258,9 +305,18 @@ def test_grid_covers_every_option():
 @pytest.mark.filterwarnings(MISMATCHED_MASKS)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_torch_forward_and_backward(case: Case):
-    theirs, ours = torch_and_compat(case.index, case.embed_dim, case.num_heads, dropout=0.0, bias=case.bias,
-                                    add_bias_kv=case.add_bias_kv, add_zero_attn=case.add_zero_attn, kdim=case.kdim,
-                                    vdim=case.vdim, batch_first=case.batch_first)
+    theirs, ours = torch_and_compat(
+        case.index,
+        case.embed_dim,
+        case.num_heads,
+        dropout=0.0,
+        bias=case.bias,
+        add_bias_kv=case.add_bias_kv,
+        add_zero_attn=case.add_zero_attn,
+        kdim=case.kdim,
+        vdim=case.vdim,
+        batch_first=case.batch_first,
+    )
     gen = torch.Generator().manual_seed(10_000 + case.index)
     inputs = case_inputs(case, gen)
     key_padding, attn_mask = case_masks(case, gen)
@@ -297,8 +353,7 @@ def _qkv(seed, *, batch=N, q_len=L, k_len=S):
 
 def _cotangents(seed, out_shape, weights_shape):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(out_shape, generator=gen, dtype=F64),
-            torch.randn(weights_shape, generator=gen, dtype=F64))
+    return (torch.randn(out_shape, generator=gen, dtype=F64), torch.randn(weights_shape, generator=gen, dtype=F64))
 
 
 def _forward_and_grads(module, qkv, cotangents, **kwargs):
@@ -324,8 +379,7 @@ def test_padding_every_key_of_a_batch_element(padding_dtype, need_weights):
     padded = torch.zeros(N, S, dtype=torch.bool)
     padded[0, 2] = padded[2, 4:] = True
     padded[1] = True  # every key of batch element 1
-    key_padding = padded if padding_dtype == torch.bool else torch.zeros(N, S, dtype=F64).masked_fill(padded,
-                                                                                                      -math.inf)
+    key_padding = padded if padding_dtype == torch.bool else torch.zeros(N, S, dtype=F64).masked_fill(padded, -math.inf)
     kwargs = dict(key_padding_mask=key_padding, need_weights=need_weights, average_attn_weights=False)
     torch_out, _ = theirs(*qkv, **kwargs)
     assert not torch_out[:, [0, 2]].isnan().any()
@@ -340,8 +394,9 @@ def test_padding_every_key_of_a_batch_element(padding_dtype, need_weights):
     assert_close(out[:, 1], ours.out_proj.bias.expand(L, E), OUT_ATOL, "fully masked rows = out_proj(0)")
     keep = [0, 2]
     sub = dict(kwargs, key_padding_mask=key_padding[keep])
-    expected, expected_w, expected_grads = _forward_and_grads(theirs, [t[:, keep] for t in qkv],
-                                                              (cot[0][:, keep], cot[1][keep]), **sub)
+    expected, expected_w, expected_grads = _forward_and_grads(
+        theirs, [t[:, keep] for t in qkv], (cot[0][:, keep], cot[1][keep]), **sub
+    )
     assert_close(out[:, keep], expected, OUT_ATOL, "output of the other batch elements")
     if need_weights:
         assert weights.isfinite().all()
@@ -380,8 +435,9 @@ def test_attn_mask_row_with_every_key_masked(mask_dtype, average):
     assert (weights[..., 2, :] == 0).all()
     rows = [0, 1, 3, 4]
     sub = dict(kwargs, attn_mask=attn_mask[rows])
-    expected, expected_w, expected_grads = _forward_and_grads(theirs, [qkv[0][:, rows], qkv[1], qkv[2]],
-                                                              (cot[0][:, rows], cot[1][..., rows, :]), **sub)
+    expected, expected_w, expected_grads = _forward_and_grads(
+        theirs, [qkv[0][:, rows], qkv[1], qkv[2]], (cot[0][:, rows], cot[1][..., rows, :]), **sub
+    )
     assert_close(out[:, rows], expected, OUT_ATOL, "output of the other rows")
     assert_close(weights[..., rows, :], expected_w, OUT_ATOL, "weights of the other rows")
     assert_close(grads["query"][:, 2], torch.zeros(N, E, dtype=F64), 0.0, "grad query at the masked row")
@@ -402,9 +458,9 @@ def test_one_head_fully_masked_through_a_3d_attn_mask():
     masked = torch.zeros(N * H, L, S, dtype=torch.bool)
     masked[1 * H + 2, 3] = True  # batch element 1, head 2, query 3: every key
     masked[0, 1, :4] = True
-    out, weights, grads = _forward_and_grads(ours, [query, key, value], _cotangents(3, (L, N, E), (N, H, L, S)),
-                                             attn_mask=masked,
-                                             average_attn_weights=False)
+    out, weights, grads = _forward_and_grads(
+        ours, [query, key, value], _cotangents(3, (L, N, E), (N, H, L, S)), attn_mask=masked, average_attn_weights=False
+    )
     with torch.no_grad():
         torch_out, torch_w = theirs(query, key, value, attn_mask=masked, average_attn_weights=False)
     assert torch_out[3, 1].isnan().all() and torch_w[1, 2, 3].isnan().all()
@@ -428,8 +484,9 @@ def test_unbatched_fully_masked_padding():
     query, key, value = (t[:, 0] for t in _qkv(5))  # (seq, E)
     key_padding = torch.ones(S, dtype=torch.bool)
     assert theirs(query, key, value, key_padding_mask=key_padding)[0].isnan().all()
-    out, weights, grads = _forward_and_grads(ours, [query, key, value], _cotangents(3, (L, E), (L, S)),
-                                             key_padding_mask=key_padding)
+    out, weights, grads = _forward_and_grads(
+        ours, [query, key, value], _cotangents(3, (L, E), (L, S)), key_padding_mask=key_padding
+    )
     assert_close(out, ours.out_proj.bias.expand(L, E), OUT_ATOL, "out_proj(0)")
     assert (weights == 0).all() and weights.shape == (L, S)
     for name, grad in grads.items():
@@ -556,8 +613,10 @@ def test_swapping_the_class_in_a_user_module():
         xs = [x.clone().requires_grad_(True) for _ in range(2)]
         outs = [m(xi, pad) for m, xi in zip((theirs, ours), xs)]
         assert_close(outs[1], outs[0], OUT_ATOL, "block output")
-        grads = [torch.autograd.grad(loss_of(o, None, 5), [xi] + list(m.parameters()))
-                 for o, xi, m in zip(outs, xs, (theirs, ours))]
+        grads = [
+            torch.autograd.grad(loss_of(o, None, 5), [xi] + list(m.parameters()))
+            for o, xi, m in zip(outs, xs, (theirs, ours))
+        ]
         for n, (g_o, g_t) in enumerate(zip(grads[1], grads[0])):
             assert_close(g_o, g_t, GRAD_ATOL, f"block grad {n}")
         with torch.no_grad():  # no autograd: torch may take its native fast path; still the same numbers
@@ -629,8 +688,13 @@ def test_to_torch_round_trip_gives_back_the_same_state(name):
     module = randomize_(nn.MultiheadAttention(E, 3, dropout=0.25, batch_first=batch_first, **config, dtype=F64), 17)
     back = MultiHeadAttention.from_torch(module).to_torch()
     assert isinstance(back, nn.MultiheadAttention) and back.batch_first
-    assert (back.embed_dim, back.num_heads, back.kdim, back.vdim, back.dropout) == (E, 3, module.kdim,
-                                                                                      module.vdim, 0.25)
+    assert (back.embed_dim, back.num_heads, back.kdim, back.vdim, back.dropout) == (
+        E,
+        3,
+        module.kdim,
+        module.vdim,
+        0.25,
+    )
     original, returned = module.state_dict(), back.state_dict()
     assert set(returned) == set(original)
     for key, value in original.items():
@@ -638,8 +702,7 @@ def test_to_torch_round_trip_gives_back_the_same_state(name):
     # and the other way round: layer -> torch -> layer
     layer = MultiHeadAttention(E, 3, **config, dtype=F64)
     again = to_torch(layer)
-    assert all(torch.equal(a, b) for a, b in zip(layer.state_dict().values(),
-                                                  from_torch(again).state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(layer.state_dict().values(), from_torch(again).state_dict().values()))
     assert set(from_torch(again).state_dict()) == set(layer.state_dict())
 
 
@@ -672,13 +735,17 @@ def test_from_torch_rejects_a_non_module():
     _assert_clear_error(excinfo, TypeError, ["module: expected a torch.nn.MultiheadAttention"])
 
 
-@pytest.mark.parametrize("options,fragment", [
-    (dict(num_kv_heads=1), "num_kv_heads = 1 != num_heads"),
-    (dict(rotary=True), "rotary embedding"),
-    (dict(out_dim=7), "out_dim = 7 != embed_dim"),
-    (dict(head_dim=5), "head sizes other than embed_dim / num_heads"),
-    (dict(value_head_dim=2), "head sizes other than embed_dim / num_heads"),
-], ids=["mqa", "rotary", "out_dim", "head_dim", "value_head_dim"])
+@pytest.mark.parametrize(
+    "options,fragment",
+    [
+        (dict(num_kv_heads=1), "num_kv_heads = 1 != num_heads"),
+        (dict(rotary=True), "rotary embedding"),
+        (dict(out_dim=7), "out_dim = 7 != embed_dim"),
+        (dict(head_dim=5), "head sizes other than embed_dim / num_heads"),
+        (dict(value_head_dim=2), "head sizes other than embed_dim / num_heads"),
+    ],
+    ids=["mqa", "rotary", "out_dim", "head_dim", "value_head_dim"],
+)
 def test_to_torch_rejects_what_torch_cannot_express(options, fragment):
     layer = MultiHeadAttention(E, 3, **options)  # head dim 4
     with pytest.raises(ValueError) as excinfo:
@@ -703,9 +770,9 @@ def test_3d_attn_mask_equals_each_batch_element_with_its_own_2d_mask():
         stacked = per_element.repeat_interleave(H, dim=0)  # (N * H, L, S), n-major as torch orders it
         out, weights = ours(query, key, key, attn_mask=stacked)
         for n in range(N):
-            alone, alone_w = ours(query[n:n + 1], key[n:n + 1], key[n:n + 1], attn_mask=per_element[n])
-            assert_close(out[n:n + 1], alone, OUT_ATOL, f"{kind} output of element {n}")
-            assert_close(weights[n:n + 1], alone_w, OUT_ATOL, f"{kind} weights of element {n}")
+            alone, alone_w = ours(query[n : n + 1], key[n : n + 1], key[n : n + 1], attn_mask=per_element[n])
+            assert_close(out[n : n + 1], alone, OUT_ATOL, f"{kind} output of element {n}")
+            assert_close(weights[n : n + 1], alone_w, OUT_ATOL, f"{kind} weights of element {n}")
             assert (weights[n][masked[n]] == 0).all()
 
 
@@ -716,8 +783,11 @@ def test_bias_false_removes_every_bias_like_torch():
     assert "in_proj_bias" not in ours.state_dict() and "out_proj.bias" not in ours.state_dict()
 
 
-@pytest.mark.parametrize("dims", [dict(kdim=7, vdim=9), dict(kdim=7), dict(vdim=9), dict(kdim=E, vdim=E)],
-                         ids=["both", "kdim", "vdim", "equal"])
+@pytest.mark.parametrize(
+    "dims",
+    [dict(kdim=7, vdim=9), dict(kdim=7), dict(vdim=9), dict(kdim=E, vdim=E)],
+    ids=["both", "kdim", "vdim", "equal"],
+)
 def test_kdim_vdim_choose_the_weight_layout_like_torch(dims):
     theirs, ours = torch_and_compat(32, E, H, **dims)
     same = dims.get("kdim", E) == E and dims.get("vdim", E) == E
@@ -737,14 +807,24 @@ def test_module_looks_like_torchs():
     theirs, ours = torch_and_compat(33, E, H, add_bias_kv=True, kdim=7)
     assert repr(ours) == repr(theirs)
     assert type(ours.out_proj) is type(theirs.out_proj)  # NonDynamicallyQuantizableLinear
-    for attribute in ("embed_dim", "kdim", "vdim", "num_heads", "head_dim", "dropout", "batch_first",
-                      "add_zero_attn", "_qkv_same_embed_dim"):
+    for attribute in (
+        "embed_dim",
+        "kdim",
+        "vdim",
+        "num_heads",
+        "head_dim",
+        "dropout",
+        "batch_first",
+        "add_zero_attn",
+        "_qkv_same_embed_dim",
+    ):
         assert getattr(ours, attribute) == getattr(theirs, attribute), attribute
 
 
 @pytest.mark.parametrize("sizes", [(0, N, L), (S, 0, L), (S, N, 0), (0, 0, 0)], ids=["S0", "N0", "L0", "all0"])
-@pytest.mark.parametrize("options", [dict(), dict(add_bias_kv=True), dict(add_zero_attn=True)],
-                         ids=["plain", "bias_kv", "zero_attn"])
+@pytest.mark.parametrize(
+    "options", [dict(), dict(add_bias_kv=True), dict(add_zero_attn=True)], ids=["plain", "bias_kv", "zero_attn"]
+)
 def test_empty_sizes_match_torch(sizes, options):
     """No keys, no batch or no queries: torch answers (a sum over no keys is 0, so the output is out_proj's
     bias); so does the drop-in, with the same shapes and gradients, instead of an error from its kernels."""
@@ -771,8 +851,11 @@ def run_empty(module, query, key, kwargs):
     params = dict(module.named_parameters())
     grads = torch.autograd.grad(loss, leaves + list(params.values()), allow_unused=True)
     names = ["query", "key"] + list(params)
-    return out, weights, {n: torch.zeros_like(t) if g is None else g
-                          for n, t, g in zip(names, leaves + list(params.values()), grads)}
+    return (
+        out,
+        weights,
+        {n: torch.zeros_like(t) if g is None else g for n, t, g in zip(names, leaves + list(params.values()), grads)},
+    )
 
 
 # --------------------------------------------------------------------------- the functional form
@@ -788,16 +871,31 @@ FUNCTIONAL_CASES = {
 
 def _functional_args(module, use_static: bool, gen):
     """torch's functional arguments for a module's parameters (and static keys/values when asked)."""
-    args = dict(embed_dim_to_check=E, num_heads=H, in_proj_weight=module.in_proj_weight,
-                in_proj_bias=module.in_proj_bias, bias_k=module.bias_k, bias_v=module.bias_v,
-                add_zero_attn=module.add_zero_attn, dropout_p=0.0, out_proj_weight=module.out_proj.weight,
-                out_proj_bias=module.out_proj.bias, training=False)
+    args = dict(
+        embed_dim_to_check=E,
+        num_heads=H,
+        in_proj_weight=module.in_proj_weight,
+        in_proj_bias=module.in_proj_bias,
+        bias_k=module.bias_k,
+        bias_v=module.bias_v,
+        add_zero_attn=module.add_zero_attn,
+        dropout_p=0.0,
+        out_proj_weight=module.out_proj.weight,
+        out_proj_bias=module.out_proj.bias,
+        training=False,
+    )
     if not module._qkv_same_embed_dim:
-        args.update(use_separate_proj_weight=True, q_proj_weight=module.q_proj_weight,
-                    k_proj_weight=module.k_proj_weight, v_proj_weight=module.v_proj_weight)
+        args.update(
+            use_separate_proj_weight=True,
+            q_proj_weight=module.q_proj_weight,
+            k_proj_weight=module.k_proj_weight,
+            v_proj_weight=module.v_proj_weight,
+        )
     if use_static:
-        args.update(static_k=torch.randn(N * H, S, E // H, generator=gen, dtype=F64),
-                    static_v=torch.randn(N * H, S, E // H, generator=gen, dtype=F64))
+        args.update(
+            static_k=torch.randn(N * H, S, E // H, generator=gen, dtype=F64),
+            static_v=torch.randn(N * H, S, E // H, generator=gen, dtype=F64),
+        )
     return args
 
 
@@ -819,14 +917,18 @@ def test_functional_matches_torch_functional(name, static):
     attn = torch.zeros(L, S, dtype=F64).masked_fill(torch.rand(L, S, generator=gen) < 0.3, -math.inf)
     attn[:, 1] = 0.0  # key 1 visible to every query
     padding[:, 1] = False
-    for kwargs in (dict(), dict(key_padding_mask=padding, attn_mask=attn, average_attn_weights=False),
-                   dict(attn_mask=attn, need_weights=False)):
+    for kwargs in (
+        dict(),
+        dict(key_padding_mask=padding, attn_mask=attn, average_attn_weights=False),
+        dict(attn_mask=attn, need_weights=False),
+    ):
         outs = []
         for fn in (F.multi_head_attention_forward, compat.multi_head_attention_forward):
             leaves = [t.clone().requires_grad_(True) for t in (query, key, value)]
             out, weights = fn(*leaves, **args, **kwargs)
-            grads = torch.autograd.grad(loss_of(out, weights, 35), leaves + [theirs.out_proj.weight],
-                                        allow_unused=True)  # static keys/values leave key and value unused
+            grads = torch.autograd.grad(
+                loss_of(out, weights, 35), leaves + [theirs.out_proj.weight], allow_unused=True
+            )  # static keys/values leave key and value unused
             outs.append((out, weights, grads))
         (out_t, w_t, g_t), (out_o, w_o, g_o) = outs
         assert_close(out_o, out_t, OUT_ATOL, f"{name} output {list(kwargs)}")
@@ -853,14 +955,18 @@ def test_functional_refuses_static_kv_with_bias_kv():
 
 
 def _nested(lengths, features, gen, layout=torch.jagged):
-    return torch.nested.nested_tensor([torch.randn(n, features, generator=gen, dtype=F64) for n in lengths],
-                                      layout=layout)
+    return torch.nested.nested_tensor(
+        [torch.randn(n, features, generator=gen, dtype=F64) for n in lengths], layout=layout
+    )
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
 @pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
-@pytest.mark.parametrize("options", [dict(), dict(kdim=7, vdim=9, add_bias_kv=True), dict(add_zero_attn=True)],
-                         ids=["self", "cross_bias_kv", "zero_attn"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(kdim=7, vdim=9, add_bias_kv=True), dict(add_zero_attn=True)],
+    ids=["self", "cross_bias_kv", "zero_attn"],
+)
 def test_nested_inputs_equal_each_sequence_alone(options, layout):
     """Nested (N, *, E) inputs: each sequence's output equals that sequence run alone (and torch's result for
     it); the output is nested like the query; the weights come back padded (N, L_max, S_max), 0 past each
@@ -886,18 +992,22 @@ def test_nested_inputs_equal_each_sequence_alone(options, layout):
         assert_close(out.unbind()[n], alone[0], OUT_ATOL, f"sequence {n}")
         assert_close(alone, expected, OUT_ATOL, f"torch on sequence {n}")
         S_n = k_lens[n]
-        padded = weights[n, :, :q_lens[n]]  # (H, L_n, S_max + extra)
+        padded = weights[n, :, : q_lens[n]]  # (H, L_n, S_max + extra)
         real_keys = list(range(S_n)) + list(range(max(k_lens), max(k_lens) + extra))
         assert_close(padded[..., real_keys], alone_w[0], OUT_ATOL, f"weights of sequence {n}")
-        assert (weights[n, :, q_lens[n]:] == 0).all() and (padded[..., S_n:max(k_lens)] == 0).all()
-        alone_grads = torch.autograd.grad((alone[0] * cotangent[offsets[n]:offsets[n + 1]]).sum(), leaves)
+        assert (weights[n, :, q_lens[n] :] == 0).all() and (padded[..., S_n : max(k_lens)] == 0).all()
+        alone_grads = torch.autograd.grad((alone[0] * cotangent[offsets[n] : offsets[n + 1]]).sum(), leaves)
         for g, g_alone, name in zip(grads, alone_grads, ("query", "key", "value")):
             assert_close(g.unbind()[n], g_alone[0], GRAD_ATOL, f"grad {name} of sequence {n}")
     with torch.no_grad():
         assert_close(torch.cat(ours(query, key, value)[0].unbind()), flat.detach(), OUT_ATOL, "no_grad")
     with torch.inference_mode():
-        assert_close(torch.cat(ours(query, key, value, need_weights=False)[0].unbind()), flat.detach(), OUT_ATOL,
-                     "inference_mode")
+        assert_close(
+            torch.cat(ours(query, key, value, need_weights=False)[0].unbind()),
+            flat.detach(),
+            OUT_ATOL,
+            "inference_mode",
+        )
 
 
 # --------------------------------------------------------------------------- inside torch's transformer modules
@@ -964,8 +1074,12 @@ def test_torchscript_is_refused_with_the_reason_and_the_alternatives():
             torch.jit.script(module)
         message = str(excinfo.value)
         assert MESSAGE_FORM.match(message), message
-        for fragment in ("torch.jit.script: expected a module TorchScript can compile", "torch.compile",
-                         "torch.export", "torch.nn.MultiheadAttention"):
+        for fragment in (
+            "torch.jit.script: expected a module TorchScript can compile",
+            "torch.compile",
+            "torch.export",
+            "torch.nn.MultiheadAttention",
+        ):
             assert fragment in message
     assert issubclass(compat.NotScriptableError, RuntimeError)
     torch.jit.script(nn.MultiheadAttention(E, H))  # torch's own module still scripts: the refusal is ours alone
@@ -974,10 +1088,13 @@ def test_torchscript_is_refused_with_the_reason_and_the_alternatives():
 # --------------------------------------------------------------------------- bad inputs
 
 MESSAGE_FORM = re.compile(r"^\S.*: expected .+, got .+\. Fix: .+", re.DOTALL)
-BOTH_WAYS = {compat.ShapeError: (ValueError, AssertionError, RuntimeError),
-             compat.CompatValueError: (ValueError, AssertionError, RuntimeError),
-             compat.DtypeError: (TypeError, AssertionError, RuntimeError),
-             ArgumentValueError: (ValueError,), ArgumentTypeError: (TypeError,)}
+BOTH_WAYS = {
+    compat.ShapeError: (ValueError, AssertionError, RuntimeError),
+    compat.CompatValueError: (ValueError, AssertionError, RuntimeError),
+    compat.DtypeError: (TypeError, AssertionError, RuntimeError),
+    ArgumentValueError: (ValueError,),
+    ArgumentTypeError: (TypeError,),
+}
 
 
 def test_error_classes_are_catchable_the_torch_way_and_ours():
@@ -988,9 +1105,12 @@ def test_error_classes_are_catchable_the_torch_way_and_ours():
 
 def _modules():
     """Fresh modules for the table: seq-first, batch-first, cross-attention (kdim 7, vdim 9), add_bias_kv."""
-    return dict(seq=compat.MultiheadAttention(E, H), bf=compat.MultiheadAttention(E, H, batch_first=True),
-                cross=compat.MultiheadAttention(E, H, kdim=7, vdim=9),
-                bias_kv=compat.MultiheadAttention(E, H, add_bias_kv=True))
+    return dict(
+        seq=compat.MultiheadAttention(E, H),
+        bf=compat.MultiheadAttention(E, H, batch_first=True),
+        cross=compat.MultiheadAttention(E, H, kdim=7, vdim=9),
+        bias_kv=compat.MultiheadAttention(E, H, add_bias_kv=True),
+    )
 
 
 x3, mem3 = torch.randn(L, N, E), torch.randn(S, N, E)  # (L, N, E), (S, N, E)
@@ -1007,10 +1127,18 @@ def _half_bias(m):
 
 
 def _functional(module, **overrides):
-    args = dict(embed_dim_to_check=E, num_heads=H, in_proj_weight=module.in_proj_weight,
-                in_proj_bias=module.in_proj_bias, bias_k=module.bias_k, bias_v=module.bias_v,
-                add_zero_attn=False, dropout_p=0.0, out_proj_weight=module.out_proj.weight,
-                out_proj_bias=module.out_proj.bias)
+    args = dict(
+        embed_dim_to_check=E,
+        num_heads=H,
+        in_proj_weight=module.in_proj_weight,
+        in_proj_bias=module.in_proj_bias,
+        bias_k=module.bias_k,
+        bias_v=module.bias_v,
+        add_zero_attn=False,
+        dropout_p=0.0,
+        out_proj_weight=module.out_proj.weight,
+        out_proj_bias=module.out_proj.bias,
+    )
     args.update(overrides)
     return compat.multi_head_attention_forward(x3, mem3, mem3, **args)
 
@@ -1018,148 +1146,408 @@ def _functional(module, **overrides):
 # (id, call on the fresh modules, exact class, message fragments)
 BAD_CALLS = [
     # torch's shape table (test_multihead_attn_invalid_shape), with its wording inside ours
-    ("batched-2d-key", lambda m: m["seq"](x3, mem2, mem3), compat.ShapeError,
-     ["key: expected 3-D key and value",
-      "expected `key` and `value` to be 3-D but found 2-D and 3-D tensors respectively"]),
-    ("batched-2d-value", lambda m: m["seq"](x3, mem3, mem2), compat.ShapeError,
-     ["value:", "expected `key` and `value` to be 3-D but found 3-D and 2-D tensors respectively"]),
-    ("batched-1d-padding", lambda m: m["seq"](x3, mem3, mem3, key_padding_mask=torch.zeros(S, dtype=torch.bool)),
-     compat.ShapeError, ["key_padding_mask: expected a 2-D mask (N, S)",
-                         "expected `key_padding_mask` to be `None` or 2-D but found 1-D tensor instead"]),
-    ("batched-1d-attn", lambda m: m["seq"](x3, mem3, mem3, attn_mask=torch.zeros(S, dtype=torch.bool)),
-     compat.ShapeError, ["attn_mask:", "expected `attn_mask` to be `None`, 2-D or 3-D but found 1-D tensor instead"]),
-    ("unbatched-3d-key", lambda m: m["seq"](x2, mem3, mem2), compat.ShapeError,
-     ["key:", "expected `key` and `value` to be 2-D but found 3-D and 2-D tensors respectively"]),
-    ("unbatched-3d-value", lambda m: m["seq"](x2, mem2, mem3), compat.ShapeError,
-     ["value:", "expected `key` and `value` to be 2-D but found 2-D and 3-D tensors respectively"]),
-    ("unbatched-2d-padding", lambda m: m["seq"](x2, mem2, mem2, key_padding_mask=torch.zeros(1, S, dtype=torch.bool)),
-     compat.ShapeError, ["key_padding_mask:", "expected `key_padding_mask` to be `None` or 1-D but found 2-D tensor"]),
-    ("unbatched-1d-attn", lambda m: m["seq"](x2, mem2, mem2, attn_mask=torch.zeros(S, dtype=torch.bool)),
-     compat.ShapeError, ["attn_mask:", "expected `attn_mask` to be `None`, 2-D or 3-D but found 1-D tensor instead"]),
-    ("unbatched-3d-attn-heads",
-     lambda m: m["seq"](x2, mem2, mem2, attn_mask=torch.zeros(H + 1, L, S, dtype=torch.bool)),
-     compat.ShapeError, ["attn_mask: expected shape (L, S) = (5, 7) or (num_heads, L, S) = (4, 5, 7)",
-                         "Expected `attn_mask` shape to be (4, 5, 7)"]),
-    ("query-4d", lambda m: m["seq"](x3[None], mem3, mem3), compat.ShapeError,
-     ["query: expected an unbatched 2-D (L, E) or batched 3-D tensor",
-      "query should be unbatched 2D or batched 3D tensor but received 4-D query tensor"]),
+    (
+        "batched-2d-key",
+        lambda m: m["seq"](x3, mem2, mem3),
+        compat.ShapeError,
+        [
+            "key: expected 3-D key and value",
+            "expected `key` and `value` to be 3-D but found 2-D and 3-D tensors respectively",
+        ],
+    ),
+    (
+        "batched-2d-value",
+        lambda m: m["seq"](x3, mem3, mem2),
+        compat.ShapeError,
+        ["value:", "expected `key` and `value` to be 3-D but found 3-D and 2-D tensors respectively"],
+    ),
+    (
+        "batched-1d-padding",
+        lambda m: m["seq"](x3, mem3, mem3, key_padding_mask=torch.zeros(S, dtype=torch.bool)),
+        compat.ShapeError,
+        [
+            "key_padding_mask: expected a 2-D mask (N, S)",
+            "expected `key_padding_mask` to be `None` or 2-D but found 1-D tensor instead",
+        ],
+    ),
+    (
+        "batched-1d-attn",
+        lambda m: m["seq"](x3, mem3, mem3, attn_mask=torch.zeros(S, dtype=torch.bool)),
+        compat.ShapeError,
+        ["attn_mask:", "expected `attn_mask` to be `None`, 2-D or 3-D but found 1-D tensor instead"],
+    ),
+    (
+        "unbatched-3d-key",
+        lambda m: m["seq"](x2, mem3, mem2),
+        compat.ShapeError,
+        ["key:", "expected `key` and `value` to be 2-D but found 3-D and 2-D tensors respectively"],
+    ),
+    (
+        "unbatched-3d-value",
+        lambda m: m["seq"](x2, mem2, mem3),
+        compat.ShapeError,
+        ["value:", "expected `key` and `value` to be 2-D but found 2-D and 3-D tensors respectively"],
+    ),
+    (
+        "unbatched-2d-padding",
+        lambda m: m["seq"](x2, mem2, mem2, key_padding_mask=torch.zeros(1, S, dtype=torch.bool)),
+        compat.ShapeError,
+        ["key_padding_mask:", "expected `key_padding_mask` to be `None` or 1-D but found 2-D tensor"],
+    ),
+    (
+        "unbatched-1d-attn",
+        lambda m: m["seq"](x2, mem2, mem2, attn_mask=torch.zeros(S, dtype=torch.bool)),
+        compat.ShapeError,
+        ["attn_mask:", "expected `attn_mask` to be `None`, 2-D or 3-D but found 1-D tensor instead"],
+    ),
+    (
+        "unbatched-3d-attn-heads",
+        lambda m: m["seq"](x2, mem2, mem2, attn_mask=torch.zeros(H + 1, L, S, dtype=torch.bool)),
+        compat.ShapeError,
+        [
+            "attn_mask: expected shape (L, S) = (5, 7) or (num_heads, L, S) = (4, 5, 7)",
+            "Expected `attn_mask` shape to be (4, 5, 7)",
+        ],
+    ),
+    (
+        "query-4d",
+        lambda m: m["seq"](x3[None], mem3, mem3),
+        compat.ShapeError,
+        [
+            "query: expected an unbatched 2-D (L, E) or batched 3-D tensor",
+            "query should be unbatched 2D or batched 3D tensor but received 4-D query tensor",
+        ],
+    ),
     ("query-1d", lambda m: m["seq"](x2[0], mem2[0], mem2[0]), compat.ShapeError, ["received 1-D query tensor"]),
     # sizes
-    ("embed-dim", lambda m: m["seq"](x3[..., :-1], mem3, mem3), compat.ShapeError,
-     ["query: expected (L, N, E) with E = embed_dim = 12", "was expecting embedding dimension of 12, but got 11"]),
-    ("embed-dim-batch-first", lambda m: m["bf"](torch.randn(N, L, E - 1), torch.randn(N, S, E), torch.randn(N, S, E)),
-     compat.ShapeError, ["query: expected (N, L, E) with E = embed_dim = 12"]),
-    ("kdim", lambda m: m["cross"](x3, mem3, torch.randn(S, N, 9)), compat.ShapeError,
-     ["key: expected last dim kdim = 7"]),
-    ("vdim", lambda m: m["cross"](x3, torch.randn(S, N, 7), mem3), compat.ShapeError,
-     ["value: expected last dim vdim = 9"]),
-    ("key-batch", lambda m: m["seq"](x3, torch.randn(S, N + 1, E), mem3), compat.ShapeError,
-     ["key: expected batch size N = 3 (from query) on dim 1"]),
-    ("key-batch-batch-first", lambda m: m["bf"](torch.randn(N, L, E), torch.randn(N + 1, S, E), torch.randn(N, S, E)),
-     compat.ShapeError, ["key: expected batch size N = 3 (from query) on dim 0"]),
-    ("value-length", lambda m: m["seq"](x3, mem3, mem3[:-1]), compat.ShapeError,
-     ["value: expected length S = 7 (from key), got 6", "key shape (7, 3, 12) does not match value shape (6, 3, 12)"]),
-    ("padding-shape", lambda m: m["seq"](x3, mem3, mem3, key_padding_mask=torch.zeros(S, N, dtype=torch.bool)),
-     compat.ShapeError, ["key_padding_mask: expected shape (N, S) = (3, 7)",
-                         "expecting key_padding_mask shape of (3, 7), but got torch.Size([7, 3])"]),
-    ("attn-2d-shape", lambda m: m["seq"](x3, mem3, mem3, attn_mask=torch.zeros(L, L, dtype=torch.bool)),
-     compat.ShapeError, ["attn_mask: expected shape (L, S) = (5, 7) or (N * num_heads, L, S) = (12, 5, 7)",
-                         "The shape of the 2D attn_mask is torch.Size([5, 5]), but should be (5, 7)."]),
-    ("attn-3d-shape", lambda m: m["seq"](x3, mem3, mem3, attn_mask=torch.zeros(N, L, S, dtype=torch.bool)),
-     compat.ShapeError, ["The shape of the 3D attn_mask is torch.Size([3, 5, 7]), but should be (12, 5, 7)."]),
+    (
+        "embed-dim",
+        lambda m: m["seq"](x3[..., :-1], mem3, mem3),
+        compat.ShapeError,
+        ["query: expected (L, N, E) with E = embed_dim = 12", "was expecting embedding dimension of 12, but got 11"],
+    ),
+    (
+        "embed-dim-batch-first",
+        lambda m: m["bf"](torch.randn(N, L, E - 1), torch.randn(N, S, E), torch.randn(N, S, E)),
+        compat.ShapeError,
+        ["query: expected (N, L, E) with E = embed_dim = 12"],
+    ),
+    (
+        "kdim",
+        lambda m: m["cross"](x3, mem3, torch.randn(S, N, 9)),
+        compat.ShapeError,
+        ["key: expected last dim kdim = 7"],
+    ),
+    (
+        "vdim",
+        lambda m: m["cross"](x3, torch.randn(S, N, 7), mem3),
+        compat.ShapeError,
+        ["value: expected last dim vdim = 9"],
+    ),
+    (
+        "key-batch",
+        lambda m: m["seq"](x3, torch.randn(S, N + 1, E), mem3),
+        compat.ShapeError,
+        ["key: expected batch size N = 3 (from query) on dim 1"],
+    ),
+    (
+        "key-batch-batch-first",
+        lambda m: m["bf"](torch.randn(N, L, E), torch.randn(N + 1, S, E), torch.randn(N, S, E)),
+        compat.ShapeError,
+        ["key: expected batch size N = 3 (from query) on dim 0"],
+    ),
+    (
+        "value-length",
+        lambda m: m["seq"](x3, mem3, mem3[:-1]),
+        compat.ShapeError,
+        [
+            "value: expected length S = 7 (from key), got 6",
+            "key shape (7, 3, 12) does not match value shape (6, 3, 12)",
+        ],
+    ),
+    (
+        "padding-shape",
+        lambda m: m["seq"](x3, mem3, mem3, key_padding_mask=torch.zeros(S, N, dtype=torch.bool)),
+        compat.ShapeError,
+        [
+            "key_padding_mask: expected shape (N, S) = (3, 7)",
+            "expecting key_padding_mask shape of (3, 7), but got torch.Size([7, 3])",
+        ],
+    ),
+    (
+        "attn-2d-shape",
+        lambda m: m["seq"](x3, mem3, mem3, attn_mask=torch.zeros(L, L, dtype=torch.bool)),
+        compat.ShapeError,
+        [
+            "attn_mask: expected shape (L, S) = (5, 7) or (N * num_heads, L, S) = (12, 5, 7)",
+            "The shape of the 2D attn_mask is torch.Size([5, 5]), but should be (5, 7).",
+        ],
+    ),
+    (
+        "attn-3d-shape",
+        lambda m: m["seq"](x3, mem3, mem3, attn_mask=torch.zeros(N, L, S, dtype=torch.bool)),
+        compat.ShapeError,
+        ["The shape of the 3D attn_mask is torch.Size([3, 5, 7]), but should be (12, 5, 7)."],
+    ),
     # dtypes
-    ("attn-long", lambda m: m["seq"](x3, mem3, mem3, attn_mask=torch.zeros(L, S, dtype=torch.long)), compat.DtypeError,
-     ["attn_mask: expected a bool (True = masked out) or floating (added) tensor",
-      "only bool and floating types of attn_mask are supported"]),
-    ("padding-int", lambda m: m["seq"](x3, mem3, mem3, key_padding_mask=torch.zeros(N, S, dtype=torch.int32)),
-     compat.DtypeError, ["only bool and floating types of key_padding_mask are supported"]),
-    ("query-float64", lambda m: m["seq"](x3.double(), mem3.double(), mem3.double()), compat.DtypeError,
-     ["query: expected dtype torch.float32 (the parameters')"]),
-    ("key-float64", lambda m: m["seq"](x3, mem3.double(), mem3), compat.DtypeError,
-     ["key: expected dtype torch.float32 (the query's)"]),
-    ("query-int", lambda m: m["seq"](x3.long(), mem3.long(), mem3.long()), compat.DtypeError,
-     ["query: expected a real floating tensor"]),
-    ("query-complex", lambda m: m["seq"](x3.cfloat(), mem3.cfloat(), mem3.cfloat()), compat.DtypeError,
-     ["query: expected a real floating tensor"]),
-    ("parameter-dtype", lambda m: _half_bias(m["bf"])(x3, x3, x3), compat.DtypeError,
-     ["in_proj_bias: expected dtype torch.float32, like the other parameters, got torch.float16"]),
-    ("weights-too-big", lambda m: m["seq"](*[torch.zeros(1, 1, E).expand(2 ** 20, 1, E)] * 3), ArgumentValueError,
-     ["need_weights: expected the attention weights to fit", "pass need_weights=False"]),
-    ("projection-too-big", lambda m: m["seq"](*[torch.zeros(1, 1, E).expand(1, 2 ** 40, E)] * 3,
-                                              need_weights=False), ArgumentValueError,
-     ["query: expected its projection to fit"]),
+    (
+        "attn-long",
+        lambda m: m["seq"](x3, mem3, mem3, attn_mask=torch.zeros(L, S, dtype=torch.long)),
+        compat.DtypeError,
+        [
+            "attn_mask: expected a bool (True = masked out) or floating (added) tensor",
+            "only bool and floating types of attn_mask are supported",
+        ],
+    ),
+    (
+        "padding-int",
+        lambda m: m["seq"](x3, mem3, mem3, key_padding_mask=torch.zeros(N, S, dtype=torch.int32)),
+        compat.DtypeError,
+        ["only bool and floating types of key_padding_mask are supported"],
+    ),
+    (
+        "query-float64",
+        lambda m: m["seq"](x3.double(), mem3.double(), mem3.double()),
+        compat.DtypeError,
+        ["query: expected dtype torch.float32 (the parameters')"],
+    ),
+    (
+        "key-float64",
+        lambda m: m["seq"](x3, mem3.double(), mem3),
+        compat.DtypeError,
+        ["key: expected dtype torch.float32 (the query's)"],
+    ),
+    (
+        "query-int",
+        lambda m: m["seq"](x3.long(), mem3.long(), mem3.long()),
+        compat.DtypeError,
+        ["query: expected a real floating tensor"],
+    ),
+    (
+        "query-complex",
+        lambda m: m["seq"](x3.cfloat(), mem3.cfloat(), mem3.cfloat()),
+        compat.DtypeError,
+        ["query: expected a real floating tensor"],
+    ),
+    (
+        "parameter-dtype",
+        lambda m: _half_bias(m["bf"])(x3, x3, x3),
+        compat.DtypeError,
+        ["in_proj_bias: expected dtype torch.float32, like the other parameters, got torch.float16"],
+    ),
+    (
+        "weights-too-big",
+        lambda m: m["seq"](*[torch.zeros(1, 1, E).expand(2**20, 1, E)] * 3),
+        ArgumentValueError,
+        ["need_weights: expected the attention weights to fit", "pass need_weights=False"],
+    ),
+    (
+        "projection-too-big",
+        lambda m: m["seq"](*[torch.zeros(1, 1, E).expand(1, 2**40, E)] * 3, need_weights=False),
+        ArgumentValueError,
+        ["query: expected its projection to fit"],
+    ),
     # flags and types
-    ("need-weights-str", lambda m: m["seq"](x3, mem3, mem3, need_weights="no"), ArgumentTypeError,
-     ["need_weights: expected True or False, got str 'no'"]),
-    ("average-int", lambda m: m["seq"](x3, mem3, mem3, average_attn_weights=1), ArgumentTypeError,
-     ["average_attn_weights: expected True or False"]),
-    ("is-causal-str", lambda m: m["seq"](x3, mem3, mem3, is_causal="yes"), ArgumentTypeError,
-     ["is_causal: expected True or False"]),
-    ("is-causal-alone", lambda m: m["seq"](x3, x3, x3, is_causal=True), compat.CompatValueError,
-     ["attn_mask: expected a causal attn_mask when is_causal=True", "Need attn_mask if specifying the is_causal hint"]),
+    (
+        "need-weights-str",
+        lambda m: m["seq"](x3, mem3, mem3, need_weights="no"),
+        ArgumentTypeError,
+        ["need_weights: expected True or False, got str 'no'"],
+    ),
+    (
+        "average-int",
+        lambda m: m["seq"](x3, mem3, mem3, average_attn_weights=1),
+        ArgumentTypeError,
+        ["average_attn_weights: expected True or False"],
+    ),
+    (
+        "is-causal-str",
+        lambda m: m["seq"](x3, mem3, mem3, is_causal="yes"),
+        ArgumentTypeError,
+        ["is_causal: expected True or False"],
+    ),
+    (
+        "is-causal-alone",
+        lambda m: m["seq"](x3, x3, x3, is_causal=True),
+        compat.CompatValueError,
+        [
+            "attn_mask: expected a causal attn_mask when is_causal=True",
+            "Need attn_mask if specifying the is_causal hint",
+        ],
+    ),
     ("query-list", lambda m: m["seq"](x3.tolist(), mem3, mem3), ArgumentTypeError, ["query: expected a torch.Tensor"]),
-    ("attn-list", lambda m: m["seq"](x3, mem3, mem3, attn_mask=[[True]]), ArgumentTypeError,
-     ["attn_mask: expected None or a tensor"]),
+    (
+        "attn-list",
+        lambda m: m["seq"](x3, mem3, mem3, attn_mask=[[True]]),
+        ArgumentTypeError,
+        ["attn_mask: expected None or a tensor"],
+    ),
     # nested tensors
-    ("nested-dense-key", lambda m: m["bf"](_jagged(3, 4), torch.randn(2, 5, E), _jagged(5, 5)), compat.CompatValueError,
-     ["key: expected a nested tensor (N, *, features) of the query's layout"]),
-    ("dense-nested-key", lambda m: m["bf"](torch.randn(2, 5, E), _jagged(5, 5), _jagged(5, 5)), compat.CompatValueError,
-     ["key: expected a dense tensor like the others (or all three nested)"]),
-    ("nested-seq-first", lambda m: m["seq"](_jagged(3, 4), _jagged(3, 4), _jagged(3, 4)), compat.CompatValueError,
-     ["query: expected batch_first=True for nested tensors"]),
-    ("nested-padding", lambda m: m["bf"](_jagged(3, 4), _jagged(3, 4), _jagged(3, 4),
-                                         key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)),
-     compat.CompatValueError, ["key_padding_mask: expected None with nested inputs"]),
-    ("nested-mixed-layouts", lambda m: m["bf"](_jagged(3, 4), *[torch.nested.nested_tensor(
-        [torch.randn(3, E), torch.randn(4, E)])] * 2), compat.CompatValueError,
-     ["key: expected a nested tensor (N, *, features) of the query's layout (torch.jagged)"]),
-    ("nested-empty", lambda m: m["bf"](*[torch.nested.nested_tensor([])] * 3), compat.ShapeError,
-     ["query should be unbatched 2D or batched 3D tensor but received 1-D query tensor"]),
-    ("nested-lengths", lambda m: m["bf"](_jagged(3, 4), _jagged(5, 2), _jagged(5, 3)), compat.ShapeError,
-     ["value: expected the key's length in every sequence ([5, 2]), got [5, 3]"]),
+    (
+        "nested-dense-key",
+        lambda m: m["bf"](_jagged(3, 4), torch.randn(2, 5, E), _jagged(5, 5)),
+        compat.CompatValueError,
+        ["key: expected a nested tensor (N, *, features) of the query's layout"],
+    ),
+    (
+        "dense-nested-key",
+        lambda m: m["bf"](torch.randn(2, 5, E), _jagged(5, 5), _jagged(5, 5)),
+        compat.CompatValueError,
+        ["key: expected a dense tensor like the others (or all three nested)"],
+    ),
+    (
+        "nested-seq-first",
+        lambda m: m["seq"](_jagged(3, 4), _jagged(3, 4), _jagged(3, 4)),
+        compat.CompatValueError,
+        ["query: expected batch_first=True for nested tensors"],
+    ),
+    (
+        "nested-padding",
+        lambda m: m["bf"](
+            _jagged(3, 4), _jagged(3, 4), _jagged(3, 4), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)
+        ),
+        compat.CompatValueError,
+        ["key_padding_mask: expected None with nested inputs"],
+    ),
+    (
+        "nested-mixed-layouts",
+        lambda m: m["bf"](_jagged(3, 4), *[torch.nested.nested_tensor([torch.randn(3, E), torch.randn(4, E)])] * 2),
+        compat.CompatValueError,
+        ["key: expected a nested tensor (N, *, features) of the query's layout (torch.jagged)"],
+    ),
+    (
+        "nested-empty",
+        lambda m: m["bf"](*[torch.nested.nested_tensor([])] * 3),
+        compat.ShapeError,
+        ["query should be unbatched 2D or batched 3D tensor but received 1-D query tensor"],
+    ),
+    (
+        "nested-lengths",
+        lambda m: m["bf"](_jagged(3, 4), _jagged(5, 2), _jagged(5, 3)),
+        compat.ShapeError,
+        ["value: expected the key's length in every sequence ([5, 2]), got [5, 3]"],
+    ),
     # the constructor
-    ("kdim-negative", lambda m: compat.MultiheadAttention(E, H, kdim=-1), ArgumentValueError,
-     ["kdim: expected a positive int, got -1"]),
-    ("kdim-str", lambda m: compat.MultiheadAttention(E, H, kdim="4"), ArgumentTypeError,
-     ["kdim: expected a positive int, got str '4'"]),
-    ("vdim-zero", lambda m: compat.MultiheadAttention(E, H, vdim=0), ArgumentValueError,
-     ["vdim: expected a positive int"]),
-    ("embed-zero", lambda m: compat.MultiheadAttention(0, H), ArgumentValueError,
-     ["embed_dim: expected a positive int"]),
-    ("heads-float", lambda m: compat.MultiheadAttention(E, 2.0), ArgumentTypeError,
-     ["num_heads: expected a positive int"]),
-    ("not-divisible", lambda m: compat.MultiheadAttention(10, 4), compat.ShapeError,
-     ["num_heads: expected a divisor of embed_dim = 10", "embed_dim must be divisible by num_heads"]),
-    ("dropout-one", lambda m: compat.MultiheadAttention(E, H, dropout=1.0), ArgumentValueError,
-     ["dropout: expected a probability in [0, 1)"]),
+    (
+        "kdim-negative",
+        lambda m: compat.MultiheadAttention(E, H, kdim=-1),
+        ArgumentValueError,
+        ["kdim: expected a positive int, got -1"],
+    ),
+    (
+        "kdim-str",
+        lambda m: compat.MultiheadAttention(E, H, kdim="4"),
+        ArgumentTypeError,
+        ["kdim: expected a positive int, got str '4'"],
+    ),
+    (
+        "vdim-zero",
+        lambda m: compat.MultiheadAttention(E, H, vdim=0),
+        ArgumentValueError,
+        ["vdim: expected a positive int"],
+    ),
+    (
+        "embed-zero",
+        lambda m: compat.MultiheadAttention(0, H),
+        ArgumentValueError,
+        ["embed_dim: expected a positive int"],
+    ),
+    (
+        "heads-float",
+        lambda m: compat.MultiheadAttention(E, 2.0),
+        ArgumentTypeError,
+        ["num_heads: expected a positive int"],
+    ),
+    (
+        "not-divisible",
+        lambda m: compat.MultiheadAttention(10, 4),
+        compat.ShapeError,
+        ["num_heads: expected a divisor of embed_dim = 10", "embed_dim must be divisible by num_heads"],
+    ),
+    (
+        "dropout-one",
+        lambda m: compat.MultiheadAttention(E, H, dropout=1.0),
+        ArgumentValueError,
+        ["dropout: expected a probability in [0, 1)"],
+    ),
     ("dropout-str", lambda m: compat.MultiheadAttention(E, H, dropout="0.1"), ArgumentTypeError, ["dropout:"]),
-    ("bias-str", lambda m: compat.MultiheadAttention(E, H, bias="yes"), ArgumentTypeError,
-     ["bias: expected True or False"]),
+    (
+        "bias-str",
+        lambda m: compat.MultiheadAttention(E, H, bias="yes"),
+        ArgumentTypeError,
+        ["bias: expected True or False"],
+    ),
     ("batch-first-int", lambda m: compat.MultiheadAttention(E, H, batch_first=1), ArgumentTypeError, ["batch_first:"]),
-    ("device-nope", lambda m: compat.MultiheadAttention(E, H, device="nope"), ArgumentValueError,
-     ["device: expected a device this torch can use"]),
-    ("dtype-int64", lambda m: compat.MultiheadAttention(E, H, dtype=torch.int64), ArgumentValueError,
-     ["dtype: expected a real floating dtype"]),
-    ("dtype-complex", lambda m: compat.MultiheadAttention(E, H, dtype=torch.complex64), ArgumentValueError,
-     ["dtype: expected a real floating dtype"]),
-    ("dtype-str", lambda m: compat.MultiheadAttention(E, H, dtype="float32"), ArgumentTypeError,
-     ["dtype: expected a torch.dtype"]),
-    ("too-big", lambda m: compat.MultiheadAttention(2 ** 40, 1), ArgumentValueError,
-     ["embed_dim: expected the projection weights to fit"]),
-    ("to-torch-str", lambda m: to_torch("x"), ArgumentTypeError,
-     ["layer: expected a multihead.MultiHeadAttention, got str 'x'"]),
+    (
+        "device-nope",
+        lambda m: compat.MultiheadAttention(E, H, device="nope"),
+        ArgumentValueError,
+        ["device: expected a device this torch can use"],
+    ),
+    (
+        "dtype-int64",
+        lambda m: compat.MultiheadAttention(E, H, dtype=torch.int64),
+        ArgumentValueError,
+        ["dtype: expected a real floating dtype"],
+    ),
+    (
+        "dtype-complex",
+        lambda m: compat.MultiheadAttention(E, H, dtype=torch.complex64),
+        ArgumentValueError,
+        ["dtype: expected a real floating dtype"],
+    ),
+    (
+        "dtype-str",
+        lambda m: compat.MultiheadAttention(E, H, dtype="float32"),
+        ArgumentTypeError,
+        ["dtype: expected a torch.dtype"],
+    ),
+    (
+        "too-big",
+        lambda m: compat.MultiheadAttention(2**40, 1),
+        ArgumentValueError,
+        ["embed_dim: expected the projection weights to fit"],
+    ),
+    (
+        "to-torch-str",
+        lambda m: to_torch("x"),
+        ArgumentTypeError,
+        ["layer: expected a multihead.MultiHeadAttention, got str 'x'"],
+    ),
     # the functional form
-    ("static-with-bias-kv", lambda m: _functional(m["bias_kv"], static_k=torch.randn(N * H, S, E // H)),
-     compat.CompatValueError, ["static_k: expected None when bias_k / bias_v are added",
-                               "bias cannot be added to static key."]),
-    ("static-size", lambda m: _functional(m["seq"], static_k=torch.randn(N * H + 1, S, E // H)), compat.ShapeError,
-     ["static_k: expected (N * num_heads, S, head_dim) = (12, S, 3)", "expecting static_k.size(0) of 12, but got 13"]),
-    ("separate-missing", lambda m: _functional(m["seq"], use_separate_proj_weight=True), ArgumentTypeError,
-     ["q_proj_weight: expected a tensor (12, 12)"]),
-    ("bias-k-alone", lambda m: _functional(m["bias_kv"], bias_v=None), compat.CompatValueError,
-     ["bias_v: expected a tensor (1, 1, E)", "bias_k is set but bias_v is None"]),
-    ("in-proj-shape", lambda m: _functional(m["seq"], in_proj_weight=torch.randn(E, E)), compat.ShapeError,
-     ["in_proj_weight: expected shape (36, 12), got shape (12, 12)"]),
+    (
+        "static-with-bias-kv",
+        lambda m: _functional(m["bias_kv"], static_k=torch.randn(N * H, S, E // H)),
+        compat.CompatValueError,
+        ["static_k: expected None when bias_k / bias_v are added", "bias cannot be added to static key."],
+    ),
+    (
+        "static-size",
+        lambda m: _functional(m["seq"], static_k=torch.randn(N * H + 1, S, E // H)),
+        compat.ShapeError,
+        [
+            "static_k: expected (N * num_heads, S, head_dim) = (12, S, 3)",
+            "expecting static_k.size(0) of 12, but got 13",
+        ],
+    ),
+    (
+        "separate-missing",
+        lambda m: _functional(m["seq"], use_separate_proj_weight=True),
+        ArgumentTypeError,
+        ["q_proj_weight: expected a tensor (12, 12)"],
+    ),
+    (
+        "bias-k-alone",
+        lambda m: _functional(m["bias_kv"], bias_v=None),
+        compat.CompatValueError,
+        ["bias_v: expected a tensor (1, 1, E)", "bias_k is set but bias_v is None"],
+    ),
+    (
+        "in-proj-shape",
+        lambda m: _functional(m["seq"], in_proj_weight=torch.randn(E, E)),
+        compat.ShapeError,
+        ["in_proj_weight: expected shape (36, 12), got shape (12, 12)"],
+    ),
 ]
 
 

@@ -41,8 +41,12 @@ def _torch_module_db():
 
 
 INFO = next(info for info in _torch_module_db() if info.module_cls is nn.MultiheadAttention)
-SETTINGS = [(dtype, requires_grad, training) for dtype in (torch.float32, torch.float64)
-            for requires_grad in (False, True) for training in (False, True)]
+SETTINGS = [
+    (dtype, requires_grad, training)
+    for dtype in (torch.float32, torch.float64)
+    for requires_grad in (False, True)
+    for training in (False, True)
+]
 
 
 @dataclass(frozen=True)
@@ -53,18 +57,20 @@ class Sample:
     training: bool
 
     def __str__(self) -> str:
-        return (f"{str(self.dtype)[6:]}-{'grad' if self.requires_grad else 'nograd'}-"
-                f"{'train' if self.training else 'eval'}-{self.index:02d}")
+        return (
+            f"{str(self.dtype)[6:]}-{'grad' if self.requires_grad else 'nograd'}-"
+            f"{'train' if self.training else 'eval'}-{self.index:02d}"
+        )
 
     def module_input(self):
         """A fresh ModuleInput (new tensors each time: nothing leaks between tests)."""
-        inputs = INFO.module_inputs_func(INFO, device="cpu", dtype=self.dtype, requires_grad=self.requires_grad,
-                                         training=self.training)
+        inputs = INFO.module_inputs_func(
+            INFO, device="cpu", dtype=self.dtype, requires_grad=self.requires_grad, training=self.training
+        )
         return inputs[self.index]
 
 
-N_INPUTS = len(INFO.module_inputs_func(INFO, device="cpu", dtype=torch.float32, requires_grad=False,
-                                       training=False))
+N_INPUTS = len(INFO.module_inputs_func(INFO, device="cpu", dtype=torch.float32, requires_grad=False, training=False))
 SAMPLES = [Sample(index, *setting) for setting in SETTINGS for index in range(N_INPUTS)]
 F64_GRAD = [s for s in SAMPLES if s.dtype == torch.float64 and s.requires_grad and not s.training]
 
@@ -79,9 +85,16 @@ def test_module_db_entry_is_the_one_we_cover():
     for sample in SAMPLES[:N_INPUTS]:
         mi = sample.module_input()
         kw = mi.constructor_input.kwargs
-        options.add((kw["bias"], kw["add_bias_kv"], kw["add_zero_attn"], kw["batch_first"],
-                     mi.forward_input.kwargs["key_padding_mask"] is None,
-                     mi.forward_input.kwargs["attn_mask"] is None))
+        options.add(
+            (
+                kw["bias"],
+                kw["add_bias_kv"],
+                kw["add_zero_attn"],
+                kw["batch_first"],
+                mi.forward_input.kwargs["key_padding_mask"] is None,
+                mi.forward_input.kwargs["attn_mask"] is None,
+            )
+        )
         assert mi.reference_fn is not None
     assert len(options) == 64
 
@@ -106,8 +119,9 @@ def pair(sample: Sample, mi) -> tuple[nn.MultiheadAttention, compat.MultiheadAtt
     return theirs.train(sample.training), ours.train(sample.training)
 
 
-def assert_matches_torch(ours: torch.Tensor | None, theirs: torch.Tensor | None, what: str,
-                         truth: torch.Tensor | None = None) -> None:
+def assert_matches_torch(
+    ours: torch.Tensor | None, theirs: torch.Tensor | None, what: str, truth: torch.Tensor | None = None
+) -> None:
     """Ours equals torch's result: in float64 within 1e-10 relative; in float32 by DESIGN.md's rule against
     ``truth`` (torch in float64): max|ours - truth| <= 2 max|torch - truth| + 1e-5. Where torch has NaN
     (a row with every key masked) ours must be finite; those entries are not compared."""
@@ -129,8 +143,9 @@ def assert_matches_torch(ours: torch.Tensor | None, theirs: torch.Tensor | None,
 
 def cotangents(out: torch.Tensor, weights: torch.Tensor | None, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype) for t in (out, weights)
-            if t is not None]
+    return [
+        torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype) for t in (out, weights) if t is not None
+    ]
 
 
 def forward_and_grads(module: nn.Module, args, kwargs, seed: int):
@@ -241,8 +256,9 @@ def test_factory_kwargs_device_context_to_and_repr(dtype):
         args, kwargs = mi.constructor_input.args, mi.constructor_input.kwargs
         theirs = nn.MultiheadAttention(*args, **kwargs)
         ours = compat.MultiheadAttention(*args, **kwargs, device="cpu", dtype=dtype)
-        assert [(n, p.shape) for n, p in ours.named_parameters()] == [(n, p.shape) for n, p in
-                                                                      theirs.named_parameters()]
+        assert [(n, p.shape) for n, p in ours.named_parameters()] == [
+            (n, p.shape) for n, p in theirs.named_parameters()
+        ]
         assert all(p.dtype == dtype and p.device.type == "cpu" for p in ours.parameters())
         assert repr(ours) == repr(theirs)
         with torch.device("meta"):
@@ -254,8 +270,9 @@ def test_factory_kwargs_device_context_to_and_repr(dtype):
         moved = materialized.to(other)
         assert all(p.dtype == other for p in moved.parameters())
         forward_args = [t.to(other) for t in mi.forward_input.args]
-        torch.testing.assert_close(moved(*forward_args, **mi.forward_input.kwargs),
-                                   theirs.to(other)(*forward_args, **mi.forward_input.kwargs))
+        torch.testing.assert_close(
+            moved(*forward_args, **mi.forward_input.kwargs), theirs.to(other)(*forward_args, **mi.forward_input.kwargs)
+        )
 
 
 def _functional(ours: compat.MultiheadAttention, n_inputs: int, kwargs: dict):
@@ -273,8 +290,9 @@ def _gradcheck_inputs(sample: Sample):
     mi = sample.module_input()
     _, ours = pair(sample, mi)
     args = mi.forward_input.args
-    flat = [t.detach().requires_grad_(True) for t in args] + [p.detach().requires_grad_(True)
-                                                             for p in ours.parameters()]
+    flat = [t.detach().requires_grad_(True) for t in args] + [
+        p.detach().requires_grad_(True) for p in ours.parameters()
+    ]
     return _functional(ours, len(args), mi.forward_input.kwargs), flat
 
 

@@ -22,17 +22,27 @@ def _mask_cases():
     return {
         "none": (lambda n: (), lambda layer, x: layer(x)),
         "causal": (lambda n: (), lambda layer, x: layer(x, causal=True)),
-        "padding lengths": (lambda n: (torch.tensor([n, n - 3]),),
-                            lambda layer, x, lengths: layer(x, mask=masks.padding(lengths))),
-        "padding valid": (lambda n: (torch.arange(n)[None] < torch.tensor([[n], [2]]),),
-                          lambda layer, x, valid: layer(x, mask=masks.padding(valid))),
+        "padding lengths": (
+            lambda n: (torch.tensor([n, n - 3]),),
+            lambda layer, x, lengths: layer(x, mask=masks.padding(lengths)),
+        ),
+        "padding valid": (
+            lambda n: (torch.arange(n)[None] < torch.tensor([[n], [2]]),),
+            lambda layer, x, valid: layer(x, mask=masks.padding(valid)),
+        ),
         "window": (lambda n: (), lambda layer, x: layer(x, mask=masks.window(3, 1))),
         "causal alibi": (lambda n: (), lambda layer, x: layer(x, causal=True, mask=masks.alibi(masks.alibi_slopes(4)))),
-        "bool tensor": (lambda n: (torch.ones(n, n, dtype=torch.bool).tril(),),
-                        lambda layer, x, keep: layer(x, mask=keep)),
+        "bool tensor": (
+            lambda n: (torch.ones(n, n, dtype=torch.bool).tril(),),
+            lambda layer, x, keep: layer(x, mask=keep),
+        ),
         "bias tensor": (lambda n: (torch.randn(2, 1, 1, n),), lambda layer, x, bias: layer(x, mask=masks.bias(bias))),
-        "combined": (lambda n: (torch.tensor([n, 4]),), lambda layer, x, lengths: layer(
-            x, causal=True, mask=masks.padding(lengths) & masks.window(4, 0) & masks.alibi(masks.alibi_slopes(4)))),
+        "combined": (
+            lambda n: (torch.tensor([n, 4]),),
+            lambda layer, x, lengths: layer(
+                x, causal=True, mask=masks.padding(lengths) & masks.window(4, 0) & masks.alibi(masks.alibi_slopes(4))
+            ),
+        ),
     }
 
 
@@ -101,8 +111,9 @@ def test_weights_and_lse_compile_to_one_graph_for_every_length(fresh_dynamo):
 
     layer = _layer()
     weights_call = torch.compile(lambda x: layer(x, causal=True, need_weights=True), dynamic=True, backend="eager")
-    lse_call = torch.compile(lambda q, k, v: attention(q, k, v, causal=True, return_lse=True), dynamic=True,
-                             backend="eager")
+    lse_call = torch.compile(
+        lambda q, k, v: attention(q, k, v, causal=True, return_lse=True), dynamic=True, backend="eager"
+    )
     with torch.no_grad():
         for n in LENGTHS:
             x, q = torch.randn(2, n, 32), torch.randn(2, 4, n, 8)

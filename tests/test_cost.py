@@ -7,8 +7,17 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from multihead import MultiHeadAttention
-from multihead.cost import (LayerShape, MachineRates, _attended_pairs, crossover, estimate, load_calibration,
-                            measure_peak_bytes, roofline, save_calibration)
+from multihead.cost import (
+    LayerShape,
+    MachineRates,
+    _attended_pairs,
+    crossover,
+    estimate,
+    load_calibration,
+    measure_peak_bytes,
+    roofline,
+    save_calibration,
+)
 
 MIB = 2**20
 
@@ -41,13 +50,25 @@ def test_matmul_flops_equal_flop_counter_mode(options, b, i, j, causal):
     layer = MultiHeadAttention(**options, backend="reference", dtype=torch.float64)
     for grad_input in (True, False):
         with FlopCounterMode(display=False) as forward_count:
-            out = (run_layer(layer, b, i, j, grad_input=grad_input) if not causal
-                   else layer(torch.randn(b, i, layer.embed_dim, dtype=torch.float64, requires_grad=grad_input),
-                              causal=True)[0])
+            out = (
+                run_layer(layer, b, i, j, grad_input=grad_input)
+                if not causal
+                else layer(
+                    torch.randn(b, i, layer.embed_dim, dtype=torch.float64, requires_grad=grad_input), causal=True
+                )[0]
+            )
         with FlopCounterMode(display=False) as backward_count:
             out.sum().backward()
-        report = estimate(LayerShape.of(layer), seq=i, kv_seq=j, batch=b, causal=causal, dtype="float64",
-                          mode="forward+backward", input_requires_grad=grad_input)
+        report = estimate(
+            LayerShape.of(layer),
+            seq=i,
+            kv_seq=j,
+            batch=b,
+            causal=causal,
+            dtype="float64",
+            mode="forward+backward",
+            input_requires_grad=grad_input,
+        )
         forward_matmuls = sum(v for term, v in report.flops.items() if term != "softmax")
         backward_matmuls = sum(v for term, v in report.backward_flops.items() if term != "softmax")
         assert forward_count.get_total_flops() == forward_matmuls
@@ -120,8 +141,10 @@ MEMORY_GRID = [
 
 
 @pytest.mark.parametrize("config", MEMORY_GRID, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-@pytest.mark.parametrize("mode, need_weights, causal", [("forward", False, False), ("forward", False, True),
-                                                        ("forward", True, False), ("forward+backward", False, True)])
+@pytest.mark.parametrize(
+    "mode, need_weights, causal",
+    [("forward", False, False), ("forward", False, True), ("forward", True, False), ("forward+backward", False, True)],
+)
 def test_predicted_peak_memory_within_10_percent_of_measured(config, mode, need_weights, causal):
     options = {k: v for k, v in config.items() if k not in ("batch", "seq")}
     layer = MultiHeadAttention(**options)
@@ -138,8 +161,14 @@ def test_predicted_peak_memory_within_10_percent_of_measured(config, mode, need_
     layer.zero_grad(set_to_none=True)
     x.grad = None
     measured = measure_peak_bytes(step)
-    predicted = estimate(LayerShape.of(layer), seq=config["seq"], batch=config["batch"], causal=causal, mode=mode,
-                         need_weights=need_weights).bytes.peak
+    predicted = estimate(
+        LayerShape.of(layer),
+        seq=config["seq"],
+        batch=config["batch"],
+        causal=causal,
+        mode=mode,
+        need_weights=need_weights,
+    ).bytes.peak
     assert abs(predicted / measured - 1) <= 0.10, (predicted / MIB, measured / MIB)
 
 
@@ -166,20 +195,27 @@ def test_roofline_picks_the_binding_resource(tmp_path):
         roofline(estimate(LayerShape(64, 4), seq=8, dtype="bfloat16"), rates)
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda: LayerShape(0, 4), ValueError, "embed_dim: expected a positive int, got 0"),
-    (lambda: LayerShape(64, -2), ValueError, "num_heads: expected a positive int, got -2"),
-    (lambda: LayerShape(64, 5), ValueError, "num_heads: expected a divisor of embed_dim = 64, got 5"),
-    (lambda: LayerShape(64, 8, num_kv_heads=3), ValueError, r"num_kv_heads: expected a divisor of num_heads = 8, "
-                                                              r"got 3\. Fix: use one of \[1, 2, 4, 8\]"),
-    (lambda: LayerShape(64, 8, head_dim=2.5), TypeError, "head_dim: expected a positive int"),
-    (lambda: estimate(LayerShape(64, 8), seq=0), ValueError, "seq: expected a positive int, got 0"),
-    (lambda: estimate(LayerShape(64, 8), seq=4, dtype="int8"), ValueError, "dtype: expected one of float32"),
-    (lambda: estimate(LayerShape(64, 8), seq=4, mode="train"), ValueError, "mode: expected one of forward"),
-    (lambda: estimate(LayerShape(64, 8), seq=1, mode="decode"), ValueError, "cache_len: expected the number"),
-    (lambda: estimate(LayerShape(64, 8), seq=4, cache_len=5), ValueError, "cache_len: expected None outside"),
-    (lambda: estimate((64, 8), seq=4), TypeError, "shape: expected a multihead.cost.LayerShape"),
-])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: LayerShape(0, 4), ValueError, "embed_dim: expected a positive int, got 0"),
+        (lambda: LayerShape(64, -2), ValueError, "num_heads: expected a positive int, got -2"),
+        (lambda: LayerShape(64, 5), ValueError, "num_heads: expected a divisor of embed_dim = 64, got 5"),
+        (
+            lambda: LayerShape(64, 8, num_kv_heads=3),
+            ValueError,
+            r"num_kv_heads: expected a divisor of num_heads = 8, "
+            r"got 3\. Fix: use one of \[1, 2, 4, 8\]",
+        ),
+        (lambda: LayerShape(64, 8, head_dim=2.5), TypeError, "head_dim: expected a positive int"),
+        (lambda: estimate(LayerShape(64, 8), seq=0), ValueError, "seq: expected a positive int, got 0"),
+        (lambda: estimate(LayerShape(64, 8), seq=4, dtype="int8"), ValueError, "dtype: expected one of float32"),
+        (lambda: estimate(LayerShape(64, 8), seq=4, mode="train"), ValueError, "mode: expected one of forward"),
+        (lambda: estimate(LayerShape(64, 8), seq=1, mode="decode"), ValueError, "cache_len: expected the number"),
+        (lambda: estimate(LayerShape(64, 8), seq=4, cache_len=5), ValueError, "cache_len: expected None outside"),
+        (lambda: estimate((64, 8), seq=4), TypeError, "shape: expected a multihead.cost.LayerShape"),
+    ],
+)
 def test_bad_arguments(call, error, message):
     with pytest.raises(error, match=message):
         call()

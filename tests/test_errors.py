@@ -13,10 +13,9 @@ import re
 import pytest
 import torch
 
-from support import is_input_error
-
 from multihead import WeightSelection, attention, explain, masks
 from multihead.backends import Capabilities, registry
+from support import is_input_error
 
 B, H, G, I, J, D, E = 2, 6, 3, 5, 7, 4, 3
 
@@ -76,199 +75,482 @@ ROWS = [
     pytest.param(call(Q.tolist(), K, V), TypeError, "q: expected a torch.Tensor, got list", id="q-not-tensor"),
     pytest.param(call(Q, None, V), TypeError, "k: expected a torch.Tensor, got NoneType None", id="k-not-tensor"),
     pytest.param(call(Q, K, 3.0), TypeError, "v: expected a torch.Tensor, got float 3.0", id="v-not-tensor"),
-    pytest.param(call(Q[0, 0], K, V), ValueError, "q: expected shape (b, h, i, d), or unbatched (h, i, d), "
-                 "got shape (5, 4)", id="q-2d"),
-    pytest.param(call(Q[None], K, V), ValueError, "q: expected shape (b, h, i, d), or unbatched (h, i, d), "
-                 "got shape (1, 2, 6, 5, 4)", id="q-5d"),
-    pytest.param(call(Q, K[0], V), ValueError, "k: expected 4 dims like q, (b, g, j, d), got shape (3, 7, 4)",
-                 id="k-rank-differs"),
-    pytest.param(call(Q, K, V[None]), ValueError, "v: expected 4 dims like q, (b, g, j, e), got shape (1, 2, 3, 7, 3)",
-                 id="v-rank-differs"),
+    pytest.param(
+        call(Q[0, 0], K, V),
+        ValueError,
+        "q: expected shape (b, h, i, d), or unbatched (h, i, d), got shape (5, 4)",
+        id="q-2d",
+    ),
+    pytest.param(
+        call(Q[None], K, V),
+        ValueError,
+        "q: expected shape (b, h, i, d), or unbatched (h, i, d), got shape (1, 2, 6, 5, 4)",
+        id="q-5d",
+    ),
+    pytest.param(
+        call(Q, K[0], V),
+        ValueError,
+        "k: expected 4 dims like q, (b, g, j, d), got shape (3, 7, 4)",
+        id="k-rank-differs",
+    ),
+    pytest.param(
+        call(Q, K, V[None]),
+        ValueError,
+        "v: expected 4 dims like q, (b, g, j, e), got shape (1, 2, 3, 7, 3)",
+        id="v-rank-differs",
+    ),
     # ---- dtypes
     pytest.param(call(Q.long(), K.long(), V.long()), TypeError, "q: expected a floating dtype", id="q-int-dtype"),
-    pytest.param(call(Q, K.double(), V), TypeError,
-                 "k: expected dtype torch.float32 (the dtype of q), got torch.float64", id="k-dtype-differs"),
-    pytest.param(call(Q, K, V.double()), TypeError,
-                 "v: expected dtype torch.float32 (the dtype of q), got torch.float64", id="v-dtype-differs"),
+    pytest.param(
+        call(Q, K.double(), V),
+        TypeError,
+        "k: expected dtype torch.float32 (the dtype of q), got torch.float64",
+        id="k-dtype-differs",
+    ),
+    pytest.param(
+        call(Q, K, V.double()),
+        TypeError,
+        "v: expected dtype torch.float32 (the dtype of q), got torch.float64",
+        id="v-dtype-differs",
+    ),
     # ---- sizes
-    pytest.param(call(Q, _randn(3, G, J, D), V), ValueError, "k: expected batch size b = 2 (from q), got 3",
-                 id="k-batch-mismatch"),
-    pytest.param(call(Q, K, _randn(3, G, J, E)), ValueError, "v: expected batch size b = 2 (from q), got 3",
-                 id="v-batch-mismatch"),
-    pytest.param(call(Q, K, _randn(B, 2, J, E)), ValueError, "v: expected g = 3 key/value heads (from k), got 2",
-                 id="g-differs-k-v"),
-    pytest.param(call(Q, _randn(B, 4, J, D), _randn(B, 4, J, E)), ValueError,
-                 "k: expected a number of key/value heads g that divides the query heads h = 6, got g = 4. "
-                 "Fix: use g in [1, 2, 3, 6]", id="h-not-divisible-by-g"),
-    pytest.param(call(Q, _randn(B, G, J, 5), V), ValueError, "k: expected head dim d = 4 (from q), got 5",
-                 id="d-mismatch"),
-    pytest.param(call(Q, K, _randn(B, G, 8, E)), ValueError, "v: expected key length j = 7 (from k), got 8",
-                 id="j-mismatch-k-v"),
-    pytest.param(call(Q[:, :, :0], K, V), ValueError, "q: expected every size at least 1, got shape (2, 6, 0, 4)",
-                 id="q-empty-dim"),
-    pytest.param(call(Q, K[:, :, :0], V[:, :, :0]), ValueError,
-                 "k: expected every size at least 1, got shape (2, 3, 0, 4)", id="k-empty-dim"),
+    pytest.param(
+        call(Q, _randn(3, G, J, D), V),
+        ValueError,
+        "k: expected batch size b = 2 (from q), got 3",
+        id="k-batch-mismatch",
+    ),
+    pytest.param(
+        call(Q, K, _randn(3, G, J, E)),
+        ValueError,
+        "v: expected batch size b = 2 (from q), got 3",
+        id="v-batch-mismatch",
+    ),
+    pytest.param(
+        call(Q, K, _randn(B, 2, J, E)),
+        ValueError,
+        "v: expected g = 3 key/value heads (from k), got 2",
+        id="g-differs-k-v",
+    ),
+    pytest.param(
+        call(Q, _randn(B, 4, J, D), _randn(B, 4, J, E)),
+        ValueError,
+        "k: expected a number of key/value heads g that divides the query heads h = 6, got g = 4. "
+        "Fix: use g in [1, 2, 3, 6]",
+        id="h-not-divisible-by-g",
+    ),
+    pytest.param(
+        call(Q, _randn(B, G, J, 5), V), ValueError, "k: expected head dim d = 4 (from q), got 5", id="d-mismatch"
+    ),
+    pytest.param(
+        call(Q, K, _randn(B, G, 8, E)), ValueError, "v: expected key length j = 7 (from k), got 8", id="j-mismatch-k-v"
+    ),
+    pytest.param(
+        call(Q[:, :, :0], K, V),
+        ValueError,
+        "q: expected every size at least 1, got shape (2, 6, 0, 4)",
+        id="q-empty-dim",
+    ),
+    pytest.param(
+        call(Q, K[:, :, :0], V[:, :, :0]),
+        ValueError,
+        "k: expected every size at least 1, got shape (2, 3, 0, 4)",
+        id="k-empty-dim",
+    ),
     # ---- mask: tensors
-    pytest.param(call(Q, K, V, mask=torch.ones(I, 6, dtype=torch.bool)), ValueError,
-                 "mask: expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7) (each dim 1 or equal), "
-                 "got (5, 6)", id="mask-not-broadcastable"),
-    pytest.param(call(Q, K, V, mask=torch.ones(3, H, I, J, dtype=torch.bool)), ValueError,
-                 "mask: expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7)", id="mask-batch-mismatch"),
-    pytest.param(call(Q, K, V, mask=torch.ones(B, J, dtype=torch.bool)), ValueError,
-                 "mask: expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7) (each dim 1 or equal), "
-                 "got (2, 7)", id="mask-b-j-without-middle-axes"),
-    pytest.param(call(Q, K, V, mask=torch.ones(I, J, dtype=torch.uint8)), TypeError,
-                 "mask: expected a bool tensor (True = may attend) or a floating tensor", id="mask-uint8"),
-    pytest.param(call(Q, K, V, mask=torch.ones(1, B, H, I, J, dtype=torch.bool)), ValueError,
-                 "mask: expected at most 4 dims", id="mask-5d"),
-    pytest.param(call(Q, K, V, mask=[[True] * J] * I), TypeError,
-                 "mask: expected a multihead.masks mask, a bool tensor or a float tensor, got list", id="mask-list"),
+    pytest.param(
+        call(Q, K, V, mask=torch.ones(I, 6, dtype=torch.bool)),
+        ValueError,
+        "mask: expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7) (each dim 1 or equal), got (5, 6)",
+        id="mask-not-broadcastable",
+    ),
+    pytest.param(
+        call(Q, K, V, mask=torch.ones(3, H, I, J, dtype=torch.bool)),
+        ValueError,
+        "mask: expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7)",
+        id="mask-batch-mismatch",
+    ),
+    pytest.param(
+        call(Q, K, V, mask=torch.ones(B, J, dtype=torch.bool)),
+        ValueError,
+        "mask: expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7) (each dim 1 or equal), got (2, 7)",
+        id="mask-b-j-without-middle-axes",
+    ),
+    pytest.param(
+        call(Q, K, V, mask=torch.ones(I, J, dtype=torch.uint8)),
+        TypeError,
+        "mask: expected a bool tensor (True = may attend) or a floating tensor",
+        id="mask-uint8",
+    ),
+    pytest.param(
+        call(Q, K, V, mask=torch.ones(1, B, H, I, J, dtype=torch.bool)),
+        ValueError,
+        "mask: expected at most 4 dims",
+        id="mask-5d",
+    ),
+    pytest.param(
+        call(Q, K, V, mask=[[True] * J] * I),
+        TypeError,
+        "mask: expected a multihead.masks mask, a bool tensor or a float tensor, got list",
+        id="mask-list",
+    ),
     # ---- mask: combining with &
-    pytest.param(other(lambda: masks.causal() & [True] * J), TypeError,
-                 "mask: expected a multihead.masks mask, a bool tensor or a float tensor, got list",
-                 id="and-with-list"),
-    pytest.param(call(Q, K, V, mask=masks.causal() & masks.allowed(torch.ones(I, 6, dtype=torch.bool))), ValueError,
-                 "allowed(tensor): expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7)",
-                 id="and-allowed-not-broadcastable"),
-    pytest.param(call(Q, K, V, mask=masks.window(2) & torch.zeros(B, H, J, I)), ValueError,
-                 "mask: expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7) (each dim 1 or equal), "
-                 "got (2, 6, 7, 5)", id="and-bias-i-j-swapped"),
+    pytest.param(
+        other(lambda: masks.causal() & [True] * J),
+        TypeError,
+        "mask: expected a multihead.masks mask, a bool tensor or a float tensor, got list",
+        id="and-with-list",
+    ),
+    pytest.param(
+        call(Q, K, V, mask=masks.causal() & masks.allowed(torch.ones(I, 6, dtype=torch.bool))),
+        ValueError,
+        "allowed(tensor): expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7)",
+        id="and-allowed-not-broadcastable",
+    ),
+    pytest.param(
+        call(Q, K, V, mask=masks.window(2) & torch.zeros(B, H, J, I)),
+        ValueError,
+        "mask: expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7) (each dim 1 or equal), got (2, 6, 7, 5)",
+        id="and-bias-i-j-swapped",
+    ),
     # ---- mask: padding
-    pytest.param(call(Q, K, V, mask=masks.padding(torch.tensor([3, 4, 5]))), ValueError,
-                 "padding(lengths): expected shape (b,) = (2,), got (3,)", id="padding-lengths-wrong-batch"),
-    pytest.param(call(Q, K, V, mask=masks.padding([3, 8])), ValueError,
-                 "padding(lengths): expected lengths in [0, 7] (the key length j), got values from 3 to 8",
-                 id="padding-length-above-j"),
-    pytest.param(call(Q, K, V, mask=masks.padding([-1, 7])), ValueError,
-                 "padding(lengths): expected lengths in [0, 7] (the key length j), got values from -1 to 7",
-                 id="padding-length-negative"),
-    pytest.param(call(Q, K, V, mask=masks.padding(torch.ones(B, 6, dtype=torch.bool))), ValueError,
-                 "padding(valid): expected shape (b, j) = (2, 7), got (2, 6)", id="padding-valid-wrong-shape"),
-    pytest.param(call(Q, K, V, mask=masks.padding(torch.ones(J, B, dtype=torch.bool))), ValueError,
-                 "padding(valid): expected shape (b, j) = (2, 7), got (7, 2)", id="padding-valid-transposed"),
-    pytest.param(other(lambda: masks.padding(torch.ones(J, dtype=torch.bool))), ValueError,
-                 "padding(keys): expected a (b, j) bool tensor of real keys", id="padding-valid-1d"),
-    pytest.param(other(lambda: masks.padding(torch.tensor([[3, 4]]))), ValueError,
-                 "padding(keys): expected a (b,) integer tensor of key lengths", id="padding-lengths-2d"),
-    pytest.param(other(lambda: masks.padding(torch.tensor([3.0, 4.0]))), TypeError,
-                 "padding(keys): expected integer lengths (b,) or a bool (b, j) tensor", id="padding-float"),
-    pytest.param(other(lambda: masks.padding("ab")), TypeError,
-                 "padding(keys): expected a (b,) tensor of key lengths or a (b, j) bool tensor, got str 'ab'",
-                 id="padding-str"),
+    pytest.param(
+        call(Q, K, V, mask=masks.padding(torch.tensor([3, 4, 5]))),
+        ValueError,
+        "padding(lengths): expected shape (b,) = (2,), got (3,)",
+        id="padding-lengths-wrong-batch",
+    ),
+    pytest.param(
+        call(Q, K, V, mask=masks.padding([3, 8])),
+        ValueError,
+        "padding(lengths): expected lengths in [0, 7] (the key length j), got values from 3 to 8",
+        id="padding-length-above-j",
+    ),
+    pytest.param(
+        call(Q, K, V, mask=masks.padding([-1, 7])),
+        ValueError,
+        "padding(lengths): expected lengths in [0, 7] (the key length j), got values from -1 to 7",
+        id="padding-length-negative",
+    ),
+    pytest.param(
+        call(Q, K, V, mask=masks.padding(torch.ones(B, 6, dtype=torch.bool))),
+        ValueError,
+        "padding(valid): expected shape (b, j) = (2, 7), got (2, 6)",
+        id="padding-valid-wrong-shape",
+    ),
+    pytest.param(
+        call(Q, K, V, mask=masks.padding(torch.ones(J, B, dtype=torch.bool))),
+        ValueError,
+        "padding(valid): expected shape (b, j) = (2, 7), got (7, 2)",
+        id="padding-valid-transposed",
+    ),
+    pytest.param(
+        other(lambda: masks.padding(torch.ones(J, dtype=torch.bool))),
+        ValueError,
+        "padding(keys): expected a (b, j) bool tensor of real keys",
+        id="padding-valid-1d",
+    ),
+    pytest.param(
+        other(lambda: masks.padding(torch.tensor([[3, 4]]))),
+        ValueError,
+        "padding(keys): expected a (b,) integer tensor of key lengths",
+        id="padding-lengths-2d",
+    ),
+    pytest.param(
+        other(lambda: masks.padding(torch.tensor([3.0, 4.0]))),
+        TypeError,
+        "padding(keys): expected integer lengths (b,) or a bool (b, j) tensor",
+        id="padding-float",
+    ),
+    pytest.param(
+        other(lambda: masks.padding("ab")),
+        TypeError,
+        "padding(keys): expected a (b,) tensor of key lengths or a (b, j) bool tensor, got str 'ab'",
+        id="padding-str",
+    ),
     # ---- mask: window / causal
-    pytest.param(other(lambda: masks.window(-1)), ValueError,
-                 "window(left=...): expected a non-negative int or None, got -1", id="window-negative-left"),
-    pytest.param(other(lambda: masks.window(2, -3)), ValueError,
-                 "window(right=...): expected a non-negative int or None, got -3", id="window-negative-right"),
-    pytest.param(other(lambda: masks.window(2.5)), TypeError,
-                 "window(left=...): expected a non-negative int or None, got float 2.5", id="window-float-left"),
-    pytest.param(other(lambda: masks.window(True)), TypeError,
-                 "window(left=...): expected a non-negative int or None, got bool True", id="window-bool-left"),
-    pytest.param(other(lambda: masks.causal("bottom-right")), ValueError,
-                 "causal(align=...): expected one of ('bottom_right', 'top_left'), got 'bottom-right'",
-                 id="causal-bad-align"),
-    pytest.param(other(lambda: masks.window(2, align="top-left")), ValueError,
-                 "window(align=...): expected one of ('bottom_right', 'top_left'), got 'top-left'",
-                 id="window-bad-align"),
+    pytest.param(
+        other(lambda: masks.window(-1)),
+        ValueError,
+        "window(left=...): expected a non-negative int or None, got -1",
+        id="window-negative-left",
+    ),
+    pytest.param(
+        other(lambda: masks.window(2, -3)),
+        ValueError,
+        "window(right=...): expected a non-negative int or None, got -3",
+        id="window-negative-right",
+    ),
+    pytest.param(
+        other(lambda: masks.window(2.5)),
+        TypeError,
+        "window(left=...): expected a non-negative int or None, got float 2.5",
+        id="window-float-left",
+    ),
+    pytest.param(
+        other(lambda: masks.window(True)),
+        TypeError,
+        "window(left=...): expected a non-negative int or None, got bool True",
+        id="window-bool-left",
+    ),
+    pytest.param(
+        other(lambda: masks.causal("bottom-right")),
+        ValueError,
+        "causal(align=...): expected one of ('bottom_right', 'top_left'), got 'bottom-right'",
+        id="causal-bad-align",
+    ),
+    pytest.param(
+        other(lambda: masks.window(2, align="top-left")),
+        ValueError,
+        "window(align=...): expected one of ('bottom_right', 'top_left'), got 'top-left'",
+        id="window-bad-align",
+    ),
     # ---- mask: alibi
-    pytest.param(call(Q, K, V, mask=masks.alibi(masks.alibi_slopes(4))), ValueError,
-                 "alibi(slopes): expected one slope per query head (6,), got (4,). "
-                 "Fix: use multihead.masks.alibi_slopes(6)", id="alibi-wrong-number-of-slopes"),
-    pytest.param(other(lambda: masks.alibi(torch.ones(H, 1))), ValueError,
-                 "alibi(slopes): expected a 1-D float tensor", id="alibi-slopes-2d"),
-    pytest.param(other(lambda: masks.alibi(masks.alibi_slopes(H), align="left")), ValueError,
-                 "alibi(align=...): expected one of ('bottom_right', 'top_left'), got 'left'", id="alibi-bad-align"),
-    pytest.param(other(lambda: masks.alibi(torch.arange(H))), TypeError,
-                 "alibi(slopes): expected a 1-D float tensor", id="alibi-int-slopes"),
+    pytest.param(
+        call(Q, K, V, mask=masks.alibi(masks.alibi_slopes(4))),
+        ValueError,
+        "alibi(slopes): expected one slope per query head (6,), got (4,). Fix: use multihead.masks.alibi_slopes(6)",
+        id="alibi-wrong-number-of-slopes",
+    ),
+    pytest.param(
+        other(lambda: masks.alibi(torch.ones(H, 1))),
+        ValueError,
+        "alibi(slopes): expected a 1-D float tensor",
+        id="alibi-slopes-2d",
+    ),
+    pytest.param(
+        other(lambda: masks.alibi(masks.alibi_slopes(H), align="left")),
+        ValueError,
+        "alibi(align=...): expected one of ('bottom_right', 'top_left'), got 'left'",
+        id="alibi-bad-align",
+    ),
+    pytest.param(
+        other(lambda: masks.alibi(torch.arange(H))),
+        TypeError,
+        "alibi(slopes): expected a 1-D float tensor",
+        id="alibi-int-slopes",
+    ),
     pytest.param(other(lambda: masks.alibi("steep")), TypeError, "alibi(slopes): expected", id="alibi-slopes-str"),
     pytest.param(other(lambda: masks.alibi(None)), TypeError, "alibi(slopes): expected", id="alibi-slopes-none"),
-    pytest.param(other(lambda: masks.alibi_slopes(0)), ValueError,
-                 "num_heads: expected a positive int, got 0", id="alibi-slopes-zero"),
-    pytest.param(other(lambda: masks.alibi_slopes(-6)), ValueError,
-                 "num_heads: expected a positive int, got -6", id="alibi-slopes-negative"),
-    pytest.param(other(lambda: masks.alibi_slopes("6")), TypeError,
-                 "num_heads: expected a positive int, got str '6'", id="alibi-slopes-str-count"),
+    pytest.param(
+        other(lambda: masks.alibi_slopes(0)),
+        ValueError,
+        "num_heads: expected a positive int, got 0",
+        id="alibi-slopes-zero",
+    ),
+    pytest.param(
+        other(lambda: masks.alibi_slopes(-6)),
+        ValueError,
+        "num_heads: expected a positive int, got -6",
+        id="alibi-slopes-negative",
+    ),
+    pytest.param(
+        other(lambda: masks.alibi_slopes("6")),
+        TypeError,
+        "num_heads: expected a positive int, got str '6'",
+        id="alibi-slopes-str-count",
+    ),
     # ---- mask: bias / allowed
-    pytest.param(other(lambda: masks.bias(torch.ones(I, J, dtype=torch.bool))), TypeError,
-                 "bias(tensor): expected a floating tensor", id="bias-given-bool"),
-    pytest.param(other(lambda: masks.allowed(torch.ones(I, J))), TypeError,
-                 "allowed(tensor): expected a bool tensor (True = may attend)", id="allowed-given-float"),
-    pytest.param(other(lambda: masks.bias([[0.0] * J] * I)), TypeError,
-                 "bias(tensor): expected a torch.Tensor, got list", id="bias-given-list"),
+    pytest.param(
+        other(lambda: masks.bias(torch.ones(I, J, dtype=torch.bool))),
+        TypeError,
+        "bias(tensor): expected a floating tensor",
+        id="bias-given-bool",
+    ),
+    pytest.param(
+        other(lambda: masks.allowed(torch.ones(I, J))),
+        TypeError,
+        "allowed(tensor): expected a bool tensor (True = may attend)",
+        id="allowed-given-float",
+    ),
+    pytest.param(
+        other(lambda: masks.bias([[0.0] * J] * I)),
+        TypeError,
+        "bias(tensor): expected a torch.Tensor, got list",
+        id="bias-given-list",
+    ),
     # ---- scale / dropout / flags
-    pytest.param(call(Q, K, V, scale="0.5"), TypeError, "scale: expected a real number or None (1/sqrt(d)), got str",
-                 id="scale-str"),
-    pytest.param(call(Q, K, V, scale=True), TypeError, "scale: expected a real number or None (1/sqrt(d)), got bool",
-                 id="scale-bool"),
-    pytest.param(call(Q, K, V, scale=math.nan), ValueError, "scale: expected a finite number, got nan",
-                 id="scale-nan"),
-    pytest.param(call(Q, K, V, scale=math.inf), ValueError, "scale: expected a finite number, got inf",
-                 id="scale-inf"),
-    pytest.param(call(Q, K, V, dropout=1.0, training=True), ValueError,
-                 "dropout: expected a probability in [0, 1), got 1.0", id="dropout-one"),
-    pytest.param(call(Q, K, V, dropout=-0.1, training=True), ValueError,
-                 "dropout: expected a probability in [0, 1), got -0.1", id="dropout-negative"),
-    pytest.param(call(Q, K, V, dropout=math.nan, training=True), ValueError,
-                 "dropout: expected a probability in [0, 1), got nan", id="dropout-nan"),
-    pytest.param(call(Q, K, V, dropout="0.1", training=True), TypeError, "dropout: expected a float in [0, 1), got str",
-                 id="dropout-str"),
-    pytest.param(call(Q, K, V, dropout=0.1, training=1), TypeError, "training: expected True or False, got int 1",
-                 id="training-int"),
-    pytest.param(call(Q, K, V, training="yes"), TypeError, "training: expected True or False, got str 'yes'",
-                 id="training-str"),
+    pytest.param(
+        call(Q, K, V, scale="0.5"),
+        TypeError,
+        "scale: expected a real number or None (1/sqrt(d)), got str",
+        id="scale-str",
+    ),
+    pytest.param(
+        call(Q, K, V, scale=True),
+        TypeError,
+        "scale: expected a real number or None (1/sqrt(d)), got bool",
+        id="scale-bool",
+    ),
+    pytest.param(call(Q, K, V, scale=math.nan), ValueError, "scale: expected a finite number, got nan", id="scale-nan"),
+    pytest.param(call(Q, K, V, scale=math.inf), ValueError, "scale: expected a finite number, got inf", id="scale-inf"),
+    pytest.param(
+        call(Q, K, V, dropout=1.0, training=True),
+        ValueError,
+        "dropout: expected a probability in [0, 1), got 1.0",
+        id="dropout-one",
+    ),
+    pytest.param(
+        call(Q, K, V, dropout=-0.1, training=True),
+        ValueError,
+        "dropout: expected a probability in [0, 1), got -0.1",
+        id="dropout-negative",
+    ),
+    pytest.param(
+        call(Q, K, V, dropout=math.nan, training=True),
+        ValueError,
+        "dropout: expected a probability in [0, 1), got nan",
+        id="dropout-nan",
+    ),
+    pytest.param(
+        call(Q, K, V, dropout="0.1", training=True),
+        TypeError,
+        "dropout: expected a float in [0, 1), got str",
+        id="dropout-str",
+    ),
+    pytest.param(
+        call(Q, K, V, dropout=0.1, training=1),
+        TypeError,
+        "training: expected True or False, got int 1",
+        id="training-int",
+    ),
+    pytest.param(
+        call(Q, K, V, training="yes"), TypeError, "training: expected True or False, got str 'yes'", id="training-str"
+    ),
     pytest.param(call(Q, K, V, causal=1), TypeError, "causal: expected True or False, got int 1", id="causal-int"),
-    pytest.param(call(Q, K, V, causal="yes"), TypeError, "causal: expected True or False, got str 'yes'",
-                 id="causal-str"),
-    pytest.param(call(Q, K, V, return_lse=1), TypeError, "return_lse: expected True or False, got int 1",
-                 id="return-lse-int"),
-    pytest.param(call(Q, K, V, return_lse="yes"), TypeError, "return_lse: expected True or False, got str 'yes'",
-                 id="return-lse-str"),
+    pytest.param(
+        call(Q, K, V, causal="yes"), TypeError, "causal: expected True or False, got str 'yes'", id="causal-str"
+    ),
+    pytest.param(
+        call(Q, K, V, return_lse=1), TypeError, "return_lse: expected True or False, got int 1", id="return-lse-int"
+    ),
+    pytest.param(
+        call(Q, K, V, return_lse="yes"),
+        TypeError,
+        "return_lse: expected True or False, got str 'yes'",
+        id="return-lse-str",
+    ),
     # ---- backend
     pytest.param(call(Q, K, V, backend="flash"), ValueError, "'sdpa'", id="backend-unknown-lists-names"),
-    pytest.param(call(Q, K, V, backend="flash"), ValueError, "backend: expected 'auto' or one of", id="backend-unknown"),
-    pytest.param(call(Q, K, V, backend=None), TypeError, "backend: expected a backend name (str), got NoneType None",
-                 id="backend-not-str"),
-    pytest.param(call_attention_only(Q, K, V, backend="sdpa", return_lse=True), ValueError,
-                 "sdpa lacks return_lse", id="backend-sdpa-lacks-lse"),
-    pytest.param(call_attention_only(Q, K, V, backend="materialized", dropout=0.1, training=True), ValueError,
-                 "materialized lacks dropout", id="backend-materialized-lacks-dropout"),
+    pytest.param(
+        call(Q, K, V, backend="flash"), ValueError, "backend: expected 'auto' or one of", id="backend-unknown"
+    ),
+    pytest.param(
+        call(Q, K, V, backend=None),
+        TypeError,
+        "backend: expected a backend name (str), got NoneType None",
+        id="backend-not-str",
+    ),
+    pytest.param(
+        call_attention_only(Q, K, V, backend="sdpa", return_lse=True),
+        ValueError,
+        "sdpa lacks return_lse",
+        id="backend-sdpa-lacks-lse",
+    ),
+    pytest.param(
+        call_attention_only(Q, K, V, backend="materialized", dropout=0.1, training=True),
+        ValueError,
+        "materialized lacks dropout",
+        id="backend-materialized-lacks-dropout",
+    ),
     # ---- return_weights / WeightSelection
-    pytest.param(call(Q, K, V, return_weights="all"), TypeError,
-                 "return_weights: expected True, False or a multihead.WeightSelection, got str 'all'",
-                 id="return-weights-str"),
-    pytest.param(call(Q, K, V, return_weights=1), TypeError,
-                 "return_weights: expected True, False or a multihead.WeightSelection, got int 1",
-                 id="return-weights-int"),
-    pytest.param(call(Q, K, V, return_weights=WeightSelection(heads=[0, H])), ValueError,
-                 "WeightSelection.heads: expected indices in [0, 6) (h = 6), got [6]", id="selection-head-too-big"),
-    pytest.param(call(Q, K, V, return_weights=WeightSelection(heads=[-1])), ValueError,
-                 "WeightSelection.heads: expected indices in [0, 6) (h = 6), got [-1]", id="selection-head-negative"),
-    pytest.param(call(Q, K, V, return_weights=WeightSelection(queries=[I])), ValueError,
-                 "WeightSelection.queries: expected indices in [0, 5) (i = 5), got [5]", id="selection-query-too-big"),
-    pytest.param(call(Q, K, V, return_weights=WeightSelection(heads=[0.5])), TypeError,
-                 "WeightSelection.heads: expected a sequence of ints", id="selection-heads-float"),
-    pytest.param(call(Q, K, V, return_weights=WeightSelection(heads=3)), TypeError,
-                 "WeightSelection.heads: expected a sequence of ints", id="selection-heads-bare-int"),
-    pytest.param(call(Q, K, V, return_weights=WeightSelection(heads=[])), ValueError,
-                 "WeightSelection.heads: expected at least one index", id="selection-heads-empty"),
-    pytest.param(call(Q, K, V, return_weights=WeightSelection(queries=slice(0, 3, 0))), ValueError,
-                 "WeightSelection.queries: expected", id="selection-queries-zero-step-slice"),
-    pytest.param(call(Q, K, V, return_weights=WeightSelection(queries=slice(None, None, -1))), ValueError,
-                 "WeightSelection.queries: expected", id="selection-queries-negative-step-slice"),
+    pytest.param(
+        call(Q, K, V, return_weights="all"),
+        TypeError,
+        "return_weights: expected True, False or a multihead.WeightSelection, got str 'all'",
+        id="return-weights-str",
+    ),
+    pytest.param(
+        call(Q, K, V, return_weights=1),
+        TypeError,
+        "return_weights: expected True, False or a multihead.WeightSelection, got int 1",
+        id="return-weights-int",
+    ),
+    pytest.param(
+        call(Q, K, V, return_weights=WeightSelection(heads=[0, H])),
+        ValueError,
+        "WeightSelection.heads: expected indices in [0, 6) (h = 6), got [6]",
+        id="selection-head-too-big",
+    ),
+    pytest.param(
+        call(Q, K, V, return_weights=WeightSelection(heads=[-1])),
+        ValueError,
+        "WeightSelection.heads: expected indices in [0, 6) (h = 6), got [-1]",
+        id="selection-head-negative",
+    ),
+    pytest.param(
+        call(Q, K, V, return_weights=WeightSelection(queries=[I])),
+        ValueError,
+        "WeightSelection.queries: expected indices in [0, 5) (i = 5), got [5]",
+        id="selection-query-too-big",
+    ),
+    pytest.param(
+        call(Q, K, V, return_weights=WeightSelection(heads=[0.5])),
+        TypeError,
+        "WeightSelection.heads: expected a sequence of ints",
+        id="selection-heads-float",
+    ),
+    pytest.param(
+        call(Q, K, V, return_weights=WeightSelection(heads=3)),
+        TypeError,
+        "WeightSelection.heads: expected a sequence of ints",
+        id="selection-heads-bare-int",
+    ),
+    pytest.param(
+        call(Q, K, V, return_weights=WeightSelection(heads=[])),
+        ValueError,
+        "WeightSelection.heads: expected at least one index",
+        id="selection-heads-empty",
+    ),
+    pytest.param(
+        call(Q, K, V, return_weights=WeightSelection(queries=slice(0, 3, 0))),
+        ValueError,
+        "WeightSelection.queries: expected",
+        id="selection-queries-zero-step-slice",
+    ),
+    pytest.param(
+        call(Q, K, V, return_weights=WeightSelection(queries=slice(None, None, -1))),
+        ValueError,
+        "WeightSelection.queries: expected",
+        id="selection-queries-negative-step-slice",
+    ),
     # ---- registry
-    pytest.param(other(lambda: registry.register("auto", _noop_backend, Capabilities())), ValueError,
-                 "name: expected a non-empty string other than 'auto', got 'auto'", id="register-auto"),
-    pytest.param(other(lambda: registry.register("", _noop_backend, Capabilities())), ValueError,
-                 "name: expected a non-empty string other than 'auto', got ''", id="register-empty-name"),
-    pytest.param(other(lambda: registry.register(3, _noop_backend, Capabilities())), TypeError,
-                 "name: expected a string, got 3", id="register-name-not-str"),
-    pytest.param(other(lambda: registry.register("sdpa", _noop_backend, Capabilities())), ValueError,
-                 "name: expected a name not yet registered, got 'sdpa'. Fix: pass replace=True",
-                 id="register-duplicate"),
-    pytest.param(other(lambda: registry.register("mine", _noop_backend, {"lse": True})), TypeError,
-                 "capabilities: expected a multihead.backends.Capabilities, got dict", id="register-bad-capabilities"),
-    pytest.param(other(lambda: registry.register("mine", None, Capabilities())), TypeError,
-                 "fn: expected", id="register-fn-not-callable"),
+    pytest.param(
+        other(lambda: registry.register("auto", _noop_backend, Capabilities())),
+        ValueError,
+        "name: expected a non-empty string other than 'auto', got 'auto'",
+        id="register-auto",
+    ),
+    pytest.param(
+        other(lambda: registry.register("", _noop_backend, Capabilities())),
+        ValueError,
+        "name: expected a non-empty string other than 'auto', got ''",
+        id="register-empty-name",
+    ),
+    pytest.param(
+        other(lambda: registry.register(3, _noop_backend, Capabilities())),
+        TypeError,
+        "name: expected a string, got 3",
+        id="register-name-not-str",
+    ),
+    pytest.param(
+        other(lambda: registry.register("sdpa", _noop_backend, Capabilities())),
+        ValueError,
+        "name: expected a name not yet registered, got 'sdpa'. Fix: pass replace=True",
+        id="register-duplicate",
+    ),
+    pytest.param(
+        other(lambda: registry.register("mine", _noop_backend, {"lse": True})),
+        TypeError,
+        "capabilities: expected a multihead.backends.Capabilities, got dict",
+        id="register-bad-capabilities",
+    ),
+    pytest.param(
+        other(lambda: registry.register("mine", None, Capabilities())),
+        TypeError,
+        "fn: expected",
+        id="register-fn-not-callable",
+    ),
 ]
 
 MESSAGE_FORM = re.compile(r"^[^\s:]+: expected .+, got .*\. Fix: \S.*$", re.DOTALL)
@@ -321,8 +603,14 @@ def test_explain_rejects_bad_input_like_attention(run, kind, fragment):
 
 def test_explain_spot_checks_are_present():
     ids = {row.id for row in EXPLAINABLE}
-    assert {"k-batch-mismatch", "mask-not-broadcastable", "scale-nan", "backend-unknown",
-            "selection-head-too-big", "padding-lengths-wrong-batch"} <= ids
+    assert {
+        "k-batch-mismatch",
+        "mask-not-broadcastable",
+        "scale-nan",
+        "backend-unknown",
+        "selection-head-too-big",
+        "padding-lengths-wrong-batch",
+    } <= ids
 
 
 def test_explain_reports_what_a_backend_lacks_instead_of_raising():
@@ -368,9 +656,11 @@ def test_valid_counterparts_run(kwargs):
 
 
 def test_valid_counterparts_of_size_rows_run():
-    for k, v in ((_randn(B, 2, J, D), _randn(B, 2, J, E)),  # g = 2 divides h = 6
-                 (_randn(B, 1, J, D), _randn(B, 1, J, E)),  # multi-query
-                 (_randn(B, H, J, D), _randn(B, H, J, 8))):  # e free, g = h
+    for k, v in (
+        (_randn(B, 2, J, D), _randn(B, 2, J, E)),  # g = 2 divides h = 6
+        (_randn(B, 1, J, D), _randn(B, 1, J, E)),  # multi-query
+        (_randn(B, H, J, D), _randn(B, H, J, 8)),
+    ):  # e free, g = h
         output = attention(Q, k, v)
         assert output.shape == (B, H, I, v.shape[-1])
         assert torch.isfinite(output).all()

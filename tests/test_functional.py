@@ -9,16 +9,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support import is_input_error, make_qkv
 from multihead import WeightSelection, attention, explain, masks
+from support import is_input_error, make_qkv
 
 BACKENDS = ["auto", "sdpa", "tiled", "materialized", "reference"]
 
 
-@pytest.mark.parametrize("options", [dict(backend="tiled"), dict(return_lse=True), dict(backend="auto"),
-                                     dict(backend="materialized", return_weights=True),
-                                     dict(backend="reference", return_weights=True, return_lse=True)],
-                         ids=["tiled", "lse", "auto", "materialized-weights", "reference-all"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(backend="tiled"),
+        dict(return_lse=True),
+        dict(backend="auto"),
+        dict(backend="materialized", return_weights=True),
+        dict(backend="reference", return_weights=True, return_lse=True),
+    ],
+    ids=["tiled", "lse", "auto", "materialized-weights", "reference-all"],
+)
 def test_autocast_computes_as_if_called_in_the_autocast_dtype(options):
     """Under torch.autocast the inputs are cast as SDPA's are and the kernel runs unaffected by autocast."""
     leaves = make_qkv(dtype=torch.float32, requires_grad=True)
@@ -82,12 +89,15 @@ def test_sdpa_on_meta_says_why_it_cannot_take_rows_that_may_be_empty():
         attention(q, k, v, mask=mask, backend="sdpa")
 
 
-@pytest.mark.parametrize(("queries", "kind", "fragment"), [
-    (slice(0, 2.5), TypeError, "WeightSelection.queries: expected a slice of ints"),
-    (slice(True, 3), TypeError, "WeightSelection.queries: expected a slice of ints"),
-    (slice(0, 4, 0), ValueError, "WeightSelection.queries: expected a slice with a positive step"),
-    (slice(9, 12), ValueError, "WeightSelection.queries: expected a slice selecting some of the 5 queries"),
-])
+@pytest.mark.parametrize(
+    ("queries", "kind", "fragment"),
+    [
+        (slice(0, 2.5), TypeError, "WeightSelection.queries: expected a slice of ints"),
+        (slice(True, 3), TypeError, "WeightSelection.queries: expected a slice of ints"),
+        (slice(0, 4, 0), ValueError, "WeightSelection.queries: expected a slice with a positive step"),
+        (slice(9, 12), ValueError, "WeightSelection.queries: expected a slice selecting some of the 5 queries"),
+    ],
+)
 def test_bad_query_slices_are_refused_in_the_callers_terms(queries, kind, fragment):
     with pytest.raises(kind) as info:
         attention(*make_qkv(), return_weights=WeightSelection(queries=queries))
@@ -98,13 +108,18 @@ def test_bad_query_slices_are_refused_in_the_callers_terms(queries, kind, fragme
 def test_a_stepped_query_slice_selects_those_rows_with_any_mask(backend):
     q, k, v = make_qkv()
     mask = masks.causal() & masks.padding(torch.tensor([7, 5]))
-    selected = attention(q, k, v, mask=mask, backend=backend, return_weights=WeightSelection(queries=slice(None, None, 2)))
+    selected = attention(
+        q, k, v, mask=mask, backend=backend, return_weights=WeightSelection(queries=slice(None, None, 2))
+    )
     every = attention(q, k, v, mask=mask, backend="reference", return_weights=True)
     torch.testing.assert_close(selected.weights, every.weights[:, :, ::2], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("mask", [lambda: masks.padding(torch.tensor([1, 2], device="meta")),
-                                  lambda: masks.alibi(torch.ones(6, device="meta"))], ids=["padding", "alibi"])
+@pytest.mark.parametrize(
+    "mask",
+    [lambda: masks.padding(torch.tensor([1, 2], device="meta")), lambda: masks.alibi(torch.ones(6, device="meta"))],
+    ids=["padding", "alibi"],
+)
 def test_a_mask_tensor_on_meta_for_a_real_call_is_refused_clearly(mask):
     with pytest.raises(ValueError, match="expected a tensor with values, on cpu") as info:
         attention(*make_qkv(), mask=mask())

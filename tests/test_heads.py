@@ -36,12 +36,15 @@ def x():
     return torch.randn(B, I, E, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("options, heads", [
-    (dict(), [1, 4]),
-    (dict(num_kv_heads=2), [0, 1, 2]),  # a whole key/value group (heads 0-2 read kv head 0)
-    (dict(num_kv_heads=3), [0, 3, 5]),  # one query head from each group of two... left: 1 per group
-    (dict(num_kv_heads=1), [2]),  # multi-query
-])
+@pytest.mark.parametrize(
+    "options, heads",
+    [
+        (dict(), [1, 4]),
+        (dict(num_kv_heads=2), [0, 1, 2]),  # a whole key/value group (heads 0-2 read kv head 0)
+        (dict(num_kv_heads=3), [0, 3, 5]),  # one query head from each group of two... left: 1 per group
+        (dict(num_kv_heads=1), [2]),  # multi-query
+    ],
+)
 def test_pruning_equals_zero_ablation_and_survives_save_and_load(options, heads, x):
     layer = make_layer(**options)
     layer.ablate_heads(heads, how="zero")
@@ -120,16 +123,23 @@ def test_restore_brings_back_the_exact_ungated_output(x):
     assert torch.equal(layer(x, causal=True)[0], plain)
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda l: l.ablate_heads([6]), ValueError, r"heads: expected head indices in 0\.\.5, got 6"),
-    (lambda l: l.ablate_heads([1, 1]), ValueError, "heads: expected distinct head indices"),
-    (lambda l: l.ablate_heads(["a"]), TypeError, "heads: expected head indices"),
-    (lambda l: l.ablate_heads([1], how="noise"), ValueError, "how: expected one of zero, uniform, mean"),
-    (lambda l: l.ablate_heads([1], how="mean"), ValueError, r"mean_outputs: expected a tensor of shape "
-                                                           r"\(len\(heads\), e\) = \(1, 5\)"),
-    (lambda l: l.ablate_heads([1], mean_outputs=torch.zeros(1, 5)), ValueError, "mean_outputs: expected None"),
-    (lambda l: l.prune_heads(list(range(6))), ValueError, "heads: expected fewer than all 6 heads of the layer"),
-])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda l: l.ablate_heads([6]), ValueError, r"heads: expected head indices in 0\.\.5, got 6"),
+        (lambda l: l.ablate_heads([1, 1]), ValueError, "heads: expected distinct head indices"),
+        (lambda l: l.ablate_heads(["a"]), TypeError, "heads: expected head indices"),
+        (lambda l: l.ablate_heads([1], how="noise"), ValueError, "how: expected one of zero, uniform, mean"),
+        (
+            lambda l: l.ablate_heads([1], how="mean"),
+            ValueError,
+            r"mean_outputs: expected a tensor of shape "
+            r"\(len\(heads\), e\) = \(1, 5\)",
+        ),
+        (lambda l: l.ablate_heads([1], mean_outputs=torch.zeros(1, 5)), ValueError, "mean_outputs: expected None"),
+        (lambda l: l.prune_heads(list(range(6))), ValueError, "heads: expected fewer than all 6 heads of the layer"),
+    ],
+)
 def test_bad_head_arguments(call, error, message):
     with pytest.raises(error, match=message):
         call(make_layer())
@@ -137,9 +147,12 @@ def test_bad_head_arguments(call, error, message):
 
 def test_pruning_must_keep_grouped_heads_even():
     layer = make_layer(num_kv_heads=2)  # groups {0, 1, 2} and {3, 4, 5}
-    with pytest.raises(ValueError, match=r"heads: expected the same number of query heads removed from every "
-                                         r"key/value group kept \(groups of 3\), got query heads left per group "
-                                         r"kv head 0: 2, kv head 1: 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"heads: expected the same number of query heads removed from every "
+        r"key/value group kept \(groups of 3\), got query heads left per group "
+        r"kv head 0: 2, kv head 1: 3",
+    ):
         layer.prune_heads([0])
     assert layer.num_heads == 6  # nothing changed
     assert layer.prune_heads([0, 4]) == [1, 2, 3, 5] and layer.num_kv_heads == 2

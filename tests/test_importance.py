@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-import pytest
-
 from multihead import MultiHeadAttention
 from multihead.inspect import bundled_corpus, capture
-from multihead.inspect.importance import (ablated, ablation_importance, fidelity, gradient_importance,
-                                          mean_head_outputs, pruning_curve, pruning_order)
+from multihead.inspect.importance import (
+    ablated,
+    ablation_importance,
+    fidelity,
+    gradient_importance,
+    mean_head_outputs,
+    pruning_curve,
+    pruning_order,
+)
 from multihead.models import load_minilm
 
 TEXTS = bundled_corpus()[:12]
@@ -24,8 +30,11 @@ def minilm():
 def test_fidelity_of_known_embeddings():
     torch.manual_seed(0)
     reference = torch.nn.functional.normalize(torch.randn(5, 8), dim=-1)
-    assert fidelity(reference, reference) == {"cosine": pytest.approx(1.0), "min_cosine": pytest.approx(1.0),
-                                              "nn_agreement": 1.0}
+    assert fidelity(reference, reference) == {
+        "cosine": pytest.approx(1.0),
+        "min_cosine": pytest.approx(1.0),
+        "nn_agreement": 1.0,
+    }
     flipped = reference.clone()
     flipped[2] = -flipped[2]
     result = fidelity(reference, flipped)

@@ -78,11 +78,14 @@ def test_only_recorded_layers_ask_the_kernel_for_weights(model_and_inputs):
     def spy(name):
         def hook(module, args, kwargs):
             asked[name] = kwargs.get("return_weights")
+
         return hook
 
     with capture(model, layers=[1], heads=[2]):
-        handles = [model.first.attend.register_forward_pre_hook(spy("first"), with_kwargs=True),
-                   model.second.attend.register_forward_pre_hook(spy("second"), with_kwargs=True)]
+        handles = [
+            model.first.attend.register_forward_pre_hook(spy("first"), with_kwargs=True),
+            model.second.attend.register_forward_pre_hook(spy("second"), with_kwargs=True),
+        ]
         with torch.no_grad():
             model(x, memory)
     assert asked["first"] is False
@@ -111,7 +114,7 @@ def test_every_call_is_kept_and_the_cache_decode_is_recorded():
     with torch.no_grad(), capture(layer) as rec:
         layer(prompt, cache=cache, causal=True)
         for t in range(3):
-            layer(steps[:, t:t + 1], cache=cache, causal=True)
+            layer(steps[:, t : t + 1], cache=cache, causal=True)
     assert rec.calls(0) == 4
     assert rec.weights(0, call=0).shape == (1, 4, 5, 5)
     assert rec.weights(0).shape == (1, 4, 1, 8)  # the last decode step sees all 8 keys

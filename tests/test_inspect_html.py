@@ -18,16 +18,30 @@ import torch
 from multihead.inspect.html import render_html
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
 TOKENS = ["[CLS]", "the", "bank", "was", "full", "of", "money", ".", "[SEP]"]
 LAYERS = [2, 5]
 HEADS = [0, 3, 7]
-STAT_NAMES = {"entropy": "entropy (nats)", "distance": "mean distance (tokens)", "special": "on [CLS]/[SEP]",
-              "prev": "on previous", "next": "on next", "self": "on self", "punct": "on punctuation",
-              "max_weight": "max weight"}
+STAT_NAMES = {
+    "entropy": "entropy (nats)",
+    "distance": "mean distance (tokens)",
+    "special": "on [CLS]/[SEP]",
+    "prev": "on previous",
+    "next": "on next",
+    "self": "on self",
+    "punct": "on punctuation",
+    "max_weight": "max weight",
+}
 
 
 def head_stats(w: torch.Tensor, special: list[bool], punct: list[bool]) -> dict:
@@ -56,9 +70,17 @@ def make_data(*, tokens: list[str] = TOKENS, corpus: bool = False, extra: bool =
     punct = [t in (".", ",", "!", "?") for t in tokens]
     labels = ["prev", "[SEP]", "broad", "self", "focused", "mixed"]
     patterns = ["diagonal", "vertical", "heterogeneous", "diagonal", "block", "vertical+diagonal"]
-    roles = [[{"label": labels[li * len(HEADS) + hi], "pattern": patterns[li * len(HEADS) + hi],
-               "summary": f"synthetic head {li}.{hi}: max weight on offset -1 in {40 + 9 * hi}% of tokens"}
-              for hi in range(len(HEADS))] for li in range(len(LAYERS))]
+    roles = [
+        [
+            {
+                "label": labels[li * len(HEADS) + hi],
+                "pattern": patterns[li * len(HEADS) + hi],
+                "summary": f"synthetic head {li}.{hi}: max weight on offset -1 in {40 + 9 * hi}% of tokens",
+            }
+            for hi in range(len(HEADS))
+        ]
+        for li in range(len(LAYERS))
+    ]
     stats = [[head_stats(weights[li, hi], special, punct) for hi in range(len(HEADS))] for li in range(len(LAYERS))]
     data = {
         "title": "multihead inspect: all-MiniLM-L6-v2",
@@ -78,13 +100,19 @@ def make_data(*, tokens: list[str] = TOKENS, corpus: bool = False, extra: bool =
         "extra_columns": {},
     }
     if corpus:
-        data["corpus"] = {"source": "bundled corpus (150 sentences)", "sentences": 150, "tokens": 2400,
-                          "stats": [[{k: round(v * 0.9, 5) for k, v in head.items()} for head in layer]
-                                    for layer in stats]}
+        data["corpus"] = {
+            "source": "bundled corpus (150 sentences)",
+            "sentences": 150,
+            "tokens": 2400,
+            "stats": [[{k: round(v * 0.9, 5) for k, v in head.items()} for head in layer] for layer in stats],
+        }
         data["roles_source"] = "corpus (150 sentences)"
     if extra:
-        data["extra_columns"] = {"importance": [[round(0.1 * (li + 1) * (hi + 1), 5) for hi in range(len(HEADS))]
-                                                for li in range(len(LAYERS))]}
+        data["extra_columns"] = {
+            "importance": [
+                [round(0.1 * (li + 1) * (hi + 1), 5) for hi in range(len(HEADS))] for li in range(len(LAYERS))
+            ]
+        }
     return data
 
 
@@ -141,7 +169,7 @@ def test_no_external_resources():
     assert "http://" not in page and "https://" not in page
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page, re.I)
     assert not re.search(r"@import|url\(\s*['\"]?(https?:)?//", page, re.I)
-    assert page.count("<script") == 2   # the data block and the inline code, neither with a src
+    assert page.count("<script") == 2  # the data block and the inline code, neither with a src
 
 
 HOSTILE = "</script><b>x</b>"
@@ -156,7 +184,7 @@ def test_script_breaking_text_stays_inside_the_data_block():
     assert "</" not in block and "<!--" not in block
     assert page.count("</script>") == 2
     outside = page.replace(block, "")
-    assert "<b>" not in outside and "&lt;/script&gt;&lt;b&gt;" in outside   # the <title>, HTML-escaped
+    assert "<b>" not in outside and "&lt;/script&gt;&lt;b&gt;" in outside  # the <title>, HTML-escaped
     assert page.isascii()
 
 
@@ -167,8 +195,10 @@ def test_script_breaking_text_stays_inside_the_data_block():
 def browser():
     """Debian's chromium, started once for the module. Missing chromium is a failure, not a skip."""
     if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} not found: the HTML report tests drive Debian's chromium. "
-                    "`make test` installs it (apt-get install chromium chromium-driver).")
+        pytest.fail(
+            f"{CHROMIUM} not found: the HTML report tests drive Debian's chromium. "
+            "`make test` installs it (apt-get install chromium chromium-driver)."
+        )
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -188,8 +218,10 @@ def open_report(browser, tmp_path):
         page = browser.new_page(viewport={"width": width, "height": 900})
         page.on("console", lambda msg: errors.append(f"console: {msg.text}") if msg.type == "error" else None)
         page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
-        page.on("request", lambda req: errors.append(f"request: {req.url}")
-                if not req.url.startswith(("file:", "data:")) else None)
+        page.on(
+            "request",
+            lambda req: errors.append(f"request: {req.url}") if not req.url.startswith(("file:", "data:")) else None,
+        )
         page.goto(path.as_uri())
         pages.append(page)
         return page
@@ -202,9 +234,12 @@ def open_report(browser, tmp_path):
 
 def read_bars(page) -> list[tuple[int, float, str, str]]:
     """(data-key, data-weight, key token text, percentage text) for every .weight-row, in order."""
-    return page.eval_on_selector_all("#attention-bars .weight-row", """rows => rows.map(row => [
+    return page.eval_on_selector_all(
+        "#attention-bars .weight-row",
+        """rows => rows.map(row => [
         Number(row.getAttribute("data-key")), Number(row.getAttribute("data-weight")),
-        row.querySelector(".key-token").textContent, row.querySelector(".weight-pct").textContent])""")
+        row.querySelector(".key-token").textContent, row.querySelector(".weight-pct").textContent])""",
+    )
 
 
 def assert_bars_match(page, data: dict, li: int, hi: int, q: int) -> None:
@@ -228,11 +263,13 @@ def test_initial_view(open_report):
     page = open_report(data)
     assert page.input_value("#layer-select") == str(LAYERS[0])
     assert page.input_value("#head-select") == str(HEADS[0])
-    assert page.eval_on_selector_all("#layer-select option", "os => os.map(o => [o.value, o.textContent])") \
-        == [[str(layer), f"layer {layer}"] for layer in LAYERS]
+    assert page.eval_on_selector_all("#layer-select option", "os => os.map(o => [o.value, o.textContent])") == [
+        [str(layer), f"layer {layer}"] for layer in LAYERS
+    ]
     assert page.eval_on_selector_all("#head-select option", "os => os.map(o => o.value)") == [str(h) for h in HEADS]
-    assert page.eval_on_selector_all(".token", "ts => ts.map(t => [t.dataset.index, t.textContent])") \
-        == [[str(i), t] for i, t in enumerate(TOKENS)]
+    assert page.eval_on_selector_all(".token", "ts => ts.map(t => [t.dataset.index, t.textContent])") == [
+        [str(i), t] for i, t in enumerate(TOKENS)
+    ]
     assert page.eval_on_selector_all(".token.selected", "ts => ts.map(t => t.dataset.index)") == ["2"]
     assert_bars_match(page, data, 0, 0, 2)
     assert page.text_content("#report-title") == data["title"]
@@ -254,8 +291,9 @@ def test_heatmap_click_selects_head(open_report):
     data = make_data()
     page = open_report(data)
     assert page.locator("canvas.heatmap").count() == len(LAYERS) * len(HEADS)
-    assert page.eval_on_selector_all(".role-label", "ls => ls.map(l => l.textContent)") \
-        == [role["label"] for layer in data["roles"] for role in layer]
+    assert page.eval_on_selector_all(".role-label", "ls => ls.map(l => l.textContent)") == [
+        role["label"] for layer in data["roles"] for role in layer
+    ]
     page.click('.token[data-index="5"]')
     page.click(f'canvas.heatmap[data-layer="{LAYERS[1]}"][data-head="{HEADS[1]}"]')
     assert page.input_value("#layer-select") == str(LAYERS[1])
@@ -272,7 +310,7 @@ def test_stats_tables(open_report):
     rows = len(LAYERS) * len(HEADS)
     assert page.locator("#head-stats tbody tr").count() == rows
     headers = page.eval_on_selector_all("#head-stats th", "ths => ths.map(th => th.textContent)")
-    assert headers[:4 + len(STAT_NAMES)] == ["layer", "head", "role", "pattern", *STAT_NAMES.values()]
+    assert headers[: 4 + len(STAT_NAMES)] == ["layer", "head", "role", "pattern", *STAT_NAMES.values()]
 
     data = make_data(corpus=True, extra=True)
     page = open_report(data)
@@ -291,7 +329,7 @@ def test_stats_tables(open_report):
     assert (page.input_value("#layer-select"), page.input_value("#head-select")) == (str(LAYERS[-1]), str(HEADS[-1]))
     page.click('.token[data-index="4"]')
     ARTIFACTS.mkdir(exist_ok=True)
-    page.evaluate("window.scrollTo(0, 0)")   # the controls bar is sticky: keep it at the top of the image
+    page.evaluate("window.scrollTo(0, 0)")  # the controls bar is sticky: keep it at the top of the image
     page.screenshot(path=str(ARTIFACTS / "inspect-report.png"), full_page=True)
 
 

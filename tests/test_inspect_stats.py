@@ -36,6 +36,7 @@ HEADS = ("prev", "next", "self", "cls", "sep", "uniform", "punct", "mix")
 
 # ---------------------------------------------------------------------------------------- helpers
 
+
 def head_matrix(kind: str, tokens: list[str]) -> torch.Tensor:
     """(n, n) float64 weights of one hand-built head on a text of n word pieces."""
     n = len(tokens)
@@ -131,6 +132,7 @@ def approx(value):
 
 # ---------------------------------------------------------------------------------------- token_info
 
+
 def test_token_info_flags_and_padding():
     info = token_info([TEXT_A, TEXT_B], PAD_TO)
     for name in ("real", "cls", "sep", "punct", "segment"):
@@ -145,10 +147,24 @@ def test_token_info_flags_and_padding():
     assert info.special.sum() == 4
 
 
-@pytest.mark.parametrize("piece, punct", [
-    (".", True), (",", True), ("'", True), ("--", True), ("!", True), ("?", True), ("...", True),
-    ("a", False), ("##s", False), ("[SEP]", False), ("[CLS]", False), ("3", False), ("a.", False),
-])
+@pytest.mark.parametrize(
+    "piece, punct",
+    [
+        (".", True),
+        (",", True),
+        ("'", True),
+        ("--", True),
+        ("!", True),
+        ("?", True),
+        ("...", True),
+        ("a", False),
+        ("##s", False),
+        ("[SEP]", False),
+        ("[CLS]", False),
+        ("3", False),
+        ("a.", False),
+    ],
+)
 def test_token_info_punctuation(piece, punct):
     info = token_info([["[CLS]", piece, "[SEP]"]], 3)
     assert bool(info.punct[0, 1]) is punct
@@ -170,6 +186,7 @@ def test_token_info_segments():
 
 
 # ---------------------------------------------------------------------------------------- _Accumulator
+
 
 def test_previous_token_head(structured):
     s = stat_of(structured, "prev")
@@ -227,7 +244,7 @@ def test_uniform_head(structured):
     assert s["norm_entropy"] == approx(1.0)
     assert s["max_weight"] == approx((N_A / N_A + N_B / N_B) / QUERIES)
     # sum_i sum_j |i - j| / n = (n^2 - 1) / 3 per text
-    assert s["distance"] == approx(((N_A ** 2 - 1) / 3 + (N_B ** 2 - 1) / 3) / QUERIES)
+    assert s["distance"] == approx(((N_A**2 - 1) / 3 + (N_B**2 - 1) / 3) / QUERIES)
     assert s["cls"] == approx((1 + 1) / QUERIES) and s["sep"] == approx(2 / QUERIES)
     # punctuation not counting [CLS]/[SEP]: 2 of A's 9 pieces, 3 of B's 12
     assert s["punct"] == approx((N_A * 2 / N_A + N_B * 3 / N_B) / QUERIES)
@@ -246,8 +263,9 @@ def test_punctuation_head(structured):
     assert s["punct"] == approx(1) and s["special"] == approx(0)
     # A on "," (index 4), B on "." (index 10): offsets 0..3 are the maxima of a word in both texts
     assert s["positional"] == approx(2 / WORDS) and s["best_offset"] == 0
-    assert s["distance"] == approx((sum(abs(i - 4) for i in range(N_A))
-                                    + sum(abs(i - 10) for i in range(N_B))) / QUERIES)
+    assert s["distance"] == approx(
+        (sum(abs(i - 4) for i in range(N_A)) + sum(abs(i - 10) for i in range(N_B))) / QUERIES
+    )
 
 
 def test_mixed_vertical_diagonal_pattern(structured):
@@ -266,13 +284,16 @@ def test_structured_head_labels(structured):
 
 def test_hand_computed_head():
     tokens = ["[CLS]", "hi", "there", ".", "[SEP]"]
-    a = torch.tensor([
-        [0.50, 0.50, 0.00, 0.00, 0.00],
-        [0.25, 0.25, 0.50, 0.00, 0.00],
-        [0.10, 0.40, 0.30, 0.20, 0.00],
-        [0.00, 0.00, 0.00, 0.20, 0.80],
-        [0.60, 0.00, 0.00, 0.00, 0.40],
-    ], dtype=torch.float64)
+    a = torch.tensor(
+        [
+            [0.50, 0.50, 0.00, 0.00, 0.00],
+            [0.25, 0.25, 0.50, 0.00, 0.00],
+            [0.10, 0.40, 0.30, 0.20, 0.00],
+            [0.00, 0.00, 0.00, 0.20, 0.80],
+            [0.60, 0.00, 0.00, 0.00, 0.40],
+        ],
+        dtype=torch.float64,
+    )
     s = accumulate([(batch_weights([a[None]], 7), [tokens], 7)])
     value = {name: float(v[0]) for name, v in s.items() if name != "patterns"}
 
@@ -373,33 +394,36 @@ def test_padding_does_not_count():
 EPS = 1e-3
 
 
-@pytest.mark.parametrize("diagonal, vertical, block, segments, expected", [
-    # vertical: V >= 0.5
-    (0.0, 0.5 + EPS, 0.0, 1, "vertical"),
-    (0.0, 0.5 - EPS, 0.0, 1, "heterogeneous"),
-    (0.2, 0.5 + EPS, 0.0, 1, "vertical"),  # D under 0.25: not mixed
-    # diagonal: D >= 0.5
-    (0.5 + EPS, 0.0, 0.0, 1, "diagonal"),
-    (0.5 - EPS, 0.0, 0.0, 1, "heterogeneous"),
-    (0.5 + EPS, 0.2, 0.0, 1, "diagonal"),  # V under 0.25: not mixed
-    # vertical+diagonal: both >= 0.25 and sum >= 0.6, before vertical and diagonal
-    (0.3, 0.3 + EPS, 0.0, 1, "vertical+diagonal"),
-    (0.3, 0.3 - EPS, 0.0, 1, "heterogeneous"),  # sum just under 0.6
-    (0.25 + EPS, 0.5, 0.0, 1, "vertical+diagonal"),
-    (0.25 - EPS, 0.5, 0.0, 1, "vertical"),  # D just under 0.25
-    (0.5, 0.25 + EPS, 0.0, 1, "vertical+diagonal"),
-    (0.5, 0.25 - EPS, 0.0, 1, "diagonal"),  # V just under 0.25
-    (0.5, 0.5, 0.0, 1, "vertical+diagonal"),
-    # block: B >= 0.5 and two or more sentences, after the others
-    (0.0, 0.0, 0.5 + EPS, 2, "block"),
-    (0.0, 0.0, 0.5 - EPS, 2, "heterogeneous"),
-    (0.0, 0.0, 0.9, 1, "heterogeneous"),  # one sentence: never block
-    (0.0, 0.0, 0.9, 3, "block"),
-    (0.5, 0.0, 0.5, 2, "diagonal"),
-    (0.0, 0.5, 0.5, 2, "vertical"),
-    # heterogeneous
-    (0.2, 0.2, 0.2, 2, "heterogeneous"),
-])
+@pytest.mark.parametrize(
+    "diagonal, vertical, block, segments, expected",
+    [
+        # vertical: V >= 0.5
+        (0.0, 0.5 + EPS, 0.0, 1, "vertical"),
+        (0.0, 0.5 - EPS, 0.0, 1, "heterogeneous"),
+        (0.2, 0.5 + EPS, 0.0, 1, "vertical"),  # D under 0.25: not mixed
+        # diagonal: D >= 0.5
+        (0.5 + EPS, 0.0, 0.0, 1, "diagonal"),
+        (0.5 - EPS, 0.0, 0.0, 1, "heterogeneous"),
+        (0.5 + EPS, 0.2, 0.0, 1, "diagonal"),  # V under 0.25: not mixed
+        # vertical+diagonal: both >= 0.25 and sum >= 0.6, before vertical and diagonal
+        (0.3, 0.3 + EPS, 0.0, 1, "vertical+diagonal"),
+        (0.3, 0.3 - EPS, 0.0, 1, "heterogeneous"),  # sum just under 0.6
+        (0.25 + EPS, 0.5, 0.0, 1, "vertical+diagonal"),
+        (0.25 - EPS, 0.5, 0.0, 1, "vertical"),  # D just under 0.25
+        (0.5, 0.25 + EPS, 0.0, 1, "vertical+diagonal"),
+        (0.5, 0.25 - EPS, 0.0, 1, "diagonal"),  # V just under 0.25
+        (0.5, 0.5, 0.0, 1, "vertical+diagonal"),
+        # block: B >= 0.5 and two or more sentences, after the others
+        (0.0, 0.0, 0.5 + EPS, 2, "block"),
+        (0.0, 0.0, 0.5 - EPS, 2, "heterogeneous"),
+        (0.0, 0.0, 0.9, 1, "heterogeneous"),  # one sentence: never block
+        (0.0, 0.0, 0.9, 3, "block"),
+        (0.5, 0.0, 0.5, 2, "diagonal"),
+        (0.0, 0.5, 0.5, 2, "vertical"),
+        # heterogeneous
+        (0.2, 0.2, 0.2, 2, "heterogeneous"),
+    ],
+)
 def test_kovaleva_pattern_thresholds(diagonal, vertical, block, segments, expected):
     t = lambda x: torch.tensor([x], dtype=torch.float64)  # noqa: E731
     pattern = kovaleva_pattern(t(diagonal), t(vertical), t(block), torch.tensor([segments]))
@@ -419,46 +443,64 @@ def test_kovaleva_pattern_batched():
 
 def test_kovaleva_pattern_broadcasts_every_argument():
     """The docstring: "All arguments broadcast" -- also when diagonal is the smallest of them."""
-    pattern = kovaleva_pattern(torch.tensor(0.1, dtype=torch.float64),
-                               torch.tensor([0.6, 0.1, 0.3], dtype=torch.float64),
-                               torch.tensor(0.0, dtype=torch.float64), torch.tensor(1))
+    pattern = kovaleva_pattern(
+        torch.tensor(0.1, dtype=torch.float64),
+        torch.tensor([0.6, 0.1, 0.3], dtype=torch.float64),
+        torch.tensor(0.0, dtype=torch.float64),
+        torch.tensor(1),
+    )
     assert [PATTERNS[int(x)] for x in pattern] == ["vertical", "heterogeneous", "heterogeneous"]
 
 
 # ---------------------------------------------------------------------------------------- label_head
 
-BASE = {"entropy": 1.5, "norm_entropy": 0.5, "distance": 2.5, "cls": 0.1, "sep": 0.1, "special": 0.2,
-        "punct": 0.1, "prev": 0.2, "next": 0.1, "self": 0.1, "max_weight": 0.4, "positional": 0.5,
-        "best_offset": -1.0}
+BASE = {
+    "entropy": 1.5,
+    "norm_entropy": 0.5,
+    "distance": 2.5,
+    "cls": 0.1,
+    "sep": 0.1,
+    "special": 0.2,
+    "punct": 0.1,
+    "prev": 0.2,
+    "next": 0.1,
+    "self": 0.1,
+    "max_weight": 0.4,
+    "positional": 0.5,
+    "best_offset": -1.0,
+}
 SHARES = {"vertical": 0.1, "diagonal": 0.6, "vertical+diagonal": 0.1, "block": 0.0, "heterogeneous": 0.2}
 
 
-@pytest.mark.parametrize("changes, expected", [
-    ({}, "mixed"),
-    # 1. positional, before the sink: offset -1 / +1 / 0 / other
-    ({"positional": 0.9, "best_offset": -1.0, "special": 0.8, "cls": 0.8}, "prev"),
-    ({"positional": 0.95, "best_offset": 1.0, "special": 0.8, "sep": 0.8}, "next"),
-    ({"positional": 0.95, "best_offset": 0.0}, "self"),
-    ({"positional": 0.95, "best_offset": 2.0}, "pos+2"),
-    ({"positional": 0.95, "best_offset": -3.0}, "pos-3"),
-    ({"positional": 0.899, "best_offset": -1.0}, "mixed"),
-    # 2. sink, before punctuation, named after the larger of [CLS] and [SEP]
-    ({"special": 0.5, "cls": 0.3, "sep": 0.2, "punct": 0.5}, "[CLS]"),
-    ({"special": 0.5, "cls": 0.2, "sep": 0.3, "punct": 0.5}, "[SEP]"),
-    ({"special": 0.499, "cls": 0.3, "sep": 0.199}, "mixed"),
-    # 3. punctuation, before broad
-    ({"punct": 0.5, "special": 0.499, "norm_entropy": 0.95, "max_weight": 0.05}, "punct"),
-    ({"punct": 0.499}, "mixed"),
-    # 4. broad: max weight <= 0.1, or normalised entropy >= 0.85; before focused
-    ({"max_weight": 0.1}, "broad"),
-    ({"max_weight": 0.101}, "mixed"),
-    ({"norm_entropy": 0.85}, "broad"),
-    ({"norm_entropy": 0.849}, "mixed"),
-    ({"max_weight": 0.05, "norm_entropy": 0.2}, "broad"),
-    # 5. focused: normalised entropy <= 0.3
-    ({"norm_entropy": 0.3}, "focused"),
-    ({"norm_entropy": 0.301}, "mixed"),
-])
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({}, "mixed"),
+        # 1. positional, before the sink: offset -1 / +1 / 0 / other
+        ({"positional": 0.9, "best_offset": -1.0, "special": 0.8, "cls": 0.8}, "prev"),
+        ({"positional": 0.95, "best_offset": 1.0, "special": 0.8, "sep": 0.8}, "next"),
+        ({"positional": 0.95, "best_offset": 0.0}, "self"),
+        ({"positional": 0.95, "best_offset": 2.0}, "pos+2"),
+        ({"positional": 0.95, "best_offset": -3.0}, "pos-3"),
+        ({"positional": 0.899, "best_offset": -1.0}, "mixed"),
+        # 2. sink, before punctuation, named after the larger of [CLS] and [SEP]
+        ({"special": 0.5, "cls": 0.3, "sep": 0.2, "punct": 0.5}, "[CLS]"),
+        ({"special": 0.5, "cls": 0.2, "sep": 0.3, "punct": 0.5}, "[SEP]"),
+        ({"special": 0.499, "cls": 0.3, "sep": 0.199}, "mixed"),
+        # 3. punctuation, before broad
+        ({"punct": 0.5, "special": 0.499, "norm_entropy": 0.95, "max_weight": 0.05}, "punct"),
+        ({"punct": 0.499}, "mixed"),
+        # 4. broad: max weight <= 0.1, or normalised entropy >= 0.85; before focused
+        ({"max_weight": 0.1}, "broad"),
+        ({"max_weight": 0.101}, "mixed"),
+        ({"norm_entropy": 0.85}, "broad"),
+        ({"norm_entropy": 0.849}, "mixed"),
+        ({"max_weight": 0.05, "norm_entropy": 0.2}, "broad"),
+        # 5. focused: normalised entropy <= 0.3
+        ({"norm_entropy": 0.3}, "focused"),
+        ({"norm_entropy": 0.301}, "mixed"),
+    ],
+)
 def test_label_head_priorities(changes, expected):
     role = label_head({**BASE, **changes}, SHARES)
     assert isinstance(role, Role)
@@ -480,8 +522,10 @@ def test_label_head_summary_reports_the_measured_share():
 # ---------------------------------------------------------------------------------------- the real model
 
 SHORT = "It rained."
-LONGER = ["The bank by the river was full of money, or so the old story goes.",
-          "She left early; the meeting, which had run for three hours, was still going on when she did."]
+LONGER = [
+    "The bank by the river was full of money, or so the old story goes.",
+    "She left early; the meeting, which had run for three hours, was still going on when she did.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -504,8 +548,9 @@ def test_real_model_shapes_and_counts(minilm):
     tokenizer = minilm.tokenizer
     assert stats.texts == 3
     assert stats.tokens == sum(len(tokenizer.tokenize(t)) for t in [SHORT, *LONGER])
-    torch.testing.assert_close(stats.values["norm_entropy"],
-                               stats.values["norm_entropy"].clamp(0, 1))  # a weight row is a distribution
+    torch.testing.assert_close(
+        stats.values["norm_entropy"], stats.values["norm_entropy"].clamp(0, 1)
+    )  # a weight row is a distribution
 
 
 def test_real_model_padding_is_masked(minilm):
@@ -520,7 +565,8 @@ def test_real_model_padding_is_masked(minilm):
     short, longer = head_stats(minilm, [SHORT]), head_stats(minilm, LONGER, batch_size=2)
     for name in ("entropy", "norm_entropy", "distance", "cls", "sep", "punct", "prev", "max_weight"):
         combined = (short.values[name] * short.tokens + longer.values[name] * longer.tokens) / (
-            short.tokens + longer.tokens)
+            short.tokens + longer.tokens
+        )
         torch.testing.assert_close(together.values[name], combined, rtol=0, atol=1e-6, msg=name)
 
 
@@ -560,8 +606,9 @@ def test_real_model_bad_inputs(minilm):
         head_stats(minilm, 5)
     with pytest.raises(TypeError, match="texts"):
         head_stats(minilm, ["fine", 5])
-    bare = Encoder(EncoderConfig(vocab_size=40, hidden_size=12, num_layers=1, num_heads=3,
-                                 intermediate_size=20, max_positions=16))
+    bare = Encoder(
+        EncoderConfig(vocab_size=40, hidden_size=12, num_layers=1, num_heads=3, intermediate_size=20, max_positions=16)
+    )
     assert bare.tokenizer is None
     with pytest.raises(TypeError, match="tokenizer"):
         head_stats(bare, ["a text"])

@@ -11,29 +11,40 @@ import torch
 
 import multihead
 from multihead.inspect import syntax
-from multihead.inspect.syntax import (RELATIONS, TREEBANK, Sentence, SyntaxScores, _score, bundled_treebank,
-                                      read_conllu, syntax_scores, word_attention)
+from multihead.inspect.syntax import (
+    RELATIONS,
+    TREEBANK,
+    Sentence,
+    SyntaxScores,
+    _score,
+    bundled_treebank,
+    read_conllu,
+    syntax_scores,
+    word_attention,
+)
 
 ROW = "{id}\t{form}\t{form}\tX\tX\t_\t{head}\t{rel}\t_\t_"
 
-SAMPLE = "\n".join([
-    "# sent_id = s1",
-    "# text = They don't know.",
-    ROW.format(id=1, form="They", head=4, rel="nsubj"),
-    "2-3\tdon't\t_\t_\t_\t_\t_\t_\t_\t_",
-    ROW.format(id=2, form="do", head=4, rel="aux"),
-    ROW.format(id=3, form="n't", head=4, rel="advmod"),
-    ROW.format(id=4, form="know", head=0, rel="root"),
-    "4.1\tknows\tknow\tVERB\tVBZ\t_\t_\t_\t4:conj\t_",
-    ROW.format(id=5, form=".", head=4, rel="punct"),
-    "",
-    "# sent_id = s2",
-    ROW.format(id=1, form="her", head=2, rel="nmod:poss"),
-    ROW.format(id=2, form="cat", head=3, rel="nsubj"),
-    ROW.format(id=3, form="gave", head=0, rel="root"),
-    ROW.format(id=4, form="up", head=3, rel="compound:prt"),
-    "",
-])
+SAMPLE = "\n".join(
+    [
+        "# sent_id = s1",
+        "# text = They don't know.",
+        ROW.format(id=1, form="They", head=4, rel="nsubj"),
+        "2-3\tdon't\t_\t_\t_\t_\t_\t_\t_\t_",
+        ROW.format(id=2, form="do", head=4, rel="aux"),
+        ROW.format(id=3, form="n't", head=4, rel="advmod"),
+        ROW.format(id=4, form="know", head=0, rel="root"),
+        "4.1\tknows\tknow\tVERB\tVBZ\t_\t_\t_\t4:conj\t_",
+        ROW.format(id=5, form=".", head=4, rel="punct"),
+        "",
+        "# sent_id = s2",
+        ROW.format(id=1, form="her", head=2, rel="nmod:poss"),
+        ROW.format(id=2, form="cat", head=3, rel="nsubj"),
+        ROW.format(id=3, form="gave", head=0, rel="root"),
+        ROW.format(id=4, form="up", head=3, rel="compound:prt"),
+        "",
+    ]
+)
 
 
 # ----------------------------------------------------------------------------------- read_conllu
@@ -185,9 +196,11 @@ def test_score_on_synthetic_attention():
 
 def test_score_baseline_is_the_most_common_offset_and_root_never_counts():
     # amod heads at +2, +2, +1 (and one amod-labelled root, which must not count)
-    sentences = [Sentence(["big", "red", "car"], [3, 3, 0], ["amod", "amod", "root"]),
-                 Sentence(["old", "very", "man"], [3, 3, 0], ["amod", "advmod", "root"]),
-                 Sentence(["odd", "one"], [2, 0], ["dep", "amod"])]
+    sentences = [
+        Sentence(["big", "red", "car"], [3, 3, 0], ["amod", "amod", "root"]),
+        Sentence(["old", "very", "man"], [3, 3, 0], ["amod", "advmod", "root"]),
+        Sentence(["odd", "one"], [2, 0], ["dep", "amod"]),
+    ]
     attentions = [torch.zeros(1, 1, len(s.words), len(s.words)) for s in sentences]
     scores = _score(attentions, sentences, ["amod"])
     assert scores.counts == {"amod": 3}
@@ -235,8 +248,11 @@ def test_syntax_scores_subset_matches_full_run(model, scores):
 
 
 def test_syntax_scores_unknown_relation_lists_available(model):
-    with pytest.raises(ValueError, match=r"relations: expected relations present in the sentences: .*\bdet\b.*"
-                                         r"\bnsubj\b.*got 'foo'"):
+    with pytest.raises(
+        ValueError,
+        match=r"relations: expected relations present in the sentences: .*\bdet\b.*"
+        r"\bnsubj\b.*got 'foo'",
+    ):
         syntax_scores(model, bundled_treebank(), relations=["det", "foo"], max_sentences=20)
     with pytest.raises(ValueError, match="got 'root'"):  # root attachments are never scored
         syntax_scores(model, bundled_treebank(), relations="root", max_sentences=20)
@@ -246,8 +262,9 @@ def test_syntax_scores_skips_overlong_sentences_and_reports_progress(model):
     sentences = bundled_treebank()[:5]
     long = Sentence(["word"] * 600, [0] + [1] * 599, ["root"] + ["dep"] * 599)
     done = []
-    result = syntax_scores(model, sentences + [long], relations=["det"], layers=[2], heads=[8], batch_size=2,
-                           progress=done.append)
+    result = syntax_scores(
+        model, sentences + [long], relations=["det"], layers=[2], heads=[8], batch_size=2, progress=done.append
+    )
     assert (result.sentences, result.skipped) == (5, 1)
     assert done == sorted(done) and done[-1] == 6
     # the long sentence's relation is not counted (it was skipped)

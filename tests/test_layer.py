@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import re
-
 import math
+import re
 
 import pytest
 import torch
 
-from support import is_input_error
-
 from multihead import KVCache, MultiHeadAttention, masks
 from multihead.positional import RotaryEmbedding
+from support import is_input_error
 
 torch.manual_seed(0)
 
@@ -25,8 +23,8 @@ def per_head_formula(layer: MultiHeadAttention, query, key, value, keep=None):
     h, g, d, e = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.value_head_dim
 
     def rows(proj, n, size):
-        weight = proj.weight[n * size:(n + 1) * size]  # this head's rows of the stacked projection
-        bias = None if proj.bias is None else proj.bias[n * size:(n + 1) * size]
+        weight = proj.weight[n * size : (n + 1) * size]  # this head's rows of the stacked projection
+        bias = None if proj.bias is None else proj.bias[n * size : (n + 1) * size]
         return weight, bias
 
     heads = []
@@ -75,7 +73,7 @@ def test_defaults_reproduce_the_classic_layer():
     assert (layer.head_dim, layer.value_head_dim, layer.num_kv_heads, layer.out_dim) == (64, 64, 8, 512)
     weights = sum(p.numel() for n, p in layer.named_parameters() if n.endswith("weight"))
     biases = sum(p.numel() for n, p in layer.named_parameters() if n.endswith("bias"))
-    assert weights == 4 * 512 ** 2 == 1_048_576  # the textbook's d = 512, h = 8 count
+    assert weights == 4 * 512**2 == 1_048_576  # the textbook's d = 512, h = 8 count
     assert biases == 4 * 512
 
 
@@ -133,7 +131,7 @@ def decode_in_steps(layer, x, steps, cache):
     """Feed x (b, n, E) in chunks of the given sizes through the cache; concatenate the outputs."""
     outputs, start = [], 0
     for size in steps:
-        outputs.append(layer(x[:, start:start + size], causal=True, cache=cache)[0])
+        outputs.append(layer(x[:, start : start + size], causal=True, cache=cache)[0])
         start += size
     return torch.cat(outputs, dim=1)
 
@@ -210,8 +208,11 @@ BAD_CONSTRUCTION = [
     (dict(embed_dim=12, num_heads=2, dropout=1.0), ValueError, "dropout: expected a probability in [0, 1)"),
     (dict(embed_dim=12, num_heads=2, bias="yes"), TypeError, "bias: expected True or False"),
     (dict(embed_dim=12, num_heads=2, backend="fastest"), ValueError, "backend: expected 'auto' or one of"),
-    (dict(embed_dim=12, num_heads=2, rotary=RotaryEmbedding(4)), ValueError,
-     "rotary: expected a RotaryEmbedding of head_dim = 6"),
+    (
+        dict(embed_dim=12, num_heads=2, rotary=RotaryEmbedding(4)),
+        ValueError,
+        "rotary: expected a RotaryEmbedding of head_dim = 6",
+    ),
     (dict(embed_dim=12, num_heads=2, rotary="yes"), TypeError, "rotary: expected True, False/None"),
 ]
 
@@ -246,10 +247,16 @@ def bad_calls():
         (lambda: layer(x, need_weights=1), TypeError, "need_weights: expected True or False"),
         (lambda: layer(x, cache={}), TypeError, "cache: expected a multihead.KVCache"),
         (lambda: layer(x, causal=True, cache=other_layer_cache), ValueError, "cache: expected a cache for key/value"),
-        (lambda: layer(torch.randn(3, 1, 12), causal=True, cache=layer.new_cache(2, 8)), ValueError,
-         "cache: expected a cache for batch size = 3"),
-        (lambda: layer(x[:, :2], causal=True, cache=full_cache), ValueError,
-         "cache: expected room for 2 more token(s) (max_len = 6)"),
+        (
+            lambda: layer(torch.randn(3, 1, 12), causal=True, cache=layer.new_cache(2, 8)),
+            ValueError,
+            "cache: expected a cache for batch size = 3",
+        ),
+        (
+            lambda: layer(x[:, :2], causal=True, cache=full_cache),
+            ValueError,
+            "cache: expected room for 2 more token(s) (max_len = 6)",
+        ),
         (lambda: layer(x, mask=torch.ones(5, 6, dtype=torch.bool)), ValueError, "mask: expected a shape broadcastable"),
         (lambda: KVCache(0, 4, 1, 8), ValueError, "batch_size: expected a positive int"),
         (lambda: layer.new_cache(2, 8, window=0), ValueError, "window: expected a positive int"),
@@ -260,11 +267,17 @@ def bad_calls():
         (lambda: layer(x.to(torch.complex64)), TypeError, "query: expected a floating tensor"),
         (lambda: layer(torch.randn(2, 5, 12, device="meta")), ValueError, "query: expected a tensor on cpu"),
         (lambda: layer(x, x.double()), TypeError, "key: expected dtype torch.float32 (the query's)"),
-        (lambda: cross(x, torch.randn(2, 5, 5), torch.randn(2, 5, 5, dtype=torch.float64)), TypeError,
-         "value: expected dtype torch.float32 (the query's)"),
+        (
+            lambda: cross(x, torch.randn(2, 5, 5), torch.randn(2, 5, 5, dtype=torch.float64)),
+            TypeError,
+            "value: expected dtype torch.float32 (the query's)",
+        ),
         (lambda: layer(torch.randn(0, 5, 12)), ValueError, "query: expected at least one batch row and one position"),
-        (lambda: MultiHeadAttention(12, 2, kdim=5, vdim=7)(x, torch.randn(2, 5, 5)), ValueError,
-         "value: expected a value tensor (b, j, 7)"),
+        (
+            lambda: MultiHeadAttention(12, 2, kdim=5, vdim=7)(x, torch.randn(2, 5, 5)),
+            ValueError,
+            "value: expected a value tensor (b, j, 7)",
+        ),
     ]
 
 
@@ -300,19 +313,39 @@ def _failing_steps(layer, x):
     """Cached calls of the token x[:, 3:4] that must raise, each for a different reason: {reason: (call, fragment)}."""
     token = x[:, 3:4]
     return {
-        "mask of the wrong shape": (lambda cache: layer(token, causal=True, cache=cache, mask=torch.ones(
-            5, 5, dtype=torch.bool)), "mask: expected a shape broadcastable"),
-        "mask of a bad type": (lambda cache: layer(token, causal=True, cache=cache, mask="causal"),
-                               "mask: expected a multihead.masks mask"),
-        "integer mask": (lambda cache: layer(token, causal=True, cache=cache, mask=torch.ones(1, 4, dtype=torch.int32)),
-                         "mask: expected a bool tensor"),
-        "a backend that cannot serve it": (lambda cache: _with_backend(layer, "sdpa", lambda: layer(
-            token, causal=True, cache=cache, mask=masks.bias(torch.zeros(4, dtype=torch.float64, requires_grad=True)))),
-            "gradient with respect to an additive bias"),
-        "weights asked of rows that do not exist": (lambda cache: _with_capture(layer, lambda: layer(
-            token, causal=True, cache=cache)), "WeightSelection.queries"),
-        "a failure after attention (bad head gate)": (lambda cache: _with_gate(layer, lambda: layer(
-            token, causal=True, cache=cache)), "head_gate: expected a tensor of shape (h,) = (3,)"),
+        "mask of the wrong shape": (
+            lambda cache: layer(token, causal=True, cache=cache, mask=torch.ones(5, 5, dtype=torch.bool)),
+            "mask: expected a shape broadcastable",
+        ),
+        "mask of a bad type": (
+            lambda cache: layer(token, causal=True, cache=cache, mask="causal"),
+            "mask: expected a multihead.masks mask",
+        ),
+        "integer mask": (
+            lambda cache: layer(token, causal=True, cache=cache, mask=torch.ones(1, 4, dtype=torch.int32)),
+            "mask: expected a bool tensor",
+        ),
+        "a backend that cannot serve it": (
+            lambda cache: _with_backend(
+                layer,
+                "sdpa",
+                lambda: layer(
+                    token,
+                    causal=True,
+                    cache=cache,
+                    mask=masks.bias(torch.zeros(4, dtype=torch.float64, requires_grad=True)),
+                ),
+            ),
+            "gradient with respect to an additive bias",
+        ),
+        "weights asked of rows that do not exist": (
+            lambda cache: _with_capture(layer, lambda: layer(token, causal=True, cache=cache)),
+            "WeightSelection.queries",
+        ),
+        "a failure after attention (bad head gate)": (
+            lambda cache: _with_gate(layer, lambda: layer(token, causal=True, cache=cache)),
+            "head_gate: expected a tensor of shape (h,) = (3,)",
+        ),
     }
 
 
@@ -354,11 +387,15 @@ def test_a_failed_cached_call_leaves_the_cache_as_it_was(window):
             step(cache)
         assert torch.equal(layer.rotary._cos_sin, table), reason  # tables grow only when a call succeeds
         assert (len(cache), cache.seen) == held[:2], reason
-        assert torch.equal(cache.keys[:, :, :len(cache)], held[2][:, :, :len(cache)]), reason
-        assert torch.equal(cache.values[:, :, :len(cache)], held[3][:, :, :len(cache)]), reason
+        assert torch.equal(cache.keys[:, :, : len(cache)], held[2][:, :, : len(cache)]), reason
+        assert torch.equal(cache.values[:, :, : len(cache)], held[3][:, :, : len(cache)]), reason
     for start in (3, 4, 5):  # the retried token and the next ones are exactly the uninterrupted run's
-        torch.testing.assert_close(layer(x[:, start:start + 1], causal=True, cache=cache)[0],
-                                   layer(x[:, start:start + 1], causal=True, cache=uninterrupted)[0], rtol=0, atol=0)
+        torch.testing.assert_close(
+            layer(x[:, start : start + 1], causal=True, cache=cache)[0],
+            layer(x[:, start : start + 1], causal=True, cache=uninterrupted)[0],
+            rtol=0,
+            atol=0,
+        )
 
 
 def test_rotary_positions_past_any_table_are_rotated_per_call():

@@ -27,9 +27,15 @@ def dense_keep(mask, b=2, h=3, i=5, j=7):
 def test_causal_and_window_values_for_unequal_lengths():
     # i = 3, j = 5, as drawn in the module docstring
     assert dense_keep(masks.causal(), 1, 1, 3, 5)[0, 0].int().tolist() == [
-        [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1],
+    ]
     assert dense_keep(masks.causal("top_left"), 1, 1, 3, 5)[0, 0].int().tolist() == [
-        [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+    ]
     # window(1, 0): own key and one before; window(0, 1): own key and one after (square)
     assert dense_keep(masks.window(1, 0), 1, 1, 3, 3)[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
     assert dense_keep(masks.window(0, 1), 1, 1, 3, 3)[0, 0].int().tolist() == [[1, 1, 0], [0, 1, 1], [0, 0, 1]]
@@ -44,9 +50,9 @@ def test_padding_from_lengths_equals_padding_from_valid():
 
 
 def test_alibi_slopes_follow_press_et_al():
-    assert masks.alibi_slopes(8).tolist() == [2.0 ** -n for n in range(1, 9)]
+    assert masks.alibi_slopes(8).tolist() == [2.0**-n for n in range(1, 9)]
     # 12 heads: the 8-head slopes, then every other slope of 16 heads (2^-0.5, 2^-1.5, ...)
-    expected = [2.0 ** -n for n in range(1, 9)] + [2.0 ** -(k + 0.5) for k in range(4)]
+    expected = [2.0**-n for n in range(1, 9)] + [2.0 ** -(k + 0.5) for k in range(4)]
     torch.testing.assert_close(masks.alibi_slopes(12), torch.tensor(expected), rtol=1e-6, atol=0)
 
 
@@ -82,11 +88,16 @@ def masks_and_blocks(draw):
     b, h, i, j = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 12)), draw(st.integers(1, 12))
     kind = draw(st.sampled_from(["causal", "window", "padding", "combo"]))
     align = draw(st.sampled_from(["bottom_right", "top_left"]))
-    window = masks.window(draw(st.one_of(st.none(), st.integers(0, 5))),
-                          draw(st.one_of(st.none(), st.integers(0, 5))), align=align)
+    window = masks.window(
+        draw(st.one_of(st.none(), st.integers(0, 5))), draw(st.one_of(st.none(), st.integers(0, 5))), align=align
+    )
     padding = masks.padding(torch.tensor(draw(st.lists(st.integers(0, j), min_size=b, max_size=b))))
-    mask = {"causal": masks.causal(align), "window": window, "padding": padding,
-            "combo": masks.causal(align) & padding & window}[kind]
+    mask = {
+        "causal": masks.causal(align),
+        "window": window,
+        "padding": padding,
+        "combo": masks.causal(align) & padding & window,
+    }[kind]
     i0 = draw(st.integers(0, i - 1))
     j0 = draw(st.integers(0, j - 1))
     rows = range(i0, draw(st.integers(i0 + 1, i)))
@@ -99,7 +110,7 @@ def masks_and_blocks(draw):
 def test_block_state_never_contradicts_the_dense_mask(case):
     """EMPTY blocks are skipped by kernels and FULL blocks get no mask: both must be exact."""
     (b, h, i, j), mask, rows, cols = case
-    keep = dense_keep(mask, b, h, i, j)[:, :, rows.start:rows.stop, cols.start:cols.stop]
+    keep = dense_keep(mask, b, h, i, j)[:, :, rows.start : rows.stop, cols.start : cols.stop]
     bound = bind_mask(mask, False, AttentionShape(b, h, i, j, CPU))
     state = bound.state(rows, cols)
     if state is BlockState.EMPTY:

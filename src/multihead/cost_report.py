@@ -10,7 +10,17 @@ from rich.table import Table
 from rich.text import Text
 
 from multihead._userfiles import output_folder, writing
-from multihead.cost import QUADRATIC_TERMS, TERMS, CostReport, LayerShape, MachineRates, compute_rate, crossover, estimate, roofline
+from multihead.cost import (
+    QUADRATIC_TERMS,
+    TERMS,
+    CostReport,
+    LayerShape,
+    MachineRates,
+    compute_rate,
+    crossover,
+    estimate,
+    roofline,
+)
 
 __all__ = ["human_flops", "human_bytes", "print_cost", "plot_cost", "cost_json"]
 
@@ -38,19 +48,24 @@ def describe_config(report: CostReport) -> str:
     kv = f", kv heads {s.g}" if s.g != s.h else ""
     sizes = f"d={s.d}" + (f", e={s.e}" if s.e != s.d else "")
     lengths = f"i={report.q_len}" + (f", j={report.k_len}" if report.k_len != report.q_len else "")
-    extra = [report.mode, report.dtype] + (["causal"] if report.causal else []) + (
-        ["weights returned"] if report.need_weights else [])
-    return (f"embed_dim {s.embed_dim}, heads {s.h}{kv} ({sizes}), batch {report.batch}, {lengths}: "
-            + ", ".join(extra))
+    extra = (
+        [report.mode, report.dtype]
+        + (["causal"] if report.causal else [])
+        + (["weights returned"] if report.need_weights else [])
+    )
+    return f"embed_dim {s.embed_dim}, heads {s.h}{kv} ({sizes}), batch {report.batch}, {lengths}: " + ", ".join(extra)
 
 
 def print_cost(report: CostReport, rates: MachineRates | None, console: Console) -> None:
     """The breakdown tables: parameters, FLOPs by term, memory, crossover and roofline."""
     console.print(Text(describe_config(report), style="bold"), soft_wrap=True)
     params = report.params
-    console.print(f"parameters: {params.total:,} ({params.weights:,} weights + {params.biases:,} biases; "
-                  + ", ".join(f"{name} {count:,}" for name, count in params.per_projection.items()) + ")",
-                  soft_wrap=True)
+    console.print(
+        f"parameters: {params.total:,} ({params.weights:,} weights + {params.biases:,} biases; "
+        + ", ".join(f"{name} {count:,}" for name, count in params.per_projection.items())
+        + ")",
+        soft_wrap=True,
+    )
 
     flops = Table(box=box.SIMPLE_HEAD, title="FLOPs (a multiply-add is 2)", title_justify="left")
     flops.add_column("term")
@@ -64,19 +79,29 @@ def print_cost(report: CostReport, rates: MachineRates | None, console: Console)
         forward_value, backward_value = report.flops[term], report.backward_flops[term]
         row = [term, human_flops(forward_value)] + ([human_flops(backward_value)] if backward else [])
         flops.add_row(*row, f"{(forward_value + backward_value) / total:.1%}")
-    flops.add_row("total", human_flops(sum(report.flops.values())),
-                  *([human_flops(sum(report.backward_flops.values()))] if backward else []), "100%", style="bold")
+    flops.add_row(
+        "total",
+        human_flops(sum(report.flops.values())),
+        *([human_flops(sum(report.backward_flops.values()))] if backward else []),
+        "100%",
+        style="bold",
+    )
     console.print(flops)
     console.print(f"dominant term: [bold]{report.dominant}[/bold]")
     n_star = crossover(report.shape)
     quadratic = sum(report.per_term[term] for term in QUADRATIC_TERMS)
-    console.print(f"crossover: the n x n terms (Q K^T, softmax, weights x V) cost as much as the projections "
-                  f"at n = {n_star:.0f} (about 2 x embed_dim for the classic layer); at j = {report.k_len} they "
-                  f"take {quadratic / total:.0%} of the FLOPs and the projections {1 - quadratic / total:.0%}",
-                  soft_wrap=True)
+    console.print(
+        f"crossover: the n x n terms (Q K^T, softmax, weights x V) cost as much as the projections "
+        f"at n = {n_star:.0f} (about 2 x embed_dim for the classic layer); at j = {report.k_len} they "
+        f"take {quadratic / total:.0%} of the FLOPs and the projections {1 - quadratic / total:.0%}",
+        soft_wrap=True,
+    )
     if report.causal:
-        console.print(f"causal: a block-skipping kernel needs {report.attended_fraction:.1%} of the Q K^T and "
-                      f"weights x V FLOPs (dense kernels compute them all)", soft_wrap=True)
+        console.print(
+            f"causal: a block-skipping kernel needs {report.attended_fraction:.1%} of the Q K^T and "
+            f"weights x V FLOPs (dense kernels compute them all)",
+            soft_wrap=True,
+        )
 
     memory = Table(box=box.SIMPLE_HEAD, title="Memory", title_justify="left")
     memory.add_column("what")
@@ -89,8 +114,10 @@ def print_cost(report: CostReport, rates: MachineRates | None, console: Console)
         rows.append((f"KV cache ({report.k_len} tokens)", report.bytes.kv_cache))
     if report.need_weights:
         rows.append(("attention weights (b, h, i, j)", report.bytes.attention_weights))
-    rows += [("peak allocated by the layer (multihead on CPU)", report.bytes.peak),
-             ("least memory traffic", report.bytes.traffic)]
+    rows += [
+        ("peak allocated by the layer (multihead on CPU)", report.bytes.peak),
+        ("least memory traffic", report.bytes.traffic),
+    ]
     for name, value in rows:
         memory.add_row(name, human_bytes(value))
     console.print(memory)
@@ -98,15 +125,20 @@ def print_cost(report: CostReport, rates: MachineRates | None, console: Console)
     if rates is None:
         console.print("roofline: not calibrated on this machine; run `multihead bench --calibrate`", style="dim")
     elif report.dtype not in rates.matmul_gflops:
-        console.print(f"roofline: {report.dtype} not calibrated; run `multihead bench --calibrate --dtype "
-                      f"{report.dtype}`", style="dim")
+        console.print(
+            f"roofline: {report.dtype} not calibrated; run `multihead bench --calibrate --dtype {report.dtype}`",
+            style="dim",
+        )
     else:
         bound = roofline(report, rates)
-        console.print(f"roofline ({compute_rate(report.dtype, rates):.1f} GFLOP/s for {report.dtype} work, "
-                      f"{rates.bandwidth_gbs:.1f} GB/s, measured {rates.measured_at}): at least "
-                      f"{_seconds(bound.bound_s)}, {bound.bound_by}-bound (compute {_seconds(bound.compute_s)}, "
-                      f"memory {_seconds(bound.memory_s)}; {bound.arithmetic_intensity:.1f} FLOP/byte vs ridge "
-                      f"{bound.ridge_point:.1f})", soft_wrap=True)
+        console.print(
+            f"roofline ({compute_rate(report.dtype, rates):.1f} GFLOP/s for {report.dtype} work, "
+            f"{rates.bandwidth_gbs:.1f} GB/s, measured {rates.measured_at}): at least "
+            f"{_seconds(bound.bound_s)}, {bound.bound_by}-bound (compute {_seconds(bound.compute_s)}, "
+            f"memory {_seconds(bound.memory_s)}; {bound.arithmetic_intensity:.1f} FLOP/byte vs ridge "
+            f"{bound.ridge_point:.1f})",
+            soft_wrap=True,
+        )
 
 
 def cost_json(report: CostReport, rates: MachineRates | None) -> dict:
@@ -114,15 +146,29 @@ def cost_json(report: CostReport, rates: MachineRates | None) -> dict:
     data["crossover_n"] = crossover(report.shape)
     if rates is not None and report.dtype in rates.matmul_gflops:
         bound = roofline(report, rates)
-        data["roofline"] = {"compute_s": bound.compute_s, "memory_s": bound.memory_s, "bound_s": bound.bound_s,
-                            "bound_by": bound.bound_by, "arithmetic_intensity": bound.arithmetic_intensity,
-                            "ridge_point": bound.ridge_point, "rates": {"matmul_gflops": rates.matmul_gflops,
-                                                                        "bandwidth_gbs": rates.bandwidth_gbs}}
+        data["roofline"] = {
+            "compute_s": bound.compute_s,
+            "memory_s": bound.memory_s,
+            "bound_s": bound.bound_s,
+            "bound_by": bound.bound_by,
+            "arithmetic_intensity": bound.arithmetic_intensity,
+            "ridge_point": bound.ridge_point,
+            "rates": {"matmul_gflops": rates.matmul_gflops, "bandwidth_gbs": rates.bandwidth_gbs},
+        }
     return data
 
 
-def plot_cost(shape: LayerShape, path: Path, *, seq: int, batch: int, dtype: str, mode: str,
-              causal: bool = False, argument: str = "path") -> Path:
+def plot_cost(
+    shape: LayerShape,
+    path: Path,
+    *,
+    seq: int,
+    batch: int,
+    dtype: str,
+    mode: str,
+    causal: bool = False,
+    argument: str = "path",
+) -> Path:
     """FLOPs by term and peak memory against the sequence length n (self-attention), log-log.
 
     ``path``'s folder is created; a path that cannot be written raises ValueError naming ``argument``
@@ -138,8 +184,11 @@ def plot_cost(shape: LayerShape, path: Path, *, seq: int, batch: int, dtype: str
     lengths = sorted({int(16 * 2 ** (k / 4)) for k in range(200) if 16 * 2 ** (k / 4) <= top})
     reports = [estimate(shape, seq=n, batch=batch, dtype=dtype, mode=mode, causal=causal) for n in lengths]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    groups = {"projections (Q/K/V + output)": ("Q/K/V projections", "output projection"),
-              "Q K^T + weights x V": ("Q K^T", "weights x V"), "softmax": ("softmax",)}
+    groups = {
+        "projections (Q/K/V + output)": ("Q/K/V projections", "output projection"),
+        "Q K^T + weights x V": ("Q K^T", "weights x V"),
+        "softmax": ("softmax",),
+    }
     for label, terms in groups.items():
         left.plot(lengths, [sum(r.per_term[t] for t in terms) for r in reports], label=label)
     left.plot(lengths, [r.total_flops for r in reports], "k--", label="total", linewidth=1)
@@ -149,14 +198,24 @@ def plot_cost(shape: LayerShape, path: Path, *, seq: int, batch: int, dtype: str
     left.legend(fontsize=8)
     right.plot(lengths, [r.bytes.peak / 2**20 for r in reports], label="peak allocated")
     right.plot(lengths, [r.bytes.weights / 2**20 for r in reports], label="parameters")
-    right.plot(lengths, [estimate(shape, seq=n, batch=batch, dtype=dtype, need_weights=True).bytes.attention_weights
-                         / 2**20 for n in lengths], label="(b, h, n, n) weights if returned")
+    right.plot(
+        lengths,
+        [
+            estimate(shape, seq=n, batch=batch, dtype=dtype, need_weights=True).bytes.attention_weights / 2**20
+            for n in lengths
+        ],
+        label="(b, h, n, n) weights if returned",
+    )
     right.axvline(seq, color="red", linestyle="-", alpha=0.4)
     right.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel="MiB", title=f"memory ({dtype})")
     right.legend(fontsize=8)
     s = shape
-    figure.suptitle(f"multihead cost: embed_dim {s.embed_dim}, {s.h} heads"
-                    + (f" ({s.g} kv heads)" if s.g != s.h else "") + f", batch {batch}", fontsize=10)
+    figure.suptitle(
+        f"multihead cost: embed_dim {s.embed_dim}, {s.h} heads"
+        + (f" ({s.g} kv heads)" if s.g != s.h else "")
+        + f", batch {batch}",
+        fontsize=10,
+    )
     figure.tight_layout()
     try:
         output_folder(argument, path.parent)

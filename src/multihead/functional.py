@@ -72,31 +72,50 @@ def _check_tensors(q: object, k: object, v: object) -> None:
         if not isinstance(t, torch.Tensor):
             raise bad_argument(name, "a torch.Tensor", describe(t), "pass a tensor", kind=TypeError)
     if q.ndim not in (3, 4):
-        raise bad_argument("q", "shape (b, h, i, d), or unbatched (h, i, d)", f"shape {tuple(q.shape)}",
-                           "add or remove axes so q has 4 dims (or 3 unbatched)")
+        raise bad_argument(
+            "q",
+            "shape (b, h, i, d), or unbatched (h, i, d)",
+            f"shape {tuple(q.shape)}",
+            "add or remove axes so q has 4 dims (or 3 unbatched)",
+        )
     layouts = {"k": "(b, g, j, d)", "v": "(b, g, j, e)"}
     for name, t in (("k", k), ("v", v)):
         if t.ndim != q.ndim:
-            raise bad_argument(name, f"{q.ndim} dims like q, {layouts[name]}", f"shape {tuple(t.shape)}",
-                               "give q, k and v the same number of dims")
+            raise bad_argument(
+                name,
+                f"{q.ndim} dims like q, {layouts[name]}",
+                f"shape {tuple(t.shape)}",
+                "give q, k and v the same number of dims",
+            )
     if not q.is_floating_point():
-        raise bad_argument("q", "a floating dtype (float16, bfloat16, float32 or float64)", q.dtype,
-                           "convert with q.float()", kind=TypeError)
+        raise bad_argument(
+            "q",
+            "a floating dtype (float16, bfloat16, float32 or float64)",
+            q.dtype,
+            "convert with q.float()",
+            kind=TypeError,
+        )
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise bad_argument(name, f"dtype {q.dtype} (the dtype of q)", t.dtype,
-                               "cast q, k and v to one dtype", kind=TypeError)
+            raise bad_argument(
+                name, f"dtype {q.dtype} (the dtype of q)", t.dtype, "cast q, k and v to one dtype", kind=TypeError
+            )
         if t.device != q.device:
-            raise bad_argument(name, f"a tensor on {q.device} (the device of q)", f"one on {t.device}",
-                               "move q, k and v to one device")
+            raise bad_argument(
+                name, f"a tensor on {q.device} (the device of q)", f"one on {t.device}", "move q, k and v to one device"
+            )
 
 
 def _check_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     (b, h, _, d), (bk, g, j, dk), (bv, gv, jv, _) = q.shape, k.shape, v.shape  # e is free
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.numel() == 0:
-            raise bad_argument(name, "every size at least 1", f"shape {tuple(t.shape)}",
-                               "drop empty batches or sequences before calling attention")
+            raise bad_argument(
+                name,
+                "every size at least 1",
+                f"shape {tuple(t.shape)}",
+                "drop empty batches or sequences before calling attention",
+            )
     if bk != b:
         raise bad_argument("k", f"batch size b = {b} (from q)", bk, "give q, k and v the same batch size")
     if bv != b:
@@ -105,68 +124,116 @@ def _check_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise bad_argument("v", f"g = {g} key/value heads (from k)", gv, "give k and v the same number of heads")
     if h % g != 0:
         divisors = [n for n in range(1, h + 1) if h % n == 0]
-        raise bad_argument("k", f"a number of key/value heads g that divides the query heads h = {h}", f"g = {g}",
-                           f"use g in {divisors}")
+        raise bad_argument(
+            "k",
+            f"a number of key/value heads g that divides the query heads h = {h}",
+            f"g = {g}",
+            f"use g in {divisors}",
+        )
     if dk != d:
         raise bad_argument("k", f"head dim d = {d} (from q)", dk, "project queries and keys to one head dim")
     if jv != j:
         raise bad_argument("v", f"key length j = {j} (from k)", jv, "give k and v the same sequence length")
 
 
-def _check_options(scale: object, dropout: object, training: object, causal: object, backend: object,
-                   return_weights: object, return_lse: object) -> None:
+def _check_options(
+    scale: object,
+    dropout: object,
+    training: object,
+    causal: object,
+    backend: object,
+    return_weights: object,
+    return_lse: object,
+) -> None:
     if scale is not None:
         if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-            raise bad_argument("scale", "a real number or None (1/sqrt(d))", describe(scale), "pass a float",
-                               kind=TypeError)
+            raise bad_argument(
+                "scale", "a real number or None (1/sqrt(d))", describe(scale), "pass a float", kind=TypeError
+            )
         if not math.isfinite(scale):
             raise bad_argument("scale", "a finite number", scale, "pass e.g. 1/sqrt(d), or None")
     if not isinstance(dropout, numbers.Real) or isinstance(dropout, bool):
-        raise bad_argument("dropout", "a float in [0, 1)", describe(dropout), "pass e.g. dropout=0.1",
-                           kind=TypeError)
+        raise bad_argument("dropout", "a float in [0, 1)", describe(dropout), "pass e.g. dropout=0.1", kind=TypeError)
     if not 0.0 <= dropout < 1.0:
         raise bad_argument("dropout", "a probability in [0, 1)", dropout, "pass e.g. dropout=0.1, or 0.0 for none")
     for name, value in (("training", training), ("causal", causal), ("return_lse", return_lse)):
         if not isinstance(value, bool):
-            raise bad_argument(name, "True or False", describe(value), f"pass {name}=True or {name}=False",
-                               kind=TypeError)
+            raise bad_argument(
+                name, "True or False", describe(value), f"pass {name}=True or {name}=False", kind=TypeError
+            )
     if not isinstance(backend, str):
-        raise bad_argument("backend", "a backend name (str)", describe(backend), "pass e.g. backend='auto'",
-                           kind=TypeError)
+        raise bad_argument(
+            "backend", "a backend name (str)", describe(backend), "pass e.g. backend='auto'", kind=TypeError
+        )
     if not isinstance(return_weights, (bool, WeightSelection)):
-        raise bad_argument("return_weights", "True, False or a multihead.WeightSelection", describe(return_weights),
-                           "pass return_weights=True, or WeightSelection(heads=[...], queries=[...])",
-                           kind=TypeError)
+        raise bad_argument(
+            "return_weights",
+            "True, False or a multihead.WeightSelection",
+            describe(return_weights),
+            "pass return_weights=True, or WeightSelection(heads=[...], queries=[...])",
+            kind=TypeError,
+        )
 
 
 def _check_selection(selection: WeightSelection, heads: int, q_len: int) -> None:
-    for name, values, limit, axis in (("heads", selection.heads, heads, "h"),
-                                      ("queries", selection.queries, q_len, "i")):
+    for name, values, limit, axis in (
+        ("heads", selection.heads, heads, "h"),
+        ("queries", selection.queries, q_len, "i"),
+    ):
         if values is None:
             continue
         if isinstance(values, slice) and name == "queries":
             parts = (values.start, values.stop, values.step)
             if not all(part is None or (isinstance(part, int) and not isinstance(part, bool)) for part in parts):
-                raise bad_argument("WeightSelection.queries", "a slice of ints (or None)", values,
-                                   "use whole numbers, e.g. slice(0, 8)", kind=TypeError)
+                raise bad_argument(
+                    "WeightSelection.queries",
+                    "a slice of ints (or None)",
+                    values,
+                    "use whole numbers, e.g. slice(0, 8)",
+                    kind=TypeError,
+                )
             if values.step is not None and values.step < 1:
-                raise bad_argument("WeightSelection.queries", "a slice with a positive step", values,
-                                   "use a step of 1 or more, e.g. slice(0, 8, 2)")
+                raise bad_argument(
+                    "WeightSelection.queries",
+                    "a slice with a positive step",
+                    values,
+                    "use a step of 1 or more, e.g. slice(0, 8, 2)",
+                )
             if not range(*values.indices(limit)):
-                raise bad_argument("WeightSelection.queries", f"a slice selecting some of the {limit} queries",
-                                   values, f"pick rows within [0, {limit})")
+                raise bad_argument(
+                    "WeightSelection.queries",
+                    f"a slice selecting some of the {limit} queries",
+                    values,
+                    f"pick rows within [0, {limit})",
+                )
             continue
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not all(
-                isinstance(n, int) and not isinstance(n, bool) for n in values):
-            raise bad_argument(f"WeightSelection.{name}", "a sequence of ints (or None for all)",
-                               describe(values), f"pass e.g. {name}=[0, 3]", kind=TypeError)
+        if (
+            isinstance(values, (str, bytes))
+            or not isinstance(values, Sequence)
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in values)
+        ):
+            raise bad_argument(
+                f"WeightSelection.{name}",
+                "a sequence of ints (or None for all)",
+                describe(values),
+                f"pass e.g. {name}=[0, 3]",
+                kind=TypeError,
+            )
         if not values:
-            raise bad_argument(f"WeightSelection.{name}", "at least one index (or None for all)", "an empty sequence",
-                               f"pass e.g. {name}=[0], or None for all")
+            raise bad_argument(
+                f"WeightSelection.{name}",
+                "at least one index (or None for all)",
+                "an empty sequence",
+                f"pass e.g. {name}=[0], or None for all",
+            )
         out_of_range = [n for n in values if not 0 <= n < limit]
         if out_of_range:
-            raise bad_argument(f"WeightSelection.{name}", f"indices in [0, {limit}) ({axis} = {limit})",
-                               out_of_range, f"pick {name} below {limit}")
+            raise bad_argument(
+                f"WeightSelection.{name}",
+                f"indices in [0, {limit}) ({axis} = {limit})",
+                out_of_range,
+                f"pick {name} below {limit}",
+            )
 
 
 def _check_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_weights: object) -> None:
@@ -183,15 +250,23 @@ def _check_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_weight
         return
     (b, h, i, _), j, e, itemsize = q.shape, k.shape[2], v.shape[3], q.element_size()
     weights = b * h * i * j * itemsize if return_weights is True else 0
-    if max(q.numel() * itemsize, k.numel() * itemsize, v.numel() * itemsize, b * h * i * e * itemsize,
-           weights) <= limit:
+    if (
+        max(q.numel() * itemsize, k.numel() * itemsize, v.numel() * itemsize, b * h * i * e * itemsize, weights)
+        <= limit
+    ):
         return
     fix = "split the batch or the sequence into chunks that fit"
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_fits(name, tuple(t.shape), t.dtype, t.device, fix)
     check_fits("q", (b, h, i, e), q.dtype, q.device, fix, what="the output")
-    check_fits("return_weights", (b, h, i, j), q.dtype, q.device,
-               "ask for some heads and rows with WeightSelection(heads=[...], queries=[...])", what="the weights")
+    check_fits(
+        "return_weights",
+        (b, h, i, j),
+        q.dtype,
+        q.device,
+        "ask for some heads and rows with WeightSelection(heads=[...], queries=[...])",
+        what="the weights",
+    )
 
 
 def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return_weights, return_lse) -> _Prepared:
@@ -205,9 +280,13 @@ def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return
     g, j, e = k.shape[1], k.shape[2], v.shape[3]
     _check_fits(q, k, v, return_weights)
     if mask is not None and not isinstance(mask, (Mask, torch.Tensor)):
-        raise bad_argument("mask", "a multihead.masks mask, a bool tensor or a float tensor", describe(mask),
-                           "build one with multihead.masks.causal(), padding(...), or pass a tensor",
-                           kind=TypeError)
+        raise bad_argument(
+            "mask",
+            "a multihead.masks mask, a bool tensor or a float tensor",
+            describe(mask),
+            "build one with multihead.masks.causal(), padding(...), or pass a tensor",
+            kind=TypeError,
+        )
     bound = bind_mask(mask, causal, AttentionShape(b, h, i, j, q.device))
     selection = None
     if isinstance(return_weights, WeightSelection):
@@ -217,11 +296,32 @@ def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return
     applied_dropout = float(dropout) if training else 0.0
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     call = registry.AttentionCall(
-        batch=b, heads=h, kv_heads=g, q_len=i, k_len=j, qk_dim=d, v_dim=e, dtype=q.dtype, device=q.device,
-        mask=bound, dropout=applied_dropout, weights=weights, need_lse=return_lse,
-        requires_grad=requires_grad or (bound.bias_requires_grad and torch.is_grad_enabled()))
-    return _Prepared(q, k, v, bound, 1.0 / math.sqrt(d) if scale is None else float(scale), applied_dropout,
-                     selection, unbatched, call)
+        batch=b,
+        heads=h,
+        kv_heads=g,
+        q_len=i,
+        k_len=j,
+        qk_dim=d,
+        v_dim=e,
+        dtype=q.dtype,
+        device=q.device,
+        mask=bound,
+        dropout=applied_dropout,
+        weights=weights,
+        need_lse=return_lse,
+        requires_grad=requires_grad or (bound.bias_requires_grad and torch.is_grad_enabled()),
+    )
+    return _Prepared(
+        q,
+        k,
+        v,
+        bound,
+        1.0 / math.sqrt(d) if scale is None else float(scale),
+        applied_dropout,
+        selection,
+        unbatched,
+        call,
+    )
 
 
 def _index(selected: Sequence[int] | slice | None, device: torch.device) -> torch.Tensor | slice:
@@ -255,8 +355,9 @@ def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
     scores = (q_sel.to(work) * p.scale) @ k_sel.to(work).transpose(-2, -1)  # (b, n_heads, n_queries, j)
     if not (torch.is_grad_enabled() and (scores.requires_grad or p.mask.bias_requires_grad)):
         # nothing to differentiate: mask and softmax in place, no i x j temporaries beyond the result
-        return softmax_rows_(mask_scores_(scores, p.mask, queries, slice(None), heads),
-                             rows_may_be_empty=p.mask.may_empty_rows()).to(p.q.dtype)
+        return softmax_rows_(
+            mask_scores_(scores, p.mask, queries, slice(None), heads), rows_may_be_empty=p.mask.may_empty_rows()
+        ).to(p.q.dtype)
     masked = apply_mask(scores, *p.mask.block(queries, slice(None), heads, dtype=work))
     return masked_softmax(masked)[0].to(p.q.dtype)
 
@@ -266,10 +367,20 @@ def autocast_on(device: torch.device) -> bool:
     return autocast_device(device) is not None
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | torch.Tensor | None = None,
-              causal: bool = False, scale: float | None = None, dropout: float = 0.0, training: bool = False,
-              backend: str = "auto", return_weights: bool | WeightSelection = False,
-              return_lse: bool = False) -> torch.Tensor | AttentionResult:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+    backend: str = "auto",
+    return_weights: bool | WeightSelection = False,
+    return_lse: bool = False,
+) -> torch.Tensor | AttentionResult:
     """Scaled dot-product attention: softmax(q k^T * scale + mask) v.
 
     Args:
@@ -308,14 +419,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)) and autocast_on(q.device):
         q, k, v = autocast_inputs(q, k, v)  # as torch's SDPA casts its inputs under autocast
         with torch.autocast(q.device.type, enabled=False):  # the kernels pick their own block precision
-            return attention(q, k, v, mask=mask, causal=causal, scale=scale, dropout=dropout, training=training,
-                             backend=backend, return_weights=return_weights, return_lse=return_lse)
-    p = _prepare(q, k, v, mask=mask, causal=causal, scale=scale, dropout=dropout, training=training,
-                 backend=backend, return_weights=return_weights, return_lse=return_lse)
+            return attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                causal=causal,
+                scale=scale,
+                dropout=dropout,
+                training=training,
+                backend=backend,
+                return_weights=return_weights,
+                return_lse=return_lse,
+            )
+    p = _prepare(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout=dropout,
+        training=training,
+        backend=backend,
+        return_weights=return_weights,
+        return_lse=return_lse,
+    )
     chosen = registry.choose(p.call, backend)
     native_weights = p.call.weights != "none" and chosen.capabilities.weights
-    result = chosen.fn(p.q, p.k, p.v, mask=p.mask, scale=p.scale, dropout=p.dropout,
-                       need_weights=native_weights, need_lse=return_lse)
+    result = chosen.fn(
+        p.q, p.k, p.v, mask=p.mask, scale=p.scale, dropout=p.dropout, need_weights=native_weights, need_lse=return_lse
+    )
     output, weights, lse = result.output, None, result.lse
     if native_weights:
         weights = result.weights if p.selection is None else _select_weights(result.weights, p.selection)
@@ -330,13 +464,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
     return AttentionResult(output, weights, lse)
 
 
-def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | torch.Tensor | None = None,
-            causal: bool = False, scale: float | None = None, dropout: float = 0.0, training: bool = False,
-            backend: str = "auto", return_weights: bool | WeightSelection = False,
-            return_lse: bool = False) -> registry.Explanation:
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+    backend: str = "auto",
+    return_weights: bool | WeightSelection = False,
+    return_lse: bool = False,
+) -> registry.Explanation:
     """Which backend :func:`attention` with these arguments would run, and why each other was not chosen."""
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         q, k, v = autocast_inputs(q, k, v)
-    p = _prepare(q, k, v, mask=mask, causal=causal, scale=scale, dropout=dropout, training=training,
-                 backend=backend, return_weights=return_weights, return_lse=return_lse)
+    p = _prepare(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout=dropout,
+        training=training,
+        backend=backend,
+        return_weights=return_weights,
+        return_lse=return_lse,
+    )
     return registry.explain_call(p.call, backend)

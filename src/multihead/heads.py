@@ -42,15 +42,16 @@ def check_heads(layer, heads: Sequence[int] | int, name: str = "heads") -> list[
     try:
         values = list(values)
     except TypeError:
-        raise bad_argument(name, "a list of head indices", describe(heads), f"pass e.g. {name}=[0, 3]",
-                           kind=TypeError) from None
+        raise bad_argument(
+            name, "a list of head indices", describe(heads), f"pass e.g. {name}=[0, 3]", kind=TypeError
+        ) from None
     for value in values:
         if not isinstance(value, int) or isinstance(value, bool):
-            raise bad_argument(name, "head indices (int)", describe(value), f"pass e.g. {name}=[0, 3]",
-                               kind=TypeError)
+            raise bad_argument(name, "head indices (int)", describe(value), f"pass e.g. {name}=[0, 3]", kind=TypeError)
         if not 0 <= value < layer.num_heads:
-            raise bad_argument(name, f"head indices in 0..{layer.num_heads - 1}", value,
-                               f"the layer has {layer.num_heads} heads")
+            raise bad_argument(
+                name, f"head indices in 0..{layer.num_heads - 1}", value, f"the layer has {layer.num_heads} heads"
+            )
     if len(set(values)) != len(values):
         raise bad_argument(name, "distinct head indices", values, "list each head once")
     return sorted(values)
@@ -63,16 +64,20 @@ def make_ablation(layer, heads: Sequence[int] | int, how: str, mean_outputs: tor
     if how == "mean":
         expected = (len(chosen), layer.value_head_dim)
         if not isinstance(mean_outputs, torch.Tensor) or tuple(mean_outputs.shape) != expected:
-            raise bad_argument("mean_outputs", f"a tensor of shape (len(heads), e) = {expected}",
-                               describe(mean_outputs), "average each head's outputs over a corpus "
-                               "(multihead.inspect.importance.mean_head_outputs)")
+            raise bad_argument(
+                "mean_outputs",
+                f"a tensor of shape (len(heads), e) = {expected}",
+                describe(mean_outputs),
+                "average each head's outputs over a corpus (multihead.inspect.importance.mean_head_outputs)",
+            )
     elif mean_outputs is not None:
         raise bad_argument("mean_outputs", 'None unless how="mean"', describe(mean_outputs), "drop mean_outputs")
     return HeadAblation(tuple(chosen), how, None if mean_outputs is None else mean_outputs.detach())
 
 
-def gate_head_outputs(layer, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
-                      causal: bool) -> torch.Tensor:
+def gate_head_outputs(
+    layer, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool
+) -> torch.Tensor:
     """Apply ``layer.head_ablation`` and ``layer.head_gate`` to the per-head outputs ``out`` (b, h, i, e)."""
     ablation = layer.head_ablation
     if ablation is not None:
@@ -93,9 +98,12 @@ def gate_head_outputs(layer, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if layer.head_gate is not None:
         gate = layer.head_gate
         if not isinstance(gate, torch.Tensor) or tuple(gate.shape) != (layer.num_heads,):
-            raise bad_argument("head_gate", f"a tensor of shape (h,) = ({layer.num_heads},), one factor per head",
-                               describe(gate), f"set layer.head_gate = torch.ones({layer.num_heads}, "
-                               "requires_grad=True), or None")
+            raise bad_argument(
+                "head_gate",
+                f"a tensor of shape (h,) = ({layer.num_heads},), one factor per head",
+                describe(gate),
+                f"set layer.head_gate = torch.ones({layer.num_heads}, requires_grad=True), or None",
+            )
         out = out * gate.to(out.dtype)[None, :, None, None]
     return out
 
@@ -110,8 +118,12 @@ def prune_layer(layer, heads: Sequence[int] | int) -> list[int]:
     removed = set(check_heads(layer, heads))
     kept = [n for n in range(layer.num_heads) if n not in removed]
     if not kept:
-        raise bad_argument("heads", f"fewer than all {layer.num_heads} heads of the layer", sorted(removed),
-                           "keep at least one head in every layer (ablate the whole layer's output instead)")
+        raise bad_argument(
+            "heads",
+            f"fewer than all {layer.num_heads} heads of the layer",
+            sorted(removed),
+            "keep at least one head in every layer (ablate the whole layer's output instead)",
+        )
     h, g, d, e = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.value_head_dim
     per_group = h // g
     groups: dict[int, list[int]] = {}
@@ -120,9 +132,12 @@ def prune_layer(layer, heads: Sequence[int] | int) -> list[int]:
     sizes = {len(members) for members in groups.values()}
     if len(sizes) != 1:
         detail = ", ".join(f"kv head {group}: {len(members)}" for group, members in sorted(groups.items()))
-        raise bad_argument("heads", "the same number of query heads removed from every key/value group kept "
-                           f"(groups of {per_group})", f"query heads left per group {detail}",
-                           "remove whole groups, or as many heads from each group")
+        raise bad_argument(
+            "heads",
+            f"the same number of query heads removed from every key/value group kept (groups of {per_group})",
+            f"query heads left per group {detail}",
+            "remove whole groups, or as many heads from each group",
+        )
     kept_groups = sorted(groups)
 
     def rows(linear: nn.Linear, blocks: list[int], size: int) -> None:

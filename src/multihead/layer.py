@@ -9,7 +9,6 @@ g = h and out_dim = embed_dim: the classic layer, 4 * embed_dim^2 weights.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,12 +41,28 @@ class Attend(nn.Module):
         super().__init__()
         self.dropout, self.backend = dropout, backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | torch.Tensor | None = None,
-                causal: bool = False, return_weights: bool | WeightSelection = False
-                ) -> torch.Tensor | AttentionResult:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: Mask | torch.Tensor | None = None,
+        causal: bool = False,
+        return_weights: bool | WeightSelection = False,
+    ) -> torch.Tensor | AttentionResult:
         """``multihead.attention`` with this layer's dropout (in training mode) and backend."""
-        return attention(q, k, v, mask=mask, causal=causal, dropout=self.dropout, training=self.training,
-                         backend=self.backend, return_weights=return_weights)
+        return attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            causal=causal,
+            dropout=self.dropout,
+            training=self.training,
+            backend=self.backend,
+            return_weights=return_weights,
+        )
 
 
 class MultiHeadAttention(nn.Module):
@@ -76,35 +91,53 @@ class MultiHeadAttention(nn.Module):
         (torch.Size([3, 10, 64]), torch.Size([3, 8, 10, 10]))
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, kdim: int | None = None, vdim: int | None = None,
-                 head_dim: int | None = None, value_head_dim: int | None = None, out_dim: int | None = None,
-                 num_kv_heads: int | None = None, bias: bool = True, dropout: float = 0.0,
-                 rotary: bool | RotaryEmbedding | None = None, backend: str = "auto",
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        head_dim: int | None = None,
+        value_head_dim: int | None = None,
+        out_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        rotary: bool | RotaryEmbedding | None = None,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.embed_dim = _size("embed_dim", embed_dim)
         self.num_heads = _size("num_heads", num_heads)
         if head_dim is None and embed_dim % num_heads != 0:
-            raise bad_argument("num_heads", f"a divisor of embed_dim = {embed_dim}", num_heads,
-                               "pick num_heads that divides embed_dim, or pass head_dim explicitly")
+            raise bad_argument(
+                "num_heads",
+                f"a divisor of embed_dim = {embed_dim}",
+                num_heads,
+                "pick num_heads that divides embed_dim, or pass head_dim explicitly",
+            )
         self.head_dim = _size("head_dim", head_dim, default=embed_dim // num_heads)
         self.value_head_dim = _size("value_head_dim", value_head_dim, default=self.head_dim)
         self.num_kv_heads = _size("num_kv_heads", num_kv_heads, default=num_heads)
         if num_heads % self.num_kv_heads != 0:
             divisors = [n for n in range(1, num_heads + 1) if num_heads % n == 0]
-            raise bad_argument("num_kv_heads", f"a divisor of num_heads = {num_heads}", self.num_kv_heads,
-                               f"use one of {divisors}")
+            raise bad_argument(
+                "num_kv_heads", f"a divisor of num_heads = {num_heads}", self.num_kv_heads, f"use one of {divisors}"
+            )
         self.kdim = _size("kdim", kdim, default=embed_dim)
         self.vdim = _size("vdim", vdim, default=embed_dim)
         self.out_dim = _size("out_dim", out_dim, default=embed_dim)
         if not isinstance(bias, bool):
-            raise bad_argument("bias", "True or False", describe(bias), "pass bias=True or bias=False",
-                               kind=TypeError)
+            raise bad_argument("bias", "True or False", describe(bias), "pass bias=True or bias=False", kind=TypeError)
         if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0:
             raise bad_argument("dropout", "a probability in [0, 1)", describe(dropout), "pass e.g. dropout=0.1")
         if not isinstance(backend, str):
-            raise bad_argument("backend", "a backend name (str)", describe(backend), "pass e.g. backend='auto'",
-                               kind=TypeError)
+            raise bad_argument(
+                "backend", "a backend name (str)", describe(backend), "pass e.g. backend='auto'", kind=TypeError
+            )
         if backend != "auto":
             registry.get_backend(backend)  # raises with the list of names
         self.attend = Attend(float(dropout), backend)  # holds dropout and backend (see the properties below)
@@ -115,9 +148,14 @@ class MultiHeadAttention(nn.Module):
         factory = {"device": usable_device("device", device), "dtype": floating_dtype("dtype", dtype)}
         h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         weights = h * d * self.embed_dim + g * d * self.kdim + g * e * self.vdim + self.out_dim * h * e
-        check_fits("embed_dim", (weights,), factory["dtype"] or torch.get_default_dtype(), factory["device"],
-                   "use smaller sizes (embed_dim, num_heads, head_dim, kdim, vdim, out_dim)",
-                   what="the projection weights")
+        check_fits(
+            "embed_dim",
+            (weights,),
+            factory["dtype"] or torch.get_default_dtype(),
+            factory["device"],
+            "use smaller sizes (embed_dim, num_heads, head_dim, kdim, vdim, out_dim)",
+            what="the projection weights",
+        )
         self.q_proj = nn.Linear(embed_dim, h * d, bias=bias, **factory)  # W^Q of every head, stacked
         self.k_proj = nn.Linear(self.kdim, g * d, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, g * e, bias=bias, **factory)
@@ -130,11 +168,20 @@ class MultiHeadAttention(nn.Module):
         if rotary is True:
             return RotaryEmbedding(self.head_dim)
         if not isinstance(rotary, RotaryEmbedding):
-            raise bad_argument("rotary", "True, False/None or a multihead.positional.RotaryEmbedding",
-                               describe(rotary), "pass rotary=True", kind=TypeError)
+            raise bad_argument(
+                "rotary",
+                "True, False/None or a multihead.positional.RotaryEmbedding",
+                describe(rotary),
+                "pass rotary=True",
+                kind=TypeError,
+            )
         if rotary.head_dim != self.head_dim:
-            raise bad_argument("rotary", f"a RotaryEmbedding of head_dim = {self.head_dim}",
-                               f"one of head_dim = {rotary.head_dim}", f"use RotaryEmbedding({self.head_dim})")
+            raise bad_argument(
+                "rotary",
+                f"a RotaryEmbedding of head_dim = {self.head_dim}",
+                f"one of head_dim = {rotary.head_dim}",
+                f"use RotaryEmbedding({self.head_dim})",
+            )
         return rotary
 
     @property
@@ -158,10 +205,20 @@ class MultiHeadAttention(nn.Module):
     def config(self) -> dict:
         """The constructor arguments that rebuild this layer's shape: ``MultiHeadAttention(**layer.config())``
         then ``load_state_dict`` restores it (a pruned layer included)."""
-        return {"embed_dim": self.embed_dim, "num_heads": self.num_heads, "kdim": self.kdim, "vdim": self.vdim,
-                "head_dim": self.head_dim, "value_head_dim": self.value_head_dim, "out_dim": self.out_dim,
-                "num_kv_heads": self.num_kv_heads, "bias": self.q_proj.bias is not None, "dropout": self.dropout,
-                "rotary": self.rotary is not None, "backend": self.backend}
+        return {
+            "embed_dim": self.embed_dim,
+            "num_heads": self.num_heads,
+            "kdim": self.kdim,
+            "vdim": self.vdim,
+            "head_dim": self.head_dim,
+            "value_head_dim": self.value_head_dim,
+            "out_dim": self.out_dim,
+            "num_kv_heads": self.num_kv_heads,
+            "bias": self.q_proj.bias is not None,
+            "dropout": self.dropout,
+            "rotary": self.rotary is not None,
+            "backend": self.backend,
+        }
 
     def ablate_heads(self, heads: list[int] | int, how: str = "zero", mean_outputs: torch.Tensor | None = None) -> None:
         """Ablate ``heads`` until :meth:`restore_heads`: how="zero" zeroes their outputs, "uniform" makes
@@ -220,8 +277,16 @@ class MultiHeadAttention(nn.Module):
     def new_cache(self, batch_size: int, max_len: int, *, window: int | None = None) -> KVCache:
         """A :class:`KVCache` shaped for this layer: (b, g, max_len, d) keys, (b, g, max_len, e) values."""
         weight = self.k_proj.weight
-        return KVCache(batch_size, max_len, self.num_kv_heads, self.head_dim, self.value_head_dim, window=window,
-                       dtype=weight.dtype, device=weight.device)
+        return KVCache(
+            batch_size,
+            max_len,
+            self.num_kv_heads,
+            self.head_dim,
+            self.value_head_dim,
+            window=window,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
 
     # ----------------------------------------------------------------------- forward
 
@@ -233,39 +298,73 @@ class MultiHeadAttention(nn.Module):
         weight = self.out_proj.weight
         if like is None:  # the query: checked against the layer's parameters
             if not x.is_floating_point():
-                raise bad_argument(name, f"a floating tensor ({weight.dtype}, the layer's dtype)", x.dtype,
-                                   f"convert with {name}.to({weight.dtype})", kind=TypeError)
+                raise bad_argument(
+                    name,
+                    f"a floating tensor ({weight.dtype}, the layer's dtype)",
+                    x.dtype,
+                    f"convert with {name}.to({weight.dtype})",
+                    kind=TypeError,
+                )
             if x.dtype != weight.dtype and not autocast_on(x.device):
-                raise bad_argument(name, f"dtype {weight.dtype} (the layer's parameters)", x.dtype,
-                                   f"cast the input with {name}.to({weight.dtype}), or the layer with "
-                                   f"layer.to({x.dtype})", kind=TypeError)
+                raise bad_argument(
+                    name,
+                    f"dtype {weight.dtype} (the layer's parameters)",
+                    x.dtype,
+                    f"cast the input with {name}.to({weight.dtype}), or the layer with layer.to({x.dtype})",
+                    kind=TypeError,
+                )
             if x.device != weight.device:
-                raise bad_argument(name, f"a tensor on {weight.device} (the layer's device)", f"one on {x.device}",
-                                   f"move the input with {name}.to({str(weight.device)!r}) or the layer with "
-                                   "layer.to(...)")
+                raise bad_argument(
+                    name,
+                    f"a tensor on {weight.device} (the layer's device)",
+                    f"one on {x.device}",
+                    f"move the input with {name}.to({str(weight.device)!r}) or the layer with layer.to(...)",
+                )
         else:
             if x.dtype != like.dtype:
-                raise bad_argument(name, f"dtype {like.dtype} (the query's)", x.dtype,
-                                   "give query, key and value one dtype", kind=TypeError)
+                raise bad_argument(
+                    name,
+                    f"dtype {like.dtype} (the query's)",
+                    x.dtype,
+                    "give query, key and value one dtype",
+                    kind=TypeError,
+                )
             if x.device != like.device:
-                raise bad_argument(name, f"a tensor on {like.device} (the query's device)", f"one on {x.device}",
-                                   "move query, key and value to one device")
+                raise bad_argument(
+                    name,
+                    f"a tensor on {like.device} (the query's device)",
+                    f"one on {x.device}",
+                    "move query, key and value to one device",
+                )
         if x.ndim != 3 or x.shape[-1] != features:
-            raise bad_argument(name, f"shape (b, seq, {features})", f"shape {tuple(x.shape)}",
-                               f"pass batch-first input whose last dim is {features}")
+            raise bad_argument(
+                name,
+                f"shape (b, seq, {features})",
+                f"shape {tuple(x.shape)}",
+                f"pass batch-first input whose last dim is {features}",
+            )
         if like is not None and x.shape[0] != like.shape[0]:
-            raise bad_argument(name, f"batch size {like.shape[0]} (from query)", x.shape[0],
-                               "give query, key and value the same batch size")
+            raise bad_argument(
+                name,
+                f"batch size {like.shape[0]} (from query)",
+                x.shape[0],
+                "give query, key and value the same batch size",
+            )
         if x.shape[0] == 0 or x.shape[1] == 0:
-            raise bad_argument(name, "at least one batch row and one position", f"shape {tuple(x.shape)}",
-                               "drop empty batches and sequences before calling the layer")
+            raise bad_argument(
+                name,
+                "at least one batch row and one position",
+                f"shape {tuple(x.shape)}",
+                "drop empty batches and sequences before calling the layer",
+            )
 
     def _project(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None):
         """q (b, i, h*d), k (b, j, g*d), v (b, j, g*e): one fused matmul for self-attention."""
         if key is None:
             weight, bias = self._fused_qkv()
             return F.linear(query, weight, bias).split(
-                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1
+            )
         return self.q_proj(query), self.k_proj(key), self.v_proj(key if value is None else value)
 
     def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -278,10 +377,19 @@ class MultiHeadAttention(nn.Module):
         biases = [p.bias for p in projections]
         return (torch.cat([p.weight for p in projections]), None if biases[0] is None else torch.cat(biases))
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None, *,
-                mask: Mask | torch.Tensor | None = None, causal: bool = False, need_weights: bool = False,
-                average_weights: bool = False, cache: KVCache | None = None,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        mask: Mask | torch.Tensor | None = None,
+        causal: bool = False,
+        need_weights: bool = False,
+        average_weights: bool = False,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from ``query`` to ``key``/``value`` (or to itself).
 
         Args:
@@ -305,30 +413,46 @@ class MultiHeadAttention(nn.Module):
         b, i = query.shape[:2]
         if key is None:
             if value is not None:
-                raise bad_argument("key", "a key tensor when value is given", None,
-                                   "pass key= too, or neither for self-attention")
+                raise bad_argument(
+                    "key", "a key tensor when value is given", None, "pass key= too, or neither for self-attention"
+                )
             if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
-                raise bad_argument("key", f"a key tensor (b, j, {self.kdim}) since kdim/vdim differ from embed_dim",
-                                   None, "pass key= (and value=) for cross-attention")
+                raise bad_argument(
+                    "key",
+                    f"a key tensor (b, j, {self.kdim}) since kdim/vdim differ from embed_dim",
+                    None,
+                    "pass key= (and value=) for cross-attention",
+                )
         else:
             self._check_input("key", key, self.kdim, query)
             if value is None and self.vdim != self.kdim:
-                raise bad_argument("value", f"a value tensor (b, j, {self.vdim}): vdim = {self.vdim} differs from "
-                                   f"kdim = {self.kdim}, so the key cannot serve as value", None,
-                                   "pass value= explicitly")
+                raise bad_argument(
+                    "value",
+                    f"a value tensor (b, j, {self.vdim}): vdim = {self.vdim} differs from "
+                    f"kdim = {self.kdim}, so the key cannot serve as value",
+                    None,
+                    "pass value= explicitly",
+                )
         if value is not None:
             self._check_input("value", value, self.vdim, query)
             if value.shape[1] != key.shape[1]:
-                raise bad_argument("value", f"length j = {key.shape[1]} (from key)", value.shape[1],
-                                   "give key and value the same length")
-        for name, flag in (("need_weights", need_weights), ("average_weights", average_weights),
-                           ("causal", causal)):
+                raise bad_argument(
+                    "value",
+                    f"length j = {key.shape[1]} (from key)",
+                    value.shape[1],
+                    "give key and value the same length",
+                )
+        for name, flag in (("need_weights", need_weights), ("average_weights", average_weights), ("causal", causal)):
             if not isinstance(flag, bool):
-                raise bad_argument(name, "True or False", describe(flag), f"pass {name}=True or False",
-                                   kind=TypeError)
+                raise bad_argument(name, "True or False", describe(flag), f"pass {name}=True or False", kind=TypeError)
         if cache is not None and not isinstance(cache, KVCache):
-            raise bad_argument("cache", "a multihead.KVCache (layer.new_cache(...))", describe(cache),
-                               "build one with layer.new_cache(batch_size, max_len)", kind=TypeError)
+            raise bad_argument(
+                "cache",
+                "a multihead.KVCache (layer.new_cache(...))",
+                describe(cache),
+                "build one with layer.new_cache(batch_size, max_len)",
+                kind=TypeError,
+            )
         h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         if cache is not None:
             # the projections' dtype: autocast's for float32 and half inputs (it leaves float64 alone)
@@ -344,15 +468,23 @@ class MultiHeadAttention(nn.Module):
         v = v.view(b, -1, g, e).transpose(1, 2)  # (b, g, j, e)
         if self.rotary is not None:
             if key is not None:
-                raise bad_argument("key", "None: rotary positions are defined for self-attention", "a key tensor",
-                                   "build the layer without rotary for cross-attention")
+                raise bad_argument(
+                    "key",
+                    "None: rotary positions are defined for self-attention",
+                    "a key tensor",
+                    "build the layer without rotary for cross-attention",
+                )
             where = self._positions(positions, b, i, cache, query.device)
             # tables grow only once the call has succeeded (below): a failed call leaves them as they were
             q, k = self.rotary.rotate(q, where, grow=False), self.rotary.rotate(k, where, grow=False)
             rotary_end = where + i if isinstance(where, int) else None
         elif positions is not None:
-            raise bad_argument("positions", "None (the layer has no rotary embedding)", describe(positions),
-                               "build the layer with rotary=True, or drop positions")
+            raise bad_argument(
+                "positions",
+                "None (the layer has no rotary embedding)",
+                describe(positions),
+                "build the layer with rotary=True, or drop positions",
+            )
         pending = None
         if cache is not None:
             # staged, not appended: the keys count only once the whole call has succeeded (commit below),
@@ -378,15 +510,25 @@ class MultiHeadAttention(nn.Module):
             pending.commit()
         return out, weights
 
-    def _positions(self, positions: torch.Tensor | None, b: int, i: int, cache: KVCache | None,
-                   device: torch.device) -> int | torch.Tensor:
+    def _positions(
+        self, positions: torch.Tensor | None, b: int, i: int, cache: KVCache | None, device: torch.device
+    ) -> int | torch.Tensor:
         start = 0 if cache is None else cache.seen
         if positions is None:
             return start
         if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
-            raise bad_argument("positions", "an integer tensor (i,) or (b, i)", describe(positions),
-                               "pass torch.arange(start, start + i)", kind=TypeError)
+            raise bad_argument(
+                "positions",
+                "an integer tensor (i,) or (b, i)",
+                describe(positions),
+                "pass torch.arange(start, start + i)",
+                kind=TypeError,
+            )
         if tuple(positions.shape) not in ((i,), (b, i)):
-            raise bad_argument("positions", f"shape (i,) = ({i},) or (b, i) = ({b}, {i})",
-                               tuple(positions.shape), "give one position per new token")
+            raise bad_argument(
+                "positions",
+                f"shape (i,) = ({i},) or (b, i) = ({b}, {i})",
+                tuple(positions.shape),
+                "give one position per new token",
+            )
         return positions.to(device)

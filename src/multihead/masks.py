@@ -127,14 +127,27 @@ class _Diagonal(Mask):
     def __init__(self, left: int | None, right: int | None, align: str, name: str):
         for arg, value in (("left", left), ("right", right)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise bad_argument(f"{name}({arg}=...)", "a non-negative int or None", describe(value),
-                                   f"pass a whole number of positions, e.g. {arg}=128", kind=TypeError)
+                raise bad_argument(
+                    f"{name}({arg}=...)",
+                    "a non-negative int or None",
+                    describe(value),
+                    f"pass a whole number of positions, e.g. {arg}=128",
+                    kind=TypeError,
+                )
             if value is not None and value < 0:
-                raise bad_argument(f"{name}({arg}=...)", "a non-negative int or None", value,
-                                   f"use {arg}=0 for no keys on that side, or None for unbounded")
+                raise bad_argument(
+                    f"{name}({arg}=...)",
+                    "a non-negative int or None",
+                    value,
+                    f"use {arg}=0 for no keys on that side, or None for unbounded",
+                )
         if align not in ALIGNMENTS:
-            raise bad_argument(f"{name}(align=...)", f"one of {ALIGNMENTS}", repr(align),
-                               'use "bottom_right" (KV-cache style) or "top_left"')
+            raise bad_argument(
+                f"{name}(align=...)",
+                f"one of {ALIGNMENTS}",
+                repr(align),
+                'use "bottom_right" (KV-cache style) or "top_left"',
+            )
         self.left, self.right, self.align, self.name = left, right, align, name
 
     def __repr__(self) -> str:
@@ -167,20 +180,37 @@ class _Padding(Mask):
             try:
                 keys = torch.as_tensor(keys)
             except (TypeError, ValueError, RuntimeError):
-                raise bad_argument("padding(keys)", "a (b,) tensor of key lengths or a (b, j) bool tensor",
-                                   describe(keys), "pass torch.tensor(lengths) or a boolean (b, j) tensor",
-                                   kind=TypeError) from None
+                raise bad_argument(
+                    "padding(keys)",
+                    "a (b,) tensor of key lengths or a (b, j) bool tensor",
+                    describe(keys),
+                    "pass torch.tensor(lengths) or a boolean (b, j) tensor",
+                    kind=TypeError,
+                ) from None
         if keys.dtype == torch.bool:
             if keys.ndim != 2:
-                raise bad_argument("padding(keys)", "a (b, j) bool tensor of real keys", describe(keys),
-                                   "pass one row per batch element, True where the key is a real token")
+                raise bad_argument(
+                    "padding(keys)",
+                    "a (b, j) bool tensor of real keys",
+                    describe(keys),
+                    "pass one row per batch element, True where the key is a real token",
+                )
         elif not keys.is_floating_point() and not keys.is_complex():
             if keys.ndim != 1:
-                raise bad_argument("padding(keys)", "a (b,) integer tensor of key lengths", describe(keys),
-                                   "pass one length per batch element")
+                raise bad_argument(
+                    "padding(keys)",
+                    "a (b,) integer tensor of key lengths",
+                    describe(keys),
+                    "pass one length per batch element",
+                )
         else:
-            raise bad_argument("padding(keys)", "integer lengths (b,) or a bool (b, j) tensor", describe(keys),
-                               "convert with .long() for lengths or .bool() for a validity mask", kind=TypeError)
+            raise bad_argument(
+                "padding(keys)",
+                "integer lengths (b,) or a bool (b, j) tensor",
+                describe(keys),
+                "convert with .long() for lengths or .bool() for a validity mask",
+                kind=TypeError,
+            )
         self.keys = keys
 
     def __repr__(self) -> str:
@@ -190,18 +220,30 @@ class _Padding(Mask):
         keys = _moved("padding(keys)", self.keys, shape.device)
         if keys.dtype == torch.bool:
             if tuple(keys.shape) != (shape.batch, shape.k_len):
-                raise bad_argument("padding(valid)", f"shape (b, j) = ({shape.batch}, {shape.k_len})",
-                                   tuple(keys.shape), "give one row per batch element and one column per key")
+                raise bad_argument(
+                    "padding(valid)",
+                    f"shape (b, j) = ({shape.batch}, {shape.k_len})",
+                    tuple(keys.shape),
+                    "give one row per batch element and one column per key",
+                )
             valid = keys
         else:
             if keys.shape[0] != shape.batch:
-                raise bad_argument("padding(lengths)", f"shape (b,) = ({shape.batch},)", tuple(keys.shape),
-                                   "give one key length per batch element")
+                raise bad_argument(
+                    "padding(lengths)",
+                    f"shape (b,) = ({shape.batch},)",
+                    tuple(keys.shape),
+                    "give one key length per batch element",
+                )
             if _has_values(keys):
                 lo, hi = torch.stack((keys.min(), keys.max())).tolist()  # one device sync
                 if lo < 0 or hi > shape.k_len:
-                    raise bad_argument("padding(lengths)", f"lengths in [0, {shape.k_len}] (the key length j)",
-                                       f"values from {lo} to {hi}", "clip the lengths to the number of keys")
+                    raise bad_argument(
+                        "padding(lengths)",
+                        f"lengths in [0, {shape.k_len}] (the key length j)",
+                        f"values from {lo} to {hi}",
+                        "clip the lengths to the number of keys",
+                    )
             valid = torch.arange(shape.k_len, device=shape.device) < keys[:, None]
         return _BoundPadding(valid, shape)
 
@@ -222,16 +264,28 @@ class _Alibi(Mask):
             try:
                 slopes = torch.as_tensor(slopes, dtype=torch.float32)
             except (TypeError, ValueError, RuntimeError):
-                raise bad_argument("alibi(slopes)", "a 1-D float tensor with one slope per query head",
-                                   describe(slopes), "use multihead.masks.alibi_slopes(num_heads)",
-                                   kind=TypeError) from None
+                raise bad_argument(
+                    "alibi(slopes)",
+                    "a 1-D float tensor with one slope per query head",
+                    describe(slopes),
+                    "use multihead.masks.alibi_slopes(num_heads)",
+                    kind=TypeError,
+                ) from None
         if not slopes.is_floating_point():
-            raise bad_argument("alibi(slopes)", "a 1-D float tensor with one slope per query head", describe(slopes),
-                               "convert with .float(), or use multihead.masks.alibi_slopes(num_heads)",
-                               kind=TypeError)
+            raise bad_argument(
+                "alibi(slopes)",
+                "a 1-D float tensor with one slope per query head",
+                describe(slopes),
+                "convert with .float(), or use multihead.masks.alibi_slopes(num_heads)",
+                kind=TypeError,
+            )
         if slopes.ndim != 1:
-            raise bad_argument("alibi(slopes)", "a 1-D float tensor with one slope per query head",
-                               describe(slopes), "use multihead.masks.alibi_slopes(num_heads)")
+            raise bad_argument(
+                "alibi(slopes)",
+                "a 1-D float tensor with one slope per query head",
+                describe(slopes),
+                "use multihead.masks.alibi_slopes(num_heads)",
+            )
         if align not in ALIGNMENTS:
             raise bad_argument("alibi(align=...)", f"one of {ALIGNMENTS}", repr(align), 'use "bottom_right"')
         self.slopes, self.align = slopes, align
@@ -241,8 +295,12 @@ class _Alibi(Mask):
 
     def _bind(self, shape: AttentionShape) -> _BoundTerm:
         if self.slopes.shape[0] != shape.heads:
-            raise bad_argument("alibi(slopes)", f"one slope per query head ({shape.heads},)",
-                               tuple(self.slopes.shape), f"use multihead.masks.alibi_slopes({shape.heads})")
+            raise bad_argument(
+                "alibi(slopes)",
+                f"one slope per query head ({shape.heads},)",
+                tuple(self.slopes.shape),
+                f"use multihead.masks.alibi_slopes({shape.heads})",
+            )
         offset = shape.k_len - shape.q_len if self.align == "bottom_right" else 0
         return _BoundAlibi(_moved("alibi(slopes)", self.slopes, shape.device), offset, shape)
 
@@ -263,12 +321,12 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     the largest power of two below n, then every other slope of twice that power.
     """
     if not isinstance(num_heads, int) or isinstance(num_heads, bool):
-        raise bad_argument("num_heads", "a positive int", describe(num_heads), "pass the number of query heads",
-                           kind=TypeError)
+        raise bad_argument(
+            "num_heads", "a positive int", describe(num_heads), "pass the number of query heads", kind=TypeError
+        )
     if num_heads < 1:
         raise bad_argument("num_heads", "a positive int", num_heads, "pass the number of query heads")
-    check_fits("num_heads", (num_heads,), torch.float64, None, "pass the number of query heads",
-               what="the slopes")
+    check_fits("num_heads", (num_heads,), torch.float64, None, "pass the number of query heads", what="the slopes")
 
     def geometric(n: int, count: int, step: int = 1) -> torch.Tensor:  # 2^(-8 (m + 1) / n) for m = 0, step, ...
         m = torch.arange(0, count * step, step, dtype=torch.float64)
@@ -286,15 +344,21 @@ class _Dense(Mask):
 
     def __init__(self, tensor: torch.Tensor, name: str):
         if not isinstance(tensor, torch.Tensor):
-            raise bad_argument(name, "a torch.Tensor", describe(tensor), "wrap the values with torch.as_tensor",
-                               kind=TypeError)
+            raise bad_argument(
+                name, "a torch.Tensor", describe(tensor), "wrap the values with torch.as_tensor", kind=TypeError
+            )
         if tensor.dtype != torch.bool and not tensor.is_floating_point():
-            raise bad_argument(name, "a bool tensor (True = may attend) or a floating tensor (added to scores)",
-                               describe(tensor), "convert with .bool() for a keep-mask or .float() for a bias",
-                               kind=TypeError)
+            raise bad_argument(
+                name,
+                "a bool tensor (True = may attend) or a floating tensor (added to scores)",
+                describe(tensor),
+                "convert with .bool() for a keep-mask or .float() for a bias",
+                kind=TypeError,
+            )
         if tensor.ndim > 4:
-            raise bad_argument(name, "at most 4 dims, broadcastable to (b, h, i, j)", describe(tensor),
-                               "drop the extra dimensions")
+            raise bad_argument(
+                name, "at most 4 dims, broadcastable to (b, h, i, j)", describe(tensor), "drop the extra dimensions"
+            )
         self.tensor, self.name = tensor, name
 
     @property
@@ -308,12 +372,19 @@ class _Dense(Mask):
         target = (shape.batch, shape.heads, shape.q_len, shape.k_len)
         t = self.tensor.reshape((1,) * (4 - self.tensor.ndim) + tuple(self.tensor.shape))
         if any(size not in (1, want) for size, want in zip(t.shape, target)):
-            raise bad_argument(self.name, f"a shape broadcastable to (b, h, i, j) = {target} (each dim 1 or equal)",
-                               tuple(self.tensor.shape),
-                               "reshape the mask so each dimension is 1 or matches, e.g. (b, 1, 1, j) for keys")
+            raise bad_argument(
+                self.name,
+                f"a shape broadcastable to (b, h, i, j) = {target} (each dim 1 or equal)",
+                tuple(self.tensor.shape),
+                "reshape the mask so each dimension is 1 or matches, e.g. (b, 1, 1, j) for keys",
+            )
         if t.device != shape.device:
-            raise bad_argument(self.name, f"a tensor on {shape.device} (the device of q)", f"one on {t.device}",
-                               f"move it with .to({str(shape.device)!r})")
+            raise bad_argument(
+                self.name,
+                f"a tensor on {shape.device} (the device of q)",
+                f"one on {t.device}",
+                f"move it with .to({str(shape.device)!r})",
+            )
         return _BoundDense(t)
 
 
@@ -321,8 +392,13 @@ def bias(tensor: torch.Tensor) -> Mask:
     """An additive float bias broadcastable to (b, h, i, j); -inf entries mask pairs out."""
     mask = _Dense(tensor, "bias(tensor)")
     if not mask.is_bias:
-        raise bad_argument("bias(tensor)", "a floating tensor", describe(tensor),
-                           "use multihead.masks.allowed for a boolean mask", kind=TypeError)
+        raise bad_argument(
+            "bias(tensor)",
+            "a floating tensor",
+            describe(tensor),
+            "use multihead.masks.allowed for a boolean mask",
+            kind=TypeError,
+        )
     return mask
 
 
@@ -330,8 +406,13 @@ def allowed(tensor: torch.Tensor) -> Mask:
     """A boolean mask broadcastable to (b, h, i, j): True = may attend."""
     mask = _Dense(tensor, "allowed(tensor)")
     if mask.is_bias:
-        raise bad_argument("allowed(tensor)", "a bool tensor (True = may attend)", describe(tensor),
-                           "use multihead.masks.bias for an additive float mask", kind=TypeError)
+        raise bad_argument(
+            "allowed(tensor)",
+            "a bool tensor (True = may attend)",
+            describe(tensor),
+            "use multihead.masks.bias for an additive float mask",
+            kind=TypeError,
+        )
     return mask
 
 
@@ -341,9 +422,13 @@ def as_mask(value: Mask | torch.Tensor, *, name: str = "mask") -> Mask:
         return value
     if isinstance(value, torch.Tensor):
         return _Dense(value, name)
-    raise bad_argument(name, "a multihead.masks mask, a bool tensor or a float tensor", describe(value),
-                       "build one with multihead.masks.causal(), padding(...), window(...) or pass a tensor",
-                       kind=TypeError)
+    raise bad_argument(
+        name,
+        "a multihead.masks mask, a bool tensor or a float tensor",
+        describe(value),
+        "build one with multihead.masks.causal(), padding(...), window(...) or pass a tensor",
+        kind=TypeError,
+    )
 
 
 # --------------------------------------------------------------------------- bound terms
@@ -359,8 +444,12 @@ def _moved(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A mask's small tensor (lengths, slopes) on the call's device: moved for convenience, except from the
     meta device, which has no values to move."""
     if t.device.type == "meta" and device.type != "meta":
-        raise bad_argument(name, f"a tensor with values, on {device} (the device of q)", f"one on {t.device}",
-                           f"build it on {device}, or call attention on meta tensors throughout")
+        raise bad_argument(
+            name,
+            f"a tensor with values, on {device} (the device of q)",
+            f"one on {t.device}",
+            f"build it on {device}, or call attention on meta tensors throughout",
+        )
     return t.to(device)
 
 
@@ -453,8 +542,9 @@ class _BoundDiagonal(_BoundTerm):
 
     def surely_full(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> bool:
         lo, hi = self._relative_range(row_start, row_stop, col_start, col_stop)
-        return ((self.spec.left is None or _surely(lo >= -self.spec.left))
-                and (self.spec.right is None or _surely(hi <= self.spec.right)))
+        return (self.spec.left is None or _surely(lo >= -self.spec.left)) and (
+            self.spec.right is None or _surely(hi <= self.spec.right)
+        )
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
         i = _positions(rows, self.shape.q_len, self.shape.device) + self.offset  # aligned query positions
@@ -492,8 +582,10 @@ class _BoundPadding(_BoundTerm):
         if self._key_counts is None:
             valid = self.valid[:, 0, 0, :]  # (b, j)
             zero = torch.zeros(1, dtype=torch.long)
-            self._key_counts = (torch.cat([zero, valid.any(0).cpu().long().cumsum(0)]),
-                                torch.cat([zero, valid.all(0).cpu().long().cumsum(0)]))
+            self._key_counts = (
+                torch.cat([zero, valid.any(0).cpu().long().cumsum(0)]),
+                torch.cat([zero, valid.all(0).cpu().long().cumsum(0)]),
+            )
         return self._key_counts
 
     def span_state(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> BlockState:
@@ -612,17 +704,25 @@ class BoundMask:
             return BlockState.FULL
         return BlockState.PARTIAL
 
-    def block(self, rows: Index, cols: Index, heads: torch.Tensor | None = None,
-              *, dtype: torch.dtype | None = None, minus_inf_as_keep: bool = True
-              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def block(
+        self,
+        rows: Index,
+        cols: Index,
+        heads: torch.Tensor | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        minus_inf_as_keep: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Evaluate for query positions ``rows`` and key positions ``cols`` (slices or index tensors).
 
         ``minus_inf_as_keep``: a dense bias's -inf entries come back as keep=False with bias 0, so that
         kernels masking with masked_fill mask those pairs even where a score overflowed to +inf. A
         consumer that puts -inf back into one additive mask anyway (SDPA) passes False.
         """
-        spans = (_span(rows, self.shape.q_len) if isinstance(rows, slice) else None,
-                 _span(cols, self.shape.k_len) if isinstance(cols, slice) else None)
+        spans = (
+            _span(rows, self.shape.q_len) if isinstance(rows, slice) else None,
+            _span(cols, self.shape.k_len) if isinstance(cols, slice) else None,
+        )
         keep = None
         for term in self.keep_terms:
             if None not in spans and term.surely_full(*spans[0], *spans[1]):
@@ -643,8 +743,9 @@ class BoundMask:
             total = part if total is None else total + part
         return keep, total
 
-    def dense(self, dtype: torch.dtype, *, minus_inf_as_keep: bool = True
-              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def dense(
+        self, dtype: torch.dtype, *, minus_inf_as_keep: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.block(slice(None), slice(None), dtype=dtype, minus_inf_as_keep=minus_inf_as_keep)
 
     def kinds(self) -> list[str]:

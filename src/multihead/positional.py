@@ -65,24 +65,35 @@ def _check_base(value: object) -> float:
 
 
 def _check_offset(name: str, value: object) -> int:
-    return _check_int(name, value, minimum=0, expected="a non-negative int (the position of the first row)",
-                      fix=f"pass the number of positions before this chunk, e.g. {name}=cache_length")
+    return _check_int(
+        name,
+        value,
+        minimum=0,
+        expected="a non-negative int (the position of the first row)",
+        fix=f"pass the number of positions before this chunk, e.g. {name}=cache_length",
+    )
 
 
 def _check_tensor(name: str, x: object, layout: str, ranks: tuple[int, ...], size: int, size_name: str) -> None:
     """x is a floating tensor of one of ``ranks`` dims whose last dim is ``size``."""
     if not isinstance(x, torch.Tensor):
-        raise bad_argument(name, "a torch.Tensor", describe(x), "wrap the values with torch.as_tensor",
-                           kind=TypeError)
+        raise bad_argument(name, "a torch.Tensor", describe(x), "wrap the values with torch.as_tensor", kind=TypeError)
     if not x.is_floating_point():
         raise bad_argument(name, "a floating dtype", x.dtype, f"convert with {name}.float()", kind=TypeError)
     if x.ndim not in ranks:
-        raise bad_argument(name, f"shape {layout}", f"shape {tuple(x.shape)}",
-                           "add or remove dimensions to match; the last one is the feature size")
+        raise bad_argument(
+            name,
+            f"shape {layout}",
+            f"shape {tuple(x.shape)}",
+            "add or remove dimensions to match; the last one is the feature size",
+        )
     if x.shape[-1] != size:
-        raise bad_argument(name, f"last dim {size_name} = {size}", f"shape {tuple(x.shape)}",
-                           f"construct the module with {size_name}={x.shape[-1]}, or pass a tensor laid out as "
-                           f"{layout}")
+        raise bad_argument(
+            name,
+            f"last dim {size_name} = {size}",
+            f"shape {tuple(x.shape)}",
+            f"construct the module with {size_name}={x.shape[-1]}, or pass a tensor laid out as {layout}",
+        )
 
 
 def _table_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -106,9 +117,18 @@ def _grown(current: int, needed: int, same_place: bool, cap: int | None = None) 
 _GROWTH_LOCK = threading.Lock()
 
 
-def _table_for(module: nn.Module, buffer: str, length: int, device: torch.device, dtype: torch.dtype,
-               build: Callable[[int], torch.Tensor], *, row_size: int, name: str, cap: int | None = None
-               ) -> torch.Tensor:
+def _table_for(
+    module: nn.Module,
+    buffer: str,
+    length: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    build: Callable[[int], torch.Tensor],
+    *,
+    row_size: int,
+    name: str,
+    cap: int | None = None,
+) -> torch.Tensor:
     """The cached table ``module.<buffer>`` (positions first) covering ``length`` positions, grown if needed.
 
     ``build(size)`` computes a table of ``size`` positions in float64 on the CPU. The new table is
@@ -217,9 +237,12 @@ class RotaryEmbedding(nn.Module):
         _check_tensor("k", k, "(b, g, j, d), or unbatched (g, j, d)", (3, 4), self.head_dim, "head_dim")
         i, j = q.shape[-2], k.shape[-2]
         if i > j:
-            raise bad_argument("q", f"at most j = {j} query positions (queries are aligned bottom-right with the "
-                               "keys)", f"i = {i}", "rotate q and k separately with rotate(q, positions) and "
-                               "rotate(k, positions)")
+            raise bad_argument(
+                "q",
+                f"at most j = {j} query positions (queries are aligned bottom-right with the keys)",
+                f"i = {i}",
+                "rotate q and k separately with rotate(q, positions) and rotate(k, positions)",
+            )
         return self._rotate_range(q, offset + j - i, "offset"), self._rotate_range(k, offset, "offset")
 
     def rotate(self, x: torch.Tensor, positions: int | torch.Tensor = 0, *, grow: bool = True) -> torch.Tensor:
@@ -251,13 +274,25 @@ class RotaryEmbedding(nn.Module):
             return self._rotate_range(x, _check_offset("positions", positions), "positions", grow)
         n = x.shape[-2]
         if positions.dtype == torch.bool or positions.is_floating_point() or positions.is_complex():
-            raise bad_argument("positions", "an int or an integer tensor of positions", describe(positions),
-                               "convert with positions.long()", kind=TypeError)
+            raise bad_argument(
+                "positions",
+                "an int or an integer tensor of positions",
+                describe(positions),
+                "convert with positions.long()",
+                kind=TypeError,
+            )
         batched_shape = f" or (b, n) = ({x.shape[0]}, {n})" if x.ndim == 4 else " (x is unbatched (h, n, d))"
-        if positions.ndim not in (1, 2) or positions.shape[-1] != n or (
-                positions.ndim == 2 and (x.ndim != 4 or positions.shape[0] != x.shape[0])):
-            raise bad_argument("positions", f"shape (n,) = ({n},){batched_shape}, one per row of x",
-                               f"shape {tuple(positions.shape)}", "pass one position per row of x (x.shape[-2])")
+        if (
+            positions.ndim not in (1, 2)
+            or positions.shape[-1] != n
+            or (positions.ndim == 2 and (x.ndim != 4 or positions.shape[0] != x.shape[0]))
+        ):
+            raise bad_argument(
+                "positions",
+                f"shape (n,) = ({n},){batched_shape}, one per row of x",
+                f"shape {tuple(positions.shape)}",
+                "pass one position per row of x (x.shape[-2])",
+            )
         positions = positions.to(device=x.device, dtype=torch.long)
         if n == 0:
             return x.clone()
@@ -266,8 +301,12 @@ class RotaryEmbedding(nn.Module):
         else:
             lowest, highest = torch.stack((positions.min(), positions.max())).tolist()  # the one device sync
             if lowest < 0:
-                raise bad_argument("positions", "non-negative positions", f"a minimum of {lowest}",
-                                   "count positions from 0, the first token of the sequence")
+                raise bad_argument(
+                    "positions",
+                    "non-negative positions",
+                    f"a minimum of {lowest}",
+                    "count positions from 0, the first token of the sequence",
+                )
             if grow or self._covers(highest + 1, x):
                 cos, sin = self._tables(highest + 1, x, "positions")
                 cos, sin = cos[positions], sin[positions]  # (n, d/2) or (b, n, d/2)
@@ -300,7 +339,7 @@ class RotaryEmbedding(nn.Module):
             # with grow=False the call must leave the tables as they are
             return self._rotate_pairs(x, *self._cos_sin_of(torch.arange(offset, offset + n, device=x.device), x))
         cos, sin = self._tables(offset + n, x, name)
-        return self._rotate_pairs(x, cos[offset:offset + n], sin[offset:offset + n])  # tables (n, d/2)
+        return self._rotate_pairs(x, cos[offset : offset + n], sin[offset : offset + n])  # tables (n, d/2)
 
     def _cos_sin_of(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the angles of ``positions`` (any shape (...)), each (..., d/2) in x's table dtype:
@@ -315,12 +354,15 @@ class RotaryEmbedding(nn.Module):
         ``name`` is the argument that asked for them (named if they cannot fit)."""
 
         def build(size: int) -> torch.Tensor:  # (2, size, d/2) in float64
-            angles = torch.arange(size, dtype=torch.float64)[:, None] * _inverse_frequencies(
-                self.head_dim, self.base)[None, :]  # (size, d/2)
+            angles = (
+                torch.arange(size, dtype=torch.float64)[:, None]
+                * _inverse_frequencies(self.head_dim, self.base)[None, :]
+            )  # (size, d/2)
             return torch.stack((angles.cos(), angles.sin()))
 
-        table = _table_for(self, "_cos_sin", length, x.device, _table_dtype(x.dtype), build,
-                           row_size=self.head_dim, name=name)
+        table = _table_for(
+            self, "_cos_sin", length, x.device, _table_dtype(x.dtype), build, row_size=self.head_dim, name=name
+        )
         return table[0], table[1]
 
     def _rotate_pairs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -337,10 +379,13 @@ class RotaryEmbedding(nn.Module):
 
 def _check_length(name: str, n: int, offset: int, max_len: int | None, owner: str) -> None:
     if max_len is not None and offset + n > max_len:
-        raise bad_argument(name, f"offset + length <= max_len = {max_len}",
-                           f"offset {offset} + length {n} = {offset + n}",
-                           f"truncate the sequence so that offset + length <= {max_len}, or construct "
-                           f"{owner} with max_len >= {offset + n}")
+        raise bad_argument(
+            name,
+            f"offset + length <= max_len = {max_len}",
+            f"offset {offset} + length {n} = {offset + n}",
+            f"truncate the sequence so that offset + length <= {max_len}, or construct "
+            f"{owner} with max_len >= {offset + n}",
+        )
 
 
 def _sinusoid(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
@@ -382,8 +427,13 @@ class SinusoidalPositions(nn.Module):
         super().__init__()
         self.dim = _check_even_dim("dim", dim)
         if max_len is not None:
-            max_len = _check_int("max_len", max_len, minimum=1, expected="a positive int or None",
-                                 fix="pass the longest sequence to allow, or None for no limit")
+            max_len = _check_int(
+                "max_len",
+                max_len,
+                minimum=1,
+                expected="a positive int or None",
+                fix="pass the longest sequence to allow, or None for no limit",
+            )
         self.max_len = max_len
         self.base = _check_base(base)
         self.register_buffer("_table", torch.empty(0, dim), persistent=False)  # (positions cached, dim)
@@ -409,11 +459,12 @@ class SinusoidalPositions(nn.Module):
             pe = _sinusoid(torch.arange(offset, offset + n, device=x.device), self.dim, self.base)
             pe = pe.to(_table_dtype(x.dtype))  # (n, dim)
         else:
-            pe = self._cached(offset + n, x.device, _table_dtype(x.dtype), "offset")[offset:offset + n]  # (n, dim)
+            pe = self._cached(offset + n, x.device, _table_dtype(x.dtype), "offset")[offset : offset + n]  # (n, dim)
         return (x + pe).to(x.dtype)  # one rounding for half-precision x
 
-    def table(self, n: int, offset: int = 0, *, dtype: torch.dtype = torch.float32,
-              device: torch.device | str | None = None) -> torch.Tensor:
+    def table(
+        self, n: int, offset: int = 0, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> torch.Tensor:
         """PE[offset : offset + n] as a new (n, dim) tensor.
 
         Args:
@@ -427,13 +478,18 @@ class SinusoidalPositions(nn.Module):
             >>> pe.table(3, offset=2).shape
             torch.Size([3, 4])
         """
-        n = _check_int("n", n, minimum=0, expected="a non-negative int (number of positions)",
-                       fix="pass the sequence length, e.g. x.shape[-2]")
+        n = _check_int(
+            "n",
+            n,
+            minimum=0,
+            expected="a non-negative int (number of positions)",
+            fix="pass the sequence length, e.g. x.shape[-2]",
+        )
         offset = _check_offset("offset", offset)
         dtype = floating_dtype("dtype", dtype, allow_none=False)
         _check_length("n", n, offset, self.max_len, "SinusoidalPositions")
         device = self._table.device if device is None else usable_device("device", device)
-        return self._cached(offset + n, device, _table_dtype(dtype), "offset")[offset:offset + n].to(dtype, copy=True)
+        return self._cached(offset + n, device, _table_dtype(dtype), "offset")[offset : offset + n].to(dtype, copy=True)
 
     def _cached(self, length: int, device: torch.device, dtype: torch.dtype, name: str) -> torch.Tensor:
         """PE for positions 0 .. >= length - 1: (positions, dim)."""
@@ -441,8 +497,7 @@ class SinusoidalPositions(nn.Module):
         def build(size: int) -> torch.Tensor:  # (size, dim) in float64
             return _sinusoid(torch.arange(size), self.dim, self.base)
 
-        return _table_for(self, "_table", length, device, dtype, build, row_size=self.dim, cap=self.max_len,
-                          name=name)
+        return _table_for(self, "_table", length, device, dtype, build, row_size=self.dim, cap=self.max_len, name=name)
 
 
 class LearnedPositions(nn.Module):
@@ -464,16 +519,29 @@ class LearnedPositions(nn.Module):
         True
     """
 
-    def __init__(self, max_len: int, dim: int, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self, max_len: int, dim: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ):
         super().__init__()
-        self.max_len = _check_int("max_len", max_len, minimum=1, expected="a positive int",
-                                  fix="pass the longest sequence the model should accept, e.g. max_len=512")
-        self.dim = _check_int("dim", dim, minimum=1, expected="a positive int",
-                              fix="pass the feature size of the input, e.g. dim=768")
+        self.max_len = _check_int(
+            "max_len",
+            max_len,
+            minimum=1,
+            expected="a positive int",
+            fix="pass the longest sequence the model should accept, e.g. max_len=512",
+        )
+        self.dim = _check_int(
+            "dim", dim, minimum=1, expected="a positive int", fix="pass the feature size of the input, e.g. dim=768"
+        )
         device, dtype = usable_device("device", device), floating_dtype("dtype", dtype)
-        check_fits("max_len", (self.max_len, self.dim), dtype or torch.get_default_dtype(), device,
-                   "use a smaller max_len or dim", what="the table")
+        check_fits(
+            "max_len",
+            (self.max_len, self.dim),
+            dtype or torch.get_default_dtype(),
+            device,
+            "use a smaller max_len or dim",
+            what="the table",
+        )
         self.weight = nn.Parameter(torch.empty(self.max_len, self.dim, device=device, dtype=dtype))  # (max_len, dim)
         self.reset_parameters()
 
@@ -497,4 +565,4 @@ class LearnedPositions(nn.Module):
         offset = _check_offset("offset", offset)
         n = x.shape[-2]
         _check_length("x", n, offset, self.max_len, "LearnedPositions")
-        return (x + self.weight[offset:offset + n]).to(x.dtype)  # weight rows (n, dim)
+        return (x + self.weight[offset : offset + n]).to(x.dtype)  # weight rows (n, dim)

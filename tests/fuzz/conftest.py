@@ -38,11 +38,21 @@ MESSAGE_FORM = re.compile(r"^\S.*: expected .+, got .+\. Fix: .+", re.DOTALL)
 
 _EXAMPLES = os.environ.get("MULTIHEAD_FUZZ_EXAMPLES")
 settings.register_profile(
-    "ci", max_examples=int(_EXAMPLES or 25), derandomize=True, deadline=None, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    "ci",
+    max_examples=int(_EXAMPLES or 25),
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 settings.register_profile(
-    "long", max_examples=int(_EXAMPLES or 2000), derandomize=False, deadline=None, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    "long",
+    max_examples=int(_EXAMPLES or 2000),
+    derandomize=False,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 settings.load_profile("long" if os.environ.get("MULTIHEAD_FUZZ") == "long" else "ci")
 
 
@@ -91,13 +101,17 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     if not _TALLY.counts:
         return
     totals = _TALLY.totals()
-    summary = {"cases": sum(totals.values()), **{outcome: totals.get(outcome, 0) for outcome in OUTCOMES},
-               "per_test": {test: dict(counts) for test, counts in sorted(_TALLY.counts.items())},
-               "examples": dict(_TALLY.examples)}
+    summary = {
+        "cases": sum(totals.values()),
+        **{outcome: totals.get(outcome, 0) for outcome in OUTCOMES},
+        "per_test": {test: dict(counts) for test, counts in sorted(_TALLY.counts.items())},
+        "examples": dict(_TALLY.examples),
+    }
     folder = Path(os.environ.get("MULTIHEAD_FUZZ_TALLY", Path(__file__).resolve().parents[2] / "test-artifacts"))
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "fuzz-tally.json").write_text(json.dumps(summary, indent=1))
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line("fuzz tally: " + ", ".join(f"{outcome} {summary[outcome]}" for outcome in
-                                                       ("cases", *OUTCOMES)))
+        reporter.write_line(
+            "fuzz tally: " + ", ".join(f"{outcome} {summary[outcome]}" for outcome in ("cases", *OUTCOMES))
+        )

@@ -69,8 +69,9 @@ SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 
 @st.composite
-def shapes(draw, *, max_size: int = 9, allow_unbatched: bool = True, equal_lengths: bool | None = None,
-           min_len: int = 1) -> Shape:
+def shapes(
+    draw, *, max_size: int = 9, allow_unbatched: bool = True, equal_lengths: bool | None = None, min_len: int = 1
+) -> Shape:
     """GQA (h % g == 0), d != e, i != j unless ``equal_lengths`` (None: sometimes), batched or unbatched."""
     g = draw(st.sampled_from((1, 2, 3)))
     r = draw(st.sampled_from((1, 2, 3)))
@@ -94,12 +95,15 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def make_inputs(shape: Shape, dtype: torch.dtype, seed: int, magnitude: float = 1.0
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_inputs(
+    shape: Shape, dtype: torch.dtype, seed: int, magnitude: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v of ``shape`` drawn N(0, 1) in float64 from ``seed``, times ``magnitude``, cast to ``dtype``."""
     gen = generator(seed)
-    return tuple((torch.randn(size, generator=gen, dtype=torch.float64) * magnitude).to(dtype)
-                 for size in (shape.q, shape.k, shape.v))
+    return tuple(
+        (torch.randn(size, generator=gen, dtype=torch.float64) * magnitude).to(dtype)
+        for size in (shape.q, shape.k, shape.v)
+    )
 
 
 def backends_or_auto() -> list[str]:
@@ -182,8 +186,11 @@ class Term:
     def __repr__(self) -> str:
         shown = {}
         for key, value in self.args.items():
-            shown[key] = (f"tensor{tuple(value.shape)}:{str(value.dtype).removeprefix('torch.')}"
-                          if isinstance(value, torch.Tensor) else value)
+            shown[key] = (
+                f"tensor{tuple(value.shape)}:{str(value.dtype).removeprefix('torch.')}"
+                if isinstance(value, torch.Tensor)
+                else value
+            )
         return f"{'plain ' if self.plain else ''}{self.kind}({shown})"
 
 
@@ -232,7 +239,7 @@ def _tensor_shape(draw, shape: Shape) -> tuple[int, ...]:
     ndim = draw(st.sampled_from((2, 3, 4)))
     dims = [draw(st.sampled_from((1, n))) for n in shape.full]
     dims[3] = shape.j if draw(st.integers(0, 3)) else dims[3]
-    return tuple(dims[4 - ndim:])
+    return tuple(dims[4 - ndim :])
 
 
 @st.composite
@@ -255,8 +262,7 @@ def terms(draw, shape: Shape, *, allow_bias: bool = True) -> Term:
         p = draw(st.sampled_from((0.2, 0.6, 0.9)))
         return Term("valid", {"keys": torch.rand(shape.b, shape.j, generator=gen) < p, "seed": seed})
     if kind == "alibi":
-        slopes = (masks.alibi_slopes(shape.h) if draw(st.booleans())
-                  else torch.rand(shape.h, generator=gen) * 2)
+        slopes = masks.alibi_slopes(shape.h) if draw(st.booleans()) else torch.rand(shape.h, generator=gen) * 2
         return Term("alibi", {"slopes": slopes, "align": draw(aligns), "seed": seed})
     size = _tensor_shape(draw, shape)
     plain = draw(st.booleans())

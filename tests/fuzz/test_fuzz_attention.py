@@ -44,10 +44,10 @@ from strategies import (
     selections,
     shapes,
 )
-from support import TINY, assert_within_rule, tiny_blocks  # tests/support.py
 
 import multihead
 from multihead._errors import InputError
+from support import TINY, assert_within_rule, tiny_blocks  # tests/support.py
 
 MESSAGE_FORM = re.compile(r"^\S.*: expected .+, got .+\. Fix: .+", re.DOTALL)
 SEVERITY = ("ok", "poor_message", "wrong", "nan", "crash")  # the worst problem of a case is its outcome
@@ -97,8 +97,22 @@ def unpack(result, return_weights, return_lse):
 class Call:
     """One drawn call: inputs (kept in their dtype), mask spec and options; runs any backend on copies."""
 
-    def __init__(self, shape, dtype, spec, q, k, v, *, scale=None, return_weights=False, return_lse=False,
-                 grad=False, dropout=0.0, seed=0):
+    def __init__(
+        self,
+        shape,
+        dtype,
+        spec,
+        q,
+        k,
+        v,
+        *,
+        scale=None,
+        return_weights=False,
+        return_lse=False,
+        grad=False,
+        dropout=0.0,
+        seed=0,
+    ):
         self.shape, self.dtype, self.spec = shape, dtype, spec
         self.q, self.k, self.v = q, k, v
         self.scale, self.return_weights, self.return_lse = scale, return_weights, return_lse
@@ -111,23 +125,31 @@ class Call:
         gen = torch.Generator().manual_seed(seed + 1)
         self.cot_out, self.cot_w, self.cot_lse = (
             torch.randn(size, generator=gen, dtype=torch.float64).to(dtype).double()
-            for size in (self.text_out.shape, select_weights(self.text_w, self.selection).shape,
-                         self.text_lse.shape))
+            for size in (self.text_out.shape, select_weights(self.text_w, self.selection).shape, self.text_lse.shape)
+        )
 
     def describe(self) -> str:
-        return (f"shape={self.shape} dtype={self.dtype} seed={self.seed} mask={self.spec} scale={self.scale} "
-                f"return_weights={self.return_weights} return_lse={self.return_lse} grad={self.grad} "
-                f"dropout={self.dropout}")
+        return (
+            f"shape={self.shape} dtype={self.dtype} seed={self.seed} mask={self.spec} scale={self.scale} "
+            f"return_weights={self.return_weights} return_lse={self.return_lse} grad={self.grad} "
+            f"dropout={self.dropout}"
+        )
 
     def inputs(self, dtype=None):
         dtype = self.dtype if dtype is None else dtype
         return [t.detach().to(dtype).clone().requires_grad_(self.grad) for t in (self.q, self.k, self.v)]
 
     def kwargs(self, backend, *, plain=False):
-        return {"mask": self.spec.build(), "causal": self.spec.causal, "scale": self.scale,
-                "dropout": 0.0 if plain else self.dropout, "training": False, "backend": backend,
-                "return_weights": False if plain else self.return_weights,
-                "return_lse": False if plain else self.return_lse}
+        return {
+            "mask": self.spec.build(),
+            "causal": self.spec.causal,
+            "scale": self.scale,
+            "dropout": 0.0 if plain else self.dropout,
+            "training": False,
+            "backend": backend,
+            "return_weights": False if plain else self.return_weights,
+            "return_lse": False if plain else self.return_lse,
+        }
 
     def loss(self, out, weights, lse):
         total = (out.double() * self.cot_out).sum()
@@ -153,18 +175,21 @@ class Call:
         total = p.sum(-1, keepdim=True)
         alive = total > 0
         weights = p / torch.where(alive, total, torch.ones_like(total))
-        lse = torch.where(alive, torch.log(torch.where(alive, total, torch.ones_like(total))) + row_max,
-                          torch.full_like(total, -math.inf)).squeeze(-1)
+        lse = torch.where(
+            alive,
+            torch.log(torch.where(alive, total, torch.ones_like(total))) + row_max,
+            torch.full_like(total, -math.inf),
+        ).squeeze(-1)
         out = unbatched(weights @ v, self.shape)
-        weights = select_weights(unbatched(weights, self.shape), self.selection) \
-            if self.return_weights is not False else None
+        weights = (
+            select_weights(unbatched(weights, self.shape), self.selection) if self.return_weights is not False else None
+        )
         lse = unbatched(lse, self.shape) if self.return_lse else None
         grads = None
         if self.grad:
             grads = torch.autograd.grad(self.loss(out, weights, lse), leaves, allow_unused=True)
             grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))
-        return out.detach(), None if weights is None else weights.detach(), \
-            None if lse is None else lse.detach(), grads
+        return out.detach(), None if weights is None else weights.detach(), None if lse is None else lse.detach(), grads
 
     def run(self, backend, dtype=None):
         """(output, weights, lse, grads or None), computed by ``backend`` in ``dtype``."""
@@ -176,8 +201,7 @@ class Call:
         if self.grad:
             grads = torch.autograd.grad(self.loss(out, weights, lse), qkv, allow_unused=True)
             grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(qkv, grads))
-        return out.detach(), None if weights is None else weights.detach(), \
-            None if lse is None else lse.detach(), grads
+        return out.detach(), None if weights is None else weights.detach(), None if lse is None else lse.detach(), grads
 
 
 def nan_in(*tensors) -> bool:
@@ -247,12 +271,21 @@ def check_backend(call: Call, backend: str, ref64, baselines) -> list[tuple[str,
     lo_out, lo_w, lo_lse = ([b[n] for b in baselines] for n in range(3))
     lo_grads = None if r64_grads is None else [[b[3][n] for b in baselines] for n in range(3)]
     if tuple(out.shape) != tuple(r64_out.shape) or out.dtype != call.dtype:
-        return [("wrong", (f"output shape/dtype {tuple(out.shape)} {out.dtype}, "
-                          f"expected {tuple(r64_out.shape)} {call.dtype}"))]
+        return [
+            (
+                "wrong",
+                (f"output shape/dtype {tuple(out.shape)} {out.dtype}, expected {tuple(r64_out.shape)} {call.dtype}"),
+            )
+        ]
     if nan_in(out, weights, lse, *(grads or ())):
-        problems.append(("nan", "NaN in " + ", ".join(
-            name for name, t in (("output", out), ("weights", weights), ("lse", lse)) if nan_in(t))
-            + (" or gradients" if nan_in(*(grads or ())) else "")))
+        problems.append(
+            (
+                "nan",
+                "NaN in "
+                + ", ".join(name for name, t in (("output", out), ("weights", weights), ("lse", lse)) if nan_in(t))
+                + (" or gradients" if nan_in(*(grads or ())) else ""),
+            )
+        )
     # fully masked rows: exactly 0 output, weights and gradient, LSE -inf
     dead = call.dead
     if dead.any():
@@ -313,8 +346,10 @@ def oracle_problems(call: Call, ref64) -> list[tuple[str, str]]:
             problems.append(("wrong", "float64 reference weights off the textbook"))
     if lse is not None:
         live = ~call.dead
-        if not torch.equal(lse == -math.inf, ~live) or (
-                (lse[live] - call.text_lse[live]).abs().max().item() if live.any() else 0.0) > 1e-5 * scale_v:
+        if (
+            not torch.equal(lse == -math.inf, ~live)
+            or ((lse[live] - call.text_lse[live]).abs().max().item() if live.any() else 0.0) > 1e-5 * scale_v
+        ):
             problems.append(("wrong", "float64 reference LSE off the textbook"))
     return problems
 
@@ -338,8 +373,9 @@ def run_all_backends(call: Call, tally, test: str) -> list[str]:
         return [detail]
     baselines = (reference_lowp, call.textbook_lowp())
     for backend in ["oracle", *backends_or_auto()]:
-        problems = oracle_problems(call, ref64) if backend == "oracle" else check_backend(call, backend, ref64,
-                                                                                          baselines)
+        problems = (
+            oracle_problems(call, ref64) if backend == "oracle" else check_backend(call, backend, ref64, baselines)
+        )
         outcome = max((p[0] for p in problems), key=SEVERITY.index, default="ok")
         detail = f"{backend}: " + "; ".join(f"[{o}] {d}" for o, d in problems) + f" | {call.describe()}"
         tally.record(test, outcome, detail if problems else "")
@@ -353,18 +389,25 @@ def run_all_backends(call: Call, tally, test: str) -> list[str]:
 
 def test_attention_matches_oracle(tally, request):
     """Every backend on random valid calls: serve-or-refuse, the rule, dead rows, weights never change the output."""
+
     @given(data=st.data())
     def case(data):
         shape = data.draw(shapes(), label="shape")
         dtype = data.draw(dtypes, label="dtype")
         spec = data.draw(mask_specs(shape), label="mask")
         seed = data.draw(seeds, label="seed")
-        call = Call(shape, dtype, spec, *make_inputs(shape, dtype, seed), seed=seed,
-                    scale=data.draw(st.sampled_from((None, 0.3, 1.7, -0.8)), label="scale"),
-                    return_weights=data.draw(st.one_of(st.booleans(), selections(shape.h, shape.i)), label="weights"),
-                    return_lse=data.draw(st.booleans(), label="return_lse"),
-                    grad=data.draw(st.booleans(), label="grad"),
-                    dropout=data.draw(st.sampled_from((0.0, 0.0, 0.4)), label="dropout (training=False)"))
+        call = Call(
+            shape,
+            dtype,
+            spec,
+            *make_inputs(shape, dtype, seed),
+            seed=seed,
+            scale=data.draw(st.sampled_from((None, 0.3, 1.7, -0.8)), label="scale"),
+            return_weights=data.draw(st.one_of(st.booleans(), selections(shape.h, shape.i)), label="weights"),
+            return_lse=data.draw(st.booleans(), label="return_lse"),
+            grad=data.draw(st.booleans(), label="grad"),
+            dropout=data.draw(st.sampled_from((0.0, 0.0, 0.4)), label="dropout (training=False)"),
+        )
         findings.add(*run_all_backends(call, tally, request.node.name))
 
     findings = Findings()
@@ -375,6 +418,7 @@ def test_attention_matches_oracle(tally, request):
 def test_weight_selection_matches_oracle(tally, request):
     """Every call asks for a WeightSelection (heads as a list, queries as a list or a slice with a step): the
     selected weights are the oracle's rows and heads, on every backend, and the output is unchanged."""
+
     @given(data=st.data())
     def case(data):
         shape = data.draw(shapes(), label="shape")
@@ -382,8 +426,15 @@ def test_weight_selection_matches_oracle(tally, request):
         spec = data.draw(mask_specs(shape, max_terms=2), label="mask")
         seed = data.draw(seeds, label="seed")
         selection = data.draw(selections(shape.h, shape.i), label="selection")
-        call = Call(shape, dtype, spec, *make_inputs(shape, dtype, seed), seed=seed, return_weights=selection,
-                    grad=data.draw(st.booleans(), label="grad"))
+        call = Call(
+            shape,
+            dtype,
+            spec,
+            *make_inputs(shape, dtype, seed),
+            seed=seed,
+            return_weights=selection,
+            grad=data.draw(st.booleans(), label="grad"),
+        )
         findings.add(*run_all_backends(call, tally, request.node.name))
 
     findings = Findings()
@@ -395,17 +446,22 @@ def test_stepped_query_selection_under_masks(tally, request):
     """WeightSelection(queries=slice with a step) under every kind of mask, on every backend: the oracle's rows."""
     q, k, v = make_inputs(Shape(2, 4, 2, 5, 7, 3, 4), torch.float32, 3)
     findings = Findings()
-    for mask in (None, multihead.masks.causal(), multihead.masks.window(1, 1), multihead.masks.padding([3, 7]),
-                 multihead.masks.causal("top_left") & multihead.masks.alibi(multihead.masks.alibi_slopes(4))):
+    for mask in (
+        None,
+        multihead.masks.causal(),
+        multihead.masks.window(1, 1),
+        multihead.masks.padding([3, 7]),
+        multihead.masks.causal("top_left") & multihead.masks.alibi(multihead.masks.alibi_slopes(4)),
+    ):
         for queries in (slice(None, None, 2), slice(1, None, 3), slice(0, 5, 4)):
             selection = multihead.WeightSelection(heads=[3, 0], queries=queries)
-            expected = multihead.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference",
-                                           return_weights=True).weights[:, [3, 0]][:, :, queries]
+            expected = multihead.attention(
+                q.double(), k.double(), v.double(), mask=mask, backend="reference", return_weights=True
+            ).weights[:, [3, 0]][:, :, queries]
             for backend in backends_or_auto():
                 where = f"{backend} mask={mask!r} queries={queries}"
                 try:
-                    weights = multihead.attention(q, k, v, mask=mask, backend=backend,
-                                                  return_weights=selection).weights
+                    weights = multihead.attention(q, k, v, mask=mask, backend=backend, return_weights=selection).weights
                 except Exception as error:  # noqa: BLE001 - a valid call: any error is a defect
                     tally.record(request.node.name, "crash", f"{where}: {type(error).__name__}: {error}")
                     findings.add(f"[crash] {where}: {type(error).__name__}: {error}")
@@ -422,8 +478,16 @@ def test_bfloat16_gradient_through_peaked_weights(tally, request):
     """Found by the long fuzz run: bfloat16, one query over 3 keys with a peaked softmax (0.998), gradients through
     the returned weights: every backend within the rule (materialized backpropagated through its bfloat16 weights)."""
     shape = Shape(1, 1, 1, 1, 3, 6, 8, True)
-    call = Call(shape, torch.bfloat16, MaskSpec(), *make_inputs(shape, torch.bfloat16, 0), seed=0, scale=1.7,
-                return_weights=True, grad=True)
+    call = Call(
+        shape,
+        torch.bfloat16,
+        MaskSpec(),
+        *make_inputs(shape, torch.bfloat16, 0),
+        seed=0,
+        scale=1.7,
+        return_weights=True,
+        grad=True,
+    )
     findings = Findings()
     findings.add(*run_all_backends(call, tally, request.node.name))
     findings.check()
@@ -442,8 +506,11 @@ def dead_row_terms(draw, shape: Shape) -> Term:
     rows = torch.tensor(draw(st.lists(st.booleans(), min_size=shape.i, max_size=shape.i)))
     rows[draw(st.integers(0, shape.i - 1))] = False
     if kind == "bias":
-        return Term("bias", {"tensor": torch.where(rows, 0.0, -math.inf)[:, None].expand(shape.i, shape.j)
-                             .contiguous()}, draw(st.booleans()))
+        return Term(
+            "bias",
+            {"tensor": torch.where(rows, 0.0, -math.inf)[:, None].expand(shape.i, shape.j).contiguous()},
+            draw(st.booleans()),
+        )
     return Term("allowed", {"tensor": rows[:, None].expand(shape.i, shape.j).contiguous()}, draw(st.booleans()))
 
 
@@ -453,6 +520,7 @@ HUGE = {torch.float16: 200.0, torch.bfloat16: 1e20, torch.float32: 1e20, torch.f
 def test_fully_masked_rows_with_huge_magnitudes(tally, request):
     """q on fully masked rows and k on keys nobody sees ~ 1e20 (200 in float16, whose products overflow):
     dead rows stay exactly 0 with LSE -inf, no NaN anywhere, live rows within the rule, on every backend."""
+
     @given(data=st.data())
     def case(data):
         shape = data.draw(shapes(), label="shape")
@@ -471,10 +539,18 @@ def test_fully_masked_rows_with_huge_magnitudes(tally, request):
         qb[dead_rows] = qb[dead_rows].sign() * huge
         kb[unseen_kv] = kb[unseen_kv].sign() * huge
         q, k, v = (t.to(dtype) for t in (q, k, v))
-        call = Call(shape, dtype, spec, q, k, v, seed=seed,
-                    return_weights=data.draw(st.booleans(), label="weights"),
-                    return_lse=data.draw(st.booleans(), label="return_lse"),
-                    grad=data.draw(st.booleans(), label="grad"))
+        call = Call(
+            shape,
+            dtype,
+            spec,
+            q,
+            k,
+            v,
+            seed=seed,
+            return_weights=data.draw(st.booleans(), label="weights"),
+            return_lse=data.draw(st.booleans(), label="return_lse"),
+            grad=data.draw(st.booleans(), label="grad"),
+        )
         findings.add(*run_all_backends(call, tally, request.node.name))
 
     findings = Findings()
@@ -501,6 +577,7 @@ def oracle_bound(q, k, v, scale, dtype) -> tuple[float, float]:
 def test_low_precision_oracle_is_robust(tally, request):
     """The reference in float16/bfloat16 is the most robust path: finite and within float32's reach of the
     float64 reference even where q k^T overflows the input dtype (inputs x 10, x 100)."""
+
     @given(data=st.data())
     def case(data):
         test = request.node.name
@@ -528,10 +605,16 @@ def test_low_precision_oracle_is_robust(tally, request):
         out_error = (lowp.output.double() - ref64.output).abs().max().item()
         w_error = (lowp.weights.double() - ref64.weights).abs().max().item()
         if out_error > out_bound or w_error > w_bound:
-            tally.record(test, "wrong", f"output off by {out_error:.3g} (bound {out_bound:.3g}), weights by "
-                                        f"{w_error:.3g} (bound {w_bound:.3g}): {detail}")
-            findings.add(f"reference in {dtype}: output off the float64 reference by {out_error:.3g} > "
-                         f"{out_bound:.3g} or weights by {w_error:.3g} > {w_bound:.3g}: {detail}")
+            tally.record(
+                test,
+                "wrong",
+                f"output off by {out_error:.3g} (bound {out_bound:.3g}), weights by "
+                f"{w_error:.3g} (bound {w_bound:.3g}): {detail}",
+            )
+            findings.add(
+                f"reference in {dtype}: output off the float64 reference by {out_error:.3g} > "
+                f"{out_bound:.3g} or weights by {w_error:.3g} > {w_bound:.3g}: {detail}"
+            )
             return
         tally.record(test, "ok")
 
@@ -560,8 +643,9 @@ def test_float16_score_that_overflows_only_unscaled(tally, request):
             outcome = "ok" if ok else ("nan" if out.isnan().any() else "wrong")
             tally.record(request.node.name, outcome, f"{backend} weights={return_weights}: {out.flatten().tolist()}")
             if not ok:
-                failures.append(f"{backend} (return_weights={return_weights}): output {out.flatten().tolist()}, "
-                                "expected [1, 1, 1]")
+                failures.append(
+                    f"{backend} (return_weights={return_weights}): output {out.flatten().tolist()}, expected [1, 1, 1]"
+                )
     assert not failures, "\n".join(failures)
 
 

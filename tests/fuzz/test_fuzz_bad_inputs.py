@@ -55,7 +55,8 @@ def judge(case: Bad, tally, test: str) -> tuple[str, str]:
     where = f"{case.entry}: {case.label}"
     if isinstance(result.error, Overtime) or result.seconds > TIME_BUDGET:
         detail = f"{where}: took {result.seconds:.1f} s" + (
-            f" and raised {type(result.error).__name__}" if result.error is not None else "")
+            f" and raised {type(result.error).__name__}" if result.error is not None else ""
+        )
         return tally.record(test, "crash", detail), detail
     if result.error is None:
         nan = " (and returned NaN)" if contains_nan(result.result) else ""
@@ -111,8 +112,11 @@ def _mutations(shape, q, k, v, huge: bool):
         ("q, k, v 5-D", (q[None, None], k[None, None], v[None, None]), {}),
         ("k has one dim fewer than q", (q, k.flatten(0, 1), v), {}),
         (f"v has g = {g + 1} heads, k has {g}", (q, k, torch.randn(*lead, g + 1, j, e)), {}),
-        (f"k, v have g = {h + 1} heads, h = {h} is not a multiple",
-         (q, torch.randn(*lead, h + 1, j, d), torch.randn(*lead, h + 1, j, e)), {}),
+        (
+            f"k, v have g = {h + 1} heads, h = {h} is not a multiple",
+            (q, torch.randn(*lead, h + 1, j, d), torch.randn(*lead, h + 1, j, e)),
+            {},
+        ),
         (f"k head dim {d + 1} != q's {d}", (q, torch.randn(*lead, g, j, d + 1), v), {}),
         (f"v length {j + 1} != k's {j}", (q, k, torch.randn(*lead, g, j + 1, e)), {}),
         ("no queries (i = 0)", (q[..., :0, :], k, v), {}),
@@ -148,21 +152,36 @@ def _mutations(shape, q, k, v, huge: bool):
         (f"bool mask of {h + 1} heads", (q, k, v), {"mask": torch.ones(1, h + 1, 1, j, dtype=torch.bool)}),
         ("bool mask on the meta device", (q, k, v), {"mask": bool_full.to("meta")}),
         ("mask a WeightSelection", (q, k, v), {"mask": WeightSelection()}),
-        (f"padding lengths for batch {b + 1}", (q, k, v),
-         {"mask": later(lambda: masks.padding(torch.ones(b + 1, dtype=torch.long)))}),
+        (
+            f"padding lengths for batch {b + 1}",
+            (q, k, v),
+            {"mask": later(lambda: masks.padding(torch.ones(b + 1, dtype=torch.long)))},
+        ),
         (f"padding length {j + 1} > j", (q, k, v), {"mask": later(lambda: masks.padding(torch.full((b,), j + 1)))}),
         ("padding length -1", (q, k, v), {"mask": later(lambda: masks.padding(torch.full((b,), -1)))}),
-        (f"padding valid of {j + 2} keys", (q, k, v),
-         {"mask": later(lambda: masks.padding(torch.ones(b, j + 2, dtype=torch.bool)))}),
-        ("padding lengths on the meta device", (q, k, v),
-         {"mask": later(lambda: masks.padding(torch.ones(b, dtype=torch.long, device="meta")))}),
+        (
+            f"padding valid of {j + 2} keys",
+            (q, k, v),
+            {"mask": later(lambda: masks.padding(torch.ones(b, j + 2, dtype=torch.bool)))},
+        ),
+        (
+            "padding lengths on the meta device",
+            (q, k, v),
+            {"mask": later(lambda: masks.padding(torch.ones(b, dtype=torch.long, device="meta")))},
+        ),
         (f"alibi with {h + 1} slopes", (q, k, v), {"mask": later(lambda: masks.alibi(masks.alibi_slopes(h + 1)))}),
-        ("alibi slopes on the meta device", (q, k, v),
-         {"mask": later(lambda: masks.alibi(torch.ones(h, device="meta")))}),
+        (
+            "alibi slopes on the meta device",
+            (q, k, v),
+            {"mask": later(lambda: masks.alibi(torch.ones(h, device="meta")))},
+        ),
         (f"bias of key length {j + 2}", (q, k, v), {"mask": later(lambda: masks.bias(torch.zeros(i, j + 2)))}),
         ("bias on the meta device", (q, k, v), {"mask": later(lambda: masks.bias(torch.zeros(i, j, device="meta")))}),
-        (f"allowed of {i + 1} queries & causal", (q, k, v),
-         {"mask": later(lambda: masks.causal() & masks.allowed(torch.ones(i + 1, j, dtype=torch.bool)))}),
+        (
+            f"allowed of {i + 1} queries & causal",
+            (q, k, v),
+            {"mask": later(lambda: masks.causal() & masks.allowed(torch.ones(i + 1, j, dtype=torch.bool)))},
+        ),
         (f"WeightSelection heads=[{h}]", (q, k, v), {"return_weights": later(lambda: WeightSelection(heads=[h]))}),
         ("WeightSelection heads=[-1]", (q, k, v), {"return_weights": later(lambda: WeightSelection(heads=[-1]))}),
         ("WeightSelection heads=[]", (q, k, v), {"return_weights": later(lambda: WeightSelection(heads=[]))}),
@@ -171,18 +190,36 @@ def _mutations(shape, q, k, v, huge: bool):
         ("WeightSelection heads=[True]", (q, k, v), {"return_weights": later(lambda: WeightSelection(heads=[True]))}),
         ("WeightSelection heads=0", (q, k, v), {"return_weights": later(lambda: WeightSelection(heads=0))}),
         (f"WeightSelection queries=[{i}]", (q, k, v), {"return_weights": later(lambda: WeightSelection(queries=[i]))}),
-        ("WeightSelection queries=slice(0, 2.5)", (q, k, v),
-         {"return_weights": later(lambda: WeightSelection(queries=slice(0, 2.5)))}),
-        ("WeightSelection queries=slice('a', None)", (q, k, v),
-         {"return_weights": later(lambda: WeightSelection(queries=slice("a", None)))}),
-        ("WeightSelection queries=slice(None, None, 0)", (q, k, v),
-         {"return_weights": later(lambda: WeightSelection(queries=slice(None, None, 0)))}),
-        ("WeightSelection queries=slice(None, None, -1)", (q, k, v),
-         {"return_weights": later(lambda: WeightSelection(queries=slice(None, None, -1)))}),
-        (f"WeightSelection queries=slice({i}, {i + 3}) (selects none)", (q, k, v),
-         {"return_weights": later(lambda: WeightSelection(queries=slice(i, i + 3)))}),
-        ("WeightSelection queries={0} (a set)", (q, k, v),
-         {"return_weights": later(lambda: WeightSelection(queries={0}))}),
+        (
+            "WeightSelection queries=slice(0, 2.5)",
+            (q, k, v),
+            {"return_weights": later(lambda: WeightSelection(queries=slice(0, 2.5)))},
+        ),
+        (
+            "WeightSelection queries=slice('a', None)",
+            (q, k, v),
+            {"return_weights": later(lambda: WeightSelection(queries=slice("a", None)))},
+        ),
+        (
+            "WeightSelection queries=slice(None, None, 0)",
+            (q, k, v),
+            {"return_weights": later(lambda: WeightSelection(queries=slice(None, None, 0)))},
+        ),
+        (
+            "WeightSelection queries=slice(None, None, -1)",
+            (q, k, v),
+            {"return_weights": later(lambda: WeightSelection(queries=slice(None, None, -1)))},
+        ),
+        (
+            f"WeightSelection queries=slice({i}, {i + 3}) (selects none)",
+            (q, k, v),
+            {"return_weights": later(lambda: WeightSelection(queries=slice(i, i + 3)))},
+        ),
+        (
+            "WeightSelection queries={0} (a set)",
+            (q, k, v),
+            {"return_weights": later(lambda: WeightSelection(queries={0}))},
+        ),
     ]
     if batched:
         m += [
@@ -194,8 +231,7 @@ def _mutations(shape, q, k, v, huge: bool):
         big_v = torch.randn(*lead, g, 1, e).expand(*lead, g, HUGE, e)
         big_q = torch.randn(*lead, h, 1, d).expand(*lead, h, HUGE, d)
         for backend in ("auto", "tiled", "reference", "materialized", "sdpa"):
-            m.append((f"k, v expanded to j = 2**40 keys, backend={backend!r}", (q, big_k, big_v),
-                      {"backend": backend}))
+            m.append((f"k, v expanded to j = 2**40 keys, backend={backend!r}", (q, big_k, big_v), {"backend": backend}))
         m.append(("q expanded to i = 2**40 queries", (big_q, k, v), {}))
         m.append(("q expanded to i = 2**40 queries, return_weights=True", (big_q, k, v), {"return_weights": True}))
     return m
@@ -207,8 +243,10 @@ def attention_cases(entry: str, fn: Callable, *, huge: bool) -> st.SearchStrateg
         shape = draw(shapes(max_size=6))
         q, k, v = make_inputs(shape, draw(st.sampled_from((torch.float32, torch.float64))), draw(seeds))
         label, args, kwargs = draw(st.sampled_from(_mutations(shape, q, k, v, huge)))
-        return Bad(entry, f"{label} [{shape}]",
-                   lambda: fn(*args, **{name: _resolve(value) for name, value in kwargs.items()}))
+        return Bad(
+            entry, f"{label} [{shape}]", lambda: fn(*args, **{name: _resolve(value) for name, value in kwargs.items()})
+        )
+
     return strategy()
 
 
@@ -283,20 +321,36 @@ def selection_cases(draw) -> Bad:
     shape = draw(shapes(max_size=6))
     q, k, v = make_inputs(shape, torch.float32, draw(seeds))
     h, i = shape.h, shape.i
-    label, kwargs = draw(st.sampled_from([
-        (f"heads=[{h}]", {"heads": [h]}), ("heads=[-1]", {"heads": [-1]}), ("heads=[]", {"heads": []}),
-        ("heads='0'", {"heads": "0"}), ("heads=[0.5]", {"heads": [0.5]}), ("heads=0", {"heads": 0}),
-        ("heads=[None]", {"heads": [None]}), ("heads=[2**40]", {"heads": [HUGE]}),
-        (f"queries=[{i}]", {"queries": [i]}), ("queries=[-1]", {"queries": [-1]}),
-        ("queries=slice(0, 2.5)", {"queries": slice(0, 2.5)}), ("queries=slice(0.5, 2)", {"queries": slice(0.5, 2)}),
-        ("queries=slice(0, 2, 0)", {"queries": slice(0, 2, 0)}),
-        ("queries=slice(0, 2, 1.5)", {"queries": slice(0, 2, 1.5)}),
-        (f"queries=slice({i}, None)", {"queries": slice(i, None)}), ("queries='0'", {"queries": "0"}),
-        ("queries=3", {"queries": 3}), ("queries=[[0]]", {"queries": [[0]]}),
-    ]))
+    label, kwargs = draw(
+        st.sampled_from(
+            [
+                (f"heads=[{h}]", {"heads": [h]}),
+                ("heads=[-1]", {"heads": [-1]}),
+                ("heads=[]", {"heads": []}),
+                ("heads='0'", {"heads": "0"}),
+                ("heads=[0.5]", {"heads": [0.5]}),
+                ("heads=0", {"heads": 0}),
+                ("heads=[None]", {"heads": [None]}),
+                ("heads=[2**40]", {"heads": [HUGE]}),
+                (f"queries=[{i}]", {"queries": [i]}),
+                ("queries=[-1]", {"queries": [-1]}),
+                ("queries=slice(0, 2.5)", {"queries": slice(0, 2.5)}),
+                ("queries=slice(0.5, 2)", {"queries": slice(0.5, 2)}),
+                ("queries=slice(0, 2, 0)", {"queries": slice(0, 2, 0)}),
+                ("queries=slice(0, 2, 1.5)", {"queries": slice(0, 2, 1.5)}),
+                (f"queries=slice({i}, None)", {"queries": slice(i, None)}),
+                ("queries='0'", {"queries": "0"}),
+                ("queries=3", {"queries": 3}),
+                ("queries=[[0]]", {"queries": [[0]]}),
+            ]
+        )
+    )
     backend = draw(st.sampled_from(("auto", "reference", "tiled", "sdpa", "materialized")))
-    return Bad("WeightSelection", f"{label} on {shape}, backend={backend!r}",
-               lambda: multihead.attention(q, k, v, backend=backend, return_weights=WeightSelection(**kwargs)))
+    return Bad(
+        "WeightSelection",
+        f"{label} on {shape}, backend={backend!r}",
+        lambda: multihead.attention(q, k, v, backend=backend, return_weights=WeightSelection(**kwargs)),
+    )
 
 
 # --------------------------------------------------------------------------- the layer
@@ -305,31 +359,56 @@ def selection_cases(draw) -> Bad:
 LAYER_INIT_CASES: list[tuple[str, Callable[[], object]]] = [
     (label, (lambda kw=kw: MultiHeadAttention(**{"embed_dim": 8, "num_heads": 2, **kw})))
     for label, kw in [
-        ("embed_dim=0", {"embed_dim": 0}), ("embed_dim=-4", {"embed_dim": -4}), ("embed_dim=2.5", {"embed_dim": 2.5}),
-        ("embed_dim='8'", {"embed_dim": "8"}), ("embed_dim=True", {"embed_dim": True}),
-        ("embed_dim=None", {"embed_dim": None}), ("num_heads=0", {"num_heads": 0}), ("num_heads=3", {"num_heads": 3}),
-        ("num_heads='2'", {"num_heads": "2"}), ("num_heads=-2", {"num_heads": -2}),
-        ("head_dim=0", {"head_dim": 0}), ("head_dim='4'", {"head_dim": "4"}),
-        ("value_head_dim=-1", {"value_head_dim": -1}), ("num_kv_heads=3", {"num_kv_heads": 3}),
-        ("num_kv_heads=0", {"num_kv_heads": 0}), ("num_kv_heads=1.0", {"num_kv_heads": 1.0}),
-        ("kdim=-1", {"kdim": -1}), ("kdim='4'", {"kdim": "4"}), ("vdim=0", {"vdim": 0}), ("out_dim=0", {"out_dim": 0}),
-        ("bias='yes'", {"bias": "yes"}), ("bias=1", {"bias": 1}), ("dropout=1.0", {"dropout": 1.0}),
-        ("dropout=-0.1", {"dropout": -0.1}), ("dropout='0.1'", {"dropout": "0.1"}),
+        ("embed_dim=0", {"embed_dim": 0}),
+        ("embed_dim=-4", {"embed_dim": -4}),
+        ("embed_dim=2.5", {"embed_dim": 2.5}),
+        ("embed_dim='8'", {"embed_dim": "8"}),
+        ("embed_dim=True", {"embed_dim": True}),
+        ("embed_dim=None", {"embed_dim": None}),
+        ("num_heads=0", {"num_heads": 0}),
+        ("num_heads=3", {"num_heads": 3}),
+        ("num_heads='2'", {"num_heads": "2"}),
+        ("num_heads=-2", {"num_heads": -2}),
+        ("head_dim=0", {"head_dim": 0}),
+        ("head_dim='4'", {"head_dim": "4"}),
+        ("value_head_dim=-1", {"value_head_dim": -1}),
+        ("num_kv_heads=3", {"num_kv_heads": 3}),
+        ("num_kv_heads=0", {"num_kv_heads": 0}),
+        ("num_kv_heads=1.0", {"num_kv_heads": 1.0}),
+        ("kdim=-1", {"kdim": -1}),
+        ("kdim='4'", {"kdim": "4"}),
+        ("vdim=0", {"vdim": 0}),
+        ("out_dim=0", {"out_dim": 0}),
+        ("bias='yes'", {"bias": "yes"}),
+        ("bias=1", {"bias": 1}),
+        ("dropout=1.0", {"dropout": 1.0}),
+        ("dropout=-0.1", {"dropout": -0.1}),
+        ("dropout='0.1'", {"dropout": "0.1"}),
         ("dropout=nan", {"dropout": math.nan}),
-        ("dropout=True", {"dropout": True}), ("rotary='yes'", {"rotary": "yes"}), ("rotary=1", {"rotary": 1}),
+        ("dropout=True", {"dropout": True}),
+        ("rotary='yes'", {"rotary": "yes"}),
+        ("rotary=1", {"rotary": 1}),
         ("rotary=RotaryEmbedding(6) for head_dim 4", {"rotary": RotaryEmbedding(6)}),
         ("rotary=True with odd head_dim 3", {"embed_dim": 6, "num_heads": 2, "rotary": True}),
-        ("backend='nope'", {"backend": "nope"}), ("backend=3", {"backend": 3}), ("backend=None", {"backend": None}),
-        ("dtype=torch.int64", {"dtype": torch.int64}), ("dtype=torch.int32", {"dtype": torch.int32}),
-        ("dtype=torch.bool", {"dtype": torch.bool}), ("dtype='float32'", {"dtype": "float32"}),
-        ("dtype=torch.complex64", {"dtype": torch.complex64}), ("dtype=torch.complex128", {"dtype": torch.complex128}),
+        ("backend='nope'", {"backend": "nope"}),
+        ("backend=3", {"backend": 3}),
+        ("backend=None", {"backend": None}),
+        ("dtype=torch.int64", {"dtype": torch.int64}),
+        ("dtype=torch.int32", {"dtype": torch.int32}),
+        ("dtype=torch.bool", {"dtype": torch.bool}),
+        ("dtype='float32'", {"dtype": "float32"}),
+        ("dtype=torch.complex64", {"dtype": torch.complex64}),
+        ("dtype=torch.complex128", {"dtype": torch.complex128}),
         ("device='nope'", {"device": "nope"}),
         ("device='cuda' (no CUDA here)", {"device": "cuda"} if not torch.cuda.is_available() else {"device": "nope"}),
-        ("device=3.5", {"device": 3.5}), ("device=object()", {"device": object()}),
+        ("device=3.5", {"device": 3.5}),
+        ("device=object()", {"device": object()}),
         ("embed_dim=2**17, num_heads=1", {"embed_dim": 2**17, "num_heads": 1}),
         ("embed_dim=2**17, num_heads=2**17", {"embed_dim": 2**17, "num_heads": 2**17}),
         ("embed_dim=2**20, num_heads=2**17", {"embed_dim": 2**20, "num_heads": 2**17}),
-        ("head_dim=2**40", {"head_dim": HUGE}), ("kdim=2**40", {"kdim": HUGE}), ("out_dim=2**40", {"out_dim": HUGE}),
+        ("head_dim=2**40", {"head_dim": HUGE}),
+        ("kdim=2**40", {"kdim": HUGE}),
+        ("out_dim=2**40", {"out_dim": HUGE}),
         ("num_heads=2**40 with head_dim=1", {"num_heads": HUGE, "head_dim": 1}),
     ]
 ]
@@ -344,8 +423,15 @@ def layer_configs(draw):
     embed = draw(st.sampled_from((5, 7)))
     rotary = draw(st.booleans())
     dtype = draw(st.sampled_from((torch.float32, torch.float64)))
-    return {"embed_dim": embed, "num_heads": h, "num_kv_heads": g, "head_dim": d, "value_head_dim": e, "rotary": rotary,
-                "dtype": dtype}
+    return {
+        "embed_dim": embed,
+        "num_heads": h,
+        "num_kv_heads": g,
+        "head_dim": d,
+        "value_head_dim": e,
+        "rotary": rotary,
+        "dtype": dtype,
+    }
 
 
 @st.composite
@@ -386,11 +472,22 @@ def layer_forward_cases(draw) -> Bad:
         ("causal None", lambda: layer(x, causal=None)),
         ("cache a dict", lambda: layer(x, cache={})),
         (f"cache for batch {b + 1}", lambda: layer(x, cache=layer.new_cache(b + 1, 16))),
-        (f"cache of {other}", lambda: layer(x, cache=KVCache(b, 16, config["num_kv_heads"], config["head_dim"],
-                                                             config["value_head_dim"], dtype=other))),
-        (f"cache for {config['num_kv_heads'] + 1} kv heads",
-         lambda: layer(x, cache=KVCache(b, 16, config["num_kv_heads"] + 1, config["head_dim"],
-                                        config["value_head_dim"], dtype=dtype))),
+        (
+            f"cache of {other}",
+            lambda: layer(
+                x,
+                cache=KVCache(b, 16, config["num_kv_heads"], config["head_dim"], config["value_head_dim"], dtype=other),
+            ),
+        ),
+        (
+            f"cache for {config['num_kv_heads'] + 1} kv heads",
+            lambda: layer(
+                x,
+                cache=KVCache(
+                    b, 16, config["num_kv_heads"] + 1, config["head_dim"], config["value_head_dim"], dtype=dtype
+                ),
+            ),
+        ),
         (f"cache of max_len {n - 1} < {n} tokens", lambda: layer(x, cache=layer.new_cache(b, n - 1))),
         ("value without key", lambda: layer(x, value=x)),
     ]
@@ -425,18 +522,29 @@ def _kdim_vdim_without_value():
 KVCACHE_CASES: list[tuple[str, Callable[[], object]]] = [
     (label, (lambda kw=kw: KVCache(**{"batch_size": 2, "max_len": 8, "num_kv_heads": 3, "head_dim": 4, **kw})))
     for label, kw in [
-        ("batch_size=0", {"batch_size": 0}), ("batch_size=-1", {"batch_size": -1}),
-        ("batch_size=2.5", {"batch_size": 2.5}), ("batch_size='2'", {"batch_size": "2"}),
-        ("batch_size=True", {"batch_size": True}), ("batch_size=None", {"batch_size": None}),
-        ("max_len=0", {"max_len": 0}), ("num_kv_heads=0", {"num_kv_heads": 0}), ("head_dim=0", {"head_dim": 0}),
-        ("value_head_dim=-2", {"value_head_dim": -2}), ("window=0", {"window": 0}), ("window=-1", {"window": -1}),
-        ("window='3'", {"window": "3"}), ("window=2.5", {"window": 2.5}),
-        ("dtype=torch.int64", {"dtype": torch.int64}), ("dtype='float32'", {"dtype": "float32"}),
-        ("dtype=torch.complex64", {"dtype": torch.complex64}), ("dtype=torch.bool", {"dtype": torch.bool}),
+        ("batch_size=0", {"batch_size": 0}),
+        ("batch_size=-1", {"batch_size": -1}),
+        ("batch_size=2.5", {"batch_size": 2.5}),
+        ("batch_size='2'", {"batch_size": "2"}),
+        ("batch_size=True", {"batch_size": True}),
+        ("batch_size=None", {"batch_size": None}),
+        ("max_len=0", {"max_len": 0}),
+        ("num_kv_heads=0", {"num_kv_heads": 0}),
+        ("head_dim=0", {"head_dim": 0}),
+        ("value_head_dim=-2", {"value_head_dim": -2}),
+        ("window=0", {"window": 0}),
+        ("window=-1", {"window": -1}),
+        ("window='3'", {"window": "3"}),
+        ("window=2.5", {"window": 2.5}),
+        ("dtype=torch.int64", {"dtype": torch.int64}),
+        ("dtype='float32'", {"dtype": "float32"}),
+        ("dtype=torch.complex64", {"dtype": torch.complex64}),
+        ("dtype=torch.bool", {"dtype": torch.bool}),
         ("device='nope'", {"device": "nope"}),
         ("device='cuda' (no CUDA here)", {"device": "cuda"} if not torch.cuda.is_available() else {"device": "nope"}),
         ("device=3.5", {"device": 3.5}),
-        ("max_len=2**40", {"max_len": HUGE}), ("batch_size=2**40", {"batch_size": HUGE}),
+        ("max_len=2**40", {"max_len": HUGE}),
+        ("batch_size=2**40", {"batch_size": HUGE}),
         ("head_dim=2**40", {"head_dim": HUGE}),
         ("max_len=2**33, head_dim=2**10", {"max_len": 2**33, "head_dim": 2**10}),
     ]
@@ -465,8 +573,10 @@ def append_cases(draw) -> Bad:
         ("keys of one head", lambda: cache.append(keys[:, :1], values)),
         ("values of one head", lambda: cache.append(keys, values[:, :1])),
         ("values of length 1, keys of 3", lambda: cache.append(torch.randn(b, g, 3, d, dtype=dtype), values[:, :, :1])),
-        (f"values of length {n + 1}, keys of {n}",
-         lambda: cache.append(keys, torch.randn(b, g, n + 1, e, dtype=dtype))),
+        (
+            f"values of length {n + 1}, keys of {n}",
+            lambda: cache.append(keys, torch.randn(b, g, n + 1, e, dtype=dtype)),
+        ),
         ("keys 3-D", lambda: cache.append(keys[0], values)),
         ("values 3-D", lambda: cache.append(keys, values[0])),
         ("keys and values 3-D", lambda: cache.append(keys[0], values[0])),
@@ -482,12 +592,19 @@ def append_cases(draw) -> Bad:
         (f"keys head dim {d + 1}", lambda: cache.append(torch.randn(b, g, n, d + 1, dtype=dtype), values)),
         (f"values head dim {e + 1}", lambda: cache.append(keys, torch.randn(b, g, n, e + 1, dtype=dtype))),
         ("keys on the meta device", lambda: cache.append(keys.to("meta"), values)),
-        (f"{room + 1} tokens with room for {room}", lambda: cache.append(torch.randn(b, g, room + 1, d, dtype=dtype),
-                                                                         torch.randn(b, g, room + 1, e, dtype=dtype))),
+        (
+            f"{room + 1} tokens with room for {room}",
+            lambda: cache.append(
+                torch.randn(b, g, room + 1, d, dtype=dtype), torch.randn(b, g, room + 1, e, dtype=dtype)
+            ),
+        ),
     ]
     label, call = draw(st.sampled_from(cases))
-    return Bad("KVCache.append", f"{label} [b={b}, g={g}, d={d}, e={e}, window={window}, filled={filled}, n={n}, "
-                                 f"{dtype}]", call)
+    return Bad(
+        "KVCache.append",
+        f"{label} [b={b}, g={g}, d={d}, e={e}, window={window}, filled={filled}, n={n}, {dtype}]",
+        call,
+    )
 
 
 # --------------------------------------------------------------------------- positional modules
@@ -499,13 +616,17 @@ def _rope_call(fn):
 
 POSITIONAL_CASES: list[tuple[str, Callable[[], object]]] = [
     *[(f"RotaryEmbedding(head_dim={v!r})", (lambda v=v: RotaryEmbedding(v))) for v in (0, 3, -2, "8", 2.5, True, None)],
-    *[(f"RotaryEmbedding(4, base={v!r})", (lambda v=v: RotaryEmbedding(4, v)))
-      for v in (0, -1.0, math.inf, math.nan, "1e4", True)],
+    *[
+        (f"RotaryEmbedding(4, base={v!r})", (lambda v=v: RotaryEmbedding(4, v)))
+        for v in (0, -1.0, math.inf, math.nan, "1e4", True)
+    ],
     ("rope(q, k, offset=-1)", _rope_call(lambda r: r(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), offset=-1))),
     ("rope(q, k, offset='1')", _rope_call(lambda r: r(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), offset="1"))),
     ("rope(q, k, offset=2.5)", _rope_call(lambda r: r(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), offset=2.5))),
-    ("rope(q, k, offset=2**40)", _rope_call(lambda r: r(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4),
-                                                          offset=HUGE))),
+    (
+        "rope(q, k, offset=2**40)",
+        _rope_call(lambda r: r(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), offset=HUGE)),
+    ),
     ("rope(int q, k)", _rope_call(lambda r: r(torch.ones(1, 2, 3, 4, dtype=torch.long), torch.randn(1, 2, 3, 4)))),
     ("rope(2-D q, k)", _rope_call(lambda r: r(torch.randn(3, 4), torch.randn(1, 2, 3, 4)))),
     ("rope(q of last dim 6, k)", _rope_call(lambda r: r(torch.randn(1, 2, 3, 6), torch.randn(1, 2, 3, 4)))),
@@ -513,38 +634,65 @@ POSITIONAL_CASES: list[tuple[str, Callable[[], object]]] = [
     ("rope(q, None)", _rope_call(lambda r: r(torch.randn(1, 2, 3, 4), None))),
     ("rope(q with i > j)", _rope_call(lambda r: r(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 3, 4)))),
     ("rope.rotate(x, float positions)", _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), torch.arange(3.0)))),
-    ("rope.rotate(x, bool positions)", _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4),
-                                                                      torch.ones(3, dtype=torch.bool)))),
-    ("rope.rotate(x, negative positions)",
-     _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), torch.arange(3) - 4))),
-    ("rope.rotate(x, positions of shape (4,))",
-     _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), torch.arange(4)))),
-    ("rope.rotate(x, positions (2, 3) for batch 1)",
-     _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), torch.arange(6).view(2, 3)))),
+    (
+        "rope.rotate(x, bool positions)",
+        _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), torch.ones(3, dtype=torch.bool))),
+    ),
+    (
+        "rope.rotate(x, negative positions)",
+        _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), torch.arange(3) - 4)),
+    ),
+    (
+        "rope.rotate(x, positions of shape (4,))",
+        _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), torch.arange(4))),
+    ),
+    (
+        "rope.rotate(x, positions (2, 3) for batch 1)",
+        _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), torch.arange(6).view(2, 3))),
+    ),
     ("rope.rotate(x, -1)", _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), -1))),
     ("rope.rotate(x, 2.0)", _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), 2.0))),
     ("rope.rotate(x, 2**40)", _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), HUGE))),
-    ("rope.rotate(x, positions 2**40)",
-     _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), torch.arange(3) + HUGE))),
-    ("rope.rotate(x, positions 2**62)",
-     _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), torch.arange(3) + 2**62))),
-    *[(f"SinusoidalPositions({args})", (lambda args=args: SinusoidalPositions(*args)))
-      for args in ((3,), (0,), ("4",), (4, 0), (4, -1), (4, "8"), (4, None, 0.0), (4, None, math.nan))],
+    (
+        "rope.rotate(x, positions 2**40)",
+        _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), torch.arange(3) + HUGE)),
+    ),
+    (
+        "rope.rotate(x, positions 2**62)",
+        _rope_call(lambda r: r.rotate(torch.randn(1, 2, 3, 4), torch.arange(3) + 2**62)),
+    ),
+    *[
+        (f"SinusoidalPositions({args})", (lambda args=args: SinusoidalPositions(*args)))
+        for args in ((3,), (0,), ("4",), (4, 0), (4, -1), (4, "8"), (4, None, 0.0), (4, None, math.nan))
+    ],
     ("SinusoidalPositions(4)(x of last dim 6)", lambda: SinusoidalPositions(4)(torch.randn(2, 3, 6))),
     ("SinusoidalPositions(4)(int x)", lambda: SinusoidalPositions(4)(torch.ones(2, 3, 4, dtype=torch.long))),
     ("SinusoidalPositions(4)(4-D x)", lambda: SinusoidalPositions(4)(torch.randn(1, 2, 3, 4))),
     ("SinusoidalPositions(4)(x, offset=-1)", lambda: SinusoidalPositions(4)(torch.randn(2, 3, 4), offset=-1)),
-    ("SinusoidalPositions(4, max_len=4)(x of 3, offset=2)",
-     lambda: SinusoidalPositions(4, max_len=4)(torch.randn(2, 3, 4), offset=2)),
+    (
+        "SinusoidalPositions(4, max_len=4)(x of 3, offset=2)",
+        lambda: SinusoidalPositions(4, max_len=4)(torch.randn(2, 3, 4), offset=2),
+    ),
     ("SinusoidalPositions(4)(x, offset=2**40)", lambda: SinusoidalPositions(4)(torch.randn(2, 3, 4), offset=HUGE)),
     ("SinusoidalPositions(4).table(-1)", lambda: SinusoidalPositions(4).table(-1)),
     ("SinusoidalPositions(4).table(3, dtype=torch.int64)", lambda: SinusoidalPositions(4).table(3, dtype=torch.int64)),
     ("SinusoidalPositions(4).table(2**40)", lambda: SinusoidalPositions(4).table(HUGE)),
     ("SinusoidalPositions(4).table(3, device='nope')", lambda: SinusoidalPositions(4).table(3, device="nope")),
-    *[(f"LearnedPositions({args}, {kw})", (lambda args=args, kw=kw: LearnedPositions(*args, **kw)))
-      for args, kw in (((0, 4), {}), (("8", 4), {}), ((8, 0), {}), ((8, 4.0), {}), ((HUGE, 4), {}), ((8, HUGE), {}),
-                       ((8, 4), {"dtype": torch.int64}), ((8, 4), {"dtype": "float32"}),
-                       ((8, 4), {"dtype": torch.complex64}), ((8, 4), {"device": "nope"}))],
+    *[
+        (f"LearnedPositions({args}, {kw})", (lambda args=args, kw=kw: LearnedPositions(*args, **kw)))
+        for args, kw in (
+            ((0, 4), {}),
+            (("8", 4), {}),
+            ((8, 0), {}),
+            ((8, 4.0), {}),
+            ((HUGE, 4), {}),
+            ((8, HUGE), {}),
+            ((8, 4), {"dtype": torch.int64}),
+            ((8, 4), {"dtype": "float32"}),
+            ((8, 4), {"dtype": torch.complex64}),
+            ((8, 4), {"device": "nope"}),
+        )
+    ],
     ("LearnedPositions(8, 4)(x of last dim 5)", lambda: LearnedPositions(8, 4)(torch.randn(2, 3, 5))),
     ("LearnedPositions(8, 4)(x, offset=6)", lambda: LearnedPositions(8, 4)(torch.randn(2, 3, 4), offset=6)),
     ("LearnedPositions(8, 4)(x of 9 positions)", lambda: LearnedPositions(8, 4)(torch.randn(2, 9, 4))),
@@ -603,8 +751,10 @@ ISSUE_CASES: list[tuple[str, Callable[[], object]]] = [
     ("forward: int64 input", lambda: _layer_forward(torch.int64)),
     ("forward: complex64 input", lambda: _layer_forward(torch.complex64)),
     ("forward: meta input", lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 8, device="meta"))),
-    ("forward: float64 key to a float32 layer",
-     lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 8), torch.randn(2, 4, 8, dtype=torch.float64))),
+    (
+        "forward: float64 key to a float32 layer",
+        lambda: MultiHeadAttention(8, 2)(torch.randn(2, 3, 8), torch.randn(2, 4, 8, dtype=torch.float64)),
+    ),
     ("forward: batch 0", lambda: MultiHeadAttention(8, 2)(torch.randn(0, 3, 8))),
     ("forward: kdim != vdim with value omitted", _kdim_vdim_without_value),
     ("forward: mask of the wrong shape", lambda: _layer_forward(mask=torch.ones(2, 1, 3, 4, dtype=torch.bool))),
@@ -627,18 +777,34 @@ ISSUE_CASES: list[tuple[str, Callable[[], object]]] = [
     ("KVCache.append: keys a list", lambda: _append(lambda k: k.tolist(), lambda v: v)),
     ("KVCache.append: values None", lambda: _append(lambda k: k, lambda v: None)),
     ("alibi_slopes(2**40)", lambda: masks.alibi_slopes(HUGE)),
-    ("WeightSelection(queries=slice(0, 2.5))",
-     lambda: multihead.attention(*make_inputs(shapes_fixed(), torch.float32, 0),
-                                 return_weights=WeightSelection(queries=slice(0, 2.5)))),
-    ("padding lengths on the meta device",
-     lambda: multihead.attention(*make_inputs(shapes_fixed(), torch.float32, 0),
-                                 mask=masks.padding(torch.tensor([1, 2], device="meta")))),
-    ("allowed on the meta device",
-     lambda: multihead.attention(*make_inputs(shapes_fixed(), torch.float32, 0),
-                                 mask=masks.allowed(torch.ones(5, 7, dtype=torch.bool, device="meta")))),
-    ("tiled with k expanded to j = 2**40",
-     lambda: multihead.attention(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 1, 4).expand(1, 1, HUGE, 4),
-                                 torch.randn(1, 1, 1, 3).expand(1, 1, HUGE, 3), backend="tiled")),
+    (
+        "WeightSelection(queries=slice(0, 2.5))",
+        lambda: multihead.attention(
+            *make_inputs(shapes_fixed(), torch.float32, 0), return_weights=WeightSelection(queries=slice(0, 2.5))
+        ),
+    ),
+    (
+        "padding lengths on the meta device",
+        lambda: multihead.attention(
+            *make_inputs(shapes_fixed(), torch.float32, 0), mask=masks.padding(torch.tensor([1, 2], device="meta"))
+        ),
+    ),
+    (
+        "allowed on the meta device",
+        lambda: multihead.attention(
+            *make_inputs(shapes_fixed(), torch.float32, 0),
+            mask=masks.allowed(torch.ones(5, 7, dtype=torch.bool, device="meta")),
+        ),
+    ),
+    (
+        "tiled with k expanded to j = 2**40",
+        lambda: multihead.attention(
+            torch.randn(1, 1, 2, 4),
+            torch.randn(1, 1, 1, 4).expand(1, 1, HUGE, 4),
+            torch.randn(1, 1, 1, 3).expand(1, 1, HUGE, 3),
+            backend="tiled",
+        ),
+    ),
     ("RotaryEmbedding.rotate at position 2**40", lambda: RotaryEmbedding(4).rotate(torch.randn(1, 1, 2, 4), HUGE)),
     ("LearnedPositions(2**40, 8)", lambda: LearnedPositions(HUGE, 8)),
 ]

@@ -34,21 +34,34 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from test_cli_errors import GOOD_KERNEL, GOOD_LAYER, write_tiny_checkpoints
 
 from multihead._errors import InputError
 from multihead.cli import main
 from multihead.cost import MachineRates, save_calibration
 from multihead.models import load_minilm
+from test_cli_errors import GOOD_KERNEL, GOOD_LAYER, write_tiny_checkpoints
 
 MESSAGE_FORM = re.compile(r"^\S.*: expected .+, got .+\. Fix: .+")
-RATES = MachineRates({"float32": 50.0, "bfloat16": 20.0, "float16": 20.0, "float64": 25.0}, bandwidth_gbs=5.0,
-                     threads=2, measured_at="fuzz")
+RATES = MachineRates(
+    {"float32": 50.0, "bfloat16": 20.0, "float16": 20.0, "float64": 25.0},
+    bandwidth_gbs=5.0,
+    threads=2,
+    measured_at="fuzz",
+)
 VALID_CORPUS = "The cat sat on the mat.\nRain fell all night.\n# a comment\n\nWe sat on the river bank.\n"
-VALID_CONLLU = "\n".join([
-    "# text = The dog barks.", "1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_", "2\tdog\tdog\tNOUN\tNN\t_\t3\tnsubj\t_\t_",
-    "3\tbarks\tbark\tVERB\tVBZ\t_\t0\troot\t_\t_", "4\t.\t.\tPUNCT\t.\t_\t3\tpunct\t_\t_", "",
-    "1\tCats\tcat\tNOUN\tNNS\t_\t2\tnsubj\t_\t_", "2\tsleep\tsleep\tVERB\tVBP\t_\t0\troot\t_\t_", ""])
+VALID_CONLLU = "\n".join(
+    [
+        "# text = The dog barks.",
+        "1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_",
+        "2\tdog\tdog\tNOUN\tNN\t_\t3\tnsubj\t_\t_",
+        "3\tbarks\tbark\tVERB\tVBZ\t_\t0\troot\t_\t_",
+        "4\t.\t.\tPUNCT\t.\t_\t3\tpunct\t_\t_",
+        "",
+        "1\tCats\tcat\tNOUN\tNNS\t_\t2\tnsubj\t_\t_",
+        "2\tsleep\tsleep\tVERB\tVBP\t_\t0\troot\t_\t_",
+        "",
+    ]
+)
 VALID_IMPORTANCE = {"scores": [[0.1, 0.2], [0.05, None]], "metric": "fuzz"}
 VALID_SYNTAX = {"per_head_best": [[0.5, 0.25], [0.75, 1.0]]}
 
@@ -137,9 +150,10 @@ def mostly(valid, defect, weight: int = 5):
 
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(10 ** 20), 10 ** 20) | st.floats() | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers(-(10**20), 10**20) | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=8)
+    max_leaves=8,
+)
 
 
 @st.composite
@@ -169,7 +183,7 @@ def damaged_json(draw, valid: object) -> bytes:
         data = draw(JSON_VALUES)
     text = json.dumps(data).encode()
     if action == "cut":
-        text = text[:draw(st.integers(0, max(len(text) - 1, 0)))]
+        text = text[: draw(st.integers(0, max(len(text) - 1, 0)))]
     elif action == "bytes":
         at = draw(st.integers(0, len(text)))
         text = text[:at] + draw(st.binary(min_size=1, max_size=8)) + text[at:]
@@ -178,15 +192,20 @@ def damaged_json(draw, valid: object) -> bytes:
 
 def file_content(valid_text: str | None = None, valid_json: object = None):
     """Bytes of an input file: mostly the valid one given, else random bytes, text or JSON, or it damaged."""
-    defects = [st.binary(max_size=64), st.text(max_size=64).map(str.encode), JSON_VALUES.map(
-        lambda value: json.dumps(value).encode())]
+    defects = [
+        st.binary(max_size=64),
+        st.text(max_size=64).map(str.encode),
+        JSON_VALUES.map(lambda value: json.dumps(value).encode()),
+    ]
     valid = st.nothing()
     if valid_text is not None:
         encoded = valid_text.encode()
         valid = st.just(encoded)
-        defects += [st.integers(0, len(encoded)).map(lambda cut: encoded[:cut]),
-                    st.binary(min_size=1, max_size=4).map(lambda junk: junk + encoded),
-                    st.just(valid_text.encode("utf-16"))]
+        defects += [
+            st.integers(0, len(encoded)).map(lambda cut: encoded[:cut]),
+            st.binary(min_size=1, max_size=4).map(lambda junk: junk + encoded),
+            st.just(valid_text.encode("utf-16")),
+        ]
     if valid_json is not None:
         valid = st.just(json.dumps(valid_json).encode())
         defects += [damaged_json(valid_json)] * 4
@@ -216,9 +235,19 @@ class InputFile:
 
 def input_files(valid_text: str | None = None, valid_json: object = None):
     """A file spec: mostly a file (its content from :func:`file_content`), else one of the ways it is not one."""
-    return mostly(file_content(valid_text, valid_json).map(lambda data: InputFile("file", data)),
-                  st.sampled_from([InputFile("missing"), InputFile("folder"), InputFile("under_file", b"x"),
-                                   InputFile("special", b"null"), InputFile("special")]), weight=4)
+    return mostly(
+        file_content(valid_text, valid_json).map(lambda data: InputFile("file", data)),
+        st.sampled_from(
+            [
+                InputFile("missing"),
+                InputFile("folder"),
+                InputFile("under_file", b"x"),
+                InputFile("special", b"null"),
+                InputFile("special"),
+            ]
+        ),
+        weight=4,
+    )
 
 
 OUTPUT_DEFECTS = ("file", "under_file", "proc", "sys", "dev", "dev_null", "empty", "dot_file")
@@ -250,8 +279,18 @@ def make_output(kind: str, folder: Path, name: str = "out") -> str:
 
 # --------------------------------------------------------------------------------------- model specs
 
-WEIGHT_DAMAGES = ("truncate", "overwrite_header", "overwrite_any", "garbage", "empty", "drop", "add", "reshape",
-                  "nan", "int")
+WEIGHT_DAMAGES = (
+    "truncate",
+    "overwrite_header",
+    "overwrite_any",
+    "garbage",
+    "empty",
+    "drop",
+    "add",
+    "reshape",
+    "nan",
+    "int",
+)
 JSON_DAMAGES = ("config", "config", "config_list", "config_bytes")
 TOKENIZER_DAMAGES = ("tokenizer_cut", "tokenizer_bytes", "tokenizer_json", "tokenizer_field")
 FILE_REMOVALS = ("remove_config", "remove_weights", "remove_tokenizer")
@@ -264,8 +303,11 @@ def model_folders(draw, workspace: Workspace, folder: Path, damaged=st.booleans(
     base = draw(st.sampled_from(["hf", "hf", "saved"]))
     if not draw(damaged):
         return str(workspace.tiny[base])
-    damages = draw(st.lists(st.sampled_from(WEIGHT_DAMAGES + JSON_DAMAGES + TOKENIZER_DAMAGES + FILE_REMOVALS),
-                            min_size=1, max_size=2))
+    damages = draw(
+        st.lists(
+            st.sampled_from(WEIGHT_DAMAGES + JSON_DAMAGES + TOKENIZER_DAMAGES + FILE_REMOVALS), min_size=1, max_size=2
+        )
+    )
     target = folder / "model"
     shutil.copytree(workspace.tiny[base], target)
     config = target / ("config.json" if base == "hf" else "multihead_config.json")
@@ -283,11 +325,11 @@ def _damage(draw, damage: str, target: Path, config: Path) -> None:
     data = weights.read_bytes()
     header = min(8 + int.from_bytes(data[:8], "little"), len(data))  # a first damage may have spoiled it
     if damage == "truncate":
-        weights.write_bytes(data[:draw(st.integers(0, max(len(data) - 1, 0)))])
+        weights.write_bytes(data[: draw(st.integers(0, max(len(data) - 1, 0)))])
     elif damage in ("overwrite_header", "overwrite_any"):
         at = draw(st.integers(0, max((header if damage == "overwrite_header" else len(data)) - 1, 0)))
         junk = draw(st.binary(min_size=1, max_size=8))
-        weights.write_bytes(data[:at] + junk + data[at + len(junk):])
+        weights.write_bytes(data[:at] + junk + data[at + len(junk) :])
     elif damage == "garbage":
         weights.write_bytes(draw(st.binary(max_size=64)))
     elif damage == "empty":
@@ -301,8 +343,13 @@ def _damage(draw, damage: str, target: Path, config: Path) -> None:
         if damage == "drop":
             del tensors[name]
         elif damage == "add":
-            tensors[draw(st.sampled_from([name + "_extra", "encoder.layer.9.output.dense.weight", "pooler.x",
-                                          "something.else"]))] = torch.zeros(draw(st.integers(1, 3)))
+            tensors[
+                draw(
+                    st.sampled_from(
+                        [name + "_extra", "encoder.layer.9.output.dense.weight", "pooler.x", "something.else"]
+                    )
+                )
+            ] = torch.zeros(draw(st.integers(1, 3)))
         elif damage == "reshape":
             tensors[name] = torch.zeros(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
         elif damage == "nan" and tensors[name].is_floating_point():
@@ -320,7 +367,7 @@ def _damage(draw, damage: str, target: Path, config: Path) -> None:
         config.write_bytes(draw(st.binary(max_size=32)))
     elif damage == "tokenizer_cut":
         text = tokenizer.read_bytes()
-        tokenizer.write_bytes(text[:draw(st.integers(0, max(len(text) - 1, 0)))])
+        tokenizer.write_bytes(text[: draw(st.integers(0, max(len(text) - 1, 0)))])
     elif damage == "tokenizer_bytes":
         tokenizer.write_bytes(draw(st.binary(max_size=64)))
     elif damage == "tokenizer_json":
@@ -332,8 +379,20 @@ def _damage(draw, damage: str, target: Path, config: Path) -> None:
             return
         if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
             return
-        section = draw(st.sampled_from(["model", "normalizer", "pre_tokenizer", "post_processor", "decoder",
-                                        "added_tokens", "truncation", "padding"]))
+        section = draw(
+            st.sampled_from(
+                [
+                    "model",
+                    "normalizer",
+                    "pre_tokenizer",
+                    "post_processor",
+                    "decoder",
+                    "added_tokens",
+                    "truncation",
+                    "padding",
+                ]
+            )
+        )
         if section == "model" and draw(st.booleans()):
             key = draw(st.sampled_from(["type", "unk_token", "vocab", "continuing_subword_prefix"]))
             data["model"][key] = draw(JSON_VALUES)
@@ -346,22 +405,31 @@ def _damage(draw, damage: str, target: Path, config: Path) -> None:
 
 # --------------------------------------------------------------------------------------- option values
 
-NUMBERS = st.one_of(st.integers(-3, 12), st.sampled_from([0, -1, 2 ** 31, 10 ** 12, 99999999999]))
+NUMBERS = st.one_of(st.integers(-3, 12), st.sampled_from([0, -1, 2**31, 10**12, 99999999999]))
 INDEX_SPECS = mostly(
     st.sampled_from([None, None, "0", "1", "0,1", "0-1", "1,0", " 0 , 1 "]),
-    st.one_of(st.lists(st.one_of(NUMBERS.map(str), st.tuples(NUMBERS, NUMBERS).map(lambda p: f"{p[0]}-{p[1]}")),
-                       min_size=1, max_size=3).map(",".join),
-              st.sampled_from(["", ",", "0-", "-", "0,,1", "a-b", "1-0", "0-99999999999", "9" * 5000, "٣", "0x1",
-                               "-1", "0,0", "2"]),
-              st.text(max_size=6)))
+    st.one_of(
+        st.lists(
+            st.one_of(NUMBERS.map(str), st.tuples(NUMBERS, NUMBERS).map(lambda p: f"{p[0]}-{p[1]}")),
+            min_size=1,
+            max_size=3,
+        ).map(",".join),
+        st.sampled_from(
+            ["", ",", "0-", "-", "0,,1", "a-b", "1-0", "0-99999999999", "9" * 5000, "٣", "0x1", "-1", "0,0", "2"]
+        ),
+        st.text(max_size=6),
+    ),
+)
 # what argv can carry: any bytes, decoded as Python decodes argv (not UTF-8 -> lone surrogates)
 ARGV_BYTES = st.binary(max_size=12).map(lambda raw: raw.decode("utf-8", "surrogateescape"))
-TEXTS = mostly(st.sampled_from([None, "The bank was full of money.", "Rain fell. The river rose.", "ü ∑ 😀"]),
-               st.one_of(st.sampled_from(["", "   ", "word " * 70, "x\x00y", "\n\n"]), st.text(max_size=30),
-                         ARGV_BYTES))
-FORMATS = mostly(st.lists(st.sampled_from(["terminal", "html", "json", "png"]), min_size=1, max_size=2,
-                          unique=True).map(",".join),
-                 st.sampled_from(["", "pdf", "terminal,pdf", ",", "json,json"]))
+TEXTS = mostly(
+    st.sampled_from([None, "The bank was full of money.", "Rain fell. The river rose.", "ü ∑ 😀"]),
+    st.one_of(st.sampled_from(["", "   ", "word " * 70, "x\x00y", "\n\n"]), st.text(max_size=30), ARGV_BYTES),
+)
+FORMATS = mostly(
+    st.lists(st.sampled_from(["terminal", "html", "json", "png"]), min_size=1, max_size=2, unique=True).map(",".join),
+    st.sampled_from(["", "pdf", "terminal,pdf", ",", "json,json"]),
+)
 
 
 def option(name: str, values) -> st.SearchStrategy[list[str]]:
@@ -386,14 +454,20 @@ def test_fuzz_inspect(workspace, tally, request):
         text = data.draw(TEXTS)
         if text is not None:
             argv.append(text)
-        argv += ["--model", data.draw(model_folders(workspace, folder, damaged=mostly(st.just(False),
-                                                                                       st.just(True), 3)))]
+        argv += [
+            "--model",
+            data.draw(model_folders(workspace, folder, damaged=mostly(st.just(False), st.just(True), 3))),
+        ]
         for name in ("--layers", "--heads"):
             spec = data.draw(INDEX_SPECS)
             if spec is not None:
                 argv.append(f"{name}={spec}")
-        argv += data.draw(option("--token", mostly(st.sampled_from(["bank", "money", "river", "Rain", "[CLS]", "1"]),
-                                                   st.text(max_size=5), 3)))
+        argv += data.draw(
+            option(
+                "--token",
+                mostly(st.sampled_from(["bank", "money", "river", "Rain", "[CLS]", "1"]), st.text(max_size=5), 3),
+            )
+        )
         argv += ["--format", data.draw(FORMATS)]
         argv += ["--out", make_output(data.draw(OUTPUT_KINDS), folder)]
         argv += data.draw(switch("--truncate"))
@@ -424,14 +498,30 @@ def test_fuzz_inspect_text(workspace, tally, request):
     @given(text=st.one_of(ARGV_BYTES, st.text(max_size=30)).filter(lambda t: not t.startswith("-")))
     def case(text):
         folder = workspace.fresh()
-        judge(tally, request.node.name, ["inspect", text, "--model", str(workspace.tiny["hf"]), "--format", "json",
-                                         "--out", str(folder / "report")])
+        judge(
+            tally,
+            request.node.name,
+            [
+                "inspect",
+                text,
+                "--model",
+                str(workspace.tiny["hf"]),
+                "--format",
+                "json",
+                "--out",
+                str(folder / "report"),
+            ],
+        )
 
     case()
 
 
-CALIBRATION = {"matmul_gflops": {"float32": 50.0, "bfloat16": 9.0}, "bandwidth_gbs": 5.0, "threads": 2,
-               "measured_at": "x"}
+CALIBRATION = {
+    "matmul_gflops": {"float32": 50.0, "bfloat16": 9.0},
+    "bandwidth_gbs": 5.0,
+    "threads": 2,
+    "measured_at": "x",
+}
 
 
 def test_fuzz_cost(workspace, tally, request):
@@ -440,29 +530,62 @@ def test_fuzz_cost(workspace, tally, request):
     @given(data=st.data())
     def case(data):
         folder = workspace.fresh()
-        bad_size = st.one_of(st.sampled_from([0, -1, -8, 2 ** 40, 10 ** 30, "x", "", "1.5", "8e2"]),
-                             st.text(max_size=3))
+        bad_size = st.one_of(st.sampled_from([0, -1, -8, 2**40, 10**30, "x", "", "1.5", "8e2"]), st.text(max_size=3))
         heads = data.draw(st.sampled_from([1, 2, 4, 8]))
         argv = ["cost"]
-        for name, valid in (("--embed-dim", heads * data.draw(st.integers(1, 16))), ("--heads", heads),
-                            ("--seq", data.draw(st.integers(1, 4096)))):
-            argv += data.draw(mostly(st.just([name, str(valid)]), st.one_of(
-                st.just([]), bad_size.map(lambda value: [name, str(value)])), weight=8))
-        extras = {"--kv-seq": st.integers(1, 512), "--kv-heads": st.sampled_from([1, heads]),
-                  "--head-dim": st.integers(1, 64), "--value-head-dim": st.integers(1, 64),
-                  "--batch": st.integers(1, 8), "--decode-cache": st.integers(0, 4096), "--kdim": st.integers(1, 64),
-                  "--vdim": st.integers(1, 64), "--out-dim": st.integers(1, 64)}
+        for name, valid in (
+            ("--embed-dim", heads * data.draw(st.integers(1, 16))),
+            ("--heads", heads),
+            ("--seq", data.draw(st.integers(1, 4096))),
+        ):
+            argv += data.draw(
+                mostly(
+                    st.just([name, str(valid)]),
+                    st.one_of(st.just([]), bad_size.map(lambda value: [name, str(value)])),
+                    weight=8,
+                )
+            )
+        extras = {
+            "--kv-seq": st.integers(1, 512),
+            "--kv-heads": st.sampled_from([1, heads]),
+            "--head-dim": st.integers(1, 64),
+            "--value-head-dim": st.integers(1, 64),
+            "--batch": st.integers(1, 8),
+            "--decode-cache": st.integers(0, 4096),
+            "--kdim": st.integers(1, 64),
+            "--vdim": st.integers(1, 64),
+            "--out-dim": st.integers(1, 64),
+        }
         for name in data.draw(st.lists(st.sampled_from(sorted(extras)), max_size=2, unique=True)):
             argv += [name, str(data.draw(mostly(extras[name], bad_size, weight=3)))]
-        argv += data.draw(option("--dtype", mostly(st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
-                                                   st.sampled_from(["int8", "torch.float32", "", "FLOAT32"]), 3)))
+        argv += data.draw(
+            option(
+                "--dtype",
+                mostly(
+                    st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
+                    st.sampled_from(["int8", "torch.float32", "", "FLOAT32"]),
+                    3,
+                ),
+            )
+        )
         for name in ("--causal", "--backward", "--need-weights", "--json", "--no-bias"):
             argv += data.draw(switch(name))
         if data.draw(st.booleans()):
-            where = data.draw(mostly(st.sampled_from(["plot_png", "plot_pdf", "plot_svg", "plot_nested"]),
-                                     st.sampled_from(OUTPUT_DEFECTS + ("plot_xyz", "plot_bare")), weight=3))
-            suffix = {"plot_png": ".png", "plot_pdf": ".pdf", "plot_svg": ".svg", "plot_nested": ".png",
-                      "plot_xyz": ".xyz", "plot_bare": ""}
+            where = data.draw(
+                mostly(
+                    st.sampled_from(["plot_png", "plot_pdf", "plot_svg", "plot_nested"]),
+                    st.sampled_from(OUTPUT_DEFECTS + ("plot_xyz", "plot_bare")),
+                    weight=3,
+                )
+            )
+            suffix = {
+                "plot_png": ".png",
+                "plot_pdf": ".pdf",
+                "plot_svg": ".svg",
+                "plot_nested": ".png",
+                "plot_xyz": ".xyz",
+                "plot_bare": "",
+            }
             if where in suffix:
                 inner = "new/deeper" if where == "plot_nested" else "plots"
                 argv += ["--plot", str(folder / inner / f"cost{suffix[where]}")]
@@ -491,16 +614,20 @@ def test_fuzz_bench_rescore(workspace, tally, request):
         if kind == "folder":
             results.mkdir()
             for name, valid in (("kernel", GOOD_KERNEL), ("layer", GOOD_LAYER)):
-                spec = data.draw(mostly(st.just(InputFile("file", json.dumps(valid).encode())),
-                                        input_files(valid_json=valid), weight=1))
+                spec = data.draw(
+                    mostly(
+                        st.just(InputFile("file", json.dumps(valid).encode())), input_files(valid_json=valid), weight=1
+                    )
+                )
                 spec.make(results, f"{name}{'_quick' if quick else ''}.json")
         elif kind == "file":
             results.write_text("{}")
         argv = ["bench", "--rescore", "--out", "/proc/multihead-results" if kind == "proc" else str(results)]
         argv += ["--quick"] if quick else []
         argv += data.draw(option("--only", mostly(st.sampled_from(["kernel", "layer"]), st.just("both"), 3)))
-        argv += data.draw(mostly(st.just([]), st.sampled_from([["--calibrate"], ["--dtype", "float32"],
-                                                                ["--dtype", "int8"]]), 3))
+        argv += data.draw(
+            mostly(st.just([]), st.sampled_from([["--calibrate"], ["--dtype", "float32"], ["--dtype", "int8"]]), 3)
+        )
         judge(tally, request.node.name, argv)
 
     case()
@@ -513,8 +640,14 @@ def test_fuzz_heads(workspace, tally, request):
     def case(data):
         folder = workspace.fresh()
         mode = data.draw(st.sampled_from(["importance", "prune", "prune", "syntax", "syntax"]))
-        argv = ["heads", mode, "--model", data.draw(model_folders(workspace, folder, damaged=mostly(
-            st.just(False), st.just(True), 3))), "--out", make_output(data.draw(OUTPUT_KINDS), folder)]
+        argv = [
+            "heads",
+            mode,
+            "--model",
+            data.draw(model_folders(workspace, folder, damaged=mostly(st.just(False), st.just(True), 3))),
+            "--out",
+            make_output(data.draw(OUTPUT_KINDS), folder),
+        ]
         if mode in ("importance", "prune"):  # always a corpus: the bundled one takes seconds per case
             argv += ["--corpus", data.draw(input_files(VALID_CORPUS)).make(folder, "corpus.txt")]
             argv += data.draw(option("--how", st.sampled_from(["zero", "mean", "uniform"])))
@@ -522,12 +655,26 @@ def test_fuzz_heads(workspace, tally, request):
             # --fraction measures a pruning curve (a second or more): --remove is the common case here
             plan = data.draw(mostly(st.just("remove"), st.sampled_from(["fraction", "both", "neither"]), 3))
             if plan in ("remove", "both"):
-                argv += ["--remove", data.draw(mostly(st.sampled_from(["0:1", "1:0;0:1", "1:1", " 0 : 0 "]), st.one_of(
-                    st.sampled_from(["0:0,1", "0:1,1", "5:0", "0:-1", ";;", "0:", ":1", "zero", "0:99999999999"]),
-                    st.text(max_size=8)), 2))]
+                argv += [
+                    "--remove",
+                    data.draw(
+                        mostly(
+                            st.sampled_from(["0:1", "1:0;0:1", "1:1", " 0 : 0 "]),
+                            st.one_of(
+                                st.sampled_from(
+                                    ["0:0,1", "0:1,1", "5:0", "0:-1", ";;", "0:", ":1", "zero", "0:99999999999"]
+                                ),
+                                st.text(max_size=8),
+                            ),
+                            2,
+                        )
+                    ),
+                ]
             if plan in ("fraction", "both"):
-                argv += ["--fraction", str(data.draw(mostly(st.sampled_from([0.0, 0.5]),
-                                                            st.sampled_from([1.0, -0.1, float("nan")]), 2)))]
+                argv += [
+                    "--fraction",
+                    str(data.draw(mostly(st.sampled_from([0.0, 0.5]), st.sampled_from([1.0, -0.1, float("nan")]), 2))),
+                ]
                 spec = data.draw(input_files(valid_json=VALID_IMPORTANCE))
                 argv += ["--importance", spec.make(folder, "importance.json")]
         if mode == "syntax":  # always few sentences: the whole bundled treebank takes seconds per case
@@ -535,8 +682,12 @@ def test_fuzz_heads(workspace, tally, request):
             treebank = data.draw(st.one_of(st.none(), input_files(VALID_CONLLU)))
             if treebank is not None:
                 argv += ["--treebank", treebank.make(folder, "treebank.conllu")]
-            argv += data.draw(option("--relations", mostly(st.sampled_from(["det", "nsubj,det"]),
-                                                           st.sampled_from(["", ",", "nope", "det,det"]), 2)))
+            argv += data.draw(
+                option(
+                    "--relations",
+                    mostly(st.sampled_from(["det", "nsubj,det"]), st.sampled_from(["", ",", "nope", "det,det"]), 2),
+                )
+            )
         judge(tally, request.node.name, argv)
 
     case()
@@ -564,10 +715,47 @@ def test_fuzz_model_folders(workspace, tally, request):
     case()
 
 
-ARGV_TOKENS = ["inspect", "cost", "heads", "importance", "prune", "syntax", "--layers", "--heads", "--format", "--out",
-               "--model", "--corpus", "--scores", "--token", "--embed-dim", "--seq", "--plot", "--json", "--remove",
-               "--fraction", "--dtype", "--help", "-h", "--", "-", "0", "-1", "1.5", "x", "", "=", "--json=1",
-               "--embed-dim=8", "--heads=2", "--seq=4", "--bogus", "--emb", "--fr", "bench"]
+ARGV_TOKENS = [
+    "inspect",
+    "cost",
+    "heads",
+    "importance",
+    "prune",
+    "syntax",
+    "--layers",
+    "--heads",
+    "--format",
+    "--out",
+    "--model",
+    "--corpus",
+    "--scores",
+    "--token",
+    "--embed-dim",
+    "--seq",
+    "--plot",
+    "--json",
+    "--remove",
+    "--fraction",
+    "--dtype",
+    "--help",
+    "-h",
+    "--",
+    "-",
+    "0",
+    "-1",
+    "1.5",
+    "x",
+    "",
+    "=",
+    "--json=1",
+    "--embed-dim=8",
+    "--heads=2",
+    "--seq=4",
+    "--bogus",
+    "--emb",
+    "--fr",
+    "bench",
+]
 
 
 def test_fuzz_argv_tokens(workspace, tally, request):

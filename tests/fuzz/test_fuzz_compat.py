@@ -79,8 +79,14 @@ class Config:
         return int(self.add_bias_kv) + int(self.add_zero_attn)
 
     def module_kwargs(self) -> dict:
-        return dict(bias=self.bias, add_bias_kv=self.add_bias_kv, add_zero_attn=self.add_zero_attn, kdim=self.kdim,
-                    vdim=self.vdim, batch_first=self.batch_first)
+        return dict(
+            bias=self.bias,
+            add_bias_kv=self.add_bias_kv,
+            add_zero_attn=self.add_zero_attn,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=self.batch_first,
+        )
 
 
 @st.composite
@@ -95,16 +101,37 @@ def configs(draw) -> Config:
     q_len = draw(st.integers(1, 6))
     k_len = q_len if self_attention else draw(st.integers(1, 6))
     attn = draw(st.sampled_from(ATTN_KINDS))
-    return Config(embed_dim, num_heads, draw(st.booleans()), draw(st.booleans()), draw(st.booleans()), kdim, vdim,
-                  draw(st.booleans()), batched, self_attention, draw(st.integers(1, 3)) if batched else 1, q_len,
-                  k_len, attn, draw(st.sampled_from(PAD_KINDS)), attn == "causal" and draw(st.booleans()),
-                  draw(st.booleans()), draw(st.booleans()), draw(st.booleans()),
-                  draw(st.sampled_from([torch.float32, torch.float64])), draw(st.integers(0, 2**31 - 1)))
+    return Config(
+        embed_dim,
+        num_heads,
+        draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.booleans()),
+        kdim,
+        vdim,
+        draw(st.booleans()),
+        batched,
+        self_attention,
+        draw(st.integers(1, 3)) if batched else 1,
+        q_len,
+        k_len,
+        attn,
+        draw(st.sampled_from(PAD_KINDS)),
+        attn == "causal" and draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.sampled_from([torch.float32, torch.float64])),
+        draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 def _seq(c: Config, length: int, features: int, gen: torch.Generator) -> torch.Tensor:
-    shape = ((c.batch, length, features) if c.batch_first else (length, c.batch, features)) if c.batched \
+    shape = (
+        ((c.batch, length, features) if c.batch_first else (length, c.batch, features))
+        if c.batched
         else (length, features)
+    )
     return torch.randn(shape, generator=gen, dtype=torch.float64)
 
 
@@ -125,8 +152,11 @@ def _masks(c: Config, gen: torch.Generator):
         attn = float_mask((L, S) if c.attn == "float2" else (n * h, L, S))
     elif c.attn == "causal":  # top-left, as torch's is_causal hint means
         causal = torch.ones(L, S, dtype=torch.bool).triu(1)
-        attn = causal if torch.rand((), generator=gen) < 0.5 else \
-            torch.zeros(L, S, dtype=torch.float64).masked_fill(causal, -math.inf)
+        attn = (
+            causal
+            if torch.rand((), generator=gen) < 0.5
+            else torch.zeros(L, S, dtype=torch.float64).masked_fill(causal, -math.inf)
+        )
     if attn is not None:
         blocked = attn if attn.dtype == torch.bool else attn == -math.inf
         allowed &= ~(blocked if blocked.dim() == 2 else blocked.view(n, h, L, S))
@@ -153,8 +183,14 @@ def _run(module: nn.Module, c: Config, inputs, padding, attn, is_causal: bool, d
     qkv = leaves * 3 if c.self_attention else leaves
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns when the two masks' dtypes differ, then converts
-        out, weights = module(*qkv, key_padding_mask=_cast(padding, dtype), need_weights=c.need_weights,
-                              attn_mask=_cast(attn, dtype), average_attn_weights=c.average, is_causal=is_causal)
+        out, weights = module(
+            *qkv,
+            key_padding_mask=_cast(padding, dtype),
+            need_weights=c.need_weights,
+            attn_mask=_cast(attn, dtype),
+            average_attn_weights=c.average,
+            is_causal=is_causal,
+        )
     gen = torch.Generator().manual_seed(seed)
     loss = (out * torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)).sum()
     if weights is not None:
@@ -212,8 +248,11 @@ def compare(c: Config) -> tuple[str, str]:
     except Exception as error:  # noqa: BLE001 - any other error is a crash, recorded with its type
         return "crash", f"{type(error).__name__}: {error}"
     (out_t, w_t, g_t), (out_l, w_l, g_l), (out_o, w_o, g_o) = truth, lowp, ours
-    if not out_o.isfinite().all() or (w_o is not None and not w_o.isfinite().all()) or \
-            not all(g.isfinite().all() for g in g_o):
+    if (
+        not out_o.isfinite().all()
+        or (w_o is not None and not w_o.isfinite().all())
+        or not all(g.isfinite().all() for g in g_o)
+    ):
         return "nan", "NaN or inf in ours"
     if (w_o is None) != (w_t is None) or out_o.shape != out_t.shape or (w_o is not None and w_o.shape != w_t.shape):
         return "wrong", f"shapes {tuple(out_o.shape)} vs torch {tuple(out_t.shape)}"
@@ -278,11 +317,21 @@ def _bad_calls(c: Config, gen: torch.Generator):
     yield "query 1-D", m, lambda: m(q.reshape(-1), k, v), shape_error
     yield "query 4-D", m, lambda: m(q[None, None] if not batched else q[None], k, v), shape_error
     yield "padding dims", m, lambda: m(q, k, v, key_padding_mask=other_dims(pad) if batched else pad[None]), shape_error
-    yield "padding shape", m, lambda: m(q, k, v, key_padding_mask=torch.zeros(
-        (n, c.k_len + 1) if batched else (c.k_len + 1,), dtype=torch.bool)), shape_error
+    yield (
+        "padding shape",
+        m,
+        lambda: m(
+            q, k, v, key_padding_mask=torch.zeros((n, c.k_len + 1) if batched else (c.k_len + 1,), dtype=torch.bool)
+        ),
+        shape_error,
+    )
     yield "attn 1-D", m, lambda: m(q, k, v, attn_mask=torch.zeros(c.k_len, dtype=torch.bool)), shape_error
-    yield "attn 2-D shape", m, lambda: m(q, k, v, attn_mask=torch.zeros(c.q_len + 1, c.k_len, dtype=torch.bool)), \
-        shape_error
+    yield (
+        "attn 2-D shape",
+        m,
+        lambda: m(q, k, v, attn_mask=torch.zeros(c.q_len + 1, c.k_len, dtype=torch.bool)),
+        shape_error,
+    )
     yield "attn 3-D heads", m, lambda: m(q, k, v, attn_mask=torch.zeros(n * h + 1, c.q_len, c.k_len)), shape_error
     yield "attn int", m, lambda: m(q, k, v, attn_mask=torch.zeros(c.q_len, c.k_len, dtype=torch.int64)), dtype_error
     yield "padding int", m, lambda: m(q, k, v, key_padding_mask=pad.int()), dtype_error
@@ -291,8 +340,7 @@ def _bad_calls(c: Config, gen: torch.Generator):
     yield "query int", m, lambda: m(q.long(), k.long(), v.long()), dtype_error
     yield "embed dim", m, lambda: m(torch.cat([q, q[..., :1]], -1), k, v), shape_error
     yield "key features", m, lambda: m(q, torch.cat([k, k[..., :1]], -1), v), shape_error
-    yield "value length", m, lambda: m(q, k, torch.cat([v, v], dim=1 if batched and c.batch_first else 0)), \
-        shape_error
+    yield "value length", m, lambda: m(q, k, torch.cat([v, v], dim=1 if batched and c.batch_first else 0)), shape_error
     if batched:
         axis = 0 if c.batch_first else 1
         yield "key batch", m, lambda: m(q, torch.cat([k, k], dim=axis), torch.cat([v, v], dim=axis)), shape_error
@@ -305,8 +353,14 @@ def _bad_calls(c: Config, gen: torch.Generator):
     yield "kdim -1", None, lambda: compat.MultiheadAttention(E, h, kdim=-1), (ValueError,)
     yield "kdim str", None, lambda: compat.MultiheadAttention(E, h, kdim=str(E)), (TypeError,)
     yield "vdim 0", None, lambda: compat.MultiheadAttention(E, h, vdim=0), (ValueError,)
-    yield "heads not dividing", None, lambda: compat.MultiheadAttention(E + 1, h + 1) if (E + 1) % (h + 1) else \
-        compat.MultiheadAttention(E + 1, h + 2), shape_error
+    yield (
+        "heads not dividing",
+        None,
+        lambda: (
+            compat.MultiheadAttention(E + 1, h + 1) if (E + 1) % (h + 1) else compat.MultiheadAttention(E + 1, h + 2)
+        ),
+        shape_error,
+    )
     yield "dropout 1", None, lambda: compat.MultiheadAttention(E, h, dropout=1.0), (ValueError,)
     yield "dtype int64", None, lambda: compat.MultiheadAttention(E, h, dtype=torch.int64), (ValueError,)
     yield "dtype complex", None, lambda: compat.MultiheadAttention(E, h, dtype=torch.complex64), (ValueError,)
@@ -317,14 +371,33 @@ def _bad_calls(c: Config, gen: torch.Generator):
     if batched and not c.batch_first:
         w = m.in_proj_weight if m.in_proj_weight is not None else None
         if w is not None:
-            args = dict(embed_dim_to_check=E, num_heads=h, in_proj_weight=w, in_proj_bias=m.in_proj_bias, bias_k=None,
-                        bias_v=None, add_zero_attn=False, dropout_p=0.0, out_proj_weight=m.out_proj.weight,
-                        out_proj_bias=m.out_proj.bias)
+            args = dict(
+                embed_dim_to_check=E,
+                num_heads=h,
+                in_proj_weight=w,
+                in_proj_bias=m.in_proj_bias,
+                bias_k=None,
+                bias_v=None,
+                add_zero_attn=False,
+                dropout_p=0.0,
+                out_proj_weight=m.out_proj.weight,
+                out_proj_bias=m.out_proj.bias,
+            )
             head_dim = E // h
-            yield "static_k rows", m, lambda: compat.multi_head_attention_forward(
-                q, k, v, **args, static_k=torch.randn(n * h + 1, c.k_len, head_dim)), shape_error
-            yield "in_proj_weight shape", m, lambda: compat.multi_head_attention_forward(
-                q, k, v, **dict(args, in_proj_weight=w[:E])), shape_error
+            yield (
+                "static_k rows",
+                m,
+                lambda: compat.multi_head_attention_forward(
+                    q, k, v, **args, static_k=torch.randn(n * h + 1, c.k_len, head_dim)
+                ),
+                shape_error,
+            )
+            yield (
+                "in_proj_weight shape",
+                m,
+                lambda: compat.multi_head_attention_forward(q, k, v, **dict(args, in_proj_weight=w[:E])),
+                shape_error,
+            )
 
 
 def test_compat_rejects_bad_input(tally, request):
@@ -342,8 +415,10 @@ def test_compat_rejects_bad_input(tally, request):
         except Exception as raised:  # noqa: BLE001 - classified below
             error = raised
         detail = f"{label}: {type(error).__name__}: {error}"
-        changed = module is not None and (list(module.state_dict()) != list(before) or not all(
-            torch.equal(t, before[k]) for k, t in module.state_dict().items()))
+        changed = module is not None and (
+            list(module.state_dict()) != list(before)
+            or not all(torch.equal(t, before[k]) for k, t in module.state_dict().items())
+        )
         if changed:
             outcome = tally.record(test, "state_corrupted", detail)
         elif error is not None and isinstance(error, InputError) and not isinstance(error, also):

@@ -33,8 +33,12 @@ from multihead.inspect import capture
 
 def snapshot(layer: MultiHeadAttention | None, cache: KVCache) -> dict:
     n = len(cache)
-    state = {"len": n, "seen": cache.seen, "keys": cache.keys[:, :, :n].clone(),
-             "values": cache.values[:, :, :n].clone()}
+    state = {
+        "len": n,
+        "seen": cache.seen,
+        "keys": cache.keys[:, :, :n].clone(),
+        "values": cache.values[:, :, :n].clone(),
+    }
     if layer is not None:
         state["parameters"] = {name: t.detach().clone() for name, t in layer.named_parameters()}
         state["buffers"] = {name: t.detach().clone() for name, t in layer.named_buffers()}  # rotary tables
@@ -61,8 +65,10 @@ def differences(before: dict, after: dict) -> list[str]:
             elif old.shape != new.shape:
                 common = tuple(slice(0, min(a, b)) for a, b in zip(old.shape, new.shape))
                 same = old.ndim == new.ndim and torch.equal(old[common], new[common])
-                changed.append(f"{group[:-1]} {name} shape {tuple(old.shape)} -> {tuple(new.shape)}"
-                               + (" (old entries unchanged)" if same else ""))
+                changed.append(
+                    f"{group[:-1]} {name} shape {tuple(old.shape)} -> {tuple(new.shape)}"
+                    + (" (old entries unchanged)" if same else "")
+                )
             elif old.dtype != new.dtype or not torch.equal(old, new):
                 changed.append(f"{group[:-1]} {name} changed")
     return changed
@@ -72,12 +78,22 @@ def differences(before: dict, after: dict) -> list[str]:
 
 
 def failure_kinds(setup: dict) -> list[str]:
-    kinds = ["mask of the wrong key length", "mask 'causal' (a string)", "int64 tensor mask",
-             "padding for another batch", "alibi for another head count",
-             "bias needing a gradient on a backend without bias gradients", "dropout on a backend without dropout",
-             "capture of queries out of range", "float64 input", "input of another batch",
-             "input of another feature size", "need_weights='yes'", "more tokens than the cache has room for",
-             "value without key"]
+    kinds = [
+        "mask of the wrong key length",
+        "mask 'causal' (a string)",
+        "int64 tensor mask",
+        "padding for another batch",
+        "alibi for another head count",
+        "bias needing a gradient on a backend without bias gradients",
+        "dropout on a backend without dropout",
+        "capture of queries out of range",
+        "float64 input",
+        "input of another batch",
+        "input of another feature size",
+        "need_weights='yes'",
+        "more tokens than the cache has room for",
+        "value without key",
+    ]
     if setup["rotary"]:
         kinds += ["positions of the wrong shape", "negative positions", "float positions", "key with rotary"]
     return kinds
@@ -108,22 +124,28 @@ def failing_call(kind: str, layer: MultiHeadAttention, cache: KVCache, x: torch.
     if kind == "alibi for another head count":
         return call(mask=masks.alibi(masks.alibi_slopes(h + 1))), nothing
     if kind.startswith("bias needing a gradient"):
+
         def run():
             layer.backend = "tiled"  # lacks gradients with respect to an additive bias
             with torch.enable_grad():
                 bias = masks.bias(torch.zeros(1, 1, 1, 1, requires_grad=True))
                 return layer(x, cache=cache, causal=causal, mask=bias)
+
         return run, restore_options
     if kind == "dropout on a backend without dropout":
+
         def run():
             layer.backend, layer.dropout = "materialized", 0.5
             layer.train()
             return layer(x, cache=cache, causal=causal)
+
         return run, restore_options
     if kind == "capture of queries out of range":
+
         def run():
             with capture(layer, queries=[n + 2]):
                 return layer(x, cache=cache, causal=causal)
+
         return run, nothing
     if kind == "float64 input":
         return call(query=x.double()), nothing
@@ -155,9 +177,14 @@ def decode_setups(draw) -> dict:
     h = g * draw(st.sampled_from((1, 2, 3)))
     d = draw(st.sampled_from((2, 4)))  # even: rotary
     setup = {
-        "embed_dim": draw(st.sampled_from((5, 7))), "num_heads": h, "num_kv_heads": g, "head_dim": d,
-        "value_head_dim": draw(st.sampled_from((3, 5))), "rotary": draw(st.booleans()),
-        "backend": draw(st.sampled_from(("auto", "reference", "tiled", "sdpa", "materialized")))}
+        "embed_dim": draw(st.sampled_from((5, 7))),
+        "num_heads": h,
+        "num_kv_heads": g,
+        "head_dim": d,
+        "value_head_dim": draw(st.sampled_from((3, 5))),
+        "rotary": draw(st.booleans()),
+        "backend": draw(st.sampled_from(("auto", "reference", "tiled", "sdpa", "materialized"))),
+    }
     setup["window"] = draw(st.sampled_from((None, None, 2, 3, 5)))
     setup["batch"] = draw(st.sampled_from((1, 2, 3)))
     setup["causal"] = draw(st.sampled_from((True, True, False)))
@@ -171,8 +198,10 @@ def decode_setups(draw) -> dict:
 
 def _layer(setup: dict) -> MultiHeadAttention:
     torch.manual_seed(setup["seed"])
-    config = {k: setup[k] for k in ("embed_dim", "num_heads", "num_kv_heads", "head_dim", "value_head_dim",
-                                    "rotary", "backend")}
+    config = {
+        k: setup[k]
+        for k in ("embed_dim", "num_heads", "num_kv_heads", "head_dim", "value_head_dim", "rotary", "backend")
+    }
     layer = MultiHeadAttention(**config)
     with torch.no_grad():  # biases too, so a wrong offset anywhere shows
         for p in layer.parameters():
@@ -222,8 +251,9 @@ def test_failed_calls_leave_decoding_state_unchanged(tally, request):
                     break
                 if changed:
                     tally.record(test, "state_corrupted", f"{where}: {changed}")
-                    problems.append(f"[state_corrupted] {where}: {'; '.join(changed)} "
-                                    f"(raised {type(error).__name__}: {error})")
+                    problems.append(
+                        f"[state_corrupted] {where}: {'; '.join(changed)} (raised {type(error).__name__}: {error})"
+                    )
                     continue
                 outcome = tally.rejection(test, error)
                 if outcome != "ok":
@@ -260,12 +290,19 @@ def bad_appends(b, g, d, e, dtype, room):
     cases = [
         ("values of length 1 (keys 2)", k, v[:, :, :1]),
         ("values of length 3 (keys 2)", k, torch.cat([v, v[:, :, :1]], 2)),
-        ("keys 3-D", k[0], v), ("values 3-D", k, v[0]),
-        (f"values {other}", k, v.to(other)), (f"keys {other}", k.to(other), v),
-        ("keys a list", k.tolist(), v), ("values None", k, None), ("keys int64", k.long(), v),
+        ("keys 3-D", k[0], v),
+        ("values 3-D", k, v[0]),
+        (f"values {other}", k, v.to(other)),
+        (f"keys {other}", k.to(other), v),
+        ("keys a list", k.tolist(), v),
+        ("values None", k, None),
+        ("keys int64", k.long(), v),
         (f"keys head dim {d + 1}", torch.randn(b, g, 2, d + 1, dtype=dtype), v),
-        (f"{room + 1} tokens, room for {room}", torch.randn(b, g, room + 1, d, dtype=dtype),
-         torch.randn(b, g, room + 1, e, dtype=dtype)),
+        (
+            f"{room + 1} tokens, room for {room}",
+            torch.randn(b, g, room + 1, d, dtype=dtype),
+            torch.randn(b, g, room + 1, e, dtype=dtype),
+        ),
     ]
     if b > 1:
         cases += [("values of batch 1", k, v[:1]), ("keys of batch 1", k[:1], v)]
@@ -279,11 +316,16 @@ def test_failed_appends_leave_cache_unchanged(tally, request):
     return what a cache modelled here holds."""
     test = request.node.name
 
-    @given(b=st.sampled_from((1, 2, 3)), g=st.sampled_from((1, 2, 3)), d=st.sampled_from((2, 4)),
-           e=st.sampled_from((3, 5)), window=st.sampled_from((None, 1, 2, 4)),
-           dtype=st.sampled_from((torch.float32, torch.float64)),
-           plan=st.lists(st.tuples(st.sampled_from((1, 2, 3)), st.integers(0, 99)), min_size=1, max_size=5),
-           seed=seeds)
+    @given(
+        b=st.sampled_from((1, 2, 3)),
+        g=st.sampled_from((1, 2, 3)),
+        d=st.sampled_from((2, 4)),
+        e=st.sampled_from((3, 5)),
+        window=st.sampled_from((None, 1, 2, 4)),
+        dtype=st.sampled_from((torch.float32, torch.float64)),
+        plan=st.lists(st.tuples(st.sampled_from((1, 2, 3)), st.integers(0, 99)), min_size=1, max_size=5),
+        seed=seeds,
+    )
     def case(b, g, d, e, window, dtype, plan, seed):
         max_len = sum(n for n, _ in plan)
         cache = KVCache(b, max_len, g, d, e, window=window, dtype=dtype)
@@ -326,13 +368,20 @@ def test_failed_appends_leave_cache_unchanged(tally, request):
             attend_k, attend_v = torch.cat([held_k, k], 2), torch.cat([held_v, v], 2)
             keep = attend_k.shape[2] if window is None else min(window, attend_k.shape[2])
             held_k, held_v = attend_k[:, :, -keep:], attend_v[:, :, -keep:]
-            right = (torch.equal(keys, attend_k) and torch.equal(values, attend_v) and len(cache) == keep
-                     and cache.seen == seen + n and torch.equal(cache.keys[:, :, :keep], held_k)
-                     and torch.equal(cache.values[:, :, :keep], held_v))
+            right = (
+                torch.equal(keys, attend_k)
+                and torch.equal(values, attend_v)
+                and len(cache) == keep
+                and cache.seen == seen + n
+                and torch.equal(cache.keys[:, :, :keep], held_k)
+                and torch.equal(cache.values[:, :, :keep], held_v)
+            )
             tally.record(test, "ok" if right else "wrong", "" if right else f"append of {n} after {label}")
             if not right:
-                problems.append(f"[wrong] the good append of {n} after {label}: returned or held keys differ "
-                                f"from the model (len {len(cache)} vs {keep}, seen {cache.seen} vs {seen + n})")
+                problems.append(
+                    f"[wrong] the good append of {n} after {label}: returned or held keys differ "
+                    f"from the model (len {len(cache)} vs {keep}, seen {cache.seen} vs {seen + n})"
+                )
                 break
         findings.add(*problems)
 
@@ -382,8 +431,11 @@ def test_attention_failure_changes_no_input(tally, request):
     @given(seed=seeds, backend=st.sampled_from(("sdpa", "materialized")))
     def case(seed, backend):
         gen = torch.Generator().manual_seed(seed)
-        q, k, v = torch.randn(2, 4, 3, 5, generator=gen), torch.randn(2, 2, 6, 5, generator=gen), \
-            torch.randn(2, 2, 6, 7, generator=gen)
+        q, k, v = (
+            torch.randn(2, 4, 3, 5, generator=gen),
+            torch.randn(2, 2, 6, 5, generator=gen),
+            torch.randn(2, 2, 6, 7, generator=gen),
+        )
         bias = torch.randn(2, 1, 3, 6, generator=gen)
         saved = [t.clone() for t in (q, k, v, bias)]
         error = None

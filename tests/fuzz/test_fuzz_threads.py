@@ -23,13 +23,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import Findings, backends_or_auto, make_inputs, mask_specs, seeds, selections, shapes
-from support import tiny_blocks  # tests/support.py
 from torch.overrides import TorchFunctionMode
 
 import multihead
 from multihead import MultiHeadAttention
 from multihead._errors import InputError
 from multihead.positional import RotaryEmbedding
+from support import tiny_blocks  # tests/support.py
 
 THREADS = 4
 JOIN_TIMEOUT = 60.0
@@ -94,16 +94,27 @@ def test_layer_shared_by_threads(tally, request):
     test = request.node.name
 
     @settings(max_examples=15)
-    @given(plan=thread_plans(), g=st.sampled_from((1, 3)), d=st.sampled_from((2, 4, 8)), seed=seeds,
-           backend=st.sampled_from(("auto", "tiled", "sdpa")))
+    @given(
+        plan=thread_plans(),
+        g=st.sampled_from((1, 3)),
+        d=st.sampled_from((2, 4, 8)),
+        seed=seeds,
+        backend=st.sampled_from(("auto", "tiled", "sdpa")),
+    )
     def case(plan, g, d, seed, backend):
         torch.manual_seed(seed)
-        layer = MultiHeadAttention(7, 3, num_kv_heads=g, head_dim=d, value_head_dim=5, rotary=True,
-                                   backend=backend).eval()
+        layer = MultiHeadAttention(
+            7, 3, num_kv_heads=g, head_dim=d, value_head_dim=5, rotary=True, backend=backend
+        ).eval()
         single = copy.deepcopy(layer)
         gen = torch.Generator().manual_seed(seed)
-        inputs = [[(torch.randn(2, n, 7, generator=gen), None if start is None else torch.arange(start, start + n))
-                   for n, start in calls] for calls in plan]
+        inputs = [
+            [
+                (torch.randn(2, n, 7, generator=gen), None if start is None else torch.arange(start, start + n))
+                for n, start in calls
+            ]
+            for calls in plan
+        ]
         with torch.no_grad():
             expected = [[single(x, positions=p)[0] for x, p in calls] for calls in inputs]
 
@@ -111,6 +122,7 @@ def test_layer_shared_by_threads(tally, request):
             def run():
                 with torch.no_grad():
                     return [layer(x, positions=p)[0] for x, p in calls]
+
             return run
 
         results, errors = run_threads([work(calls) for calls in inputs])
@@ -159,8 +171,10 @@ def later_calls_problems(rope: RotaryEmbedding, test: str, tally, expected: list
             continue
         if not same(got, want):
             tally.record(test, "state_corrupted", f"a later rotate at {positions} differs from a fresh module's")
-            problems.append(f"a later rotate at {positions} differs from a fresh module's "
-                            f"({tuple(got.shape)} vs {tuple(want.shape)})")
+            problems.append(
+                f"a later rotate at {positions} differs from a fresh module's "
+                f"({tuple(got.shape)} vs {tuple(want.shape)})"
+            )
     return problems
 
 
@@ -182,8 +196,13 @@ def attention_calls(draw):
     return_weights = draw(st.one_of(st.booleans(), selections(shape.h, shape.i)))
     return_lse = draw(st.booleans()) and backend in ("auto", "tiled", "reference")  # the others lack the LSE
     q, k, v = make_inputs(shape, dtype, draw(seeds))
-    kwargs = {"mask": spec.build(), "causal": spec.causal, "backend": backend, "return_weights": return_weights,
-              "return_lse": return_lse}
+    kwargs = {
+        "mask": spec.build(),
+        "causal": spec.causal,
+        "backend": backend,
+        "return_weights": return_weights,
+        "return_lse": return_lse,
+    }
     return f"{shape} {dtype} {spec} {backend} weights={return_weights} lse={return_lse}", q, k, v, kwargs
 
 
@@ -223,6 +242,7 @@ def test_attention_from_threads_is_bitwise_single_threaded(tally, request):
                     except Exception as error:  # noqa: BLE001
                         out.append(error)
                 return out
+
             return run
 
         results, errors = run_threads([work(per_thread) for per_thread in calls])
@@ -258,8 +278,9 @@ def test_attention_from_threads_is_bitwise_single_threaded(tally, request):
 def _caller_module() -> str:
     """The module of the first frame outside torch and this file: who made the torch call."""
     frame = sys._getframe(2)
-    while frame is not None and (frame.f_globals.get("__name__", "").startswith("torch")
-                                 or frame.f_code.co_filename == __file__):
+    while frame is not None and (
+        frame.f_globals.get("__name__", "").startswith("torch") or frame.f_code.co_filename == __file__
+    ):
         frame = frame.f_back
     return "" if frame is None else frame.f_globals.get("__name__", "")
 
@@ -300,9 +321,13 @@ def test_memory_error_while_tables_grow(tally, request):
     test = request.node.name
 
     @settings(max_examples=8)
-    @given(kind=st.sampled_from(("rotate(int)", "rotate(tensor)", "forward", "layer")),
-           d=st.sampled_from((2, 4, 6)), warm=st.integers(0, 40), grow=st.integers(20, 300),
-           dtype=st.sampled_from((torch.float32, torch.float64)))
+    @given(
+        kind=st.sampled_from(("rotate(int)", "rotate(tensor)", "forward", "layer")),
+        d=st.sampled_from((2, 4, 6)),
+        warm=st.integers(0, 40),
+        grow=st.integers(20, 300),
+        dtype=st.sampled_from((torch.float32, torch.float64)),
+    )
     def case(kind, d, warm, grow, dtype):
         def build():
             if kind == "layer":

@@ -45,8 +45,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def mask_scores_(scores: torch.Tensor, mask: BoundMask, rows: Index, cols: Index,
-                 heads: torch.Tensor | None = None) -> torch.Tensor:
+def mask_scores_(
+    scores: torch.Tensor, mask: BoundMask, rows: Index, cols: Index, heads: torch.Tensor | None = None
+) -> torch.Tensor:
     """Add the bias and fill disallowed pairs with -inf, in place. scores: (b, h or len(heads), rows, cols)."""
     keep, bias = mask.block(rows, cols, heads, dtype=scores.dtype)
     if bias is not None:
@@ -74,8 +75,9 @@ def softmax_rows_(scores: torch.Tensor, *, rows_may_be_empty: bool = True) -> to
     return scores.div_(total.masked_fill_(total == 0, 1.0))
 
 
-def dropout_keep(shape: torch.Size, p: float, seed: int, block_id: int, device: torch.device,
-                 dtype: torch.dtype) -> torch.Tensor:
+def dropout_keep(
+    shape: torch.Size, p: float, seed: int, block_id: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """Keep-and-rescale factors for one block, reproducible from (seed, block_id) so backward regenerates them."""
     generator = torch.Generator(device=device)
     generator.manual_seed((seed + 1_000_003 * block_id) % (2**63 - 1))
@@ -249,8 +251,9 @@ class FoldedMask:
     def may_empty_rows(self) -> bool:
         return self.mask.may_empty_rows()
 
-    def block(self, rows: Index, cols: Index, heads: torch.Tensor | None = None,
-              *, dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def block(
+        self, rows: Index, cols: Index, heads: torch.Tensor | None = None, *, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         keep, bias = self.mask.block(rows, cols, heads, dtype=dtype)
         return self._tile(keep), self._tile(bias)
 
@@ -269,9 +272,18 @@ class FoldedMask:
 # gradients below: dense (b, h, i, j) math in differentiable torch ops, built only when asked for.
 
 
-def dense_input_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor | None,
-                      grad_weights: torch.Tensor | None, grad_lse: torch.Tensor | None, *, mask: BoundMask,
-                      scale: float, drop: torch.Tensor | None = None):
+def dense_input_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor | None,
+    grad_weights: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    *,
+    mask: BoundMask,
+    scale: float,
+    drop: torch.Tensor | None = None,
+):
     """(dq, dk, dv) of attention as a differentiable function of the inputs and the incoming gradients.
 
     q (b, h, i, d), k (b, g, j, d), v (b, g, j, e); grad_out (b, h, i, e), grad_weights (b, h, i, j) (on
@@ -318,8 +330,9 @@ def dense_input_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_ou
     return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
 
 
-def double_backward(primals: dict[str, torch.Tensor | None], cotangents: tuple[torch.Tensor, ...],
-                    **options) -> tuple[torch.Tensor | None, ...]:
+def double_backward(
+    primals: dict[str, torch.Tensor | None], cotangents: tuple[torch.Tensor, ...], **options
+) -> tuple[torch.Tensor | None, ...]:
     """The vector-Jacobian product of :func:`dense_input_grads` at ``primals`` (its tensor arguments by
     name, None where absent) with ``cotangents`` for (dq, dk, dv): one gradient per primal, in order.
 

@@ -59,8 +59,9 @@ def _heads(b: int, h: int, group: int) -> list[tuple[int, int, int]]:
     return [(bb, hh, hh // group) for bb in range(b) for hh in range(h)]
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BoundMask | FoldedMask,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BoundMask | FoldedMask, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (b, h, i, e) and weights (b, h, i, j), both in q's dtype."""
     b, h, i, _ = q.shape
     g, j, e = k.shape[1], k.shape[2], v.shape[3]
@@ -77,8 +78,11 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BoundMask 
         for bb, hh, kv in heads:
             # this head's (n, j) scores, written into the returned tensor when dtypes agree, then masked,
             # softmaxed and multiplied by V in place
-            scores = weights[bb, hh, rows] if in_place else torch.empty(
-                rows.stop - rows.start, j, dtype=work, device=q.device)
+            scores = (
+                weights[bb, hh, rows]
+                if in_place
+                else torch.empty(rows.stop - rows.start, j, dtype=work, device=q.device)
+            )
             torch.mm(q_scaled[bb, hh, rows], k_work[bb, kv].t(), out=scores)
             if bias is not None:
                 scores.add_(_head_slice(bias, bb, hh))
@@ -91,9 +95,16 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BoundMask 
     return out.to(q.dtype), weights
 
 
-def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights: torch.Tensor,
-              grad_out: torch.Tensor | None, grad_weights: torch.Tensor | None, mask: BoundMask | FoldedMask,
-              scale: float):
+def _backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weights: torch.Tensor,
+    grad_out: torch.Tensor | None,
+    grad_weights: torch.Tensor | None,
+    mask: BoundMask | FoldedMask,
+    scale: float,
+):
     """Gradients for q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) from the saved weights (b, h, i, j).
 
     Half-precision weights are not read back: rounded to 8 bits of mantissa, they would make
@@ -114,8 +125,9 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weights: torch.
     for rows in _row_blocks(i):
         if recompute:  # (b, g, r, n, d) @ (b, g, 1, d, j): each query head against its key/value head
             scores = (q_work[:, :, rows] * scale).view(b, g, h // g, -1, d) @ k_work[:, :, None].transpose(-2, -1)
-            p = softmax_rows_(mask_scores_(scores.view(b, h, -1, j), mask, rows, slice(None)),
-                              rows_may_be_empty=rows_may_be_empty)  # (b, h, n, j) in float32
+            p = softmax_rows_(
+                mask_scores_(scores.view(b, h, -1, j), mask, rows, slice(None)), rows_may_be_empty=rows_may_be_empty
+            )  # (b, h, n, j) in float32
         else:
             p = weights[:, :, rows].to(work)  # (b, h, n, j)
         dp = torch.zeros_like(p) if grad_weights is None else grad_weights[:, :, rows].to(work, copy=True)
@@ -162,8 +174,7 @@ class _MaterializedAttention(KernelFunction):
             return dq, dk, dv, None, None
         # a Function of its own, so that the gradients are differentiable (double backward) and batchable
         # (vmap over vjp); with create_graph=False and no transform it just runs the kernel
-        dq, dk, dv = _MaterializedBackward.call_or_run(q, k, v, weights, grad_out, grad_weights, ctx.mask,
-                                                       ctx.scale)
+        dq, dk, dv = _MaterializedBackward.call_or_run(q, k, v, weights, grad_out, grad_weights, ctx.mask, ctx.scale)
         return dq, dk, dv, None, None
 
     @staticmethod
@@ -197,20 +208,32 @@ class _MaterializedBackward(KernelFunction):
     def backward(ctx, grad_dq, grad_dk, grad_dv):
         q, k, v, grad_out, grad_weights = ctx.saved_tensors
         dq, dk, dv, d_grad_out, d_grad_weights = double_backward(
-            {"q": q, "k": k, "v": v, "grad_out": grad_out, "grad_weights": grad_weights}, (grad_dq, grad_dk, grad_dv),
-            grad_lse=None, mask=ctx.mask, scale=ctx.scale)
+            {"q": q, "k": k, "v": v, "grad_out": grad_out, "grad_weights": grad_weights},
+            (grad_dq, grad_dk, grad_dv),
+            grad_lse=None,
+            mask=ctx.mask,
+            scale=ctx.scale,
+        )
         return dq, dk, dv, None, d_grad_out, d_grad_weights, None, None
 
     @staticmethod
     def vmap(info, in_dims, q, k, v, weights, grad_out, grad_weights, mask, scale):
-        tensors = (fold(t, dim, info.batch_size)
-                   for t, dim in zip((q, k, v, weights, grad_out, grad_weights), in_dims))
+        tensors = (fold(t, dim, info.batch_size) for t, dim in zip((q, k, v, weights, grad_out, grad_weights), in_dims))
         grads = _MaterializedBackward.apply(*tensors, FoldedMask(mask, info.batch_size), scale)
         return tuple(unfold(t, info.batch_size) for t in grads), (0, 0, 0)
 
 
-def materialized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BoundMask, scale: float,
-                           dropout: float, need_weights: bool, need_lse: bool) -> BackendOutput:
+def materialized_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: BoundMask,
+    scale: float,
+    dropout: float,
+    need_weights: bool,
+    need_lse: bool,
+) -> BackendOutput:
     """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), weights (b, h, i, j).
 
     Both in q's dtype; under torch.autocast, in the autocast dtype (float64 excepted), as torch's SDPA.
@@ -220,5 +243,6 @@ def materialized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return BackendOutput(output, weights if need_weights else None, None)
 
 
-CAPABILITIES = Capabilities(lse=False, weights=True, dropout=False, backward=True, bias_grad=False,
-                            compiles_dynamic=False)
+CAPABILITIES = Capabilities(
+    lse=False, weights=True, dropout=False, backward=True, bias_grad=False, compiles_dynamic=False
+)

@@ -32,8 +32,9 @@ def masked_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     alive = total > 0
     weights = exp / torch.where(alive, total, torch.ones_like(total))
     # log of a clamped total keeps the gradient finite on dead rows, which are then set to -inf
-    lse = torch.where(alive, torch.log(torch.where(alive, total, torch.ones_like(total))) + row_max,
-                      torch.full_like(total, -math.inf))
+    lse = torch.where(
+        alive, torch.log(torch.where(alive, total, torch.ones_like(total))) + row_max, torch.full_like(total, -math.inf)
+    )
     return weights, lse.squeeze(-1)
 
 
@@ -46,16 +47,34 @@ def apply_mask(scores: torch.Tensor, keep: torch.Tensor | None, bias: torch.Tens
     return scores
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BoundMask, scale: float,
-                        dropout: float, need_weights: bool, need_lse: bool) -> BackendOutput:
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: BoundMask,
+    scale: float,
+    dropout: float,
+    need_weights: bool,
+    need_lse: bool,
+) -> BackendOutput:
     """softmax(q k^T * scale + mask) v. q (b, h, i, d), k (b, g, j, d), v (b, g, j, e)."""
     q, k, v = autocast_inputs(q, k, v)  # as the other kernels: the autocast dtype in, then autocast off inside
     return _reference(q, k, v, mask=mask, scale=scale, dropout=dropout, need_weights=need_weights, need_lse=need_lse)
 
 
 @autocast_off
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BoundMask, scale: float, dropout: float,
-               need_weights: bool, need_lse: bool) -> BackendOutput:
+def _reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: BoundMask,
+    scale: float,
+    dropout: float,
+    need_weights: bool,
+    need_lse: bool,
+) -> BackendOutput:
     groups = q.shape[1] // k.shape[1]
     work = compute_dtype(q.dtype)  # float32 for half types, float64 for float64: the oracle never overflows first
     k = k.to(work).repeat_interleave(groups, dim=1)  # (b, h, j, d): query head n reads key head n // groups
@@ -66,8 +85,9 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Bound
     if dropout > 0:
         weights = F.dropout(weights, p=dropout, training=True)
     output = weights @ v  # (b, h, i, e)
-    return BackendOutput(output.to(q.dtype), weights.to(q.dtype) if need_weights else None,
-                         lse.to(q.dtype) if need_lse else None)
+    return BackendOutput(
+        output.to(q.dtype), weights.to(q.dtype) if need_weights else None, lse.to(q.dtype) if need_lse else None
+    )
 
 
 CAPABILITIES = Capabilities(lse=True, weights=True, dropout=True, backward=True, bias_grad=True)

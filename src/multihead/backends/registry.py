@@ -88,8 +88,10 @@ class Capabilities:
         if for_auto and self.auto_skip is not None:
             missing.extend(self.auto_skip(call))
         if for_auto and not self.compiles_dynamic and torch.compiler.is_compiling():
-            missing.append("torch.compile tracing (its Python block loops would pin the sequence length; "
-                           "name the backend to compile it anyway)")
+            missing.append(
+                "torch.compile tracing (its Python block loops would pin the sequence length; "
+                "name the backend to compile it anyway)"
+            )
         return missing
 
 
@@ -118,21 +120,37 @@ class Explanation:
 _REGISTRY: dict[str, Backend] = {}
 
 
-def register(name: str, fn: Callable[..., BackendOutput], capabilities: Capabilities, *,
-             priority: int = 50, replace: bool = False) -> None:
+def register(
+    name: str,
+    fn: Callable[..., BackendOutput],
+    capabilities: Capabilities,
+    *,
+    priority: int = 50,
+    replace: bool = False,
+) -> None:
     """Add a backend under ``name``; ``priority`` orders ``auto`` (lower first)."""
     if not isinstance(name, str):
         raise bad_argument("name", "a string", repr(name), "name the backend with a str", kind=TypeError)
     if not name or name == "auto":
         raise bad_argument("name", "a non-empty string other than 'auto'", repr(name), "choose another name")
     if not callable(fn):
-        raise bad_argument("fn", "a callable fn(q, k, v, *, mask, scale, dropout, need_weights, need_lse)",
-                           repr(fn), "pass the kernel function", kind=TypeError)
+        raise bad_argument(
+            "fn",
+            "a callable fn(q, k, v, *, mask, scale, dropout, need_weights, need_lse)",
+            repr(fn),
+            "pass the kernel function",
+            kind=TypeError,
+        )
     if name in _REGISTRY and not replace:
         raise bad_argument("name", "a name not yet registered", repr(name), "pass replace=True to override it")
     if not isinstance(capabilities, Capabilities):
-        raise bad_argument("capabilities", "a multihead.backends.Capabilities", type(capabilities).__name__,
-                           "describe the backend with Capabilities(...)", kind=TypeError)
+        raise bad_argument(
+            "capabilities",
+            "a multihead.backends.Capabilities",
+            type(capabilities).__name__,
+            "describe the backend with Capabilities(...)",
+            kind=TypeError,
+        )
     _REGISTRY[name] = Backend(name, fn, capabilities, priority)
 
 
@@ -148,8 +166,12 @@ def available_backends() -> list[str]:
 
 def get_backend(name: str) -> Backend:
     if name not in _REGISTRY:
-        raise bad_argument("backend", f"'auto' or one of {available_backends()}", repr(name),
-                           "pick a registered name, or register your own with multihead.backends.register")
+        raise bad_argument(
+            "backend",
+            f"'auto' or one of {available_backends()}",
+            repr(name),
+            "pick a registered name, or register your own with multihead.backends.register",
+        )
     return _REGISTRY[name]
 
 
@@ -177,7 +199,8 @@ def explain_call(call: AttentionCall, backend: str) -> Explanation:
         elif call.weights == "all" and not candidate.capabilities.weights:
             explanation.rejected[candidate.name] = [
                 f"could serve, but it does not return weights itself and {explanation.chosen!r} "
-                "writes all of them in one pass"]
+                "writes all of them in one pass"
+            ]
         else:
             explanation.rejected[candidate.name] = [f"could serve, but {explanation.chosen!r} ranks first"]
     return explanation
@@ -196,6 +219,5 @@ def choose(call: AttentionCall, backend: str) -> Backend:
     if explanation.chosen is None:
         why = "; ".join(f"{n} lacks {', '.join(r)}" for n, r in explanation.rejected.items())
         fix = "use backend='auto'" if backend != "auto" else "drop the unsupported option"
-        raise bad_argument("backend", f"a backend that supports this call ({backend!r} requested)",
-                           f"none: {why}", fix)
+        raise bad_argument("backend", f"a backend that supports this call ({backend!r} requested)", f"none: {why}", fix)
     return _REGISTRY[explanation.chosen]

@@ -42,8 +42,17 @@ def sdpa_mask(mask: BoundMask, dtype: torch.dtype) -> tuple[torch.Tensor | None,
     return bias, False
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BoundMask, scale: float,
-                   dropout: float, need_weights: bool, need_lse: bool) -> BackendOutput:
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: BoundMask,
+    scale: float,
+    dropout: float,
+    need_weights: bool,
+    need_lse: bool,
+) -> BackendOutput:
     """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e)."""
     attn_mask, is_causal = sdpa_mask(mask, q.dtype)
     if attn_mask is not None and mask.may_empty_rows():
@@ -52,8 +61,16 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: B
         # Only where a row may be empty: the copy of q would cost every other call a few percent.
         masked_out = attn_mask.logical_not() if attn_mask.dtype == torch.bool else attn_mask == -math.inf
         q = q.masked_fill(masked_out.all(dim=-1, keepdim=True), 0.0)  # rows (.., i, 1) broadcast over d
-    output = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal,
-                                            scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    output = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=attn_mask,
+        dropout_p=dropout,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
     return BackendOutput(output)
 
 
@@ -69,8 +86,12 @@ HALF_TYPES = (torch.bfloat16, torch.float16)
 def _sdpa_slower_here(call: AttentionCall) -> list[str]:
     # Measured on an AVX2 CPU (BENCHMARKS.md): torch's bf16 SDPA backward runs 4x slower than tiled,
     # which computes its blocks in float32.
-    if (call.device.type == "cpu" and call.requires_grad and call.dtype in HALF_TYPES
-            and not cpu_has_half_matrix_units()):
+    if (
+        call.device.type == "cpu"
+        and call.requires_grad
+        and call.dtype in HALF_TYPES
+        and not cpu_has_half_matrix_units()
+    ):
         return [f"{call.dtype} backward on a CPU without bf16/fp16 matrix units (slower than tiled here)"]
     return []
 
@@ -81,5 +102,12 @@ def _sdpa_limits(call: AttentionCall) -> list[str]:
     return []
 
 
-CAPABILITIES = Capabilities(lse=False, weights=False, dropout=True, backward=True, bias_grad=False,
-                            check=_sdpa_limits, auto_skip=_sdpa_slower_here)
+CAPABILITIES = Capabilities(
+    lse=False,
+    weights=False,
+    dropout=True,
+    backward=True,
+    bias_grad=False,
+    check=_sdpa_limits,
+    auto_skip=_sdpa_slower_here,
+)

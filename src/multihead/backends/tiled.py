@@ -75,7 +75,7 @@ class _Layout:
 
     def rows(self, t: torch.Tensor, block: range) -> torch.Tensor:
         """(b, g, r, i, x) -> the block's rows as (b*g, r*n, x), n = len(block)."""
-        return t[:, :, :, block.start:block.stop].reshape(self.b * self.g, self.r * len(block), t.shape[-1])
+        return t[:, :, :, block.start : block.stop].reshape(self.b * self.g, self.r * len(block), t.shape[-1])
 
     def per_head(self, t: torch.Tensor, n: int) -> torch.Tensor:
         """(b*g, r*n, x) -> (b, h, n, x), a view."""
@@ -88,7 +88,7 @@ class _Layout:
 
 def _block_scores(lay: _Layout, q_rows: torch.Tensor, qb: range, kb: range, mask: BoundMask) -> torch.Tensor:
     """Masked scaled scores of one block, (b*g, r*len(qb), len(kb))."""
-    scores = torch.bmm(q_rows, lay.k[:, kb.start:kb.stop].transpose(1, 2))
+    scores = torch.bmm(q_rows, lay.k[:, kb.start : kb.stop].transpose(1, 2))
     mask_scores_(lay.per_head(scores, len(qb)), mask, slice(qb.start, qb.stop), slice(kb.start, kb.stop))
     return scores
 
@@ -115,19 +115,31 @@ def _forward(lay: _Layout, mask: BoundMask, dropout: float, seed: int) -> tuple[
             row_sum.mul_(rescale).add_(p.sum(dim=-1, keepdim=True))
             if dropout > 0:
                 p.mul_(dropout_keep(p.shape, dropout, seed, qi * len(key_blocks) + ki, p.device, p.dtype))
-            acc.mul_(rescale).baddbmm_(p, lay.v[:, kb.start:kb.stop])
+            acc.mul_(rescale).baddbmm_(p, lay.v[:, kb.start : kb.stop])
             row_max = new_max
         alive = row_sum > 0  # False on rows with every key masked: output 0, lse -inf
         block_out = acc / torch.where(alive, row_sum, torch.ones_like(row_sum))
-        block_lse = torch.where(alive, torch.log(torch.where(alive, row_sum, torch.ones_like(row_sum)))
-                                + finite_or_zero(row_max), torch.full_like(row_sum, -math.inf))
-        out[:, :, :, qb.start:qb.stop] = block_out.view(lay.b, lay.g, lay.r, len(qb), lay.e)
-        lse[:, :, :, qb.start:qb.stop] = block_lse.view(lay.b, lay.g, lay.r, len(qb), 1)
+        block_lse = torch.where(
+            alive,
+            torch.log(torch.where(alive, row_sum, torch.ones_like(row_sum))) + finite_or_zero(row_max),
+            torch.full_like(row_sum, -math.inf),
+        )
+        out[:, :, :, qb.start : qb.stop] = block_out.view(lay.b, lay.g, lay.r, len(qb), lay.e)
+        lse[:, :, :, qb.start : qb.stop] = block_lse.view(lay.b, lay.g, lay.r, len(qb), 1)
     return out.view(lay.b, lay.h, lay.i, lay.e), lse.view(lay.b, lay.h, lay.i)
 
 
-def _backward(lay: _Layout, mask: BoundMask, dropout: float, seed: int, out: torch.Tensor, lse: torch.Tensor,
-              grad_out: torch.Tensor | None, grad_lse: torch.Tensor | None, scale: float):
+def _backward(
+    lay: _Layout,
+    mask: BoundMask,
+    dropout: float,
+    seed: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    scale: float,
+):
     """Gradients for q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), recomputing blocks from the LSE."""
     dq = torch.empty(lay.b, lay.g, lay.r, lay.i, lay.d, dtype=lay.dtype, device=lay.q.device)
     dk = torch.zeros_like(lay.k)  # (b*g, j, d)
@@ -150,19 +162,19 @@ def _backward(lay: _Layout, mask: BoundMask, dropout: float, seed: int, out: tor
         for ki, kb in enumerate(key_blocks):
             if mask.state(qb, kb) is BlockState.EMPTY:
                 continue
-            k_block, v_block = lay.k[:, kb.start:kb.stop], lay.v[:, kb.start:kb.stop]
+            k_block, v_block = lay.k[:, kb.start : kb.stop], lay.v[:, kb.start : kb.stop]
             p = _block_scores(lay, q_rows, qb, kb, mask).sub_(lse_rows).exp_()  # normalised probabilities
             dp = torch.bmm(do_rows, v_block.transpose(1, 2))  # (b*g, r*n, kb)
             if dropout > 0:
                 keep = dropout_keep(p.shape, dropout, seed, qi * len(key_blocks) + ki, p.device, p.dtype)
-                dv[:, kb.start:kb.stop] += torch.bmm((p * keep).transpose(1, 2), do_rows)
+                dv[:, kb.start : kb.stop] += torch.bmm((p * keep).transpose(1, 2), do_rows)
                 dp.mul_(keep)
             else:
-                dv[:, kb.start:kb.stop] += torch.bmm(p.transpose(1, 2), do_rows)
+                dv[:, kb.start : kb.stop] += torch.bmm(p.transpose(1, 2), do_rows)
             ds = dp.sub_(delta_rows).mul_(p)  # dS = P * (dP - D)
             dq_rows.baddbmm_(ds, k_block)
-            dk[:, kb.start:kb.stop] += torch.bmm(ds.transpose(1, 2), q_rows)  # q_rows carries the scale
-        dq[:, :, :, qb.start:qb.stop] = dq_rows.view(lay.b, lay.g, lay.r, len(qb), lay.d)
+            dk[:, kb.start : kb.stop] += torch.bmm(ds.transpose(1, 2), q_rows)  # q_rows carries the scale
+        dq[:, :, :, qb.start : qb.stop] = dq_rows.view(lay.b, lay.g, lay.r, len(qb), lay.d)
     dq = dq.view(lay.b, lay.h, lay.i, lay.d).mul_(scale)
     return dq, dk.view(lay.b, lay.g, lay.j, lay.d), dv.view(lay.b, lay.g, lay.j, lay.e)
 
@@ -179,9 +191,10 @@ def _dropout_dense(q: torch.Tensor, k: torch.Tensor, dropout: float, seed: int) 
     key_blocks = _blocks(j, BLOCK_K)
     for qi, qb in enumerate(_blocks(i, BLOCK_Q)):
         for ki, kb in enumerate(key_blocks):
-            keep = dropout_keep((b * g, r * len(qb), len(kb)), dropout, seed, qi * len(key_blocks) + ki,
-                                drop.device, drop.dtype)  # rows (b*g, r*n), as _Layout.rows orders them
-            drop[:, :, :, qb.start:qb.stop, kb.start:kb.stop] = keep.view(b, g, r, len(qb), len(kb))
+            keep = dropout_keep(
+                (b * g, r * len(qb), len(kb)), dropout, seed, qi * len(key_blocks) + ki, drop.device, drop.dtype
+            )  # rows (b*g, r*n), as _Layout.rows orders them
+            drop[:, :, :, qb.start : qb.stop, kb.start : kb.stop] = keep.view(b, g, r, len(qb), len(kb))
     return drop.view(b, h, i, j)
 
 
@@ -220,13 +233,15 @@ class _TiledAttention(KernelFunction):
                 raise NotImplementedError(
                     "tiled attention with dropout under torch.autograd.grad(..., is_grads_batched=True): that mode "
                     "refuses random ops, and backward redraws the dropout masks. Loop over the grad outputs, or "
-                    "use torch.func.vmap over torch.func.vjp, which supports it")
+                    "use torch.func.vmap over torch.func.vjp, which supports it"
+                )
             dq, dk, dv = dense_input_grads(q, k, v, grad_out, None, grad_lse, mask=ctx.mask, scale=ctx.scale)
             return dq, dk, dv, None, None, None, None
         # a Function of its own, so that the gradients are differentiable (double backward) and batchable
         # (vmap over vjp); with create_graph=False and no transform it just runs the kernel
-        dq, dk, dv = _TiledBackward.call_or_run(q, k, v, out, lse, grad_out, grad_lse, ctx.mask, ctx.scale,
-                                                 ctx.dropout, seed)
+        dq, dk, dv = _TiledBackward.call_or_run(
+            q, k, v, out, lse, grad_out, grad_lse, ctx.mask, ctx.scale, ctx.dropout, seed
+        )
         return dq, dk, dv, None, None, None, None
 
     @staticmethod
@@ -248,8 +263,9 @@ class _TiledBackward(KernelFunction):
 
     @staticmethod
     @autocast_off
-    def forward(q, k, v, out, lse, grad_out, grad_lse, mask: BoundMask, scale: float, dropout: float,
-                seed: torch.Tensor | None):
+    def forward(
+        q, k, v, out, lse, grad_out, grad_lse, mask: BoundMask, scale: float, dropout: float, seed: torch.Tensor | None
+    ):
         lay = _Layout(q, k, v, scale)
         dq, dk, dv = _backward(lay, mask, dropout, _seed(seed), out, lse, grad_out, grad_lse, scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -266,8 +282,13 @@ class _TiledBackward(KernelFunction):
         q, k, v, grad_out, grad_lse, seed = ctx.saved_tensors
         drop = _dropout_dense(q, k, ctx.dropout, _seed(seed)) if ctx.dropout > 0 else None
         dq, dk, dv, d_grad_out, d_grad_lse = double_backward(
-            {"q": q, "k": k, "v": v, "grad_out": grad_out, "grad_lse": grad_lse}, (grad_dq, grad_dk, grad_dv),
-            grad_weights=None, mask=ctx.mask, scale=ctx.scale, drop=drop)
+            {"q": q, "k": k, "v": v, "grad_out": grad_out, "grad_lse": grad_lse},
+            (grad_dq, grad_dk, grad_dv),
+            grad_weights=None,
+            mask=ctx.mask,
+            scale=ctx.scale,
+            drop=drop,
+        )
         return dq, dk, dv, None, None, d_grad_out, d_grad_lse, None, None, None, None
 
     @staticmethod
@@ -280,8 +301,17 @@ class _TiledBackward(KernelFunction):
         return tuple(unfold(t, info.batch_size) for t in grads), (0, 0, 0)
 
 
-def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: BoundMask, scale: float,
-                    dropout: float, need_weights: bool, need_lse: bool) -> BackendOutput:
+def tiled_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: BoundMask,
+    scale: float,
+    dropout: float,
+    need_weights: bool,
+    need_lse: bool,
+) -> BackendOutput:
     """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), lse (b, h, i).
 
     Both in q's dtype; under torch.autocast, in the autocast dtype (float64 excepted), as torch's SDPA.
@@ -293,5 +323,6 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: 
     return BackendOutput(output.to(q.dtype), None, lse.to(q.dtype) if need_lse else None)
 
 
-CAPABILITIES = Capabilities(lse=True, weights=False, dropout=True, backward=True, bias_grad=False,
-                            compiles_dynamic=False)
+CAPABILITIES = Capabilities(
+    lse=True, weights=False, dropout=True, backward=True, bias_grad=False, compiles_dynamic=False
+)

@@ -148,8 +148,9 @@ class Workload(Protocol):
     def clear(self) -> None: ...
 
 
-def random_inputs(shape: Sequence[int], count: int, dtype: torch.dtype, seed: int,
-                  backward: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+def random_inputs(
+    shape: Sequence[int], count: int, dtype: torch.dtype, seed: int, backward: bool
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """``count`` standard normal tensors of ``shape`` (requiring grad when ``backward``), then the gradient
     of the output (same shape) for backward, or None; all from one generator seeded with ``seed``."""
     generator = torch.Generator().manual_seed(seed)
@@ -207,13 +208,15 @@ def memory_record(workload: Workload, *, timed: bool = False) -> dict:
 TIMING_METHOD = f"median of the timed calls, with M_MMAP_THRESHOLD={TIMING_MMAP_THRESHOLD}"
 
 
-def time_calls(step: Callable[[], object], clear: Callable[[], None], max_repeats: int,
-               max_total_s: float) -> list[float]:
+def time_calls(
+    step: Callable[[], object], clear: Callable[[], None], max_repeats: int, max_total_s: float
+) -> list[float]:
     """Seconds per call: at least one, then more while fewer than max_repeats and the next fits max_total_s."""
     times: list[float] = []
     started = time.perf_counter()
-    while not times or (len(times) < max_repeats
-                        and time.perf_counter() - started + statistics.median(times) <= max_total_s):
+    while not times or (
+        len(times) < max_repeats and time.perf_counter() - started + statistics.median(times) <= max_total_s
+    ):
         clear()
         t0 = time.perf_counter()
         step()
@@ -224,12 +227,18 @@ def time_calls(step: Callable[[], object], clear: Callable[[], None], max_repeat
 def timing_record(times: Sequence[float], gflop: float, peak_gflops: float | None) -> dict:
     """The record fields of a measured case from its timed calls (status "ok", median, GFLOP/s, % peak)."""
     median = statistics.median(times)
-    return {"status": "ok", "times_s": times, "repeats": len(times), "median_s": median, "gflop": gflop,
-            "gflops": gflop / median, "pct_peak": None if not peak_gflops else 100 * gflop / median / peak_gflops}
+    return {
+        "status": "ok",
+        "times_s": times,
+        "repeats": len(times),
+        "median_s": median,
+        "gflop": gflop,
+        "gflops": gflop / median,
+        "pct_peak": None if not peak_gflops else 100 * gflop / median / peak_gflops,
+    }
 
 
-def matmul_peak_gflops(dtype: torch.dtype, max_repeats: int, max_total_s: float,
-                       size: int = PEAK_MATMUL_SIZE) -> dict:
+def matmul_peak_gflops(dtype: torch.dtype, max_repeats: int, max_total_s: float, size: int = PEAK_MATMUL_SIZE) -> dict:
     """GFLOP/s of torch.mm on (size, size) matrices, 2 size^3 FLOPs; warmed up on a 256 x 256 product."""
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=generator, dtype=dtype) for _ in range(2))
@@ -242,8 +251,9 @@ def matmul_peak_gflops(dtype: torch.dtype, max_repeats: int, max_total_s: float,
 # --------------------------------------------------------------------------- predicting, skipping, recording
 
 
-def scaled_from_previous(n: int, previous: dict | None,
-                         time_growth: Callable[[int], float] | None = None) -> tuple[float | None, float | None]:
+def scaled_from_previous(
+    n: int, previous: dict | None, time_growth: Callable[[int], float] | None = None
+) -> tuple[float | None, float | None]:
     """(seconds, peak MiB) of a case at ``n`` predicted from the same series at the previous n: its median
     (or its own prediction if it was skipped) times ``time_growth(previous n)`` (default (n / previous n)^2),
     and its peak (or predicted peak) times (n / previous n)^2. (None, None) without a previous case."""
@@ -265,20 +275,23 @@ def at_least_scores(mib: float | None, batch_heads: int, n: int, dtype: str, mod
     return analytic if mib is None else max(mib, analytic)
 
 
-def skip_reason(predicted_s: float | None, predicted_mib: float | None, budget_s: float,
-                ram: int | None) -> str | None:
+def skip_reason(predicted_s: float | None, predicted_mib: float | None, budget_s: float, ram: int | None) -> str | None:
     """Why a case with these predictions is not run (every reason that applies), or None."""
     reasons = []
     if predicted_s is not None and predicted_s > budget_s:
         reasons.append(f"predicted {predicted_s:.3g} s > budget {budget_s:.3g} s")
     if ram is not None and predicted_mib is not None and predicted_mib * MIB > RAM_FRACTION * ram:
-        reasons.append(f"needs ~{predicted_mib * MIB / GIB:.0f} GiB > {RAM_FRACTION:.0%} of "
-                       f"{ram / GIB:.0f} GiB RAM")
+        reasons.append(f"needs ~{predicted_mib * MIB / GIB:.0f} GiB > {RAM_FRACTION:.0%} of {ram / GIB:.0f} GiB RAM")
     return "; ".join(reasons) or None
 
 
-def run_case(record: dict, predicted: tuple[float | None, float | None], measure: Callable[[], dict],
-             budget_s: float, ram: int | None) -> dict:
+def run_case(
+    record: dict,
+    predicted: tuple[float | None, float | None],
+    measure: Callable[[], dict],
+    budget_s: float,
+    ram: int | None,
+) -> dict:
     """Add the predictions to ``record``, then skip the case or add ``measure()``'s fields. Never raises for
     a failed measurement: RuntimeError, MemoryError and ValueError are recorded with status "error"."""
     record["predicted_s"], record["predicted_mib"] = predicted
@@ -300,8 +313,10 @@ def summary(record: dict, time_spec: str = ".1f", suffix: str = "") -> str:
         return f"{record['status']}: {record['reason']}"
     pct = "" if record["pct_peak"] is None else f", {record['pct_peak']:.0f}% peak"
     mem = "" if record["peak_mib"] is None else f", {record['peak_mib']:.1f} MiB"
-    return (f"{format(record['median_s'] * 1e3, time_spec)} ms ({record['repeats']} reps), "
-            f"{record['gflops']:.1f} GFLOP/s{pct}{mem}{suffix}")
+    return (
+        f"{format(record['median_s'] * 1e3, time_spec)} ms ({record['repeats']} reps), "
+        f"{record['gflops']:.1f} GFLOP/s{pct}{mem}{suffix}"
+    )
 
 
 def find(records: Sequence[dict], **key: Any) -> dict | None:
@@ -353,8 +368,11 @@ def machine_info(peaks: dict) -> dict:
         "torch_threads": torch.get_num_threads(),
         "ram_gib": None if ram is None else ram / GIB,
         MALLOC_ENV: os.environ.get(MALLOC_ENV),
-        "malloc": {"memory_call_mmap_threshold": MEMORY_MMAP_THRESHOLD,
-                   "timed_calls_mmap_threshold": TIMING_MMAP_THRESHOLD, "switched_with_mallopt": LIBC is not None},
+        "malloc": {
+            "memory_call_mmap_threshold": MEMORY_MMAP_THRESHOLD,
+            "timed_calls_mmap_threshold": TIMING_MMAP_THRESHOLD,
+            "switched_with_mallopt": LIBC is not None,
+        },
         "memory_valid": (os.environ.get(MALLOC_ENV) is not None or LIBC is not None) and reset_peak_rss(),
         "matmul_peak": peaks,
     }
@@ -364,9 +382,11 @@ def machine_line(m: dict, *, multihead_version: bool = False) -> str:
     """The report's machine line from ``machine_info``'s dict."""
     peaks = ", ".join(f"{dtype} {p['gflops']:.2f} GFLOP/s ({p['size']}^2)" for dtype, p in m["matmul_peak"].items())
     version = f", multihead {m['multihead']}" if multihead_version else ""
-    return (f"torch {m['torch']}{version}, {m['processor']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch "
-            f"threads, {fmt(m['ram_gib'], '.0f')} GiB RAM; matmul peak (torch.mm): {peaks}; "
-            f"{MALLOC_ENV}={m[MALLOC_ENV]}")
+    return (
+        f"torch {m['torch']}{version}, {m['processor']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch "
+        f"threads, {fmt(m['ram_gib'], '.0f')} GiB RAM; matmul peak (torch.mm): {peaks}; "
+        f"{MALLOC_ENV}={m[MALLOC_ENV]}"
+    )
 
 
 # --------------------------------------------------------------------------- configuration
@@ -413,6 +433,7 @@ def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend, or None without matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -447,8 +468,9 @@ def write_json(results: dict, out_dir: Path, stem: str) -> Path:
     return path
 
 
-def write_reports(results: dict, out_dir: Path, stem: str, markdown_report: Callable[[dict], str],
-                  plot: Callable[[dict, Path], bool]) -> str:
+def write_reports(
+    results: dict, out_dir: Path, stem: str, markdown_report: Callable[[dict], str], plot: Callable[[dict, Path], bool]
+) -> str:
     """<stem>.json, <stem>.md (``markdown_report``) and <stem>.png (``plot``) under out_dir; returns the markdown."""
     write_json(results, out_dir, stem)
     report = markdown_report(results)
@@ -461,12 +483,12 @@ def write_reports(results: dict, out_dir: Path, stem: str, markdown_report: Call
 
 
 def int_list(text: str) -> tuple[int, ...]:
-    """"256,1024" -> (256, 1024)."""
+    """ "256,1024" -> (256, 1024)."""
     return tuple(int(part) for part in text.split(",") if part)
 
 
 def dtype_list(text: str) -> tuple[str, ...]:
-    """"float32,bfloat16" -> ("float32", "bfloat16"); an unknown name is an argparse error."""
+    """ "float32,bfloat16" -> ("float32", "bfloat16"); an unknown name is an argparse error."""
     names = tuple(part for part in text.split(",") if part)
     unknown = [name for name in names if name not in DTYPES]
     if unknown:
@@ -483,17 +505,27 @@ def default_out_dir() -> Path:
     return Path.cwd() / "benchmarks" / "results"
 
 
-def build_parser(doc: str, quick_help: str, budget_s: float, sizes: str, out: Path | None = None,
-                 prog: str | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    doc: str, quick_help: str, budget_s: float, sizes: str, out: Path | None = None, prog: str | None = None
+) -> argparse.ArgumentParser:
     """The benchmarks' options: --quick, --budget-s, --out, --sizes, --dtypes (``doc``'s first paragraph
     is the description; ``sizes`` the default n as text)."""
-    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--budget-s", type=float, default=budget_s,
-                        help=f"skip a case whose predicted time for one call exceeds this (default {budget_s:g})")
-    parser.add_argument("--out", type=Path, default=default_out_dir() if out is None else out,
-                        help="output folder (default benchmarks/results)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=budget_s,
+        help=f"skip a case whose predicted time for one call exceeds this (default {budget_s:g})",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=default_out_dir() if out is None else out,
+        help="output folder (default benchmarks/results)",
+    )
     parser.add_argument("--sizes", type=int_list, help=f"comma-separated n (default {sizes})")
     parser.add_argument("--dtypes", type=dtype_list, help="comma-separated dtypes (default float32,bfloat16)")
     return parser
@@ -509,8 +541,14 @@ def config_from_args(config_cls: type, args: argparse.Namespace) -> Any:
     return config_cls.quick_config(**overrides) if args.quick else config_cls(**overrides)
 
 
-def bench_main(argv: Sequence[str] | None, parser: Callable[[], argparse.ArgumentParser], config_cls: type,
-               run: Callable[[Any], dict], write_reports: Callable[[dict, Path, str], str], reexec: bool) -> int:
+def bench_main(
+    argv: Sequence[str] | None,
+    parser: Callable[[], argparse.ArgumentParser],
+    config_cls: type,
+    run: Callable[[Any], dict],
+    write_reports: Callable[[dict, Path, str], str],
+    reexec: bool,
+) -> int:
     """A benchmark's main: re-execute with MALLOC_MMAP_THRESHOLD_ set (with ``reexec``), parse ``argv``, run,
     write the reports under --out, print the markdown. The parser is built after the re-exec."""
     from multihead._errors import InputError

@@ -71,14 +71,16 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], object]
 # --------------------------------------------------------------------------- the implementations
 
 
-def textbook_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def textbook_with_weights(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The classic materialised attention. q, k, v (b, h, n, d) -> out (b, h, n, d), weights (b, h, n, n)."""
     d = q.shape[-1]
     scores = q @ k.transpose(-2, -1) / math.sqrt(d)
     if causal:
-        causal_mask = torch.triu(torch.ones(scores.shape[-2], scores.shape[-1], dtype=torch.bool,
-                                            device=q.device), diagonal=1)
+        causal_mask = torch.triu(
+            torch.ones(scores.shape[-2], scores.shape[-1], dtype=torch.bool, device=q.device), diagonal=1
+        )
         scores = scores.masked_fill(causal_mask, float("-inf"))
     w = torch.softmax(scores, -1)
     out = w @ v
@@ -121,8 +123,9 @@ def weights_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool)
     return result.output, result.weights
 
 
-def weights_one_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def weights_one_head(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """multihead.attention(return_weights=WeightSelection(heads=[0])) -> out (b, h, n, d), weights (b, 1, n, n)."""
     result = multihead.attention(q, k, v, causal=causal, return_weights=multihead.WeightSelection(heads=[0]))
     return result.output, result.weights
@@ -187,10 +190,21 @@ class Workload:
     grad_out: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, fn: AttentionFn, batch: int, heads: int, n: int, head_dim: int, dtype: torch.dtype,
-              causal: bool, mode: str, seed: int) -> Workload:
-        (q, k, v), grad_out = common.random_inputs((batch, heads, n, head_dim), 3, dtype, seed,
-                                                   backward=mode == "forward+backward")
+    def build(
+        cls,
+        fn: AttentionFn,
+        batch: int,
+        heads: int,
+        n: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        causal: bool,
+        mode: str,
+        seed: int,
+    ) -> Workload:
+        (q, k, v), grad_out = common.random_inputs(
+            (batch, heads, n, head_dim), 3, dtype, seed, backward=mode == "forward+backward"
+        )
         return cls(fn, q, k, v, causal, grad_out)
 
     def clear(self) -> None:
@@ -262,10 +276,10 @@ def predict(case: Case, previous: dict | None) -> tuple[float | None, float | No
 
 def measure_case(case: Case, fn: AttentionFn, config: Config, peaks: dict) -> dict:
     """Warmup, one memory call, timed calls; the record of one case (status "ok")."""
-    workload = Workload.build(fn, case.batch, case.heads, case.n, case.head_dim, DTYPES[case.dtype],
-                              case.causal, case.mode, config.seed)
-    record = {"served_by": workload.served_by(MULTIHEAD_BACKEND[case.impl])
-              if case.impl in MULTIHEAD_BACKEND else None}
+    workload = Workload.build(
+        fn, case.batch, case.heads, case.n, case.head_dim, DTYPES[case.dtype], case.causal, case.mode, config.seed
+    )
+    record = {"served_by": workload.served_by(MULTIHEAD_BACKEND[case.impl]) if case.impl in MULTIHEAD_BACKEND else None}
     record["warmup_s"] = common.warmup_call(workload)
     record.update(common.memory_record(workload))
     times = common.time_calls(workload.step, workload.clear, config.max_repeats, config.max_total_s)
@@ -277,27 +291,43 @@ def measure_case(case: Case, fn: AttentionFn, config: Config, peaks: dict) -> di
     return record
 
 
-def run_case(case: Case, fn: AttentionFn, config: Config, peaks: dict, previous: dict | None,
-             ram: int | None) -> dict:
+def run_case(case: Case, fn: AttentionFn, config: Config, peaks: dict, previous: dict | None, ram: int | None) -> dict:
     """Predict, then skip or measure one case. Never raises: failures are recorded with status "error"."""
-    return common.run_case(dataclasses.asdict(case), predict(case, previous),
-                           lambda: measure_case(case, fn, config, peaks), config.budget_s, ram)
+    return common.run_case(
+        dataclasses.asdict(case),
+        predict(case, previous),
+        lambda: measure_case(case, fn, config, peaks),
+        config.budget_s,
+        ram,
+    )
 
 
 def main_cases(config: Config, dtypes: Sequence[str]) -> list[Case]:
     """The b*h = 16 grid for ``dtypes``, ordered dtype, n, mode, causal, impl (so each series grows in n)."""
-    return [Case(impl, n, causal, dtype, mode, config.batch, config.heads, config.head_dim)
-            for dtype in dtypes for n in sorted(config.sizes) for mode in config.modes
-            for causal in config.causal for impl in config.impls]
+    return [
+        Case(impl, n, causal, dtype, mode, config.batch, config.heads, config.head_dim)
+        for dtype in dtypes
+        for n in sorted(config.sizes)
+        for mode in config.modes
+        for causal in config.causal
+        for impl in config.impls
+    ]
 
 
 def bh1_cases(config: Config) -> list[Case]:
     """Textbook at b*h = 1, n = 16384, forward+backward float32: its memory extrapolates to b*h = 16."""
-    if (not config.bh1 or BH1_SHAPE["n"] not in config.sizes or BH1_SHAPE["dtype"] not in config.dtypes
-            or BH1_SHAPE["mode"] not in config.modes or "textbook" not in config.impls):
+    if (
+        not config.bh1
+        or BH1_SHAPE["n"] not in config.sizes
+        or BH1_SHAPE["dtype"] not in config.dtypes
+        or BH1_SHAPE["mode"] not in config.modes
+        or "textbook" not in config.impls
+    ):
         return []
-    return [Case("textbook", BH1_SHAPE["n"], causal, BH1_SHAPE["dtype"], BH1_SHAPE["mode"], 1, 1, config.head_dim)
-            for causal in config.causal]
+    return [
+        Case("textbook", BH1_SHAPE["n"], causal, BH1_SHAPE["dtype"], BH1_SHAPE["mode"], 1, 1, config.head_dim)
+        for causal in config.causal
+    ]
 
 
 def weights_cases(config: Config) -> list[Case]:
@@ -305,8 +335,11 @@ def weights_cases(config: Config) -> list[Case]:
     if not config.weights:
         return []
     s = WEIGHTS_SHAPE
-    return [Case(impl, s["n"], causal, s["dtype"], "forward", s["batch"], s["heads"], s["head_dim"])
-            for causal in config.causal for impl in WEIGHTS_IMPLS]
+    return [
+        Case(impl, s["n"], causal, s["dtype"], "forward", s["batch"], s["heads"], s["head_dim"])
+        for causal in config.causal
+        for impl in WEIGHTS_IMPLS
+    ]
 
 
 # --------------------------------------------------------------------------- the run
@@ -327,14 +360,22 @@ def run(config: Config, progress: Callable[[str], None] | None = None) -> dict:
         say(f"matmul peak {dtype}: torch.mm {common.PEAK_MATMUL_SIZE}x{common.PEAK_MATMUL_SIZE} ...")
         peaks[dtype] = common.matmul_peak_gflops(DTYPES[dtype], config.max_repeats, config.max_total_s)
         say(f"matmul peak {dtype}: {peaks[dtype]['gflops']:.2f} GFLOP/s ({peaks[dtype]['median_s']:.3f} s)")
-    results = {"machine": common.machine_info(peaks), "config": config_json(config), "complete": False,
-               "cases": [], "textbook_bh1": [], "weights": []}
+    results = {
+        "machine": common.machine_info(peaks),
+        "config": config_json(config),
+        "complete": False,
+        "cases": [],
+        "textbook_bh1": [],
+        "weights": [],
+    }
     ram = common.ram_bytes()
     # the first dtype's grid, then the cheap extra sections, then the other dtypes (slow in bfloat16 here)
-    sections = [("cases", main_cases(config, config.dtypes[:1]), IMPLS),
-                ("textbook_bh1", bh1_cases(config), IMPLS),
-                ("weights", weights_cases(config), WEIGHTS_IMPLS),
-                ("cases", main_cases(config, config.dtypes[1:]), IMPLS)]
+    sections = [
+        ("cases", main_cases(config, config.dtypes[:1]), IMPLS),
+        ("textbook_bh1", bh1_cases(config), IMPLS),
+        ("weights", weights_cases(config), WEIGHTS_IMPLS),
+        ("cases", main_cases(config, config.dtypes[1:]), IMPLS),
+    ]
     total = sum(len(cases) for _, cases, _ in sections)
     done = 0
     last_in_series: dict[tuple, dict] = {}
@@ -358,8 +399,10 @@ def config_json(config: Config) -> dict:
     """The "config" section of the results: the fields and how things are measured."""
     out = config.to_json()
     out["warmup_calls"] = 1
-    out["memory"] = ("one separate call after the warmup: VmHWM after minus VmRSS before, MiB, "
-                     f"with M_MMAP_THRESHOLD={common.MEMORY_MMAP_THRESHOLD}")
+    out["memory"] = (
+        "one separate call after the warmup: VmHWM after minus VmRSS before, MiB, "
+        f"with M_MMAP_THRESHOLD={common.MEMORY_MMAP_THRESHOLD}"
+    )
     out["timing"] = common.TIMING_METHOD
     out["textbook_score_tensors_predicted"] = common.TEXTBOOK_SCORE_TENSORS
     return out
@@ -378,16 +421,26 @@ def target_auto_vs_sdpa(cases: Sequence[dict]) -> dict:
     for auto in (r for r in cases if r["impl"] == "auto" and r["status"] == "ok" and r["served_by"] == "sdpa"):
         sdpa = find(cases, impl="sdpa", n=auto["n"], causal=auto["causal"], dtype=auto["dtype"], mode=auto["mode"])
         if sdpa is not None:
-            ratios.append({"n": auto["n"], "causal": auto["causal"], "dtype": auto["dtype"], "mode": auto["mode"],
-                           "ratio": auto["median_s"] / sdpa["median_s"]})
+            ratios.append(
+                {
+                    "n": auto["n"],
+                    "causal": auto["causal"],
+                    "dtype": auto["dtype"],
+                    "mode": auto["mode"],
+                    "ratio": auto["median_s"] / sdpa["median_s"],
+                }
+            )
     return common.ratio_target("auto / sdpa time <= 1.05 where SDPA served", ratios, 1.05)
 
 
 def target_tiled_memory(cases: Sequence[dict], bh1: Sequence[dict], n: int = 16384) -> dict:
     """(2) tiled forward+backward peak memory at n = 16384 <= 1/10 of the textbook's."""
     checks = []
-    for tiled in (r for r in cases if r["impl"] == "tiled" and r["n"] == n and r["mode"] == "forward+backward"
-                  and r["status"] == "ok"):
+    for tiled in (
+        r
+        for r in cases
+        if r["impl"] == "tiled" and r["n"] == n and r["mode"] == "forward+backward" and r["status"] == "ok"
+    ):
         key = {"causal": tiled["causal"], "dtype": tiled["dtype"], "mode": tiled["mode"]}
         measured = find(cases, impl="textbook", n=n, **key)
         small = find(bh1, impl="textbook", n=n, **key)
@@ -400,24 +453,43 @@ def target_tiled_memory(cases: Sequence[dict], bh1: Sequence[dict], n: int = 163
         else:
             continue
         value = ratio(tiled["peak_mib"], reference)
-        checks.append({**key, "tiled_mib": tiled["peak_mib"], "textbook_mib": reference, "textbook_source": source,
-                       "ratio": value, "pass": value is not None and value <= 0.1})
-    return {"goal": f"tiled fwd+bwd peak memory at n={n} <= textbook / 10", "checks": checks,
-            "pass": common.all_pass(checks)}
+        checks.append(
+            {
+                **key,
+                "tiled_mib": tiled["peak_mib"],
+                "textbook_mib": reference,
+                "textbook_source": source,
+                "ratio": value,
+                "pass": value is not None and value <= 0.1,
+            }
+        )
+    return {
+        "goal": f"tiled fwd+bwd peak memory at n={n} <= textbook / 10",
+        "checks": checks,
+        "pass": common.all_pass(checks),
+    }
 
 
 def target_tiled_time(cases: Sequence[dict], n: int = 4096, dtype: str = "float32") -> dict:
     """(3) tiled time <= 2 x sdpa's at n = 4096, float32, each mode and causal variant."""
     checks = []
-    for tiled in (r for r in cases if r["impl"] == "tiled" and r["n"] == n and r["dtype"] == dtype
-                  and r["status"] == "ok"):
+    for tiled in (
+        r for r in cases if r["impl"] == "tiled" and r["n"] == n and r["dtype"] == dtype and r["status"] == "ok"
+    ):
         sdpa = find(cases, impl="sdpa", n=n, dtype=dtype, causal=tiled["causal"], mode=tiled["mode"])
         if sdpa is not None:
             value = tiled["median_s"] / sdpa["median_s"]
-            checks.append({"causal": tiled["causal"], "mode": tiled["mode"], "tiled_s": tiled["median_s"],
-                           "sdpa_s": sdpa["median_s"], "ratio": value, "pass": value <= 2.0})
-    return {"goal": f"tiled time <= 2 x sdpa at n={n}, {dtype}", "checks": checks,
-            "pass": common.all_pass(checks)}
+            checks.append(
+                {
+                    "causal": tiled["causal"],
+                    "mode": tiled["mode"],
+                    "tiled_s": tiled["median_s"],
+                    "sdpa_s": sdpa["median_s"],
+                    "ratio": value,
+                    "pass": value <= 2.0,
+                }
+            )
+    return {"goal": f"tiled time <= 2 x sdpa at n={n}, {dtype}", "checks": checks, "pass": common.all_pass(checks)}
 
 
 def target_weights_speed(weights: Sequence[dict]) -> dict:
@@ -431,12 +503,22 @@ def target_weights_speed(weights: Sequence[dict]) -> dict:
         speedup = book["median_s"] / ours["median_s"]
         weights_mib = ours["returned_mib"]["weights"]
         extra = None if ours["peak_mib"] is None else ours["peak_mib"] - weights_mib
-        checks.append({"causal": causal, "speedup": speedup, "peak_mib": ours["peak_mib"], "weights_mib": weights_mib,
-                       "extra_mib": extra, "textbook_extra_mib": None if book["peak_mib"] is None
-                       else book["peak_mib"] - weights_mib,
-                       "pass": speedup >= 1.5 and extra is not None and extra < 0.1 * weights_mib})
-    return {"goal": "return_weights=True >= 1.5x faster than textbook; peak - weights < 10% of weights",
-            "checks": checks, "pass": common.all_pass(checks)}
+        checks.append(
+            {
+                "causal": causal,
+                "speedup": speedup,
+                "peak_mib": ours["peak_mib"],
+                "weights_mib": weights_mib,
+                "extra_mib": extra,
+                "textbook_extra_mib": None if book["peak_mib"] is None else book["peak_mib"] - weights_mib,
+                "pass": speedup >= 1.5 and extra is not None and extra < 0.1 * weights_mib,
+            }
+        )
+    return {
+        "goal": "return_weights=True >= 1.5x faster than textbook; peak - weights < 10% of weights",
+        "checks": checks,
+        "pass": common.all_pass(checks),
+    }
 
 
 def target_one_head(weights: Sequence[dict]) -> dict:
@@ -459,16 +541,24 @@ def target_one_head(weights: Sequence[dict]) -> dict:
                 marginal[label] = None
             else:
                 marginal[label] = ratio(one[field] - none[field], every[field] - none[field])
-        checks.append({"causal": causal, "marginal_time_ratio": marginal["time"],
-                       "marginal_memory_ratio": marginal["memory"],
-                       "one_head_weights_cost_s": one["median_s"] - none["median_s"],
-                       "all_weights_cost_s": every["median_s"] - none["median_s"],
-                       "call_time_ratio": one["median_s"] / every["median_s"],
-                       "call_memory_ratio": ratio(one["peak_mib"], every["peak_mib"]),
-                       "pass": all(v is not None and v < 0.2 for v in marginal.values())})
-    return {"goal": "one head of 12: its weights' cost (call minus the no-weights call) < 1/5 of all heads', "
-                    "in time and in peak memory",
-            "checks": checks, "pass": common.all_pass(checks)}
+        checks.append(
+            {
+                "causal": causal,
+                "marginal_time_ratio": marginal["time"],
+                "marginal_memory_ratio": marginal["memory"],
+                "one_head_weights_cost_s": one["median_s"] - none["median_s"],
+                "all_weights_cost_s": every["median_s"] - none["median_s"],
+                "call_time_ratio": one["median_s"] / every["median_s"],
+                "call_memory_ratio": ratio(one["peak_mib"], every["peak_mib"]),
+                "pass": all(v is not None and v < 0.2 for v in marginal.values()),
+            }
+        )
+    return {
+        "goal": "one head of 12: its weights' cost (call minus the no-weights call) < 1/5 of all heads', "
+        "in time and in peak memory",
+        "checks": checks,
+        "pass": common.all_pass(checks),
+    }
 
 
 def evaluate_targets(results: dict) -> dict:
@@ -487,23 +577,35 @@ def evaluate_targets(results: dict) -> dict:
 
 def markdown_cases(cases: Sequence[dict]) -> str:
     """One row per measured case, ratios against sdpa and textbook on the same case; then the skipped ones."""
-    header = ("| impl | n | causal | dtype | mode | time ms | GFLOP/s | % peak | peak MiB | ratio to sdpa "
-              "| ratio to textbook |\n|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|")
+    header = (
+        "| impl | n | causal | dtype | mode | time ms | GFLOP/s | % peak | peak MiB | ratio to sdpa "
+        "| ratio to textbook |\n|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|"
+    )
     rows, skipped = [header], []
     for r in cases:
         if r["status"] != "ok":
-            skipped.append(f"- {r['impl']} n={r['n']} causal={r['causal']} {r['dtype']} {r['mode']}"
-                           f"{'' if r['batch'] * r['heads'] == 16 else ' b*h=' + str(r['batch'] * r['heads'])}: "
-                           f"{r['status']} ({r['reason']})")
+            skipped.append(
+                f"- {r['impl']} n={r['n']} causal={r['causal']} {r['dtype']} {r['mode']}"
+                f"{'' if r['batch'] * r['heads'] == 16 else ' b*h=' + str(r['batch'] * r['heads'])}: "
+                f"{r['status']} ({r['reason']})"
+            )
             continue
-        key = {"n": r["n"], "causal": r["causal"], "dtype": r["dtype"], "mode": r["mode"],
-               "batch": r["batch"], "heads": r["heads"]}
+        key = {
+            "n": r["n"],
+            "causal": r["causal"],
+            "dtype": r["dtype"],
+            "mode": r["mode"],
+            "batch": r["batch"],
+            "heads": r["heads"],
+        }
         sdpa, book = find(cases, impl="sdpa", **key), find(cases, impl="textbook", **key)
-        rows.append(f"| {r['impl']} | {r['n']} | {r['causal']} | {r['dtype']} | {r['mode']} "
-                    f"| {r['median_s'] * 1e3:.1f} | {r['gflops']:.1f} | {fmt(r['pct_peak'], '.0f')} "
-                    f"| {fmt(r['peak_mib'], '.1f')} "
-                    f"| {fmt(ratio(r['median_s'], sdpa and sdpa['median_s']), '.2f')} "
-                    f"| {fmt(ratio(r['median_s'], book and book['median_s']), '.2f')} |")
+        rows.append(
+            f"| {r['impl']} | {r['n']} | {r['causal']} | {r['dtype']} | {r['mode']} "
+            f"| {r['median_s'] * 1e3:.1f} | {r['gflops']:.1f} | {fmt(r['pct_peak'], '.0f')} "
+            f"| {fmt(r['peak_mib'], '.1f')} "
+            f"| {fmt(ratio(r['median_s'], sdpa and sdpa['median_s']), '.2f')} "
+            f"| {fmt(ratio(r['median_s'], book and book['median_s']), '.2f')} |"
+        )
     text = "\n".join(rows)
     if skipped:
         text += "\n\nNot run:\n" + "\n".join(skipped)
@@ -516,28 +618,36 @@ def markdown_bh1(bh1: Sequence[dict], bh: int) -> str:
         if r["status"] != "ok":
             lines.append(f"- textbook n={r['n']} causal={r['causal']} b*h=1: {r['status']} ({r['reason']})")
         elif r["peak_mib"] is not None:
-            lines.append(f"- textbook n={r['n']} causal={r['causal']} {r['dtype']} {r['mode']} at b*h = 1: "
-                         f"{r['median_s']:.2f} s, peak {r['peak_mib']:.0f} MiB measured; "
-                         f"{r['peak_mib'] * bh:.0f} MiB at b*h = {bh} (extrapolated linearly in b*h)")
+            lines.append(
+                f"- textbook n={r['n']} causal={r['causal']} {r['dtype']} {r['mode']} at b*h = 1: "
+                f"{r['median_s']:.2f} s, peak {r['peak_mib']:.0f} MiB measured; "
+                f"{r['peak_mib'] * bh:.0f} MiB at b*h = {bh} (extrapolated linearly in b*h)"
+            )
     return "\n".join(lines)
 
 
 def markdown_weights(weights: Sequence[dict]) -> str:
     s = WEIGHTS_SHAPE
     full_mib = s["batch"] * s["heads"] * s["n"] ** 2 * DTYPES[s["dtype"]].itemsize / MIB
-    rows = [f"b*h = {s['batch'] * s['heads']}, n = {s['n']}, d = {s['head_dim']}, {s['dtype']}, forward "
-            f"(all weights: {full_mib:.0f} MiB)", "",
-            "| impl | causal | time ms | peak MiB | returned weights MiB | peak - returned weights MiB "
-            "| peak - all weights MiB |", "|---|---|---:|---:|---:|---:|---:|"]
+    rows = [
+        f"b*h = {s['batch'] * s['heads']}, n = {s['n']}, d = {s['head_dim']}, {s['dtype']}, forward "
+        f"(all weights: {full_mib:.0f} MiB)",
+        "",
+        "| impl | causal | time ms | peak MiB | returned weights MiB | peak - returned weights MiB "
+        "| peak - all weights MiB |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in weights:
         if r["status"] != "ok":
             rows.append(f"| {r['impl']} | {r['causal']} | {r['status']}: {r['reason']} | | | | |")
             continue
         returned = (r["returned_mib"] or {}).get("weights", 0.0)
         peak = r["peak_mib"]
-        rows.append(f"| {r['impl']} | {r['causal']} | {r['median_s'] * 1e3:.1f} | {fmt(peak, '.1f')} "
-                    f"| {returned:.1f} | {fmt(None if peak is None else peak - returned, '.1f')} "
-                    f"| {fmt(None if peak is None else peak - full_mib, '.1f')} |")
+        rows.append(
+            f"| {r['impl']} | {r['causal']} | {r['median_s'] * 1e3:.1f} | {fmt(peak, '.1f')} "
+            f"| {returned:.1f} | {fmt(None if peak is None else peak - returned, '.1f')} "
+            f"| {fmt(None if peak is None else peak - full_mib, '.1f')} |"
+        )
     return "\n".join(rows)
 
 
@@ -548,8 +658,10 @@ def markdown_targets(targets: dict) -> str:
         lines.append(f"- {name}: {verdict} — {target['goal']}")
         if "worst" in target:
             w = target["worst"]
-            lines.append(f"    - worst ratio {w['ratio']:.3f} (n={w['n']} causal={w['causal']} {w['dtype']} "
-                         f"{w['mode']}); {len(target['failing'])} of {len(target['cases'])} cases above 1.05")
+            lines.append(
+                f"    - worst ratio {w['ratio']:.3f} (n={w['n']} causal={w['causal']} {w['dtype']} "
+                f"{w['mode']}); {len(target['failing'])} of {len(target['cases'])} cases above 1.05"
+            )
         for check in target.get("checks", []):
             details = ", ".join(f"{k}={fmt(v, '.3g') if isinstance(v, float) else v}" for k, v in check.items())
             lines.append(f"    - {details}")
@@ -564,7 +676,8 @@ def markdown_report(results: dict) -> str:
         "FLOPs 4bhn^2d forward, x3.5 fwd+bwd, /2 causal; time = median; peak MiB = VmHWM - VmRSS before the call",
         "% peak is against the faster of torch.mm in the case's dtype and in float32 (SDPA and tiled compute "
         "half types in float32; without bfloat16 units, torch.mm in bfloat16 is far slower than in float32).",
-        "", markdown_cases(results["cases"]),
+        "",
+        markdown_cases(results["cases"]),
     ]
     if results["textbook_bh1"]:
         bh = results["config"]["batch"] * results["config"]["heads"]
@@ -588,8 +701,11 @@ def plot(results: dict, path: Path) -> bool:
         for col, (dtype, causal) in enumerate(columns):
             ax = axes[row][col]
             for impl in IMPLS:
-                points = sorted((r["n"], r["median_s"]) for r in cases if r["impl"] == impl and r["mode"] == mode
-                                and r["dtype"] == dtype and r["causal"] == causal)
+                points = sorted(
+                    (r["n"], r["median_s"])
+                    for r in cases
+                    if r["impl"] == impl and r["mode"] == mode and r["dtype"] == dtype and r["causal"] == causal
+                )
                 if points:
                     ax.plot(*zip(*points), marker="o", label=impl)
             common.log_axes(ax, f"{mode}, {dtype}, {'causal' if causal else 'full'}", "n", "time (s)")
@@ -614,8 +730,9 @@ def write_reports(results: dict, out_dir: Path, stem: str = "kernel") -> str:
 
 def build_parser(default_out: Path | None = None) -> argparse.ArgumentParser:
     """The options: --quick, --budget-s, --out (default ``default_out``, else benchmarks/results), --sizes, --dtypes."""
-    return common.build_parser(__doc__, "n in {256, 1024}, float32, fewer repeats (< 1 min)", 120.0,
-                               "256,1024,4096,16384", default_out)
+    return common.build_parser(
+        __doc__, "n in {256, 1024}, float32, fewer repeats (< 1 min)", 120.0, "256,1024,4096,16384", default_out
+    )
 
 
 def main(argv: Sequence[str] | None = None, *, reexec: bool = True, default_out: Path | None = None) -> int:

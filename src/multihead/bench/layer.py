@@ -217,8 +217,15 @@ class Config(common.BenchConfig):
 
     NAME = "layer"  # output stem: layer, or layer_quick
     # --quick: n in {128, 512}, float32, decode with prompts 128/512 and 8 new tokens, fewer repeats
-    QUICK = {"sizes": (128, 512), "dtypes": ("float32",), "max_repeats": 5, "max_total_s": 0.4,
-             "decode_prompts": (128, 512), "decode_new_tokens": 8, "decode_repeats": 2}
+    QUICK = {
+        "sizes": (128, 512),
+        "dtypes": ("float32",),
+        "max_repeats": 5,
+        "max_total_s": 0.4,
+        "decode_prompts": (128, 512),
+        "decode_new_tokens": 8,
+        "decode_repeats": 2,
+    }
 
 
 # --------------------------------------------------------------------------- interference and bandwidth
@@ -289,12 +296,19 @@ def measure_quietly(measure: Callable[[], dict], config: Config, say: Callable[[
         if _busy(record) <= BUSY_WARNING:
             break
         quiet = wait_for_quiet(config.busy_wait_s)
-        say(f"    other processes used {_busy(record):.0%} of the CPUs: measuring again"
-            f"{'' if quiet else ' (the machine did not become quiet)'}")
+        say(
+            f"    other processes used {_busy(record):.0%} of the CPUs: measuring again"
+            f"{'' if quiet else ' (the machine did not become quiet)'}"
+        )
         again = measure()
         keep, drop = (again, record) if _busy(again) < _busy(record) else (record, again)
-        discarded.append({key: drop.get(key) for key in ("median_s", "times_s", "other_cpu_frac", "cache",
-                                                         "no_cache") if key in drop})
+        discarded.append(
+            {
+                key: drop.get(key)
+                for key in ("median_s", "times_s", "other_cpu_frac", "cache", "no_cache")
+                if key in drop
+            }
+        )
         record = keep
     if discarded:
         record["discarded_attempts"] = discarded
@@ -360,8 +374,9 @@ def predict(case: Case, previous: dict | None) -> tuple[float | None, float | No
     s = SHAPES[case.shape]
 
     def growth(previous_n: int) -> float:
-        return (layer_gflop(case.batch, case.n, s["embed_dim"], s["heads"], False, case.mode)
-                / layer_gflop(case.batch, previous_n, s["embed_dim"], s["heads"], False, case.mode))
+        return layer_gflop(case.batch, case.n, s["embed_dim"], s["heads"], False, case.mode) / layer_gflop(
+            case.batch, previous_n, s["embed_dim"], s["heads"], False, case.mode
+        )
 
     seconds, mib = common.scaled_from_previous(case.n, previous, growth)
     if case.impl in ("textbook", "torch_mha_weights", "multihead_weights"):
@@ -383,8 +398,18 @@ class LayerWorkload:
     grad_out: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, impl: str, models: Models, batch: int, n: int, embed_dim: int, dtype: torch.dtype,
-              causal: bool, mode: str, seed: int) -> LayerWorkload:
+    def build(
+        cls,
+        impl: str,
+        models: Models,
+        batch: int,
+        n: int,
+        embed_dim: int,
+        dtype: torch.dtype,
+        causal: bool,
+        mode: str,
+        seed: int,
+    ) -> LayerWorkload:
         backward = mode == "forward+backward"
         (x,), grad_out = common.random_inputs((batch, n, embed_dim), 1, dtype, seed, backward)
         mask = torch_causal_mask(n, dtype) if causal and impl.startswith("torch") else None
@@ -408,8 +433,9 @@ class LayerWorkload:
 def measure_case(case: Case, models: Models, config: Config, peaks: dict, predicted_s: float | None) -> dict:
     """Warmup (unless one call is predicted to be long), one memory call, timed calls."""
     s = SHAPES[case.shape]
-    workload = LayerWorkload.build(case.impl, models, case.batch, case.n, s["embed_dim"], DTYPES[case.dtype],
-                                   case.causal, case.mode, config.seed)
+    workload = LayerWorkload.build(
+        case.impl, models, case.batch, case.n, s["embed_dim"], DTYPES[case.dtype], case.causal, case.mode, config.seed
+    )
     record: dict = {}
     # without a separate warmup call when one call is predicted to be long: the memory call then warms up
     warm = predicted_s is None or predicted_s <= config.warmup_skip_s
@@ -424,14 +450,21 @@ def measure_case(case: Case, models: Models, config: Config, peaks: dict, predic
     return record
 
 
-def run_case(case: Case, models: Models, config: Config, peaks: dict, previous: dict | None,
-             ram: int | None) -> dict:
+def run_case(case: Case, models: Models, config: Config, peaks: dict, previous: dict | None, ram: int | None) -> dict:
     """Predict, then skip or measure one case. Failures are recorded with status "error"."""
-    record = {**dataclasses.asdict(case), "causal": case.causal, "embed_dim": SHAPES[case.shape]["embed_dim"],
-              "heads": SHAPES[case.shape]["heads"]}
-    return common.run_case(record, predict(case, previous),
-                           lambda: measure_case(case, models, config, peaks, record["predicted_s"]),
-                           config.budget_s, ram)
+    record = {
+        **dataclasses.asdict(case),
+        "causal": case.causal,
+        "embed_dim": SHAPES[case.shape]["embed_dim"],
+        "heads": SHAPES[case.shape]["heads"],
+    }
+    return common.run_case(
+        record,
+        predict(case, previous),
+        lambda: measure_case(case, models, config, peaks, record["predicted_s"]),
+        config.budget_s,
+        ram,
+    )
 
 
 # --------------------------------------------------------------------------- sanity check
@@ -456,11 +489,23 @@ def sanity_check(models: Models, shape: str, n: int, batch: int, seed: int) -> d
     ours_w, book_w, torch_w = (results[i][1] for i in ("multihead_weights", "textbook", "torch_mha_weights"))
     diffs["weights multihead vs textbook (per head)"] = _max_diff(ours_w, book_w)
     diffs["weights multihead mean over heads vs torch (averaged)"] = _max_diff(ours_w.mean(dim=1), torch_w)
-    shapes_ok = (tuple(ours_w.shape) == (batch, s["heads"], n, n) and tuple(torch_w.shape) == (batch, n, n)
-                 and results["multihead"][1] is None and results["torch_mha_noweights"][1] is None)
+    shapes_ok = (
+        tuple(ours_w.shape) == (batch, s["heads"], n, n)
+        and tuple(torch_w.shape) == (batch, n, n)
+        and results["multihead"][1] is None
+        and results["torch_mha_noweights"][1] is None
+    )
     worst = max(diffs.values())
-    return {"shape": shape, "n": n, "dtype": "float32", "tolerance": SANITY_TOL, "max_abs_diff": diffs,
-            "worst": worst, "weight_shapes_ok": shapes_ok, "pass": worst <= SANITY_TOL and shapes_ok}
+    return {
+        "shape": shape,
+        "n": n,
+        "dtype": "float32",
+        "tolerance": SANITY_TOL,
+        "max_abs_diff": diffs,
+        "worst": worst,
+        "weight_shapes_ok": shapes_ok,
+        "pass": worst <= SANITY_TOL and shapes_ok,
+    }
 
 
 # --------------------------------------------------------------------------- decode
@@ -471,8 +516,9 @@ def kv_bytes(layers: int, kv_heads: int, keys: int, head_dim: int, itemsize: int
     return 2 * layers * kv_heads * keys * head_dim * itemsize
 
 
-def decode_case(models: Models, prompt: int, new_tokens: int, repeats: int, config: Config,
-                predicted_step_s: float | None) -> dict:
+def decode_case(
+    models: Models, prompt: int, new_tokens: int, repeats: int, config: Config, predicted_step_s: float | None
+) -> dict:
     """Generate ``new_tokens`` after a ``prompt``, with and without the KV cache (see the module docstring)."""
     layer = models.ours.eval()
     e, g, d = layer.embed_dim, layer.num_kv_heads, layer.head_dim
@@ -480,8 +526,13 @@ def decode_case(models: Models, prompt: int, new_tokens: int, repeats: int, conf
     itemsize = torch.empty((), dtype=dtype).element_size()
     total = prompt + new_tokens
     x = torch.randn(1, total, e, generator=torch.Generator().manual_seed(config.seed + prompt), dtype=dtype)
-    record: dict = {"prompt": prompt, "new_tokens": new_tokens, "dtype": str(dtype).removeprefix("torch."),
-                    "shape": DECODE_SHAPE, "batch": 1}
+    record: dict = {
+        "prompt": prompt,
+        "new_tokens": new_tokens,
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": DECODE_SHAPE,
+        "batch": 1,
+    }
     cache = layer.new_cache(1, total)
     record["cache_mib"] = (cache.keys.numel() + cache.values.numel()) * itemsize / MIB
     cached_out: list[torch.Tensor] = []
@@ -495,7 +546,7 @@ def decode_case(models: Models, prompt: int, new_tokens: int, repeats: int, conf
             prefill_s = time.perf_counter() - t0
             steps, outs = [], []
             for t in range(new_tokens):
-                x_t = x[:, prompt + t:prompt + t + 1]
+                x_t = x[:, prompt + t : prompt + t + 1]
                 t0 = time.perf_counter()
                 out, _ = layer(x_t, causal=True, cache=cache)
                 steps.append(time.perf_counter() - t0)
@@ -511,12 +562,16 @@ def decode_case(models: Models, prompt: int, new_tokens: int, repeats: int, conf
     kv = kv_bytes(1, g, round(mean_keys), d, itemsize)
     weight_bytes = sum(p.numel() for p in layer.parameters()) * itemsize
     record["cache"] = {
-        "other_cpu_frac": probe.other_fraction(), "generations": generations,
+        "other_cpu_frac": probe.other_fraction(),
+        "generations": generations,
         "prefill_s": statistics.median(gen["prefill_s"] for gen in generations),
-        "per_token_s_median": per_token, "per_token_s_min": min(all_steps),
+        "per_token_s_median": per_token,
+        "per_token_s_min": min(all_steps),
         "tokens_per_s": new_tokens / median_gen["total_s"],
-        "kv_bytes_per_step": kv, "kv_bytes_first_step": kv_bytes(1, g, prompt + 1, d, itemsize),
-        "kv_bytes_last_step": kv_bytes(1, g, total, d, itemsize), "weight_bytes_per_step": weight_bytes,
+        "kv_bytes_per_step": kv,
+        "kv_bytes_first_step": kv_bytes(1, g, prompt + 1, d, itemsize),
+        "kv_bytes_last_step": kv_bytes(1, g, total, d, itemsize),
+        "weight_bytes_per_step": weight_bytes,
         "implied_kv_gb_per_s": kv / per_token / 1e9,
         "implied_kv_plus_weights_gb_per_s": (kv + weight_bytes) / per_token / 1e9,
     }
@@ -524,8 +579,9 @@ def decode_case(models: Models, prompt: int, new_tokens: int, repeats: int, conf
     predicted_total = None if predicted_step_s is None else predicted_step_s * new_tokens
     record["no_cache"] = {"predicted_total_s": predicted_total}
     if predicted_total is not None and predicted_total > config.budget_s:
-        record["no_cache"].update(status="skipped",
-                                  reason=f"predicted {predicted_total:.3g} s > budget {config.budget_s:.3g} s")
+        record["no_cache"].update(
+            status="skipped", reason=f"predicted {predicted_total:.3g} s > budget {config.budget_s:.3g} s"
+        )
         return record
     with torch.no_grad():
         layer(x[:, :prompt], causal=True)  # warmup
@@ -533,13 +589,18 @@ def decode_case(models: Models, prompt: int, new_tokens: int, repeats: int, conf
         steps, outs = [], []
         for t in range(new_tokens):
             t0 = time.perf_counter()
-            out, _ = layer(x[:, :prompt + t + 1], causal=True)
+            out, _ = layer(x[:, : prompt + t + 1], causal=True)
             last = out[:, -1:].clone()
             steps.append(time.perf_counter() - t0)
             outs.append(last)
-    record["no_cache"].update(status="ok", other_cpu_frac=probe.other_fraction(), steps_s=steps,
-                              per_token_s_median=statistics.median(steps),
-                              tokens_per_s=new_tokens / sum(steps), total_s=sum(steps))
+    record["no_cache"].update(
+        status="ok",
+        other_cpu_frac=probe.other_fraction(),
+        steps_s=steps,
+        per_token_s_median=statistics.median(steps),
+        tokens_per_s=new_tokens / sum(steps),
+        total_s=sum(steps),
+    )
     diff = max(_max_diff(a, b) for a, b in zip(cached_out, outs))
     record["sanity"] = {"max_abs_diff_cache_vs_no_cache": diff, "tolerance": SANITY_TOL, "pass": diff <= SANITY_TOL}
     record["speedup_cache_vs_no_cache"] = record["no_cache"]["per_token_s_median"] / per_token
@@ -568,15 +629,26 @@ def run(config: Config, progress: Callable[[str], None] | None = None) -> dict:
         say(f"matmul peak {dtype}: {peaks[dtype]['gflops']:.2f} GFLOP/s (torch.mm {size}x{size})")
     bandwidth = read_bandwidth_gb_s()
     say(f"memory read bandwidth: {bandwidth['gb_per_s']:.1f} GB/s (torch.sum over {bandwidth['mib']} MiB)")
-    results = {"benchmark": "layer", "git_commit": _git_commit(),
-               "machine": {**common.machine_info(peaks), "read_bandwidth": bandwidth},
-               "config": config_json(config), "loadavg_start": load_start, "complete": False, "sanity": [],
-               "cases": [], "decode": []}
+    results = {
+        "benchmark": "layer",
+        "git_commit": _git_commit(),
+        "machine": {**common.machine_info(peaks), "read_bandwidth": bandwidth},
+        "config": config_json(config),
+        "loadavg_start": load_start,
+        "complete": False,
+        "sanity": [],
+        "cases": [],
+        "decode": [],
+    }
     ram = common.ram_bytes()
-    base = {shape: build_models(SHAPES[shape]["embed_dim"], SHAPES[shape]["heads"], config.seed)
-            for shape in config.shapes}
-    models = {(shape, dtype): base[shape] if dtype == "float32" else base[shape].to(DTYPES[dtype])
-              for shape in config.shapes for dtype in config.dtypes}
+    base = {
+        shape: build_models(SHAPES[shape]["embed_dim"], SHAPES[shape]["heads"], config.seed) for shape in config.shapes
+    }
+    models = {
+        (shape, dtype): base[shape] if dtype == "float32" else base[shape].to(DTYPES[dtype])
+        for shape in config.shapes
+        for dtype in config.dtypes
+    }
     last_in_series: dict[tuple, dict] = {}
     n_cases = len(config.shapes) * len(config.sizes) * len(config.modes) * len(config.impls) * len(config.dtypes)
     done = 0
@@ -594,8 +666,10 @@ def run(config: Config, progress: Callable[[str], None] | None = None) -> dict:
                 if dtype == "float32":
                     check = sanity_check(base[shape], shape, n, config.batch, config.seed)
                     results["sanity"].append(check)
-                    say(f"sanity {shape} n={n} float32: worst max abs diff {check['worst']:.2e} "
-                        f"({'ok' if check['pass'] else 'FAIL'})")
+                    say(
+                        f"sanity {shape} n={n} float32: worst max abs diff {check['worst']:.2e} "
+                        f"({'ok' if check['pass'] else 'FAIL'})"
+                    )
                     if not check["pass"] and config.strict_sanity:
                         save()
                         raise AssertionError(f"implementations disagree at {shape} n={n}: {check['max_abs_diff']}")
@@ -604,12 +678,23 @@ def run(config: Config, progress: Callable[[str], None] | None = None) -> dict:
                         done += 1
                         case = Case(impl, shape, n, dtype, mode, config.batch)
                         record = measure_quietly(
-                            lambda case=case: run_case(case, models[case.shape, case.dtype], config, peaks,
-                                                       last_in_series.get(case.series), ram), config, say)
+                            lambda case=case: run_case(
+                                case,
+                                models[case.shape, case.dtype],
+                                config,
+                                peaks,
+                                last_in_series.get(case.series),
+                                ram,
+                            ),
+                            config,
+                            say,
+                        )
                         last_in_series[case.series] = record
                         results["cases"].append(record)
-                        say(f"[{done}/{n_cases} {time.perf_counter() - started:6.0f} s] {case.label()}: "
-                            f"{_summary(record)}")
+                        say(
+                            f"[{done}/{n_cases} {time.perf_counter() - started:6.0f} s] {case.label()}: "
+                            f"{_summary(record)}"
+                        )
                         save()
 
     # float32 first, then the decode benchmark, then the other dtypes (slow in bfloat16 here)
@@ -619,15 +704,32 @@ def run(config: Config, progress: Callable[[str], None] | None = None) -> dict:
     if config.decode_prompts and DECODE_SHAPE in SHAPES:
         results["decode_read_bandwidth"] = read_bandwidth_gb_s()  # measured again, next to the decode timings
         say(f"memory read bandwidth before decode: {results['decode_read_bandwidth']['gb_per_s']:.1f} GB/s")
-        decode_models = models.get((DECODE_SHAPE, config.decode_dtype)) or base.get(DECODE_SHAPE) or build_models(
-            SHAPES[DECODE_SHAPE]["embed_dim"], SHAPES[DECODE_SHAPE]["heads"], config.seed)
+        decode_models = (
+            models.get((DECODE_SHAPE, config.decode_dtype))
+            or base.get(DECODE_SHAPE)
+            or build_models(SHAPES[DECODE_SHAPE]["embed_dim"], SHAPES[DECODE_SHAPE]["heads"], config.seed)
+        )
         for prompt in sorted(config.decode_prompts):
-            forward = find(results["cases"], impl="multihead", shape=DECODE_SHAPE, n=prompt,
-                            dtype=config.decode_dtype, mode="forward")
+            forward = find(
+                results["cases"],
+                impl="multihead",
+                shape=DECODE_SHAPE,
+                n=prompt,
+                dtype=config.decode_dtype,
+                mode="forward",
+            )
             record = measure_quietly(
                 lambda prompt=prompt, forward=forward: decode_case(
-                    decode_models, prompt, config.decode_new_tokens, config.decode_repeats, config,
-                    None if forward is None else forward["median_s"]), config, say)
+                    decode_models,
+                    prompt,
+                    config.decode_new_tokens,
+                    config.decode_repeats,
+                    config,
+                    None if forward is None else forward["median_s"],
+                ),
+                config,
+                say,
+            )
             results["decode"].append(record)
             say(f"[decode {time.perf_counter() - started:6.0f} s] {_decode_summary(record)}")
             if record.get("sanity", {}).get("pass") is False and config.strict_sanity:
@@ -651,10 +753,17 @@ def _git_commit() -> str | None:
 
     here = Path(__file__).resolve().parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return commit + ("+dirty" if dirty else "")
@@ -666,8 +775,13 @@ def add_ratios(cases: Sequence[dict]) -> None:
         if r["status"] != "ok":
             continue
         key = {"shape": r["shape"], "n": r["n"], "dtype": r["dtype"], "mode": r["mode"], "batch": r["batch"]}
-        r["ratios"] = {peer: ratio(r["median_s"], other["median_s"]) for peer in IMPLS if peer != r["impl"]
-                       for other in [find(cases, impl=peer, **key)] if other is not None}
+        r["ratios"] = {
+            peer: ratio(r["median_s"], other["median_s"])
+            for peer in IMPLS
+            if peer != r["impl"]
+            for other in [find(cases, impl=peer, **key)]
+            if other is not None
+        }
 
 
 def config_json(config: Config) -> dict:
@@ -676,11 +790,15 @@ def config_json(config: Config) -> dict:
     out["shapes_detail"] = {name: SHAPES[name] for name in config.shapes}
     out["torch_causal_mask"] = "nn.Transformer.generate_square_subsequent_mask(n) with is_causal=True"
     out["warmup_calls"] = f"1, or 0 when one call is predicted to take over {config.warmup_skip_s} s"
-    out["memory"] = ("one separate call: VmHWM after minus VmRSS before, MiB, with "
-                     f"M_MMAP_THRESHOLD={common.MEMORY_MMAP_THRESHOLD} (common.peak_memory)")
+    out["memory"] = (
+        "one separate call: VmHWM after minus VmRSS before, MiB, with "
+        f"M_MMAP_THRESHOLD={common.MEMORY_MMAP_THRESHOLD} (common.peak_memory)"
+    )
     out["timing"] = common.TIMING_METHOD
-    out["flops"] = ("8 b n E^2 + 4 b h n^2 d (/2 causal); forward+backward: projections x "
-                    f"{PROJ_BWD_FACTOR}, attention x {ATTN_BWD_FACTOR}")
+    out["flops"] = (
+        "8 b n E^2 + 4 b h n^2 d (/2 causal); forward+backward: projections x "
+        f"{PROJ_BWD_FACTOR}, attention x {ATTN_BWD_FACTOR}"
+    )
     out["bf16_matmul_peak_size"] = BF16_PEAK_SIZE
     return out
 
@@ -695,11 +813,15 @@ def _busy_note(fraction: float | None) -> str:
 
 def _decode_summary(r: dict) -> str:
     c, nc = r["cache"], r["no_cache"]
-    text = (f"prompt {r['prompt']} + {r['new_tokens']} tokens: cache {c['per_token_s_median'] * 1e3:.3f} ms/token "
-            f"({c['tokens_per_s']:.0f} tok/s, prefill {c['prefill_s'] * 1e3:.1f} ms){_busy_note(c['other_cpu_frac'])}")
+    text = (
+        f"prompt {r['prompt']} + {r['new_tokens']} tokens: cache {c['per_token_s_median'] * 1e3:.3f} ms/token "
+        f"({c['tokens_per_s']:.0f} tok/s, prefill {c['prefill_s'] * 1e3:.1f} ms){_busy_note(c['other_cpu_frac'])}"
+    )
     if nc.get("status") == "ok":
-        text += (f"; no cache {nc['per_token_s_median'] * 1e3:.2f} ms/token ({nc['tokens_per_s']:.1f} tok/s); "
-                 f"max diff {r['sanity']['max_abs_diff_cache_vs_no_cache']:.1e}{_busy_note(nc['other_cpu_frac'])}")
+        text += (
+            f"; no cache {nc['per_token_s_median'] * 1e3:.2f} ms/token ({nc['tokens_per_s']:.1f} tok/s); "
+            f"max diff {r['sanity']['max_abs_diff_cache_vs_no_cache']:.1e}{_busy_note(nc['other_cpu_frac'])}"
+        )
     else:
         text += f"; no cache {nc.get('status')}: {nc.get('reason')}"
     return text
@@ -713,12 +835,27 @@ def target_vs_torch_noweights(cases: Sequence[dict]) -> dict:
     goal = "multihead (no weights) time / torch.nn.MultiheadAttention(need_weights=False) time <= 1.0"
     ratios = []
     for ours in (r for r in cases if r["impl"] == "multihead" and r["status"] == "ok"):
-        torch_nw = find(cases, impl="torch_mha_noweights", shape=ours["shape"], n=ours["n"], dtype=ours["dtype"],
-                         mode=ours["mode"], batch=ours["batch"])
+        torch_nw = find(
+            cases,
+            impl="torch_mha_noweights",
+            shape=ours["shape"],
+            n=ours["n"],
+            dtype=ours["dtype"],
+            mode=ours["mode"],
+            batch=ours["batch"],
+        )
         if torch_nw is not None:
-            ratios.append({"shape": ours["shape"], "n": ours["n"], "dtype": ours["dtype"], "mode": ours["mode"],
-                           "multihead_s": ours["median_s"], "torch_noweights_s": torch_nw["median_s"],
-                           "ratio": ours["median_s"] / torch_nw["median_s"]})
+            ratios.append(
+                {
+                    "shape": ours["shape"],
+                    "n": ours["n"],
+                    "dtype": ours["dtype"],
+                    "mode": ours["mode"],
+                    "multihead_s": ours["median_s"],
+                    "torch_noweights_s": torch_nw["median_s"],
+                    "ratio": ours["median_s"] / torch_nw["median_s"],
+                }
+            )
     return common.ratio_target(goal, ratios, 1.0)
 
 
@@ -726,31 +863,59 @@ def target_weights_speedup(cases: Sequence[dict], n: int = 2048) -> dict:
     """(2) at n (2048), torch need_weights=True (averaged) time / multihead need_weights=True (per head) >= 1.4."""
     sizes = sorted({r["n"] for r in cases})
     used = n if n in sizes or not sizes else sizes[-1]
-    goal = (f"at n={used}{'' if used == n else f' (n={n} not measured)'}: torch need_weights=True (averaged) "
-            f"time / multihead need_weights=True (per head) time >= {WEIGHTS_SPEEDUP_MIN}")
+    goal = (
+        f"at n={used}{'' if used == n else f' (n={n} not measured)'}: torch need_weights=True (averaged) "
+        f"time / multihead need_weights=True (per head) time >= {WEIGHTS_SPEEDUP_MIN}"
+    )
     checks = []
     for ours in (r for r in cases if r["impl"] == "multihead_weights" and r["n"] == used and r["status"] == "ok"):
-        theirs = find(cases, impl="torch_mha_weights", shape=ours["shape"], n=used, dtype=ours["dtype"],
-                       mode=ours["mode"], batch=ours["batch"])
+        theirs = find(
+            cases,
+            impl="torch_mha_weights",
+            shape=ours["shape"],
+            n=used,
+            dtype=ours["dtype"],
+            mode=ours["mode"],
+            batch=ours["batch"],
+        )
         if theirs is not None:
             speedup = theirs["median_s"] / ours["median_s"]
-            checks.append({"shape": ours["shape"], "dtype": ours["dtype"], "mode": ours["mode"],
-                           "multihead_weights_s": ours["median_s"], "torch_weights_s": theirs["median_s"],
-                           "speedup": speedup, "pass": speedup >= WEIGHTS_SPEEDUP_MIN})
-    skipped = [f"{r['impl']} {r['shape']} {r['dtype']} {r['mode']}: {r['reason']}" for r in cases
-               if r["n"] == used and r["impl"] in ("multihead_weights", "torch_mha_weights") and r["status"] != "ok"]
-    return {"goal": goal, "n": used, "checks": checks, "not_measured": skipped,
-            "worst_speedup": min((c["speedup"] for c in checks), default=None), "pass": common.all_pass(checks)}
+            checks.append(
+                {
+                    "shape": ours["shape"],
+                    "dtype": ours["dtype"],
+                    "mode": ours["mode"],
+                    "multihead_weights_s": ours["median_s"],
+                    "torch_weights_s": theirs["median_s"],
+                    "speedup": speedup,
+                    "pass": speedup >= WEIGHTS_SPEEDUP_MIN,
+                }
+            )
+    skipped = [
+        f"{r['impl']} {r['shape']} {r['dtype']} {r['mode']}: {r['reason']}"
+        for r in cases
+        if r["n"] == used and r["impl"] in ("multihead_weights", "torch_mha_weights") and r["status"] != "ok"
+    ]
+    return {
+        "goal": goal,
+        "n": used,
+        "checks": checks,
+        "not_measured": skipped,
+        "worst_speedup": min((c["speedup"] for c in checks), default=None),
+        "pass": common.all_pass(checks),
+    }
 
 
 def target_decode_flat(decode: Sequence[dict], bandwidth_gb_s: float | None = None) -> dict:
     """(3) per-token time with the cache flat in prompt length up to memory bandwidth: from the shortest
     prompt to the longest it grows by at most DECODE_BANDWIDTH_SLACK x (extra K/V bytes / read bandwidth)."""
     per_token = {r["prompt"]: r["cache"]["per_token_s_median"] for r in decode}
-    goal = (f"decode per-token time with the KV cache flat in prompt length up to memory bandwidth: its growth from "
-            f"the shortest prompt to the longest <= {DECODE_BANDWIDTH_SLACK} x the time to read the extra K/V at the "
-            "measured read bandwidth (this benchmark's reading of 'roughly flat'); the ratio longest/shortest "
-            "is reported too")
+    goal = (
+        f"decode per-token time with the KV cache flat in prompt length up to memory bandwidth: its growth from "
+        f"the shortest prompt to the longest <= {DECODE_BANDWIDTH_SLACK} x the time to read the extra K/V at the "
+        "measured read bandwidth (this benchmark's reading of 'roughly flat'); the ratio longest/shortest "
+        "is reported too"
+    )
     if len(per_token) < 2 or not bandwidth_gb_s:
         return {"goal": goal, "pass": None, "per_token_s": per_token}
     short, long = min(per_token), max(per_token)
@@ -761,16 +926,25 @@ def target_decode_flat(decode: Sequence[dict], bandwidth_gb_s: float | None = No
     extra_bytes = by_prompt[long]["cache"]["kv_bytes_per_step"] - by_prompt[short]["cache"]["kv_bytes_per_step"]
     extra_s = per_token[long] - per_token[short]
     # what streaming the extra K/V at the measured read bandwidth alone would add to the shortest prompt's time
-    bandwidth_ratio = None if not bandwidth_gb_s else (per_token[short] + extra_bytes / (bandwidth_gb_s * 1e9)) / \
-        per_token[short]
-    return {"goal": goal, "per_token_s": per_token, "prompts": [short, long], "ratio": growth,
-            "no_cache_per_token_s": no_cache, "no_cache_ratio": nc_ratio,
-            "extra_kv_bytes_per_step": extra_bytes, "extra_s_per_step": extra_s,
-            "incremental_gb_per_s": extra_bytes / extra_s / 1e9 if extra_s > 0 else None,
-            "read_bandwidth_gb_s": bandwidth_gb_s, "ratio_if_bandwidth_bound": bandwidth_ratio,
-            "extra_s_if_bandwidth_bound": extra_bytes / (bandwidth_gb_s * 1e9),
-            "extra_over_bandwidth_bound": extra_s / (extra_bytes / (bandwidth_gb_s * 1e9)),
-            "pass": extra_s <= DECODE_BANDWIDTH_SLACK * extra_bytes / (bandwidth_gb_s * 1e9)}
+    bandwidth_ratio = (
+        None if not bandwidth_gb_s else (per_token[short] + extra_bytes / (bandwidth_gb_s * 1e9)) / per_token[short]
+    )
+    return {
+        "goal": goal,
+        "per_token_s": per_token,
+        "prompts": [short, long],
+        "ratio": growth,
+        "no_cache_per_token_s": no_cache,
+        "no_cache_ratio": nc_ratio,
+        "extra_kv_bytes_per_step": extra_bytes,
+        "extra_s_per_step": extra_s,
+        "incremental_gb_per_s": extra_bytes / extra_s / 1e9 if extra_s > 0 else None,
+        "read_bandwidth_gb_s": bandwidth_gb_s,
+        "ratio_if_bandwidth_bound": bandwidth_ratio,
+        "extra_s_if_bandwidth_bound": extra_bytes / (bandwidth_gb_s * 1e9),
+        "extra_over_bandwidth_bound": extra_s / (extra_bytes / (bandwidth_gb_s * 1e9)),
+        "pass": extra_s <= DECODE_BANDWIDTH_SLACK * extra_bytes / (bandwidth_gb_s * 1e9),
+    }
 
 
 def evaluate_targets(results: dict) -> dict:
@@ -780,23 +954,32 @@ def evaluate_targets(results: dict) -> dict:
         "1_multihead_vs_torch_noweights": target_vs_torch_noweights(cases),
         "2_weights_speedup_n2048": target_weights_speedup(cases),
         "3_decode_flat": target_decode_flat(results["decode"], bandwidth.get("gb_per_s")),
-        "sanity": {"goal": f"all implementations agree to {SANITY_TOL} (float32), decode with/without cache too",
-                   "pass": all(c["pass"] for c in results["sanity"])
-                   and all(r.get("sanity", {}).get("pass", True) for r in results["decode"])},
+        "sanity": {
+            "goal": f"all implementations agree to {SANITY_TOL} (float32), decode with/without cache too",
+            "pass": all(c["pass"] for c in results["sanity"])
+            and all(r.get("sanity", {}).get("pass", True) for r in results["decode"]),
+        },
     }
 
 
 # --------------------------------------------------------------------------- reports
 
-SHORT = {"multihead": "mh", "multihead_weights": "mh_w", "textbook": "book", "torch_mha_weights": "torch_w",
-         "torch_mha_noweights": "torch_nw"}
+SHORT = {
+    "multihead": "mh",
+    "multihead_weights": "mh_w",
+    "textbook": "book",
+    "torch_mha_weights": "torch_w",
+    "torch_mha_noweights": "torch_nw",
+}
 
 
 def markdown_cases(cases: Sequence[dict], dtype: str, mode: str) -> str:
     """One table per (dtype, mode): a row per case, its time over each peer's."""
     peers = " | ".join(f"/ {SHORT[p]}" for p in IMPLS)
-    rows = [f"| shape | n | impl | time ms | GFLOP/s | peak MiB | {peers} |",
-            "|---|---:|---|---:|---:|---:|" + "---:|" * len(IMPLS)]
+    rows = [
+        f"| shape | n | impl | time ms | GFLOP/s | peak MiB | {peers} |",
+        "|---|---:|---|---:|---:|---:|" + "---:|" * len(IMPLS),
+    ]
     skipped = []
     for r in cases:
         if r["dtype"] != dtype or r["mode"] != mode:
@@ -807,8 +990,10 @@ def markdown_cases(cases: Sequence[dict], dtype: str, mode: str) -> str:
         ratios = r.get("ratios", {})
         cells = " | ".join("1" if p == r["impl"] else fmt(ratios.get(p), ".2f") for p in IMPLS)
         busy = "" if (r.get("other_cpu_frac") or 0.0) <= BUSY_WARNING else " *"
-        rows.append(f"| {r['shape']} | {r['n']} | {r['impl']} | {r['median_s'] * 1e3:.2f}{busy} | {r['gflops']:.1f} "
-                    f"| {fmt(r['peak_mib'], '.1f')} | {cells} |")
+        rows.append(
+            f"| {r['shape']} | {r['n']} | {r['impl']} | {r['median_s'] * 1e3:.2f}{busy} | {r['gflops']:.1f} "
+            f"| {fmt(r['peak_mib'], '.1f')} | {cells} |"
+        )
     text = "\n".join(rows)
     if skipped:
         text += "\n\nNot run:\n" + "\n".join(skipped)
@@ -816,19 +1001,25 @@ def markdown_cases(cases: Sequence[dict], dtype: str, mode: str) -> str:
 
 
 def markdown_decode(decode: Sequence[dict]) -> str:
-    rows = [("| prompt | new tokens | cache ms/token | cache tok/s | prefill ms | no-cache ms/token | no-cache tok/s "
-             "| speedup | K/V MB read/step | implied K/V GB/s | implied K/V+weights GB/s | max diff |"),
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        (
+            "| prompt | new tokens | cache ms/token | cache tok/s | prefill ms | no-cache ms/token | no-cache tok/s "
+            "| speedup | K/V MB read/step | implied K/V GB/s | implied K/V+weights GB/s | max diff |"
+        ),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in decode:
         c, nc = r["cache"], r["no_cache"]
         ok = nc.get("status") == "ok"
-        rows.append(f"| {r['prompt']} | {r['new_tokens']} | {c['per_token_s_median'] * 1e3:.3f} "
-                    f"| {c['tokens_per_s']:.0f} | {c['prefill_s'] * 1e3:.1f} "
-                    f"| {fmt(nc.get('per_token_s_median') and nc['per_token_s_median'] * 1e3, '.2f')} "
-                    f"| {fmt(nc.get('tokens_per_s'), '.1f')} | {fmt(r.get('speedup_cache_vs_no_cache'), '.1f')} "
-                    f"| {c['kv_bytes_per_step'] / 1e6:.2f} | {c['implied_kv_gb_per_s']:.1f} "
-                    f"| {c['implied_kv_plus_weights_gb_per_s']:.1f} "
-                    f"| {fmt(r['sanity']['max_abs_diff_cache_vs_no_cache'] if ok else None, '.1e')} |")
+        rows.append(
+            f"| {r['prompt']} | {r['new_tokens']} | {c['per_token_s_median'] * 1e3:.3f} "
+            f"| {c['tokens_per_s']:.0f} | {c['prefill_s'] * 1e3:.1f} "
+            f"| {fmt(nc.get('per_token_s_median') and nc['per_token_s_median'] * 1e3, '.2f')} "
+            f"| {fmt(nc.get('tokens_per_s'), '.1f')} | {fmt(r.get('speedup_cache_vs_no_cache'), '.1f')} "
+            f"| {c['kv_bytes_per_step'] / 1e6:.2f} | {c['implied_kv_gb_per_s']:.1f} "
+            f"| {c['implied_kv_plus_weights_gb_per_s']:.1f} "
+            f"| {fmt(r['sanity']['max_abs_diff_cache_vs_no_cache'] if ok else None, '.1e')} |"
+        )
     return "\n".join(rows)
 
 
@@ -839,30 +1030,40 @@ def markdown_targets(targets: dict) -> str:
     lines.append(f"- (1) {verdicts[t1['pass']]} — {t1['goal']}")
     if "worst" in t1:
         w = t1["worst"]
-        lines.append(f"    - worst ratio {w['ratio']:.3f} ({w['shape']} n={w['n']} {w['dtype']} {w['mode']}); "
-                     f"{len(t1['failing'])} of {len(t1['cases'])} cases above 1.0")
+        lines.append(
+            f"    - worst ratio {w['ratio']:.3f} ({w['shape']} n={w['n']} {w['dtype']} {w['mode']}); "
+            f"{len(t1['failing'])} of {len(t1['cases'])} cases above 1.0"
+        )
         for c in t1["cases"]:
-            lines.append(f"    - {c['shape']} n={c['n']} {c['dtype']} {c['mode']}: {c['ratio']:.3f} "
-                         f"({c['multihead_s'] * 1e3:.2f} ms vs {c['torch_noweights_s'] * 1e3:.2f} ms)")
+            lines.append(
+                f"    - {c['shape']} n={c['n']} {c['dtype']} {c['mode']}: {c['ratio']:.3f} "
+                f"({c['multihead_s'] * 1e3:.2f} ms vs {c['torch_noweights_s'] * 1e3:.2f} ms)"
+            )
     t2 = targets["2_weights_speedup_n2048"]
     lines.append(f"- (2) {verdicts[t2['pass']]} — {t2['goal']}")
     for c in t2["checks"]:
-        lines.append(f"    - {c['shape']} {c['dtype']} {c['mode']}: speedup {c['speedup']:.2f} "
-                     f"({c['torch_weights_s'] * 1e3:.1f} ms vs {c['multihead_weights_s'] * 1e3:.1f} ms)")
+        lines.append(
+            f"    - {c['shape']} {c['dtype']} {c['mode']}: speedup {c['speedup']:.2f} "
+            f"({c['torch_weights_s'] * 1e3:.1f} ms vs {c['multihead_weights_s'] * 1e3:.1f} ms)"
+        )
     for s in t2["not_measured"]:
         lines.append(f"    - not measured: {s}")
     t3 = targets["3_decode_flat"]
     lines.append(f"- (3) {verdicts[t3['pass']]} — {t3['goal']}")
     if "ratio" in t3:
         per = ", ".join(f"{p}: {s * 1e3:.3f} ms" for p, s in sorted(t3["per_token_s"].items()))
-        lines.append(f"    - per-token time with the cache: {per}; ratio {t3['prompts'][1]}/{t3['prompts'][0]} = "
-                     f"{t3['ratio']:.2f} (without the cache: {fmt(t3['no_cache_ratio'], '.2f')})")
-        lines.append(f"    - extra K/V read per step {t3['extra_kv_bytes_per_step'] / 1e6:.1f} MB for "
-                     f"{t3['extra_s_per_step'] * 1e3:.3f} ms extra per token: "
-                     f"{fmt(t3['incremental_gb_per_s'], '.1f')} GB/s incremental (read bandwidth measured: "
-                     f"{fmt(t3['read_bandwidth_gb_s'], '.1f')} GB/s; streaming the extra K/V at that rate alone "
-                     f"would give a ratio of {fmt(t3['ratio_if_bandwidth_bound'], '.2f')}); the measured growth is "
-                     f"{t3['extra_over_bandwidth_bound']:.2f} x that bandwidth bound")
+        lines.append(
+            f"    - per-token time with the cache: {per}; ratio {t3['prompts'][1]}/{t3['prompts'][0]} = "
+            f"{t3['ratio']:.2f} (without the cache: {fmt(t3['no_cache_ratio'], '.2f')})"
+        )
+        lines.append(
+            f"    - extra K/V read per step {t3['extra_kv_bytes_per_step'] / 1e6:.1f} MB for "
+            f"{t3['extra_s_per_step'] * 1e3:.3f} ms extra per token: "
+            f"{fmt(t3['incremental_gb_per_s'], '.1f')} GB/s incremental (read bandwidth measured: "
+            f"{fmt(t3['read_bandwidth_gb_s'], '.1f')} GB/s; streaming the extra K/V at that rate alone "
+            f"would give a ratio of {fmt(t3['ratio_if_bandwidth_bound'], '.2f')}); the measured growth is "
+            f"{t3['extra_over_bandwidth_bound']:.2f} x that bandwidth bound"
+        )
     ts = targets["sanity"]
     lines.append(f"- sanity {verdicts[ts['pass']]} — {ts['goal']}")
     return "\n".join(lines)
@@ -873,14 +1074,20 @@ def markdown_report(results: dict) -> str:
     measured = sum(1 for r in results["cases"] if r["status"] == "ok")
     busy = sum(1 for r in results["cases"] if (r.get("other_cpu_frac") or 0.0) > BUSY_WARNING)
     load = f"load average at start {results['loadavg_start'][0]:.2f}" + (
-        f", at end {results['loadavg_end'][0]:.2f}" if results.get("loadavg_end") else "")
+        f", at end {results['loadavg_end'][0]:.2f}" if results.get("loadavg_end") else ""
+    )
     parts = [
         "# Attention layer benchmark",
         f"commit {results.get('git_commit') or 'unknown'}",
         f"{common.machine_line(m, multihead_version=True)}; {load} (1 min)",
-        f"Self-attention, batch {cfg['batch']}: " + "; ".join(
+        f"Self-attention, batch {cfg['batch']}: "
+        + "; ".join(
             f"{name} = embed {s['embed_dim']}, {s['heads']} heads, {'causal' if s['causal'] else 'full'}"
-            for name, s in cfg["shapes_detail"].items()) + ". torch causal: " + cfg["torch_causal_mask"] + ".",
+            for name, s in cfg["shapes_detail"].items()
+        )
+        + ". torch causal: "
+        + cfg["torch_causal_mask"]
+        + ".",
         "time = median; peak MiB = VmHWM - VmRSS before the call; GFLOP/s by " + cfg["flops"] + ". "
         "Columns `/ x`: this row's time over x's (below 1 = faster than x). mh = multihead, mh_w = multihead "
         "need_weights=True (per head), book = textbook, torch_w / torch_nw = torch.nn.MultiheadAttention with "
@@ -893,14 +1100,25 @@ def markdown_report(results: dict) -> str:
             if any(r["dtype"] == dtype and r["mode"] == mode for r in results["cases"]):
                 parts += ["", f"## {dtype}, {mode}", markdown_cases(results["cases"], dtype, mode)]
     if results["decode"]:
-        parts += ["", f"## Decode ({DECODE_SHAPE}, {cfg['decode_dtype']}, batch 1, one token per step)",
-                  ("K/V MB read/step = 2 x 1 layer x g x L x d x itemsize at the mean L over the steps; implied GB/s = "
-                   "those bytes (plus the layer's weights) over the median per-token time."), "",
-                  markdown_decode(results["decode"])]
+        parts += [
+            "",
+            f"## Decode ({DECODE_SHAPE}, {cfg['decode_dtype']}, batch 1, one token per step)",
+            (
+                "K/V MB read/step = 2 x 1 layer x g x L x d x itemsize at the mean L over the steps; implied GB/s = "
+                "those bytes (plus the layer's weights) over the median per-token time."
+            ),
+            "",
+            markdown_decode(results["decode"]),
+        ]
     if results["sanity"]:
         worst = max(results["sanity"], key=lambda c: c["worst"])
-        parts += ["", (f"Sanity (float32, forward): worst max abs difference {worst['worst']:.2e} "
-                       f"({worst['shape']} n={worst['n']}), tolerance {SANITY_TOL}.")]
+        parts += [
+            "",
+            (
+                f"Sanity (float32, forward): worst max abs difference {worst['worst']:.2e} "
+                f"({worst['shape']} n={worst['n']}), tolerance {SANITY_TOL}."
+            ),
+        ]
     parts += ["", "## Targets", markdown_targets(results["targets"])]
     return "\n".join(parts) + "\n"
 
@@ -924,15 +1142,25 @@ def plot(results: dict, path: Path) -> bool:
         ax = axes[index // len(cfg["modes"])][index % len(cfg["modes"])]
         for dtype in cfg["dtypes"]:
             for impl in IMPLS:
-                points = sorted((r["n"], r["median_s"]) for r in cases if r["impl"] == impl and r["shape"] == shape
-                                and r["mode"] == mode and r["dtype"] == dtype)
+                points = sorted(
+                    (r["n"], r["median_s"])
+                    for r in cases
+                    if r["impl"] == impl and r["shape"] == shape and r["mode"] == mode and r["dtype"] == dtype
+                )
                 if points:
-                    ax.plot(*zip(*points), marker="o", color=colors[impl],
-                            linestyle="-" if dtype == "float32" else "--", label=f"{impl} ({dtype})")
+                    ax.plot(
+                        *zip(*points),
+                        marker="o",
+                        color=colors[impl],
+                        linestyle="-" if dtype == "float32" else "--",
+                        label=f"{impl} ({dtype})",
+                    )
         common.log_axes(ax, f"{shape}, {mode}", "n", "time (s)")
     handles = [Line2D([], [], color=colors[impl], marker="o", label=impl) for impl in IMPLS]
-    handles += [Line2D([], [], color="gray", linestyle="-" if dtype == "float32" else "--", label=dtype)
-                for dtype in cfg["dtypes"]]
+    handles += [
+        Line2D([], [], color="gray", linestyle="-" if dtype == "float32" else "--", label=dtype)
+        for dtype in cfg["dtypes"]
+    ]
     axes[0][0].legend(handles=handles, fontsize=6)
     if results["decode"]:
         decode = sorted(results["decode"], key=lambda r: r["prompt"])
@@ -940,16 +1168,24 @@ def plot(results: dict, path: Path) -> bool:
         for extra in range(1, rows):
             axes[extra][columns - 1].axis("off")
         # per-token time, then (with a second row) tokens per second, each with and without the cache
-        panels_decode = [("per_token_s_median", 1e3, "no cache (full prefix)",
-                          f"decode {DECODE_SHAPE}: time per new token", "ms / token")]
+        panels_decode = [
+            (
+                "per_token_s_median",
+                1e3,
+                "no cache (full prefix)",
+                f"decode {DECODE_SHAPE}: time per new token",
+                "ms / token",
+            )
+        ]
         if rows > 1:
             panels_decode.append(("tokens_per_s", 1.0, "no cache", "decode: tokens / s", None))
         for row, (field, scale, no_cache_label, title, ylabel) in enumerate(panels_decode):
             ax = axes[row][columns - 1]
             ax.axis("on")
             ax.plot(prompts, [r["cache"][field] * scale for r in decode], marker="o", label="KV cache")
-            no_cache = [(r["prompt"], r["no_cache"][field] * scale) for r in decode
-                        if r["no_cache"].get("status") == "ok"]
+            no_cache = [
+                (r["prompt"], r["no_cache"][field] * scale) for r in decode if r["no_cache"].get("status") == "ok"
+            ]
             if no_cache:
                 ax.plot(*zip(*no_cache), marker="s", label=no_cache_label)
             common.log_axes(ax, title, "prompt length", ylabel)
@@ -973,8 +1209,13 @@ def write_reports(results: dict, out_dir: Path, stem: str = "layer") -> str:
 
 def build_parser(default_out: Path | None = None) -> argparse.ArgumentParser:
     """The options: --quick, --budget-s, --out (default ``default_out``, else benchmarks/results), --sizes, --dtypes."""
-    return common.build_parser(__doc__, "n in {128, 512}, float32, decode prompts 128/512 with 8 new tokens (< 1 min)",
-                               60.0, "128,512,2048", default_out)
+    return common.build_parser(
+        __doc__,
+        "n in {128, 512}, float32, decode prompts 128/512 with 8 new tokens (< 1 min)",
+        60.0,
+        "128,512,2048",
+        default_out,
+    )
 
 
 def main(argv: Sequence[str] | None = None, *, reexec: bool = True, default_out: Path | None = None) -> int:

@@ -33,14 +33,23 @@ def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
     its own order; otherwise the order of ``model.modules()``.
     """
     if not isinstance(model, nn.Module):
-        raise bad_argument("model", "a torch.nn.Module built with multihead.MultiHeadAttention", describe(model),
-                           "pass the model (e.g. from multihead.models.load_minilm())", kind=TypeError)
+        raise bad_argument(
+            "model",
+            "a torch.nn.Module built with multihead.MultiHeadAttention",
+            describe(model),
+            "pass the model (e.g. from multihead.models.load_minilm())",
+            kind=TypeError,
+        )
     layers = getattr(model, "attention_layers", None)
     if layers is None:
         layers = [module for module in model.modules() if isinstance(module, MultiHeadAttention)]
     if not layers:
-        raise bad_argument("model", "a model with at least one multihead.MultiHeadAttention",
-                           f"a {type(model).__name__} with none", "build the model from multihead.MultiHeadAttention")
+        raise bad_argument(
+            "model",
+            "a model with at least one multihead.MultiHeadAttention",
+            f"a {type(model).__name__} with none",
+            "build the model from multihead.MultiHeadAttention",
+        )
     return list(layers)
 
 
@@ -52,16 +61,22 @@ def _indices(name: str, chosen: Sequence[int] | int | None, count: int, what: st
     try:
         values = list(values)
     except TypeError:
-        raise bad_argument(name, f"an int or a list of {what} indices", describe(chosen),
-                           f"pass e.g. {name}=[0, 1]", kind=TypeError) from None
+        raise bad_argument(
+            name, f"an int or a list of {what} indices", describe(chosen), f"pass e.g. {name}=[0, 1]", kind=TypeError
+        ) from None
     result = []
     for value in values:
         if not isinstance(value, int) or isinstance(value, bool):
-            raise bad_argument(name, f"{what} indices (int)", describe(value), f"pass e.g. {name}=[0, 1]",
-                               kind=TypeError)
+            raise bad_argument(
+                name, f"{what} indices (int)", describe(value), f"pass e.g. {name}=[0, 1]", kind=TypeError
+            )
         if not -count <= value < count:
-            raise bad_argument(name, f"{what} indices in 0..{count - 1}", value,
-                               f"the model has {count} {what}s; pick indices below {count}")
+            raise bad_argument(
+                name,
+                f"{what} indices in 0..{count - 1}",
+                value,
+                f"the model has {count} {what}s; pick indices below {count}",
+            )
         result.append(value % count)
     if not result:
         raise bad_argument(name, f"at least one {what} index", "an empty list", f"pass None for every {what}")
@@ -88,15 +103,28 @@ class Recorder:
     layer's query heads. Every accessor takes ``call`` (default -1: the latest forward pass).
     """
 
-    def __init__(self, model: nn.Module, *, layers: Sequence[int] | int | None = None,
-                 heads: Sequence[int] | int | None = None, queries: Sequence[int] | slice | None = None,
-                 weights: bool = True, qkv: bool = False, outputs: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layers: Sequence[int] | int | None = None,
+        heads: Sequence[int] | int | None = None,
+        queries: Sequence[int] | slice | None = None,
+        weights: bool = True,
+        qkv: bool = False,
+        outputs: bool = False,
+    ):
         all_layers = attention_layers(model)
         self.layers = _indices("layers", layers, len(all_layers), "layer")
         if queries is not None and not isinstance(queries, slice):
             if isinstance(queries, int) or not all(isinstance(x, int) for x in queries):
-                raise bad_argument("queries", "a slice or a list of query positions", describe(queries),
-                                   "pass e.g. queries=[2] or queries=slice(0, 4)", kind=TypeError)
+                raise bad_argument(
+                    "queries",
+                    "a slice or a list of query positions",
+                    describe(queries),
+                    "pass e.g. queries=[2] or queries=slice(0, 4)",
+                    kind=TypeError,
+                )
             queries = list(queries)
         for name, flag in (("weights", weights), ("qkv", qkv), ("outputs", outputs)):
             if not isinstance(flag, bool):
@@ -119,10 +147,10 @@ class Recorder:
         for index, layer in self._modules.items():
             record = self._records[index]
             pending: list[bool] = []  # per call in flight: did we ask the kernel for the weights?
-            self._handles.append(layer.attend.register_forward_pre_hook(
-                self._before(record, pending), with_kwargs=True))
-            self._handles.append(layer.attend.register_forward_hook(
-                self._after(record, pending), with_kwargs=True))
+            self._handles.append(
+                layer.attend.register_forward_pre_hook(self._before(record, pending), with_kwargs=True)
+            )
+            self._handles.append(layer.attend.register_forward_hook(self._after(record, pending), with_kwargs=True))
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -141,6 +169,7 @@ class Recorder:
             if inject:  # the same kernel call returns the selected weights beside the output
                 return args, {**kwargs, "return_weights": self._selection(record)}
             return None
+
         return hook
 
     def _after(self, record: _LayerRecord, pending: list[bool]):
@@ -156,8 +185,15 @@ class Recorder:
                     weights = result.weights[:, heads]
                     weights = weights if self.queries is None else weights[:, :, self.queries]
                 else:  # the caller asked for a selection of its own: one more call for ours
-                    weights = attention(q, k, v, mask=kwargs.get("mask"), causal=kwargs.get("causal", False),
-                                        backend=module.backend, return_weights=self._selection(record)).weights
+                    weights = attention(
+                        q,
+                        k,
+                        v,
+                        mask=kwargs.get("mask"),
+                        causal=kwargs.get("causal", False),
+                        backend=module.backend,
+                        return_weights=self._selection(record),
+                    ).weights
                 record.weights.append(weights.detach())
             if self.record_qkv:
                 record.q.append(q[:, heads].detach())
@@ -168,6 +204,7 @@ class Recorder:
             if injected:  # hand the layer what it asked for: the output alone
                 return output
             return None
+
         return hook
 
     # -------------------------------------------------------------------- access
@@ -189,11 +226,16 @@ class Recorder:
 
     def _record(self, layer: int) -> _LayerRecord:
         if not isinstance(layer, int) or isinstance(layer, bool):
-            raise bad_argument("layer", "a layer index (int)", describe(layer), "pass e.g. rec.weights(0, 3)",
-                               kind=TypeError)
+            raise bad_argument(
+                "layer", "a layer index (int)", describe(layer), "pass e.g. rec.weights(0, 3)", kind=TypeError
+            )
         if layer not in self._records:
-            raise bad_argument("layer", f"one of the recorded layers {self.layers}", layer,
-                               "pass capture(model, layers=[...]) including it")
+            raise bad_argument(
+                "layer",
+                f"one of the recorded layers {self.layers}",
+                layer,
+                "pass capture(model, layers=[...]) including it",
+            )
         return self._records[layer]
 
     def _get(self, kind: str, enabled: bool, flag: str, layer: int, head: int | None, call: int) -> torch.Tensor:
@@ -202,17 +244,29 @@ class Recorder:
             raise bad_argument(flag, "True to record " + kind, False, f"use capture(model, {flag}=True)")
         store = getattr(record, kind)
         if not store:
-            raise bad_argument("call", "a recorded forward pass", "none recorded yet",
-                               "run the model inside the `with capture(...)` block first")
+            raise bad_argument(
+                "call",
+                "a recorded forward pass",
+                "none recorded yet",
+                "run the model inside the `with capture(...)` block first",
+            )
         if not -len(store) <= call < len(store):
-            raise bad_argument("call", f"an index into the {len(store)} recorded passes", call,
-                               f"pass call in -{len(store)}..{len(store) - 1}")
+            raise bad_argument(
+                "call",
+                f"an index into the {len(store)} recorded passes",
+                call,
+                f"pass call in -{len(store)}..{len(store) - 1}",
+            )
         tensor = store[call]
         if head is None:
             return tensor
         if head not in record.heads:
-            raise bad_argument("head", f"one of the recorded heads {record.heads}", head,
-                               "pass capture(model, heads=[...]) including it")
+            raise bad_argument(
+                "head",
+                f"one of the recorded heads {record.heads}",
+                head,
+                "pass capture(model, heads=[...]) including it",
+            )
         return tensor[:, record.heads.index(head)]
 
     def weights(self, layer: int, head: int | None = None, *, call: int = -1) -> torch.Tensor:
@@ -239,9 +293,16 @@ class Recorder:
         return self._get("outputs", self.record_outputs, "outputs", layer, head, call)
 
 
-def capture(model: nn.Module, *, layers: Sequence[int] | int | None = None,
-            heads: Sequence[int] | int | None = None, queries: Sequence[int] | slice | None = None,
-            weights: bool = True, qkv: bool = False, outputs: bool = False) -> Recorder:
+def capture(
+    model: nn.Module,
+    *,
+    layers: Sequence[int] | int | None = None,
+    heads: Sequence[int] | int | None = None,
+    queries: Sequence[int] | slice | None = None,
+    weights: bool = True,
+    qkv: bool = False,
+    outputs: bool = False,
+) -> Recorder:
     """A context manager that records per-head attention from every forward pass inside it.
 
     Args:

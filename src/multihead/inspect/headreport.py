@@ -11,11 +11,28 @@ from rich.console import Console
 from rich.table import Table
 
 from multihead._errors import bad_argument
-from multihead._userfiles import (NUMBER, Grid, OptionalKey, Rule, existing_folder, from_option, output_folder,
-                                  path_kind, read_json, writing)
+from multihead._userfiles import (
+    NUMBER,
+    Grid,
+    OptionalKey,
+    Rule,
+    existing_folder,
+    from_option,
+    output_folder,
+    path_kind,
+    read_json,
+    writing,
+)
 
-__all__ = ["importance_table", "write_importance", "load_importance", "curve_table", "write_curve",
-           "heads_at_fidelity", "report_columns"]
+__all__ = [
+    "importance_table",
+    "write_importance",
+    "load_importance",
+    "curve_table",
+    "write_curve",
+    "heads_at_fidelity",
+    "report_columns",
+]
 
 IMPORTANCE_FILE = "importance.json"
 CURVE_FILE = "pruning.json"
@@ -47,8 +64,11 @@ def write_importance(importance, out_dir: Path, *, source: str) -> dict[str, Pat
     import matplotlib.pyplot as plt
 
     output_folder("--out", out_dir)  # created now, at the first file written into it
-    data = {**importance.as_dict(), "source": source,
-            "ranking": [{"layer": layer, "head": head, "score": score} for layer, head, score in importance.ranking()]}
+    data = {
+        **importance.as_dict(),
+        "source": source,
+        "ranking": [{"layer": layer, "head": head, "score": score} for layer, head, score in importance.ranking()],
+    }
     json_path = out_dir / IMPORTANCE_FILE
     _write_json(json_path, data, allow_nan=False)
     figure, axis = plt.subplots(figsize=(8, 4))
@@ -81,33 +101,43 @@ def _save_figure(plt, figure, path: Path) -> None:
 
 # A score is 1 - cosine (in [0, 2]) for ablation, |E[A dL/dA]| for gradient importance: bounded well below
 # 1e9, so x 1000 for the report stays finite. null: a head the model did not have (pruned).
-_IMPORTANCE_SCHEMA = {"scores": Grid(Rule("a number in [-1e9, 1e9] or null", lambda v: v is None or (
-    NUMBER.test(v) and abs(v) <= 1e9)))}
-_SYNTAX_SCHEMA = {"per_head_best": OptionalKey(Grid(Rule("a share in [0, 1]",
-                                                          lambda v: NUMBER.test(v) and 0 <= v <= 1)))}
+_IMPORTANCE_SCHEMA = {
+    "scores": Grid(Rule("a number in [-1e9, 1e9] or null", lambda v: v is None or (NUMBER.test(v) and abs(v) <= 1e9)))
+}
+_SYNTAX_SCHEMA = {
+    "per_head_best": OptionalKey(Grid(Rule("a share in [0, 1]", lambda v: NUMBER.test(v) and 0 <= v <= 1)))
+}
 _RUN_IMPORTANCE = "run `multihead heads importance --out DIR` first (with the same --model)"
 
 
-def _check_grid_shape(argument: str, source: Path, grid: list[list], shape: tuple[int, int] | None,
-                      fix: str) -> None:
+def _check_grid_shape(argument: str, source: Path, grid: list[list], shape: tuple[int, int] | None, fix: str) -> None:
     """Per-head scores must have one row per layer and one column per head of the model they are used with."""
     if shape is not None and (len(grid), len(grid[0])) != shape:
-        raise bad_argument(argument, f"scores of a model with {shape[0]} layers x {shape[1]} heads",
-                           f"{len(grid)} x {len(grid[0])} in {str(source)!r}", fix)
+        raise bad_argument(
+            argument,
+            f"scores of a model with {shape[0]} layers x {shape[1]} heads",
+            f"{len(grid)} x {len(grid[0])} in {str(source)!r}",
+            fix,
+        )
 
 
-def load_importance(path: str | Path, *, argument: str = "path", shape: tuple[int, int] | None = None
-                    ) -> torch.Tensor:
+def load_importance(path: str | Path, *, argument: str = "path", shape: tuple[int, int] | None = None) -> torch.Tensor:
     """The (layers, heads) scores from an importance.json (a file, or the folder holding it).
 
     ``argument`` names the option in errors; ``shape``: the (layers, heads) the scores must have.
     """
     source = Path(path) / IMPORTANCE_FILE if path_kind(Path(path)) == "folder" else Path(path)
-    data = read_json(argument, source, what="an importance.json written by `multihead heads importance`",
-                     schema=_IMPORTANCE_SCHEMA, fix=_RUN_IMPORTANCE)
+    data = read_json(
+        argument,
+        source,
+        what="an importance.json written by `multihead heads importance`",
+        schema=_IMPORTANCE_SCHEMA,
+        fix=_RUN_IMPORTANCE,
+    )
     _check_grid_shape(argument, source, data["scores"], shape, _RUN_IMPORTANCE)
-    return torch.tensor([[float("nan") if v is None else v for v in row] for row in data["scores"]],
-                        dtype=torch.float32)
+    return torch.tensor(
+        [[float("nan") if v is None else v for v in row] for row in data["scores"]], dtype=torch.float32
+    )
 
 
 def heads_at_fidelity(curve: list[dict], threshold: float = 0.99) -> dict | None:
@@ -117,15 +147,33 @@ def heads_at_fidelity(curve: list[dict], threshold: float = 0.99) -> dict | None
 
 
 def curve_table(curve: list[dict]) -> Table:
-    table = Table(title="Pruning curve (heads removed least important first; speed measured on the pruned copy)",
-                  title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("fraction", "heads removed", "mean cosine", "min cosine", "NN agreement", "encode (ms)",
-                 "speed-up", "attention speed-up"):
+    table = Table(
+        title="Pruning curve (heads removed least important first; speed measured on the pruned copy)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for name in (
+        "fraction",
+        "heads removed",
+        "mean cosine",
+        "min cosine",
+        "NN agreement",
+        "encode (ms)",
+        "speed-up",
+        "attention speed-up",
+    ):
         table.add_column(name, justify="right")
     for row in curve:
-        table.add_row(f"{row['fraction']:.2f}", str(row["heads_removed"]), f"{row['cosine']:.4f}",
-                      f"{row['min_cosine']:.4f}", f"{row['nn_agreement']:.2f}", f"{row['seconds'] * 1e3:.0f}",
-                      f"{row['speedup']:.2f}x", f"{row['attention_speedup']:.2f}x")
+        table.add_row(
+            f"{row['fraction']:.2f}",
+            str(row["heads_removed"]),
+            f"{row['cosine']:.4f}",
+            f"{row['min_cosine']:.4f}",
+            f"{row['nn_agreement']:.2f}",
+            f"{row['seconds'] * 1e3:.0f}",
+            f"{row['speedup']:.2f}x",
+            f"{row['attention_speedup']:.2f}x",
+        )
     return table
 
 
@@ -146,8 +194,9 @@ def write_curve(curve: list[dict], out_dir: Path) -> dict[str, Path]:
     left.axhline(0.99, color="grey", linestyle=":", label="0.99")
     left.set(xlabel="heads removed (least important first)", ylabel="embedding fidelity")
     right = left.twinx()
-    right.plot(fractions, [row["attention_speedup"] for row in curve], "^-", color="tab:red",
-               label="attention speed-up")
+    right.plot(
+        fractions, [row["attention_speedup"] for row in curve], "^-", color="tab:red", label="attention speed-up"
+    )
     right.plot(fractions, [row["speedup"] for row in curve], "v-", color="tab:orange", label="encode speed-up")
     right.set_ylabel("speed-up (measured)")
     lines = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
@@ -159,26 +208,30 @@ def write_curve(curve: list[dict], out_dir: Path) -> dict[str, Path]:
     return {"json": json_path, "png": png_path}
 
 
-def report_columns(folder: str | Path, *, argument: str = "folder", shape: tuple[int, int] | None = None
-                   ) -> dict[str, list[list[float]]]:
+def report_columns(
+    folder: str | Path, *, argument: str = "folder", shape: tuple[int, int] | None = None
+) -> dict[str, list[list[float]]]:
     """Per-head columns for the inspect HTML report from a `multihead heads` output folder:
     "importance" (from importance.json) and "best syntax score" (from syntax.json), when present.
 
     ``argument`` names the option in errors; ``shape``: the (layers, heads) the scores must have.
     """
     fix = "run `multihead heads importance --out DIR` or `multihead heads syntax --out DIR` (with the same --model)"
-    directory = existing_folder(argument, folder, what="a folder written by `multihead heads importance` or `syntax`",
-                                fix=fix)
+    directory = existing_folder(
+        argument, folder, what="a folder written by `multihead heads importance` or `syntax`", fix=fix
+    )
     columns: dict[str, list[list[float]]] = {}
     importance = directory / IMPORTANCE_FILE
     if path_kind(importance) == "file":
         scores = load_importance(importance, argument=argument, shape=shape).tolist()
-        columns["importance (1 - cos) x 1000"] = [[None if v != v else round(v * 1000, 3) for v in row]
-                                                  for row in scores]
+        columns["importance (1 - cos) x 1000"] = [
+            [None if v != v else round(v * 1000, 3) for v in row] for row in scores
+        ]
     syntax = directory / SYNTAX_FILE
     if path_kind(syntax) == "file":
-        data = read_json(argument, syntax, what="a syntax.json written by `multihead heads syntax`",
-                         schema=_SYNTAX_SCHEMA, fix=fix)
+        data = read_json(
+            argument, syntax, what="a syntax.json written by `multihead heads syntax`", schema=_SYNTAX_SCHEMA, fix=fix
+        )
         if "per_head_best" in data:
             _check_grid_shape(argument, syntax, data["per_head_best"], shape, fix)
             columns["best syntax score"] = [[round(v, 4) for v in row] for row in data["per_head_best"]]
@@ -189,9 +242,12 @@ def report_columns(folder: str | Path, *, argument: str = "folder", shape: tuple
 
 def syntax_table(scores) -> Table:
     """One row per relation: dependents, the best offset baseline, the best head and its margin."""
-    table = Table(title=f"Syntactic heads on {scores.source} ({scores.sentences} sentences): the share of "
-                        "dependents whose most-attended word is their head (or the reverse)",
-                  title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"Syntactic heads on {scores.source} ({scores.sentences} sentences): the share of "
+        "dependents whose most-attended word is their head (or the reverse)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
     for name in ("relation", "dependents", "baseline", "best head", "direction", "score", "margin"):
         table.add_column(name, justify="left" if name in ("relation", "direction", "best head") else "right")
     for row in scores.table():
@@ -200,10 +256,15 @@ def syntax_table(scores) -> Table:
             continue
         margin = row["margin"]
         style = "green" if margin > 0.05 else "red" if margin < 0 else ""
-        table.add_row(row["relation"], str(row["count"]), f"{row['baseline_score']:.3f} at {row['baseline_offset']:+d}",
-                      f"L{row['layer']} H{row['head']}",
-                      "dependent -> head" if row["direction"] == "dependent_to_head" else "head -> dependent",
-                      f"{row['score']:.3f}", f"[{style}]{margin:+.3f}[/{style}]" if style else f"{margin:+.3f}")
+        table.add_row(
+            row["relation"],
+            str(row["count"]),
+            f"{row['baseline_score']:.3f} at {row['baseline_offset']:+d}",
+            f"L{row['layer']} H{row['head']}",
+            "dependent -> head" if row["direction"] == "dependent_to_head" else "head -> dependent",
+            f"{row['score']:.3f}",
+            f"[{style}]{margin:+.3f}[/{style}]" if style else f"{margin:+.3f}",
+        )
     return table
 
 
@@ -221,12 +282,17 @@ def write_syntax(scores, out_dir: Path) -> dict[str, Path]:
     rows = [row for row in scores.table() if row["layer"] is not None]
     figure, axis = plt.subplots(figsize=(8, 4))
     positions = range(len(rows))
-    axis.bar([p - 0.2 for p in positions], [row["baseline_score"] for row in rows], width=0.4,
-             label="best fixed offset", color="tab:grey")
-    axis.bar([p + 0.2 for p in positions], [row["score"] for row in rows], width=0.4, label="best head",
-             color="tab:blue")
-    axis.set_xticks(list(positions), [f"{row['relation']}\nL{row['layer']}H{row['head']}" for row in rows],
-                    fontsize=7)
+    axis.bar(
+        [p - 0.2 for p in positions],
+        [row["baseline_score"] for row in rows],
+        width=0.4,
+        label="best fixed offset",
+        color="tab:grey",
+    )
+    axis.bar(
+        [p + 0.2 for p in positions], [row["score"] for row in rows], width=0.4, label="best head", color="tab:blue"
+    )
+    axis.set_xticks(list(positions), [f"{row['relation']}\nL{row['layer']}H{row['head']}" for row in rows], fontsize=7)
     axis.set(ylabel="share of dependents", ylim=(0, 1), title="Syntactic heads against the offset baseline")
     axis.legend(fontsize=8)
     figure.tight_layout()
@@ -242,10 +308,13 @@ def run_syntax_command(args, console: Console, out_dir: Path) -> int:
     from multihead.inspect.syntax import RELATIONS, bundled_treebank, read_conllu, syntax_scores
     from multihead.models import load_minilm
 
-    relations = RELATIONS if args.relations is None else tuple(r.strip() for r in args.relations.split(",") if r.strip())
+    relations = (
+        RELATIONS if args.relations is None else tuple(r.strip() for r in args.relations.split(",") if r.strip())
+    )
     if args.max_sentences is not None and args.max_sentences < 1:
-        raise bad_argument("--max-sentences", "a positive number of sentences", args.max_sentences,
-                           "pass e.g. --max-sentences 200")
+        raise bad_argument(
+            "--max-sentences", "a positive number of sentences", args.max_sentences, "pass e.g. --max-sentences 200"
+        )
     sentences = read_conllu(Path(args.treebank), argument="--treebank") if args.treebank else bundled_treebank()
     with from_option("--model"):
         model, _ = load_minilm(args.model)
@@ -254,8 +323,13 @@ def run_syntax_command(args, console: Console, out_dir: Path) -> int:
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("sentences", total=total)
         with from_option("--relations", names=("relations",)), from_option("--treebank", names=("sentences",)):
-            scores = syntax_scores(model, sentences, relations=relations, max_sentences=args.max_sentences,
-                                   progress=lambda done: bar.update(task, completed=done))
+            scores = syntax_scores(
+                model,
+                sentences,
+                relations=relations,
+                max_sentences=args.max_sentences,
+                progress=lambda done: bar.update(task, completed=done),
+            )
     scores.source = source
     console.print(syntax_table(scores))
     for path in write_syntax(scores, out_dir).values():

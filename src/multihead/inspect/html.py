@@ -38,8 +38,19 @@ from multihead._errors import bad_argument
 __all__ = ["render_html"]
 
 REQUIRED_KEYS = (
-    "title", "text", "model", "tokens", "special", "layers", "heads", "weights",
-    "roles", "stats", "stat_names", "roles_source", "selected_token",
+    "title",
+    "text",
+    "model",
+    "tokens",
+    "special",
+    "layers",
+    "heads",
+    "weights",
+    "roles",
+    "stats",
+    "stat_names",
+    "roles_source",
+    "selected_token",
 )
 ROLE_KEYS = ("label", "pattern", "summary")
 CORPUS_KEYS = ("source", "sentences", "tokens", "stats")
@@ -140,8 +151,15 @@ def _number(name: str, path: str, value: object, *, allow_none: bool = False) ->
 _FROM_DATA = object()
 
 
-def _grid(data: Mapping, name: str, sizes: Sequence[int], axes: str, leaf: Callable[[str, Any], Any],
-          value: object = _FROM_DATA, start: str = "") -> list:
+def _grid(
+    data: Mapping,
+    name: str,
+    sizes: Sequence[int],
+    axes: str,
+    leaf: Callable[[str, Any], Any],
+    value: object = _FROM_DATA,
+    start: str = "",
+) -> list:
     """Check that value (default data[name]) nests as lists of the given sizes; map leaf over the leaves."""
     value = data[name] if value is _FROM_DATA else value
     spec = "".join(f"[{size}]" for size in sizes)
@@ -152,7 +170,8 @@ def _grid(data: Mapping, name: str, sizes: Sequence[int], axes: str, leaf: Calla
         item = _as_list(item)
         if not isinstance(item, (list, tuple)) or len(item) != sizes[depth]:
             raise bad_argument(
-                _key(name), f"nested lists {axes} of sizes {spec}",
+                _key(name),
+                f"nested lists {axes} of sizes {spec}",
                 f"{_describe(item)} at {name}{path}",
                 f"build {name}{axes} with one entry per element of data['layers'], data['heads']"
                 + (" and data['tokens']" if len(sizes) > 2 else ""),
@@ -166,97 +185,159 @@ def _stats_leaf(name: str, stat_keys: list[str]) -> Callable[[str, Any], dict]:
     def leaf(path: str, item: object) -> dict:
         if not isinstance(item, Mapping) or any(key not in item for key in stat_keys):
             got = _describe(item)
-            raise bad_argument(_key(name), f"a dict with the keys of data['stat_names'] {stat_keys}",
-                               f"{got} at {name}{path}", "give every head a value for every stat in stat_names")
+            raise bad_argument(
+                _key(name),
+                f"a dict with the keys of data['stat_names'] {stat_keys}",
+                f"{got} at {name}{path}",
+                "give every head a value for every stat in stat_names",
+            )
         return {key: _number(name, f"{path}[{key!r}]", item[key], allow_none=True) for key in stat_keys}
+
     return leaf
 
 
 def _role_leaf(path: str, item: object) -> dict:
     if not isinstance(item, Mapping) or any(not isinstance(item.get(key), str) for key in ROLE_KEYS):
-        raise bad_argument(_key("roles"), f"a dict of str with keys {list(ROLE_KEYS)}",
-                           f"{_describe(item)} at roles{path}",
-                           "give every head {'label': ..., 'pattern': ..., 'summary': ...}")
+        raise bad_argument(
+            _key("roles"),
+            f"a dict of str with keys {list(ROLE_KEYS)}",
+            f"{_describe(item)} at roles{path}",
+            "give every head {'label': ..., 'pattern': ..., 'summary': ...}",
+        )
     return {key: item[key] for key in ROLE_KEYS}
 
 
 def _validated(data: object) -> dict:
     """Check data against the schema; return a plain JSON-ready copy of what the page uses."""
     if not isinstance(data, Mapping):
-        raise bad_argument("data", "a dict (the report schema)", _describe(data),
-                           "pass the dict built for the report", kind=TypeError)
+        raise bad_argument(
+            "data", "a dict (the report schema)", _describe(data), "pass the dict built for the report", kind=TypeError
+        )
     for key in REQUIRED_KEYS:
         if key not in data:
-            raise bad_argument(_key(key), "a value (required key)", "no such key",
-                               f"add {key!r} to the report dict; it has {sorted(map(str, data))}")
+            raise bad_argument(
+                _key(key),
+                "a value (required key)",
+                "no such key",
+                f"add {key!r} to the report dict; it has {sorted(map(str, data))}",
+            )
 
     out: dict[str, Any] = {key: _string(data, key) for key in ("title", "text", "model", "roles_source")}
 
     tokens = _as_list(data["tokens"])
     if not isinstance(tokens, (list, tuple)) or not tokens or not all(isinstance(t, str) for t in tokens):
-        raise bad_argument(_key("tokens"), "a non-empty list of str", _describe(tokens),
-                           "pass the word pieces of the text, special tokens included")
+        raise bad_argument(
+            _key("tokens"),
+            "a non-empty list of str",
+            _describe(tokens),
+            "pass the word pieces of the text, special tokens included",
+        )
     n = len(tokens)
     out["tokens"] = list(tokens)
 
     special = _as_list(data["special"])
-    if (not isinstance(special, (list, tuple)) or len(special) != n
-            or not all(isinstance(s, bool) or s in (0, 1) for s in special)):
-        raise bad_argument(_key("special"), f"a list of {n} bools (one per token)", _describe(special),
-                           "mark [CLS]/[SEP] True and every other token False")
+    if (
+        not isinstance(special, (list, tuple))
+        or len(special) != n
+        or not all(isinstance(s, bool) or s in (0, 1) for s in special)
+    ):
+        raise bad_argument(
+            _key("special"),
+            f"a list of {n} bools (one per token)",
+            _describe(special),
+            "mark [CLS]/[SEP] True and every other token False",
+        )
     out["special"] = [bool(s) for s in special]
 
     out["layers"] = layers = _index_list(data, "layers")
     out["heads"] = heads = _index_list(data, "heads")
     grid = (len(layers), len(heads))
 
-    out["weights"] = _grid(data, "weights", (*grid, n, n), "[layer][head][query][key]",
-                           lambda path, w: _number("weights", path, w))
+    out["weights"] = _grid(
+        data, "weights", (*grid, n, n), "[layer][head][query][key]", lambda path, w: _number("weights", path, w)
+    )
     out["roles"] = _grid(data, "roles", grid, "[layer][head]", _role_leaf)
 
     stat_names = data["stat_names"]
-    if not isinstance(stat_names, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
-                                                      for k, v in stat_names.items()):
-        raise bad_argument(_key("stat_names"), "a dict str -> str (stat key -> display name)",
-                           _describe(stat_names), "map every stats key to the name shown in the table")
+    if not isinstance(stat_names, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in stat_names.items()
+    ):
+        raise bad_argument(
+            _key("stat_names"),
+            "a dict str -> str (stat key -> display name)",
+            _describe(stat_names),
+            "map every stats key to the name shown in the table",
+        )
     stat_keys = list(stat_names)
     out["stat_names"] = dict(stat_names)
     out["stats"] = _grid(data, "stats", grid, "[layer][head]", _stats_leaf("stats", stat_keys))
 
     selected = data["selected_token"]
     if not _int(selected) or not 0 <= selected < n:
-        raise bad_argument(_key("selected_token"), f"an int in [0, {n})", _describe(selected),
-                           "pass the index of a token in data['tokens']")
+        raise bad_argument(
+            _key("selected_token"),
+            f"an int in [0, {n})",
+            _describe(selected),
+            "pass the index of a token in data['tokens']",
+        )
     out["selected_token"] = int(selected)
 
     corpus = data.get("corpus")
     if corpus is not None:
         if not isinstance(corpus, Mapping) or any(key not in corpus for key in CORPUS_KEYS):
-            raise bad_argument(_key("corpus"), f"None or a dict with keys {list(CORPUS_KEYS)}", _describe(corpus),
-                               "pass None when no corpus was given")
+            raise bad_argument(
+                _key("corpus"),
+                f"None or a dict with keys {list(CORPUS_KEYS)}",
+                _describe(corpus),
+                "pass None when no corpus was given",
+            )
         if not isinstance(corpus["source"], str) or not _int(corpus["sentences"]) or not _int(corpus["tokens"]):
-            raise bad_argument(_key("corpus"), "source str, sentences int, tokens int",
-                               _describe({k: corpus[k] for k in ("source", "sentences", "tokens")}),
-                               "describe the corpus and give its sentence and token counts")
-        corpus_stats = _grid(data, "corpus", grid, "['stats'][layer][head]",
-                             _stats_leaf("corpus", stat_keys), value=corpus["stats"], start="['stats']")
-        corpus = {"source": corpus["source"], "sentences": int(corpus["sentences"]),
-                  "tokens": int(corpus["tokens"]), "stats": corpus_stats}
+            raise bad_argument(
+                _key("corpus"),
+                "source str, sentences int, tokens int",
+                _describe({k: corpus[k] for k in ("source", "sentences", "tokens")}),
+                "describe the corpus and give its sentence and token counts",
+            )
+        corpus_stats = _grid(
+            data,
+            "corpus",
+            grid,
+            "['stats'][layer][head]",
+            _stats_leaf("corpus", stat_keys),
+            value=corpus["stats"],
+            start="['stats']",
+        )
+        corpus = {
+            "source": corpus["source"],
+            "sentences": int(corpus["sentences"]),
+            "tokens": int(corpus["tokens"]),
+            "stats": corpus_stats,
+        }
     out["corpus"] = corpus
 
     extra = data.get("extra_columns") or {}
     if not isinstance(extra, Mapping):
-        raise bad_argument(_key("extra_columns"), "a dict name -> [layer][head] floats", _describe(extra),
-                           "pass {} when there are no extra columns")
+        raise bad_argument(
+            _key("extra_columns"),
+            "a dict name -> [layer][head] floats",
+            _describe(extra),
+            "pass {} when there are no extra columns",
+        )
     out["extra_columns"] = {}
     for column, values in extra.items():
         if not isinstance(column, str):
-            raise bad_argument(_key("extra_columns"), "str column names", _describe(column),
-                               "name each extra column with a str")
+            raise bad_argument(
+                _key("extra_columns"), "str column names", _describe(column), "name each extra column with a str"
+            )
         out["extra_columns"][column] = _grid(
-            data, "extra_columns", grid, f"[{column!r}][layer][head]",
+            data,
+            "extra_columns",
+            grid,
+            f"[{column!r}][layer][head]",
             lambda path, v: _number("extra_columns", path, v, allow_none=True),
-            value=values, start=f"[{column!r}]")
+            value=values,
+            start=f"[{column!r}]",
+        )
     return out
 
 

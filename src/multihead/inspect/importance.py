@@ -26,23 +26,35 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead.inspect.capture import attention_layers, capture
 
-__all__ = ["ablated", "mean_head_outputs", "fidelity", "HeadImportance", "ablation_importance",
-           "gradient_importance", "pruning_order", "pruning_curve"]
+__all__ = [
+    "ablated",
+    "mean_head_outputs",
+    "fidelity",
+    "HeadImportance",
+    "ablation_importance",
+    "gradient_importance",
+    "pruning_order",
+    "pruning_curve",
+]
 
 
 def _check_texts(texts: Sequence[str]) -> list[str]:
     if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
-        raise bad_argument("texts", "a list of strings", describe(texts), "pass e.g. bundled_corpus()",
-                           kind=TypeError)
+        raise bad_argument("texts", "a list of strings", describe(texts), "pass e.g. bundled_corpus()", kind=TypeError)
     if len(texts) < 2:
-        raise bad_argument("texts", "at least two texts (nearest-neighbour agreement needs them)", len(texts),
-                           "pass a corpus, e.g. multihead.inspect.bundled_corpus()")
+        raise bad_argument(
+            "texts",
+            "at least two texts (nearest-neighbour agreement needs them)",
+            len(texts),
+            "pass a corpus, e.g. multihead.inspect.bundled_corpus()",
+        )
     return list(texts)
 
 
 @contextmanager
-def ablated(model, heads: dict[int, Sequence[int]], how: str = "zero",
-            mean_outputs: dict[int, torch.Tensor] | None = None):
+def ablated(
+    model, heads: dict[int, Sequence[int]], how: str = "zero", mean_outputs: dict[int, torch.Tensor] | None = None
+):
     """Within the block, ablate ``{layer: [heads]}`` (current head positions) of ``model``; then restore.
 
     ``mean_outputs``: for how="mean", {layer: (heads of the layer, e)} as :func:`mean_head_outputs` gives.
@@ -66,7 +78,7 @@ def mean_head_outputs(model, texts: Sequence[str], *, batch_size: int = 32) -> d
     tokens = 0
     with capture(model, weights=False, outputs=True) as rec:
         for start in range(0, len(texts), batch_size):
-            batch = model.tokenizer.batch(list(texts[start:start + batch_size]), truncate=True)
+            batch = model.tokenizer.batch(list(texts[start : start + batch_size]), truncate=True)
             model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
             real = batch.attention_mask.to(torch.float64)[:, None, :, None]  # (b, 1, n, 1)
             for layer in rec.layers:
@@ -90,8 +102,11 @@ def fidelity(reference: torch.Tensor, embeddings: torch.Tensor) -> dict[str, flo
         similarity.fill_diagonal_(-float("inf"))
         return similarity.argmax(dim=-1)
 
-    return {"cosine": float(cosine.mean()), "min_cosine": float(cosine.min()),
-            "nn_agreement": float((nearest(reference) == nearest(embeddings)).float().mean())}
+    return {
+        "cosine": float(cosine.mean()),
+        "min_cosine": float(cosine.min()),
+        "nn_agreement": float((nearest(reference) == nearest(embeddings)).float().mean()),
+    }
 
 
 @dataclass
@@ -108,8 +123,11 @@ class HeadImportance:
 
     def ranking(self) -> list[tuple[int, int, float]]:
         """(layer, head, score), most important first."""
-        flat = [(layer, head, float(self.scores[layer, head])) for layer in range(self.scores.shape[0])
-                for head in range(self.scores.shape[1])]
+        flat = [
+            (layer, head, float(self.scores[layer, head]))
+            for layer in range(self.scores.shape[0])
+            for head in range(self.scores.shape[1])
+        ]
         return sorted(flat, key=lambda item: -item[2])
 
     def as_dict(self) -> dict:
@@ -118,14 +136,24 @@ class HeadImportance:
         def plain(values: torch.Tensor) -> list:
             return [[None if v != v else v for v in row] for row in values.tolist()]
 
-        return {"metric": self.metric, "texts": self.texts, "scores": plain(self.scores),
-                **{name: plain(values) for name, values in self.details.items()}}
+        return {
+            "metric": self.metric,
+            "texts": self.texts,
+            "scores": plain(self.scores),
+            **{name: plain(values) for name, values in self.details.items()},
+        }
 
 
 @torch.no_grad()
-def ablation_importance(model, texts: Sequence[str], *, how: str = "zero", batch_size: int = 32,
-                        layers: Sequence[int] | None = None,
-                        progress: Callable[[int, int], None] | None = None) -> HeadImportance:
+def ablation_importance(
+    model,
+    texts: Sequence[str],
+    *,
+    how: str = "zero",
+    batch_size: int = 32,
+    layers: Sequence[int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> HeadImportance:
     """Ablate each head alone and measure embedding fidelity over ``texts``.
 
     Returns scores = 1 - mean cosine (layers, heads), with details "nn_agreement" and "min_cosine".
@@ -150,12 +178,17 @@ def ablation_importance(model, texts: Sequence[str], *, how: str = "zero", batch
             done += 1
             if progress is not None:
                 progress(done, total)
-    return HeadImportance(scores, f"1 - embedding cosine when the head is {how}-ablated",
-                          {"nn_agreement": agreement, "min_cosine": worst}, texts=len(texts))
+    return HeadImportance(
+        scores,
+        f"1 - embedding cosine when the head is {how}-ablated",
+        {"nn_agreement": agreement, "min_cosine": worst},
+        texts=len(texts),
+    )
 
 
-def gradient_importance(model, loss_fn: Callable[[object, object], torch.Tensor], batches: Iterable,
-                        *, normalize: bool = False) -> HeadImportance:
+def gradient_importance(
+    model, loss_fn: Callable[[object, object], torch.Tensor], batches: Iterable, *, normalize: bool = False
+) -> HeadImportance:
     """Michel et al. (2019): I_h = |E_x[A_h(x)^T dL/dA_h(x)]|, through a gate on every head's output.
 
     Args:
@@ -177,8 +210,13 @@ def gradient_importance(model, loss_fn: Callable[[object, object], torch.Tensor]
         for batch in batches:
             loss = loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-                raise bad_argument("loss_fn", "a function returning a scalar tensor", describe(loss),
-                                   "reduce the loss to one number, e.g. .mean()", kind=TypeError)
+                raise bad_argument(
+                    "loss_fn",
+                    "a function returning a scalar tensor",
+                    describe(loss),
+                    "reduce the loss to one number, e.g. .mean()",
+                    kind=TypeError,
+                )
             grads = torch.autograd.grad(loss, gates, allow_unused=True)
             for total, grad in zip(totals, grads):
                 if grad is not None:
@@ -195,15 +233,22 @@ def gradient_importance(model, loss_fn: Callable[[object, object], torch.Tensor]
         values = (total / count).abs()
         if normalize:
             values = values / values.norm().clamp(min=1e-20)
-        scores[index, :len(values)] = values
-    return HeadImportance(scores, "|E[A_h^T dL/dA_h]| (Michel et al. 2019)" + (", layer-normalised" if normalize
-                                                                                  else ""))
+        scores[index, : len(values)] = values
+    return HeadImportance(
+        scores, "|E[A_h^T dL/dA_h]| (Michel et al. 2019)" + (", layer-normalised" if normalize else "")
+    )
 
 
 def pruning_order(importance: torch.Tensor, heads_per_layer: Sequence[int]) -> list[tuple[int, int]]:
     """(layer, head) from least to most important, never emptying a layer (its last head is left out)."""
-    candidates = sorted(((float(importance[layer, head]), layer, head) for layer, count in enumerate(heads_per_layer)
-                         for head in range(count)), key=lambda item: item[0])
+    candidates = sorted(
+        (
+            (float(importance[layer, head]), layer, head)
+            for layer, count in enumerate(heads_per_layer)
+            for head in range(count)
+        ),
+        key=lambda item: item[0],
+    )
     left = list(heads_per_layer)
     order = []
     for _, layer, head in candidates:
@@ -219,8 +264,10 @@ def _attention_seconds(model, texts: Sequence[str], batch_size: int, repeats: in
     spent = [0.0]
     starts: list[float] = []
     handles = [layer.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter())) for layer in layers]
-    handles += [layer.register_forward_hook(lambda *_: spent.__setitem__(0, spent[0] + time.perf_counter()
-                                                                          - starts.pop())) for layer in layers]
+    handles += [
+        layer.register_forward_hook(lambda *_: spent.__setitem__(0, spent[0] + time.perf_counter() - starts.pop()))
+        for layer in layers
+    ]
     best_total, best_attention = float("inf"), float("inf")
     try:
         model.encode(list(texts[:batch_size]), batch_size=batch_size, truncate=True)  # warm-up
@@ -237,10 +284,16 @@ def _attention_seconds(model, texts: Sequence[str], batch_size: int, repeats: in
 
 
 @torch.no_grad()
-def pruning_curve(model, texts: Sequence[str], importance: torch.Tensor, *,
-                  fractions: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
-                  batch_size: int = 32, repeats: int = 3,
-                  progress: Callable[[int, int], None] | None = None) -> list[dict]:
+def pruning_curve(
+    model,
+    texts: Sequence[str],
+    importance: torch.Tensor,
+    *,
+    fractions: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+    batch_size: int = 32,
+    repeats: int = 3,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict]:
     """Remove heads least-important first and, at each fraction of all heads, physically prune a copy
     of ``model`` and measure its embedding fidelity and its speed (encode over ``texts``).
 
@@ -270,9 +323,18 @@ def pruning_curve(model, texts: Sequence[str], importance: torch.Tensor, *,
             pruned.prune_heads(plan)
         result = fidelity(reference, pruned.encode(texts, batch_size=batch_size, truncate=True))
         total, attention_s = _attention_seconds(pruned, texts, batch_size, repeats)
-        rows.append({"fraction": fraction, "heads_removed": len(removed), "removed": removed, **result,
-                     "seconds": total, "attention_seconds": attention_s, "speedup": base_total / total,
-                     "attention_speedup": base_attention / attention_s})
+        rows.append(
+            {
+                "fraction": fraction,
+                "heads_removed": len(removed),
+                "removed": removed,
+                **result,
+                "seconds": total,
+                "attention_seconds": attention_s,
+                "speedup": base_total / total,
+                "attention_speedup": base_attention / attention_s,
+            }
+        )
         if progress is not None:
             progress(step + 1, len(fractions))
     return rows

@@ -24,14 +24,15 @@ def heatmap_grid(inspection: Inspection, path: Path) -> Path:
     for r, layer in enumerate(inspection.layers):
         for c, head in enumerate(inspection.heads):
             axis = axes[r][c]
-            axis.imshow(inspection.weights[r, c].numpy(), cmap="viridis", vmin=0.0, vmax=1.0,
-                        interpolation="nearest")
+            axis.imshow(inspection.weights[r, c].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
             axis.set_xticks([])
             axis.set_yticks([])
             axis.set_title(f"L{layer} H{head}: {roles[r][c].label}", fontsize=7, pad=2)
-    figure.suptitle(f"{inspection.model_name}: attention weights on \"{_clip(inspection.text)}\" "
-                    f"(rows: query tokens, columns: key tokens; roles from {inspection.role_stats.source})",
-                    fontsize=8)
+    figure.suptitle(
+        f'{inspection.model_name}: attention weights on "{_clip(inspection.text)}" '
+        f"(rows: query tokens, columns: key tokens; roles from {inspection.role_stats.source})",
+        fontsize=8,
+    )
     figure.tight_layout(rect=(0, 0, 1, 0.97))
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # a character of the user's text the font lacks is drawn as a box, quietly
@@ -42,4 +43,4 @@ def heatmap_grid(inspection: Inspection, path: Path) -> Path:
 
 
 def _clip(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

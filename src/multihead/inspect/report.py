@@ -1,8 +1,8 @@
 """One text through an encoder, every head measured and labelled: terminal, HTML, PNG and JSON reports.
 
-    inspection = inspect_text(model, "The bank was full of money.", token="bank")
-    inspection.top_attended(layer=2, head=5)     # [('money', 6, 0.41), ...]
-    report(model, "The bank was full of money.", out_dir="report")   # report.html, heads.png, inspect.json
+inspection = inspect_text(model, "The bank was full of money.", token="bank")
+inspection.top_attended(layer=2, head=5)     # [('money', 6, 0.41), ...]
+report(model, "The bank was full of money.", out_dir="report")   # report.html, heads.png, inspect.json
 """
 
 from __future__ import annotations
@@ -19,8 +19,16 @@ from multihead._userfiles import output_folder, read_text, writing
 from multihead.inspect.capture import attention_layers, capture
 from multihead.inspect.stats import STAT_NAMES, HeadStats, head_stats, weight_stats
 
-__all__ = ["Inspection", "inspect_text", "report", "bundled_corpus", "read_corpus", "pick_token", "FORMATS",
-           "BUNDLED_CORPUS"]
+__all__ = [
+    "Inspection",
+    "inspect_text",
+    "report",
+    "bundled_corpus",
+    "read_corpus",
+    "pick_token",
+    "FORMATS",
+    "BUNDLED_CORPUS",
+]
 
 FORMATS = ("terminal", "html", "png", "json")
 BUNDLED_CORPUS = Path(__file__).with_name("corpus.txt")
@@ -28,7 +36,8 @@ BUNDLED_CORPUS = Path(__file__).with_name("corpus.txt")
 _FUNCTION_WORDS = frozenset(
     "a an the this that these those of to in on at by for from with into onto about as and or but nor so if "
     "is am are was were be been being has have had do does did will would shall should can could may might "
-    "must it its he she they we you i me him her them us my your his their our not no".split())
+    "must it its he she they we you i me him her them us my your his their our not no".split()
+)
 
 
 def read_corpus(path: str | Path, *, argument: str = "corpus") -> list[str]:
@@ -37,13 +46,18 @@ def read_corpus(path: str | Path, *, argument: str = "corpus") -> list[str]:
     ``argument`` names the path in errors (the CLI passes "--corpus"). A missing file raises
     FileNotFoundError; a folder, an unreadable or non-UTF-8 file, or one without a text, ValueError.
     """
-    text = read_text(argument, path, what="a text file with one sentence per line",
-                     fix="pass an existing UTF-8 text file, or --corpus alone for the bundled corpus")
+    text = read_text(
+        argument,
+        path,
+        what="a text file with one sentence per line",
+        fix="pass an existing UTF-8 text file, or --corpus alone for the bundled corpus",
+    )
     texts = [line.strip() for line in text.splitlines()]
     texts = [text for text in texts if text and not text.startswith("# ")]
     if not texts:
-        raise bad_argument(argument, "at least one non-empty line", f"none in {str(path)!r}",
-                           "put one sentence per line in the file")
+        raise bad_argument(
+            argument, "at least one non-empty line", f"none in {str(path)!r}", "put one sentence per line in the file"
+        )
     return texts
 
 
@@ -76,11 +90,18 @@ def pick_token(tokens: Sequence[str], token: str | int | None) -> int:
         return 1 if len(tokens) > 2 else 0
     if isinstance(token, int) and not isinstance(token, bool):
         if not 0 <= token < len(tokens):
-            raise bad_argument("token", f"a token index in 0..{len(tokens) - 1}", token, "pick one of the text's tokens")
+            raise bad_argument(
+                "token", f"a token index in 0..{len(tokens) - 1}", token, "pick one of the text's tokens"
+            )
         return token
     if not isinstance(token, str):
-        raise bad_argument("token", "a word of the text (str) or a token index (int)", describe(token),
-                           "pass e.g. token='bank'", kind=TypeError)
+        raise bad_argument(
+            "token",
+            "a word of the text (str) or a token index (int)",
+            describe(token),
+            "pass e.g. token='bank'",
+            kind=TypeError,
+        )
     wanted = token.strip().lower()
     for index, piece in enumerate(tokens):
         if piece.lower() == wanted:
@@ -127,8 +148,9 @@ class Inspection:
         """For every token, the token it attends to most: (query piece, key piece, weight), in text order."""
         weights = self.head_weights(layer, head)  # (n, n)
         best, keys = weights.max(dim=-1)
-        return [(self.tokens[i], self.tokens[j], float(w)) for i, (w, j) in enumerate(zip(best.tolist(),
-                                                                                           keys.tolist()))]
+        return [
+            (self.tokens[i], self.tokens[j], float(w)) for i, (w, j) in enumerate(zip(best.tolist(), keys.tolist()))
+        ]
 
     def report_data(self, extra_columns: dict[str, list[list[float]]] | None = None) -> dict:
         """The dict :func:`multihead.inspect.html.render_html` draws."""
@@ -148,9 +170,14 @@ class Inspection:
             "stat_names": STAT_NAMES,
             "roles_source": self.role_stats.source,
             "selected_token": self.token,
-            "corpus": None if self.corpus is None else {
-                "source": self.corpus.source, "sentences": self.corpus.texts, "tokens": self.corpus.tokens,
-                "stats": self.corpus.as_dict()["stats"]},
+            "corpus": None
+            if self.corpus is None
+            else {
+                "source": self.corpus.source,
+                "sentences": self.corpus.texts,
+                "tokens": self.corpus.tokens,
+                "stats": self.corpus.as_dict()["stats"],
+            },
             "extra_columns": extra_columns or {},
         }
         return data
@@ -158,16 +185,27 @@ class Inspection:
     def as_json(self) -> dict:
         """Everything measured, as plain lists: tokens, weights, statistics, roles, the token's top keys."""
         return {
-            "model": self.model_name, "text": self.text, "tokens": self.tokens,
-            "layers": self.layers, "heads": self.heads, "token": self.token,
+            "model": self.model_name,
+            "text": self.text,
+            "tokens": self.tokens,
+            "layers": self.layers,
+            "heads": self.heads,
+            "token": self.token,
             "weights": self.weights.to(torch.float64).round(decimals=6).tolist(),
             "text_stats": self.stats.as_dict(),
             "roles_from": self.role_stats.source,
             "roles": self.role_stats.as_dict()["roles"],
             "corpus_stats": None if self.corpus is None else self.corpus.as_dict(),
-            "top_attended": [[[{"token": piece, "index": index, "weight": round(weight, 6)}
-                               for piece, index, weight in self.top_attended(layer, head)]
-                              for head in self.heads] for layer in self.layers],
+            "top_attended": [
+                [
+                    [
+                        {"token": piece, "index": index, "weight": round(weight, 6)}
+                        for piece, index, weight in self.top_attended(layer, head)
+                    ]
+                    for head in self.heads
+                ]
+                for layer in self.layers
+            ],
             # for every head and token, the index of the token it attends to most: (layers, heads, n)
             "most_attended": self.weights.argmax(dim=-1).tolist(),
         }
@@ -192,9 +230,18 @@ class Inspection:
         print_inspection(self, console)
 
 
-def inspect_text(model, text: str, *, layers: Sequence[int] | None = None, heads: Sequence[int] | None = None,
-                 token: str | int | None = None, corpus: Sequence[str] | None = None, corpus_source: str | None = None,
-                 truncate: bool = False, progress: Callable[[int], None] | None = None) -> Inspection:
+def inspect_text(
+    model,
+    text: str,
+    *,
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    token: str | int | None = None,
+    corpus: Sequence[str] | None = None,
+    corpus_source: str | None = None,
+    truncate: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> Inspection:
     """Run ``text`` through ``model`` recording the chosen heads, and measure and label them.
 
     Args:
@@ -210,14 +257,20 @@ def inspect_text(model, text: str, *, layers: Sequence[int] | None = None, heads
         :class:`Inspection` with (layers, heads, n, n) weights.
     """
     if not isinstance(text, str):
-        raise bad_argument("text", "a string", describe(text), 'pass e.g. "The bank was full of money."',
-                           kind=TypeError)
+        raise bad_argument(
+            "text", "a string", describe(text), 'pass e.g. "The bank was full of money."', kind=TypeError
+        )
     if not text.strip():
         raise bad_argument("text", "a non-empty text", repr(text), 'pass e.g. "The bank was full of money."')
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
-        raise bad_argument("model", "an encoder with a tokenizer (multihead.models.load_minilm())",
-                           type(model).__name__, "load the model with load_minilm()", kind=TypeError)
+        raise bad_argument(
+            "model",
+            "an encoder with a tokenizer (multihead.models.load_minilm())",
+            type(model).__name__,
+            "load the model with load_minilm()",
+            kind=TypeError,
+        )
     _check_even_heads(model, layers, heads)
     batch = tokenizer.batch([text], truncate=truncate)
     tokens = batch.tokens[0]
@@ -232,14 +285,32 @@ def inspect_text(model, text: str, *, layers: Sequence[int] | None = None, heads
     recorded = [rec.weights(layer) for layer in rec.layers]  # each (1, heads, n, n)
     weights = torch.stack([layer_weights[0] for layer_weights in recorded]).float()  # (layers, heads, n, n)
     recorded_heads = rec.heads(rec.layers[0])
-    stats = weight_stats(recorded, [tokens], layers=rec.layers, heads=recorded_heads,
-                         max_offset=tokenizer.max_length, source="this text")
+    stats = weight_stats(
+        recorded, [tokens], layers=rec.layers, heads=recorded_heads, max_offset=tokenizer.max_length, source="this text"
+    )
     corpus_stats = None
     if corpus is not None:
-        corpus_stats = head_stats(model, list(corpus), layers=rec.layers, heads=recorded_heads, truncate=truncate,
-                                  source=corpus_source or f"{len(corpus)} corpus texts", progress=progress)
-    return Inspection(getattr(model, "name", type(model).__name__), text, tokens, rec.layers, recorded_heads,
-                      weights, stats, corpus_stats or stats, corpus_stats, selected)
+        corpus_stats = head_stats(
+            model,
+            list(corpus),
+            layers=rec.layers,
+            heads=recorded_heads,
+            truncate=truncate,
+            source=corpus_source or f"{len(corpus)} corpus texts",
+            progress=progress,
+        )
+    return Inspection(
+        getattr(model, "name", type(model).__name__),
+        text,
+        tokens,
+        rec.layers,
+        recorded_heads,
+        weights,
+        stats,
+        corpus_stats or stats,
+        corpus_stats,
+        selected,
+    )
 
 
 def _check_even_heads(model, layers: Sequence[int] | None, heads: Sequence[int] | None) -> None:
@@ -252,13 +323,22 @@ def _check_even_heads(model, layers: Sequence[int] | None, heads: Sequence[int] 
     except (TypeError, IndexError):
         return  # a bad selection: capture says what is wrong with it
     if len(chosen) > 1:
-        raise bad_argument("heads", "heads that every chosen layer has (the report is a layers x heads grid)",
-                           f"all heads of layers with {chosen} heads (a pruned model)",
-                           f"pass heads=range({chosen[0]}), or layers with equal head counts")
+        raise bad_argument(
+            "heads",
+            "heads that every chosen layer has (the report is a layers x heads grid)",
+            f"all heads of layers with {chosen} heads (a pruned model)",
+            f"pass heads=range({chosen[0]}), or layers with equal head counts",
+        )
 
 
-def report(model, text: str, *, out_dir: str | Path = "multihead-report", formats: Sequence[str] = ("html", "png", "json"),
-           **options) -> dict[str, Path]:
+def report(
+    model,
+    text: str,
+    *,
+    out_dir: str | Path = "multihead-report",
+    formats: Sequence[str] = ("html", "png", "json"),
+    **options,
+) -> dict[str, Path]:
     """Inspect ``text`` (options as :func:`inspect_text`) and write the reports; returns {format: path}.
 
     Files: ``report.html`` (self-contained, opens offline), ``heads.png``, ``inspect.json``;
@@ -282,14 +362,24 @@ def check_formats(formats: Sequence[str] | str) -> list[str]:
     names = [name.strip() for name in names if name.strip()]
     unknown = [name for name in names if name not in FORMATS]
     if unknown or not names:
-        raise bad_argument("format", f"one or more of {', '.join(FORMATS)}", ", ".join(unknown) or "none",
-                           "pass e.g. --format terminal,html")
+        raise bad_argument(
+            "format",
+            f"one or more of {', '.join(FORMATS)}",
+            ", ".join(unknown) or "none",
+            "pass e.g. --format terminal,html",
+        )
     return names
 
 
-def write_reports(inspection: Inspection, out_dir: str | Path, formats: Sequence[str], console=None,
-                  extra_columns: dict[str, list[list[float]]] | None = None, *,
-                  argument: str = "out_dir") -> dict[str, Path]:
+def write_reports(
+    inspection: Inspection,
+    out_dir: str | Path,
+    formats: Sequence[str],
+    console=None,
+    extra_columns: dict[str, list[list[float]]] | None = None,
+    *,
+    argument: str = "out_dir",
+) -> dict[str, Path]:
     """Write (or print) ``inspection`` in each format; returns {format: path} for the files written.
 
     ``out_dir`` is created when a file is to be written; a path that cannot be a writable folder

@@ -35,9 +35,24 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead.inspect.capture import capture
 
-__all__ = ["HeadStats", "Role", "TokenInfo", "head_stats", "weight_stats", "token_info", "kovaleva_pattern", "label_head",
-           "STAT_NAMES", "PATTERNS", "POSITIONAL_SHARE", "SINK_SHARE", "PUNCT_SHARE", "BROAD_MAX_WEIGHT",
-           "BROAD_NORM_ENTROPY", "FOCUSED_NORM_ENTROPY"]
+__all__ = [
+    "HeadStats",
+    "Role",
+    "TokenInfo",
+    "head_stats",
+    "weight_stats",
+    "token_info",
+    "kovaleva_pattern",
+    "label_head",
+    "STAT_NAMES",
+    "PATTERNS",
+    "POSITIONAL_SHARE",
+    "SINK_SHARE",
+    "PUNCT_SHARE",
+    "BROAD_MAX_WEIGHT",
+    "BROAD_NORM_ENTROPY",
+    "FOCUSED_NORM_ENTROPY",
+]
 
 # Role thresholds (documented in label_head).
 POSITIONAL_SHARE = 0.9  # Voita et al.: the maximum falls on one relative position for >= 90% of tokens
@@ -68,8 +83,19 @@ STAT_NAMES = {
     "positional": "argmax at best offset",
     "best_offset": "best offset",
 }
-_AVERAGED = ("entropy", "norm_entropy", "distance", "cls", "sep", "special", "punct", "prev", "next", "self",
-             "max_weight")
+_AVERAGED = (
+    "entropy",
+    "norm_entropy",
+    "distance",
+    "cls",
+    "sep",
+    "special",
+    "punct",
+    "prev",
+    "next",
+    "self",
+    "max_weight",
+)
 _SENTENCE_ENDS = {".", "!", "?"}
 
 
@@ -106,8 +132,9 @@ def token_info(tokens: Sequence[Sequence[str]], length: int) -> TokenInfo:
     return TokenInfo(segment=segment, **flags)
 
 
-def kovaleva_pattern(diagonal: torch.Tensor, vertical: torch.Tensor, block: torch.Tensor,
-                     segments: torch.Tensor) -> torch.Tensor:
+def kovaleva_pattern(
+    diagonal: torch.Tensor, vertical: torch.Tensor, block: torch.Tensor, segments: torch.Tensor
+) -> torch.Tensor:
     """Kovaleva et al. (2019)'s attention pattern class, as an index into :data:`PATTERNS`.
 
     Kovaleva et al. sorted heatmaps by eye and with a classifier into five types; we use mass
@@ -128,8 +155,11 @@ def kovaleva_pattern(diagonal: torch.Tensor, vertical: torch.Tensor, block: torc
     pattern[block_like] = PATTERNS.index("block")
     pattern[diagonal >= PATTERN_MAIN_SHARE] = PATTERNS.index("diagonal")
     pattern[vertical >= PATTERN_MAIN_SHARE] = PATTERNS.index("vertical")
-    mixed = (vertical >= PATTERN_MIXED_EACH) & (diagonal >= PATTERN_MIXED_EACH) & (
-        vertical + diagonal >= PATTERN_MIXED_TOTAL)
+    mixed = (
+        (vertical >= PATTERN_MIXED_EACH)
+        & (diagonal >= PATTERN_MIXED_EACH)
+        & (vertical + diagonal >= PATTERN_MIXED_TOTAL)
+    )
     pattern[mixed] = PATTERNS.index("vertical+diagonal")
     return pattern
 
@@ -162,7 +192,9 @@ class _Accumulator:
         per_query = {
             "entropy": -torch.special.xlogy(a, a).sum(-1),
             "distance": (a * offset.abs().to(a.dtype)).sum(-1),
-            "cls": to_keys(info.cls), "sep": to_keys(info.sep), "special": to_keys(info.special),
+            "cls": to_keys(info.cls),
+            "sep": to_keys(info.sep),
+            "special": to_keys(info.special),
             "punct": to_keys(info.punct & ~info.special),
             "prev": (a * (offset == -1).to(a.dtype)).sum(-1),
             "next": (a * (offset == 1).to(a.dtype)).sum(-1),
@@ -176,7 +208,7 @@ class _Accumulator:
         self.queries += int(real.sum())
 
         # Voita et al.: where does each word token's largest weight fall, relative to the token?
-        words = (real & ~info.special[:, :n])  # (b, n)
+        words = real & ~info.special[:, :n]  # (b, n)
         argmax_offset = a.argmax(-1) - positions  # (b, h, n)
         shifted = (argmax_offset + self.max_offset).clamp(0, 2 * self.max_offset)
         counts = torch.zeros_like(self.offset_counts).expand(b, -1, -1).clone()  # (b, h, offsets)
@@ -246,22 +278,36 @@ def label_head(stat: dict[str, float], pattern_shares: dict[str, float]) -> Role
     offset = int(stat["best_offset"])
     if stat["positional"] >= POSITIONAL_SHARE:
         label = {-1: "prev", 0: "self", 1: "next"}.get(offset, f"pos{offset:+d}")
-        return Role(label, pattern, f"max weight at offset {offset:+d} for {stat['positional']:.0%} of tokens; "
-                                    + pattern_note)
+        return Role(
+            label, pattern, f"max weight at offset {offset:+d} for {stat['positional']:.0%} of tokens; " + pattern_note
+        )
     if stat["special"] >= SINK_SHARE:
         label = "[SEP]" if stat["sep"] >= stat["cls"] else "[CLS]"
-        return Role(label, pattern, f"{stat['special']:.0%} of attention on [CLS]/[SEP] "
-                                    f"({stat['sep']:.0%} [SEP]); " + pattern_note)
+        return Role(
+            label,
+            pattern,
+            f"{stat['special']:.0%} of attention on [CLS]/[SEP] ({stat['sep']:.0%} [SEP]); " + pattern_note,
+        )
     if stat["punct"] >= PUNCT_SHARE:
         return Role("punct", pattern, f"{stat['punct']:.0%} of attention on punctuation; " + pattern_note)
     if stat["max_weight"] <= BROAD_MAX_WEIGHT or stat["norm_entropy"] >= BROAD_NORM_ENTROPY:
-        return Role("broad", pattern, f"largest weight {stat['max_weight']:.0%} on average, entropy "
-                                      f"{stat['norm_entropy']:.2f} of uniform; " + pattern_note)
+        return Role(
+            "broad",
+            pattern,
+            f"largest weight {stat['max_weight']:.0%} on average, entropy "
+            f"{stat['norm_entropy']:.2f} of uniform; " + pattern_note,
+        )
     if stat["norm_entropy"] <= FOCUSED_NORM_ENTROPY:
-        return Role("focused", pattern, f"entropy {stat['norm_entropy']:.2f} of uniform, largest weight "
-                                        f"{stat['max_weight']:.0%}; " + pattern_note)
-    return Role("mixed", pattern, f"entropy {stat['norm_entropy']:.2f} of uniform, distance "
-                                  f"{stat['distance']:.1f} tokens; " + pattern_note)
+        return Role(
+            "focused",
+            pattern,
+            f"entropy {stat['norm_entropy']:.2f} of uniform, largest weight {stat['max_weight']:.0%}; " + pattern_note,
+        )
+    return Role(
+        "mixed",
+        pattern,
+        f"entropy {stat['norm_entropy']:.2f} of uniform, distance {stat['distance']:.1f} tokens; " + pattern_note,
+    )
 
 
 @dataclass
@@ -296,28 +342,50 @@ class HeadStats:
     def roles(self) -> list[list[Role]]:
         """:func:`label_head` for every head: roles[row][col] for layers[row], heads[col]."""
         if self._roles is None:
-            self._roles = [[label_head(self.stat(layer, head), dict(zip(PATTERNS, self.patterns[row, col].tolist())))
-                            for col, head in enumerate(self.heads)] for row, layer in enumerate(self.layers)]
+            self._roles = [
+                [
+                    label_head(self.stat(layer, head), dict(zip(PATTERNS, self.patterns[row, col].tolist())))
+                    for col, head in enumerate(self.heads)
+                ]
+                for row, layer in enumerate(self.layers)
+            ]
         return self._roles
 
     def as_dict(self) -> dict:
         """Plain lists for JSON: per-head statistics, pattern shares and roles."""
         roles = self.roles()
         return {
-            "source": self.source, "texts": self.texts, "tokens": self.tokens,
-            "layers": self.layers, "heads": self.heads,
-            "stats": [[{name: round(value, 6) for name, value in self.stat(layer, head).items()}
-                       for head in self.heads] for layer in self.layers],
-            "patterns": [[dict(zip(PATTERNS, [round(x, 6) for x in self.patterns[row, col].tolist()]))
-                          for col in range(len(self.heads))] for row in range(len(self.layers))],
-            "roles": [[{"label": r.label, "pattern": r.pattern, "summary": r.summary} for r in row]
-                      for row in roles],
+            "source": self.source,
+            "texts": self.texts,
+            "tokens": self.tokens,
+            "layers": self.layers,
+            "heads": self.heads,
+            "stats": [
+                [{name: round(value, 6) for name, value in self.stat(layer, head).items()} for head in self.heads]
+                for layer in self.layers
+            ],
+            "patterns": [
+                [
+                    dict(zip(PATTERNS, [round(x, 6) for x in self.patterns[row, col].tolist()]))
+                    for col in range(len(self.heads))
+                ]
+                for row in range(len(self.layers))
+            ],
+            "roles": [[{"label": r.label, "pattern": r.pattern, "summary": r.summary} for r in row] for row in roles],
         }
 
 
-def head_stats(model, texts: str | Sequence[str], *, layers: Sequence[int] | None = None,
-               heads: Sequence[int] | None = None, batch_size: int = 16, truncate: bool = False,
-               source: str | None = None, progress: Callable[[int], None] | None = None) -> HeadStats:
+def head_stats(
+    model,
+    texts: str | Sequence[str],
+    *,
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    batch_size: int = 16,
+    truncate: bool = False,
+    source: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> HeadStats:
     """Per-head statistics of an encoder over one text or a corpus (padding masked out).
 
     Args:
@@ -340,15 +408,25 @@ def head_stats(model, texts: str | Sequence[str], *, layers: Sequence[int] | Non
     """
     batch_texts = [texts] if isinstance(texts, str) else texts
     if not isinstance(batch_texts, (list, tuple)) or not all(isinstance(t, str) for t in batch_texts):
-        raise bad_argument("texts", "a string or a list of strings", describe(texts),
-                           "pass e.g. ['first text', 'second text']", kind=TypeError)
+        raise bad_argument(
+            "texts",
+            "a string or a list of strings",
+            describe(texts),
+            "pass e.g. ['first text', 'second text']",
+            kind=TypeError,
+        )
     batch_texts = [t for t in batch_texts if t.strip()]
     if not batch_texts:
         raise bad_argument("texts", "at least one non-empty text", "none", "pass text with words in it")
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
-        raise bad_argument("model", "an encoder with a tokenizer (multihead.models.load_minilm())",
-                           type(model).__name__, "load the model with load_minilm()", kind=TypeError)
+        raise bad_argument(
+            "model",
+            "an encoder with a tokenizer (multihead.models.load_minilm())",
+            type(model).__name__,
+            "load the model with load_minilm()",
+            kind=TypeError,
+        )
     accumulators: dict[int, _Accumulator] = {}
     tokens_seen = 0
     was_training = model.training
@@ -356,7 +434,7 @@ def head_stats(model, texts: str | Sequence[str], *, layers: Sequence[int] | Non
     try:
         with torch.no_grad(), capture(model, layers=layers, heads=heads) as rec:
             for start in range(0, len(batch_texts), batch_size):
-                batch = tokenizer.batch(list(batch_texts[start:start + batch_size]), truncate=truncate)
+                batch = tokenizer.batch(list(batch_texts[start : start + batch_size]), truncate=truncate)
                 model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
                 info = token_info(batch.tokens, batch.input_ids.shape[1])
                 for layer in rec.layers:
@@ -371,12 +449,25 @@ def head_stats(model, texts: str | Sequence[str], *, layers: Sequence[int] | Non
             recorded_layers = rec.layers
     finally:
         model.train(was_training)
-    return _finish(accumulators, recorded_layers, recorded_heads, texts=len(batch_texts), tokens=tokens_seen,
-                   source=source or f"{len(batch_texts)} text{'s' if len(batch_texts) != 1 else ''}")
+    return _finish(
+        accumulators,
+        recorded_layers,
+        recorded_heads,
+        texts=len(batch_texts),
+        tokens=tokens_seen,
+        source=source or f"{len(batch_texts)} text{'s' if len(batch_texts) != 1 else ''}",
+    )
 
 
-def weight_stats(weights: Sequence[torch.Tensor], tokens: Sequence[Sequence[str]], *, layers: Sequence[int],
-                 heads: Sequence[int], max_offset: int = 512, source: str = "this text") -> HeadStats:
+def weight_stats(
+    weights: Sequence[torch.Tensor],
+    tokens: Sequence[Sequence[str]],
+    *,
+    layers: Sequence[int],
+    heads: Sequence[int],
+    max_offset: int = 512,
+    source: str = "this text",
+) -> HeadStats:
     """:class:`HeadStats` of weights already recorded, without running the model again.
 
     ``weights[k]``: (b, len(heads), n, n) of model layer ``layers[k]``, for texts whose word pieces
@@ -388,14 +479,20 @@ def weight_stats(weights: Sequence[torch.Tensor], tokens: Sequence[Sequence[str]
     for layer, layer_weights in zip(layers, weights):
         accumulators[layer] = _Accumulator(len(heads), max_offset)
         accumulators[layer].add(layer_weights, info)
-    return _finish(accumulators, list(layers), list(heads), texts=len(tokens),
-                   tokens=sum(len(pieces) for pieces in tokens), source=source)
+    return _finish(
+        accumulators,
+        list(layers),
+        list(heads),
+        texts=len(tokens),
+        tokens=sum(len(pieces) for pieces in tokens),
+        source=source,
+    )
 
 
-def _finish(accumulators: dict[int, _Accumulator], layers: list[int], heads: list[int], *, texts: int, tokens: int,
-            source: str) -> HeadStats:
+def _finish(
+    accumulators: dict[int, _Accumulator], layers: list[int], heads: list[int], *, texts: int, tokens: int, source: str
+) -> HeadStats:
     results = [accumulators[layer].result() for layer in layers]
     values = {name: torch.stack([r[name] for r in results]) for name in results[0] if name != "patterns"}
     patterns = torch.stack([r["patterns"] for r in results])
     return HeadStats(layers, heads, values, patterns, texts=texts, tokens=tokens, source=source)
-

@@ -45,8 +45,17 @@ from multihead._errors import bad_argument, describe
 from multihead._userfiles import MissingFileError, read_text
 from multihead.inspect.capture import capture
 
-__all__ = ["TREEBANK", "RELATIONS", "DIRECTIONS", "Sentence", "SyntaxScores", "bundled_treebank", "read_conllu",
-           "word_attention", "syntax_scores"]
+__all__ = [
+    "TREEBANK",
+    "RELATIONS",
+    "DIRECTIONS",
+    "Sentence",
+    "SyntaxScores",
+    "bundled_treebank",
+    "read_conllu",
+    "word_attention",
+    "syntax_scores",
+]
 
 TREEBANK = Path(__file__).resolve().parent.parent / "data" / "ud-english-ewt" / "en_ewt-ud-dev.conllu"
 
@@ -80,15 +89,25 @@ class Sentence:
     def __post_init__(self) -> None:
         name = f"Sentence {self.sent_id}" if self.sent_id else "Sentence"
         if not (len(self.words) == len(self.heads) == len(self.relations)):
-            raise bad_argument(name, "words, heads and relations of equal length",
-                               f"{len(self.words)}, {len(self.heads)} and {len(self.relations)}",
-                               "give one head and one relation per word")
+            raise bad_argument(
+                name,
+                "words, heads and relations of equal length",
+                f"{len(self.words)}, {len(self.heads)} and {len(self.relations)}",
+                "give one head and one relation per word",
+            )
         for index, head in enumerate(self.heads):
-            if not isinstance(head, int) or isinstance(head, bool) or not 0 <= head <= len(self.words) \
-                    or head == index + 1:
-                raise bad_argument(f"{name} heads[{index}]", f"a word number in 0..{len(self.words)} "
-                                   f"(0 = root) other than the word's own {index + 1}", describe(head),
-                                   "heads are 1-based word indices, as in CoNLL-U's HEAD column")
+            if (
+                not isinstance(head, int)
+                or isinstance(head, bool)
+                or not 0 <= head <= len(self.words)
+                or head == index + 1
+            ):
+                raise bad_argument(
+                    f"{name} heads[{index}]",
+                    f"a word number in 0..{len(self.words)} (0 = root) other than the word's own {index + 1}",
+                    describe(head),
+                    "heads are 1-based word indices, as in CoNLL-U's HEAD column",
+                )
 
 
 # ----------------------------------------------------------------------------------- reading CoNLL-U
@@ -105,8 +124,12 @@ def _validate_conllu(text: str, source: str) -> None:
     def end_sentence() -> None:
         for number, head in words:
             if head > len(words):
-                raise fail(number, f"a HEAD in 0..{len(words)} (the sentence has {len(words)} words)", head,
-                           "point HEAD at a word of the same sentence (0 for the root)")
+                raise fail(
+                    number,
+                    f"a HEAD in 0..{len(words)} (the sentence has {len(words)} words)",
+                    head,
+                    "point HEAD at a word of the same sentence (0 for the root)",
+                )
         words.clear()
 
     for number, line in enumerate(text.split("\n"), start=1):
@@ -118,31 +141,53 @@ def _validate_conllu(text: str, source: str) -> None:
             continue
         fields = line.split("\t")
         if len(fields) != 10:
-            raise fail(number, "10 tab-separated fields (ID FORM LEMMA UPOS XPOS FEATS HEAD DEPREL DEPS MISC)",
-                       len(fields), "separate the ten columns with single tabs; write _ for an empty field")
+            raise fail(
+                number,
+                "10 tab-separated fields (ID FORM LEMMA UPOS XPOS FEATS HEAD DEPREL DEPS MISC)",
+                len(fields),
+                "separate the ten columns with single tabs; write _ for an empty field",
+            )
         if any("  " in value for value in fields):
-            raise fail(number, "fields without two spaces in a row", repr(line),
-                       "the conllu parser splits columns on two spaces: use one space, or tabs between columns")
+            raise fail(
+                number,
+                "fields without two spaces in a row",
+                repr(line),
+                "the conllu parser splits columns on two spaces: use one space, or tabs between columns",
+            )
         token_id, head = fields[0], fields[6]
         if _ID_WORD.fullmatch(token_id):
             if int(token_id) != len(words) + 1:
-                raise fail(number, f"word ID {len(words) + 1} (IDs run 1, 2, 3, ... in each sentence)",
-                           repr(token_id), "number the words of a sentence from 1 in order; "
-                           "separate sentences with a blank line")
+                raise fail(
+                    number,
+                    f"word ID {len(words) + 1} (IDs run 1, 2, 3, ... in each sentence)",
+                    repr(token_id),
+                    "number the words of a sentence from 1 in order; separate sentences with a blank line",
+                )
             if not _HEAD.fullmatch(head):
-                raise fail(number, "an integer HEAD (0 for the root)", repr(head),
-                           "put the head word's ID in column 7")
+                raise fail(number, "an integer HEAD (0 for the root)", repr(head), "put the head word's ID in column 7")
             if int(head) == int(token_id):
-                raise fail(number, "a HEAD other than the word's own ID", repr(head),
-                           "point HEAD at the word this one depends on (0 for the root)")
+                raise fail(
+                    number,
+                    "a HEAD other than the word's own ID",
+                    repr(head),
+                    "point HEAD at the word this one depends on (0 for the root)",
+                )
             words.append((number, int(head)))
         elif _ID_RANGE.fullmatch(token_id) or _ID_EMPTY.fullmatch(token_id):
             if head != "_" and not _HEAD.fullmatch(head):
-                raise fail(number, "HEAD _ (or an integer) on a multiword token or empty node", repr(head),
-                           "write _ in column 7 of ranges (3-4) and empty nodes (5.1)")
+                raise fail(
+                    number,
+                    "HEAD _ (or an integer) on a multiword token or empty node",
+                    repr(head),
+                    "write _ in column 7 of ranges (3-4) and empty nodes (5.1)",
+                )
         else:
-            raise fail(number, "an ID that is an integer (3), a range (3-4) or a decimal (5.1)", repr(token_id),
-                       "put the token's ID in column 1")
+            raise fail(
+                number,
+                "an ID that is an integer (3), a range (3-4) or a decimal (5.1)",
+                repr(token_id),
+                "put the token's ID in column 1",
+            )
     end_sentence()
 
 
@@ -180,12 +225,21 @@ def read_conllu(path_or_text: str | Path, *, argument: str = "path") -> list[Sen
     if isinstance(path_or_text, str) and ("\n" in path_or_text or "\t" in path_or_text):
         text, source = path_or_text, "conllu"
     elif isinstance(path_or_text, (str, Path)):
-        text = read_text(argument, path_or_text, what="an existing CoNLL-U file",
-                         fix="pass the path of a UTF-8 .conllu file (or CoNLL-U text), or use bundled_treebank()")
+        text = read_text(
+            argument,
+            path_or_text,
+            what="an existing CoNLL-U file",
+            fix="pass the path of a UTF-8 .conllu file (or CoNLL-U text), or use bundled_treebank()",
+        )
         source = str(path_or_text) if argument == "path" else f"{argument} {path_or_text}"
     else:
-        raise bad_argument("path_or_text", "a path or CoNLL-U text (str or Path)", describe(path_or_text),
-                           "pass e.g. multihead.inspect.syntax.TREEBANK", kind=TypeError)
+        raise bad_argument(
+            "path_or_text",
+            "a path or CoNLL-U text (str or Path)",
+            describe(path_or_text),
+            "pass e.g. multihead.inspect.syntax.TREEBANK",
+            kind=TypeError,
+        )
     _validate_conllu(text, source)
     raw = {name: (lambda line, i: line[i]) for name in ("feats", "deps", "misc")}  # unused: keep as text
     sentences = []
@@ -193,17 +247,28 @@ def read_conllu(path_or_text: str | Path, *, argument: str = "path") -> list[Sen
         words = [token for token in tokens if isinstance(token["id"], int)]
         if not words:
             continue
-        sentences.append(Sentence([token["form"] for token in words], [token["head"] for token in words],
-                                  [token["deprel"] for token in words], text=tokens.metadata.get("text"),
-                                  sent_id=tokens.metadata.get("sent_id")))
+        sentences.append(
+            Sentence(
+                [token["form"] for token in words],
+                [token["head"] for token in words],
+                [token["deprel"] for token in words],
+                text=tokens.metadata.get("text"),
+                sent_id=tokens.metadata.get("sent_id"),
+            )
+        )
     return sentences
 
 
 @functools.lru_cache(maxsize=1)
 def _bundled() -> tuple[Sentence, ...]:
     if not TREEBANK.is_file():
-        raise bad_argument("treebank", "the bundled UD English EWT dev split", f"no file at {TREEBANK}",
-                           "reinstall multihead (the .conllu ships as package data)", kind=MissingFileError)
+        raise bad_argument(
+            "treebank",
+            "the bundled UD English EWT dev split",
+            f"no file at {TREEBANK}",
+            "reinstall multihead (the .conllu ships as package data)",
+            kind=MissingFileError,
+        )
     return tuple(read_conllu(TREEBANK))
 
 
@@ -222,8 +287,9 @@ def bundled_treebank() -> list[Sentence]:
 # ----------------------------------------------------------------------------------- word attention
 
 
-def _pooling(word_ids: Sequence[int | None], num_words: int, dtype: torch.dtype,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _pooling(
+    word_ids: Sequence[int | None], num_words: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(W, n) key pooling (1 where piece p belongs to word w) and query pooling (1 / pieces of w)."""
     n = len(word_ids)
     pieces = torch.tensor([-1 if w is None else w for w in word_ids], device=device)  # (n,)
@@ -233,8 +299,9 @@ def _pooling(word_ids: Sequence[int | None], num_words: int, dtype: torch.dtype,
     return keys, queries
 
 
-def word_attention(weights: torch.Tensor, word_ids: Sequence[int | None], *,
-                   num_words: int | None = None) -> torch.Tensor:
+def word_attention(
+    weights: torch.Tensor, word_ids: Sequence[int | None], *, num_words: int | None = None
+) -> torch.Tensor:
     """Word-level attention of one sentence from its word-piece attention (Clark et al. 2019, 4.2).
 
     Attention TO a word is the sum over its pieces (the key axis); attention FROM a word is the
@@ -260,26 +327,45 @@ def word_attention(weights: torch.Tensor, word_ids: Sequence[int | None], *,
         tensor([[[0.5000]]])
     """
     if not isinstance(weights, torch.Tensor) or weights.dim() < 2 or weights.shape[-1] != weights.shape[-2]:
-        raise bad_argument("weights", "a tensor (..., n, n) of one sentence's attention", describe(weights),
-                           "pass e.g. rec.weights(layer)[i, :, :n, :n] for sentence i of n pieces", kind=TypeError)
+        raise bad_argument(
+            "weights",
+            "a tensor (..., n, n) of one sentence's attention",
+            describe(weights),
+            "pass e.g. rec.weights(layer)[i, :, :n, :n] for sentence i of n pieces",
+            kind=TypeError,
+        )
     try:
         ids = list(word_ids)
     except TypeError:
-        raise bad_argument("word_ids", "a list of word indices (None for special tokens)", describe(word_ids),
-                           "pass TokenBatch.word_ids[i]", kind=TypeError) from None
+        raise bad_argument(
+            "word_ids",
+            "a list of word indices (None for special tokens)",
+            describe(word_ids),
+            "pass TokenBatch.word_ids[i]",
+            kind=TypeError,
+        ) from None
     n = weights.shape[-1]
     if len(ids) != n:
-        raise bad_argument("word_ids", f"{n} entries, one per word piece of weights", f"{len(ids)} entries",
-                           "pass the word ids of the same sentence, without padding")
+        raise bad_argument(
+            "word_ids",
+            f"{n} entries, one per word piece of weights",
+            f"{len(ids)} entries",
+            "pass the word ids of the same sentence, without padding",
+        )
     if not all(w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0) for w in ids):
-        raise bad_argument("word_ids", "non-negative ints or None", describe(ids),
-                           "pass TokenBatch.word_ids[i]", kind=TypeError)
+        raise bad_argument(
+            "word_ids", "non-negative ints or None", describe(ids), "pass TokenBatch.word_ids[i]", kind=TypeError
+        )
     largest = max((w for w in ids if w is not None), default=-1) + 1
     if num_words is None:
         num_words = largest
     elif not isinstance(num_words, int) or isinstance(num_words, bool) or num_words < largest:
-        raise bad_argument("num_words", f"an int >= {largest} (the largest word index + 1)", describe(num_words),
-                           "pass the sentence's word count, or leave it out")
+        raise bad_argument(
+            "num_words",
+            f"an int >= {largest} (the largest word index + 1)",
+            describe(num_words),
+            "pass the sentence's word count, or leave it out",
+        )
     dtype = weights.dtype if weights.is_floating_point() else torch.float32
     keys, queries = _pooling(ids, num_words, dtype, weights.device)
     return queries @ weights.to(dtype) @ keys.T
@@ -316,8 +402,12 @@ class SyntaxScores:
 
     def _check(self, relation: str) -> None:
         if relation not in self.relations:
-            raise bad_argument("relation", f"one of the scored relations ({', '.join(self.relations)})",
-                               repr(relation), "pass relations=[...] including it to syntax_scores")
+            raise bad_argument(
+                "relation",
+                f"one of the scored relations ({', '.join(self.relations)})",
+                repr(relation),
+                "pass relations=[...] including it to syntax_scores",
+            )
 
     def best(self, relation: str) -> dict:
         """The head that finds ``relation`` best, in either direction, against the offset baseline.
@@ -328,9 +418,17 @@ class SyntaxScores:
         """
         self._check(relation)
         offset, share = self.baseline[relation]
-        row = {"relation": relation, "count": self.counts[relation], "layer": None, "head": None,
-               "direction": None, "score": math.nan, "baseline_offset": offset, "baseline_score": share,
-               "margin": math.nan}
+        row = {
+            "relation": relation,
+            "count": self.counts[relation],
+            "layer": None,
+            "head": None,
+            "direction": None,
+            "score": math.nan,
+            "baseline_offset": offset,
+            "baseline_score": share,
+            "margin": math.nan,
+        }
         if self.counts[relation] == 0:
             return row
         for direction in DIRECTIONS:
@@ -339,8 +437,13 @@ class SyntaxScores:
             score = float(scores.flatten()[index])
             if row["direction"] is None or score > row["score"]:
                 layer, head = divmod(index, len(self.heads))
-                row.update(layer=self.layers[layer], head=self.heads[head], direction=direction, score=score,
-                           margin=score - share)
+                row.update(
+                    layer=self.layers[layer],
+                    head=self.heads[head],
+                    direction=direction,
+                    score=score,
+                    margin=score - share,
+                )
         return row
 
     def table(self) -> list[dict]:
@@ -352,8 +455,9 @@ class SyntaxScores:
         best = torch.zeros(len(self.layers), len(self.heads), dtype=torch.float64)
         for relation in self.relations:
             if self.counts[relation]:
-                best = torch.maximum(best, torch.maximum(self.dependent_to_head[relation],
-                                                         self.head_to_dependent[relation]))
+                best = torch.maximum(
+                    best, torch.maximum(self.dependent_to_head[relation], self.head_to_dependent[relation])
+                )
         return best
 
     def per_head_relation(self) -> list[list[str | None]]:
@@ -379,8 +483,12 @@ class SyntaxScores:
             return [[plain(x) for x in row] for row in tensor.tolist()]
 
         return {
-            "source": self.source, "sentences": self.sentences, "skipped": self.skipped,
-            "layers": self.layers, "heads": self.heads, "relations": self.relations,
+            "source": self.source,
+            "sentences": self.sentences,
+            "skipped": self.skipped,
+            "layers": self.layers,
+            "heads": self.heads,
+            "relations": self.relations,
             "counts": dict(self.counts),
             "baseline": {r: {"offset": o, "score": plain(s)} for r, (o, s) in self.baseline.items()},
             "dependent_to_head": {r: grid(t) for r, t in self.dependent_to_head.items()},
@@ -404,8 +512,11 @@ class _Scorer:
     def add(self, attention: torch.Tensor, sentence: Sentence) -> None:
         """attention (rows, W, W) word-level for ``sentence`` of W words."""
         self.sentences += 1
-        found = [(d, h - 1, self.index[r]) for d, (h, r) in enumerate(zip(sentence.heads, sentence.relations))
-                 if h > 0 and r in self.index]
+        found = [
+            (d, h - 1, self.index[r])
+            for d, (h, r) in enumerate(zip(sentence.heads, sentence.relations))
+            if h > 0 and r in self.index
+        ]
         if not found:
             return
         dependents, heads, relations = (torch.tensor(column) for column in zip(*found))
@@ -418,8 +529,9 @@ class _Scorer:
         self.to_head.index_add_(1, relations, to_head)
         self.to_dependent.index_add_(1, relations, to_dependent)
 
-    def result(self, layers: list[int], heads: list[int], *, skipped: int = 0,
-               source: str = "sentences") -> SyntaxScores:
+    def result(
+        self, layers: list[int], heads: list[int], *, skipped: int = 0, source: str = "sentences"
+    ) -> SyntaxScores:
         shape = (len(layers), len(heads))
         counts = {r: int(self.counts[i]) for i, r in enumerate(self.relations)}
         to_head, to_dependent, baseline = {}, {}, {}
@@ -432,12 +544,23 @@ class _Scorer:
                 baseline[relation] = (offset, self.offsets[i][offset] / counts[relation])
             else:
                 baseline[relation] = (0, math.nan)
-        return SyntaxScores(list(layers), list(heads), list(self.relations), counts, to_head, to_dependent,
-                            baseline, sentences=self.sentences, skipped=skipped, source=source)
+        return SyntaxScores(
+            list(layers),
+            list(heads),
+            list(self.relations),
+            counts,
+            to_head,
+            to_dependent,
+            baseline,
+            sentences=self.sentences,
+            skipped=skipped,
+            source=source,
+        )
 
 
-def _score(attentions: Iterable[torch.Tensor], sentences: Sequence[Sentence],
-           relations: Sequence[str] = RELATIONS) -> SyntaxScores:
+def _score(
+    attentions: Iterable[torch.Tensor], sentences: Sequence[Sentence], relations: Sequence[str] = RELATIONS
+) -> SyntaxScores:
     """Scores from word-level attention given directly: one (layers, heads, W, W) or (heads, W, W)
     tensor per sentence (the core of :func:`syntax_scores`, for synthetic checks)."""
     scorer, shape = None, None
@@ -459,24 +582,44 @@ def _relations(relations: str | Sequence[str], sentences: Sequence[Sentence]) ->
     try:
         chosen = list(dict.fromkeys(chosen))
     except TypeError:
-        raise bad_argument("relations", "a list of UD relation names", describe(relations),
-                           'pass e.g. relations=["det", "nsubj"]', kind=TypeError) from None
+        raise bad_argument(
+            "relations",
+            "a list of UD relation names",
+            describe(relations),
+            'pass e.g. relations=["det", "nsubj"]',
+            kind=TypeError,
+        ) from None
     if not chosen or not all(isinstance(r, str) for r in chosen):
-        raise bad_argument("relations", "a non-empty list of UD relation names (str)", describe(relations),
-                           'pass e.g. relations=["det", "nsubj"]', kind=TypeError if chosen else ValueError)
+        raise bad_argument(
+            "relations",
+            "a non-empty list of UD relation names (str)",
+            describe(relations),
+            'pass e.g. relations=["det", "nsubj"]',
+            kind=TypeError if chosen else ValueError,
+        )
     available = Counter(r for s in sentences for h, r in zip(s.heads, s.relations) if h > 0)
     unknown = [r for r in chosen if r not in available]
     if unknown:
-        raise bad_argument("relations", "relations present in the sentences: " + ", ".join(sorted(available)),
-                           ", ".join(map(repr, unknown)), "pick relations from that list (UD deprels, subtypes "
-                           "such as nmod:poss written out)")
+        raise bad_argument(
+            "relations",
+            "relations present in the sentences: " + ", ".join(sorted(available)),
+            ", ".join(map(repr, unknown)),
+            "pick relations from that list (UD deprels, subtypes such as nmod:poss written out)",
+        )
     return chosen
 
 
-def syntax_scores(model, sentences: Sequence[Sentence] | str | Path | None = None, *,
-                  relations: str | Sequence[str] = RELATIONS, layers: Sequence[int] | int | None = None,
-                  heads: Sequence[int] | int | None = None, batch_size: int = 16, max_sentences: int | None = None,
-                  progress: Callable[[int], None] | None = None) -> SyntaxScores:
+def syntax_scores(
+    model,
+    sentences: Sequence[Sentence] | str | Path | None = None,
+    *,
+    relations: str | Sequence[str] = RELATIONS,
+    layers: Sequence[int] | int | None = None,
+    heads: Sequence[int] | int | None = None,
+    batch_size: int = 16,
+    max_sentences: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> SyntaxScores:
     """Per head and relation, how often attention points along the dependency (Clark et al. 2019).
 
     The sentences' words go through the model (batched by length, padded; weights recorded with
@@ -511,8 +654,13 @@ def syntax_scores(model, sentences: Sequence[Sentence] | str | Path | None = Non
     """
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
-        raise bad_argument("model", "an encoder with a tokenizer (multihead.models.load_minilm())",
-                           type(model).__name__, "load the model with load_minilm()", kind=TypeError)
+        raise bad_argument(
+            "model",
+            "an encoder with a tokenizer (multihead.models.load_minilm())",
+            type(model).__name__,
+            "load the model with load_minilm()",
+            kind=TypeError,
+        )
     if sentences is None:
         sentences, source = bundled_treebank(), "UD English EWT dev"
     elif isinstance(sentences, (str, Path)):
@@ -521,13 +669,22 @@ def syntax_scores(model, sentences: Sequence[Sentence] | str | Path | None = Non
     else:
         source = "sentences"
     if not isinstance(sentences, (list, tuple)) or not all(isinstance(s, Sentence) for s in sentences):
-        raise bad_argument("sentences", "a list of Sentence (read_conllu / bundled_treebank)", describe(sentences),
-                           "pass e.g. bundled_treebank()", kind=TypeError)
+        raise bad_argument(
+            "sentences",
+            "a list of Sentence (read_conllu / bundled_treebank)",
+            describe(sentences),
+            "pass e.g. bundled_treebank()",
+            kind=TypeError,
+        )
     if max_sentences is not None:
         if not isinstance(max_sentences, int) or isinstance(max_sentences, bool) or max_sentences < 1:
-            raise bad_argument("max_sentences", "a positive int or None", describe(max_sentences),
-                               "pass e.g. max_sentences=200", kind=TypeError if not isinstance(max_sentences, int)
-                               else ValueError)
+            raise bad_argument(
+                "max_sentences",
+                "a positive int or None",
+                describe(max_sentences),
+                "pass e.g. max_sentences=200",
+                kind=TypeError if not isinstance(max_sentences, int) else ValueError,
+            )
         sentences = sentences[:max_sentences]
     if not sentences:
         raise bad_argument("sentences", "at least one sentence", "none", "pass e.g. bundled_treebank()")
@@ -539,7 +696,7 @@ def syntax_scores(model, sentences: Sequence[Sentence] | str | Path | None = Non
     words = [s.words for s in sentences]
     lengths, keep = [], []
     for start in range(0, len(words), 256):
-        encoded = tokenizer.batch(words[start:start + 256], max_length=1 << 62)
+        encoded = tokenizer.batch(words[start : start + 256], max_length=1 << 62)
         for offset, ids in enumerate(encoded.word_ids):
             index = start + offset
             covered = len({w for w in ids if w is not None}) == len(words[index])
@@ -557,7 +714,7 @@ def syntax_scores(model, sentences: Sequence[Sentence] | str | Path | None = Non
             recorded_layers, recorded_heads = rec.layers, rec.heads(rec.layers[0])
             scorer = _Scorer(chosen, len(recorded_layers) * len(recorded_heads))
             for start in range(0, len(order), batch_size):
-                chunk = order[start:start + batch_size]
+                chunk = order[start : start + batch_size]
                 batch = tokenizer.batch([words[i] for i in chunk])
                 model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
                 weights = torch.stack([rec.weights(layer) for layer in recorded_layers], dim=1)  # (b, L, H, n, n)
@@ -565,8 +722,9 @@ def syntax_scores(model, sentences: Sequence[Sentence] | str | Path | None = Non
                 rec.clear()
                 for row, index in enumerate(chunk):
                     n = len(batch.word_ids[row])
-                    attention = word_attention(weights[row, :, :n, :n], batch.word_ids[row],
-                                               num_words=len(words[index]))
+                    attention = word_attention(
+                        weights[row, :, :n, :n], batch.word_ids[row], num_words=len(words[index])
+                    )
                     scorer.add(attention, sentences[index])
                 if progress is not None:
                     progress(skipped + min(start + batch_size, len(order)))

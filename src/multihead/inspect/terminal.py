@@ -19,8 +19,17 @@ if TYPE_CHECKING:
 
 MAX_WIDTH = 100
 _TOKEN_CHARS = 8  # longer word pieces are shortened so six layers fit in 100 columns
-_ROLE_STYLES = {"prev": "cyan", "next": "cyan", "self": "cyan", "[CLS]": "magenta", "[SEP]": "magenta",
-                "punct": "yellow", "broad": "green", "focused": "bold red", "mixed": "dim"}
+_ROLE_STYLES = {
+    "prev": "cyan",
+    "next": "cyan",
+    "self": "cyan",
+    "[CLS]": "magenta",
+    "[SEP]": "magenta",
+    "punct": "yellow",
+    "broad": "green",
+    "focused": "bold red",
+    "mixed": "dim",
+}
 
 
 def make_console() -> Console:
@@ -31,15 +40,21 @@ def make_console() -> Console:
 
 
 def _short(piece: str) -> str:
-    return piece if len(piece) <= _TOKEN_CHARS else piece[:_TOKEN_CHARS - 1] + "~"
+    return piece if len(piece) <= _TOKEN_CHARS else piece[: _TOKEN_CHARS - 1] + "~"
 
 
 def role_grid(inspection: Inspection) -> Table:
     """Rows layers, columns heads, cells role labels."""
     roles = inspection.role_stats.roles()
     # 12 heads of labels up to 7 characters and one space each, beside the layer number: 99 columns
-    table = Table(title=f"Head roles (from {inspection.role_stats.source})", title_justify="left",
-                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
+    table = Table(
+        title=f"Head roles (from {inspection.role_stats.source})",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1, 0, 0),
+    )
     table.add_column("L", justify="right", style="bold", no_wrap=True)
     for head in inspection.heads:
         table.add_column(f"h{head}", justify="left", no_wrap=True)
@@ -52,16 +67,24 @@ def role_grid(inspection: Inspection) -> Table:
 def attention_table(inspection: Inspection, top: int = 2) -> Table:
     """Rows heads, columns layers: where the selected token attends most, with percentages."""
     token = inspection.tokens[inspection.token]
-    table = Table(title=f"Where '{token}' (token {inspection.token}) attends: top {top} per head",
-                  title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
+    table = Table(
+        title=f"Where '{token}' (token {inspection.token}) attends: top {top} per head",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1),
+    )
     table.add_column("head", justify="right", style="bold", no_wrap=True)
     for layer in inspection.layers:
         table.add_column(f"layer {layer}", no_wrap=True)
     for head in inspection.heads:
         cells = []
         for layer in inspection.layers:
-            lines = [f"{_short(piece):<{_TOKEN_CHARS}} {weight:4.0%}"
-                     for piece, _, weight in inspection.top_attended(layer, head, k=top)]
+            lines = [
+                f"{_short(piece):<{_TOKEN_CHARS}} {weight:4.0%}"
+                for piece, _, weight in inspection.top_attended(layer, head, k=top)
+            ]
             cells.append("\n".join(lines))
         table.add_row(f"h{head}", *cells)
     return table
@@ -88,17 +111,33 @@ def print_inspection(inspection: Inspection, console: Console | None = None) -> 
     """Print the header, the role grid and the token table to ``console`` (default: stdout, <= 100 cols)."""
     if console is None:
         console = make_console()
-    console.print(Text(f"{inspection.model_name}: {len(inspection.layers)} layers x {len(inspection.heads)} heads "
-                       f"on {len(inspection.tokens)} tokens", style="bold"))
+    console.print(
+        Text(
+            f"{inspection.model_name}: {len(inspection.layers)} layers x {len(inspection.heads)} heads "
+            f"on {len(inspection.tokens)} tokens",
+            style="bold",
+        )
+    )
     console.print(Text(" ".join(inspection.tokens), overflow="fold"))
     console.print()
     console.print(role_grid(inspection))
-    console.print(Text("prev/next/self: positional (Voita 2019); [CLS]/[SEP]: sink; punct; broad; focused "
-                       "(Clark 2019); mixed: none of these", style="dim", overflow="fold"))
+    console.print(
+        Text(
+            "prev/next/self: positional (Voita 2019); [CLS]/[SEP]: sink; punct; broad; focused "
+            "(Clark 2019); mixed: none of these",
+            style="dim",
+            overflow="fold",
+        )
+    )
     console.print()
     console.print(attention_table(inspection))
     links = strongest_links(inspection)
     if links:
         token = inspection.tokens[inspection.token]
-        console.print(Text(f"Strongest links from '{token}' to another word: " + ", ".join(
-            f"{piece} {weight:.0%} (L{layer} H{head})" for layer, head, piece, weight in links), overflow="fold"))
+        console.print(
+            Text(
+                f"Strongest links from '{token}' to another word: "
+                + ", ".join(f"{piece} {weight:.0%} (L{layer} H{head})" for layer, head, piece, weight in links),
+                overflow="fold",
+            )
+        )

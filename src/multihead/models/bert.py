@@ -44,22 +44,37 @@ class EncoderConfig:
     @classmethod
     def from_hf(cls, config: dict) -> EncoderConfig:
         """From a parsed Hugging Face BERT ``config.json``."""
-        if config.get("model_type", "bert") != "bert" or config.get("position_embedding_type",
-                                                                   "absolute") != "absolute":
-            raise bad_argument("config.json", "a BERT model with absolute positions",
-                               f"model_type={config.get('model_type')!r}, "
-                               f"position_embedding_type={config.get('position_embedding_type')!r}",
-                               "point --model at a BERT-style checkpoint such as all-MiniLM-L6-v2")
+        if (
+            config.get("model_type", "bert") != "bert"
+            or config.get("position_embedding_type", "absolute") != "absolute"
+        ):
+            raise bad_argument(
+                "config.json",
+                "a BERT model with absolute positions",
+                f"model_type={config.get('model_type')!r}, "
+                f"position_embedding_type={config.get('position_embedding_type')!r}",
+                "point --model at a BERT-style checkpoint such as all-MiniLM-L6-v2",
+            )
         if config.get("hidden_act", "gelu") != "gelu":
-            raise bad_argument("config.json hidden_act", '"gelu"', repr(config.get("hidden_act")),
-                               "this encoder implements BERT's exact GELU only")
-        return cls(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-                   num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
-                   intermediate_size=config["intermediate_size"],
-                   max_positions=config["max_position_embeddings"], type_vocab_size=config["type_vocab_size"],
-                   layer_norm_eps=config["layer_norm_eps"], dropout=config["hidden_dropout_prob"],
-                   attention_dropout=config["attention_probs_dropout_prob"],
-                   pad_token_id=config.get("pad_token_id", 0))
+            raise bad_argument(
+                "config.json hidden_act",
+                '"gelu"',
+                repr(config.get("hidden_act")),
+                "this encoder implements BERT's exact GELU only",
+            )
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=config["num_attention_heads"],
+            intermediate_size=config["intermediate_size"],
+            max_positions=config["max_position_embeddings"],
+            type_vocab_size=config["type_vocab_size"],
+            layer_norm_eps=config["layer_norm_eps"],
+            dropout=config["hidden_dropout_prob"],
+            attention_dropout=config["attention_probs_dropout_prob"],
+            pad_token_id=config.get("pad_token_id", 0),
+        )
 
 
 class EncoderBlock(nn.Module):
@@ -67,8 +82,7 @@ class EncoderBlock(nn.Module):
 
     def __init__(self, config: EncoderConfig):
         super().__init__()
-        self.attention = MultiHeadAttention(config.hidden_size, config.num_heads,
-                                            dropout=config.attention_dropout)
+        self.attention = MultiHeadAttention(config.hidden_size, config.num_heads, dropout=config.attention_dropout)
         self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.feed_forward_in = nn.Linear(config.hidden_size, config.intermediate_size)
         self.feed_forward_out = nn.Linear(config.intermediate_size, config.hidden_size)
@@ -93,8 +107,7 @@ class Encoder(nn.Module):
     def __init__(self, config: EncoderConfig = EncoderConfig()):
         super().__init__()
         self.config = config
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
-                                            padding_idx=config.pad_token_id)
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size)
         self.type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.embedding_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -112,21 +125,35 @@ class Encoder(nn.Module):
         lose every head.
         """
         if not isinstance(heads, dict):
-            raise bad_argument("heads", "a dict {layer: [head indices]}", describe(heads),
-                               "pass e.g. {0: [2, 5], 3: [1]}", kind=TypeError)
+            raise bad_argument(
+                "heads",
+                "a dict {layer: [head indices]}",
+                describe(heads),
+                "pass e.g. {0: [2, 5], 3: [1]}",
+                kind=TypeError,
+            )
         plan = {}
         for layer, originals in heads.items():
             if not isinstance(layer, int) or not 0 <= layer < len(self.blocks):
-                raise bad_argument("heads", f"layer indices in 0..{len(self.blocks) - 1}", layer,
-                                   "use the model's layer numbers")
+                raise bad_argument(
+                    "heads", f"layer indices in 0..{len(self.blocks) - 1}", layer, "use the model's layer numbers"
+                )
             present = self.head_ids[layer]
             missing = [h for h in originals if h not in present]
             if missing:
-                raise bad_argument(f"heads[{layer}]", f"heads still in layer {layer}: {present}", missing,
-                                   "drop heads that were pruned already or do not exist")
+                raise bad_argument(
+                    f"heads[{layer}]",
+                    f"heads still in layer {layer}: {present}",
+                    missing,
+                    "drop heads that were pruned already or do not exist",
+                )
             if len(set(originals)) >= len(present):
-                raise bad_argument(f"heads[{layer}]", f"fewer than all {len(present)} heads of layer {layer}",
-                                   sorted(originals), "keep at least one head in every layer")
+                raise bad_argument(
+                    f"heads[{layer}]",
+                    f"fewer than all {len(present)} heads of layer {layer}",
+                    sorted(originals),
+                    "keep at least one head in every layer",
+                )
             plan[layer] = [present.index(h) for h in originals]
         for layer, positions in plan.items():
             if positions:
@@ -146,8 +173,12 @@ class Encoder(nn.Module):
         """The attention layer of every block, in order (index = layer number)."""
         return [block.attention for block in self.blocks]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Token states.
 
         Args:
@@ -159,12 +190,21 @@ class Encoder(nn.Module):
             (b, n, hidden) the last block's token states.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point():
-            raise bad_argument("input_ids", "an integer tensor (b, n)", describe(input_ids),
-                               "tokenize the text first (model.tokenizer.batch(texts))", kind=TypeError)
+            raise bad_argument(
+                "input_ids",
+                "an integer tensor (b, n)",
+                describe(input_ids),
+                "tokenize the text first (model.tokenizer.batch(texts))",
+                kind=TypeError,
+            )
         b, n = input_ids.shape
         if n > self.config.max_positions:
-            raise bad_argument("input_ids", f"at most {self.config.max_positions} positions (the model's limit)",
-                               f"{n} tokens", "shorten the text or truncate it")
+            raise bad_argument(
+                "input_ids",
+                f"at most {self.config.max_positions} positions (the model's limit)",
+                f"{n} tokens",
+                "shorten the text or truncate it",
+            )
         positions = torch.arange(n, device=input_ids.device)
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.type_embeddings(types)
@@ -184,8 +224,9 @@ class Encoder(nn.Module):
         return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
     @torch.no_grad()
-    def encode(self, texts: str | list[str], *, batch_size: int = 32, normalize: bool = True,
-               truncate: bool = False) -> torch.Tensor:
+    def encode(
+        self, texts: str | list[str], *, batch_size: int = 32, normalize: bool = True, truncate: bool = False
+    ) -> torch.Tensor:
         """Sentence embeddings as sentence-transformers computes them: mean pooling, then L2 normalisation.
 
         Args:
@@ -205,12 +246,21 @@ class Encoder(nn.Module):
             torch.Size([2, 384])
         """
         if self.tokenizer is None:
-            raise bad_argument("model.tokenizer", "a Tokenizer (set by multihead.models.load_minilm)", None,
-                               "load the model with load_minilm(), or call forward() on token ids")
+            raise bad_argument(
+                "model.tokenizer",
+                "a Tokenizer (set by multihead.models.load_minilm)",
+                None,
+                "load the model with load_minilm(), or call forward() on token ids",
+            )
         batch_texts = [texts] if isinstance(texts, str) else texts
         if not isinstance(batch_texts, list) or not all(isinstance(t, str) for t in batch_texts):
-            raise bad_argument("texts", "a string or a list of strings", describe(texts),
-                               "pass e.g. model.encode(['first text', 'second text'])", kind=TypeError)
+            raise bad_argument(
+                "texts",
+                "a string or a list of strings",
+                describe(texts),
+                "pass e.g. model.encode(['first text', 'second text'])",
+                kind=TypeError,
+            )
         if not batch_texts:
             raise bad_argument("texts", "at least one text", "an empty list", "pass one or more strings")
         was_training = self.training
@@ -219,8 +269,11 @@ class Encoder(nn.Module):
             embeddings = []
             for start in range(0, len(batch_texts), batch_size):
                 # truncation cuts where sentence-transformers does; without it, only the position limit applies
-                batch = self.tokenizer.batch(batch_texts[start:start + batch_size], truncate=truncate,
-                                             max_length=self.tokenizer.sentence_max_length if truncate else None)
+                batch = self.tokenizer.batch(
+                    batch_texts[start : start + batch_size],
+                    truncate=truncate,
+                    max_length=self.tokenizer.sentence_max_length if truncate else None,
+                )
                 states = self(batch.input_ids, batch.attention_mask, batch.token_type_ids)
                 embeddings.append(self.mean_pool(states, batch.attention_mask))
         finally:
