@@ -8,7 +8,7 @@ import torch
 from multihead import MultiHeadAttention
 from multihead.masks import padding
 
-B, I, E = 3, 7, 30
+B, N, E = 3, 7, 30
 
 
 def make_layer(**options) -> MultiHeadAttention:
@@ -33,7 +33,7 @@ def from_heads(layer, heads_out):
 @pytest.fixture
 def x():
     torch.manual_seed(4)
-    return torch.randn(B, I, E, dtype=torch.float64)
+    return torch.randn(B, N, E, dtype=torch.float64)
 
 
 @pytest.mark.parametrize(
@@ -69,10 +69,10 @@ def test_uniform_ablation_attends_evenly_over_the_allowed_keys(x):
     plain, _ = per_head(layer, x, mask=mask, causal=True)
     layer.ablate_heads([2], how="uniform")
     out, _ = layer(x, mask=mask, causal=True)
-    v = (x @ layer.v_proj.weight.T + layer.v_proj.bias).view(B, I, 6, 5).transpose(1, 2)  # (b, h, j, e)
+    v = (x @ layer.v_proj.weight.T + layer.v_proj.bias).view(B, N, 6, 5).transpose(1, 2)  # (b, h, j, e)
     expected = plain.clone()
     for b in range(B):
-        for t in range(I):
+        for t in range(N):
             allowed = min(t + 1, int(lengths[b]))  # causal and padding together
             expected[b, 2, t] = v[b, 2, :allowed].mean(dim=0)
     torch.testing.assert_close(out, from_heads(layer, expected), atol=1e-12, rtol=0)
@@ -104,7 +104,7 @@ def test_gate_scales_heads_and_its_gradient_is_the_head_output_times_its_gradien
     # d loss / d gate_h = sum over positions of (head h's output) . (d loss / d head h's output)
     gate = torch.ones(6, dtype=torch.float64, requires_grad=True)
     layer.head_gate = gate
-    target = torch.randn(B, I, E, dtype=torch.float64)
+    target = torch.randn(B, N, E, dtype=torch.float64)
     ((layer(x)[0] - target) ** 2).sum().backward()
     layer.head_gate = None
     heads_out, _ = per_head(layer, x)
@@ -126,18 +126,26 @@ def test_restore_brings_back_the_exact_ungated_output(x):
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda l: l.ablate_heads([6]), ValueError, r"heads: expected head indices in 0\.\.5, got 6"),
-        (lambda l: l.ablate_heads([1, 1]), ValueError, "heads: expected distinct head indices"),
-        (lambda l: l.ablate_heads(["a"]), TypeError, "heads: expected head indices"),
-        (lambda l: l.ablate_heads([1], how="noise"), ValueError, "how: expected one of zero, uniform, mean"),
+        (lambda layer: layer.ablate_heads([6]), ValueError, r"heads: expected head indices in 0\.\.5, got 6"),
+        (lambda layer: layer.ablate_heads([1, 1]), ValueError, "heads: expected distinct head indices"),
+        (lambda layer: layer.ablate_heads(["a"]), TypeError, "heads: expected head indices"),
+        (lambda layer: layer.ablate_heads([1], how="noise"), ValueError, "how: expected one of zero, uniform, mean"),
         (
-            lambda l: l.ablate_heads([1], how="mean"),
+            lambda layer: layer.ablate_heads([1], how="mean"),
             ValueError,
             r"mean_outputs: expected a tensor of shape "
             r"\(len\(heads\), e\) = \(1, 5\)",
         ),
-        (lambda l: l.ablate_heads([1], mean_outputs=torch.zeros(1, 5)), ValueError, "mean_outputs: expected None"),
-        (lambda l: l.prune_heads(list(range(6))), ValueError, "heads: expected fewer than all 6 heads of the layer"),
+        (
+            lambda layer: layer.ablate_heads([1], mean_outputs=torch.zeros(1, 5)),
+            ValueError,
+            "mean_outputs: expected None",
+        ),
+        (
+            lambda layer: layer.prune_heads(list(range(6))),
+            ValueError,
+            "heads: expected fewer than all 6 heads of the layer",
+        ),
     ],
 )
 def test_bad_head_arguments(call, error, message):
@@ -156,3 +164,32 @@ def test_pruning_must_keep_grouped_heads_even():
         layer.prune_heads([0])
     assert layer.num_heads == 6  # nothing changed
     assert layer.prune_heads([0, 4]) == [1, 2, 3, 5] and layer.num_kv_heads == 2
+
+
+def test_a_gate_of_the_wrong_shape_is_refused_when_set_and_the_old_gate_stays(x):
+    layer = make_layer()
+    gate = torch.full((6,), 0.5, dtype=torch.float64)
+    layer.head_gate = gate
+    for bad in (torch.ones(5), torch.ones(6, 1), [1.0] * 6):
+        with pytest.raises((ValueError, TypeError), match=r"head_gate: expected a tensor of shape \(h,\) = \(6,\)"):
+            layer.head_gate = bad
+        assert layer.head_gate is gate
+
+
+def test_surgery_lives_on_the_attention_step_and_hooks_there_see_the_gated_outputs(x):
+    # the layer's forward knows nothing of surgery: the gate is the attend module's, and a forward hook on
+    # layer.attend (what capture uses) sees the per-head outputs the layer concatenates
+    layer = make_layer()
+    seen = []
+    handle = layer.attend.register_forward_hook(lambda module, args, output: seen.append(output))
+    try:
+        plain, _ = layer(x)
+        layer.head_gate = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+        assert layer.attend.head_gate is layer.head_gate
+        gated, _ = layer(x)
+    finally:
+        handle.remove()
+        layer.restore_heads()
+    assert seen[1][:, [1, 4]].abs().max() == 0 and seen[0][:, [1, 4]].abs().max() > 0
+    torch.testing.assert_close(gated, from_heads(layer, seen[1]), atol=1e-12, rtol=0)
+    assert layer.attend.head_gate is None and layer.head_ablation is None

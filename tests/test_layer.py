@@ -366,11 +366,11 @@ def _with_capture(layer, call):
 
 
 def _with_gate(layer, call):
-    layer.head_gate = torch.ones(5)  # wrong length: fails after the attention ran
+    layer.attend.head_gate = torch.ones(5)  # wrong length, set past the layer's check: fails after the attention ran
     try:
         return call()
     finally:
-        layer.head_gate = None
+        layer.attend.head_gate = None
 
 
 @pytest.mark.parametrize("window", [None, 3], ids=["plain", "window"])

@@ -993,50 +993,14 @@ def multi_head_attention_forward(
 # --------------------------------------------------------------------------- converters
 
 
-def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
-    """A :class:`multihead.MultiHeadAttention` (batch first) with the weights of a torch module."""
-    if not isinstance(module, (nn.MultiheadAttention, MultiheadAttention)):
-        raise bad_argument(
-            "module",
-            "a torch.nn.MultiheadAttention",
-            describe(module),
-            "pass the torch module to convert",
-            kind=TypeError,
-        )
-    if module.bias_k is not None or module.add_zero_attn:
-        raise bad_argument(
-            "module",
-            "a module without add_bias_kv or add_zero_attn",
-            "add_bias_kv" if module.bias_k is not None else "add_zero_attn",
-            "use multihead.compat.MultiheadAttention, which supports them",
-        )
-    weight = module.out_proj.weight
-    layer = MultiHeadAttention(
-        module.embed_dim,
-        module.num_heads,
-        kdim=module.kdim,
-        vdim=module.vdim,
-        bias=module.in_proj_bias is not None,
-        dropout=module.dropout,
-        device=weight.device,
-        dtype=weight.dtype,
-    )
-    if module._qkv_same_embed_dim:
-        w_q, w_k, w_v = module.in_proj_weight.chunk(3)
-    else:
-        w_q, w_k, w_v = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
-    biases = (None, None, None) if module.in_proj_bias is None else module.in_proj_bias.chunk(3)
-    with torch.no_grad():
-        for proj, w, b in zip((layer.q_proj, layer.k_proj, layer.v_proj), (w_q, w_k, w_v), biases):
-            proj.weight.copy_(w)
-            if b is not None:
-                proj.bias.copy_(b)
-        layer.out_proj.load_state_dict(module.out_proj.state_dict())
-    return layer
+def from_torch(module: nn.Module) -> MultiHeadAttention:
+    """A :class:`multihead.MultiHeadAttention` (batch first) with the weights of a torch-layout module
+    (``torch.nn.MultiheadAttention`` or this module's :class:`MultiheadAttention`); see the layer's ``from_torch``."""
+    return MultiHeadAttention.from_torch(module)
 
 
 def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
-    """A ``torch.nn.MultiheadAttention(batch_first=True)`` with a layer's weights, where torch can express it."""
+    """A ``torch.nn.MultiheadAttention(batch_first=True)`` with a layer's weights; see the layer's ``to_torch``."""
     if not isinstance(layer, MultiHeadAttention):
         raise bad_argument(
             "layer",
@@ -1046,42 +1010,4 @@ def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
             "state_dict: load it into torch.nn.MultiheadAttention)",
             kind=TypeError,
         )
-    unsupported = []
-    if layer.num_kv_heads != layer.num_heads:
-        unsupported.append(f"num_kv_heads = {layer.num_kv_heads} != num_heads")
-    if layer.head_dim * layer.num_heads != layer.embed_dim or layer.value_head_dim != layer.head_dim:
-        unsupported.append("head sizes other than embed_dim / num_heads")
-    if layer.out_dim != layer.embed_dim:
-        unsupported.append(f"out_dim = {layer.out_dim} != embed_dim")
-    if layer.rotary is not None:
-        unsupported.append("rotary embedding")
-    if unsupported:
-        raise bad_argument(
-            "layer",
-            "a configuration torch.nn.MultiheadAttention can express",
-            ", ".join(unsupported),
-            "keep the layer in multihead, or build it with the classic options",
-        )
-    weight = layer.out_proj.weight
-    module = nn.MultiheadAttention(
-        layer.embed_dim,
-        layer.num_heads,
-        dropout=layer.dropout,
-        bias=layer.q_proj.bias is not None,
-        kdim=layer.kdim,
-        vdim=layer.vdim,
-        batch_first=True,
-        device=weight.device,
-        dtype=weight.dtype,
-    )
-    with torch.no_grad():
-        weights = (layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight)
-        if module._qkv_same_embed_dim:
-            module.in_proj_weight.copy_(torch.cat(weights))
-        else:
-            for target, w in zip((module.q_proj_weight, module.k_proj_weight, module.v_proj_weight), weights):
-                target.copy_(w)
-        if module.in_proj_bias is not None:
-            module.in_proj_bias.copy_(torch.cat([layer.q_proj.bias, layer.k_proj.bias, layer.v_proj.bias]))
-        module.out_proj.load_state_dict(layer.out_proj.state_dict())
-    return module
+    return layer.to_torch()

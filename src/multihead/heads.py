@@ -6,8 +6,9 @@
     layer.head_gate = torch.ones(h, requires_grad=True)   # differentiable gate on every head's output
     kept = layer.prune_heads([3, 7])            # remove them: W^Q rows, W^K/W^V rows, W^O columns
 
-Every change acts on the per-head outputs (b, h, i, e) before they are concatenated and projected
-by W^O. A layer with no gate and no ablation runs exactly its ungated code (one ``is None`` check).
+Gates and ablations act on the per-head outputs (b, h, i, e) before they are concatenated and projected
+by W^O: they live on the layer's attention step (:class:`multihead.attend.Attend`), so the layer's forward
+knows nothing of them. A layer with no gate and no ablation runs exactly its ungated code.
 Zero-ablating heads and pruning them give the same outputs (tested).
 """
 
@@ -15,14 +16,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from multihead._errors import bad_argument, describe
 from multihead.functional import attention
+from multihead.masks import Mask
 
-__all__ = ["ABLATIONS", "HeadAblation", "check_heads", "gate_head_outputs", "prune_layer"]
+if TYPE_CHECKING:  # annotations only: the layer imports this module, not the other way round
+    from multihead.layer import MultiHeadAttention
+
+__all__ = ["ABLATIONS", "HeadAblation", "ablate_outputs", "check_gate", "check_heads", "make_ablation", "prune_layer"]
 
 ABLATIONS = ("zero", "uniform", "mean")
 
@@ -36,8 +42,8 @@ class HeadAblation:
     mean_outputs: torch.Tensor | None = None
 
 
-def check_heads(layer, heads: Sequence[int] | int, name: str = "heads") -> list[int]:
-    """Distinct valid head indices of ``layer`` (sorted)."""
+def check_heads(num_heads: int, heads: Sequence[int] | int, name: str = "heads") -> list[int]:
+    """Distinct valid head indices (sorted) of a layer with ``num_heads`` heads."""
     values = [heads] if isinstance(heads, int) else heads
     try:
         values = list(values)
@@ -48,21 +54,22 @@ def check_heads(layer, heads: Sequence[int] | int, name: str = "heads") -> list[
     for value in values:
         if not isinstance(value, int) or isinstance(value, bool):
             raise bad_argument(name, "head indices (int)", describe(value), f"pass e.g. {name}=[0, 3]", kind=TypeError)
-        if not 0 <= value < layer.num_heads:
-            raise bad_argument(
-                name, f"head indices in 0..{layer.num_heads - 1}", value, f"the layer has {layer.num_heads} heads"
-            )
+        if not 0 <= value < num_heads:
+            raise bad_argument(name, f"head indices in 0..{num_heads - 1}", value, f"the layer has {num_heads} heads")
     if len(set(values)) != len(values):
         raise bad_argument(name, "distinct head indices", values, "list each head once")
     return sorted(values)
 
 
-def make_ablation(layer, heads: Sequence[int] | int, how: str, mean_outputs: torch.Tensor | None) -> HeadAblation:
-    chosen = check_heads(layer, heads)
+def make_ablation(
+    num_heads: int, value_head_dim: int, heads: Sequence[int] | int, how: str, mean_outputs: torch.Tensor | None
+) -> HeadAblation:
+    """A checked :class:`HeadAblation` for a layer of ``num_heads`` heads with outputs of size ``value_head_dim``."""
+    chosen = check_heads(num_heads, heads)
     if how not in ABLATIONS:
         raise bad_argument("how", f"one of {', '.join(ABLATIONS)}", repr(how), 'pass how="zero"')
     if how == "mean":
-        expected = (len(chosen), layer.value_head_dim)
+        expected = (len(chosen), value_head_dim)
         if not isinstance(mean_outputs, torch.Tensor) or tuple(mean_outputs.shape) != expected:
             raise bad_argument(
                 "mean_outputs",
@@ -75,47 +82,59 @@ def make_ablation(layer, heads: Sequence[int] | int, how: str, mean_outputs: tor
     return HeadAblation(tuple(chosen), how, None if mean_outputs is None else mean_outputs.detach())
 
 
-def gate_head_outputs(
-    layer, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool
+def check_gate(num_heads: int, gate: object) -> torch.Tensor | None:
+    """``gate`` if it is None or a (num_heads,) tensor of factors, one per head; else a clear error."""
+    if gate is not None and (not isinstance(gate, torch.Tensor) or tuple(gate.shape) != (num_heads,)):
+        raise bad_argument(
+            "head_gate",
+            f"a tensor of shape (h,) = ({num_heads},), one factor per head",
+            describe(gate),
+            f"set layer.head_gate = torch.ones({num_heads}, requires_grad=True), or None",
+        )
+    return gate
+
+
+def ablate_outputs(
+    out: torch.Tensor,
+    ablation: HeadAblation,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None,
+    causal: bool,
+    backend: str,
 ) -> torch.Tensor:
-    """Apply ``layer.head_ablation`` and ``layer.head_gate`` to the per-head outputs ``out`` (b, h, i, e)."""
-    ablation = layer.head_ablation
-    if ablation is not None:
-        ablated = torch.zeros(layer.num_heads, dtype=torch.bool, device=out.device)
-        ablated[list(ablation.heads)] = True
-        if ablation.how == "zero":
-            replacement = torch.zeros((), dtype=out.dtype, device=out.device)
-        elif ablation.how == "uniform":
-            # all-zero queries score every allowed key the same: softmax is uniform over the keys the
-            # mask allows (an additive bias such as ALiBi still applies). Called directly, not through
-            # layer.attend, so recorders do not see an extra call.
-            replacement = attention(torch.zeros_like(q), k, v, mask=mask, causal=causal, backend=layer.backend)
-        else:
-            replacement = torch.zeros(layer.num_heads, out.shape[-1], dtype=out.dtype, device=out.device)
-            replacement[list(ablation.heads)] = ablation.mean_outputs.to(out.dtype)
-            replacement = replacement[None, :, None, :]  # (1, h, 1, e)
-        out = torch.where(ablated[None, :, None, None], replacement, out)
-    if layer.head_gate is not None:
-        gate = layer.head_gate
-        if not isinstance(gate, torch.Tensor) or tuple(gate.shape) != (layer.num_heads,):
-            raise bad_argument(
-                "head_gate",
-                f"a tensor of shape (h,) = ({layer.num_heads},), one factor per head",
-                describe(gate),
-                f"set layer.head_gate = torch.ones({layer.num_heads}, requires_grad=True), or None",
-            )
-        out = out * gate.to(out.dtype)[None, :, None, None]
-    return out
+    """The per-head outputs ``out`` (b, h, i, e) with ``ablation.heads`` replaced as ``ablation.how`` says.
+
+    q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), mask and causal are the attention call's own:
+    "uniform" attends again from all-zero queries.
+    """
+    num_heads = out.shape[1]
+    ablated = torch.zeros(num_heads, dtype=torch.bool, device=out.device)
+    ablated[list(ablation.heads)] = True
+    if ablation.how == "zero":
+        replacement = torch.zeros((), dtype=out.dtype, device=out.device)
+    elif ablation.how == "uniform":
+        # all-zero queries score every allowed key the same: softmax is uniform over the keys the
+        # mask allows (an additive bias such as ALiBi still applies)
+        replacement = attention(torch.zeros_like(q), k, v, mask=mask, causal=causal, backend=backend)
+    else:
+        assert ablation.mean_outputs is not None  # make_ablation requires them for how="mean"
+        replacement = torch.zeros(num_heads, out.shape[-1], dtype=out.dtype, device=out.device)
+        replacement[list(ablation.heads)] = ablation.mean_outputs.to(out.dtype)
+        replacement = replacement[None, :, None, :]  # (1, h, 1, e)
+    return torch.where(ablated[None, :, None, None], replacement, out)
 
 
-def prune_layer(layer, heads: Sequence[int] | int) -> list[int]:
+def prune_layer(layer: MultiHeadAttention, heads: Sequence[int] | int) -> list[int]:
     """Remove ``heads`` from ``layer`` in place; returns the indices (before pruning) of the heads kept.
 
     Rows of W^Q (and its bias) and columns of W^O go with each head. Under grouped-query attention
     a key/value head goes when all its query heads go; every group kept must keep the same number
     of query heads, so h % g == 0 still holds.
     """
-    removed = set(check_heads(layer, heads))
+    removed = set(check_heads(layer.num_heads, heads))
     kept = [n for n in range(layer.num_heads) if n not in removed]
     if not kept:
         raise bad_argument(
@@ -154,6 +173,5 @@ def prune_layer(layer, heads: Sequence[int] | int) -> list[int]:
     layer.out_proj.weight = nn.Parameter(layer.out_proj.weight.detach()[:, columns].clone())
     layer.out_proj.in_features = len(columns)
     layer.num_heads, layer.num_kv_heads = len(kept), len(kept_groups)
-    layer.head_ablation = None
-    layer.head_gate = None
+    layer.restore_heads()
     return kept

@@ -15,9 +15,11 @@ from torch import nn
 
 from multihead._errors import bad_argument, describe, floating_dtype, positive_int, usable_device
 from multihead._limits import check_fits
+from multihead.attend import Attend
 from multihead.backends import registry
 from multihead.cache import KVCache
-from multihead.functional import AttentionResult, WeightSelection, attention, autocast_on
+from multihead.functional import autocast_on
+from multihead.heads import HeadAblation, check_gate, make_ablation, prune_layer
 from multihead.masks import Mask, as_mask, window
 from multihead.positional import RotaryEmbedding
 
@@ -29,40 +31,19 @@ def _size(name: str, value: object, *, default: int | None = None) -> int:
     return positive_int(name, value)
 
 
-class Attend(nn.Module):
-    """The attention step of :class:`MultiHeadAttention` as its own (parameter-free) module.
-
-    It exists so that forward hooks see the per-head tensors: inputs q (b, h, i, d), k (b, g, j, d),
-    v (b, g, j, e) after projection and rotary, and output (b, h, i, e) before the heads are
-    concatenated. :func:`multihead.inspect.capture` hooks here; nothing is threaded through forward.
-    """
-
-    def __init__(self, dropout: float, backend: str):
-        super().__init__()
-        self.dropout, self.backend = dropout, backend
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        mask: Mask | torch.Tensor | None = None,
-        causal: bool = False,
-        return_weights: bool | WeightSelection = False,
-    ) -> torch.Tensor | AttentionResult:
-        """``multihead.attention`` with this layer's dropout (in training mode) and backend."""
-        return attention(
-            q,
-            k,
-            v,
-            mask=mask,
-            causal=causal,
-            dropout=self.dropout,
-            training=self.training,
-            backend=self.backend,
-            return_weights=return_weights,
-        )
+# what from_torch reads of a torch-layout module (torch.nn.MultiheadAttention, multihead.compat.MultiheadAttention)
+_TORCH_LAYOUT = (
+    "embed_dim",
+    "num_heads",
+    "kdim",
+    "vdim",
+    "dropout",
+    "_qkv_same_embed_dim",
+    "in_proj_bias",
+    "out_proj",
+    "bias_k",
+    "add_zero_attn",
+)
 
 
 class MultiHeadAttention(nn.Module):
@@ -140,10 +121,8 @@ class MultiHeadAttention(nn.Module):
             )
         if backend != "auto":
             registry.get_backend(backend)  # raises with the list of names
-        self.attend = Attend(float(dropout), backend)  # holds dropout and backend (see the properties below)
-        # Head surgery (multihead.heads): None on the ungated path, which then runs unchanged.
-        self.head_gate: torch.Tensor | None = None  # (h,) factors on each head's output, may need a gradient
-        self.head_ablation = None  # a multihead.heads.HeadAblation
+        # the attention step: holds dropout, backend and head surgery (see the properties below)
+        self.attend = Attend(float(dropout), backend)
         self.rotary = self._rotary(rotary)
         factory = {"device": usable_device("device", device), "dtype": floating_dtype("dtype", dtype)}
         h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
@@ -202,6 +181,20 @@ class MultiHeadAttention(nn.Module):
     def backend(self, value: str) -> None:
         self.attend.backend = value
 
+    @property
+    def head_gate(self) -> torch.Tensor | None:
+        """(h,) factors on each head's output (may need a gradient), or None; see :mod:`multihead.heads`."""
+        return self.attend.head_gate
+
+    @head_gate.setter
+    def head_gate(self, value: torch.Tensor | None) -> None:
+        self.attend.head_gate = check_gate(self.num_heads, value)
+
+    @property
+    def head_ablation(self) -> HeadAblation | None:
+        """The heads ablated by :meth:`ablate_heads` and how, or None."""
+        return self.attend.head_ablation
+
     def config(self) -> dict:
         """The constructor arguments that rebuild this layer's shape: ``MultiHeadAttention(**layer.config())``
         then ``load_state_dict`` restores it (a pruned layer included)."""
@@ -223,22 +216,18 @@ class MultiHeadAttention(nn.Module):
     def ablate_heads(self, heads: list[int] | int, how: str = "zero", mean_outputs: torch.Tensor | None = None) -> None:
         """Ablate ``heads`` until :meth:`restore_heads`: how="zero" zeroes their outputs, "uniform" makes
         them attend uniformly over the keys they may see, "mean" outputs ``mean_outputs`` (len(heads), e)."""
-        from multihead.heads import make_ablation
-
-        self.head_ablation = make_ablation(self, heads, how, mean_outputs)
+        self.attend.head_ablation = make_ablation(self.num_heads, self.value_head_dim, heads, how, mean_outputs)
 
     def restore_heads(self) -> None:
         """Undo :meth:`ablate_heads` and remove ``head_gate``."""
-        self.head_ablation = None
-        self.head_gate = None
+        self.attend.head_ablation = None
+        self.attend.head_gate = None
 
     def prune_heads(self, heads: list[int] | int) -> list[int]:
         """Remove ``heads`` (W^Q/W^K/W^V rows, W^O columns); returns the old indices of the heads kept.
 
         Same outputs as zero-ablating them, with proportionally less work. See :func:`multihead.heads.prune_layer`.
         """
-        from multihead.heads import prune_layer
-
         return prune_layer(self, heads)
 
     def reset_parameters(self) -> None:
@@ -262,17 +251,94 @@ class MultiHeadAttention(nn.Module):
         return ", ".join(parts)
 
     @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
-        """This layer (batch first) with the weights of a ``torch.nn.MultiheadAttention``."""
-        from multihead.compat import from_torch  # compat builds on this module
+    def from_torch(cls, module: nn.Module) -> MultiHeadAttention:
+        """This layer (batch first) with the weights of a ``torch.nn.MultiheadAttention``.
 
-        return from_torch(module)
+        Any module with torch's parameter layout is accepted (``multihead.compat.MultiheadAttention`` too);
+        add_bias_kv and add_zero_attn have no equivalent here and are refused.
+        """
+        if not isinstance(module, nn.Module) or not all(hasattr(module, name) for name in _TORCH_LAYOUT):
+            raise bad_argument(
+                "module",
+                "a torch.nn.MultiheadAttention",
+                describe(module),
+                "pass the torch module to convert",
+                kind=TypeError,
+            )
+        if module.bias_k is not None or module.add_zero_attn:
+            raise bad_argument(
+                "module",
+                "a module without add_bias_kv or add_zero_attn",
+                "add_bias_kv" if module.bias_k is not None else "add_zero_attn",
+                "use multihead.compat.MultiheadAttention, which supports them",
+            )
+        weight = module.out_proj.weight
+        layer = cls(
+            module.embed_dim,
+            module.num_heads,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            bias=module.in_proj_bias is not None,
+            dropout=module.dropout,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        if module._qkv_same_embed_dim:
+            projections = module.in_proj_weight.chunk(3)
+        else:
+            projections = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+        biases = (None, None, None) if module.in_proj_bias is None else module.in_proj_bias.chunk(3)
+        with torch.no_grad():
+            for proj, w, b in zip((layer.q_proj, layer.k_proj, layer.v_proj), projections, biases, strict=True):
+                proj.weight.copy_(w)
+                if b is not None:
+                    proj.bias.copy_(b)
+            layer.out_proj.load_state_dict(module.out_proj.state_dict())
+        return layer
 
     def to_torch(self) -> nn.MultiheadAttention:
-        """A ``torch.nn.MultiheadAttention(batch_first=True)`` with these weights (classic options only)."""
-        from multihead.compat import to_torch
-
-        return to_torch(self)
+        """A ``torch.nn.MultiheadAttention(batch_first=True)`` with these weights, where torch can express them
+        (h = g heads of size embed_dim / h, out_dim = embed_dim, no rotary)."""
+        unsupported = []
+        if self.num_kv_heads != self.num_heads:
+            unsupported.append(f"num_kv_heads = {self.num_kv_heads} != num_heads")
+        if self.head_dim * self.num_heads != self.embed_dim or self.value_head_dim != self.head_dim:
+            unsupported.append("head sizes other than embed_dim / num_heads")
+        if self.out_dim != self.embed_dim:
+            unsupported.append(f"out_dim = {self.out_dim} != embed_dim")
+        if self.rotary is not None:
+            unsupported.append("rotary embedding")
+        if unsupported:
+            raise bad_argument(
+                "layer",
+                "a configuration torch.nn.MultiheadAttention can express",
+                ", ".join(unsupported),
+                "keep the layer in multihead, or build it with the classic options",
+            )
+        weight = self.out_proj.weight
+        module = nn.MultiheadAttention(
+            self.embed_dim,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=self.q_proj.bias is not None,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=True,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        with torch.no_grad():
+            weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+            if module._qkv_same_embed_dim:
+                module.in_proj_weight.copy_(torch.cat(weights))
+            else:
+                targets = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+                for target, w in zip(targets, weights, strict=True):
+                    target.copy_(w)
+            if module.in_proj_bias is not None:
+                module.in_proj_bias.copy_(torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
+            module.out_proj.load_state_dict(self.out_proj.state_dict())
+        return module
 
     def new_cache(self, batch_size: int, max_len: int, *, window: int | None = None) -> KVCache:
         """A :class:`KVCache` shaped for this layer: (b, g, max_len, d) keys, (b, g, max_len, e) values."""
@@ -496,10 +562,6 @@ class MultiHeadAttention(nn.Module):
                 mask = sliding if mask is None else as_mask(mask) & sliding
         result = self.attend(q, k, v, mask=mask, causal=causal, return_weights=need_weights)
         out, weights = (result.output, result.weights) if need_weights else (result, None)
-        if self.head_gate is not None or self.head_ablation is not None:
-            from multihead.heads import gate_head_outputs
-
-            out = gate_head_outputs(self, out, q, k, v, mask, causal)
         out = out.transpose(1, 2).reshape(b, i, h * e)  # (b, i, h*e): heads concatenated
         if weights is not None and average_weights:
             weights = weights.mean(dim=1)  # (b, i, j)

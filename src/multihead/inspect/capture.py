@@ -4,7 +4,7 @@
         model.encode("The bank was full of money.")
     rec.weights(5, 3)          # (b, i, j): layer 5, head 3
 
-The recorder hooks each chosen layer's :class:`multihead.layer.Attend` step (forward hooks; no
+The recorder hooks each chosen layer's :class:`multihead.attend.Attend` step (forward hooks; no
 flag is threaded through the model's forward). For a layer it records, the attention call is asked
 for a :class:`multihead.WeightSelection` of the chosen heads and query rows, so the weights come
 from the same kernel call as the output at a cost proportional to the selection; every layer not

@@ -1,0 +1,160 @@
+"""The package's import graph: no cycles, and every import points down the layers ARCHITECTURE.md draws.
+
+Imports are read from the source with ``ast`` — module level and inside functions alike, so a lazy
+import cannot hide a cycle — except those under ``if TYPE_CHECKING:``, which never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "src" / "multihead"
+
+# The layers of ARCHITECTURE.md, top to bottom. A module may import modules of its own layer or of
+# layers below it, never above. Longest prefix wins.
+LAYERS = [
+    ("multihead.cli", "the command line"),
+    ("multihead.bench", "reports: what the commands print and write"),
+    ("multihead.cost_report", "reports: what the commands print and write"),
+    ("multihead.inspect", "models and their inspection"),
+    ("multihead.models", "models and their inspection"),
+    ("multihead.cost", "counting and measuring"),
+    ("multihead.machine", "counting and measuring"),
+    ("multihead.compat", "the layer"),
+    ("multihead.layer", "the layer"),
+    ("multihead.attend", "the layer"),
+    ("multihead.heads", "the layer"),
+    ("multihead.cache", "the layer"),
+    ("multihead.positional", "the layer"),
+    ("multihead.functional", "the kernel"),
+    ("multihead.backends", "the backends"),
+    ("multihead.masks", "typed masks"),
+    ("multihead._", "shared helpers"),
+]
+ORDER = list(dict.fromkeys(layer for _, layer in LAYERS))
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE_ROOT.rglob("*.py"))}
+
+
+def _type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def _run_time_nodes(node: ast.AST):
+    """Every node under ``node`` except the bodies of ``if TYPE_CHECKING:`` blocks."""
+    for child in ast.iter_child_nodes(node):
+        if _type_checking_block(child):
+            for other in child.orelse:  # an else branch does run
+                yield other
+                yield from _run_time_nodes(other)
+            continue
+        yield child
+        yield from _run_time_nodes(child)
+
+
+def _resolve(name: str) -> str | None:
+    """The package module ``name`` refers to (a module, or the module defining the imported attribute)."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(module: str) -> set[str]:
+    """The multihead modules ``module`` imports at run time (implicit parent-package imports left out)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in _run_time_nodes(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [f"{base}.{alias.name}" for alias in node.names]
+        for name in names:
+            target = _resolve(name)
+            if target is not None and target != module:
+                found.add(target)
+    return found
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def layer_of(module: str) -> str:
+    prefix = max((p for p, _ in LAYERS if module.startswith(p)), key=len)
+    return dict(LAYERS)[prefix]
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_the_graph_is_read_from_real_imports():
+    # guards the reader itself: known edges are found, and an edge under TYPE_CHECKING is not
+    assert "multihead.functional" in GRAPH["multihead.layer"]
+    assert "multihead.layer" in GRAPH["multihead.compat"]
+    assert "multihead.layer" not in GRAPH["multihead.heads"]  # heads names the layer for annotations only
+    assert len(GRAPH) > 30
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_in_the_package():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_every_module_has_a_layer():
+    assert {module: layer_of(module) for module in MODULES if module != "multihead"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "multihead"))
+def test_imports_point_down_the_layers(module):
+    rank = ORDER.index(layer_of(module))
+    upward = sorted(
+        target for target in GRAPH[module] if target != "multihead" and ORDER.index(layer_of(target)) < rank
+    )
+    assert not upward, f"{module} ({layer_of(module)}) imports {upward} from a layer above it"
