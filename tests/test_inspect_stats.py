@@ -123,7 +123,7 @@ def stat_of(result, kind: str) -> dict[str, float]:
 
 
 def pattern_of(result, kind: str) -> dict[str, float]:
-    return dict(zip(PATTERNS, result["patterns"][HEADS.index(kind)].tolist()))
+    return dict(zip(PATTERNS, result["patterns"][HEADS.index(kind)].tolist(), strict=True))
 
 
 def approx(value):
@@ -316,7 +316,7 @@ def test_hand_computed_head():
     # words hi, there, "." have their maxima at +1, -1, +1
     assert value["positional"] == approx(2 / 3) and value["best_offset"] == 1
     # band mass per row 1, 1, 0.9, 1, 0.4: diagonal
-    assert dict(zip(PATTERNS, s["patterns"][0].tolist()))["diagonal"] == 1.0
+    assert dict(zip(PATTERNS, s["patterns"][0].tolist(), strict=True))["diagonal"] == 1.0
 
 
 def test_block_pattern_needs_two_sentences():
@@ -335,7 +335,7 @@ def test_block_pattern_needs_two_sentences():
     # top columns 6 and 10 hold 4/3 each: V = 8/36, D = 1/12, B = 25/36 >= 0.5
     for tokens, expected in ((two, "block"), (one, "heterogeneous")):
         s = accumulate([(batch_weights([a[None]], n + 3), [tokens], n + 3)])
-        assert dict(zip(PATTERNS, s["patterns"][0].tolist()))[expected] == 1.0, tokens
+        assert dict(zip(PATTERNS, s["patterns"][0].tolist(), strict=True))[expected] == 1.0, tokens
 
 
 def test_vertical_pattern_uses_the_two_top_columns():
@@ -343,7 +343,7 @@ def test_vertical_pattern_uses_the_two_top_columns():
     a = torch.zeros(N_B, N_B, dtype=torch.float64)
     a[:, 0] = a[:, -1] = 0.5
     s = accumulate([(batch_weights([a[None]], PAD_TO), [TEXT_B], PAD_TO)])
-    assert dict(zip(PATTERNS, s["patterns"][0].tolist()))["vertical"] == 1.0
+    assert dict(zip(PATTERNS, s["patterns"][0].tolist(), strict=True))["vertical"] == 1.0
 
 
 def test_block_excludes_the_top_columns():
@@ -367,7 +367,7 @@ def test_block_excludes_the_top_columns():
         a[i, far] += 0.3 / len(far)
         a[i, other] += 0.3 / len(other)
     result = accumulate([(batch_weights([a[None]], n + 3), [tokens], n + 3)])
-    assert dict(zip(PATTERNS, result["patterns"][0].tolist()))["heterogeneous"] == 1.0
+    assert dict(zip(PATTERNS, result["patterns"][0].tolist(), strict=True))["heterogeneous"] == 1.0
 
 
 def test_padding_does_not_count():
@@ -610,8 +610,10 @@ def test_real_model_bad_inputs(minilm):
         EncoderConfig(vocab_size=40, hidden_size=12, num_layers=1, num_heads=3, intermediate_size=20, max_positions=16)
     )
     assert bare.tokenizer is None
-    with pytest.raises(TypeError, match="tokenizer"):
+    with pytest.raises(ValueError, match=r"model\.tokenizer: expected a Tokenizer"):
         head_stats(bare, ["a text"])
+    with pytest.raises(TypeError, match="model: expected a text encoder with its tokenizer"):
+        head_stats(torch.nn.Linear(2, 2), ["a text"])
 
 
 def test_real_model_training_mode_restored(minilm):

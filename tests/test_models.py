@@ -259,3 +259,67 @@ def test_padding_never_leaks_into_real_tokens(minilm):
         alone = model(short.input_ids, short.attention_mask)[0]
         padded = model(mixed.input_ids, mixed.attention_mask)[0, : alone.shape[0]]
     torch.testing.assert_close(alone, padded, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- the encoder contract
+
+
+def test_the_loaded_encoder_is_a_text_encoder_with_its_tokenizer_and_name(minilm):
+    from multihead.models import TextEncoder, text_tokenizer
+
+    model, tokenizer = minilm
+    assert isinstance(model, TextEncoder)
+    assert model.tokenizer is tokenizer and text_tokenizer(model) is tokenizer
+    assert model.name == "all-MiniLM-L6-v2"
+    # declared by the constructor, not bolted on afterwards
+    bare = Encoder(EncoderConfig(vocab_size=11, hidden_size=12, num_layers=1, num_heads=3, intermediate_size=7))
+    assert (bare.tokenizer, bare.name) == (None, "encoder")
+    named = Encoder(bare.config, tokenizer=tokenizer, name="tiny")
+    assert (named.tokenizer, named.name) == (tokenizer, "tiny")
+
+
+def test_text_tokenizer_refuses_other_models_and_encoders_without_one():
+    from multihead.models import text_tokenizer
+
+    with pytest.raises(TypeError, match=r"model: expected a text encoder with its tokenizer .*, got Linear\. Fix:"):
+        text_tokenizer(torch.nn.Linear(2, 2))
+    bare = Encoder(EncoderConfig(vocab_size=11, hidden_size=12, num_layers=1, num_heads=3, intermediate_size=7))
+    with pytest.raises(ValueError, match=r"encoder\.tokenizer: expected a Tokenizer .*, got None\. Fix:"):
+        text_tokenizer(bare, argument="encoder")
+
+
+def test_evaluating_restores_the_mode_even_when_the_block_raises():
+    from multihead.models import evaluating
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).train()
+    with evaluating(model) as same:
+        assert same is model
+        assert not model.training and not model[1].training and not torch.is_grad_enabled()
+    assert model.training and model[1].training and torch.is_grad_enabled()
+    with pytest.raises(RuntimeError, match="boom"), evaluating(model):
+        raise RuntimeError("boom")
+    assert model.training and torch.is_grad_enabled()
+    model.eval()
+    with evaluating(model):
+        pass
+    assert not model.training  # an eval-mode model stays in eval mode
+
+
+def test_encode_keeps_the_training_mode(minilm):
+    model, _ = minilm
+    model.train()
+    try:
+        first = model.encode("The bank was full of money.")
+        assert model.training and not first.requires_grad
+        torch.testing.assert_close(first, model.encode("The bank was full of money."), rtol=0, atol=0)  # no dropout
+    finally:
+        model.eval()
+
+
+def test_contract_docstring_example_runs():
+    import doctest
+
+    from multihead.models import contract
+
+    result = doctest.testmod(contract, globs={"torch": torch, "evaluating": contract.evaluating}, verbose=False)
+    assert result.attempted > 0 and result.failed == 0

@@ -25,6 +25,7 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead.inspect.capture import attention_layers, capture
+from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
     "ablated",
@@ -71,14 +72,15 @@ def ablated(
             layer.restore_heads()
 
 
-@torch.no_grad()
-def mean_head_outputs(model, texts: Sequence[str], *, batch_size: int = 32) -> dict[int, torch.Tensor]:
-    """{layer: (heads, e)}: each head's output averaged over every real token of ``texts`` (for how="mean")."""
+def mean_head_outputs(model: TextEncoder, texts: Sequence[str], *, batch_size: int = 32) -> dict[int, torch.Tensor]:
+    """{layer: (heads, e)}: each head's output (in eval mode) averaged over every real token of ``texts`` (for
+    how="mean")."""
+    tokenizer = text_tokenizer(model)
     sums: dict[int, torch.Tensor] = {}
     tokens = 0
-    with capture(model, weights=False, outputs=True) as rec:
+    with evaluating(model), capture(model, weights=False, outputs=True) as rec:
         for start in range(0, len(texts), batch_size):
-            batch = model.tokenizer.batch(list(texts[start : start + batch_size]), truncate=True)
+            batch = tokenizer.batch(list(texts[start : start + batch_size]), truncate=True)
             model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
             real = batch.attention_mask.to(torch.float64)[:, None, :, None]  # (b, 1, n, 1)
             for layer in rec.layers:
@@ -205,7 +207,7 @@ def gradient_importance(
     totals = [torch.zeros(layer.num_heads) for layer in layers]
     count = 0
     try:
-        for layer, gate in zip(layers, gates):
+        for layer, gate in zip(layers, gates, strict=True):
             layer.head_gate = gate
         for batch in batches:
             loss = loss_fn(model, batch)
@@ -218,7 +220,7 @@ def gradient_importance(
                     kind=TypeError,
                 )
             grads = torch.autograd.grad(loss, gates, allow_unused=True)
-            for total, grad in zip(totals, grads):
+            for total, grad in zip(totals, grads, strict=True):
                 if grad is not None:
                     total += grad.detach()
             count += 1

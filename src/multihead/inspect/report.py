@@ -18,6 +18,7 @@ from multihead._errors import bad_argument, describe
 from multihead._userfiles import output_folder, read_text, writing
 from multihead.inspect.capture import attention_layers, capture
 from multihead.inspect.stats import STAT_NAMES, HeadStats, head_stats, weight_stats
+from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
     "Inspection",
@@ -231,7 +232,7 @@ class Inspection:
 
 
 def inspect_text(
-    model,
+    model: TextEncoder,
     text: str,
     *,
     layers: Sequence[int] | None = None,
@@ -262,26 +263,13 @@ def inspect_text(
         )
     if not text.strip():
         raise bad_argument("text", "a non-empty text", repr(text), 'pass e.g. "The bank was full of money."')
-    tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is None:
-        raise bad_argument(
-            "model",
-            "an encoder with a tokenizer (multihead.models.load_minilm())",
-            type(model).__name__,
-            "load the model with load_minilm()",
-            kind=TypeError,
-        )
+    tokenizer = text_tokenizer(model)
     _check_even_heads(model, layers, heads)
     batch = tokenizer.batch([text], truncate=truncate)
     tokens = batch.tokens[0]
     selected = pick_token(tokens, token)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), capture(model, layers=layers, heads=heads) as rec:
-            model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-    finally:
-        model.train(was_training)
+    with evaluating(model), capture(model, layers=layers, heads=heads) as rec:
+        model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
     recorded = [rec.weights(layer) for layer in rec.layers]  # each (1, heads, n, n)
     weights = torch.stack([layer_weights[0] for layer_weights in recorded]).float()  # (layers, heads, n, n)
     recorded_heads = rec.heads(rec.layers[0])
@@ -300,7 +288,7 @@ def inspect_text(
             progress=progress,
         )
     return Inspection(
-        getattr(model, "name", type(model).__name__),
+        model.name,
         text,
         tokens,
         rec.layers,

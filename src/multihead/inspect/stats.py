@@ -34,6 +34,7 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead.inspect.capture import capture
+from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
     "HeadStats",
@@ -344,7 +345,9 @@ class HeadStats:
         if self._roles is None:
             self._roles = [
                 [
-                    label_head(self.stat(layer, head), dict(zip(PATTERNS, self.patterns[row, col].tolist())))
+                    label_head(
+                        self.stat(layer, head), dict(zip(PATTERNS, self.patterns[row, col].tolist(), strict=True))
+                    )
                     for col, head in enumerate(self.heads)
                 ]
                 for row, layer in enumerate(self.layers)
@@ -366,7 +369,7 @@ class HeadStats:
             ],
             "patterns": [
                 [
-                    dict(zip(PATTERNS, [round(x, 6) for x in self.patterns[row, col].tolist()]))
+                    dict(zip(PATTERNS, [round(x, 6) for x in self.patterns[row, col].tolist()], strict=True))
                     for col in range(len(self.heads))
                 ]
                 for row in range(len(self.layers))
@@ -376,7 +379,7 @@ class HeadStats:
 
 
 def head_stats(
-    model,
+    model: TextEncoder,
     texts: str | Sequence[str],
     *,
     layers: Sequence[int] | None = None,
@@ -418,37 +421,24 @@ def head_stats(
     batch_texts = [t for t in batch_texts if t.strip()]
     if not batch_texts:
         raise bad_argument("texts", "at least one non-empty text", "none", "pass text with words in it")
-    tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is None:
-        raise bad_argument(
-            "model",
-            "an encoder with a tokenizer (multihead.models.load_minilm())",
-            type(model).__name__,
-            "load the model with load_minilm()",
-            kind=TypeError,
-        )
+    tokenizer = text_tokenizer(model)
     accumulators: dict[int, _Accumulator] = {}
     tokens_seen = 0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), capture(model, layers=layers, heads=heads) as rec:
-            for start in range(0, len(batch_texts), batch_size):
-                batch = tokenizer.batch(list(batch_texts[start : start + batch_size]), truncate=truncate)
-                model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-                info = token_info(batch.tokens, batch.input_ids.shape[1])
-                for layer in rec.layers:
-                    if layer not in accumulators:
-                        accumulators[layer] = _Accumulator(len(rec.heads(layer)), tokenizer.max_length)
-                    accumulators[layer].add(rec.weights(layer), info)
-                tokens_seen += int(batch.attention_mask.sum())
-                rec.clear()
-                if progress is not None:
-                    progress(min(start + batch_size, len(batch_texts)))
-            recorded_heads = rec.heads(rec.layers[0])
-            recorded_layers = rec.layers
-    finally:
-        model.train(was_training)
+    with evaluating(model), capture(model, layers=layers, heads=heads) as rec:
+        for start in range(0, len(batch_texts), batch_size):
+            batch = tokenizer.batch(list(batch_texts[start : start + batch_size]), truncate=truncate)
+            model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+            info = token_info(batch.tokens, batch.input_ids.shape[1])
+            for layer in rec.layers:
+                if layer not in accumulators:
+                    accumulators[layer] = _Accumulator(len(rec.heads(layer)), tokenizer.max_length)
+                accumulators[layer].add(rec.weights(layer), info)
+            tokens_seen += int(batch.attention_mask.sum())
+            rec.clear()
+            if progress is not None:
+                progress(min(start + batch_size, len(batch_texts)))
+        recorded_heads = rec.heads(rec.layers[0])
+        recorded_layers = rec.layers
     return _finish(
         accumulators,
         recorded_layers,
@@ -476,7 +466,7 @@ def weight_stats(
     n = weights[0].shape[-1]
     info = token_info(tokens, n)
     accumulators = {}
-    for layer, layer_weights in zip(layers, weights):
+    for layer, layer_weights in zip(layers, weights, strict=True):
         accumulators[layer] = _Accumulator(len(heads), max_offset)
         accumulators[layer].add(layer_weights, info)
     return _finish(

@@ -44,6 +44,7 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead._userfiles import MissingFileError, read_text
 from multihead.inspect.capture import capture
+from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
     "TREEBANK",
@@ -313,7 +314,7 @@ def word_attention(
         weights: (..., n, n) attention over the n word pieces of one sentence (no padding),
             e.g. (heads, n, n).
         word_ids: n entries: the word index of each piece, None for special tokens
-            (:attr:`multihead.models.loading.TokenBatch.word_ids`).
+            (:attr:`multihead.models.TokenBatch.word_ids`).
         num_words: W (default: the largest word index + 1); words with no piece get zero rows
             and columns.
 
@@ -514,12 +515,12 @@ class _Scorer:
         self.sentences += 1
         found = [
             (d, h - 1, self.index[r])
-            for d, (h, r) in enumerate(zip(sentence.heads, sentence.relations))
+            for d, (h, r) in enumerate(zip(sentence.heads, sentence.relations, strict=True))
             if h > 0 and r in self.index
         ]
         if not found:
             return
-        dependents, heads, relations = (torch.tensor(column) for column in zip(*found))
+        dependents, heads, relations = (torch.tensor(column) for column in zip(*found, strict=True))
         for d, h, r in found:
             self.offsets[r][h - d] += 1
         self.counts += torch.bincount(relations, minlength=len(self.relations)).to(torch.float64)
@@ -597,7 +598,7 @@ def _relations(relations: str | Sequence[str], sentences: Sequence[Sentence]) ->
             'pass e.g. relations=["det", "nsubj"]',
             kind=TypeError if chosen else ValueError,
         )
-    available = Counter(r for s in sentences for h, r in zip(s.heads, s.relations) if h > 0)
+    available = Counter(r for s in sentences for h, r in zip(s.heads, s.relations, strict=True) if h > 0)
     unknown = [r for r in chosen if r not in available]
     if unknown:
         raise bad_argument(
@@ -610,7 +611,7 @@ def _relations(relations: str | Sequence[str], sentences: Sequence[Sentence]) ->
 
 
 def syntax_scores(
-    model,
+    model: TextEncoder,
     sentences: Sequence[Sentence] | str | Path | None = None,
     *,
     relations: str | Sequence[str] = RELATIONS,
@@ -652,15 +653,7 @@ def syntax_scores(
         >>> best["score"] > best["baseline_score"]
         True
     """
-    tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is None:
-        raise bad_argument(
-            "model",
-            "an encoder with a tokenizer (multihead.models.load_minilm())",
-            type(model).__name__,
-            "load the model with load_minilm()",
-            kind=TypeError,
-        )
+    tokenizer = text_tokenizer(model)
     if sentences is None:
         sentences, source = bundled_treebank(), "UD English EWT dev"
     elif isinstance(sentences, (str, Path)):
@@ -704,30 +697,22 @@ def syntax_scores(
                 keep.append(index)
                 lengths.append(len(ids))
     skipped = len(sentences) - len(keep)
-    order = [index for _, index in sorted(zip(lengths, keep))]
+    order = [index for _, index in sorted(zip(lengths, keep, strict=True))]
 
-    scorer = None
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), capture(model, layers=layers, heads=heads) as rec:
-            recorded_layers, recorded_heads = rec.layers, rec.heads(rec.layers[0])
-            scorer = _Scorer(chosen, len(recorded_layers) * len(recorded_heads))
-            for start in range(0, len(order), batch_size):
-                chunk = order[start : start + batch_size]
-                batch = tokenizer.batch([words[i] for i in chunk])
-                model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-                weights = torch.stack([rec.weights(layer) for layer in recorded_layers], dim=1)  # (b, L, H, n, n)
-                weights = weights.flatten(1, 2).float()  # (b, L*H, n, n)
-                rec.clear()
-                for row, index in enumerate(chunk):
-                    n = len(batch.word_ids[row])
-                    attention = word_attention(
-                        weights[row, :, :n, :n], batch.word_ids[row], num_words=len(words[index])
-                    )
-                    scorer.add(attention, sentences[index])
-                if progress is not None:
-                    progress(skipped + min(start + batch_size, len(order)))
-    finally:
-        model.train(was_training)
+    with evaluating(model), capture(model, layers=layers, heads=heads) as rec:
+        recorded_layers, recorded_heads = rec.layers, rec.heads(rec.layers[0])
+        scorer = _Scorer(chosen, len(recorded_layers) * len(recorded_heads))
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            batch = tokenizer.batch([words[i] for i in chunk])
+            model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+            weights = torch.stack([rec.weights(layer) for layer in recorded_layers], dim=1)  # (b, L, H, n, n)
+            weights = weights.flatten(1, 2).float()  # (b, L*H, n, n)
+            rec.clear()
+            for row, index in enumerate(chunk):
+                n = len(batch.word_ids[row])
+                attention = word_attention(weights[row, :, :n, :n], batch.word_ids[row], num_words=len(words[index]))
+                scorer.add(attention, sentences[index])
+            if progress is not None:
+                progress(skipped + min(start + batch_size, len(order)))
     return scorer.result(recorded_layers, recorded_heads, skipped=skipped, source=source)

