@@ -7,6 +7,8 @@ command line tells a user's mistake (one line, no traceback) from a bug in multi
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 
@@ -66,6 +68,10 @@ def positive_int(name: str, value: object) -> int:
 FLOATING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+@overload
+def floating_dtype(name: str, value: object, *, allow_none: Literal[False]) -> torch.dtype: ...
+@overload
+def floating_dtype(name: str, value: object, *, allow_none: bool = True) -> torch.dtype | None: ...
 def floating_dtype(name: str, value: object, *, allow_none: bool = True) -> torch.dtype | None:
     """A real floating torch.dtype (float16, bfloat16, float32, float64), or None when allowed."""
     if value is None and allow_none:
@@ -85,6 +91,10 @@ def floating_dtype(name: str, value: object, *, allow_none: bool = True) -> torc
     return value
 
 
+@overload
+def usable_device(name: str, value: object, *, allow_none: Literal[False]) -> torch.device: ...
+@overload
+def usable_device(name: str, value: object, *, allow_none: bool = True) -> torch.device | None: ...
 def usable_device(name: str, value: object, *, allow_none: bool = True) -> torch.device | None:
     """A torch.device (or a string naming one) that this build of torch can allocate on, or None when allowed."""
     if value is None and allow_none:

@@ -156,50 +156,50 @@ class KVCache:
 
     def _check_new(self, keys: object, values: object) -> int:
         """Validate keys (b, g, n, d) and values (b, g, n, e) exactly (no broadcast, no cast); returns n."""
-        layouts = {
-            "keys": f"(b, g, n, d) = ({self.batch_size}, {self.num_kv_heads}, n, {self.head_dim})",
-            "values": f"(b, g, n, e) = ({self.batch_size}, {self.num_kv_heads}, n, {self.value_head_dim})",
-        }
-        for name, t, last in (("keys", keys, self.head_dim), ("values", values, self.value_head_dim)):
-            if not isinstance(t, torch.Tensor):
-                raise bad_argument(
-                    name, f"a tensor {layouts[name]}", describe(t), f"pass {name} as a tensor", kind=TypeError
-                )
-            if t.dtype != self.keys.dtype:
-                raise bad_argument(
-                    name,
-                    f"dtype {self.keys.dtype} (the cache's)",
-                    t.dtype,
-                    f"cast with {name}.to({self.keys.dtype}), or build the cache with that dtype",
-                    kind=TypeError,
-                )
-            if t.device != self.keys.device:
-                raise bad_argument(
-                    name,
-                    f"a tensor on {self.keys.device} (the cache's device)",
-                    f"one on {t.device}",
-                    f"move it with {name}.to({str(self.keys.device)!r})",
-                )
-            if (
-                t.ndim != 4
-                or tuple(t.shape[:2]) != (self.batch_size, self.num_kv_heads)
-                or t.shape[3] != last
-                or t.shape[2] < 1
-            ):
-                raise bad_argument(
-                    name,
-                    f"shape {layouts[name]} with n >= 1",
-                    f"shape {tuple(t.shape)}",
-                    "give every batch row and key/value head, one entry per new token",
-                )
-        if values.shape[2] != keys.shape[2]:
+        new_keys = self._check_one("keys", keys, "d", self.head_dim)
+        new_values = self._check_one("values", values, "e", self.value_head_dim)
+        if new_values.shape[2] != new_keys.shape[2]:
             raise bad_argument(
                 "values",
-                f"n = {keys.shape[2]} new tokens (from keys)",
-                values.shape[2],
+                f"n = {new_keys.shape[2]} new tokens (from keys)",
+                new_values.shape[2],
                 "give keys and values the same number of new tokens",
             )
-        return keys.shape[2]
+        return new_keys.shape[2]
+
+    def _check_one(self, name: str, t: object, last_axis: str, last: int) -> torch.Tensor:
+        """Validate one of keys (b, g, n, d) or values (b, g, n, e): type, dtype, device and shape."""
+        layout = f"(b, g, n, {last_axis}) = ({self.batch_size}, {self.num_kv_heads}, n, {last})"
+        if not isinstance(t, torch.Tensor):
+            raise bad_argument(name, f"a tensor {layout}", describe(t), f"pass {name} as a tensor", kind=TypeError)
+        if t.dtype != self.keys.dtype:
+            raise bad_argument(
+                name,
+                f"dtype {self.keys.dtype} (the cache's)",
+                t.dtype,
+                f"cast with {name}.to({self.keys.dtype}), or build the cache with that dtype",
+                kind=TypeError,
+            )
+        if t.device != self.keys.device:
+            raise bad_argument(
+                name,
+                f"a tensor on {self.keys.device} (the cache's device)",
+                f"one on {t.device}",
+                f"move it with {name}.to({str(self.keys.device)!r})",
+            )
+        if (
+            t.ndim != 4
+            or tuple(t.shape[:2]) != (self.batch_size, self.num_kv_heads)
+            or t.shape[3] != last
+            or t.shape[2] < 1
+        ):
+            raise bad_argument(
+                name,
+                f"shape {layout} with n >= 1",
+                f"shape {tuple(t.shape)}",
+                "give every batch row and key/value head, one entry per new token",
+            )
+        return t
 
     def stage(self, keys: torch.Tensor, values: torch.Tensor) -> PendingAppend:
         """Validate and prepare appending keys (b, g, n, d) and values (b, g, n, e); nothing counts until

@@ -124,21 +124,21 @@ class MultiHeadAttention(nn.Module):
         # the attention step: holds dropout, backend and head surgery (see the properties below)
         self.attend = Attend(float(dropout), backend)
         self.rotary = self._rotary(rotary)
-        factory = {"device": usable_device("device", device), "dtype": floating_dtype("dtype", dtype)}
+        device, dtype = usable_device("device", device), floating_dtype("dtype", dtype)
         h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         weights = h * d * self.embed_dim + g * d * self.kdim + g * e * self.vdim + self.out_dim * h * e
         check_fits(
             "embed_dim",
             (weights,),
-            factory["dtype"] or torch.get_default_dtype(),
-            factory["device"],
+            dtype or torch.get_default_dtype(),
+            device,
             "use smaller sizes (embed_dim, num_heads, head_dim, kdim, vdim, out_dim)",
             what="the projection weights",
         )
-        self.q_proj = nn.Linear(embed_dim, h * d, bias=bias, **factory)  # W^Q of every head, stacked
-        self.k_proj = nn.Linear(self.kdim, g * d, bias=bias, **factory)
-        self.v_proj = nn.Linear(self.vdim, g * e, bias=bias, **factory)
-        self.out_proj = nn.Linear(h * e, self.out_dim, bias=bias, **factory)
+        self.q_proj = nn.Linear(embed_dim, h * d, bias=bias, device=device, dtype=dtype)  # W^Q of every head, stacked
+        self.k_proj = nn.Linear(self.kdim, g * d, bias=bias, device=device, dtype=dtype)
+        self.v_proj = nn.Linear(self.vdim, g * e, bias=bias, device=device, dtype=dtype)
+        self.out_proj = nn.Linear(h * e, self.out_dim, bias=bias, device=device, dtype=dtype)
         self.reset_parameters()
 
     def _rotary(self, rotary: bool | RotaryEmbedding | None) -> RotaryEmbedding | None:
@@ -440,8 +440,10 @@ class MultiHeadAttention(nn.Module):
         do not bump the version counter), and a silently stale weight is worse than copying 3 d^2 values.
         """
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        biases = [p.bias for p in projections]
-        return (torch.cat([p.weight for p in projections]), None if biases[0] is None else torch.cat(biases))
+        weights: list[torch.Tensor] = [p.weight for p in projections]
+        # None in all three under bias=False (torch annotates Linear.bias as a Parameter, never None)
+        biases: list[torch.Tensor] = [p.bias for p in projections]
+        return (torch.cat(weights), None if biases[0] is None else torch.cat(biases))
 
     def forward(
         self,
@@ -499,15 +501,15 @@ class MultiHeadAttention(nn.Module):
                     None,
                     "pass value= explicitly",
                 )
-        if value is not None:
-            self._check_input("value", value, self.vdim, query)
-            if value.shape[1] != key.shape[1]:
-                raise bad_argument(
-                    "value",
-                    f"length j = {key.shape[1]} (from key)",
-                    value.shape[1],
-                    "give key and value the same length",
-                )
+            if value is not None:
+                self._check_input("value", value, self.vdim, query)
+                if value.shape[1] != key.shape[1]:
+                    raise bad_argument(
+                        "value",
+                        f"length j = {key.shape[1]} (from key)",
+                        value.shape[1],
+                        "give key and value the same length",
+                    )
         for name, flag in (("need_weights", need_weights), ("average_weights", average_weights), ("causal", causal)):
             if not isinstance(flag, bool):
                 raise bad_argument(name, "True or False", describe(flag), f"pass {name}=True or False", kind=TypeError)
@@ -566,7 +568,7 @@ class MultiHeadAttention(nn.Module):
         if weights is not None and average_weights:
             weights = weights.mean(dim=1)  # (b, i, j)
         out = self.out_proj(out)
-        if rotary_end is not None:
+        if self.rotary is not None and rotary_end is not None:  # rotary_end is set only with a rotary
             self.rotary.reserve(rotary_end, q)
         if pending is not None:
             pending.commit()

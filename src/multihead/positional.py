@@ -48,10 +48,10 @@ def _check_int(name: str, value: object, *, minimum: int, expected: str, fix: st
 
 def _check_even_dim(name: str, value: object) -> int:
     expected = "a positive even int (sin/cos come in pairs)"
-    _check_int(name, value, minimum=1, expected=expected, fix=f"pass the size of the vectors, e.g. {name}=64")
-    if value % 2:
-        raise bad_argument(name, expected, value, f"use an even size, e.g. {name}={value + 1}")
-    return int(value)
+    size = _check_int(name, value, minimum=1, expected=expected, fix=f"pass the size of the vectors, e.g. {name}=64")
+    if size % 2:
+        raise bad_argument(name, expected, value, f"use an even size, e.g. {name}={size + 1}")
+    return size
 
 
 def _check_base(value: object) -> float:
@@ -191,6 +191,8 @@ class RotaryEmbedding(nn.Module):
         >>> torch.allclose(rope.rotate(q, 4), rope.rotate(q, torch.arange(4, 9)))
         True
     """
+
+    _cos_sin: torch.Tensor  # the buffer registered in __init__
 
     def __init__(self, head_dim: int, base: float = 10000.0):
         super().__init__()
@@ -423,6 +425,8 @@ class SinusoidalPositions(nn.Module):
         [[0.0, 1.0, 0.0, 1.0, 0.0, 1.0]]
     """
 
+    _table: torch.Tensor  # the buffer registered in __init__
+
     def __init__(self, dim: int, max_len: int | None = None, base: float = 10000.0):
         super().__init__()
         self.dim = _check_even_dim("dim", dim)
@@ -488,8 +492,8 @@ class SinusoidalPositions(nn.Module):
         offset = _check_offset("offset", offset)
         dtype = floating_dtype("dtype", dtype, allow_none=False)
         _check_length("n", n, offset, self.max_len, "SinusoidalPositions")
-        device = self._table.device if device is None else usable_device("device", device)
-        return self._cached(offset + n, device, _table_dtype(dtype), "offset")[offset : offset + n].to(dtype, copy=True)
+        where = self._table.device if device is None else usable_device("device", device, allow_none=False)
+        return self._cached(offset + n, where, _table_dtype(dtype), "offset")[offset : offset + n].to(dtype, copy=True)
 
     def _cached(self, length: int, device: torch.device, dtype: torch.dtype, name: str) -> torch.Tensor:
         """PE for positions 0 .. >= length - 1: (positions, dim)."""
