@@ -20,7 +20,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import torch
 
@@ -67,10 +67,14 @@ class _Prepared:
     call: registry.AttentionCall
 
 
-def _check_tensors(q: object, k: object, v: object) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise bad_argument(name, "a torch.Tensor", describe(t), "pass a tensor", kind=TypeError)
+def _tensor_argument(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise bad_argument(name, "a torch.Tensor", describe(t), "pass a tensor", kind=TypeError)
+    return t
+
+
+def _check_tensors(q_arg: object, k_arg: object, v_arg: object) -> None:
+    q, k, v = _tensor_argument("q", q_arg), _tensor_argument("k", k_arg), _tensor_argument("v", v_arg)
     if q.ndim not in (3, 4):
         raise bad_argument(
             "q",
@@ -154,7 +158,7 @@ def _check_options(
             raise bad_argument("scale", "a finite number", scale, "pass e.g. 1/sqrt(d), or None")
     if not isinstance(dropout, numbers.Real) or isinstance(dropout, bool):
         raise bad_argument("dropout", "a float in [0, 1)", describe(dropout), "pass e.g. dropout=0.1", kind=TypeError)
-    if not 0.0 <= dropout < 1.0:
+    if dropout < 0.0 or not dropout < 1.0:  # NaN fails the second test: rejected too
         raise bad_argument("dropout", "a probability in [0, 1)", dropout, "pass e.g. dropout=0.1, or 0.0 for none")
     for name, value in (("training", training), ("causal", causal), ("return_lse", return_lse)):
         if not isinstance(value, bool):
@@ -324,12 +328,16 @@ def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return
     )
 
 
+def _index_tensor(selected: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(list(selected), dtype=torch.long, device=device)
+
+
 def _index(selected: Sequence[int] | slice | None, device: torch.device) -> torch.Tensor | slice:
     if selected is None:
         return slice(None)
     if isinstance(selected, slice):
         return selected
-    return torch.as_tensor(list(selected), dtype=torch.long, device=device)
+    return _index_tensor(selected, device)
 
 
 def _select_weights(weights: torch.Tensor, selection: WeightSelection) -> torch.Tensor:
@@ -346,7 +354,9 @@ def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
     """
     b, h, i, d = p.q.shape
     group = h // p.k.shape[1]
-    heads = torch.arange(h, device=p.q.device) if selection.heads is None else _index(selection.heads, p.q.device)
+    heads = (
+        torch.arange(h, device=p.q.device) if selection.heads is None else _index_tensor(selection.heads, p.q.device)
+    )
     queries = _index(selection.queries, p.q.device)
     work = compute_dtype(p.q.dtype)
     q_sel = p.q.index_select(1, heads)  # (b, n_heads, i, d)
@@ -367,6 +377,68 @@ def autocast_on(device: torch.device) -> bool:
     return autocast_device(device) is not None
 
 
+# The return type follows the flags: the output alone when neither weights nor the LSE are asked for,
+# an AttentionResult when either is; the last overload serves flags known only at run time.
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+    backend: str = "auto",
+    return_weights: Literal[False] = False,
+    return_lse: Literal[False] = False,
+) -> torch.Tensor: ...
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+    backend: str = "auto",
+    return_weights: Literal[True] | WeightSelection,
+    return_lse: bool = False,
+) -> AttentionResult: ...
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+    backend: str = "auto",
+    return_weights: bool | WeightSelection = False,
+    return_lse: Literal[True],
+) -> AttentionResult: ...
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+    backend: str = "auto",
+    return_weights: bool | WeightSelection = False,
+    return_lse: bool = False,
+) -> torch.Tensor | AttentionResult: ...
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -452,6 +524,8 @@ def attention(
     )
     output, weights, lse = result.output, None, result.lse
     if native_weights:
+        # a backend with capabilities.weights returns them when need_weights is True (the registry contract)
+        assert result.weights is not None, f"backend {chosen.name!r} was asked for weights and returned none"
         weights = result.weights if p.selection is None else _select_weights(result.weights, p.selection)
     elif p.call.weights != "none":
         weights = _weights_for(p, p.selection or WeightSelection())

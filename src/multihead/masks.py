@@ -371,7 +371,7 @@ class _Dense(Mask):
     def _bind(self, shape: AttentionShape) -> _BoundTerm:
         target = (shape.batch, shape.heads, shape.q_len, shape.k_len)
         t = self.tensor.reshape((1,) * (4 - self.tensor.ndim) + tuple(self.tensor.shape))
-        if any(size not in (1, want) for size, want in zip(t.shape, target)):
+        if any(size not in (1, want) for size, want in zip(t.shape, target, strict=True)):
             raise bad_argument(
                 self.name,
                 f"a shape broadcastable to (b, h, i, j) = {target} (each dim 1 or equal)",
@@ -719,13 +719,11 @@ class BoundMask:
         kernels masking with masked_fill mask those pairs even where a score overflowed to +inf. A
         consumer that puts -inf back into one additive mask anyway (SDPA) passes False.
         """
-        spans = (
-            _span(rows, self.shape.q_len) if isinstance(rows, slice) else None,
-            _span(cols, self.shape.k_len) if isinstance(cols, slice) else None,
-        )
+        row_span = _span(rows, self.shape.q_len) if isinstance(rows, slice) else None
+        col_span = _span(cols, self.shape.k_len) if isinstance(cols, slice) else None
         keep = None
         for term in self.keep_terms:
-            if None not in spans and term.surely_full(*spans[0], *spans[1]):
+            if row_span is not None and col_span is not None and term.surely_full(*row_span, *col_span):
                 continue
             part = term.evaluate(rows, cols, heads)
             keep = part if keep is None else keep & part
