@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ from multihead._errors import (
     usable_device,
 )
 from multihead._limits import check_fits
-from multihead.functional import attention
+from multihead.functional import AttentionResult, attention
 from multihead.layer import MultiHeadAttention
 from multihead.masks import Mask, as_mask
 
@@ -112,7 +113,7 @@ def _flag(name: str, value: object) -> bool:
 def _probability(name: str, value: object) -> float:
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise bad_argument(name, "a probability in [0, 1)", describe(value), f"pass e.g. {name}=0.1", kind=TypeError)
-    if not 0.0 <= value < 1.0:
+    if value < 0.0 or not value < 1.0:  # NaN fails the second test: rejected too
         raise bad_argument(name, "a probability in [0, 1)", value, f"pass e.g. {name}=0.1, or 0.0 for none")
     return float(value)
 
@@ -471,6 +472,19 @@ def _check_dtypes(query, key, value, params: _Params, key_padding_mask, attn_mas
             )
 
 
+class _Options(TypedDict):
+    """The module's options for :func:`_attend`, passed on as keywords."""
+
+    num_heads: int
+    add_zero_attn: bool
+    dropout: float
+    training: bool
+    batch_first: bool
+    need_weights: bool
+    average_attn_weights: bool
+    is_causal: bool
+
+
 def _attend(
     query,
     key,
@@ -558,7 +572,8 @@ def _attend(
         result = attention(
             q, k, v, mask=_combine(masks), dropout=dropout, training=training, return_weights=need_weights
         )
-        out, weights = (result.output, result.weights) if need_weights else (result, None)
+        # an AttentionResult exactly when need_weights
+        out, weights = (result.output, result.weights) if isinstance(result, AttentionResult) else (result, None)
     out = out.permute(2, 0, 1, 3).reshape(L, n, E)  # (L, N, E): heads concatenated
     out = F.linear(out, params.out_w, params.out_b)
     if call.batched and batch_first:
@@ -575,8 +590,9 @@ def _lengths(t: torch.Tensor) -> torch.Tensor:
     """Per-sequence lengths (N,) of a nested tensor (N, *, features), jagged or strided."""
     if t.layout == torch.strided:
         return torch.tensor([x.shape[0] for x in t.unbind()], dtype=torch.long, device=t.device)
-    lengths = t.lengths()
-    return t.offsets().diff() if lengths is None else lengths
+    # a jagged nested tensor (torch's NestedTensor subclass) has lengths() and offsets(); the Tensor stubs lack them
+    lengths = t.lengths()  # type: ignore[attr-defined]
+    return t.offsets().diff() if lengths is None else lengths  # type: ignore[attr-defined]
 
 
 def _nested_like(layout: torch.layout, padded: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -619,6 +635,9 @@ class MultiheadAttention(nn.Module):
         (torch.Size([5, 2, 16]), torch.Size([2, 5, 7]))
     """
 
+    bias_k: nn.Parameter | None  # (1, 1, E) with add_bias_kv, else None (as torch's module)
+    bias_v: nn.Parameter | None
+
     def __init__(
         self,
         embed_dim: int,
@@ -654,13 +673,13 @@ class MultiheadAttention(nn.Module):
             ("batch_first", batch_first),
         ):
             _flag(name, flag)
-        factory = {"device": usable_device("device", device), "dtype": floating_dtype("dtype", dtype)}
+        device, dtype = usable_device("device", device), floating_dtype("dtype", dtype)
         largest = max((embed_dim, "embed_dim"), (kdim, "kdim"), (vdim, "vdim"), key=lambda pair: pair[0])[1]
         check_fits(
             largest,
             (embed_dim, 2 * embed_dim + kdim + vdim),
-            factory["dtype"] or torch.get_default_dtype(),
-            factory["device"],
+            dtype or torch.get_default_dtype(),
+            device,
             f"pass a smaller {largest}",
             what="the projection weights",
         )
@@ -672,24 +691,24 @@ class MultiheadAttention(nn.Module):
         self.batch_first = batch_first
         self.head_dim = embed_dim // num_heads
         if self._qkv_same_embed_dim:
-            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, device=device, dtype=dtype))
             self.register_parameter("q_proj_weight", None)
             self.register_parameter("k_proj_weight", None)
             self.register_parameter("v_proj_weight", None)
         else:
-            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **factory))
-            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, kdim, **factory))
-            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, vdim, **factory))
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, device=device, dtype=dtype))
+            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, kdim, device=device, dtype=dtype))
+            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, vdim, device=device, dtype=dtype))
             self.register_parameter("in_proj_weight", None)
         if bias:
-            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, device=device, dtype=dtype))
         else:
             self.register_parameter("in_proj_bias", None)
         # torch's class for out_proj: dynamic quantization leaves it alone, as it does torch's module's
-        self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory)
+        self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
         if add_bias_kv:
-            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
-            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, device=device, dtype=dtype))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, device=device, dtype=dtype))
         else:
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
@@ -706,9 +725,9 @@ class MultiheadAttention(nn.Module):
         if self.in_proj_bias is not None:
             nn.init.zeros_(self.in_proj_bias)
             nn.init.zeros_(self.out_proj.bias)
-        if self.bias_k is not None:
-            nn.init.xavier_normal_(self.bias_k)
-            nn.init.xavier_normal_(self.bias_v)
+        for extra in (self.bias_k, self.bias_v):  # both set (add_bias_kv) or both None
+            if extra is not None:
+                nn.init.xavier_normal_(extra)
 
     def __prepare_scriptable__(self):
         """Called by ``torch.jit.script`` (also on submodules): refuse with the reason and the alternatives."""
@@ -726,15 +745,21 @@ class MultiheadAttention(nn.Module):
     def projection_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """W^Q (E, E), W^K (E, kdim), W^V (E, vdim), whichever layout stores them."""
         if self._qkv_same_embed_dim:
-            return self.in_proj_weight.chunk(3)
+            w_q, w_k, w_v = self.in_proj_weight.chunk(3)  # (3E, E) -> 3 x (E, E)
+            return w_q, w_k, w_v
         return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
 
-    def projection_biases(self) -> tuple[torch.Tensor | None, ...]:
+    def projection_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """b^Q, b^K, b^V (E,) each, or Nones."""
-        return (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
+        if self.in_proj_bias is None:
+            return None, None, None
+        b_q, b_k, b_v = self.in_proj_bias.chunk(3)  # (3E,) -> 3 x (E,)
+        return b_q, b_k, b_v
 
     def _params(self) -> _Params:
-        names = ("in_proj_weight",) if self._qkv_same_embed_dim else ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+        names: tuple[str, ...] = (
+            ("in_proj_weight",) if self._qkv_same_embed_dim else ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+        )
         names += ("in_proj_bias", "bias_k", "bias_v")
         named = [(name, getattr(self, name)) for name in names if getattr(self, name) is not None]
         named += [
@@ -764,7 +789,7 @@ class MultiheadAttention(nn.Module):
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """torch.nn.MultiheadAttention.forward, same arguments and results (see the class docstring)."""
-        options = dict(
+        options = _Options(
             num_heads=self.num_heads,
             add_zero_attn=self.add_zero_attn,
             dropout=self.dropout,
@@ -780,7 +805,15 @@ class MultiheadAttention(nn.Module):
             query, key, value, self._params(), key_padding_mask=key_padding_mask, attn_mask=attn_mask, **options
         )
 
-    def _nested_forward(self, query, key, value, key_padding_mask, attn_mask, options):
+    def _nested_forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        attn_mask: torch.Tensor | None,
+        options: _Options,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Nested (N, *, features) inputs, jagged or strided: padded to dense with the keys past each length
         masked, then the output nested again like the query."""
         _check_arguments(
@@ -838,9 +871,12 @@ class MultiheadAttention(nn.Module):
                 "give key and value the same lengths",
             )
         query_len = _lengths(query)
-        padded = [t.to_padded_tensor(0.0) for t in (query, key, value)]  # (N, L_max, E), (N, S_max, kdim), ...
-        padding = torch.arange(padded[1].shape[1], device=key_len.device) >= key_len[:, None]  # (N, S_max)
-        out, weights = _attend(*padded, self._params(), key_padding_mask=padding, attn_mask=None, **options)
+        # (N, L_max, E), (N, S_max, kdim), (N, S_max, vdim)
+        padded_q, padded_k, padded_v = (t.to_padded_tensor(0.0) for t in (query, key, value))
+        padding = torch.arange(padded_k.shape[1], device=key_len.device) >= key_len[:, None]  # (N, S_max)
+        out, weights = _attend(
+            padded_q, padded_k, padded_v, self._params(), key_padding_mask=padding, attn_mask=None, **options
+        )
         if weights is not None:  # padded (N, L_max, S') or (N, h, L_max, S'); 0 on queries past each length
             real = torch.arange(out.shape[1], device=query_len.device) < query_len[:, None]  # (N, L_max)
             weights = weights.masked_fill(~(real[:, :, None] if weights.dim() == 3 else real[:, None, :, None]), 0.0)
