@@ -46,7 +46,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def mask_scores_(
-    scores: torch.Tensor, mask: BoundMask, rows: Index, cols: Index, heads: torch.Tensor | None = None
+    scores: torch.Tensor, mask: BoundMask | FoldedMask, rows: Index, cols: Index, heads: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Add the bias and fill disallowed pairs with -inf, in place. scores: (b, h or len(heads), rows, cols)."""
     keep, bias = mask.block(rows, cols, heads, dtype=scores.dtype)
@@ -76,7 +76,7 @@ def softmax_rows_(scores: torch.Tensor, *, rows_may_be_empty: bool = True) -> to
 
 
 def dropout_keep(
-    shape: torch.Size, p: float, seed: int, block_id: int, device: torch.device, dtype: torch.dtype
+    shape: tuple[int, ...], p: float, seed: int, block_id: int, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
     """Keep-and-rescale factors for one block, reproducible from (seed, block_id) so backward regenerates them."""
     generator = torch.Generator(device=device)
@@ -167,7 +167,8 @@ class KernelFunction(torch.autograd.Function):
         if not _plain_call():
             return cls.apply(*args)
         # as torch's apply: tensors left over from a finished torch.func transform are unwrapped first
-        return super(torch.autograd.Function, cls).apply(*_unwrap_dead_wrappers(args))
+        # the C++ entry (_C._FunctionBase.apply), which torch's stubs leave out
+        return super(torch.autograd.Function, cls).apply(*_unwrap_dead_wrappers(args))  # type: ignore[misc]
 
     @classmethod
     def call_or_run(cls, *args):
@@ -213,9 +214,9 @@ def vmap_by_loop(function: type[torch.autograd.Function], info, in_dims: tuple, 
     """
     outputs = []
     for n in range(info.batch_size):
-        element = [a if dim is None else a.select(dim, n) for a, dim in zip(args, in_dims)]
+        element = [a if dim is None else a.select(dim, n) for a, dim in zip(args, in_dims, strict=True)]
         outputs.append(function.apply(*element))
-    stacked = tuple(None if parts[0] is None else torch.stack(parts) for parts in zip(*outputs))
+    stacked = tuple(None if parts[0] is None else torch.stack(parts) for parts in zip(*outputs, strict=True))
     return stacked, tuple(None if t is None else 0 for t in stacked)
 
 
@@ -331,10 +332,16 @@ def dense_input_grads(
 
 
 def double_backward(
-    primals: dict[str, torch.Tensor | None], cotangents: tuple[torch.Tensor, ...], **options
+    primals: dict[str, torch.Tensor | None],
+    cotangents: tuple[torch.Tensor, ...],
+    *,
+    mask: BoundMask,
+    scale: float,
+    drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """The vector-Jacobian product of :func:`dense_input_grads` at ``primals`` (its tensor arguments by
-    name, None where absent) with ``cotangents`` for (dq, dk, dv): one gradient per primal, in order.
+    name: q, k, v and some of grad_out, grad_weights, grad_lse; a name left out or None is absent) with
+    ``cotangents`` for (dq, dk, dv): one gradient per primal, in order.
 
     torch.func.vjp rather than torch.autograd.grad: it needs no leaves (so it stays differentiable, for
     third order) and it composes with torch.func transforms (vmap, jacrev) around the backward.
@@ -342,8 +349,19 @@ def double_backward(
     names = [name for name, t in primals.items() if t is not None]
 
     def first_order(*tensors: torch.Tensor):
-        return dense_input_grads(**{**primals, **dict(zip(names, tensors))}, **options)
+        given = dict(zip(names, tensors, strict=True))  # the differentiated tensors, by name
+        return dense_input_grads(
+            given["q"],
+            given["k"],
+            given["v"],
+            given.get("grad_out"),
+            given.get("grad_weights"),
+            given.get("grad_lse"),
+            mask=mask,
+            scale=scale,
+            drop=drop,
+        )
 
-    _, vjp = torch.func.vjp(first_order, *(primals[name] for name in names))
-    grads = dict(zip(names, vjp(cotangents)))
+    vjp = torch.func.vjp(first_order, *(primals[name] for name in names))[1]  # (output, vjp_fn): no aux
+    grads = dict(zip(names, vjp(cotangents), strict=True))
     return tuple(grads.get(name) for name in primals)

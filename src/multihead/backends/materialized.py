@@ -179,7 +179,7 @@ class _MaterializedAttention(KernelFunction):
 
     @staticmethod
     def vmap(info, in_dims, q, k, v, mask, scale):
-        q, k, v = (fold(t, dim, info.batch_size) for t, dim in zip((q, k, v), in_dims))
+        q, k, v = (fold(t, dim, info.batch_size) for t, dim in zip((q, k, v), in_dims[:3], strict=True))
         out, weights = _MaterializedAttention.apply(q, k, v, FoldedMask(mask, info.batch_size), scale)
         return (unfold(out, info.batch_size), unfold(weights, info.batch_size)), (0, 0)
 
@@ -210,7 +210,6 @@ class _MaterializedBackward(KernelFunction):
         dq, dk, dv, d_grad_out, d_grad_weights = double_backward(
             {"q": q, "k": k, "v": v, "grad_out": grad_out, "grad_weights": grad_weights},
             (grad_dq, grad_dk, grad_dv),
-            grad_lse=None,
             mask=ctx.mask,
             scale=ctx.scale,
         )
@@ -218,7 +217,10 @@ class _MaterializedBackward(KernelFunction):
 
     @staticmethod
     def vmap(info, in_dims, q, k, v, weights, grad_out, grad_weights, mask, scale):
-        tensors = (fold(t, dim, info.batch_size) for t, dim in zip((q, k, v, weights, grad_out, grad_weights), in_dims))
+        tensors = (
+            fold(t, dim, info.batch_size)
+            for t, dim in zip((q, k, v, weights, grad_out, grad_weights), in_dims[:6], strict=True)
+        )
         grads = _MaterializedBackward.apply(*tensors, FoldedMask(mask, info.batch_size), scale)
         return tuple(unfold(t, info.batch_size) for t in grads), (0, 0, 0)
 

@@ -248,7 +248,7 @@ class _TiledAttention(KernelFunction):
     def vmap(info, in_dims, q, k, v, mask, scale, dropout, seed):
         if dropout > 0:
             return vmap_by_loop(_TiledAttention, info, in_dims, (q, k, v, mask, scale, dropout, seed))
-        q, k, v = (fold(t, dim, info.batch_size) for t, dim in zip((q, k, v), in_dims))
+        q, k, v = (fold(t, dim, info.batch_size) for t, dim in zip((q, k, v), in_dims[:3], strict=True))
         out, lse = _TiledAttention.apply(q, k, v, FoldedMask(mask, info.batch_size), scale, dropout, seed)
         return (unfold(out, info.batch_size), unfold(lse, info.batch_size)), (0, 0)
 
@@ -284,7 +284,6 @@ class _TiledBackward(KernelFunction):
         dq, dk, dv, d_grad_out, d_grad_lse = double_backward(
             {"q": q, "k": k, "v": v, "grad_out": grad_out, "grad_lse": grad_lse},
             (grad_dq, grad_dk, grad_dv),
-            grad_weights=None,
             mask=ctx.mask,
             scale=ctx.scale,
             drop=drop,
@@ -296,7 +295,8 @@ class _TiledBackward(KernelFunction):
         args = (q, k, v, out, lse, grad_out, grad_lse, mask, scale, dropout, seed)
         if dropout > 0:
             return vmap_by_loop(_TiledBackward, info, in_dims, args)
-        tensors = (fold(t, dim, info.batch_size) for t, dim in zip(args[:7], in_dims))  # q ... grad_lse
+        tensor_args, tensor_dims = args[:7], in_dims[:7]  # q ... grad_lse
+        tensors = (fold(t, dim, info.batch_size) for t, dim in zip(tensor_args, tensor_dims, strict=True))
         grads = _TiledBackward.apply(*tensors, FoldedMask(mask, info.batch_size), scale, dropout, seed)
         return tuple(unfold(t, info.batch_size) for t in grads), (0, 0, 0)
 
