@@ -102,7 +102,7 @@ def test_backend_matches_reference(backend, kind, dtype, lengths, small_blocks):
     low = [t.to(dtype) for t in (q, k, v)]
     ref_lowp = run("textbook_lowp", *low, mask, dout=dout)
     fast = run(backend, *low, mask, dout=dout)
-    for name, f, r64, rlp in zip(("output", "dq", "dk", "dv"), fast, ref64, ref_lowp):
+    for name, f, r64, rlp in zip(("output", "dq", "dk", "dv"), fast, ref64, ref_lowp, strict=True):
         assert f.dtype == dtype
         assert_within_rule(f, r64, rlp, what=f"{backend}/{kind}/{dtype} {name}")
 
@@ -164,7 +164,7 @@ def test_weights_gradient_flows_through_materialized():
         res = attention(q, k, v, causal=True, backend=backend, return_weights=True)
         ((res.weights * target).sum() + res.output.square().sum()).backward()
         grads[backend] = [t.grad.clone() for t in (q, k, v)]
-    for ref, fast in zip(grads["reference"], grads["materialized"]):
+    for ref, fast in zip(grads["reference"], grads["materialized"], strict=True):
         torch.testing.assert_close(fast, ref, rtol=0, atol=1e-12)
 
 
@@ -320,7 +320,7 @@ def test_unbatched_inputs_match_batched():
     batched = attention(q, k, v, causal=True, return_weights=True, return_lse=True, backend="tiled")
     single = attention(q[0], k[0], v[0], causal=True, return_weights=True, return_lse=True, backend="tiled")
     assert single.output.shape == (6, 5, 3) and single.weights.shape == (6, 5, 7) and single.lse.shape == (6, 5)
-    for a, b in zip(single, batched):
+    for a, b in zip(single, batched, strict=True):
         torch.testing.assert_close(a, b[0], rtol=0, atol=0)
 
 
@@ -450,7 +450,7 @@ def test_property_every_backend_equals_reference_in_float64(case, seed):
     for backend in FAST_BACKENDS:
         with tiny_blocks(block_q=draw_block(seed, 3), block_k=draw_block(seed // 3, 4), rows=draw_block(seed, 2)):
             got = run(backend, q, k, v, mask, dout=dout)
-        for name, a, want in zip(("output", "dq", "dk", "dv"), got, ref):
+        for name, a, want in zip(("output", "dq", "dk", "dv"), got, ref, strict=True):
             torch.testing.assert_close(a, want, rtol=0, atol=1e-10, msg=f"{backend} {name} {mask!r}")
 
 
@@ -471,7 +471,7 @@ def test_selected_weights_carry_gradients_like_the_reference(kind):
             weights = attention(q, k, v, mask=mask, return_weights=WeightSelection([4, 1], [0, 3, 4])).weights
         (weights * target).sum().backward()
         grads.append([t.grad.clone() for t in (q, k)])
-    for ref, got in zip(*grads):
+    for ref, got in zip(*grads, strict=True):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
 
 

@@ -271,7 +271,7 @@ def run_case(module: nn.Module, case: Case, inputs: list[torch.Tensor], key_padd
         loss_of(out, weights, seed=case.index), leaves + [p for _, p in module.named_parameters()]
     )
     names = [f"input{n}" for n in range(len(leaves))] + [name for name, _ in module.named_parameters()]
-    return out, weights, dict(zip(names, grads))
+    return out, weights, dict(zip(names, grads, strict=True))
 
 
 def test_grid_covers_every_option():
@@ -366,7 +366,7 @@ def _forward_and_grads(module, qkv, cotangents, **kwargs):
     params = [p for _, p in module.named_parameters()]
     grads = torch.autograd.grad(loss, leaves + params)
     names = ["query", "key", "value"] + [n for n, _ in module.named_parameters()]
-    return out, weights, dict(zip(names, grads))
+    return out, weights, dict(zip(names, grads, strict=True))
 
 
 @pytest.mark.parametrize("padding_dtype", [torch.bool, F64], ids=["bool", "float-inf"])
@@ -611,13 +611,13 @@ def test_swapping_the_class_in_a_user_module():
     padding[1, 5:] = padding[2, 0] = True
     for pad in (None, padding):
         xs = [x.clone().requires_grad_(True) for _ in range(2)]
-        outs = [m(xi, pad) for m, xi in zip((theirs, ours), xs)]
+        outs = [m(xi, pad) for m, xi in zip((theirs, ours), xs, strict=True)]
         assert_close(outs[1], outs[0], OUT_ATOL, "block output")
         grads = [
             torch.autograd.grad(loss_of(o, None, 5), [xi] + list(m.parameters()))
-            for o, xi, m in zip(outs, xs, (theirs, ours))
+            for o, xi, m in zip(outs, xs, (theirs, ours), strict=True)
         ]
-        for n, (g_o, g_t) in enumerate(zip(grads[1], grads[0])):
+        for n, (g_o, g_t) in enumerate(zip(grads[1], grads[0], strict=True)):
             assert_close(g_o, g_t, GRAD_ATOL, f"block grad {n}")
         with torch.no_grad():  # no autograd: torch may take its native fast path; still the same numbers
             assert_close(ours(x, pad), theirs(x, pad), OUT_ATOL, "block output without grad")
@@ -702,7 +702,10 @@ def test_to_torch_round_trip_gives_back_the_same_state(name):
     # and the other way round: layer -> torch -> layer
     layer = MultiHeadAttention(E, 3, **config, dtype=F64)
     again = to_torch(layer)
-    assert all(torch.equal(a, b) for a, b in zip(layer.state_dict().values(), from_torch(again).state_dict().values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(layer.state_dict().values(), from_torch(again).state_dict().values(), strict=True)
+    )
     assert set(from_torch(again).state_dict()) == set(layer.state_dict())
 
 
@@ -854,7 +857,10 @@ def run_empty(module, query, key, kwargs):
     return (
         out,
         weights,
-        {n: torch.zeros_like(t) if g is None else g for n, t, g in zip(names, leaves + list(params.values()), grads)},
+        {
+            n: torch.zeros_like(t) if g is None else g
+            for n, t, g in zip(names, leaves + list(params.values()), grads, strict=True)
+        },
     )
 
 
@@ -936,7 +942,7 @@ def test_functional_matches_torch_functional(name, static):
         if w_t is not None:
             assert_close(w_o, w_t, OUT_ATOL, "weights")
         assert [g is None for g in g_o] == [g is None for g in g_t] == [False, static, static, False]
-        for n, (a, b) in enumerate(zip(g_o, g_t)):
+        for n, (a, b) in enumerate(zip(g_o, g_t, strict=True)):
             if b is not None:
                 assert_close(a, b, GRAD_ATOL, f"grad {n}")
 
@@ -985,7 +991,7 @@ def test_nested_inputs_equal_each_sequence_alone(options, layout):
     cotangent = torch.randn(flat.shape, generator=gen, dtype=F64)
     grads = torch.autograd.grad((flat * cotangent).sum(), [query, key, value])
     offsets = [0, 4, 10, 12]
-    for n, (q, k, v) in enumerate(zip(query.unbind(), key.unbind(), value.unbind())):
+    for n, (q, k, v) in enumerate(zip(query.unbind(), key.unbind(), value.unbind(), strict=True)):
         leaves = [t.detach().clone().requires_grad_(True)[None] for t in (q, k, v)]  # (1, len, features)
         alone, alone_w = ours(*leaves, average_attn_weights=False)
         expected, _ = theirs(*leaves, average_attn_weights=False)
@@ -997,7 +1003,7 @@ def test_nested_inputs_equal_each_sequence_alone(options, layout):
         assert_close(padded[..., real_keys], alone_w[0], OUT_ATOL, f"weights of sequence {n}")
         assert (weights[n, :, q_lens[n] :] == 0).all() and (padded[..., S_n : max(k_lens)] == 0).all()
         alone_grads = torch.autograd.grad((alone[0] * cotangent[offsets[n] : offsets[n + 1]]).sum(), leaves)
-        for g, g_alone, name in zip(grads, alone_grads, ("query", "key", "value")):
+        for g, g_alone, name in zip(grads, alone_grads, ("query", "key", "value"), strict=True):
             assert_close(g.unbind()[n], g_alone[0], GRAD_ATOL, f"grad {name} of sequence {n}")
     with torch.no_grad():
         assert_close(torch.cat(ours(query, key, value)[0].unbind()), flat.detach(), OUT_ATOL, "no_grad")

@@ -176,8 +176,9 @@ def test_matches_torch_on_torch_module_inputs(sample: Sample):
     assert out_o.requires_grad == out_t.requires_grad
     assert (grads_o is None) == (grads_t is None)
     names = [f"input{n}" for n, t in enumerate(args) if t.requires_grad] + [n for n, _ in ours.named_parameters()]
-    for name, g_o, g_t, g_64 in zip(names, grads_o or [], grads_t or [], grads_64 or []):
-        assert_matches_torch(g_o, g_t, f"grad {name}", g_64)
+    if grads_o is not None:  # None where nothing requires grad
+        for name, g_o, g_t, g_64 in zip(names, grads_o, grads_t, grads_64, strict=True):
+            assert_matches_torch(g_o, g_t, f"grad {name}", g_64)
     # torch's reference function: the unbatched call equals a batch of one, on our module
     expected = mi.reference_fn(ours, *args, **kwargs)  # torch passes the parameters itself
     torch.testing.assert_close((out_o, w_o), expected, rtol=0, atol=1e-6 if sample.dtype == torch.float32 else 1e-14)
@@ -222,7 +223,7 @@ def test_pickle_and_deepcopy_keep_the_module(sample: Sample):
     for other in (loaded, copied):
         assert type(other) is compat.MultiheadAttention and other.training == ours.training
         assert torch.equal(other(*args, **kwargs)[0], expected[0])
-        assert all(a is not b for a, b in zip(other.parameters(), ours.parameters()))
+        assert all(a is not b for a, b in zip(other.parameters(), ours.parameters(), strict=True))
 
 
 def _non_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -280,7 +281,7 @@ def _functional(ours: compat.MultiheadAttention, n_inputs: int, kwargs: dict):
     names = [name for name, _ in ours.named_parameters()]
 
     def fn(*flat):
-        params = dict(zip(names, flat[n_inputs:]))
+        params = dict(zip(names, flat[n_inputs:], strict=True))
         return torch.func.functional_call(ours, params, tuple(flat[:n_inputs]), kwargs)
 
     return fn

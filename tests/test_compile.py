@@ -117,9 +117,9 @@ def test_weights_and_lse_compile_to_one_graph_for_every_length(fresh_dynamo):
     with torch.no_grad():
         for n in LENGTHS:
             x, q = torch.randn(2, n, 32), torch.randn(2, 4, n, 8)
-            for got, want in zip(weights_call(x), layer(x, causal=True, need_weights=True)):
+            for got, want in zip(weights_call(x), layer(x, causal=True, need_weights=True), strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-            for got, want in zip(lse_call(q, q, q), attention(q, q, q, causal=True, return_lse=True)):
+            for got, want in zip(lse_call(q, q, q), attention(q, q, q, causal=True, return_lse=True), strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one per compiled function
     assert not counters["graph_break"], dict(counters["graph_break"])

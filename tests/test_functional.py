@@ -33,7 +33,7 @@ def test_autocast_computes_as_if_called_in_the_autocast_dtype(options):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         result = attention(*leaves, mask=mask, **options)
     expected = attention(*(t.detach().bfloat16() for t in leaves), mask=mask, **options)
-    for got, want in zip(*(r if isinstance(r, tuple) else (r,) for r in (result, expected))):
+    for got, want in zip(*(r if isinstance(r, tuple) else (r,) for r in (result, expected)), strict=True):
         if want is not None:
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -188,7 +188,7 @@ class Call:
         grads = None
         if self.grad:
             grads = torch.autograd.grad(self.loss(out, weights, lse), leaves, allow_unused=True)
-            grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))
+            grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads, strict=True))
         return out.detach(), None if weights is None else weights.detach(), None if lse is None else lse.detach(), grads
 
     def run(self, backend, dtype=None):
@@ -200,7 +200,7 @@ class Call:
         grads = None
         if self.grad:
             grads = torch.autograd.grad(self.loss(out, weights, lse), qkv, allow_unused=True)
-            grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(qkv, grads))
+            grads = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(qkv, grads, strict=True))
         return out.detach(), None if weights is None else weights.detach(), None if lse is None else lse.detach(), grads
 
 
@@ -309,7 +309,7 @@ def check_backend(call: Call, backend: str, ref64, baselines) -> list[tuple[str,
     if lse is not None:
         within_rule("lse", lse, r64_lse, lo_lse, problems, where=live)
     if grads is not None:
-        for name, g, g64, glo in zip(("dq", "dk", "dv"), grads, r64_grads, lo_grads):
+        for name, g, g64, glo in zip(("dq", "dk", "dv"), grads, r64_grads, lo_grads, strict=True):
             within_rule(f"gradient {name}", g, g64, glo, problems)
     # asking for weights / the LSE, or passing dropout with training=False, never changes the output
     if call.return_weights is not False or call.return_lse or call.dropout:

@@ -132,7 +132,7 @@ def test_layer_shared_by_threads(tally, request):
                 tally.record(test, "crash", f"thread {n}: {type(errors[n]).__name__}: {errors[n]}")
                 problems.append(f"thread {n} raised {type(errors[n]).__name__}: {errors[n]}")
                 continue
-            for c, (got, want) in enumerate(zip(results[n], expected[n])):
+            for c, (got, want) in enumerate(zip(results[n], expected[n], strict=True)):
                 if same(got, want):
                     tally.record(test, "ok")
                 else:
@@ -162,7 +162,7 @@ def later_calls_problems(rope: RotaryEmbedding, test: str, tally, expected: list
     x = torch.randn(2, 3, 5, rope.head_dim, generator=torch.Generator().manual_seed(1))
     if expected is None:
         expected = fresh_rotations(rope.head_dim, rope.base)
-    for positions, want in zip(LATER_POSITIONS, expected):
+    for positions, want in zip(LATER_POSITIONS, expected, strict=True):
         try:
             got = rope.rotate(x, positions)
         except Exception as error:  # noqa: BLE001
@@ -252,7 +252,7 @@ def test_attention_from_threads_is_bitwise_single_threaded(tally, request):
                 tally.record(test, "crash", f"thread {n}: {type(errors[n]).__name__}: {errors[n]}")
                 problems.append(f"thread {n} raised {type(errors[n]).__name__}: {errors[n]}")
                 continue
-            for (label, *_), got, want in zip(calls[n], results[n], expected[n]):
+            for (label, *_), got, want in zip(calls[n], results[n], expected[n], strict=True):
                 if isinstance(want, Exception) and not isinstance(want, InputError):
                     # a valid call that fails even alone: a defect of its own, not of threading
                     tally.record(test, "crash", f"{label}: {type(want).__name__}: {want}")
@@ -261,7 +261,7 @@ def test_attention_from_threads_is_bitwise_single_threaded(tally, request):
                 if isinstance(want, Exception) or isinstance(got, Exception):
                     ok = type(got) is type(want) and str(got) == str(want)
                 else:
-                    ok = all(same(a, b) for a, b in zip(got, want))
+                    ok = all(same(a, b) for a, b in zip(got, want, strict=True))
                 tally.record(test, "ok" if ok else "wrong", "" if ok else f"thread {n}: {label}")
                 if not ok:
                     problems.append(f"thread {n}: {label}: differs from the single-threaded result")
@@ -365,7 +365,7 @@ def test_memory_error_while_tables_grow(tally, request):
                 if error is None and not same(result, expected_grow):
                     found.append("the call that met the fault returned a wrong result")
                 found += later_calls_problems(rope, test, tally, expected_rotations)
-                for start, want in zip(starts, expected_later):
+                for start, want in zip(starts, expected_later, strict=True):
                     try:
                         got = _growth_call(kind, target, x, start)()
                     except Exception as raised:  # noqa: BLE001
