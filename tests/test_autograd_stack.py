@@ -65,7 +65,7 @@ def reference_call(like: str, q, k, v, mask, *, finite: bool = False):
 
 
 def weighted_loss(outputs, weights) -> torch.Tensor:
-    return sum((o * w).sum() for o, w in zip(outputs, weights))
+    return sum((o * w).sum() for o, w in zip(outputs, weights, strict=True))
 
 
 def random_like(outputs, seed: int, batch: tuple[int, ...] = ()):
@@ -118,10 +118,10 @@ def test_double_backward_equals_the_reference(backend, small_blocks):
         store.update(first=first, second=second)
         if name == backend:
             plain = torch.autograd.grad(weighted_loss(fn(*leaves), random_like(outputs, seed=5)), leaves)
-    for a, b in zip(got["first"], plain):
+    for a, b in zip(got["first"], plain, strict=True):
         assert torch.equal(a.detach(), b)
     for what in ("first", "second"):
-        for name, a, b in zip("qkv", got[what], want[what]):
+        for name, a, b in zip("qkv", got[what], want[what], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"{what}-order d{name}")
 
 
@@ -137,7 +137,7 @@ def test_third_order_equals_the_reference(small_blocks):
         (dq,) = torch.autograd.grad(fn(qq, kk, vv).sin().sum(), qq, create_graph=True)
         (dk,) = torch.autograd.grad(dq.sin().sum(), kk, create_graph=True)
         results.append(torch.autograd.grad(dk.sin().sum(), (qq, kk, vv)))
-    for got, want in zip(*results):
+    for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
 
@@ -152,7 +152,7 @@ def test_is_grads_batched_equals_a_loop_over_grad_outputs(backend, small_blocks)
     batched = torch.autograd.grad(outputs, (q, k, v), grad_outputs, retain_graph=True, is_grads_batched=True)
     for n in range(3):
         looped = torch.autograd.grad(outputs, (q, k, v), [g[n] for g in grad_outputs], retain_graph=True)
-        for name, a, b in zip("qkv", batched, looped):
+        for name, a, b in zip("qkv", batched, looped, strict=True):
             torch.testing.assert_close(a[n], b, rtol=0, atol=1e-12, msg=f"d{name}, grad output {n}")
 
 
@@ -168,11 +168,11 @@ def test_batched_grads_under_dropout_go_through_torch_func(small_blocks):
         torch.autograd.grad(outputs, (q, k, v), grad_outputs, retain_graph=True, is_grads_batched=True)
     torch.manual_seed(0)
     outputs_again, vjp = torch.func.vjp(lambda q, k, v: call("tiled", q, k, v, mask, dropout=0.3), q, k, v)
-    assert all(torch.equal(a, b) for a, b in zip(outputs_again, outputs))
+    assert all(torch.equal(a, b) for a, b in zip(outputs_again, outputs, strict=True))
     batched = torch.func.vmap(vjp)(grad_outputs)
     for n in range(3):
         looped = torch.autograd.grad(outputs, (q, k, v), [g[n] for g in grad_outputs], retain_graph=True)
-        for name, a, b in zip("qkv", batched, looped):
+        for name, a, b in zip("qkv", batched, looped, strict=True):
             torch.testing.assert_close(a[n], b, rtol=0, atol=1e-12, msg=f"d{name}, grad output {n}")
 
 
@@ -180,7 +180,7 @@ def test_batched_grads_under_dropout_go_through_torch_func(small_blocks):
 
 
 def stacked(rows):
-    return tuple(torch.stack(parts) for parts in zip(*rows))
+    return tuple(torch.stack(parts) for parts in zip(*rows, strict=True))
 
 
 @pytest.mark.parametrize("in_dims", [(0, 0, 0), (0, None, None), (None, 2, 2)], ids=["all", "q_only", "kv_dim2"])
@@ -194,14 +194,14 @@ def test_vmap_equals_the_loop(backend, in_dims, small_blocks):
     gen = torch.Generator().manual_seed(8)
     args = [
         t if dim is None else torch.randn(*t.shape[:dim], batch, *t.shape[dim:], generator=gen, dtype=t.dtype)
-        for t, dim in zip((q, k, v), in_dims)
+        for t, dim in zip((q, k, v), in_dims, strict=True)
     ]
     got = torch.func.vmap(lambda *a: call(backend, *a, mask), in_dims=in_dims)(*args)
     want = stacked(
-        call(backend, *(a if dim is None else a.select(dim, n) for a, dim in zip(args, in_dims)), mask)
+        call(backend, *(a if dim is None else a.select(dim, n) for a, dim in zip(args, in_dims, strict=True)), mask)
         for n in range(batch)
     )
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
@@ -219,7 +219,7 @@ def test_vmap_through_attention_equals_the_loop(kwargs, small_blocks):
         res = attention(q, k, v, mask=mask, **kwargs)
         return tuple(t for t in res if t is not None) if isinstance(res, tuple) else (res,)
 
-    for a, b in zip(torch.func.vmap(fn)(qs), stacked(fn(x) for x in qs)):
+    for a, b in zip(torch.func.vmap(fn)(qs), stacked(fn(x) for x in qs), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
@@ -234,11 +234,13 @@ def test_vmap_of_grad_and_of_vjp_equal_the_loop(backend, small_blocks):
         return out.sin().sum() + second.square().sum()
 
     grad = torch.func.grad(loss, argnums=(0, 1, 2))
-    for a, b in zip(torch.func.vmap(grad, in_dims=(0, None, None))(qs, k, v), stacked(grad(x, k, v) for x in qs)):
+    batched = torch.func.vmap(grad, in_dims=(0, None, None))(qs, k, v)
+    for a, b in zip(batched, stacked(grad(x, k, v) for x in qs), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     outputs, vjp = torch.func.vjp(lambda q, k, v: call(backend, q, k, v, mask), q, k, v)
     cotangents = random_like(outputs, seed=9, batch=(4,))
-    for a, b in zip(torch.func.vmap(vjp)(cotangents), stacked(vjp(tuple(c[n] for c in cotangents)) for n in range(4))):
+    batched = torch.func.vmap(vjp)(cotangents)
+    for a, b in zip(batched, stacked(vjp(tuple(c[n] for c in cotangents)) for n in range(4)), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
@@ -247,12 +249,14 @@ def test_jacrev_of_grad_is_the_reference_hessian(backend, small_blocks):
     """torch.func's Hessian: vmap over the double backward."""
     q, k, v = make_qkv(b=1, h=4, g=2, i=5, j=3, d=2, e=6, seed=4)
     mask = bound(q, k)
-    hessians = []
-    for fn in (
-        lambda q: call(backend, q, k, v, mask, finite=True),
-        lambda q: reference_call(backend, q, k, v, mask, finite=True),
-    ):
-        hessians.append(torch.func.jacrev(torch.func.grad(lambda q: sum(o.sin().sum() for o in fn(q))))(q))
+
+    def hessian(fn):
+        return torch.func.jacrev(torch.func.grad(lambda q: sum(o.sin().sum() for o in fn(q))))(q)
+
+    hessians = [
+        hessian(lambda q: call(backend, q, k, v, mask, finite=True)),
+        hessian(lambda q: reference_call(backend, q, k, v, mask, finite=True)),
+    ]
     torch.testing.assert_close(*hessians, rtol=0, atol=1e-10)
 
 
@@ -307,7 +311,7 @@ def test_autocast_casts_the_inputs_and_keeps_out_of_the_kernels(backend, dtype, 
     plain = [t.detach().to(run_dtype).requires_grad_(True) for t in (q, k, v)]
     expected = call(backend, *plain, mask)
     weighted_loss(expected, random_like(expected, seed=2)).backward()
-    for got, want in zip(outputs, expected):
+    for got, want in zip(outputs, expected, strict=True):
         assert torch.equal(got, want)
-    for t, p in zip((q, k, v), plain):
+    for t, p in zip((q, k, v), plain, strict=True):
         assert torch.equal(t.grad, p.grad.to(dtype))

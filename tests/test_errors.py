@@ -17,7 +17,8 @@ from multihead import WeightSelection, attention, explain, masks
 from multihead.backends import Capabilities, registry
 from support import is_input_error
 
-B, H, G, I, J, D, E = 2, 6, 3, 5, 7, 4, 3
+# sizes by axis: b, h, g, i (Q_LEN: query positions), j, d, e
+B, H, G, Q_LEN, J, D, E = 2, 6, 3, 5, 7, 4, 3
 
 _gen = torch.Generator().manual_seed(0)
 
@@ -26,7 +27,7 @@ def _randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=_gen).to(dtype)
 
 
-Q = _randn(B, H, I, D)
+Q = _randn(B, H, Q_LEN, D)
 K = _randn(B, G, J, D)
 V = _randn(B, G, J, E)
 
@@ -159,13 +160,13 @@ ROWS = [
     ),
     # ---- mask: tensors
     pytest.param(
-        call(Q, K, V, mask=torch.ones(I, 6, dtype=torch.bool)),
+        call(Q, K, V, mask=torch.ones(Q_LEN, 6, dtype=torch.bool)),
         ValueError,
         "mask: expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7) (each dim 1 or equal), got (5, 6)",
         id="mask-not-broadcastable",
     ),
     pytest.param(
-        call(Q, K, V, mask=torch.ones(3, H, I, J, dtype=torch.bool)),
+        call(Q, K, V, mask=torch.ones(3, H, Q_LEN, J, dtype=torch.bool)),
         ValueError,
         "mask: expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7)",
         id="mask-batch-mismatch",
@@ -177,19 +178,19 @@ ROWS = [
         id="mask-b-j-without-middle-axes",
     ),
     pytest.param(
-        call(Q, K, V, mask=torch.ones(I, J, dtype=torch.uint8)),
+        call(Q, K, V, mask=torch.ones(Q_LEN, J, dtype=torch.uint8)),
         TypeError,
         "mask: expected a bool tensor (True = may attend) or a floating tensor",
         id="mask-uint8",
     ),
     pytest.param(
-        call(Q, K, V, mask=torch.ones(1, B, H, I, J, dtype=torch.bool)),
+        call(Q, K, V, mask=torch.ones(1, B, H, Q_LEN, J, dtype=torch.bool)),
         ValueError,
         "mask: expected at most 4 dims",
         id="mask-5d",
     ),
     pytest.param(
-        call(Q, K, V, mask=[[True] * J] * I),
+        call(Q, K, V, mask=[[True] * J] * Q_LEN),
         TypeError,
         "mask: expected a multihead.masks mask, a bool tensor or a float tensor, got list",
         id="mask-list",
@@ -202,13 +203,13 @@ ROWS = [
         id="and-with-list",
     ),
     pytest.param(
-        call(Q, K, V, mask=masks.causal() & masks.allowed(torch.ones(I, 6, dtype=torch.bool))),
+        call(Q, K, V, mask=masks.causal() & masks.allowed(torch.ones(Q_LEN, 6, dtype=torch.bool))),
         ValueError,
         "allowed(tensor): expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7)",
         id="and-allowed-not-broadcastable",
     ),
     pytest.param(
-        call(Q, K, V, mask=masks.window(2) & torch.zeros(B, H, J, I)),
+        call(Q, K, V, mask=masks.window(2) & torch.zeros(B, H, J, Q_LEN)),
         ValueError,
         "mask: expected a shape broadcastable to (b, h, i, j) = (2, 6, 5, 7) (each dim 1 or equal), got (2, 6, 7, 5)",
         id="and-bias-i-j-swapped",
@@ -352,19 +353,19 @@ ROWS = [
     ),
     # ---- mask: bias / allowed
     pytest.param(
-        other(lambda: masks.bias(torch.ones(I, J, dtype=torch.bool))),
+        other(lambda: masks.bias(torch.ones(Q_LEN, J, dtype=torch.bool))),
         TypeError,
         "bias(tensor): expected a floating tensor",
         id="bias-given-bool",
     ),
     pytest.param(
-        other(lambda: masks.allowed(torch.ones(I, J))),
+        other(lambda: masks.allowed(torch.ones(Q_LEN, J))),
         TypeError,
         "allowed(tensor): expected a bool tensor (True = may attend)",
         id="allowed-given-float",
     ),
     pytest.param(
-        other(lambda: masks.bias([[0.0] * J] * I)),
+        other(lambda: masks.bias([[0.0] * J] * Q_LEN)),
         TypeError,
         "bias(tensor): expected a torch.Tensor, got list",
         id="bias-given-list",
@@ -479,7 +480,7 @@ ROWS = [
         id="selection-head-negative",
     ),
     pytest.param(
-        call(Q, K, V, return_weights=WeightSelection(queries=[I])),
+        call(Q, K, V, return_weights=WeightSelection(queries=[Q_LEN])),
         ValueError,
         "WeightSelection.queries: expected indices in [0, 5) (i = 5), got [5]",
         id="selection-query-too-big",
@@ -626,9 +627,9 @@ def test_explain_reports_what_a_backend_lacks_instead_of_raising():
 
 GOOD = [
     pytest.param({}, id="plain"),
-    pytest.param({"mask": torch.ones(I, J, dtype=torch.bool)}, id="mask-i-j"),
+    pytest.param({"mask": torch.ones(Q_LEN, J, dtype=torch.bool)}, id="mask-i-j"),
     pytest.param({"mask": torch.zeros(B, 1, 1, J)}, id="mask-b-1-1-j-bias"),
-    pytest.param({"mask": masks.causal() & masks.allowed(torch.ones(I, J, dtype=torch.bool))}, id="and-allowed"),
+    pytest.param({"mask": masks.causal() & masks.allowed(torch.ones(Q_LEN, J, dtype=torch.bool))}, id="and-allowed"),
     pytest.param({"mask": masks.padding(torch.tensor([3, 7]))}, id="padding-lengths"),
     pytest.param({"mask": masks.padding([0, 7])}, id="padding-lengths-zero-and-j"),
     pytest.param({"mask": masks.padding(torch.ones(B, J, dtype=torch.bool))}, id="padding-valid"),
@@ -641,7 +642,7 @@ GOOD = [
     pytest.param({"causal": True, "backend": "sdpa"}, id="backend-sdpa"),
     pytest.param({"backend": "tiled", "return_lse": True}, id="backend-tiled-lse"),
     pytest.param({"backend": "materialized", "return_weights": True}, id="backend-materialized-weights"),
-    pytest.param({"return_weights": WeightSelection(heads=[0, H - 1], queries=[I - 1])}, id="selection-edges"),
+    pytest.param({"return_weights": WeightSelection(heads=[0, H - 1], queries=[Q_LEN - 1])}, id="selection-edges"),
     pytest.param({"return_weights": WeightSelection(queries=slice(1, 4))}, id="selection-slice"),
 ]
 
@@ -650,7 +651,7 @@ GOOD = [
 def test_valid_counterparts_run(kwargs):
     result = attention(Q, K, V, **kwargs)
     output = result if isinstance(result, torch.Tensor) else result.output
-    assert output.shape == (B, H, I, E)
+    assert output.shape == (B, H, Q_LEN, E)
     assert torch.isfinite(output).all()
     assert explain(Q, K, V, **kwargs).chosen is not None
 
@@ -662,10 +663,10 @@ def test_valid_counterparts_of_size_rows_run():
         (_randn(B, H, J, D), _randn(B, H, J, 8)),
     ):  # e free, g = h
         output = attention(Q, k, v)
-        assert output.shape == (B, H, I, v.shape[-1])
+        assert output.shape == (B, H, Q_LEN, v.shape[-1])
         assert torch.isfinite(output).all()
     unbatched = attention(Q[0], K[0], V[0])
-    assert unbatched.shape == (H, I, E)
+    assert unbatched.shape == (H, Q_LEN, E)
     assert torch.isfinite(unbatched).all()
     assert attention(Q.double(), K.double(), V.double()).dtype == torch.float64
 
@@ -674,8 +675,8 @@ def test_valid_counterparts_of_constructor_and_registry_rows():
     assert masks.alibi_slopes(H).shape == (H,)
     masks.window(0)
     masks.window(None, None)
-    masks.bias(torch.zeros(I, J))
-    masks.allowed(torch.ones(I, J, dtype=torch.bool))
+    masks.bias(torch.zeros(Q_LEN, J))
+    masks.allowed(torch.ones(Q_LEN, J, dtype=torch.bool))
     registry.register("mine", _noop_backend, Capabilities())
     registry.register("sdpa", _noop_backend, Capabilities(), replace=True)
-    assert attention(Q, K, V, backend="mine").shape == (B, H, I, E)
+    assert attention(Q, K, V, backend="mine").shape == (B, H, Q_LEN, E)

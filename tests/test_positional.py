@@ -21,7 +21,8 @@ from multihead import positional
 from multihead.positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 from support import is_input_error
 
-B, H, G, I, J, D = 2, 6, 3, 5, 7, 8
+# sizes by axis: b, h, g, i (Q_LEN: query positions), j, d
+B, H, G, Q_LEN, J, D = 2, 6, 3, 5, 7, 8
 N, DIM, MAX_LEN = 5, 6, 11
 
 
@@ -71,7 +72,7 @@ def test_rotary_scores_depend_only_on_relative_position():
 
 def test_rotary_preserves_the_norm_of_every_rotated_pair():
     rope = RotaryEmbedding(D)
-    x = randn(B, H, I, D)
+    x = randn(B, H, Q_LEN, D)
     out = rope.rotate(x, 9)
     half = D // 2
     pair_norms = lambda t: t[..., :half] ** 2 + t[..., half:] ** 2  # noqa: E731  (b, h, i, d/2)
@@ -82,9 +83,9 @@ def test_rotary_preserves_the_norm_of_every_rotated_pair():
 
 def test_rotary_position_zero_is_the_identity():
     rope = RotaryEmbedding(D)
-    x = randn(B, H, I, D)
+    x = randn(B, H, Q_LEN, D)
     assert torch.equal(rope.rotate(x[:, :, :1], 0), x[:, :, :1])
-    assert torch.equal(rope.rotate(x, torch.zeros(I, dtype=torch.long)), x)
+    assert torch.equal(rope.rotate(x, torch.zeros(Q_LEN, dtype=torch.long)), x)
     assert not torch.equal(rope.rotate(x, 0)[:, :, 1:], x[:, :, 1:])
 
 
@@ -100,8 +101,8 @@ def test_rotary_uses_the_rotate_half_layout():
 
 def test_rotary_matches_the_complex_formulation():
     rope = RotaryEmbedding(D)
-    x = randn(B, H, I, D)
-    torch.testing.assert_close(rope.rotate(x, 13), complex_rope(x, torch.arange(13, 13 + I)), rtol=0, atol=1e-10)
+    x = randn(B, H, Q_LEN, D)
+    torch.testing.assert_close(rope.rotate(x, 13), complex_rope(x, torch.arange(13, 13 + Q_LEN)), rtol=0, atol=1e-10)
     scattered = torch.tensor([3, 0, 9, 9, 250])  # any order, repeats allowed
     torch.testing.assert_close(rope.rotate(x, scattered), complex_rope(x, scattered), rtol=0, atol=1e-10)
 
@@ -131,9 +132,9 @@ def test_rotary_property_offsets_lengths_and_head_dims(half, n, offset, b, h, ba
 
 def test_rotary_offset_equals_explicit_positions_and_per_row_positions():
     rope = RotaryEmbedding(D)
-    x = randn(B, H, I, D)
-    assert torch.equal(rope.rotate(x, 4), rope.rotate(x, torch.arange(4, 4 + I)))
-    assert torch.equal(rope.rotate(x, 4), rope.rotate(x, torch.arange(4, 4 + I, dtype=torch.int32)))
+    x = randn(B, H, Q_LEN, D)
+    assert torch.equal(rope.rotate(x, 4), rope.rotate(x, torch.arange(4, 4 + Q_LEN)))
+    assert torch.equal(rope.rotate(x, 4), rope.rotate(x, torch.arange(4, 4 + Q_LEN, dtype=torch.int32)))
     per_row = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])  # (b, n): e.g. a left-padded second row
     out = rope.rotate(x, per_row)
     assert torch.equal(out[0], rope.rotate(x[0], 0))
@@ -178,12 +179,12 @@ def test_rotary_forward_aligns_queries_bottom_right_with_grouped_keys():
 @pytest.mark.parametrize("offset", [0, 100_000])
 def test_rotary_float32_and_bfloat16_are_close_to_float64(offset):
     rope = RotaryEmbedding(D)
-    x64 = randn(B, H, I, D, seed=6) * 3
+    x64 = randn(B, H, Q_LEN, D, seed=6) * 3
     for dtype in (torch.float32, torch.bfloat16):
         x = x64.to(dtype)
         out = rope.rotate(x, offset)
         assert out.dtype == dtype
-        ref = complex_rope(x.double(), torch.arange(offset, offset + I))  # the same (rounded) input, exactly
+        ref = complex_rope(x.double(), torch.arange(offset, offset + Q_LEN))  # the same (rounded) input, exactly
         eps = torch.finfo(dtype).eps
         error = (out.double() - ref).abs()
         # float32: a few ulps (tables computed in float64, so large positions keep their precision);
@@ -192,14 +193,14 @@ def test_rotary_float32_and_bfloat16_are_close_to_float64(offset):
         assert (error <= bound).all(), f"{dtype}: max error {error.max().item():.3g}"
     # float64 in, float64 tables
     torch.testing.assert_close(
-        rope.rotate(x64, offset), complex_rope(x64, torch.arange(offset, offset + I)), rtol=0, atol=1e-9
+        rope.rotate(x64, offset), complex_rope(x64, torch.arange(offset, offset + Q_LEN)), rtol=0, atol=1e-9
     )
 
 
 def test_rotary_tables_are_buffers_outside_the_state_dict_and_survive_module_casts():
     rope = RotaryEmbedding(D)
-    x = randn(B, H, I, D, seed=7).float()
-    reference = complex_rope(x.double(), torch.arange(40, 40 + I))
+    x = randn(B, H, Q_LEN, D, seed=7).float()
+    reference = complex_rope(x.double(), torch.arange(40, 40 + Q_LEN))
     rope.rotate(x, 40)
     assert rope.state_dict() == {} and list(rope.parameters()) == []
     assert sum(buf.numel() for buf in rope.buffers()) >= 2 * 45 * D // 2  # cached, and moved by .to(device)
@@ -346,7 +347,7 @@ def test_docstring_examples_run():
 _rope = RotaryEmbedding(D)
 _sin = SinusoidalPositions(DIM, max_len=MAX_LEN)
 _learned = LearnedPositions(MAX_LEN, DIM)
-Q, K, X = randn(B, H, I, D).float(), randn(B, G, J, D).float(), randn(B, N, DIM).float()
+Q, K, X = randn(B, H, Q_LEN, D).float(), randn(B, G, J, D).float(), randn(B, N, DIM).float()
 
 BAD = [
     # ---- RotaryEmbedding(head_dim, base)
@@ -461,7 +462,7 @@ BAD = [
         id="rotate-x-layer-input",
     ),
     pytest.param(
-        lambda: _rope.rotate(Q, torch.arange(I).float()),
+        lambda: _rope.rotate(Q, torch.arange(Q_LEN).float()),
         TypeError,
         "positions: expected an int or an "
         "integer tensor of positions, got tensor of shape (5,) and dtype torch.float32. Fix: convert with "
@@ -469,7 +470,7 @@ BAD = [
         id="rotate-float-positions",
     ),
     pytest.param(
-        lambda: _rope.rotate(Q, torch.ones(I, dtype=torch.bool)),
+        lambda: _rope.rotate(Q, torch.ones(Q_LEN, dtype=torch.bool)),
         TypeError,
         "positions: expected an int or an integer tensor",
         id="rotate-bool-positions",
@@ -481,25 +482,25 @@ BAD = [
         id="rotate-positions-too-short",
     ),
     pytest.param(
-        lambda: _rope.rotate(Q, torch.zeros(3, I, dtype=torch.long)),
+        lambda: _rope.rotate(Q, torch.zeros(3, Q_LEN, dtype=torch.long)),
         ValueError,
         "positions: expected shape (n,) = (5,) or (b, n) = (2, 5), one per row of x, got shape (3, 5)",
         id="rotate-positions-wrong-batch",
     ),
     pytest.param(
-        lambda: _rope.rotate(Q, torch.zeros(I, B, dtype=torch.long)),
+        lambda: _rope.rotate(Q, torch.zeros(Q_LEN, B, dtype=torch.long)),
         ValueError,
         "got shape (5, 2)",
         id="rotate-positions-transposed",
     ),
     pytest.param(
-        lambda: _rope.rotate(Q[0], torch.zeros(B, I, dtype=torch.long)),
+        lambda: _rope.rotate(Q[0], torch.zeros(B, Q_LEN, dtype=torch.long)),
         ValueError,
         "positions: expected shape (n,) = (5,) (x is unbatched (h, n, d)), one per row of x, got shape (2, 5)",
         id="rotate-2d-positions-unbatched-x",
     ),
     pytest.param(
-        lambda: _rope.rotate(Q, torch.zeros(1, B, I, dtype=torch.long)),
+        lambda: _rope.rotate(Q, torch.zeros(1, B, Q_LEN, dtype=torch.long)),
         ValueError,
         "got shape (1, 2, 5)",
         id="rotate-3d-positions",
@@ -707,7 +708,7 @@ def test_a_rotary_layer_shared_by_four_threads_gives_the_single_threaded_outputs
             layer.rotary._cos_sin = torch.empty(2, 0, 2)  # start empty, so the threads race to grow it
             errors, mismatches = [], []
 
-            def work(first: int) -> None:
+            def work(first: int, errors: list[str], mismatches: list[int]) -> None:
                 try:
                     for index in range(first, len(inputs), 2):
                         if not torch.equal(layer(inputs[index])[0], expected[index]):
@@ -715,7 +716,7 @@ def test_a_rotary_layer_shared_by_four_threads_gives_the_single_threaded_outputs
                 except Exception as error:  # noqa: BLE001 - every failure is reported below
                     errors.append(repr(error))
 
-            threads = [threading.Thread(target=work, args=(n % 2,)) for n in range(4)]
+            threads = [threading.Thread(target=work, args=(n % 2, errors, mismatches)) for n in range(4)]
             for thread in threads:
                 thread.start()
             for thread in threads:

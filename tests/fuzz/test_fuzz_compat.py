@@ -280,8 +280,8 @@ def compare(c: Config) -> tuple[str, str]:
         if c.average and not (per_head[full.all(1)[:, None].expand(-1, per_head.shape[1], -1)] == 0).all():
             return "wrong", "averaged weights of a row masked in every head are not exactly 0"
     if not nan_out.any():
-        for n, (a, l, t) in enumerate(zip(g_o, g_l, g_t)):
-            why = _within_rule(a, l, t, torch.ones_like(t, dtype=torch.bool), c.dtype)
+        for n, (grad_o, grad_l, grad_t) in enumerate(zip(g_o, g_l, g_t, strict=True)):
+            why = _within_rule(grad_o, grad_l, grad_t, torch.ones_like(grad_t, dtype=torch.bool), c.dtype)
             if why:
                 return "wrong", f"gradient {n}: {why}"
     return "ok", ""

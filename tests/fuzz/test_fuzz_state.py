@@ -63,7 +63,8 @@ def differences(before: dict, after: dict) -> list[str]:
             if old is None or new is None:
                 changed.append(f"{group[:-1]} {name} {'appeared' if old is None else 'disappeared'}")
             elif old.shape != new.shape:
-                common = tuple(slice(0, min(a, b)) for a, b in zip(old.shape, new.shape))
+                # shapes may differ in ndim too: zip stops at the shorter, and `common` is only read when ndims agree
+                common = tuple(slice(0, min(a, b)) for a, b in zip(old.shape, new.shape, strict=False))
                 same = old.ndim == new.ndim and torch.equal(old[common], new[common])
                 changed.append(
                     f"{group[:-1]} {name} shape {tuple(old.shape)} -> {tuple(new.shape)}"
@@ -112,7 +113,9 @@ def failing_call(kind: str, layer: MultiHeadAttention, cache: KVCache, x: torch.
         layer.train(saved[0])
         layer.backend, layer.dropout = saved[1], saved[2]
 
-    nothing = lambda: None
+    def nothing() -> None:  # the cleanup of a call that set nothing up
+        pass
+
     if kind == "mask of the wrong key length":
         return call(mask=torch.ones(1, 1, 1, 97, dtype=torch.bool)), nothing
     if kind == "mask 'causal' (a string)":
@@ -226,7 +229,7 @@ def test_failed_calls_leave_decoding_state_unchanged(tally, request):
         reference_cache = reference_layer.new_cache(b, setup["max_len"], window=setup["window"])
         gen = torch.Generator().manual_seed(setup["seed"] + 7)
         problems = []
-        for step, (n, kinds) in enumerate(zip(setup["steps"], setup["failures"])):
+        for step, (n, kinds) in enumerate(zip(setup["steps"], setup["failures"], strict=True)):
             x = torch.randn(b, n, E, generator=gen)
             with torch.no_grad():
                 expected = reference_layer(x, cache=reference_cache, causal=setup["causal"])[0]
@@ -443,7 +446,7 @@ def test_attention_failure_changes_no_input(tally, request):
             multihead.attention(q, k, v, mask=masks.bias(bias), backend=backend, return_lse=True)
         except Exception as raised:  # noqa: BLE001
             error = raised
-        unchanged = all(torch.equal(a, b) for a, b in zip(saved, (q, k, v, bias)))
+        unchanged = all(torch.equal(a, b) for a, b in zip(saved, (q, k, v, bias), strict=True))
         if error is None:
             tally.record(test, "bad_input_accepted", f"{backend} with return_lse")
         elif not unchanged:
