@@ -126,7 +126,8 @@ def _inspect_parser(subparsers) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from multihead.inspect.report import bundled_corpus, check_formats, inspect_text, read_corpus, write_reports
+    from multihead.inspect.report import bundled_corpus, inspect_text, read_corpus
+    from multihead.inspect.write import check_formats, write_reports
     from multihead.models import load_minilm
 
     with from_option("--format"):
@@ -172,7 +173,7 @@ def run_inspect(args: argparse.Namespace) -> int:
             )
     paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns, argument="--out")
     for name, path in paths.items():
-        console.print(f"{name} report: {path.resolve()}", soft_wrap=True)
+        console.print(f"{name} report: {path.resolve()}", soft_wrap=True, markup=False)
     return 0
 
 

@@ -6,14 +6,21 @@ with multihead.inspect.capture(model) as rec:
 rec.weights(0, 2)                                   # (b, i, j): layer 0, head 2
 stats = multihead.inspect.head_stats(model, multihead.inspect.bundled_corpus())
 stats.roles()[0][2].label                           # 'prev'
-multihead.inspect.report(model, "The bank was full of money.", out_dir="report")
+inspection = multihead.inspect.inspect_text(model, "The bank was full of money.", token="bank")
+multihead.inspect.write_reports(inspection, "report", ["terminal", "html"])
+multihead.inspect.report(model, "The bank was full of money.", out_dir="report")   # both steps at once
+
+The modules, data first: capture (hooks), stats (statistics, roles), report (the Inspection of one text),
+then its renderers terminal, html (a packaged jinja2 template), plots, and write (all of them, to files);
+importance and syntax (per-head scores); headreport (the tables and files of `multihead heads`).
 """
 
 from multihead.inspect.capture import Recorder, attention_layers, capture
 from multihead.inspect.importance import ablation_importance, gradient_importance, pruning_curve
-from multihead.inspect.report import Inspection, bundled_corpus, inspect_text, read_corpus, report
+from multihead.inspect.report import Inspection, bundled_corpus, inspect_text, read_corpus
 from multihead.inspect.stats import STAT_NAMES, HeadStats, Role, head_stats, label_head
 from multihead.inspect.syntax import SyntaxScores, bundled_treebank, read_conllu, syntax_scores
+from multihead.inspect.write import report, write_reports
 
 __all__ = [
     "capture",
@@ -27,6 +34,7 @@ __all__ = [
     "inspect_text",
     "Inspection",
     "report",
+    "write_reports",
     "bundled_corpus",
     "read_corpus",
     "ablation_importance",

@@ -1,26 +1,27 @@
-"""PNG figures of an inspection: a grid of every recorded head's heatmap with its role label."""
+"""PNG figures of an inspection: a grid of every recorded head's heatmap with its role label.
+
+Needs matplotlib, the ``plots`` extra (``pip install 'multihead[plots]'``); without it,
+:func:`heatmap_grid` raises :class:`~multihead._figures.MissingExtraError` naming the install.
+"""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from multihead.inspect.report import Inspection
+from multihead._figures import pyplot, save_figure
+from multihead.inspect.report import Inspection
+
+__all__ = ["heatmap_grid"]
+
+CELL_INCHES = 1.35  # one head's heatmap
 
 
-def heatmap_grid(inspection: Inspection, path: Path) -> Path:
-    """Save rows = layers, columns = heads of (n, n) heatmaps (query rows, key columns) to ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
+def heatmap_grid(inspection: Inspection, path: str | Path) -> Path:
+    """Save rows = layers, columns = heads of (n, n) heatmaps (query rows, key columns) to ``path``; returns it."""
+    plt = pyplot("the png report")
     rows, cols = len(inspection.layers), len(inspection.heads)
     roles = inspection.role_stats.roles()
-    cell = 1.35
-    figure, axes = plt.subplots(rows, cols, figsize=(cols * cell + 0.6, rows * cell + 0.9), squeeze=False)
+    figure, axes = plt.subplots(rows, cols, figsize=(cols * CELL_INCHES + 0.6, rows * CELL_INCHES + 0.9), squeeze=False)
     for r, layer in enumerate(inspection.layers):
         for c, head in enumerate(inspection.heads):
             axis = axes[r][c]
@@ -33,13 +34,7 @@ def heatmap_grid(inspection: Inspection, path: Path) -> Path:
         f"(rows: query tokens, columns: key tokens; roles from {inspection.role_stats.source})",
         fontsize=8,
     )
-    figure.tight_layout(rect=(0, 0, 1, 0.97))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():  # a character of the user's text the font lacks is drawn as a box, quietly
-        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
-        figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, Path(path), rect=(0, 0, 1, 0.97))
 
 
 def _clip(text: str, limit: int = 60) -> str:

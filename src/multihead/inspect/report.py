@@ -1,13 +1,15 @@
-"""One text through an encoder, every head measured and labelled: terminal, HTML, PNG and JSON reports.
+"""One text through an encoder, every head measured and labelled: the :class:`Inspection` (data only).
 
-inspection = inspect_text(model, "The bank was full of money.", token="bank")
-inspection.top_attended(layer=2, head=5)     # [('money', 6, 0.41), ...]
-report(model, "The bank was full of money.", out_dir="report")   # report.html, heads.png, inspect.json
+    inspection = inspect_text(model, "The bank was full of money.", token="bank")
+    inspection.top_attended(layer=2, head=5)     # [('money', 6, 0.41), ...]
+    inspection.to_dict()                         # what inspect.json holds, and what the HTML page draws
+
+The renderers take an Inspection: :mod:`~multihead.inspect.terminal`, :mod:`~multihead.inspect.html`,
+:mod:`~multihead.inspect.plots`; :mod:`~multihead.inspect.write` writes them all (``report()``).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,24 +17,23 @@ from pathlib import Path
 import torch
 
 from multihead._errors import bad_argument, describe
-from multihead._userfiles import output_folder, read_text, writing
+from multihead._userfiles import read_text
 from multihead.inspect.capture import attention_layers, capture
-from multihead.inspect.stats import STAT_NAMES, HeadStats, head_stats, weight_stats
+from multihead.inspect.stats import DECIMALS, HeadStats, head_stats, weight_stats
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
     "Inspection",
     "inspect_text",
-    "report",
     "bundled_corpus",
     "read_corpus",
     "pick_token",
-    "FORMATS",
     "BUNDLED_CORPUS",
+    "SPECIAL_TOKENS",
 ]
 
-FORMATS = ("terminal", "html", "png", "json")
 BUNDLED_CORPUS = Path(__file__).with_name("corpus.txt")
+SPECIAL_TOKENS = frozenset({"[CLS]", "[SEP]"})  # the reports set them apart from the words of the text
 # Words that are rarely what a user means by "the token to look at": the default --token skips them.
 _FUNCTION_WORDS = frozenset(
     "a an the this that these those of to in on at by for from with into onto about as and or but nor so if "
@@ -114,13 +115,14 @@ def pick_token(tokens: Sequence[str], token: str | int | None) -> int:
     raise bad_argument("token", "a word of the text", repr(token), f"pick one of its tokens: {shown}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Inspection:
     """Every recorded head's weights on one text, with statistics and roles.
 
     ``weights``: (len(layers), len(heads), n, n) float32, weights[l, h, i, j] from token i to token j.
     ``stats``: statistics of this text; ``role_stats``: those the roles were labelled from (the
-    corpus when one was given, else this text); ``corpus``: corpus statistics or None.
+    corpus when one was given, else this text); ``corpus``: corpus statistics or None;
+    ``token``: the index of the selected query token.
     """
 
     model_name: str
@@ -143,48 +145,19 @@ class Inspection:
         """The ``k`` tokens ``token`` (default: the selected one) attends to most: (piece, index, weight)."""
         row = self.head_weights(layer, head)[self.token if token is None else token]
         values, indices = row.topk(min(k, row.numel()))
-        return [(self.tokens[j], j, float(w)) for w, j in zip(values.tolist(), indices.tolist())]
+        return [(self.tokens[j], j, float(w)) for w, j in zip(values.tolist(), indices.tolist(), strict=True)]
 
     def most_attended(self, layer: int, head: int) -> list[tuple[str, str, float]]:
         """For every token, the token it attends to most: (query piece, key piece, weight), in text order."""
         weights = self.head_weights(layer, head)  # (n, n)
         best, keys = weights.max(dim=-1)
-        return [
-            (self.tokens[i], self.tokens[j], float(w)) for i, (w, j) in enumerate(zip(best.tolist(), keys.tolist()))
-        ]
+        pairs = zip(best.tolist(), keys.tolist(), strict=True)
+        return [(self.tokens[i], self.tokens[j], float(w)) for i, (w, j) in enumerate(pairs)]
 
-    def report_data(self, extra_columns: dict[str, list[list[float]]] | None = None) -> dict:
-        """The dict :func:`multihead.inspect.html.render_html` draws."""
-        roles = self.role_stats.roles()
-        text_stats = self.stats.as_dict()["stats"]
-        data = {
-            "title": f"multihead inspect: {self.model_name}",
-            "text": self.text,
-            "model": self.model_name,
-            "tokens": self.tokens,
-            "special": [piece in ("[CLS]", "[SEP]") for piece in self.tokens],
-            "layers": self.layers,
-            "heads": self.heads,
-            "weights": self.weights.to(torch.float64).round(decimals=5).tolist(),
-            "roles": [[{"label": r.label, "pattern": r.pattern, "summary": r.summary} for r in row] for row in roles],
-            "stats": text_stats,
-            "stat_names": STAT_NAMES,
-            "roles_source": self.role_stats.source,
-            "selected_token": self.token,
-            "corpus": None
-            if self.corpus is None
-            else {
-                "source": self.corpus.source,
-                "sentences": self.corpus.texts,
-                "tokens": self.corpus.tokens,
-                "stats": self.corpus.as_dict()["stats"],
-            },
-            "extra_columns": extra_columns or {},
-        }
-        return data
-
-    def as_json(self) -> dict:
-        """Everything measured, as plain lists: tokens, weights, statistics, roles, the token's top keys."""
+    def to_dict(self) -> dict:
+        """Everything measured, as plain JSON values (numbers rounded to ``DECIMALS`` places): tokens, weights,
+        statistics, roles, each head's top keys for the selected token. ``inspect.json`` holds it, and the
+        HTML page draws it."""
         return {
             "model": self.model_name,
             "text": self.text,
@@ -192,7 +165,7 @@ class Inspection:
             "layers": self.layers,
             "heads": self.heads,
             "token": self.token,
-            "weights": self.weights.to(torch.float64).round(decimals=6).tolist(),
+            "weights": self.weights.to(torch.float64).round(decimals=DECIMALS).tolist(),
             "text_stats": self.stats.as_dict(),
             "roles_from": self.role_stats.source,
             "roles": self.role_stats.as_dict()["roles"],
@@ -200,7 +173,7 @@ class Inspection:
             "top_attended": [
                 [
                     [
-                        {"token": piece, "index": index, "weight": round(weight, 6)}
+                        {"token": piece, "index": index, "weight": round(weight, DECIMALS)}
                         for piece, index, weight in self.top_attended(layer, head)
                     ]
                     for head in self.heads
@@ -210,25 +183,6 @@ class Inspection:
             # for every head and token, the index of the token it attends to most: (layers, heads, n)
             "most_attended": self.weights.argmax(dim=-1).tolist(),
         }
-
-    def html(self, extra_columns: dict[str, list[list[float]]] | None = None) -> str:
-        """The self-contained HTML report (inline JS/CSS); ``extra_columns``: per-head scores to show,
-        {name: [layer row][head]} over this inspection's layers and heads."""
-        from multihead.inspect.html import render_html
-
-        return render_html(self.report_data(extra_columns))
-
-    def save_png(self, path: str | Path) -> Path:
-        """A grid of every recorded head's heatmap (rows layers, columns heads) with its role."""
-        from multihead.inspect.plots import heatmap_grid
-
-        return heatmap_grid(self, Path(path))
-
-    def print_terminal(self, console=None) -> None:
-        """The role grid and where the selected token attends, drawn with rich (fits 100 columns)."""
-        from multihead.inspect.terminal import print_inspection
-
-        print_inspection(self, console)
 
 
 def inspect_text(
@@ -288,16 +242,16 @@ def inspect_text(
             progress=progress,
         )
     return Inspection(
-        model.name,
-        text,
-        tokens,
-        rec.layers,
-        recorded_heads,
-        weights,
-        stats,
-        corpus_stats or stats,
-        corpus_stats,
-        selected,
+        model_name=model.name,
+        text=text,
+        tokens=tokens,
+        layers=rec.layers,
+        heads=recorded_heads,
+        weights=weights,
+        stats=stats,
+        role_stats=corpus_stats or stats,
+        corpus=corpus_stats,
+        token=selected,
     )
 
 
@@ -317,80 +271,3 @@ def _check_even_heads(model, layers: Sequence[int] | None, heads: Sequence[int] 
             f"all heads of layers with {chosen} heads (a pruned model)",
             f"pass heads=range({chosen[0]}), or layers with equal head counts",
         )
-
-
-def report(
-    model,
-    text: str,
-    *,
-    out_dir: str | Path = "multihead-report",
-    formats: Sequence[str] = ("html", "png", "json"),
-    **options,
-) -> dict[str, Path]:
-    """Inspect ``text`` (options as :func:`inspect_text`) and write the reports; returns {format: path}.
-
-    Files: ``report.html`` (self-contained, opens offline), ``heads.png``, ``inspect.json``;
-    "terminal" prints to the terminal.
-
-    Example:
-        >>> import tempfile
-        >>> model, _ = multihead.models.load_minilm()
-        >>> paths = multihead.inspect.report(model, "The bank was full of money.", out_dir=tempfile.mkdtemp())
-        >>> sorted(paths)
-        ['html', 'json', 'png']
-    """
-    chosen = check_formats(formats)
-    inspection = inspect_text(model, text, **options)
-    return write_reports(inspection, out_dir, chosen)
-
-
-def check_formats(formats: Sequence[str] | str) -> list[str]:
-    """Validated report formats (a list, or a comma-separated string)."""
-    names = formats.split(",") if isinstance(formats, str) else list(formats)
-    names = [name.strip() for name in names if name.strip()]
-    unknown = [name for name in names if name not in FORMATS]
-    if unknown or not names:
-        raise bad_argument(
-            "format",
-            f"one or more of {', '.join(FORMATS)}",
-            ", ".join(unknown) or "none",
-            "pass e.g. --format terminal,html",
-        )
-    return names
-
-
-def write_reports(
-    inspection: Inspection,
-    out_dir: str | Path,
-    formats: Sequence[str],
-    console=None,
-    extra_columns: dict[str, list[list[float]]] | None = None,
-    *,
-    argument: str = "out_dir",
-) -> dict[str, Path]:
-    """Write (or print) ``inspection`` in each format; returns {format: path} for the files written.
-
-    ``out_dir`` is created when a file is to be written; a path that cannot be a writable folder
-    raises ValueError naming ``argument`` (the CLI passes "--out").
-    """
-    paths: dict[str, Path] = {}
-    directory = Path(out_dir)
-    if any(name != "terminal" for name in formats):
-        directory = output_folder(argument, out_dir)
-    for name in formats:
-        if name == "terminal":
-            inspection.print_terminal(console)
-        elif name == "html":
-            paths[name] = directory / "report.html"
-            page = inspection.html(extra_columns)
-            with writing(argument, paths[name]):
-                paths[name].write_text(page, encoding="utf-8")
-        elif name == "png":
-            with writing(argument, directory / "heads.png"):
-                paths[name] = inspection.save_png(directory / "heads.png")
-        elif name == "json":
-            paths[name] = directory / "inspect.json"
-            text = json.dumps(inspection.as_json(), indent=1, allow_nan=False)
-            with writing(argument, paths[name]):
-                paths[name].write_text(text, encoding="utf-8")
-    return paths

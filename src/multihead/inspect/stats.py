@@ -46,6 +46,7 @@ __all__ = [
     "kovaleva_pattern",
     "label_head",
     "STAT_NAMES",
+    "DECIMALS",
     "PATTERNS",
     "POSITIONAL_SHARE",
     "SINK_SHARE",
@@ -54,6 +55,8 @@ __all__ = [
     "BROAD_NORM_ENTROPY",
     "FOCUSED_NORM_ENTROPY",
 ]
+
+DECIMALS = 6  # every number the reports write (inspect.json, the HTML page, syntax.json) is rounded to this
 
 # Role thresholds (documented in label_head).
 POSITIONAL_SHARE = 0.9  # Voita et al.: the maximum falls on one relative position for >= 90% of tokens
@@ -273,7 +276,7 @@ def label_head(stat: dict[str, float], pattern_shares: dict[str, float]) -> Role
 
     The pattern is the most frequent Kovaleva et al. (2019) pattern over the texts.
     """
-    pattern = max(pattern_shares, key=pattern_shares.get)
+    pattern = max(pattern_shares, key=pattern_shares.__getitem__)
     share = pattern_shares[pattern]
     pattern_note = f"{pattern} in {share:.0%} of texts"
     offset = int(stat["best_offset"])
@@ -364,12 +367,15 @@ class HeadStats:
             "layers": self.layers,
             "heads": self.heads,
             "stats": [
-                [{name: round(value, 6) for name, value in self.stat(layer, head).items()} for head in self.heads]
+                [
+                    {name: round(value, DECIMALS) for name, value in self.stat(layer, head).items()}
+                    for head in self.heads
+                ]
                 for layer in self.layers
             ],
             "patterns": [
                 [
-                    dict(zip(PATTERNS, [round(x, 6) for x in self.patterns[row, col].tolist()], strict=True))
+                    dict(zip(PATTERNS, [round(x, DECIMALS) for x in self.patterns[row, col].tolist()], strict=True))
                     for col in range(len(self.heads))
                 ]
                 for row in range(len(self.layers))

@@ -44,6 +44,7 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead._userfiles import MissingFileError, read_text
 from multihead.inspect.capture import capture
+from multihead.inspect.stats import DECIMALS
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
@@ -432,11 +433,13 @@ class SyntaxScores:
         }
         if self.counts[relation] == 0:
             return row
+        best_score = -math.inf
         for direction in DIRECTIONS:
             scores = getattr(self, direction)[relation]
             index = int(scores.flatten().argmax())
             score = float(scores.flatten()[index])
-            if row["direction"] is None or score > row["score"]:
+            if score > best_score or row["direction"] is None:
+                best_score = score
                 layer, head = divmod(index, len(self.heads))
                 row.update(
                     layer=self.layers[layer],
@@ -478,7 +481,7 @@ class SyntaxScores:
         """Plain values for JSON: shares per relation as nested lists (layers x heads), the table."""
 
         def plain(value: float) -> float | None:
-            return None if math.isnan(value) else round(value, 6)
+            return None if math.isnan(value) else round(value, DECIMALS)
 
         def grid(tensor: torch.Tensor) -> list[list[float | None]]:
             return [[plain(x) for x in row] for row in tensor.tolist()]
@@ -564,17 +567,17 @@ def _score(
 ) -> SyntaxScores:
     """Scores from word-level attention given directly: one (layers, heads, W, W) or (heads, W, W)
     tensor per sentence (the core of :func:`syntax_scores`, for synthetic checks)."""
-    scorer, shape = None, None
+    scorer, layers, heads = None, 0, 0
     for attention, sentence in zip(attentions, sentences, strict=True):
         if attention.dim() == 3:
             attention = attention[None]
         if scorer is None:
-            shape = attention.shape[:2]
-            scorer = _Scorer(relations, shape[0] * shape[1])
+            layers, heads = attention.shape[:2]
+            scorer = _Scorer(relations, layers * heads)
         scorer.add(attention.reshape(-1, *attention.shape[-2:]), sentence)
     if scorer is None:
         raise bad_argument("sentences", "at least one sentence", "none", "pass sentences with their attention")
-    return scorer.result(list(range(shape[0])), list(range(shape[1])))
+    return scorer.result(list(range(layers)), list(range(heads)))
 
 
 def _relations(relations: str | Sequence[str], sentences: Sequence[Sentence]) -> list[str]:

@@ -7,15 +7,15 @@ most attended tokens with their weights (rows heads, columns layers).
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-if TYPE_CHECKING:
-    from multihead.inspect.report import Inspection
+from multihead.inspect.report import SPECIAL_TOKENS, Inspection
+
+__all__ = ["make_console", "role_grid", "attention_table", "strongest_links", "print_inspection", "MAX_WIDTH"]
 
 MAX_WIDTH = 100
 _TOKEN_CHARS = 8  # longer word pieces are shortened so six layers fit in 100 columns
@@ -58,7 +58,7 @@ def role_grid(inspection: Inspection) -> Table:
     table.add_column("L", justify="right", style="bold", no_wrap=True)
     for head in inspection.heads:
         table.add_column(f"h{head}", justify="left", no_wrap=True)
-    for layer, row in zip(inspection.layers, roles):
+    for layer, row in zip(inspection.layers, roles, strict=True):
         cells = [Text(role.label, style=_ROLE_STYLES.get(role.label, "cyan")) for role in row]
         table.add_row(str(layer), *cells)
     return table
@@ -101,7 +101,7 @@ def strongest_links(inspection: Inspection, count: int = 6) -> list[tuple[int, i
             weights = inspection.weights[row, col, inspection.token]  # (n,)
             for key in weights.argsort(descending=True).tolist():
                 piece = inspection.tokens[key]
-                if key != inspection.token and piece not in ("[CLS]", "[SEP]"):
+                if key != inspection.token and piece not in SPECIAL_TOKENS:
                     links.append((layer, head, piece, float(weights[key])))
                     break
     return sorted(links, key=lambda link: -link[3])[:count]

@@ -1,0 +1,122 @@
+"""Every report of an inspection, written or printed: terminal, HTML, PNG and JSON.
+
+    report(model, "The bank was full of money.", out_dir="report")   # report.html, heads.png, inspect.json
+    write_reports(inspection, "report", ["terminal", "json"])           # an Inspection already made
+
+This module calls every renderer; the renderers take the :class:`~multihead.inspect.report.Inspection`
+and know nothing of each other, and the Inspection knows none of them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from multihead._errors import bad_argument
+from multihead._figures import INSTALL_HINT, MissingExtraError, has_matplotlib
+from multihead._userfiles import output_folder, writing
+from multihead.inspect.html import render_html
+from multihead.inspect.plots import heatmap_grid
+from multihead.inspect.report import Inspection, inspect_text
+from multihead.inspect.terminal import print_inspection
+from multihead.models.contract import TextEncoder
+
+__all__ = ["FORMATS", "FILES", "check_formats", "report", "write_reports"]
+
+FORMATS = ("terminal", "html", "png", "json")
+FILES = {"html": "report.html", "png": "heads.png", "json": "inspect.json"}  # "terminal" prints
+
+
+def check_formats(formats: Sequence[str] | str) -> list[str]:
+    """Validated report formats (a list, or a comma-separated string).
+
+    Asking for "png" without matplotlib installed is refused here, before any work, with the install
+    command (a :class:`~multihead._figures.MissingExtraError`).
+    """
+    names = formats.split(",") if isinstance(formats, str) else list(formats)
+    names = [name.strip() for name in names if name.strip()]
+    unknown = [name for name in names if name not in FORMATS]
+    if unknown or not names:
+        raise bad_argument(
+            "format",
+            f"one or more of {', '.join(FORMATS)}",
+            ", ".join(unknown) or "none",
+            "pass e.g. --format terminal,html",
+        )
+    if "png" in names and not has_matplotlib():
+        raise bad_argument(
+            "format",
+            "formats whose libraries are installed (png is drawn with matplotlib)",
+            "png, but matplotlib is not installed",
+            INSTALL_HINT,
+            kind=MissingExtraError,
+        )
+    return names
+
+
+def report(
+    model: TextEncoder,
+    text: str,
+    *,
+    out_dir: str | Path = "multihead-report",
+    formats: Sequence[str] = ("html", "png", "json"),
+    **options,
+) -> dict[str, Path]:
+    """Inspect ``text`` (options as :func:`~multihead.inspect.inspect_text`) and write the reports; returns
+    {format: path}.
+
+    Files: ``report.html`` (self-contained, opens offline), ``heads.png``, ``inspect.json``;
+    "terminal" prints to the terminal.
+
+    Example:
+        >>> import tempfile
+        >>> model, _ = multihead.models.load_minilm()
+        >>> paths = multihead.inspect.report(model, "The bank was full of money.", out_dir=tempfile.mkdtemp())
+        >>> sorted(paths)
+        ['html', 'json', 'png']
+    """
+    chosen = check_formats(formats)
+    inspection = inspect_text(model, text, **options)
+    return write_reports(inspection, out_dir, chosen)
+
+
+def write_reports(
+    inspection: Inspection,
+    out_dir: str | Path,
+    formats: Sequence[str],
+    console: Console | None = None,
+    extra_columns: Mapping[str, Sequence[Sequence[float | None]]] | None = None,
+    *,
+    argument: str = "out_dir",
+) -> dict[str, Path]:
+    """Write (or print) ``inspection`` in each of ``formats``; returns {format: path} for the files written.
+
+    ``console``: where "terminal" prints (default stdout, at most 100 columns). ``extra_columns``: per-head
+    scores for the HTML page's table (see :func:`~multihead.inspect.html.render_html`). ``out_dir`` is
+    created when a file is to be written; a path that cannot be a writable folder raises ValueError naming
+    ``argument`` (the CLI passes "--out").
+    """
+    chosen = check_formats(formats)
+    paths: dict[str, Path] = {}
+    directory = Path(out_dir)
+    if any(name in FILES for name in chosen):
+        directory = output_folder(argument, out_dir)
+    for name in chosen:
+        if name == "terminal":
+            print_inspection(inspection, console)
+            continue
+        path = paths[name] = directory / FILES[name]
+        if name == "png":
+            with writing(argument, path):
+                heatmap_grid(inspection, path)
+            continue
+        if name == "html":
+            text = render_html(inspection, extra_columns)
+        else:
+            text = json.dumps(inspection.to_dict(), indent=1, allow_nan=False)
+        with writing(argument, path):
+            path.write_text(text, encoding="utf-8")
+    return paths
