@@ -82,6 +82,7 @@ def test_ablation_importance_is_one_minus_the_cosine(minilm):
         cosine = (reference * minilm.encode(TEXTS)).sum(-1).mean()
     assert float(importance.scores[0, 2]) == pytest.approx(1 - float(cosine), abs=1e-6)
     assert importance.ranking()[0][:2] == (0, int(importance.scores[0].argmax()))
+    assert [layer for layer, _, _ in importance.ranking()] == [0] * 12  # heads not measured are not ranked
 
 
 def test_pruning_order_never_empties_a_layer():

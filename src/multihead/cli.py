@@ -599,7 +599,7 @@ def run_heads(args: argparse.Namespace) -> int:
             )
             ranked = ", ".join(f"L{layer}H{head} {score * 1000:.1f}" for layer, head, score in importance.ranking()[:8])
             console.print(f"most important: {ranked}", soft_wrap=True)
-            print_written(console, paths.values())
+            headreport.print_written(console, paths)
             return 0
     fractions = sorted({0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, round(args.fraction, 4)})
     with Progress(console=console, transient=True) as bar:
@@ -629,7 +629,7 @@ def run_heads(args: argparse.Namespace) -> int:
         f"{chosen['cosine']:.4f}; model saved to {model_path.resolve()}",
         soft_wrap=True,
     )
-    print_written(console, paths.values())
+    headreport.print_written(console, paths)
     return 0
 
 
@@ -641,7 +641,7 @@ def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
 
 def _report_columns(
     folder: str, model, layers: list[int] | None, heads: list[int] | None
-) -> dict[str, list[list[float]]]:
+) -> dict[str, list[list[float | None]]]:
     """The --scores folder's per-head columns for the chosen heads (its scores must be of this model's size)."""
     from multihead.inspect.headreport import report_columns
 

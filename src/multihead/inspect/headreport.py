@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich import box
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 from multihead._errors import bad_argument
+from multihead._figures import INSTALL_HINT, has_matplotlib, pyplot, save_figure
 from multihead._userfiles import (
     NUMBER,
     Grid,
@@ -23,6 +27,9 @@ from multihead._userfiles import (
     read_json,
     writing,
 )
+from multihead.inspect.importance import HeadImportance
+from multihead.inspect.syntax import RELATIONS, SyntaxScores, bundled_treebank, read_conllu, syntax_scores
+from multihead.models import load_minilm
 
 __all__ = [
     "importance_table",
@@ -32,6 +39,10 @@ __all__ = [
     "write_curve",
     "heads_at_fidelity",
     "report_columns",
+    "syntax_table",
+    "write_syntax",
+    "run_syntax_command",
+    "print_written",
 ]
 
 IMPORTANCE_FILE = "importance.json"
@@ -56,47 +67,58 @@ def importance_table(scores: torch.Tensor, title: str, scale: float = 1000.0) ->
     return table
 
 
-def write_importance(importance, out_dir: Path, *, source: str) -> dict[str, Path]:
+def write_importance(importance: HeadImportance, out_dir: Path, *, source: str) -> dict[str, Path]:
     """importance.json and importance.png (a layer x head heatmap) in ``out_dir``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    output_folder("--out", out_dir)  # created now, at the first file written into it
     data = {
         **importance.as_dict(),
         "source": source,
         "ranking": [{"layer": layer, "head": head, "score": score} for layer, head, score in importance.ranking()],
     }
-    json_path = out_dir / IMPORTANCE_FILE
-    _write_json(json_path, data, allow_nan=False)
-    figure, axis = plt.subplots(figsize=(8, 4))
-    image = axis.imshow(importance.scores.numpy(), cmap="magma", aspect="auto")
-    axis.set(xlabel="head", ylabel="layer", title=f"head importance: {importance.metric}")
-    axis.set_xticks(range(importance.scores.shape[1]))
-    axis.set_yticks(range(importance.scores.shape[0]))
-    figure.colorbar(image, ax=axis)
-    figure.tight_layout()
-    png_path = out_dir / "importance.png"
-    _save_figure(plt, figure, png_path)
-    return {"json": json_path, "png": png_path}
+
+    def draw(plt: Any) -> Any:
+        figure, axis = plt.subplots(figsize=(8, 4))
+        image = axis.imshow(importance.scores.numpy(), cmap="magma", aspect="auto")
+        axis.set(xlabel="head", ylabel="layer", title=f"head importance: {importance.metric}")
+        axis.set_xticks(range(importance.scores.shape[1]))
+        axis.set_yticks(range(importance.scores.shape[0]))
+        figure.colorbar(image, ax=axis)
+        return figure
+
+    return _write_files(out_dir, IMPORTANCE_FILE, data, draw, allow_nan=False)
 
 
-def _write_json(path: Path, data, *, allow_nan: bool = True) -> None:
-    """Write ``data`` as JSON into the user's --out folder (a failed write names --out)."""
+def _write_files(
+    out_dir: Path, json_name: str, data: object, draw: Callable[[Any], Any], *, allow_nan: bool = True
+) -> dict[str, Path]:
+    """``json_name`` (``data`` as JSON) and, when matplotlib is installed, the PNG of the same stem with the
+    figure ``draw(pyplot)`` returns, in the user's --out folder (created now; a failed write names --out).
+
+    Returns {"json": path, "png": path}; without matplotlib, no "png" (:func:`print_written` says why).
+    """
+    output_folder("--out", out_dir)
+    paths = {"json": out_dir / json_name}
     text = json.dumps(data, indent=1, allow_nan=allow_nan)
-    with writing("--out", path):
-        path.write_text(text)
+    with writing("--out", paths["json"]):
+        paths["json"].write_text(text)
+    if has_matplotlib():
+        paths["png"] = paths["json"].with_suffix(".png")
+        figure = draw(pyplot())
+        with writing("--out", paths["png"]):
+            save_figure(figure, paths["png"])
+    return paths
 
 
-def _save_figure(plt, figure, path: Path) -> None:
-    """Save and close ``figure`` in the user's --out folder (a failed write names --out)."""
-    try:
-        with writing("--out", path):
-            figure.savefig(path, dpi=110)
-    finally:
-        plt.close(figure)
+def print_written(console: Console, paths: dict[str, Path]) -> None:
+    """One line per file written (its absolute path), and a note when the PNG was left out for want of matplotlib."""
+    for path in paths.values():
+        console.print(f"wrote {path.resolve()}", soft_wrap=True, markup=False, highlight=False)
+    if "png" not in paths:
+        console.print(
+            f"note: no PNG figure: matplotlib is not installed. For figures: {INSTALL_HINT}",
+            soft_wrap=True,
+            markup=False,
+            highlight=False,
+        )
 
 
 # A score is 1 - cosine (in [0, 2]) for ablation, |E[A dL/dA]| for gradient importance: bounded well below
@@ -179,38 +201,31 @@ def curve_table(curve: list[dict]) -> Table:
 
 def write_curve(curve: list[dict], out_dir: Path) -> dict[str, Path]:
     """pruning.json and pruning.png (fidelity and speed-up against the fraction of heads removed)."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(plt: Any) -> Any:
+        removed = [row["heads_removed"] for row in curve]
+        figure, left = plt.subplots(figsize=(7, 4))
+        left.plot(removed, [row["cosine"] for row in curve], "o-", label="mean cosine to the original")
+        left.plot(removed, [row["nn_agreement"] for row in curve], "s--", label="nearest-neighbour agreement")
+        left.axhline(0.99, color="grey", linestyle=":", label="0.99")
+        left.set(xlabel="heads removed (least important first)", ylabel="embedding fidelity")
+        right = left.twinx()
+        right.plot(
+            removed, [row["attention_speedup"] for row in curve], "^-", color="tab:red", label="attention speed-up"
+        )
+        right.plot(removed, [row["speedup"] for row in curve], "v-", color="tab:orange", label="encode speed-up")
+        right.set_ylabel("speed-up (measured)")
+        lines = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+        labels = left.get_legend_handles_labels()[1] + right.get_legend_handles_labels()[1]
+        left.legend(lines, labels, fontsize=7, loc="center left", framealpha=0.9)
+        return figure
 
-    output_folder("--out", out_dir)  # created now, at the first file written into it
-    json_path = out_dir / CURVE_FILE
-    _write_json(json_path, curve)
-    fractions = [row["heads_removed"] for row in curve]
-    figure, left = plt.subplots(figsize=(7, 4))
-    left.plot(fractions, [row["cosine"] for row in curve], "o-", label="mean cosine to the original")
-    left.plot(fractions, [row["nn_agreement"] for row in curve], "s--", label="nearest-neighbour agreement")
-    left.axhline(0.99, color="grey", linestyle=":", label="0.99")
-    left.set(xlabel="heads removed (least important first)", ylabel="embedding fidelity")
-    right = left.twinx()
-    right.plot(
-        fractions, [row["attention_speedup"] for row in curve], "^-", color="tab:red", label="attention speed-up"
-    )
-    right.plot(fractions, [row["speedup"] for row in curve], "v-", color="tab:orange", label="encode speed-up")
-    right.set_ylabel("speed-up (measured)")
-    lines = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-    labels = left.get_legend_handles_labels()[1] + right.get_legend_handles_labels()[1]
-    left.legend(lines, labels, fontsize=7, loc="center left", framealpha=0.9)
-    figure.tight_layout()
-    png_path = out_dir / "pruning.png"
-    _save_figure(plt, figure, png_path)
-    return {"json": json_path, "png": png_path}
+    return _write_files(out_dir, CURVE_FILE, curve, draw)
 
 
 def report_columns(
     folder: str | Path, *, argument: str = "folder", shape: tuple[int, int] | None = None
-) -> dict[str, list[list[float]]]:
+) -> dict[str, list[list[float | None]]]:
     """Per-head columns for the inspect HTML report from a `multihead heads` output folder:
     "importance" (from importance.json) and "best syntax score" (from syntax.json), when present.
 
@@ -220,7 +235,7 @@ def report_columns(
     directory = existing_folder(
         argument, folder, what="a folder written by `multihead heads importance` or `syntax`", fix=fix
     )
-    columns: dict[str, list[list[float]]] = {}
+    columns: dict[str, list[list[float | None]]] = {}
     importance = directory / IMPORTANCE_FILE
     if path_kind(importance) == "file":
         scores = load_importance(importance, argument=argument, shape=shape).tolist()
@@ -240,7 +255,7 @@ def report_columns(
     return columns
 
 
-def syntax_table(scores) -> Table:
+def syntax_table(scores: SyntaxScores) -> Table:
     """One row per relation: dependents, the best offset baseline, the best head and its margin."""
     table = Table(
         title=f"Syntactic heads on {scores.source} ({scores.sentences} sentences): the share of "
@@ -268,46 +283,35 @@ def syntax_table(scores) -> Table:
     return table
 
 
-def write_syntax(scores, out_dir: Path) -> dict[str, Path]:
+def write_syntax(scores: SyntaxScores, out_dir: Path) -> dict[str, Path]:
     """syntax.json (every head's shares, the best heads, per-head best) and syntax.png (best vs baseline)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    output_folder("--out", out_dir)  # created now, at the first file written into it
     data = {**scores.as_dict(), "per_head_best": scores.per_head_best().tolist()}
-    json_path = out_dir / SYNTAX_FILE
-    _write_json(json_path, data)
     rows = [row for row in scores.table() if row["layer"] is not None]
-    figure, axis = plt.subplots(figsize=(8, 4))
-    positions = range(len(rows))
-    axis.bar(
-        [p - 0.2 for p in positions],
-        [row["baseline_score"] for row in rows],
-        width=0.4,
-        label="best fixed offset",
-        color="tab:grey",
-    )
-    axis.bar(
-        [p + 0.2 for p in positions], [row["score"] for row in rows], width=0.4, label="best head", color="tab:blue"
-    )
-    axis.set_xticks(list(positions), [f"{row['relation']}\nL{row['layer']}H{row['head']}" for row in rows], fontsize=7)
-    axis.set(ylabel="share of dependents", ylim=(0, 1), title="Syntactic heads against the offset baseline")
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    png_path = out_dir / "syntax.png"
-    _save_figure(plt, figure, png_path)
-    return {"json": json_path, "png": png_path}
+
+    def draw(plt: Any) -> Any:
+        figure, axis = plt.subplots(figsize=(8, 4))
+        positions = range(len(rows))
+        axis.bar(
+            [p - 0.2 for p in positions],
+            [row["baseline_score"] for row in rows],
+            width=0.4,
+            label="best fixed offset",
+            color="tab:grey",
+        )
+        axis.bar(
+            [p + 0.2 for p in positions], [row["score"] for row in rows], width=0.4, label="best head", color="tab:blue"
+        )
+        names = [f"{row['relation']}\nL{row['layer']}H{row['head']}" for row in rows]
+        axis.set_xticks(list(positions), names, fontsize=7)
+        axis.set(ylabel="share of dependents", ylim=(0, 1), title="Syntactic heads against the offset baseline")
+        axis.legend(fontsize=8)
+        return figure
+
+    return _write_files(out_dir, SYNTAX_FILE, data, draw)
 
 
 def run_syntax_command(args, console: Console, out_dir: Path) -> int:
     """``multihead heads syntax``: score every head on the treebank, print the table, write JSON and PNG."""
-    from rich.progress import Progress
-
-    from multihead.inspect.syntax import RELATIONS, bundled_treebank, read_conllu, syntax_scores
-    from multihead.models import load_minilm
-
     relations = (
         RELATIONS if args.relations is None else tuple(r.strip() for r in args.relations.split(",") if r.strip())
     )
@@ -332,6 +336,5 @@ def run_syntax_command(args, console: Console, out_dir: Path) -> int:
             )
     scores.source = source
     console.print(syntax_table(scores))
-    for path in write_syntax(scores, out_dir).values():
-        console.print(f"wrote {path.resolve()}", soft_wrap=True)
+    print_written(console, write_syntax(scores, out_dir))
     return 0

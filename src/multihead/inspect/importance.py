@@ -16,6 +16,7 @@ References:
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
@@ -62,10 +63,10 @@ def ablated(
     """
     layers = attention_layers(model)
     try:
-        for layer, chosen in heads.items():
+        for index, chosen in heads.items():
             if chosen:
-                means = None if mean_outputs is None else mean_outputs[layer][list(chosen)]
-                layers[layer].ablate_heads(list(chosen), how=how, mean_outputs=means)
+                means = None if mean_outputs is None else mean_outputs[index][list(chosen)]
+                layers[index].ablate_heads(list(chosen), how=how, mean_outputs=means)
         yield model
     finally:
         for layer in layers:
@@ -124,11 +125,12 @@ class HeadImportance:
     texts: int = 0
 
     def ranking(self) -> list[tuple[int, int, float]]:
-        """(layer, head, score), most important first."""
+        """(layer, head, score), most important first; heads not measured (NaN scores) are left out."""
         flat = [
             (layer, head, float(self.scores[layer, head]))
             for layer in range(self.scores.shape[0])
             for head in range(self.scores.shape[1])
+            if not math.isnan(float(self.scores[layer, head]))
         ]
         return sorted(flat, key=lambda item: -item[2])
 
