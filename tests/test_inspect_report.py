@@ -1,0 +1,167 @@
+"""multihead.inspect.report: the Inspection (data only, one to_dict) and inspect_text on the real model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from multihead.inspect import capture
+from multihead.inspect.report import Inspection, bundled_corpus, inspect_text, pick_token, read_corpus
+from multihead.inspect.stats import DECIMALS
+from multihead.models import Encoder, EncoderConfig, load_minilm
+from support_inspect import HEADS, LAYERS, TOKENS, synthetic_inspection
+
+TEXT = "The bank was full of money."
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load_minilm()[0]
+
+
+# --------------------------------------------------------------------------- the Inspection
+
+
+def test_an_inspection_is_frozen_data():
+    inspection = synthetic_inspection()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        inspection.token = 3  # type: ignore[misc]
+    assert [field.name for field in dataclasses.fields(Inspection)] == [
+        "model_name",
+        "text",
+        "tokens",
+        "layers",
+        "heads",
+        "weights",
+        "stats",
+        "role_stats",
+        "corpus",
+        "token",
+    ]
+
+
+def test_to_dict_is_plain_json_rounded_once():
+    inspection = synthetic_inspection(corpus=True)
+    data = inspection.to_dict()
+    assert json.loads(json.dumps(data, allow_nan=False)) == data  # plain values only
+    assert (data["model"], data["text"], data["tokens"], data["token"]) == (
+        "all-MiniLM-L6-v2",
+        inspection.text,
+        TOKENS,
+        2,
+    )
+    assert (data["layers"], data["heads"]) == (LAYERS, HEADS)
+    weights = torch.tensor(data["weights"], dtype=torch.float64)
+    assert weights.shape == (len(LAYERS), len(HEADS), len(TOKENS), len(TOKENS))
+    torch.testing.assert_close(weights, inspection.weights.double().round(decimals=DECIMALS), rtol=0, atol=0)
+    assert data["text_stats"] == inspection.stats.as_dict()
+    assert data["corpus_stats"] == inspection.corpus.as_dict()
+    assert data["roles_from"] == "bundled corpus (150 sentences)"
+    assert data["roles"] == inspection.role_stats.as_dict()["roles"]
+    assert data["roles"][0][0]["label"] == "prev" and data["roles"][1][2]["label"] == "[CLS]"
+    assert data["most_attended"] == inspection.weights.argmax(dim=-1).tolist()
+    for r, layer in enumerate(LAYERS):
+        for c, head in enumerate(HEADS):
+            assert data["top_attended"][r][c] == [
+                {"token": piece, "index": index, "weight": round(weight, DECIMALS)}
+                for piece, index, weight in inspection.top_attended(layer, head)
+            ]
+    assert synthetic_inspection().to_dict()["corpus_stats"] is None
+
+
+def test_head_weights_top_and_most_attended_use_model_indices():
+    inspection = synthetic_inspection()
+    torch.testing.assert_close(inspection.head_weights(5, 7), inspection.weights[1, 2])
+    assert inspection.top_attended(2, 0)[0] == ("the", 1, 1.0)  # the previous-token head, from "bank"
+    assert [key for _, key, _ in inspection.most_attended(2, 0)] == [TOKENS[0], *TOKENS[:-1]]
+    assert [key for _, key, _ in inspection.most_attended(5, 7)] == ["[CLS]"] * len(TOKENS)
+    with pytest.raises(ValueError, match=r"layer: expected one of \[2, 5\], got 0"):
+        inspection.head_weights(0, 0)
+    with pytest.raises(ValueError, match=r"head: expected one of \[0, 3, 7\], got 1"):
+        inspection.top_attended(2, 1)
+
+
+# --------------------------------------------------------------------------- inspect_text
+
+
+def test_inspect_text_records_the_chosen_heads(minilm):
+    inspection = inspect_text(minilm, TEXT, layers=[1, 4], heads=[0, 7], token="money")
+    assert (inspection.model_name, inspection.tokens[inspection.token]) == ("all-MiniLM-L6-v2", "money")
+    assert (inspection.layers, inspection.heads, inspection.corpus) == ([1, 4], [0, 7], None)
+    assert inspection.role_stats is inspection.stats and inspection.stats.source == "this text"
+    with torch.no_grad(), capture(minilm, layers=[1, 4], heads=[0, 7]) as rec:
+        minilm.encode(TEXT)
+    for row, layer in enumerate([1, 4]):
+        for col, head in enumerate([0, 7]):
+            torch.testing.assert_close(inspection.weights[row, col], rec.weights(layer, head)[0], rtol=0, atol=0)
+
+
+def test_inspect_text_with_a_corpus_labels_roles_from_it(minilm):
+    done = []
+    texts = bundled_corpus()[:4]
+    inspection = inspect_text(
+        minilm, TEXT, layers=[0], heads=[2], corpus=texts, corpus_source="four texts", progress=done.append
+    )
+    assert done == [4] and inspection.corpus is inspection.role_stats
+    assert inspection.corpus.source == "four texts" and inspection.corpus.texts == 4
+    assert inspection.role_stats.roles()[0][0].label == "prev"
+
+
+def test_inspect_text_keeps_the_training_mode(minilm):
+    minilm.train()
+    try:
+        first = inspect_text(minilm, TEXT, layers=[3], heads=[5])
+        assert minilm.training
+        torch.testing.assert_close(first.weights, inspect_text(minilm, TEXT, layers=[3], heads=[5]).weights)
+    finally:
+        minilm.eval()
+
+
+def test_inspect_text_bad_inputs(minilm):
+    with pytest.raises(TypeError, match="text: expected a string"):
+        inspect_text(minilm, 42)
+    with pytest.raises(ValueError, match="text: expected a non-empty text"):
+        inspect_text(minilm, "  \n")
+    with pytest.raises(TypeError, match="model: expected a text encoder with its tokenizer"):
+        inspect_text(torch.nn.Linear(2, 2), TEXT)
+    bare = Encoder(EncoderConfig(vocab_size=11, hidden_size=12, num_layers=1, num_heads=3, intermediate_size=7))
+    with pytest.raises(ValueError, match=r"model\.tokenizer: expected a Tokenizer"):
+        inspect_text(bare, TEXT)
+    with pytest.raises(ValueError, match="token: expected a word of the text, got 'river'"):
+        inspect_text(minilm, TEXT, token="river")
+
+
+def test_a_pruned_model_needs_heads_every_chosen_layer_has(minilm):
+    import copy
+
+    pruned = copy.deepcopy(minilm)
+    pruned.prune_heads({1: [0, 5]})
+    with pytest.raises(ValueError, match=r"heads: expected heads that every chosen layer has .* \[10, 12\] heads"):
+        inspect_text(pruned, TEXT)
+    assert inspect_text(pruned, TEXT, layers=[1, 2], heads=range(10)).weights.shape[:2] == (2, 10)
+
+
+# --------------------------------------------------------------------------- the token and the corpus
+
+
+def test_pick_token_defaults_to_the_first_content_word():
+    assert pick_token(["[CLS]", "the", "of", ",", "bank", "[SEP]"], None) == 4
+    assert pick_token(["[CLS]", "the", "[SEP]"], None) == 1  # no content word: the first real token
+    assert pick_token(["[CLS]", "[SEP]"], None) == 0
+    with pytest.raises(TypeError, match="token: expected a word of the text"):
+        pick_token(TOKENS, 2.5)
+
+
+def test_read_corpus_skips_comments_and_blank_lines(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("# a comment\n\n  First text.  \n#not a comment\nSecond text.\n", encoding="utf-8")
+    assert read_corpus(path) == ["First text.", "#not a comment", "Second text."]
+    path.write_text("# only a comment\n\n")
+    with pytest.raises(ValueError, match=r"--corpus: expected at least one non-empty line"):
+        read_corpus(path, argument="--corpus")
+    with pytest.raises(FileNotFoundError, match="corpus: expected a text file"):
+        read_corpus(tmp_path / "missing.txt")
+    assert len(bundled_corpus()) == 178
