@@ -2,7 +2,7 @@
 
 A BERT-base-sized layer (768 wide, 12 heads) at batch 4, n = 512, float32, forward and
 forward+backward, keeping 12, 9, 6 and 3 heads. Each time is the median of up to 9 calls after one
-warm-up (multihead.bench.common.time_calls). Next to each: the time the cost model predicts in
+warm-up (harness.common.time_calls). Next to each: the time the cost model predicts in
 proportion (needed FLOPs of the pruned shape over the unpruned one's, times the unpruned time), and
 zero-ablating the same heads on the unpruned layer (same outputs, no saving) as the peer.
 
@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 import torch
+from harness.common import machine_info, time_calls
 
 from multihead import MultiHeadAttention
-from multihead.bench.common import machine_info, time_calls
 from multihead.cost import LayerShape, estimate
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -1,4 +1,5 @@
-"""multihead.cost: exact counts checked against FlopCounterMode, measured memory and the textbook's examples."""
+"""multihead.cost: exact counts checked against FlopCounterMode, the peak against measured memory, the textbook's
+examples, the per-kernel buffers and the roofline."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from multihead import MultiHeadAttention
 from multihead.cost import (
+    KERNEL_BUFFERS,
+    AttentionSizes,
     LayerShape,
     MachineRates,
     _attended_pairs,
+    attention_kernel_cost,
+    bound,
     crossover,
     estimate,
-    load_calibration,
-    measure_peak_bytes,
     roofline,
-    save_calibration,
 )
+from multihead.machine import measure_peak_bytes
 
 MIB = 2**20
 
@@ -172,25 +175,52 @@ def test_predicted_peak_memory_within_10_percent_of_measured(config, mode, need_
     assert abs(predicted / measured - 1) <= 0.10, (predicted / MIB, measured / MIB)
 
 
-def test_measure_peak_bytes_counts_what_a_step_allocates():
-    keep = []
-    peak = measure_peak_bytes(lambda: keep.append(torch.empty(3 * MIB, dtype=torch.uint8)))
-    assert peak == 3 * MIB
-    transient = measure_peak_bytes(lambda: [torch.empty(MIB, dtype=torch.uint8) for _ in range(2)])
-    assert transient == 2 * MIB
+def test_each_kernel_names_its_own_buffers():
+    """The kernel-specific part of the peak lives in KERNEL_BUFFERS, one entry per kernel the layer runs."""
+    sizes = AttentionSizes(b=2, h=6, g=3, i=5, j=7, d=4, e=3, itemsize=4)
+    assert sizes.lse == 2 * 6 * 5 * 4 and sizes.head_outputs == 2 * 6 * 5 * 3 * 4
+    assert sizes.key_sized == 2 * 3 * 7 * 4 * 4 and sizes.weights == 2 * 6 * 5 * 7 * 4
+    sdpa, materialized = KERNEL_BUFFERS["sdpa"](sizes), KERNEL_BUFFERS["materialized"](sizes)
+    assert (sdpa.forward, sdpa.recorded, sdpa.saved, sdpa.backward) == (
+        sizes.lse,
+        sizes.lse,
+        sizes.lse,
+        sizes.key_sized,
+    )
+    assert (materialized.forward, materialized.recorded, materialized.saved, materialized.backward) == (
+        sizes.head_outputs,
+        sizes.lse,
+        sizes.lse + sizes.head_outputs,
+        sizes.key_sized + sizes.weights,
+    )
+    # a forward whose peak is at the end: everything kept, plus the kernel's forward buffers
+    shape = LayerShape(24, 6, num_kv_heads=3, kdim=5, vdim=9)  # no fused QKV: no stacked weight
+    plain = estimate(shape, seq=5, kv_seq=7, batch=2)
+    weights = estimate(shape, seq=5, kv_seq=7, batch=2, need_weights=True)
+    layer_sizes = AttentionSizes(b=2, h=6, g=3, i=5, j=7, d=4, e=4, itemsize=4)
+    assert plain.bytes.peak == plain.bytes.activations + layer_sizes.lse
+    assert weights.bytes.peak == weights.bytes.activations + layer_sizes.head_outputs
 
 
-def test_roofline_picks_the_binding_resource(tmp_path):
+def test_attention_kernel_cost_counts_the_attention_alone():
+    flops, traffic = attention_kernel_cost(batch=2, heads=3, q_len=5, k_len=7, head_dim=4)
+    assert flops == 2 * 3 * 5 * 7 * (2 * 4 + 5 + 2 * 4)  # Q K^T, softmax, weights x V per score
+    assert traffic == (2 * 3 * 5 * 4 + 2 * 3 * 7 * 8 + 2 * 3 * 5 * 4) * 4  # q, k and v, the output; float32
+    causal, _ = attention_kernel_cost(batch=2, heads=3, q_len=5, k_len=5, head_dim=4, causal=True)
+    assert causal == 2 * 3 * 15 * (2 * 4 + 5 + 2 * 4)  # 15 of the 25 pairs are attended
+    trained, _ = attention_kernel_cost(batch=1, heads=1, q_len=2, k_len=2, head_dim=4, mode="forward+backward")
+    assert trained == 4 * (2 * 4 + 5 + 2 * 4) + 4 * (4 * 4 + 4 + 4 * 4)
+
+
+def test_roofline_picks_the_binding_resource():
     rates = MachineRates({"float32": 100.0}, bandwidth_gbs=10.0, threads=2)
     big = estimate(LayerShape(1024, 16), seq=2048)  # many FLOPs per byte
-    bound = roofline(big, rates)
-    assert bound.bound_by == "compute" and bound.bound_s == pytest.approx(big.total_flops / 100e9)
-    assert bound.ridge_point == pytest.approx(10.0)
+    limit = roofline(big, rates)
+    assert limit.bound_by == "compute" and limit.bound_s == pytest.approx(big.total_flops / 100e9)
+    assert limit.ridge_point == pytest.approx(10.0)
     decode = estimate(LayerShape(1024, 16), seq=1, mode="decode", cache_len=4096)  # reads the whole cache
     assert roofline(decode, rates).bound_by == "memory"
-    path = save_calibration(rates, tmp_path / "rates.json")
-    assert load_calibration(path) == rates
-    assert load_calibration(tmp_path / "missing.json") is None
+    assert bound(1e9, 1.0, "float32", rates).compute_s == pytest.approx(1e9 / 100e9)
     with pytest.raises(ValueError, match="dtype: expected one of the calibrated dtypes"):
         roofline(estimate(LayerShape(64, 4), seq=8, dtype="bfloat16"), rates)
 

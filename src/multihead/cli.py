@@ -229,8 +229,9 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg")  # formats matplotlib writes everywhere
 def run_cost(args: argparse.Namespace) -> int:
     import json
 
-    from multihead.cost import LayerShape, estimate, read_calibration
+    from multihead.cost import LayerShape, estimate
     from multihead.cost_report import cost_json, plot_cost, print_cost
+    from multihead.machine import read_calibration
 
     if args.backward and args.decode_cache is not None:
         raise bad_argument(
@@ -351,121 +352,78 @@ def usage_error(message: str, prog: str) -> str:
 def _bench_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="measure the kernels and the layer against the peers and this machine's roofline",
-        description="Run the kernel and layer benchmarks side by side with the textbook code, torch SDPA and "
-        "torch.nn.MultiheadAttention; write JSON, a PNG chart and a markdown table with ratios to "
-        "each peer and the fraction of the roofline bound reached.",
+        help="time multihead against torch SDPA, torch.nn.MultiheadAttention and the textbook code, here",
+        description="Time multihead (the attention function and the layer) against torch SDPA, "
+        "torch.nn.MultiheadAttention and the textbook code on this machine, interleaved with "
+        "torch.utils.benchmark; print each time with its spread, our time over each peer's, and the share "
+        "of this machine's roofline bound reached; write bench.json (and a PNG with matplotlib).",
     )
-    parser.add_argument("--quick", action="store_true", help="small sizes, float32: under a minute on 2 cores")
+    parser.add_argument("--quick", action="store_true", help="small sizes: under a minute on 2 cores")
     parser.add_argument(
         "--calibrate",
         action="store_true",
         help="measure this machine's matmul rate and bandwidth again (cached for `multihead cost`); alone, only that",
     )
     parser.add_argument(
-        "--dtype", action="append", help="with --calibrate alone: dtypes to calibrate (repeatable; default float32)"
-    )
-    parser.add_argument("--only", choices=("kernel", "layer"), help="run one of the two benchmarks")
-    parser.add_argument(
-        "--rescore",
-        action="store_true",
-        help="run nothing: score the kernel.json and layer.json already in --out against the "
-        "calibrated roofline and rewrite bench.*",
+        "--dtype",
+        action="append",
+        help="float32 (default), bfloat16, float16 or float64: the comparison's dtype and the one calibrated "
+        "(repeatable)",
     )
     parser.add_argument(
-        "--out",
-        metavar="DIR",
-        help="where the reports go (default: benchmarks/results of the source checkout, else ./benchmarks/results)",
+        "--out", metavar="DIR", default="multihead-bench", help="where bench.json goes (default %(default)s)"
     )
     parser.set_defaults(run=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
 
+    from multihead import bench
     from multihead._userfiles import writing
-    from multihead.bench.common import default_out_dir, ensure_malloc_env
-    from multihead.cost import DTYPES, calibrate, calibration_path, save_calibration
+    from multihead.cost import DTYPES
+    from multihead.machine import calibrate, calibration_path, identity, save_calibration
 
     console = make_console()
-    for dtype in args.dtype or []:
+    dtypes = list(dict.fromkeys(args.dtype or ["float32"]))
+    for dtype in dtypes:
         if dtype not in DTYPES:
             raise bad_argument("--dtype", f"one of {', '.join(DTYPES)}", repr(dtype), "pass e.g. --dtype float32")
-    if args.calibrate and not (args.quick or args.only):
+    if args.calibrate and not args.quick:
         cache = calibration_path()
-        output_folder("MULTIHEAD_CACHE", cache.parent, fix="set MULTIHEAD_CACHE to a folder you can write to")
-        rates = calibrate(args.dtype or ["float32"])
-        with writing("MULTIHEAD_CACHE", cache, fix="set MULTIHEAD_CACHE to a folder you can write to"):
+        fix = "set MULTIHEAD_CACHE to a folder you can write to"
+        output_folder("MULTIHEAD_CACHE", cache.parent, fix=fix)
+        rates = calibrate(dtypes)
+        with writing("MULTIHEAD_CACHE", cache, fix=fix):
             path = save_calibration(rates)
         console.print(
-            "calibrated: "
+            f"calibrated {identity().describe()}: "
             + ", ".join(f"{k} matmul {v:.1f} GFLOP/s" for k, v in rates.matmul_gflops.items())
-            + f", bandwidth {rates.bandwidth_gbs:.1f} GB/s ({rates.threads} threads); saved to {path}",
+            + f", bandwidth {rates.bandwidth_gbs:.1f} GB/s; saved to {path}",
             soft_wrap=True,
         )
         return 0
-    out_dir = Path(args.out) if args.out else default_out_dir()
-    if args.rescore:
-        return rescore(out_dir, args, console)
-    out_dir = output_folder("--out", out_dir, create=False)  # before minutes of measuring, not after
-    ensure_malloc_env()  # the benchmarks' allocator setting: re-executes this command once with it
-    from multihead.bench.suite import run_suite
-
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("[bold]{task.completed} steps"),
-        BarColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-        console=console,
-    ) as bar:
-        task = bar.add_task("starting", total=None)
-
-        def progress(line: str) -> None:
-            bar.update(task, advance=1, description=line.strip().splitlines()[0][:60])
-
-        summary = run_suite(
-            quick=args.quick,
-            out_dir=out_dir,
-            benchmarks=[args.only] if args.only else ("kernel", "layer"),
-            recalibrate=args.calibrate,
-            progress=progress,
+    out_dir = output_folder("--out", args.out, create=False)  # before a minute of measuring, not after
+    with console.status("starting") as status:
+        results = bench.run(
+            quick=args.quick, dtypes=dtypes, recalibrate=args.calibrate, say=lambda line: status.update(line)
         )
-    from multihead.bench.suite import markdown_summary
-
-    console.print(markdown_summary(summary), soft_wrap=True)
-    print_written(console, summary["files"])
-    return 0
-
-
-def rescore(out_dir: Path, args: argparse.Namespace, console) -> int:
-    """``multihead bench --rescore``: the summary of results already on disk, against today's calibration."""
-    from multihead._userfiles import existing_folder, path_kind
-    from multihead.bench.suite import ensure_rates, markdown_summary, read_results, summarize
-
-    stem = "_quick" if args.quick else ""
-    names = [args.only] if args.only else ["kernel", "layer"]
-    rerun = f"run `multihead bench{' --quick' if args.quick else ''}` first, or point --out at the results"
-    out_dir = existing_folder("--out", out_dir, what="a folder of benchmark results", fix=rerun)
-    results = {}
-    for name in names:
-        path = out_dir / f"{name}{stem}.json"
-        if path_kind(path) != "file":
-            raise bad_argument("--out", f"a folder with {name}{stem}.json", f"{str(out_dir)!r} without it", rerun)
-        results[name] = read_results(name, path, argument="--out", fix=rerun)
-    output_folder("--out", out_dir, create=False)  # the summary is written beside the results
-    dtypes = sorted({r["dtype"] for result in results.values() for r in result["cases"]})
-    rates = ensure_rates(dtypes, say=console.print)
-    summary = summarize(
-        results,
-        rates,
-        out_dir=out_dir,
-        quick=args.quick,
-        reports={name: f"{name}{stem}.md" for name in names},
-        argument="--out",
-    )
-    console.print(markdown_summary(summary), soft_wrap=True)
-    print_written(console, summary["files"])
+    with writing("--out", out_dir):
+        written, note = bench.write_reports(results, out_dir)
+    for line in bench.header_lines(results):
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
+    for title, rows in bench.tables(results):
+        table = Table(*bench.HEADERS, box=box.SIMPLE_HEAD, title=Text(title), title_justify="left")
+        for column in table.columns[3:]:
+            column.justify = "right"
+        for row in rows:
+            table.add_row(*map(Text, row))
+        console.print(table)
+    for line in results["notes"] + ([note] if note else []):
+        console.print(f"note: {line}", soft_wrap=True, highlight=False, markup=False)
+    print_written(console, written)
     return 0
 
 

@@ -22,7 +22,9 @@ input gradient when the layer's input does not require one.
 
 Bytes are the tensors the layer allocates (see :class:`Bytes`); ``peak`` models multihead's own
 layer on the CPU (fused QKV projection, torch SDPA, the materialized kernel when every weight is
-asked for) and is checked within 10% of the measured peak in the tests.
+asked for; what each kernel adds is :data:`KERNEL_BUFFERS`) and is checked within 10% of the
+measured peak in the tests. How this machine is measured (the rates a roofline needs, a step's
+measured peak) is :mod:`multihead.machine`.
 
 Example:
     >>> from multihead.cost import LayerShape, estimate
@@ -35,33 +37,21 @@ Example:
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
-from multihead._errors import InputError, bad_argument, describe, positive_int
-from multihead._userfiles import (
-    ANY_OBJECT,
-    POSITIVE_INT,
-    POSITIVE_NUMBER,
-    STRING,
-    MapOf,
-    OptionalKey,
-    path_kind,
-    read_json,
-)
+from multihead._errors import bad_argument, describe, positive_int
 
 __all__ = [
     "LayerShape",
     "Params",
     "Bytes",
     "CostReport",
+    "AttentionSizes",
+    "KernelBuffers",
+    "KERNEL_BUFFERS",
     "MachineRates",
     "Roofline",
     "estimate",
@@ -70,12 +60,7 @@ __all__ = [
     "bound",
     "compute_rate",
     "attention_kernel_cost",
-    "measure_peak_bytes",
-    "calibrate",
-    "load_calibration",
-    "read_calibration",
-    "save_calibration",
-    "calibration_path",
+    "dtype_name",
     "DTYPES",
     "MODES",
     "SOFTMAX_FLOPS_FORWARD",
@@ -258,7 +243,7 @@ class CostReport:
     def dominant(self) -> str:
         """The term with the most FLOPs (forward and backward together)."""
         both = self.per_term
-        return max(both, key=both.get)
+        return max(both, key=lambda term: both[term])
 
     def as_dict(self) -> dict:
         return {
@@ -287,7 +272,8 @@ class CostReport:
         }
 
 
-def _dtype_name(dtype: str | torch.dtype) -> str:
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The name in :data:`DTYPES` of ``dtype`` (a torch.dtype or one of the names); ValueError naming the choices."""
     if isinstance(dtype, torch.dtype):
         for name, value in DTYPES.items():
             if value == dtype:
@@ -305,6 +291,216 @@ def _attended_pairs(i: int, j: int, causal: bool) -> int:
     start = max(0, 1 - first)  # the first query that sees any key
     rows = i - start
     return rows * (2 * first + start + i - 1) // 2 if rows > 0 else 0
+
+
+# ----------------------------------------------------------------------------- what each kernel allocates
+
+
+@dataclass(frozen=True)
+class AttentionSizes:
+    """The sizes of one attention call inside the layer: q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), elements of
+    ``itemsize`` bytes; the properties are the bytes of the tensors the kernels' formulas name."""
+
+    b: int
+    h: int
+    g: int
+    i: int
+    j: int
+    d: int
+    e: int
+    itemsize: int
+
+    @property
+    def lse(self) -> int:
+        """A float32 log-sum-exp per query row: (b, h, i)."""
+        return self.b * self.h * self.i * LSE_BYTES
+
+    @property
+    def head_outputs(self) -> int:
+        """(b, h, i, e)."""
+        return self.b * self.h * self.i * self.e * self.itemsize
+
+    @property
+    def key_sized(self) -> int:
+        """One buffer the size of the keys: (b, g, j, d)."""
+        return self.b * self.g * self.j * self.d * self.itemsize
+
+    @property
+    def weights(self) -> int:
+        """The (b, h, i, j) weights."""
+        return self.b * self.h * self.i * self.j * self.itemsize
+
+
+@dataclass(frozen=True)
+class KernelBuffers:
+    """Bytes one attention kernel allocates besides q, k, v, the head outputs, the returned weights and the
+    gradients dq, dk, dv, d(head outputs): what sets the layer's peak apart from one kernel to another."""
+
+    forward: int  # alive with the head outputs when the forward ends
+    recorded: int  # alive at the forward's peak as well when autograd records the call
+    saved: int  # kept for the backward besides q, k, v and the head outputs
+    backward: int  # transient inside the backward
+
+
+def sdpa_buffers(sizes: AttentionSizes) -> KernelBuffers:
+    """torch SDPA's CPU kernels (the layer's path without weights): a float32 log-sum-exp per query row, kept for
+    the backward, and one key-sized buffer inside the backward."""
+    return KernelBuffers(forward=sizes.lse, recorded=sizes.lse, saved=sizes.lse, backward=sizes.key_sized)
+
+
+def materialized_buffers(sizes: AttentionSizes) -> KernelBuffers:
+    """multihead's materialized kernel (the path that returns every weight): it writes the head outputs in
+    (b, h, i, e) order, so concatenating the heads copies them once more; it keeps an LSE for the backward,
+    which also makes dS, the size of the weights, besides a key-sized buffer."""
+    return KernelBuffers(
+        forward=sizes.head_outputs,
+        recorded=sizes.lse,
+        saved=sizes.lse + sizes.head_outputs,
+        backward=sizes.key_sized + sizes.weights,
+    )
+
+
+# the kernel behind the layer's call -> what it allocates; estimate's peak reads only these for the kernel's part
+KERNEL_BUFFERS: dict[str, Callable[[AttentionSizes], KernelBuffers]] = {
+    "sdpa": sdpa_buffers,
+    "materialized": materialized_buffers,
+}
+
+
+def layer_kernel(need_weights: bool) -> str:
+    """The kernel the layer runs on the CPU: the materialized one when every weight is asked for, else SDPA."""
+    return "materialized" if need_weights else "sdpa"
+
+
+# ----------------------------------------------------------------------------- estimate
+
+
+def _check_call(
+    shape: object, seq: int, kv_seq: int | None, batch: int, mode: str, cache_len: int | None
+) -> LayerShape:
+    """Validate estimate's arguments (each error names its argument); returns ``shape``."""
+    if not isinstance(shape, LayerShape):
+        raise bad_argument(
+            "shape",
+            "a multihead.cost.LayerShape",
+            describe(shape),
+            "build one with LayerShape(embed_dim, num_heads) or LayerShape.of(layer)",
+            kind=TypeError,
+        )
+    positive_int("seq", seq)
+    positive_int("batch", batch)
+    if kv_seq is not None:
+        positive_int("kv_seq", kv_seq)
+    if mode not in MODES:
+        raise bad_argument("mode", f"one of {', '.join(MODES)}", repr(mode), "pass e.g. mode='forward'")
+    if mode == "decode":
+        if cache_len is None or isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 0:
+            raise bad_argument(
+                "cache_len",
+                "the number of cached tokens (int >= 0) in decode mode",
+                describe(cache_len),
+                "pass e.g. cache_len=2048",
+            )
+        if kv_seq is not None:
+            raise bad_argument(
+                "kv_seq",
+                "None in decode mode (keys are the cache plus the new tokens)",
+                kv_seq,
+                "drop kv_seq, or use mode='forward' for cross-attention",
+            )
+    elif cache_len is not None:
+        raise bad_argument("cache_len", "None outside decode mode", cache_len, "pass mode='decode' with a cache")
+    return shape
+
+
+def _parameters(s: LayerShape) -> Params:
+    kdim, vdim = s.kv_in
+    per_projection = {
+        "W^Q": s.embed_dim * s.h * s.d,
+        "W^K": kdim * s.g * s.d,
+        "W^V": vdim * s.g * s.e,
+        "W^O": s.h * s.e * s.out,
+    }
+    biases = (s.h * s.d + s.g * s.d + s.g * s.e + s.out) if s.bias else 0
+    return Params(sum(per_projection.values()), biases, per_projection)
+
+
+def _forward_flops(s: LayerShape, b: int, i: int, j: int, new_kv: int) -> dict[str, int]:
+    kdim, vdim = s.kv_in
+    h, g, d, e = s.h, s.g, s.d, s.e
+    return {
+        "Q/K/V projections": 2 * b * (i * s.embed_dim * h * d + new_kv * kdim * g * d + new_kv * vdim * g * e),
+        "Q K^T": 2 * b * h * i * j * d,
+        "softmax": SOFTMAX_FLOPS_FORWARD * b * h * i * j,
+        "weights x V": 2 * b * h * i * j * e,
+        "output projection": 2 * b * i * h * e * s.out,
+    }
+
+
+def _backward_flops(
+    s: LayerShape, forward: dict[str, int], b: int, i: int, j: int, new_kv: int, input_requires_grad: bool
+) -> dict[str, int]:
+    kdim, vdim = s.kv_in
+    q_input_grad = 2 * b * i * s.embed_dim * s.h * s.d if input_requires_grad else 0
+    kv_input_grad = 2 * b * new_kv * (kdim * s.g * s.d + vdim * s.g * s.e) if input_requires_grad else 0
+    return {
+        "Q/K/V projections": forward["Q/K/V projections"] + q_input_grad + kv_input_grad,  # dW always, dX if needed
+        "Q K^T": 2 * forward["Q K^T"],  # dQ = dS K, dK = dS^T Q
+        "softmax": SOFTMAX_FLOPS_BACKWARD * b * s.h * i * j,
+        "weights x V": 2 * forward["weights x V"],  # dP = dO V^T, dV = P^T dO
+        "output projection": 2 * forward["output projection"],  # dW and the per-head outputs' gradient
+    }
+
+
+def _layer_bytes(
+    s: LayerShape,
+    params: Params,
+    sizes: AttentionSizes,
+    *,
+    mode: str,
+    need_weights: bool,
+    cross: bool,
+    new_kv: int,
+    input_requires_grad: bool,
+) -> Bytes:
+    """The layer's memory (see :class:`Bytes`); the attention kernel's own buffers come from :data:`KERNEL_BUFFERS`."""
+    b, i, j, g, d, e, size = sizes.b, sizes.i, sizes.j, sizes.g, sizes.d, sizes.e, sizes.itemsize
+    kdim, vdim = s.kv_in
+    kernel = KERNEL_BUFFERS[layer_kernel(need_weights)](sizes)
+    q_bytes, kv_bytes = b * i * sizes.h * d * size, b * new_kv * g * (d + e) * size
+    head_out, out = sizes.head_outputs, b * i * s.out * size
+    weights_bytes = sizes.weights if need_weights else 0
+    activations = q_bytes + kv_bytes + head_out + out + weights_bytes
+    cache = b * g * j * (d + e) * size if mode == "decode" else 0
+    # The fused QKV matmul stacks W^Q, W^K, W^V for the call
+    per_projection = params.per_projection
+    stacked = (
+        (per_projection["W^Q"] + per_projection["W^K"] + per_projection["W^V"]) * size
+        if s.self_attention_only and not cross
+        else 0
+    )
+    forward_peak = max(stacked + q_bytes + kv_bytes, activations + kernel.forward)
+    saved = 0
+    peak = forward_peak  # decode too: the cache exists before the step; the step's own tensors are this small
+    if mode == "forward+backward":
+        # Kept for backward: the projections' outputs, the per-head outputs, the kernel's own, and the stacked QKV
+        # weight when the input needs a gradient (its matmul saves it for dX). Not the output: the layer does not
+        # keep it (whatever consumes it decides), so it is not counted at the backward peak.
+        saved = activations - out + kernel.saved + (stacked if input_requires_grad else 0)
+        # The peak comes inside the attention's backward: d(head outputs) and dW^O from the output projection's
+        # backward, then dQ, dK, dV and the kernel's own buffers.
+        gradients = head_out + b * sizes.h * i * d * size + b * g * j * (d + e) * size + kernel.backward
+        output_projection_grads = per_projection["W^O"] * size + (s.out * size if s.bias else 0)
+        peak = max(forward_peak + kernel.recorded, saved + gradients + output_projection_grads)
+    traffic = (
+        params.total * size
+        + b * i * s.embed_dim * size
+        + (b * new_kv * (kdim + vdim) * size if cross else 0)
+        + out
+        + weights_bytes
+        + cache
+    )
+    return Bytes(params.total * size, activations, saved, cache, weights_bytes, peak, traffic)
 
 
 def estimate(
@@ -339,119 +535,39 @@ def estimate(
     Returns:
         :class:`CostReport`.
     """
-    if not isinstance(shape, LayerShape):
-        raise bad_argument(
-            "shape",
-            "a multihead.cost.LayerShape",
-            describe(shape),
-            "build one with LayerShape(embed_dim, num_heads) or LayerShape.of(layer)",
-            kind=TypeError,
-        )
-    positive_int("seq", seq)
-    positive_int("batch", batch)
-    if kv_seq is not None:
-        positive_int("kv_seq", kv_seq)
-    if mode not in MODES:
-        raise bad_argument("mode", f"one of {', '.join(MODES)}", repr(mode), "pass e.g. mode='forward'")
-    if mode == "decode":
-        if cache_len is None or isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 0:
-            raise bad_argument(
-                "cache_len",
-                "the number of cached tokens (int >= 0) in decode mode",
-                describe(cache_len),
-                "pass e.g. cache_len=2048",
-            )
-        if kv_seq is not None:
-            raise bad_argument(
-                "kv_seq",
-                "None in decode mode (keys are the cache plus the new tokens)",
-                kv_seq,
-                "drop kv_seq, or use mode='forward' for cross-attention",
-            )
-    elif cache_len is not None:
-        raise bad_argument("cache_len", "None outside decode mode", cache_len, "pass mode='decode' with a cache")
-    name = _dtype_name(dtype)
-    size = torch.empty((), dtype=DTYPES[name]).element_size()
-    s = shape
+    s = _check_call(shape, seq, kv_seq, batch, mode, cache_len)
+    name = dtype_name(dtype)
     b, i = batch, seq
-    j = (cache_len + seq) if mode == "decode" else (kv_seq or seq)
+    j = (cache_len or 0) + seq if mode == "decode" else (kv_seq or seq)
     new_kv = seq if mode == "decode" else j  # keys/values projected this call
-    h, g, d, e, D, O = s.h, s.g, s.d, s.e, s.embed_dim, s.out
-    kdim, vdim = s.kv_in
     cross = kv_seq is not None and mode != "decode"
-
-    per_projection = {"W^Q": D * h * d, "W^K": kdim * g * d, "W^V": vdim * g * e, "W^O": h * e * O}
-    biases = (h * d + g * d + g * e + O) if s.bias else 0
-    params = Params(sum(per_projection.values()), biases, per_projection)
-
-    flops = {
-        "Q/K/V projections": 2 * b * (i * D * h * d + new_kv * kdim * g * d + new_kv * vdim * g * e),
-        "Q K^T": 2 * b * h * i * j * d,
-        "softmax": SOFTMAX_FLOPS_FORWARD * b * h * i * j,
-        "weights x V": 2 * b * h * i * j * e,
-        "output projection": 2 * b * i * h * e * O,
-    }
-    backward = {term: 0 for term in TERMS}
-    if mode == "forward+backward":
-        q_input_grad = 2 * b * i * D * h * d if input_requires_grad else 0
-        kv_input_grad = 2 * b * new_kv * (kdim * g * d + vdim * g * e) if input_requires_grad else 0
-        backward = {
-            "Q/K/V projections": flops["Q/K/V projections"] + q_input_grad + kv_input_grad,  # dW always, dX if needed
-            "Q K^T": 2 * flops["Q K^T"],  # dQ = dS K, dK = dS^T Q
-            "softmax": SOFTMAX_FLOPS_BACKWARD * b * h * i * j,
-            "weights x V": 2 * flops["weights x V"],  # dP = dO V^T, dV = P^T dO
-            "output projection": 2 * flops["output projection"],  # dW and the per-head outputs' gradient
-        }
-
-    shapes = {
-        "q": (b, h, i, d),
-        "k": (b, g, j, d),
-        "v": (b, g, j, e),
-        "scores": (b, h, i, j),
-        "weights": (b, h, i, j),
-        "head outputs": (b, h, i, e),
-        "concatenated": (b, i, h * e),
-        "output": (b, i, O),
-    }
-    q_bytes, kv_bytes = b * i * h * d * size, b * new_kv * g * (d + e) * size
-    head_out, out = b * i * h * e * size, b * i * O * size
-    weights_bytes = b * h * i * j * size if need_weights else 0
-    lse = b * h * i * LSE_BYTES
-    activations = q_bytes + kv_bytes + head_out + out + weights_bytes
-    cache = b * g * j * (d + e) * size if mode == "decode" else 0
-    # The fused QKV matmul stacks W^Q, W^K, W^V for the call; the materialized kernel writes its output
-    # in (b, h, i, e) order, so concatenating the heads copies it once more.
-    stacked = (
-        (per_projection["W^Q"] + per_projection["W^K"] + per_projection["W^V"]) * size
-        if s.self_attention_only and not cross
-        else 0
+    params = _parameters(s)
+    flops = _forward_flops(s, b, i, j, new_kv)
+    backward = (
+        _backward_flops(s, flops, b, i, j, new_kv, input_requires_grad)
+        if mode == "forward+backward"
+        else {term: 0 for term in TERMS}
     )
-    concat_copy = head_out if need_weights else 0
-    forward_peak = max(stacked + q_bytes + kv_bytes, activations + concat_copy + (0 if need_weights else lse))
-    saved = 0
-    peak = forward_peak
-    if mode == "forward+backward":
-        # Kept for backward: the projections' outputs, the per-head outputs, the LSE, and the stacked QKV
-        # weight when the input needs a gradient (its matmul saves it for dX). Not the output: the layer
-        # does not keep it (whatever consumes it decides), so it is not counted at the backward peak.
-        saved = activations - out + lse + concat_copy + (stacked if input_requires_grad else 0)
-        # The peak comes inside the attention's backward: d(head outputs) and dW^O from the output
-        # projection's backward, then dQ, dK, dV and one key-sized buffer of SDPA's CPU backward.
-        # The materialized kernel (need_weights) also keeps the weights and makes dS of their size.
-        gradients = (
-            head_out + b * h * i * d * size + b * g * j * (2 * d + e) * size + (weights_bytes if need_weights else 0)
-        )
-        output_projection_grads = per_projection["W^O"] * size + (O * size if s.bias else 0)
-        peak = max(forward_peak + lse, saved + gradients + output_projection_grads)
-    elif mode == "decode":
-        peak = forward_peak  # the cache exists before the step; the step's own tensors are this small
-    traffic = (
-        params.total * size
-        + b * i * D * size
-        + (b * new_kv * (kdim + vdim) * size if cross else 0)
-        + out
-        + weights_bytes
-        + (cache if mode == "decode" else 0)
+    shapes = {
+        "q": (b, s.h, i, s.d),
+        "k": (b, s.g, j, s.d),
+        "v": (b, s.g, j, s.e),
+        "scores": (b, s.h, i, j),
+        "weights": (b, s.h, i, j),
+        "head outputs": (b, s.h, i, s.e),
+        "concatenated": (b, i, s.h * s.e),
+        "output": (b, i, s.out),
+    }
+    sizes = AttentionSizes(b, s.h, s.g, i, j, s.d, s.e, DTYPES[name].itemsize)
+    memory = _layer_bytes(
+        s,
+        params,
+        sizes,
+        mode=mode,
+        need_weights=need_weights,
+        cross=cross,
+        new_kv=new_kv,
+        input_requires_grad=input_requires_grad,
     )
     return CostReport(
         s,
@@ -465,7 +581,7 @@ def estimate(
         params,
         flops,
         backward,
-        Bytes(params.total * size, activations, saved, cache, weights_bytes, peak, traffic),
+        memory,
         shapes,
         _attended_pairs(i, j, causal) / (i * j),
     )
@@ -490,18 +606,21 @@ def crossover(shape: LayerShape) -> float:
     return projections / ((2 * shape.d + SOFTMAX_FLOPS_FORWARD + 2 * shape.e) * shape.h)
 
 
-# ----------------------------------------------------------------------------- the machine
+# ----------------------------------------------------------------------------- the roofline
 
 
 @dataclass(frozen=True)
 class MachineRates:
-    """Measured rates of this machine: dense matmul GFLOP/s per dtype, and memory bandwidth in GB/s."""
+    """Measured rates of a machine: dense matmul GFLOP/s per dtype, and memory bandwidth in GB/s
+    (:func:`multihead.machine.calibrate` measures them; ``machine`` and ``measured_unix`` say where and when)."""
 
     matmul_gflops: dict[str, float]
     bandwidth_gbs: float
     threads: int
-    measured_at: str = ""
+    measured_at: str = ""  # local time, for people
     details: dict = field(default_factory=dict)
+    machine: dict = field(default_factory=dict)  # the identity it was measured on (multihead.machine.identity_key)
+    measured_unix: float | None = None  # seconds since the epoch
 
 
 @dataclass(frozen=True)
@@ -579,7 +698,7 @@ def attention_kernel_cost(
     """
     e = value_head_dim or head_dim
     g = kv_heads or heads
-    size = torch.empty((), dtype=DTYPES[_dtype_name(dtype)]).element_size()
+    size = DTYPES[dtype_name(dtype)].itemsize
     scores = batch * heads * q_len * k_len * _attended_pairs(q_len, k_len, causal) / (q_len * k_len)
     flops = scores * (2 * head_dim + SOFTMAX_FLOPS_FORWARD + 2 * e)
     q, kv, out = batch * heads * q_len * head_dim, batch * g * k_len * (head_dim + e), batch * heads * q_len * e
@@ -588,124 +707,3 @@ def attention_kernel_cost(
         flops += scores * (4 * head_dim + SOFTMAX_FLOPS_BACKWARD + 4 * e)
         traffic += (q + kv + 2 * out) * size + batch * heads * q_len * LSE_BYTES + (q + kv) * size
     return round(flops), traffic
-
-
-def calibration_path() -> Path:
-    """Where ``multihead bench --calibrate`` caches the rates ($MULTIHEAD_CACHE, else ~/.cache/multihead)."""
-    root = os.environ.get("MULTIHEAD_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "multihead"
-    )
-    return Path(root) / "calibration.json"
-
-
-def _best_seconds(step: Callable[[], object], repeats: int) -> float:
-    step()  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def calibrate(
-    dtypes: Sequence[str] = ("float32",), *, matmul_size: int = 2048, copy_mib: int = 256, repeats: int = 10
-) -> MachineRates:
-    """Measure this machine: a square matmul of ``matmul_size`` per dtype, and copying ``copy_mib`` MiB.
-
-    The matmul rate is 2 n^3 / the best of ``repeats`` times; the bandwidth counts the bytes read
-    plus the bytes written by ``dst.copy_(src)`` over its best time.
-    """
-    rates = {}
-    for name in dtypes:
-        dtype = DTYPES[_dtype_name(name)]
-        n = matmul_size if dtype in (torch.float32, torch.float64) else min(matmul_size, 512)  # slow on CPUs
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        out = torch.empty(n, n, dtype=dtype)
-        rates[_dtype_name(name)] = 2 * n**3 / _best_seconds(lambda: torch.mm(a, b, out=out), repeats) / 1e9
-    elements = copy_mib * 2**20 // 4
-    src, dst = torch.randn(elements), torch.empty(elements)
-    bandwidth = 2 * elements * 4 / _best_seconds(lambda: dst.copy_(src), repeats) / 1e9
-    return MachineRates(
-        rates,
-        bandwidth,
-        torch.get_num_threads(),
-        time.strftime("%Y-%m-%d %H:%M:%S"),
-        {"matmul_size": matmul_size, "copy_mib": copy_mib, "repeats": repeats, "torch": torch.__version__},
-    )
-
-
-def save_calibration(rates: MachineRates, path: Path | None = None) -> Path:
-    target = path or calibration_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(asdict(rates), indent=1))
-    return target
-
-
-_CALIBRATION_SCHEMA = {
-    "matmul_gflops": MapOf(POSITIVE_NUMBER, 1),
-    "bandwidth_gbs": POSITIVE_NUMBER,
-    "threads": POSITIVE_INT,
-    "measured_at": OptionalKey(STRING),
-    "details": OptionalKey(ANY_OBJECT),
-}
-
-
-def read_calibration(path: Path | None = None) -> tuple[MachineRates | None, str | None]:
-    """(the cached rates or None, a note when a cache file was there but is unusable).
-
-    The cache is ours, not the user's argument: a damaged one (not JSON, not UTF-8, fields missing
-    or of the wrong type, rates that are not positive) counts as absent, and the note says why and
-    how to measure again.
-    """
-    source = path or calibration_path()
-    if path_kind(source) == "missing":
-        return None, None
-    try:
-        data = read_json(
-            "calibration cache",
-            source,
-            what="rates written by `multihead bench --calibrate`",
-            schema=_CALIBRATION_SCHEMA,
-            fix="run `multihead bench --calibrate` to measure them again",
-        )
-    except InputError as error:
-        return None, f"ignored the calibration cache ({error})"
-    return MachineRates(
-        dict(data["matmul_gflops"]),
-        float(data["bandwidth_gbs"]),
-        int(data["threads"]),
-        data.get("measured_at", ""),
-        data.get("details", {}),
-    ), None
-
-
-def load_calibration(path: Path | None = None) -> MachineRates | None:
-    """The cached rates, or None when this machine was not calibrated (or the cache is damaged:
-    :func:`read_calibration` also says why)."""
-    return read_calibration(path)[0]
-
-
-def measure_peak_bytes(step: Callable[[], object]) -> int:
-    """The most bytes the CPU allocator held at once during ``step()``, above what it held before.
-
-    Read from torch.profiler's memory events (every allocation and free the CPU allocator reports),
-    so it counts tensors, not the process's resident memory.
-    """
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    with tempfile.TemporaryDirectory() as directory:
-        trace = Path(directory) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    memory = [event["args"] for event in events if event.get("name") == "[memory]"]
-    if not memory:
-        return 0
-    # "Total Allocated" is a running tally that outlives one profiling session: start from the value
-    # just before this session's first event
-    baseline = memory[0]["Total Allocated"] - memory[0]["Bytes"]
-    return max(event["Total Allocated"] for event in memory) - baseline

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from multihead._figures import pyplot, save_figure
 from multihead._userfiles import output_folder, writing
 from multihead.cost import (
     QUADRATIC_TERMS,
@@ -172,13 +173,10 @@ def plot_cost(
     """FLOPs by term and peak memory against the sequence length n (self-attention), log-log.
 
     ``path``'s folder is created; a path that cannot be written raises ValueError naming ``argument``
-    (the CLI passes "--plot").
+    (the CLI passes "--plot"). Without matplotlib: MissingExtraError naming the extra to install.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("multihead cost --plot")
+    output_folder(argument, path.parent)
     n_star = crossover(shape)
     top = max(4 * seq, int(8 * n_star), 256)  # a tiny layer's crossover is below 16: still draw a range
     lengths = sorted({int(16 * 2 ** (k / 4)) for k in range(200) if 16 * 2 ** (k / 4) <= top})
@@ -216,11 +214,5 @@ def plot_cost(
         + f", batch {batch}",
         fontsize=10,
     )
-    figure.tight_layout()
-    try:
-        output_folder(argument, path.parent)
-        with writing(argument, path):
-            figure.savefig(path, dpi=110)
-    finally:
-        plt.close(figure)
-    return path
+    with writing(argument, path):
+        return save_figure(figure, path)

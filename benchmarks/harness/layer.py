@@ -6,8 +6,8 @@ the biases are set to small random values so their mapping is exercised too):
 
     multihead            multihead.MultiHeadAttention: layer(x, causal=c)                       -> out
     multihead_weights    the same with need_weights=True                 -> out, weights (b, h, n, n) per head
-    textbook             written inline below: four nn.Linear, view/transpose, q k^T / sqrt(d), causal
-                         masked_fill, softmax, dropout(0), @ v, concat, out proj -> out, weights (b, h, n, n)
+    textbook             multihead.bench.TextbookMHA: four nn.Linear, view/transpose, q k^T / sqrt(d), causal
+                         masked_fill, softmax, @ v, concat, out proj -> out, weights (b, h, n, n)
     torch_mha_weights    torch.nn.MultiheadAttention(batch_first=True)(x, x, x), need_weights=True (its
                          default)                                        -> out, weights (b, n, n) averaged
     torch_mha_noweights  the same with need_weights=False                -> out
@@ -16,11 +16,11 @@ at two shapes, BERT-base (embed 768, 12 heads, full attention) and GPT-2-small (
 causal: causal=True for multihead; torch: is_causal=True with attn_mask =
 nn.Transformer.generate_square_subsequent_mask(n), which torch requires with is_causal), for n in
 {128, 512, 2048}, float32 and bfloat16, "forward" (eval mode, torch.no_grad()) and "forward+backward"
-(train mode, dropout 0; x requires grad and the output is back-propagated with a fixed random
+(train mode; x requires grad and the output is back-propagated with a fixed random
 gradient; weights returned are not back-propagated). Before the cases of each (shape, n), all five
 are run once in float32 and their outputs (and weights, per head or averaged) must agree to 1e-4.
 
-Measurements use the helpers the kernel benchmark uses (multihead.bench.common): one warmup call (left
+Measurements use the helpers the kernel benchmark uses (harness.common): one warmup call (left
 out when one call is predicted to take over ``warmup_skip_s``: the memory call then warms up), one call
 for the peak memory (VmHWM after minus VmRSS before, with every buffer >= 64 KiB mmapped, see
 kernel.py), then timed calls (at least 1, up to ``max_repeats`` or about ``max_total_s`` s); the
@@ -40,10 +40,9 @@ K/V bytes read per step = 2 * layers (1) * g * L * d * itemsize, L the keys atte
 Usage:
     python benchmarks/layer.py [--quick] [--budget-s 60] [--out benchmarks/results]
                                [--sizes 128,512,2048] [--dtypes float32,bfloat16]
-    (or python -m multihead.bench.layer with the same options)
 
-Writes layer.json, layer.md and layer.png under --out (layer_quick.* with --quick). Importable (for a
-``multihead bench`` command): ``run(config, progress=None) -> dict``, ``Config`` and
+Writes layer.json, layer.md and layer.png under --out (layer_quick.* with --quick). Importable (for
+harness.suite): ``run(config, progress=None) -> dict``, ``Config`` and
 ``Config.quick_config(**overrides)``, ``write_reports(results, out_dir, stem) -> str`` (markdown),
 ``write_json``, ``plot`` (PNG), ``markdown_report`` and ``main(argv)``.
 """
@@ -53,7 +52,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import math
 import os
 import statistics
 import sys
@@ -66,9 +64,10 @@ import torch
 from torch import nn
 
 import multihead
-from multihead.bench import common
-from multihead.bench.common import DTYPES, MIB, MODES, find, fmt, ratio
-from multihead.compat import to_torch
+from harness import common
+from harness.common import DTYPES, MIB, MODES, find, fmt, ratio
+from multihead import _figures
+from multihead.bench import TextbookMHA, attention_layers
 
 SHAPES = {
     "bert-base": {"embed_dim": 768, "heads": 12, "causal": False},
@@ -84,37 +83,6 @@ SANITY_TOL = 1e-4
 DECODE_BANDWIDTH_SLACK = 2.0
 WEIGHTS_SPEEDUP_MIN = 1.4  # target (2)
 BF16_PEAK_SIZE = 512  # torch.mm bfloat16 at 2048^2 takes about a minute here; measured at 512^2 instead
-
-
-# --------------------------------------------------------------------------- the textbook module
-
-
-class TextbookMHA(nn.Module):
-    """The classic multi-head attention module, batch first: returns (out, weights per head (b, h, n, n))."""
-
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
-        super().__init__()
-        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
-        self.q_proj = nn.Linear(embed_dim, embed_dim)
-        self.k_proj = nn.Linear(embed_dim, embed_dim)
-        self.v_proj = nn.Linear(embed_dim, embed_dim)
-        self.out_proj = nn.Linear(embed_dim, embed_dim)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        b, n, _ = x.shape
-        h, d = self.num_heads, self.head_dim
-        q = self.q_proj(x).view(b, n, h, d).transpose(1, 2)  # (b, h, n, d)
-        k = self.k_proj(x).view(b, n, h, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, h, d).transpose(1, 2)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(d)  # (b, h, n, n)
-        if causal:
-            future = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=1)
-            scores = scores.masked_fill(future, float("-inf"))
-        weights = torch.softmax(scores, dim=-1)
-        out = self.dropout(weights) @ v  # (b, h, n, d)
-        out = out.transpose(1, 2).reshape(b, n, self.embed_dim)  # heads concatenated
-        return self.out_proj(out), weights
 
 
 # --------------------------------------------------------------------------- the models, sharing weights
@@ -138,15 +106,10 @@ class Models:
 
 
 def build_models(embed_dim: int, heads: int, seed: int) -> Models:
-    """float32 modules: ours (Xavier weights, small random biases), then its weights copied into the others."""
-    torch.manual_seed(seed)
-    ours = multihead.MultiHeadAttention(embed_dim, heads)
-    with torch.no_grad():
-        for proj in (ours.q_proj, ours.k_proj, ours.v_proj, ours.out_proj):
-            proj.bias.normal_(0.0, 0.02)  # nonzero, so a wrong bias mapping would show in the sanity check
-    textbook = TextbookMHA(embed_dim, heads)
-    textbook.load_state_dict(ours.state_dict(), strict=True)  # same names: q_proj, k_proj, v_proj, out_proj
-    return Models(ours, textbook, to_torch(ours))
+    """float32 modules (multihead.bench.attention_layers): ours (Xavier weights, small random biases), then its
+    weights copied into the textbook module and torch's."""
+    ours, torch_mha, textbook = attention_layers(embed_dim, heads, torch.float32, seed)
+    return Models(ours, textbook, torch_mha)
 
 
 def torch_causal_mask(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -601,13 +564,158 @@ def decode_case(
         tokens_per_s=new_tokens / sum(steps),
         total_s=sum(steps),
     )
-    diff = max(_max_diff(a, b) for a, b in zip(cached_out, outs))
+    diff = max(_max_diff(a, b) for a, b in zip(cached_out, outs, strict=True))
     record["sanity"] = {"max_abs_diff_cache_vs_no_cache": diff, "tolerance": SANITY_TOL, "pass": diff <= SANITY_TOL}
     record["speedup_cache_vs_no_cache"] = record["no_cache"]["per_token_s_median"] / per_token
     return record
 
 
 # --------------------------------------------------------------------------- the run
+
+
+class LayerRun:
+    """One run of the layer benchmark: its results so far and what the next case needs (the models of each
+    (shape, dtype), the last record of each series, the matmul peaks). ``run`` drives it."""
+
+    def __init__(self, config: Config, say: Callable[[str], None]) -> None:
+        self.config, self.say = config, say
+        self.started = time.perf_counter()
+        load_start = os.getloadavg()
+        common.prepare_allocator(say)
+        self.peaks = self._matmul_peaks()
+        bandwidth = read_bandwidth_gb_s()
+        say(f"memory read bandwidth: {bandwidth['gb_per_s']:.1f} GB/s (torch.sum over {bandwidth['mib']} MiB)")
+        self.results: dict = {
+            "benchmark": "layer",
+            "git_commit": _git_commit(),
+            "machine": {**common.machine_info(self.peaks), "read_bandwidth": bandwidth},
+            "config": config_json(config),
+            "loadavg_start": load_start,
+            "complete": False,
+            "sanity": [],
+            "cases": [],
+            "decode": [],
+        }
+        self.ram = common.ram_bytes()
+        self.base = {
+            shape: build_models(SHAPES[shape]["embed_dim"], SHAPES[shape]["heads"], config.seed)
+            for shape in config.shapes
+        }
+        self.models = {
+            (shape, dtype): self.base[shape] if dtype == "float32" else self.base[shape].to(DTYPES[dtype])
+            for shape in config.shapes
+            for dtype in config.dtypes
+        }
+        self.last_in_series: dict[tuple, dict] = {}
+        self.cases_total = len(config.shapes) * len(config.sizes) * len(config.modes) * len(config.impls)
+        self.cases_total *= len(config.dtypes)
+        self.cases_done = 0
+
+    def _matmul_peaks(self) -> dict:
+        peaks = {}
+        for dtype in self.config.dtypes:
+            size = common.PEAK_MATMUL_SIZE if dtype == "float32" else BF16_PEAK_SIZE
+            peaks[dtype] = common.matmul_peak_gflops(
+                DTYPES[dtype], self.config.max_repeats, self.config.max_total_s, size=size
+            )
+            self.say(f"matmul peak {dtype}: {peaks[dtype]['gflops']:.2f} GFLOP/s (torch.mm {size}x{size})")
+        return peaks
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def save(self) -> None:
+        """Ratios and targets from what is measured so far; <stem>.json rewritten when config.out_dir is set."""
+        add_ratios(self.results["cases"])
+        self.results["targets"] = evaluate_targets(self.results)
+        if self.config.out_dir is not None:
+            write_json(self.results, self.config.out_dir, self.config.stem)
+
+    def sanity(self, shape: str, n: int) -> None:
+        """All five agree in float32 at (shape, n); AssertionError (after saving) when not and strict_sanity."""
+        check = sanity_check(self.base[shape], shape, n, self.config.batch, self.config.seed)
+        self.results["sanity"].append(check)
+        self.say(
+            f"sanity {shape} n={n} float32: worst max abs diff {check['worst']:.2e} "
+            f"({'ok' if check['pass'] else 'FAIL'})"
+        )
+        if not check["pass"] and self.config.strict_sanity:
+            self.save()
+            raise AssertionError(f"implementations disagree at {shape} n={n}: {check['max_abs_diff']}")
+
+    def measure(self, case: Case) -> None:
+        """Predict, then skip or measure one case (again when the machine was busy), record it and save."""
+        self.cases_done += 1
+        record = measure_quietly(
+            lambda: run_case(
+                case,
+                self.models[case.shape, case.dtype],
+                self.config,
+                self.peaks,
+                self.last_in_series.get(case.series),
+                self.ram,
+            ),
+            self.config,
+            self.say,
+        )
+        self.last_in_series[case.series] = record
+        self.results["cases"].append(record)
+        self.say(f"[{self.cases_done}/{self.cases_total} {self.elapsed():6.0f} s] {case.label()}: {_summary(record)}")
+        self.save()
+
+    def grid(self, dtype: str) -> None:
+        """Every (shape, n, mode, impl) in ``dtype``; in float32 each (shape, n) is sanity-checked first."""
+        config = self.config
+        for shape in config.shapes:
+            for n in sorted(config.sizes):
+                if dtype == "float32":
+                    self.sanity(shape, n)
+                for mode in config.modes:
+                    for impl in config.impls:
+                        self.measure(Case(impl, shape, n, dtype, mode, config.batch))
+
+    def decode(self) -> None:
+        """Decode with and without the cache at each prompt length (read bandwidth measured again first)."""
+        config = self.config
+        bandwidth = read_bandwidth_gb_s()  # measured again, next to the decode timings
+        self.results["decode_read_bandwidth"] = bandwidth
+        self.say(f"memory read bandwidth before decode: {bandwidth['gb_per_s']:.1f} GB/s")
+        models = (
+            self.models.get((DECODE_SHAPE, config.decode_dtype))
+            or self.base.get(DECODE_SHAPE)
+            or build_models(SHAPES[DECODE_SHAPE]["embed_dim"], SHAPES[DECODE_SHAPE]["heads"], config.seed)
+        )
+        for prompt in sorted(config.decode_prompts):
+            forward = find(
+                self.results["cases"],
+                impl="multihead",
+                shape=DECODE_SHAPE,
+                n=prompt,
+                dtype=config.decode_dtype,
+                mode="forward",
+            )
+            predicted_step_s = None if forward is None else forward["median_s"]
+            record = measure_quietly(
+                lambda prompt=prompt, predicted_step_s=predicted_step_s: decode_case(
+                    models, prompt, config.decode_new_tokens, config.decode_repeats, config, predicted_step_s
+                ),
+                config,
+                self.say,
+            )
+            self.results["decode"].append(record)
+            self.say(f"[decode {self.elapsed():6.0f} s] {_decode_summary(record)}")
+            if record.get("sanity", {}).get("pass") is False and config.strict_sanity:
+                self.save()
+                raise AssertionError(f"decode with and without the cache disagree: {record['sanity']}")
+            self.save()
+
+    def finish(self) -> dict:
+        add_ratios(self.results["cases"])
+        self.results["targets"] = evaluate_targets(self.results)
+        self.results["complete"] = True
+        self.results["elapsed_s"] = self.elapsed()
+        self.results["loadavg_end"] = os.getloadavg()
+        return self.results
 
 
 def run(config: Config, progress: Callable[[str], None] | None = None) -> dict:
@@ -618,132 +726,16 @@ def run(config: Config, progress: Callable[[str], None] | None = None) -> dict:
     keeps what it measured. Raises AssertionError (after writing) when a sanity check fails and
     ``config.strict_sanity``.
     """
-    say = progress or (lambda line: print(line, flush=True))
-    started = time.perf_counter()
-    load_start = os.getloadavg()
-    common.prepare_allocator(say)
-    peaks = {}
-    for dtype in config.dtypes:
-        size = common.PEAK_MATMUL_SIZE if dtype == "float32" else BF16_PEAK_SIZE
-        peaks[dtype] = common.matmul_peak_gflops(DTYPES[dtype], config.max_repeats, config.max_total_s, size=size)
-        say(f"matmul peak {dtype}: {peaks[dtype]['gflops']:.2f} GFLOP/s (torch.mm {size}x{size})")
-    bandwidth = read_bandwidth_gb_s()
-    say(f"memory read bandwidth: {bandwidth['gb_per_s']:.1f} GB/s (torch.sum over {bandwidth['mib']} MiB)")
-    results = {
-        "benchmark": "layer",
-        "git_commit": _git_commit(),
-        "machine": {**common.machine_info(peaks), "read_bandwidth": bandwidth},
-        "config": config_json(config),
-        "loadavg_start": load_start,
-        "complete": False,
-        "sanity": [],
-        "cases": [],
-        "decode": [],
-    }
-    ram = common.ram_bytes()
-    base = {
-        shape: build_models(SHAPES[shape]["embed_dim"], SHAPES[shape]["heads"], config.seed) for shape in config.shapes
-    }
-    models = {
-        (shape, dtype): base[shape] if dtype == "float32" else base[shape].to(DTYPES[dtype])
-        for shape in config.shapes
-        for dtype in config.dtypes
-    }
-    last_in_series: dict[tuple, dict] = {}
-    n_cases = len(config.shapes) * len(config.sizes) * len(config.modes) * len(config.impls) * len(config.dtypes)
-    done = 0
-
-    def save() -> None:
-        add_ratios(results["cases"])
-        results["targets"] = evaluate_targets(results)
-        if config.out_dir is not None:
-            write_json(results, config.out_dir, config.stem)
-
-    def grid(dtype: str) -> None:
-        nonlocal done
-        for shape in config.shapes:
-            for n in sorted(config.sizes):
-                if dtype == "float32":
-                    check = sanity_check(base[shape], shape, n, config.batch, config.seed)
-                    results["sanity"].append(check)
-                    say(
-                        f"sanity {shape} n={n} float32: worst max abs diff {check['worst']:.2e} "
-                        f"({'ok' if check['pass'] else 'FAIL'})"
-                    )
-                    if not check["pass"] and config.strict_sanity:
-                        save()
-                        raise AssertionError(f"implementations disagree at {shape} n={n}: {check['max_abs_diff']}")
-                for mode in config.modes:
-                    for impl in config.impls:
-                        done += 1
-                        case = Case(impl, shape, n, dtype, mode, config.batch)
-                        record = measure_quietly(
-                            lambda case=case: run_case(
-                                case,
-                                models[case.shape, case.dtype],
-                                config,
-                                peaks,
-                                last_in_series.get(case.series),
-                                ram,
-                            ),
-                            config,
-                            say,
-                        )
-                        last_in_series[case.series] = record
-                        results["cases"].append(record)
-                        say(
-                            f"[{done}/{n_cases} {time.perf_counter() - started:6.0f} s] {case.label()}: "
-                            f"{_summary(record)}"
-                        )
-                        save()
-
+    state = LayerRun(config, progress or (lambda line: print(line, flush=True)))
     # float32 first, then the decode benchmark, then the other dtypes (slow in bfloat16 here)
     first, rest = config.dtypes[:1], config.dtypes[1:]
     for dtype in first:
-        grid(dtype)
+        state.grid(dtype)
     if config.decode_prompts and DECODE_SHAPE in SHAPES:
-        results["decode_read_bandwidth"] = read_bandwidth_gb_s()  # measured again, next to the decode timings
-        say(f"memory read bandwidth before decode: {results['decode_read_bandwidth']['gb_per_s']:.1f} GB/s")
-        decode_models = (
-            models.get((DECODE_SHAPE, config.decode_dtype))
-            or base.get(DECODE_SHAPE)
-            or build_models(SHAPES[DECODE_SHAPE]["embed_dim"], SHAPES[DECODE_SHAPE]["heads"], config.seed)
-        )
-        for prompt in sorted(config.decode_prompts):
-            forward = find(
-                results["cases"],
-                impl="multihead",
-                shape=DECODE_SHAPE,
-                n=prompt,
-                dtype=config.decode_dtype,
-                mode="forward",
-            )
-            record = measure_quietly(
-                lambda prompt=prompt, forward=forward: decode_case(
-                    decode_models,
-                    prompt,
-                    config.decode_new_tokens,
-                    config.decode_repeats,
-                    config,
-                    None if forward is None else forward["median_s"],
-                ),
-                config,
-                say,
-            )
-            results["decode"].append(record)
-            say(f"[decode {time.perf_counter() - started:6.0f} s] {_decode_summary(record)}")
-            if record.get("sanity", {}).get("pass") is False and config.strict_sanity:
-                save()
-                raise AssertionError(f"decode with and without the cache disagree: {record['sanity']}")
-            save()
+        state.decode()
     for dtype in rest:
-        grid(dtype)
-    add_ratios(results["cases"])
-    results["targets"] = evaluate_targets(results)
-    results["complete"] = True
-    results["elapsed_s"] = time.perf_counter() - started
-    results["loadavg_end"] = os.getloadavg()
-    return results
+        state.grid(dtype)
+    return state.finish()
 
 
 def _git_commit() -> str | None:
@@ -1137,7 +1129,7 @@ def plot(results: dict, path: Path) -> bool:
     columns = len(cfg["modes"]) + (1 if results["decode"] else 0)
     rows = max(1, len(cfg["shapes"]))
     fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.8 * rows), squeeze=False)
-    colors = dict(zip(IMPLS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    colors = dict(zip(IMPLS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))  # more colors
     for index, (shape, mode) in enumerate(panels):
         ax = axes[index // len(cfg["modes"])][index % len(cfg["modes"])]
         for dtype in cfg["dtypes"]:
@@ -1149,7 +1141,7 @@ def plot(results: dict, path: Path) -> bool:
                 )
                 if points:
                     ax.plot(
-                        *zip(*points),
+                        *zip(*points, strict=True),
                         marker="o",
                         color=colors[impl],
                         linestyle="-" if dtype == "float32" else "--",
@@ -1187,10 +1179,10 @@ def plot(results: dict, path: Path) -> bool:
                 (r["prompt"], r["no_cache"][field] * scale) for r in decode if r["no_cache"].get("status") == "ok"
             ]
             if no_cache:
-                ax.plot(*zip(*no_cache), marker="s", label=no_cache_label)
+                ax.plot(*zip(*no_cache, strict=True), marker="s", label=no_cache_label)
             common.log_axes(ax, title, "prompt length", ylabel)
             ax.legend(fontsize=7)
-    common.save_figure(plt, fig, path)
+    _figures.save_figure(fig, path)
     return True
 
 

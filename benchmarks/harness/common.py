@@ -1,5 +1,6 @@
-"""What the kernel and layer benchmarks share: the allocator setting, measurement, machine info, records,
-targets, reports and the command line.
+"""What the kernel and layer benchmarks of this repository share: the allocator setting, measurement,
+machine info, records, targets, reports and the command line. (The harness is not installed with
+multihead; ``multihead bench`` is the short comparison users run, see multihead.bench.)
 
 Measurement (see kernel.py's docstring for the reasons):
 
@@ -34,6 +35,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 import multihead
+from multihead import _figures
 
 MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
 MALLOC_VALUE = "65536"
@@ -181,7 +183,11 @@ def returned_mib(result: object) -> dict[str, float] | None:
     """Sizes of what a call returned: output and (for the weights cases) weights, in MiB."""
     parts = result if isinstance(result, tuple) else (result,)
     names = ("output", "weights")
-    sizes = {name: t.numel() * t.element_size() / MIB for name, t in zip(names, parts) if isinstance(t, torch.Tensor)}
+    sizes = {
+        name: t.numel() * t.element_size() / MIB
+        for name, t in zip(names, parts, strict=False)  # an output alone, or an output and weights
+        if isinstance(t, torch.Tensor)
+    }
     return sizes or None
 
 
@@ -430,15 +436,8 @@ VERDICTS = {True: "PASS", False: "FAIL", None: "not evaluated"}
 
 
 def pyplot() -> Any:
-    """matplotlib.pyplot on the Agg backend, or None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
+    """matplotlib.pyplot on the Agg backend, or None without matplotlib (the reports then have no PNG)."""
+    return _figures.pyplot("the benchmark's PNG") if _figures.has_matplotlib() else None
 
 
 def log_axes(ax: Any, title: str, xlabel: str, ylabel: str | None = None, fontsize: int = 9) -> None:
@@ -450,12 +449,6 @@ def log_axes(ax: Any, title: str, xlabel: str, ylabel: str | None = None, fontsi
     if ylabel is not None:
         ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-
-
-def save_figure(plt: Any, fig: Any, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_json(results: dict, out_dir: Path, stem: str) -> Path:
@@ -496,13 +489,12 @@ def dtype_list(text: str) -> tuple[str, ...]:
     return names
 
 
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # benchmarks/results, beside the scripts
+
+
 def default_out_dir() -> Path:
-    """benchmarks/results of the source checkout this package runs from (an editable install), else
-    benchmarks/results under the working directory."""
-    root = Path(__file__).resolve().parents[3]
-    if (root / "pyproject.toml").is_file() and (root / "benchmarks").is_dir():
-        return root / "benchmarks" / "results"
-    return Path.cwd() / "benchmarks" / "results"
+    """benchmarks/results of this checkout."""
+    return RESULTS
 
 
 def build_parser(

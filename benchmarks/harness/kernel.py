@@ -35,20 +35,19 @@ at b*h = 12, n = 2048. The targets at the end are evaluated from these measureme
 Usage:
     python benchmarks/kernel.py [--quick] [--budget-s 120] [--out benchmarks/results]
                                 [--sizes 256,1024,4096,16384] [--dtypes float32,bfloat16]
-    (or python -m multihead.bench.kernel with the same options)
 
 Writes kernel.json, kernel.md and kernel.png under --out (kernel_quick.* with --quick, so a quick run
 never overwrites a full one). Importable: ``run(config, progress=None) -> dict``, ``Config`` and
 ``Config.quick_config(**overrides)``, ``write_reports(results, out_dir, stem) -> str`` (markdown),
 ``write_json``, ``plot`` (PNG), ``markdown_report`` and ``main(argv)``. The measurement, machine info
-and report helpers it shares with the layer benchmark are in multihead.bench.common.
+and report helpers it shares with the layer benchmark are in harness.common; the textbook code is
+multihead.bench's, which ``multihead bench`` times too.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -59,8 +58,10 @@ import torch
 import torch.nn.functional as F
 
 import multihead
-from multihead.bench import common
-from multihead.bench.common import DTYPES, MIB, MODES, find, fmt, ratio
+from harness import common
+from harness.common import DTYPES, MIB, MODES, find, fmt, ratio
+from multihead import _figures
+from multihead.bench import textbook_attention
 
 WEIGHTS_SHAPE = {"batch": 1, "heads": 12, "n": 2048, "head_dim": 64, "dtype": "float32"}
 BH1_SHAPE = {"n": 16384, "dtype": "float32", "mode": "forward+backward"}  # textbook at b*h = 1
@@ -71,25 +72,9 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], object]
 # --------------------------------------------------------------------------- the implementations
 
 
-def textbook_with_weights(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The classic materialised attention. q, k, v (b, h, n, d) -> out (b, h, n, d), weights (b, h, n, n)."""
-    d = q.shape[-1]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d)
-    if causal:
-        causal_mask = torch.triu(
-            torch.ones(scores.shape[-2], scores.shape[-1], dtype=torch.bool, device=q.device), diagonal=1
-        )
-        scores = scores.masked_fill(causal_mask, float("-inf"))
-    w = torch.softmax(scores, -1)
-    out = w @ v
-    return out, w
-
-
 def textbook(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Textbook attention, output only: (b, h, n, d)."""
-    return textbook_with_weights(q, k, v, causal)[0]
+    """Textbook attention (multihead.bench.textbook_attention), output only: (b, h, n, d)."""
+    return textbook_attention(q, k, v, causal)[0]
 
 
 def sdpa_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -137,7 +122,7 @@ def no_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) 
 
 
 WEIGHTS_IMPLS: dict[str, AttentionFn] = {
-    "textbook (out, w)": textbook_with_weights,
+    "textbook (out, w)": textbook_attention,
     "return_weights=True": weights_all,
     "WeightSelection(heads=[0])": weights_one_head,
     "no weights (auto)": no_weights,
@@ -707,11 +692,11 @@ def plot(results: dict, path: Path) -> bool:
                     if r["impl"] == impl and r["mode"] == mode and r["dtype"] == dtype and r["causal"] == causal
                 )
                 if points:
-                    ax.plot(*zip(*points), marker="o", label=impl)
+                    ax.plot(*zip(*points, strict=True), marker="o", label=impl)
             common.log_axes(ax, f"{mode}, {dtype}, {'causal' if causal else 'full'}", "n", "time (s)")
             if ax.lines:
                 ax.legend(fontsize=7)
-    common.save_figure(plt, fig, path)
+    _figures.save_figure(fig, path)
     return True
 
 

@@ -1,5 +1,6 @@
-"""multihead.bench: the kernel and layer benchmarks as a package, run on tiny configurations (their structure,
-never their timings), and the thin scripts in benchmarks/."""
+"""benchmarks/harness: the kernel and layer benchmarks of this repository, run on tiny configurations (their
+structure, never their timings), and the thin scripts in benchmarks/. The harness is not installed: it is imported
+from beside its scripts."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from multihead.bench import common, kernel, layer
-
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the harness lives beside its scripts, not in the package
 
+from harness import common, kernel, layer  # noqa: E402
 
 # --------------------------------------------------------------------------- tiny runs, shared by the tests
 
@@ -264,21 +266,19 @@ def test_default_out_is_the_checkout_results():
     assert layer.build_parser(Path("/x")).parse_args([]).out == Path("/x")
 
 
-# --------------------------------------------------------------------------- the scripts and the package
-
-IMPORT_CHECK = "import sys, multihead; print(sorted(m for m in sys.modules if m.startswith('multihead.bench')))"
+# --------------------------------------------------------------------------- the scripts
 
 
 @pytest.fixture(scope="module")
 def started() -> dict[str, subprocess.Popen]:
     """The subprocesses of the tests below, started together (each spends its time importing torch): the
     kernel script's --help through the re-exec with MALLOC_MMAP_THRESHOLD_, the layer script's with it
-    already set (one start fewer), and ``import multihead``."""
+    already set (one start fewer), and the suite script's."""
     env = {k: v for k, v in os.environ.items() if k != common.MALLOC_ENV}
     commands = {
         "kernel": ([str(ROOT / "benchmarks" / "kernel.py"), "--help"], env),
         "layer": ([str(ROOT / "benchmarks" / "layer.py"), "--help"], {**env, common.MALLOC_ENV: "65536"}),
-        "import": (["-c", IMPORT_CHECK], env),
+        "suite": ([str(ROOT / "benchmarks" / "suite.py"), "--help"], env),
     }
     processes = {
         name: subprocess.Popen(
@@ -302,7 +302,16 @@ def test_script_help(started, script):
         assert option in out
 
 
-def test_import_multihead_does_not_import_bench(started):
-    out, err = started["import"].communicate(timeout=120)
-    assert started["import"].returncode == 0, err
-    assert out.strip() == "[]"
+def test_suite_script_help(started):
+    out, err = started["suite"].communicate(timeout=120)
+    assert started["suite"].returncode == 0, err
+    assert out.startswith("usage: suite.py")
+    for option in ("--quick", "--only", "--rescore", "--out"):
+        assert option in out
+
+
+def test_a_benchmark_script_checks_its_out_folder_first(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    assert kernel.main(["--quick", "--out", str(tmp_path / "a-file")], reexec=False) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --out: expected a folder") and "which is a file" in err

@@ -1,0 +1,334 @@
+"""How this machine is measured: what it is, how fast it multiplies and moves memory, what a step allocates.
+
+    identity      :func:`identity`: the CPU model, its instruction-set flags (a hash of all, the notable ones by
+                  name), torch's threads and version; :func:`identity_key` is what a calibration is keyed on
+    calibration   :func:`calibrate`: dense matmul GFLOP/s per dtype and copy bandwidth, timed with
+                  ``torch.utils.benchmark``; :func:`cached_rates` reuses the cached ones when they are this
+                  machine's and recent, else measures again (saying why)
+    the cache     :func:`save_calibration` / :func:`read_calibration`: one JSON file (``calibration_path``),
+                  stamped with the identity it was measured on and when
+    memory        :func:`measure_peak_bytes`: the CPU allocator's peak during one call, from torch.profiler
+
+What a configuration costs (FLOPs, bytes, the roofline bound from these rates) is :mod:`multihead.cost`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from torch.utils import benchmark
+
+from multihead._errors import InputError
+from multihead._userfiles import (
+    ANY_OBJECT,
+    POSITIVE_INT,
+    POSITIVE_NUMBER,
+    STRING,
+    MapOf,
+    OptionalKey,
+    path_kind,
+    read_json,
+)
+from multihead.cost import DTYPES, MachineRates, dtype_name
+
+__all__ = [
+    "Identity",
+    "identity",
+    "identity_key",
+    "calibrate",
+    "cached_rates",
+    "calibration_path",
+    "save_calibration",
+    "read_calibration",
+    "age_text",
+    "measure_peak_bytes",
+    "MAX_AGE_S",
+]
+
+MAX_AGE_S = 30 * 24 * 3600  # an older calibration is measured again: the machine or its load may have changed
+HALF_MATMUL_SIZE = 512  # half-precision matmuls are slow on CPUs without their units: a smaller square
+# instruction-set flags that change how fast attention runs (x86: /proc/cpuinfo "flags"; Arm: "Features")
+NOTABLE_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_fp16",
+    "amx_int8",
+    "asimd",
+    "bf16",
+    "i8mm",
+    "sve",
+    "sve2",
+    "sme",
+)
+RECALIBRATE = "run `multihead bench --calibrate` to measure this machine"
+
+
+# --------------------------------------------------------------------------- what this machine is
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a calibration depends on: the CPU (model, flags), the threads torch uses, torch's version."""
+
+    cpu: str
+    flags_hash: str  # sha256 of the sorted flags, 16 hex digits ("" where the OS does not list them)
+    notable_flags: tuple[str, ...]  # those of NOTABLE_FLAGS the CPU has
+    torch_isa: str  # the instruction set torch's CPU kernels chose (torch.backends.cpu.get_cpu_capability)
+    threads: int
+    torch: str
+
+    def describe(self) -> str:
+        """One line: "AMD EPYC (avx avx2 fma; torch uses AVX2), 2 threads, torch 2.13.0+cpu"."""
+        flags = " ".join(self.notable_flags) or "no notable flags listed"
+        return f"{self.cpu} ({flags}; torch uses {self.torch_isa}), {self.threads} threads, torch {self.torch}"
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first value of each field of /proc/cpuinfo ({} off Linux)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as lines:
+            for line in lines:
+                name, colon, value = line.partition(":")
+                if colon:
+                    fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        return {}
+    return fields
+
+
+def identity() -> Identity:
+    """This machine and process, now (the threads are torch.get_num_threads())."""
+    info = _cpuinfo()
+    cpu = info.get("model name") or info.get("Model") or platform.processor() or platform.machine() or "unknown CPU"
+    flags = sorted(set((info.get("flags") or info.get("Features") or "").split()))
+    digest = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16] if flags else ""
+    return Identity(
+        cpu=cpu,
+        flags_hash=digest,
+        notable_flags=tuple(flag for flag in NOTABLE_FLAGS if flag in flags),
+        torch_isa=torch.backends.cpu.get_cpu_capability(),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+    )
+
+
+def identity_key(machine: Identity | None = None) -> dict:
+    """What a cached calibration must match to be used: CPU model, flags hash, threads, torch version."""
+    m = machine or identity()
+    return {"cpu": m.cpu, "flags": m.flags_hash, "threads": m.threads, "torch": m.torch}
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def _fastest_call_s(stmt: str, names: dict, min_run_time: float) -> float:
+    """Seconds per call of ``stmt`` in its fastest block (torch.utils.benchmark, torch's threads, not 1)."""
+    timer = benchmark.Timer(stmt=stmt, globals=names, num_threads=torch.get_num_threads())
+    return min(timer.blocked_autorange(min_run_time=min_run_time).times)
+
+
+def calibrate(
+    dtypes: Sequence[str] = ("float32",),
+    *,
+    matmul_sizes: Sequence[int] = (512, 1024, 2048),
+    copy_mib: int = 256,
+    min_run_time: float = 0.3,
+) -> MachineRates:
+    """Measure this machine now: ``torch.mm`` of two squares of each of ``matmul_sizes`` per dtype (half types:
+    those up to 512, they are slow on CPUs without their units), and ``dst.copy_(src)`` of ``copy_mib`` MiB.
+
+    Each is timed in blocks by ``torch.utils.benchmark`` for about ``min_run_time`` seconds. The rate is a
+    ceiling for the roofline, so it is the fastest block of the fastest size (2 n^3 FLOPs per matmul: a
+    square that fits the caches runs faster than a large one; read plus written bytes per copy). A busy
+    machine measures low, which shows later as a measured time under the bound (see multihead.bench).
+    """
+    rates, by_size = {}, {}
+    for name in dtypes:
+        key = dtype_name(name)
+        dtype = DTYPES[key]
+        half = dtype not in (torch.float32, torch.float64)
+        sizes = [n for n in matmul_sizes if not half or n <= HALF_MATMUL_SIZE] or [min(matmul_sizes)]
+        by_size[key] = {}
+        for n in sizes:
+            a, b, out = (torch.randn(n, n, dtype=dtype) for _ in range(3))
+            names = {"torch": torch, "a": a, "b": b, "out": out}
+            by_size[key][n] = 2 * n**3 / _fastest_call_s("torch.mm(a, b, out=out)", names, min_run_time) / 1e9
+        rates[key] = max(by_size[key].values())
+    elements = copy_mib * 2**20 // 4
+    src, dst = torch.randn(elements), torch.empty(elements)
+    bandwidth = 2 * elements * 4 / _fastest_call_s("dst.copy_(src)", {"src": src, "dst": dst}, min_run_time) / 1e9
+    return MachineRates(
+        rates,
+        bandwidth,
+        torch.get_num_threads(),
+        time.strftime("%Y-%m-%d %H:%M:%S"),
+        {"matmul_gflops_by_size": by_size, "copy_mib": copy_mib, "timer": "torch.utils.benchmark, fastest block"},
+        identity_key(),
+        time.time(),
+    )
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+def calibration_path() -> Path:
+    """Where the rates are cached ($MULTIHEAD_CACHE, else $XDG_CACHE_HOME/multihead, else ~/.cache/multihead)."""
+    root = os.environ.get("MULTIHEAD_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "multihead"
+    )
+    return Path(root) / "calibration.json"
+
+
+def save_calibration(rates: MachineRates, path: Path | None = None) -> Path:
+    """Write ``rates`` to the cache (or ``path``). Rates without a machine or a time are taken as this machine's,
+    now (stamped with :func:`identity_key` and the current time)."""
+    stamped = replace(
+        rates,
+        machine=rates.machine or identity_key(),
+        measured_unix=time.time() if rates.measured_unix is None else rates.measured_unix,
+    )
+    target = path or calibration_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(asdict(stamped), indent=1))
+    return target
+
+
+_CALIBRATION_SCHEMA = {
+    "matmul_gflops": MapOf(POSITIVE_NUMBER, 1),
+    "bandwidth_gbs": POSITIVE_NUMBER,
+    "threads": POSITIVE_INT,
+    "measured_at": OptionalKey(STRING),
+    "details": OptionalKey(ANY_OBJECT),
+    "machine": OptionalKey(ANY_OBJECT),
+    "measured_unix": OptionalKey(POSITIVE_NUMBER),
+}
+
+
+def age_text(seconds: float) -> str:
+    """'40 s', '12 min', '5 h', '3 days'."""
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{max(seconds, 0):.0f} s"
+
+
+def _why_not_usable(rates: MachineRates, key: dict, now: float) -> str | None:
+    """Why cached ``rates`` do not describe this machine now (another machine or setup, too old), or None."""
+    if not rates.machine or rates.measured_unix is None:
+        return "it does not say which machine it was measured on (written by an older multihead)"
+    differences = [
+        f"{name} {rates.machine.get(name)!r}, here {value!r}"
+        for name, value in key.items()
+        if rates.machine.get(name) != value
+    ]
+    if differences:
+        return "it was measured on another machine or setup (" + "; ".join(differences) + ")"
+    age = now - rates.measured_unix
+    if age > MAX_AGE_S:
+        return f"it is {age_text(age)} old (older than {age_text(MAX_AGE_S)})"
+    if age < -3600:
+        return "its time is in the future"
+    return None
+
+
+def read_calibration(
+    path: Path | None = None, *, key: dict | None = None, now: float | None = None
+) -> tuple[MachineRates | None, str | None]:
+    """(the cached rates or None, a note when a cache file was there but is not used).
+
+    The cache is ours, not the user's argument: a damaged one (not JSON, fields missing or of the wrong type,
+    rates that are not positive), one measured on another machine or setup (``key``, default
+    :func:`identity_key`), or one older than MAX_AGE_S counts as absent, and the note says why and how to
+    measure again.
+    """
+    source = path or calibration_path()
+    if path_kind(source) == "missing":
+        return None, None
+    try:
+        data = read_json(
+            "calibration cache",
+            source,
+            what="rates written by `multihead bench --calibrate`",
+            schema=_CALIBRATION_SCHEMA,
+            fix="run `multihead bench --calibrate` to measure them again",
+        )
+    except InputError as error:
+        return None, f"ignored the calibration cache ({error})"
+    rates = MachineRates(
+        dict(data["matmul_gflops"]),
+        float(data["bandwidth_gbs"]),
+        int(data["threads"]),
+        data.get("measured_at", ""),
+        data.get("details", {}),
+        data.get("machine", {}),
+        data.get("measured_unix"),
+    )
+    why = _why_not_usable(rates, identity_key() if key is None else key, time.time() if now is None else now)
+    if why is not None:
+        return None, f"ignored the calibration cache {source}: {why}; {RECALIBRATE}"
+    return rates, None
+
+
+def cached_rates(
+    dtypes: Sequence[str], *, recalibrate: bool = False, say: Callable[[str], None] = print
+) -> tuple[MachineRates, bool]:
+    """(rates for ``dtypes``, whether they were measured just now): the cache when it is this machine's, recent
+    and has every dtype (and ``recalibrate`` is False), else :func:`calibrate` (float32 always, and the cached
+    dtypes again) and save. A cache that cannot be written is said, not raised: the rates are still used."""
+    cached, note = read_calibration()
+    if note:
+        say(note)
+    if not recalibrate and cached is not None and all(dtype in cached.matmul_gflops for dtype in dtypes):
+        return cached, False
+    wanted = sorted(set(dtypes) | {"float32"} | (set(cached.matmul_gflops) if cached else set()))
+    say(f"calibrating this machine: matmul rate ({', '.join(wanted)}) and copy bandwidth ...")
+    rates = calibrate(wanted)
+    try:
+        say(f"calibration saved to {save_calibration(rates)}")
+    except OSError as error:
+        say(f"calibration not saved ({error.strerror or error}); set MULTIHEAD_CACHE to a folder you can write to")
+    return rates, True
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def measure_peak_bytes(step: Callable[[], object]) -> int:
+    """The most bytes the CPU allocator held at once during ``step()``, above what it held before.
+
+    Read from torch.profiler's memory events (every allocation and free the CPU allocator reports, exported as
+    a chrome trace), so it counts tensors, not the process's resident memory.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as directory:
+        trace = Path(directory) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    memory = [event["args"] for event in events if event.get("name") == "[memory]"]
+    if not memory:
+        return 0
+    # "Total Allocated" is a running tally that outlives one profiling session: start from the value
+    # just before this session's first event
+    baseline = memory[0]["Total Allocated"] - memory[0]["Bytes"]
+    return max(event["Total Allocated"] for event in memory) - baseline
