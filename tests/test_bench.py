@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import multihead
-from multihead import bench
+from multihead import bench, machine
 from multihead.cli import main
 from multihead.cost import MachineRates
 from multihead.machine import identity_key, save_calibration
@@ -116,6 +116,16 @@ def test_a_right_calibration_after_the_wrong_one_gives_shares_below_1(monkeypatc
     assert results["calibration"]["measured_in_this_run"] is True
     untouched = run_tiny(monkeypatch, (FAST, False))
     assert untouched["handed"] == [False] and untouched["notes"] == []  # no share above 1: no new calibration
+
+
+def test_a_cache_not_used_is_a_note_of_the_report(cache, monkeypatch):
+    monkeypatch.setattr(machine, "calibrate", lambda dtypes: FAST)
+    data = json.loads(machine.calibration_path().read_text())
+    data["machine"]["cpu"] = "another CPU"
+    machine.calibration_path().write_text(json.dumps(data))
+    results = bench.run(quick=True, only=TINY[1:], rounds=1, block_s=0.0, say=lambda line: None)
+    assert results["notes"][0].startswith("ignored the calibration cache") and "another CPU" in results["notes"][0]
+    assert results["calibration"]["measured_in_this_run"] is True
 
 
 def test_results_json_and_table(monkeypatch, tmp_path):

@@ -324,22 +324,26 @@ def run(
     """Calibrate (or reuse the cache), time every case, score it against the roofline; the results (bench.json)."""
     started = time.perf_counter()
     notes: list[str] = []
-    rates, measured_now = cached_rates(dtypes, recalibrate=recalibrate, say=say)
+
+    def calibration_say(line: str) -> None:  # what the calibration says is progress, except why a cache was not used
+        say(line)
+        if line.startswith(("ignored the calibration cache", "calibration not saved")):
+            notes.append(line)
+
+    rates, measured_now = cached_rates(dtypes, recalibrate=recalibrate, say=calibration_say)
     rounds, block_s = rounds or ROUNDS[quick], BLOCK_S[quick] if block_s is None else block_s
     records = []
     todo = cases(quick, dtypes) if only is None else list(only)
     for index, case in enumerate(todo, 1):
         say(f"[{index}/{len(todo)}] {case.group} {case.label} {case.mode} {case.dtype}")
         records.append(measure(case, rounds=rounds, block_s=block_s))
-    recalibrated = None
     if score(records, rates) and not measured_now:
-        recalibrated = (
+        notes.append(
             f"a measured time was below the roofline bound of the calibration from {rates.measured_at}: "
             "the calibration was measured again"
         )
-        say(recalibrated)
-        notes.append(recalibrated)
-        rates, measured_now = cached_rates(dtypes, recalibrate=True, say=say)
+        say(notes[-1])
+        rates, measured_now = cached_rates(dtypes, recalibrate=True, say=calibration_say)
         score(records, rates)
     note = withhold_impossible_shares(records, rates)
     if note:

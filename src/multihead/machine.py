@@ -160,7 +160,8 @@ def calibrate(
     square that fits the caches runs faster than a large one; read plus written bytes per copy). A busy
     machine measures low, which shows later as a measured time under the bound (see multihead.bench).
     """
-    rates, by_size = {}, {}
+    rates: dict[str, float] = {}
+    by_size: dict[str, dict[int, float]] = {}
     for name in dtypes:
         key = dtype_name(name)
         dtype = DTYPES[key]
