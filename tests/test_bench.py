@@ -56,7 +56,7 @@ def test_cases_of_a_quick_run():
     assert {(c.group, c.n) for c in cases} == {("attention", 256), ("attention", 1024), ("layer", 128), ("layer", 512)}
     assert len(cases) == 2 * 2 * 2 + 2 * 2  # attention: n x causal x mode; layer: n x mode
     assert {c.dtype for c in bench.cases(quick=False, dtypes=("float32", "bfloat16"))} == {"float32", "bfloat16"}
-    assert max(c.n for c in bench.cases(quick=False)) == 4096
+    assert max(c.n for c in bench.cases(quick=False)) == 2048
 
 
 def test_interleave_rotates_the_order_and_warms_up_every_block():
@@ -68,6 +68,18 @@ def test_interleave_rotates_the_order_and_warms_up_every_block():
     sizing = ["A"] * block + ["B"] * block + ["C"] * block
     rounds = [name for order in ("ABC", "BCA", "CAB") for name in order for _ in range(block)]
     assert calls == sizing + rounds
+
+
+def test_a_noisy_run_says_so(monkeypatch):
+    steady = {"multihead": [1.0] * 4, "torch SDPA": [2.0] * 4, "textbook": [1.0, 2.0, 3.0, 4.0]}  # ±31% spread
+    monkeypatch.setattr(bench, "interleave", lambda steps, rounds, block_s: steady)
+    monkeypatch.setattr(bench, "cached_rates", lambda dtypes, recalibrate=False, say=print: (FAST, False))
+    results = bench.run(quick=True, only=TINY[:1], rounds=4, block_s=0.0, say=lambda line: None)
+    assert results["notes"] == [
+        "1 of 3 times vary by more than ±10% between rounds: something else was probably using the CPU. The "
+        "ratios, taken round by round, suffer least; run again on a quiet machine for firmer numbers."
+    ]
+    assert bench._milliseconds(0.000123) == "0.123" and bench._milliseconds(1.2345) == "1234"
 
 
 def test_measure_reports_medians_spreads_and_paired_ratios(monkeypatch):
@@ -111,11 +123,13 @@ def test_a_share_above_1_is_measured_again_then_withheld_never_printed(monkeypat
 def test_a_right_calibration_after_the_wrong_one_gives_shares_below_1(monkeypatch):
     results = run_tiny(monkeypatch, (WRONG, False), (FAST, True))
     shares = [peer["roofline_share"] for r in results["cases"] for peer in r["peers"].values()]
-    assert all(0 < share <= 1 for share in shares) and len(results["notes"]) == 1
+    assert all(0 < share <= 1 for share in shares)
+    assert "measured again" in results["notes"][0] and not any("withheld" in note for note in results["notes"])
     assert results["calibration"]["matmul_gflops"] == FAST.matmul_gflops
     assert results["calibration"]["measured_in_this_run"] is True
     untouched = run_tiny(monkeypatch, (FAST, False))
-    assert untouched["handed"] == [False] and untouched["notes"] == []  # no share above 1: no new calibration
+    assert untouched["handed"] == [False]  # no share above 1: no new calibration
+    assert not any("calibration" in note for note in untouched["notes"])  # (a busy machine may add a noise note)
 
 
 def test_a_cache_not_used_is_a_note_of_the_report(cache, monkeypatch):
