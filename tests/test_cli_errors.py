@@ -18,7 +18,8 @@ import torch
 
 from multihead._errors import InputError
 from multihead.cli import main, parse_indices
-from multihead.cost import MachineRates, save_calibration
+from multihead.cost import MachineRates
+from multihead.machine import save_calibration
 from multihead.models import Encoder, EncoderConfig, load_minilm
 from multihead.models.loading import Tokenizer, find_model_dir
 
@@ -618,88 +619,6 @@ def test_scores_folder_without_scores(tiny, tmp_path, capsys):
     )
 
 
-# ------------------------------------------------------------------------------- bench JSON
-
-
-def _bench_results(out: Path, kernel: object, layer: object) -> None:
-    out.mkdir(exist_ok=True)
-    for name, data in (("kernel", kernel), ("layer", layer)):
-        (out / f"{name}.json").write_text(data if isinstance(data, str) else json.dumps(data))
-
-
-GOOD_KERNEL = {
-    "machine": {},
-    "config": {"batch": 1, "heads": 2, "head_dim": 8},
-    "cases": [
-        {"impl": impl, "n": 16, "causal": False, "dtype": "float32", "mode": "forward", "status": "ok", "median_s": s}
-        for impl, s in (("auto", 1e-4), ("sdpa", 2e-4), ("textbook", 4e-4))
-    ],
-}
-GOOD_LAYER = {
-    "machine": {},
-    "cases": [
-        {
-            "impl": impl,
-            "shape": "tiny",
-            "n": 16,
-            "causal": True,
-            "dtype": "float32",
-            "mode": "forward",
-            "batch": 1,
-            "embed_dim": 16,
-            "heads": 2,
-            "status": "ok",
-            "median_s": s,
-        }
-        for impl, s in (("multihead", 1e-4), ("textbook", 2e-4), ("torch_mha_noweights", 3e-4))
-    ],
-}
-
-BENCH_CASES = {
-    "both empty objects": ({}, {}, 'the key "machine"'),
-    "kernel.json not JSON": ("{'cases': []}", GOOD_LAYER, "not valid JSON"),
-    "kernel.json a list": ([], GOOD_LAYER, "got a list"),
-    "layer case without a shape": (
-        GOOD_KERNEL,
-        {**GOOD_LAYER, "cases": [{**GOOD_LAYER["cases"][0], "shape": None}]},
-        '["cases"][0]["shape"] is a string',
-    ),
-    "kernel case of an unknown dtype": (GOOD_KERNEL, GOOD_LAYER, None),
-    "layer case of sizes that make no layer": (
-        GOOD_KERNEL,
-        {**GOOD_LAYER, "cases": [{**case, "heads": 3} for case in GOOD_LAYER["cases"]]},
-        "num_heads",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", BENCH_CASES)
-def test_bench_rescore_on_corrupt_results(case, tmp_path, capsys):
-    kernel, layer, fragment = BENCH_CASES[case]
-    if fragment is None:
-        kernel = {**GOOD_KERNEL, "cases": [{**GOOD_KERNEL["cases"][0], "dtype": "int4"}]}
-        fragment = '"dtype"] is one of "float32"'
-    _bench_results(tmp_path / "results", kernel, layer)
-    assert_one_line(capsys, ["bench", "--rescore", "--out", str(tmp_path / "results")], "bench", "--out", fragment)
-
-
-def test_bench_rescore_on_good_results_and_missing_ones(tmp_path, capsys):
-    _bench_results(tmp_path / "results", GOOD_KERNEL, GOOD_LAYER)
-    assert main(["bench", "--rescore", "--out", str(tmp_path / "results")]) == 0
-    assert "| tiny n16 |" in capsys.readouterr().out
-    assert (tmp_path / "results" / "bench.json").is_file()
-    assert_one_line(
-        capsys,
-        ["bench", "--rescore", "--quick", "--out", str(tmp_path / "results")],
-        "bench",
-        "--out",
-        "kernel_quick.json",
-    )
-    assert_one_line(
-        capsys, ["bench", "--rescore", "--out", str(tmp_path / "nowhere")], "bench", "--out", "does not exist"
-    )
-
-
 def test_cost_plot_of_a_layer_too_small_for_the_default_range(tmp_path, capsys):
     """Found by the CLI fuzz: a crossover below n = 16 left no lengths to draw (a matplotlib ValueError)."""
     plot = tmp_path / "cost.png"
@@ -813,14 +732,6 @@ def test_library_errors_name_the_option(case, tiny, tmp_path, capsys):
         ["--format", "terminal"] if command == "inspect" and "--format" not in argv else ["--out", str(tmp_path / "o")]
     )
     assert_one_line(capsys, argv, command, fragment.split(":")[0], fragment)
-
-
-def test_a_benchmark_script_checks_its_out_folder_first(tmp_path, capsys):
-    from multihead.bench import kernel
-
-    assert kernel.main(["--quick", "--out", str(_a_file(tmp_path))], reexec=False) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: --out: expected a folder") and "which is a file" in err
 
 
 # ------------------------------------------------------------------------------- argparse's own mistakes

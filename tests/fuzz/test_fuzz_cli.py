@@ -14,8 +14,8 @@ checkpoint (2 layers x 2 heads, 8 wide, the real tokenizer) in both folder forma
 with a damage: a truncated or garbage model.safetensors, tensors dropped, added, reshaped or NaN, a
 config.json or multihead_config.json with a field removed or replaced, a corrupt tokenizer.json.
 
-Nothing here may start a real benchmark run (it re-executes the process) or measure the machine:
-``bench`` always gets --rescore, and calibration is replaced by fixed rates.
+Nothing here may start a real benchmark run or measure the machine: ``multihead.bench.run`` is replaced by
+one tiny run's results, and calibration by fixed rates.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from hypothesis import strategies as st
 
 from multihead._errors import InputError
 from multihead.cli import main
-from multihead.cost import MachineRates, save_calibration
+from multihead.cost import MachineRates
+from multihead.machine import save_calibration
 from multihead.models import load_minilm
-from test_cli_errors import GOOD_KERNEL, GOOD_LAYER, write_tiny_checkpoints
+from test_cli_errors import write_tiny_checkpoints
 
 MESSAGE_FORM = re.compile(r"^\S.*: expected .+, got .+\. Fix: .+")
 RATES = MachineRates(
@@ -117,11 +118,11 @@ class Workspace:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """Tiny checkpoints built once, a fixed calibration cache, calibration replaced by fixed rates, the
+    """Tiny checkpoints built once, a fixed calibration cache, calibration replaced by fixed rates, the benchmark
+    run replaced by one tiny run's results, the
     working folder moved here (default --out folders land in it), and one torch thread (tiny models gain
     nothing from threads, and other tests may share the cores)."""
-    import multihead.bench.suite as suite
-    import multihead.cost as cost
+    from multihead import bench, machine
 
     root = tmp_path_factory.mktemp("fuzz-cli")
     patch = pytest.MonkeyPatch()
@@ -130,8 +131,11 @@ def workspace(tmp_path_factory):
         patch.chdir(root)
         patch.setenv("MULTIHEAD_CACHE", str(root / "cache"))
         save_calibration(RATES)
-        patch.setattr(cost, "calibrate", lambda *args, **kwargs: RATES)
-        patch.setattr(suite, "calibrate", lambda *args, **kwargs: RATES)
+        patch.setattr(machine, "calibrate", lambda *args, **kwargs: RATES)
+        tiny = bench.run(
+            quick=True, only=[bench.Case("attention", 4, False, "forward", "float32")], rounds=1, block_s=0
+        )
+        patch.setattr(bench, "run", lambda **kwargs: tiny)
         torch.set_num_threads(1)
         yield Workspace(root, write_tiny_checkpoints(root / "tiny"))
     finally:
@@ -605,32 +609,17 @@ def test_fuzz_cost(workspace, tally, request):
     case()
 
 
-def test_fuzz_bench_rescore(workspace, tally, request):
-    """``multihead bench --rescore`` over random, damaged or missing kernel.json / layer.json."""
+def test_fuzz_bench(workspace, tally, request):
+    """``multihead bench`` with random --dtype, --out and --calibrate (the run itself is one canned tiny result)."""
 
     @given(data=st.data())
     def case(data):
         folder = workspace.fresh()
-        results = folder / "results"
-        kind = data.draw(mostly(st.just("folder"), st.sampled_from(["missing", "file", "proc"])))
-        quick = data.draw(st.booleans())
-        if kind == "folder":
-            results.mkdir()
-            for name, valid in (("kernel", GOOD_KERNEL), ("layer", GOOD_LAYER)):
-                spec = data.draw(
-                    mostly(
-                        st.just(InputFile("file", json.dumps(valid).encode())), input_files(valid_json=valid), weight=1
-                    )
-                )
-                spec.make(results, f"{name}{'_quick' if quick else ''}.json")
-        elif kind == "file":
-            results.write_text("{}")
-        argv = ["bench", "--rescore", "--out", "/proc/multihead-results" if kind == "proc" else str(results)]
-        argv += ["--quick"] if quick else []
-        argv += data.draw(option("--only", mostly(st.sampled_from(["kernel", "layer"]), st.just("both"), 3)))
-        argv += data.draw(
-            mostly(st.just([]), st.sampled_from([["--calibrate"], ["--dtype", "float32"], ["--dtype", "int8"]]), 3)
-        )
+        argv = ["bench", "--out", make_output(data.draw(OUTPUT_KINDS), folder)]
+        argv += data.draw(switch("--quick")) + data.draw(switch("--calibrate"))
+        dtypes = mostly(st.sampled_from(["float32", "bfloat16"]), st.sampled_from(["int8", "", "FLOAT32"]), 3)
+        for _ in range(data.draw(st.integers(0, 2))):
+            argv += ["--dtype", data.draw(dtypes)]
         judge(tally, request.node.name, argv)
 
     case()
@@ -767,8 +756,8 @@ def test_fuzz_argv_tokens(workspace, tally, request):
     @given(tokens=st.lists(st.one_of(st.sampled_from(ARGV_TOKENS), st.text(max_size=5), ARGV_BYTES), max_size=6))
     def case(tokens):
         argv = list(tokens)
-        if "bench" in argv:  # a real benchmark re-executes the process: keep bench to --rescore of nothing
-            argv = ["bench", "--rescore", "--out", str(workspace.root / "no-results")]
+        if "bench" in argv:  # the workspace's bench run is canned; its reports go to the workspace
+            argv += ["--out", str(workspace.root / "bench")]
         if any(t in argv for t in ("heads", "importance", "prune", "syntax")) and "--model" not in argv:
             argv += ["--model", str(workspace.root / "no-model")]  # never the real model on the bundled data
         if argv and argv[0] == "inspect":
