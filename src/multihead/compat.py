@@ -45,6 +45,7 @@ from multihead._errors import (
     bad_argument,
     describe,
     floating_dtype,
+    like_query,
     positive_int,
     usable_device,
 )
@@ -436,21 +437,7 @@ def _check_dtypes(query, key, value, params: _Params, key_padding_mask, attn_mas
     for name, t in (("key", key), ("value", value), ("static_k", static_k), ("static_v", static_v)):
         if t is None:
             continue
-        if t.dtype != query.dtype:
-            raise bad_argument(
-                name,
-                f"dtype {query.dtype} (the query's)",
-                t.dtype,
-                "give query, key and value one dtype",
-                kind=DtypeError,
-            )
-        if t.device != query.device:
-            raise bad_argument(
-                name,
-                f"a tensor on {query.device} (the query's device)",
-                f"one on {t.device}",
-                "move query, key and value to one device",
-            )
+        like_query(name, t, query, dtype_kind=DtypeError)
     for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
         if m is None:
             continue

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multihead._errors import bad_argument, describe, floating_dtype, positive_int, usable_device
+from multihead._errors import bad_argument, describe, floating_dtype, like_query, positive_int, usable_device
 from multihead._limits import check_fits
 from multihead.attend import Attend
 from multihead.backends import registry
@@ -387,21 +387,7 @@ class MultiHeadAttention(nn.Module):
                     f"move the input with {name}.to({str(weight.device)!r}) or the layer with layer.to(...)",
                 )
         else:
-            if x.dtype != like.dtype:
-                raise bad_argument(
-                    name,
-                    f"dtype {like.dtype} (the query's)",
-                    x.dtype,
-                    "give query, key and value one dtype",
-                    kind=TypeError,
-                )
-            if x.device != like.device:
-                raise bad_argument(
-                    name,
-                    f"a tensor on {like.device} (the query's device)",
-                    f"one on {x.device}",
-                    "move query, key and value to one device",
-                )
+            like_query(name, x, like)
         if x.ndim != 3 or x.shape[-1] != features:
             raise bad_argument(
                 name,
