@@ -19,6 +19,11 @@ LAYERS = [
     ("multihead.cli", "the command line"),
     ("multihead.bench", "reports: what the commands print and write"),
     ("multihead.cost_report", "reports: what the commands print and write"),
+    ("multihead.inspect.terminal", "reports: what the commands print and write"),
+    ("multihead.inspect.html", "reports: what the commands print and write"),
+    ("multihead.inspect.plots", "reports: what the commands print and write"),
+    ("multihead.inspect.headreport", "reports: what the commands print and write"),
+    ("multihead.inspect.write", "reports: what the commands print and write"),
     ("multihead.inspect", "models and their inspection"),
     ("multihead.models", "models and their inspection"),
     ("multihead.cost", "counting and measuring"),
@@ -154,7 +159,29 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "multihead"))
 def test_imports_point_down_the_layers(module):
     rank = ORDER.index(layer_of(module))
+    facade = MODULES[module].name == "__init__.py"  # a package's public face re-exports its own modules
     upward = sorted(
-        target for target in GRAPH[module] if target != "multihead" and ORDER.index(layer_of(target)) < rank
+        target
+        for target in GRAPH[module]
+        if target != "multihead"
+        and not (facade and target.startswith(module + "."))
+        and ORDER.index(layer_of(target)) < rank
     )
     assert not upward, f"{module} ({layer_of(module)}) imports {upward} from a layer above it"
+
+
+def test_the_layers_run_in_the_documented_order():
+    # cli -> reports -> models/inspect -> cost -> layer -> functional -> backends -> masks -> helpers
+    chain = [
+        "multihead.cli",
+        "multihead.inspect.write",
+        "multihead.inspect.report",
+        "multihead.cost",
+        "multihead.layer",
+        "multihead.functional",
+        "multihead.backends.tiled",
+        "multihead.masks",
+        "multihead._errors",
+    ]
+    ranks = [ORDER.index(layer_of(module)) for module in chain]
+    assert ranks == sorted(set(ranks)), dict(zip(chain, ranks, strict=True))
