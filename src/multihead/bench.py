@@ -196,8 +196,6 @@ def attention_layers(
 ) -> tuple[multihead.MultiHeadAttention, nn.MultiheadAttention, TextbookMHA]:
     """(multihead layer, torch.nn.MultiheadAttention, textbook module) with the same weights: ours initialised
     from ``seed`` with small random biases (so a wrong bias mapping would show), copied into the others."""
-    from multihead.compat import to_torch
-
     torch.manual_seed(seed)
     ours = multihead.MultiHeadAttention(embed_dim, heads)
     with torch.no_grad():
@@ -205,7 +203,7 @@ def attention_layers(
             proj.bias.normal_(0.0, 0.02)
     book = TextbookMHA(embed_dim, heads)
     book.load_state_dict(ours.state_dict(), strict=True)  # the same names: q_proj, k_proj, v_proj, out_proj
-    theirs = to_torch(ours)
+    theirs = ours.to_torch()
     return ours.to(dtype), theirs.to(dtype), book.to(dtype)
 
 

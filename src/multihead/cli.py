@@ -11,6 +11,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+# Each command imports what it runs inside its own function, so one command does not load the others' modules
+# (a usage mistake is answered without them). These imports point down the layers like any other.
 from multihead._errors import InputError, bad_argument
 from multihead._userfiles import from_option, output_file, output_folder
 from multihead.inspect.terminal import make_console
