@@ -379,3 +379,14 @@ def test_heads_syntax_mistakes(treebank, relations, message, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+def test_written_paths_print_as_plain_text(tmp_path):
+    from rich.console import Console
+
+    from multihead.cli import print_written
+
+    folder = tmp_path / "[bold]results[/bold]"
+    console = Console(record=True, width=400)
+    print_written(console, [folder / "bench.json"])
+    assert console.export_text().strip() == f"wrote {(folder / 'bench.json').resolve()}"

@@ -26,9 +26,9 @@ _INDEX_PART = re.compile(r"([0-9]+)(?:\s*-\s*([0-9]+))?")
 
 
 def print_written(console, paths) -> None:
-    """One line per file written: its absolute path."""
+    """One line per file written: its absolute path (as plain text: a folder named [x] is not rich markup)."""
     for path in paths:
-        console.print(f"wrote {Path(path).resolve()}", soft_wrap=True)
+        console.print(f"wrote {Path(path).resolve()}", soft_wrap=True, markup=False, highlight=False)
 
 
 def parse_indices(name: str, spec: str | None, count: int | None = None) -> list[int] | None:
