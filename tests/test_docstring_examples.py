@@ -1,4 +1,4 @@
-"""The runnable examples in the docstrings of the model and inspect modules run and print what they say."""
+"""The runnable examples in the docstrings of the layer, compat, model and inspect modules run as written."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import pytest
 import torch
 
 import multihead
-from multihead import cost
+from multihead import compat, cost, layer
 from multihead.inspect import capture, report, stats, syntax
 from multihead.models import bert, loading
 
 
-@pytest.mark.parametrize("module", [bert, loading, capture, stats, report, cost, syntax], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [bert, loading, capture, stats, report, cost, syntax, compat, layer], ids=lambda m: m.__name__
+)
 def test_docstring_examples(module):
     finder = doctest.DocTestFinder()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)

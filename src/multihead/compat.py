@@ -59,6 +59,7 @@ __all__ = [
     "multi_head_attention_forward",
     "from_torch",
     "to_torch",
+    "replace",
     "CompatValueError",
     "ShapeError",
     "DtypeError",
@@ -1034,3 +1035,79 @@ def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
             kind=TypeError,
         )
     return layer.to_torch()
+
+
+def replace(model: nn.Module) -> dict[str, nn.MultiheadAttention]:
+    """Swap every ``torch.nn.MultiheadAttention`` inside ``model`` for :class:`MultiheadAttention`, in place.
+
+    Each drop-in takes the torch module's options (embed_dim, num_heads, dropout, bias, add_bias_kv,
+    add_zero_attn, kdim, vdim, batch_first), its training mode, and its very parameters (the same
+    ``nn.Parameter`` objects and ``out_proj``, so an optimizer built before keeps working and nothing is
+    copied). A module registered under several names is replaced by one drop-in everywhere. Hooks
+    registered on a torch module stay with it and do not move to the drop-in.
+
+    Returns {qualified name: the torch module replaced}, in the order of ``model.named_modules()``; put one
+    back with ``model.get_submodule(parent).<attr> = module``. Everything is checked before anything is
+    swapped: a call that raises leaves ``model`` as it was.
+
+        >>> from multihead import compat
+        >>> layer = torch.nn.TransformerEncoderLayer(16, 4, batch_first=True)
+        >>> encoder = torch.nn.TransformerEncoder(layer, num_layers=2)
+        >>> list(compat.replace(encoder))
+        ['layers.0.self_attn', 'layers.1.self_attn']
+    """
+    if not isinstance(model, nn.Module):
+        raise bad_argument("model", "a torch.nn.Module", describe(model), "pass the model to convert", kind=TypeError)
+    if isinstance(model, torch.jit.ScriptModule):
+        raise NotScriptableError(
+            "model: expected an eager torch.nn.Module, got a TorchScript module. Fix: replace the attention in the "
+            "eager model (before torch.jit.script), or keep the scripted model on torch's attention"
+        )
+    if isinstance(model, nn.MultiheadAttention):
+        raise bad_argument(
+            "model",
+            "a model that holds torch.nn.MultiheadAttention modules",
+            "a torch.nn.MultiheadAttention itself (a module cannot replace itself in place)",
+            "build multihead.compat.MultiheadAttention with the same options and load_state_dict(module.state_dict())",
+        )
+    found: list[tuple[str, nn.MultiheadAttention]] = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if type(module) is nn.MultiheadAttention:
+            found.append((name, module))
+        elif isinstance(module, nn.MultiheadAttention):
+            raise bad_argument(
+                "model",
+                "torch.nn.MultiheadAttention modules (not subclasses, whose forward or weights may differ)",
+                f"{name}: a {type(module).__module__}.{type(module).__qualname__}",
+                "convert that class yourself, or replace the plain torch.nn.MultiheadAttention modules one by one",
+            )
+    drop_ins: dict[int, MultiheadAttention] = {}
+    for _, module in found:  # build every drop-in before swapping any
+        if id(module) not in drop_ins:
+            drop_ins[id(module)] = _drop_in_for(module)
+    for name, module in found:
+        parent_name, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attribute, drop_ins[id(module)])
+    return dict(found)
+
+
+def _drop_in_for(module: nn.MultiheadAttention) -> MultiheadAttention:
+    """A drop-in with ``module``'s options, training mode and parameters (shared, not copied)."""
+    weight = module.out_proj.weight
+    with torch.device("meta"):  # its own parameters are replaced at once: allocate nothing for them
+        drop_in = MultiheadAttention(
+            module.embed_dim,
+            module.num_heads,
+            dropout=module.dropout,
+            bias=module.in_proj_bias is not None,
+            add_bias_kv=module.bias_k is not None,
+            add_zero_attn=module.add_zero_attn,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            batch_first=module.batch_first,
+            dtype=weight.dtype,
+        )
+    for name in list(drop_in._parameters):
+        setattr(drop_in, name, getattr(module, name))
+    drop_in.out_proj = module.out_proj
+    return drop_in.train(module.training)

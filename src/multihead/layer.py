@@ -65,7 +65,7 @@ class MultiHeadAttention(nn.Module):
         backend: attention kernel, "auto" or a registered name (see :func:`multihead.explain`).
 
     Example:
-        >>> layer = MultiHeadAttention(64, 8, num_kv_heads=2, rotary=True)
+        >>> layer = multihead.MultiHeadAttention(64, 8, num_kv_heads=2, rotary=True)
         >>> x = torch.randn(3, 10, 64)                       # (b, i, embed_dim)
         >>> out, weights = layer(x, causal=True, need_weights=True)
         >>> out.shape, weights.shape                         # (b, i, out_dim), (b, h, i, j)
