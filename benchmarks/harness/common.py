@@ -61,7 +61,7 @@ def ensure_malloc_env() -> None:
     """Re-execute this process with MALLOC_MMAP_THRESHOLD_=65536 unless it is already set.
 
     Re-executes ``sys.executable`` with ``sys.orig_argv[1:]``, so the same command runs again, whether
-    it was ``python benchmarks/kernel.py ...``, ``python -m multihead.bench.kernel ...`` or a console script.
+    it was ``python benchmarks/kernel.py ...``, ``python benchmarks/suite.py ...`` or another script.
     """
     if os.environ.get(MALLOC_ENV) is not None:
         return
