@@ -26,6 +26,7 @@ LAYERS = [
     ("multihead.inspect.write", "reports: what the commands print and write"),
     ("multihead.inspect", "models and their inspection"),
     ("multihead.models", "models and their inspection"),
+    ("multihead.integrations", "models and their inspection"),
     ("multihead.cost", "counting and measuring"),
     ("multihead.machine", "counting and measuring"),
     ("multihead.compat", "the layer"),

@@ -1,0 +1,1 @@
+"""Other libraries' models on multihead's kernel. Each integration imports its library; nothing else here does."""

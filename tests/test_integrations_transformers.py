@@ -1,0 +1,161 @@
+"""Hugging Face models with attn_implementation="multihead" against transformers' own attention.
+
+Tiny randomly initialised models, built in memory from their configs (nothing is downloaded). BERT and
+GPT-2's eager attention computes in the model's dtype, so in float64 it is the oracle; Llama's and
+Mistral's eager softmax runs in float32 whatever the dtype, so in float64 they are compared with
+transformers' "sdpa" (float64 throughout) and in float32 with "eager".
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers  # the test extra installs it; the package itself never needs it
+
+from multihead.integrations import transformers as integration
+
+VOCAB = 97
+BATCH, LENGTH = 2, 9
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    if name == "bert":
+        config = transformers.BertConfig(
+            hidden_size=24, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, **common
+        )
+        return transformers.BertModel(config)
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=24, n_layer=2, n_head=4, **common))
+    if name == "llama":  # grouped-query attention (4 query heads over 2 key/value heads) and RoPE
+        config = transformers.LlamaConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=40,
+            **common,
+        )
+        return transformers.LlamaForCausalLM(config)
+    if name == "mistral":  # a sliding window of 3 keys
+        config = transformers.MistralConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=40,
+            sliding_window=3,
+            **common,
+        )
+        return transformers.MistralForCausalLM(config)
+    raise AssertionError(name)
+
+
+# architecture -> the implementation that is exact in float64
+ORACLE = {"bert": "eager", "gpt2": "eager", "llama": "sdpa", "mistral": "sdpa"}
+
+
+def pair(name: str, dtype: torch.dtype, reference: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    theirs = build(name).to(dtype).eval()
+    theirs.set_attn_implementation(reference)
+    ours = copy.deepcopy(theirs)
+    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    return theirs, ours
+
+
+def inputs(padded: bool) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (BATCH, LENGTH), generator=generator)
+    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    if padded:
+        mask[1, 6:] = 0  # right padding on the second row
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def first_output(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    out = model(**batch)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", list(ORACLE))
+def test_forward_matches_transformers_own_attention(name, dtype, padded):
+    reference = ORACLE[name] if dtype == torch.float64 else "eager"
+    theirs, ours = pair(name, dtype, reference)
+    batch = inputs(padded)
+    with torch.no_grad():
+        expected, got = first_output(theirs, batch), first_output(ours, batch)
+    real = batch["attention_mask"].bool()  # positions of padding tokens are not compared (their rows are arbitrary)
+    tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got[real], expected[real], atol=tolerance, rtol=tolerance)
+
+
+def test_the_kernel_really_runs(monkeypatch):
+    calls = []
+    original = integration.attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "attention", counting)
+    _, ours = pair("llama", torch.float32, "eager")
+    with torch.no_grad():
+        first_output(ours, inputs(padded=True))
+    # two layers, query (b, h, i, d) with the 4 query heads; keys went in as 2 heads, never repeated
+    assert calls == [torch.Size([BATCH, 4, LENGTH, 8])] * 2
+
+
+def test_training_gradients_match_eager():
+    theirs, ours = pair("gpt2", torch.float64, "eager")
+    theirs.train(), ours.train()
+    for model in (theirs, ours):  # dropout off: the same function, in training mode
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    batch = inputs(padded=True)
+    for model in (theirs, ours):
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+    for (name, expected), got in zip(theirs.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, expected.grad, atol=1e-10, rtol=1e-8, msg=name)
+
+
+def test_weights_asked_for_are_the_kernels_and_match_eager():
+    theirs, ours = pair("bert", torch.float64, "eager")
+    batch = inputs(padded=True)
+    with torch.no_grad():
+        expected = theirs(**batch, output_attentions=True).attentions
+        got = ours(**batch, output_attentions=True).attentions
+    assert len(got) == 2
+    for layer_got, layer_expected in zip(got, expected, strict=True):
+        torch.testing.assert_close(layer_got, layer_expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_generate_with_the_models_own_cache_gives_the_same_tokens(name):
+    theirs, ours = pair(name, torch.float64, ORACLE[name])
+    prompt = inputs(padded=False)["input_ids"][:1, :5]
+    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    expected = theirs.generate(prompt, **settings)
+    got = ours.generate(prompt, **settings)
+    assert torch.equal(got, expected)
+    assert got.shape[1] == 13
+
+
+@pytest.mark.parametrize(
+    "option, value, what",
+    [
+        ("softcap", 30.0, "logit soft-capping"),
+        ("s_aux", torch.zeros(4), "attention sinks"),
+        ("position_bias", torch.zeros(1, 4, 3, 3), "an added position bias"),
+    ],
+)
+def test_what_the_kernel_cannot_serve_is_refused_not_dropped(option, value, what):
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    module = torch.nn.Linear(1, 1)  # stands for the model's attention module: its class is named
+    with pytest.raises(ValueError, match=rf"attn_implementation='multihead': .*Linear asks for {what}.*Fix: load"):
+        integration.attention_forward(module, q, k, v, None, **{option: value})
