@@ -9,12 +9,15 @@ transformers' "sdpa" (float64 throughout) and in float32 with "eager".
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 import transformers  # the test extra installs it; the package itself never needs it
 
 from multihead.integrations import transformers as integration
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders and in-memory configs only, never the hub
 
 VOCAB = 97
 BATCH, LENGTH = 2, 9
@@ -159,3 +162,28 @@ def test_what_the_kernel_cannot_serve_is_refused_not_dropped(option, value, what
     module = torch.nn.Linear(1, 1)  # stands for the model's attention module: its class is named
     with pytest.raises(ValueError, match=rf"attn_implementation='multihead': .*Linear asks for {what}.*Fix: load"):
         integration.attention_forward(module, q, k, v, None, **{option: value})
+
+
+def test_the_real_minilm_on_our_kernel_gives_sentence_transformers_embeddings():
+    from sentence_transformers import SentenceTransformer
+
+    from multihead.models import find_model_dir
+
+    sentences = [
+        "The bank was full of money.",
+        "We sat on the river bank.",
+        "A short one.",
+        "Attention is all you need, said the paper, and the field listened for years afterwards.",
+    ]
+    folder = str(find_model_dir())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.BertModel.from_pretrained(folder, attn_implementation=integration.IMPLEMENTATION).eval()
+    assert model.config._attn_implementation == integration.IMPLEMENTATION
+    batch = tokenizer(sentences, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        states = model(**batch).last_hidden_state  # (b, n, 384)
+    mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)
+    ours = torch.nn.functional.normalize((states * mask).sum(1) / mask.sum(1), dim=-1)  # mean pooling, unit norm
+    reference = SentenceTransformer(folder, device="cpu").encode(sentences, convert_to_tensor=True)
+    assert torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min() >= 0.99999
+    assert (ours - reference).abs().max() <= 1e-5
