@@ -97,20 +97,26 @@ def test_forward_matches_transformers_own_attention(name, dtype, padded):
     torch.testing.assert_close(got[real], expected[real], atol=tolerance, rtol=tolerance)
 
 
-def test_the_kernel_really_runs(monkeypatch):
+def kernel_calls(monkeypatch) -> list[tuple[torch.Size, torch.Size]]:
+    """(query shape, key shape) of every multihead.attention call the integration makes from now on."""
     calls = []
     original = integration.attention
 
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape)
-        return original(*args, **kwargs)
+    def recording(q, k, v, **options):
+        calls.append((q.shape, k.shape))
+        return original(q, k, v, **options)
 
-    monkeypatch.setattr(integration, "attention", counting)
+    monkeypatch.setattr(integration, "attention", recording)
+    return calls
+
+
+def test_the_kernel_really_runs(monkeypatch):
+    calls = kernel_calls(monkeypatch)
     _, ours = pair("llama", torch.float32, "eager")
     with torch.no_grad():
         first_output(ours, inputs(padded=True))
     # two layers, query (b, h, i, d) with the 4 query heads; keys went in as 2 heads, never repeated
-    assert calls == [torch.Size([BATCH, 4, LENGTH, 8])] * 2
+    assert calls == [(torch.Size([BATCH, 4, LENGTH, 8]), torch.Size([BATCH, 2, LENGTH, 8]))] * 2
 
 
 def test_training_gradients_match_eager():
@@ -187,3 +193,50 @@ def test_the_real_minilm_on_our_kernel_gives_sentence_transformers_embeddings():
     reference = SentenceTransformer(folder, device="cpu").encode(sentences, convert_to_tensor=True)
     assert torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min() >= 0.99999
     assert (ours - reference).abs().max() <= 1e-5
+
+
+def build_bart() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=VOCAB,
+        d_model=24,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+    )
+    return transformers.BartForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_an_encoder_decoder_with_cross_attention_matches_eager(dtype, monkeypatch):
+    theirs = build_bart().to(dtype).eval()
+    theirs.set_attn_implementation("eager")
+    ours = copy.deepcopy(theirs)
+    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    batch = inputs(padded=True)  # padded source: the cross-attention's keys are masked on the second row
+    target = torch.randint(3, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(2))
+    calls = kernel_calls(monkeypatch)
+    with torch.no_grad():
+        expected = theirs(**batch, decoder_input_ids=target).logits
+        got = ours(**batch, decoder_input_ids=target).logits
+    # encoder self-attention 9 x 9, decoder self-attention 5 x 5, cross-attention 5 queries x 9 source keys
+    assert sorted({(q[2], k[2]) for q, k in calls}) == [(5, 5), (5, LENGTH), (LENGTH, LENGTH)]
+    tolerance = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_a_real_model_asking_for_a_position_bias_is_refused_by_name():
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=24, d_kv=6, d_ff=32, num_layers=1, num_heads=4)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    model.set_attn_implementation(integration.IMPLEMENTATION)
+    batch = inputs(padded=False)
+    with pytest.raises(ValueError, match=r"T5Attention asks for an added position bias \(T5-style\)"):
+        model(**batch, decoder_input_ids=batch["input_ids"][:, :3])
