@@ -33,27 +33,19 @@ def build(name: str) -> torch.nn.Module:
         return transformers.BertModel(config)
     if name == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=24, n_layer=2, n_head=4, **common))
-    if name == "llama":  # grouped-query attention (4 query heads over 2 key/value heads) and RoPE
-        config = transformers.LlamaConfig(
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=40,
-            **common,
-        )
-        return transformers.LlamaForCausalLM(config)
-    if name == "mistral":  # a sliding window of 3 keys
-        config = transformers.MistralConfig(
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=40,
-            sliding_window=3,
-            **common,
-        )
-        return transformers.MistralForCausalLM(config)
+    # grouped-query attention (4 query heads over 2 key/value heads) and RoPE; Mistral adds a window of 3 keys
+    decoder = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 40,
+        **common,
+    }
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**decoder))
+    if name == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=3, **decoder))
     raise AssertionError(name)
 
 
