@@ -323,6 +323,12 @@ MODEL_CASES = {
         "config.json",
         '"num_attention_heads"',
     ),
+    "config.json of another architecture": (
+        "hf",
+        lambda d: edit_json(d / "config.json", model_type="gpt2"),
+        "config.json",
+        "got model_type 'gpt2'",
+    ),
     "config.json size of the wrong type": (
         "hf",
         lambda d: edit_json(d / "config.json", hidden_size="8"),

@@ -247,6 +247,7 @@ _HF_CONFIG_SCHEMA = {
     "position_embedding_type": OptionalKey(STRING),
     "hidden_act": OptionalKey(STRING),
 }
+_MODEL_TYPE_SCHEMA = {"model_type": OptionalKey(STRING)}
 # multihead_config.json as Encoder.save writes it ("format" first: another program's file is told as such).
 _SAVED_SCHEMA = {
     "format": one_of("multihead-encoder"),
@@ -275,8 +276,22 @@ def _read_model_json(path: Path, name: str, what: str, schema: dict) -> dict:
     return read_json(name, path, what=what, schema=schema, fix=FIX_MODEL_FOLDER)
 
 
+# model_type values of the checkpoints the Encoder reads (BERT-style encoders; all-MiniLM-L6-v2 says "bert")
+SERVED_MODEL_TYPES = ("bert",)
+
+
 def _read_hf_config(directory: Path) -> EncoderConfig:
     """config.json as an EncoderConfig: a JSON object with every size, each of the right type and range."""
+    kind = _read_model_json(directory / "config.json", "config.json", "a Hugging Face config", _MODEL_TYPE_SCHEMA)
+    model_type = kind.get("model_type")
+    if model_type is not None and model_type not in SERVED_MODEL_TYPES:  # another architecture, not a damaged file
+        raise bad_argument(
+            "config.json",
+            f"a BERT-style encoder (model_type {' or '.join(map(repr, SERVED_MODEL_TYPES))}, as all-MiniLM-L6-v2)",
+            f"model_type {model_type!r} in '{directory}'",
+            "multihead's own encoder reads BERT-style checkpoints; run other transformers models on multihead's "
+            "kernel with `import multihead.integrations.transformers` and attn_implementation='multihead'",
+        )
     data = _read_model_json(directory / "config.json", "config.json", "a Hugging Face BERT config", _HF_CONFIG_SCHEMA)
     config = EncoderConfig.from_hf(data)
     _check_config_sizes(config, "config.json")
