@@ -229,7 +229,7 @@ def test_config_and_weight_mismatch_are_errors(tmp_path):
     ):
         load_minilm(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="config.json: expected a BERT model"):
+    with pytest.raises(ValueError, match="config.json: expected a BERT-style encoder .* got model_type .gpt2."):
         load_minilm(tmp_path)
 
 
