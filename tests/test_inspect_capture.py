@@ -147,8 +147,10 @@ def test_layer_order_and_bad_arguments(model_and_inputs):
         capture(model, heads=["a"])
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
         capture("model")
-    with pytest.raises(ValueError, match="model: expected a model with at least one multihead.MultiHeadAttention"):
+    with pytest.raises(ValueError, match="model: expected a model built with multihead.MultiHeadAttention, or a"):
         capture(nn.Linear(2, 3))
+    with pytest.raises(ValueError, match=r"part: expected one of the model's parts \['self'\], got 'cross'"):
+        capture(model, part="cross")
     with pytest.raises(TypeError, match="queries: expected a slice or a list"):
         capture(model, queries=3)
     with capture(model, layers=[0], heads=[1]) as rec:

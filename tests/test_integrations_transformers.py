@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers  # the test extra installs it; the package itself never needs it
 
+import multihead.attend
 from multihead.integrations import transformers as integration
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders and in-memory configs only, never the hub
@@ -92,13 +93,13 @@ def test_forward_matches_transformers_own_attention(name, dtype, padded):
 def kernel_calls(monkeypatch) -> list[tuple[torch.Size, torch.Size]]:
     """(query shape, key shape) of every multihead.attention call the integration makes from now on."""
     calls = []
-    original = integration.attention
+    original = multihead.attend.attention
 
     def recording(q, k, v, **options):
         calls.append((q.shape, k.shape))
         return original(q, k, v, **options)
 
-    monkeypatch.setattr(integration, "attention", recording)
+    monkeypatch.setattr(multihead.attend, "attention", recording)  # where every step calls the kernel
     return calls
 
 

@@ -4,9 +4,18 @@
 it holds the step's dropout and backend, and the head surgery of :mod:`multihead.heads` (a gate and an
 ablation on the per-head outputs). Forward hooks on it see the per-head tensors, which is how
 :func:`multihead.inspect.capture` records a layer without anything threaded through the layer's forward.
+
+An :class:`AttentionSite` names one such step in a model: its :class:`Attend`, its head counts, and
+where it sits (the part of the model and the layer index). Our own layers are sites; another
+library's modules become sites through a finder an integration registers
+(:func:`register_site_finder`), so the readers find every model's attention steps the same way
+without importing any integration.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,7 +33,7 @@ class Attend(nn.Module):
     for). The weights returned are the kernel's: a gate or ablation changes outputs, not weights.
     """
 
-    def __init__(self, dropout: float, backend: str):
+    def __init__(self, dropout: float = 0.0, backend: str = "auto"):
         super().__init__()
         self.dropout, self.backend = dropout, backend
         # Head surgery: None on the plain path, which then runs exactly the ungated code.
@@ -39,17 +48,25 @@ class Attend(nn.Module):
         *,
         mask: Mask | torch.Tensor | None = None,
         causal: bool = False,
+        scale: float | None = None,
+        dropout: float | None = None,
+        training: bool | None = None,
         return_weights: bool | WeightSelection = False,
     ) -> torch.Tensor | AttentionResult:
-        """Attention with this step's dropout (in training mode) and backend, then its head surgery."""
+        """Attention with this step's dropout (in training mode) and backend, then its head surgery.
+
+        ``scale`` (default 1/sqrt(d)), ``dropout`` and ``training`` (default: this module's) are for a
+        step owned by another library's module, which passes its own on every call.
+        """
         result = attention(
             q,
             k,
             v,
             mask=mask,
             causal=causal,
-            dropout=self.dropout,
-            training=self.training,
+            scale=scale,
+            dropout=self.dropout if dropout is None else dropout,
+            training=self.training if training is None else training,
             backend=self.backend,
             return_weights=return_weights,
         )
@@ -62,3 +79,41 @@ class Attend(nn.Module):
         if gate is not None:
             out = out * gate.to(out.dtype)[None, :, None, None]
         return result._replace(output=out) if isinstance(result, AttentionResult) else out
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention step of a model: where :func:`multihead.inspect.capture` and head surgery act.
+
+    ``attend``: the step; ``num_heads`` h and ``num_kv_heads`` g (h % g == 0) of its calls;
+    ``part``: "self" for the self-attention of a one-stack model, "encoder", "decoder" and "cross"
+    (decoder-to-encoder attention) for an encoder-decoder; ``index``: the layer number within the
+    part (the model's own numbering where it has one); ``name``: the module's path in the model.
+    """
+
+    attend: Attend
+    num_heads: int
+    num_kv_heads: int
+    part: str
+    index: int
+    name: str
+
+
+# A finder returns a model's sites, or None when the model is not of its kind.
+SiteFinder = Callable[[nn.Module], "list[AttentionSite] | None"]
+_FINDERS: list[SiteFinder] = []
+
+
+def register_site_finder(finder: SiteFinder) -> None:
+    """Let :func:`find_sites` ask ``finder`` (an integration calls this when imported; idempotent)."""
+    if finder not in _FINDERS:
+        _FINDERS.append(finder)
+
+
+def find_sites(model: nn.Module) -> list[AttentionSite] | None:
+    """The sites a registered finder knows in ``model`` (the first that answers), or None."""
+    for finder in _FINDERS:
+        sites = finder(model)
+        if sites is not None:
+            return sites
+    return None

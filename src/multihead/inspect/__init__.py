@@ -15,7 +15,7 @@ then its renderers terminal, html (a packaged jinja2 template), plots, and write
 importance and syntax (per-head scores); headreport (the tables and files of `multihead heads`).
 """
 
-from multihead.inspect.capture import Recorder, attention_layers, capture
+from multihead.inspect.capture import Recorder, attention_layers, attention_sites, capture
 from multihead.inspect.importance import ablation_importance, gradient_importance, pruning_curve
 from multihead.inspect.report import Inspection, bundled_corpus, inspect_text, read_corpus
 from multihead.inspect.stats import STAT_NAMES, HeadStats, Role, head_stats, label_head
@@ -26,6 +26,7 @@ __all__ = [
     "capture",
     "Recorder",
     "attention_layers",
+    "attention_sites",
     "head_stats",
     "HeadStats",
     "Role",

@@ -1,4 +1,5 @@
-"""Record what the heads of any model built on :class:`multihead.MultiHeadAttention` compute.
+"""Record what the heads of a model compute: models built on :class:`multihead.MultiHeadAttention`,
+and Hugging Face transformers models running on ``attn_implementation="multihead"``.
 
     with capture(model, layers=[0, 5], heads=[3]) as rec:
         model.encode("The bank was full of money.")
@@ -9,6 +10,10 @@ flag is threaded through the model's forward). For a layer it records, the atten
 for a :class:`multihead.WeightSelection` of the chosen heads and query rows, so the weights come
 from the same kernel call as the output at a cost proportional to the selection; every layer not
 recorded, and the output itself, run exactly as without the recorder.
+
+The attention steps of a model are its :class:`~multihead.attend.AttentionSite` s (see
+:func:`attention_sites`), grouped in parts: "self" in a one-stack model; "encoder", "decoder" and
+"cross" in an encoder-decoder. A recorder records one part; layer numbers are the part's own.
 """
 
 from __future__ import annotations
@@ -20,10 +25,26 @@ import torch
 from torch import nn
 
 from multihead._errors import bad_argument, describe
+from multihead.attend import AttentionSite, find_sites
 from multihead.functional import AttentionResult, WeightSelection, attention
 from multihead.layer import MultiHeadAttention
 
-__all__ = ["capture", "Recorder", "attention_layers"]
+__all__ = ["capture", "Recorder", "attention_layers", "attention_sites"]
+
+_SUPPORTED = (
+    "a model built with multihead.MultiHeadAttention, or a transformers model loaded with "
+    'attn_implementation="multihead"'
+)
+_HOW = (
+    "build the model from multihead.MultiHeadAttention, or import multihead.integrations.transformers "
+    'and load it with from_pretrained(..., attn_implementation="multihead")'
+)
+
+
+def _check_model(model: object) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise bad_argument("model", f"a torch.nn.Module: {_SUPPORTED}", describe(model), _HOW, kind=TypeError)
+    return model
 
 
 def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
@@ -32,25 +53,44 @@ def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
     A model with an ``attention_layers`` attribute (such as :class:`multihead.models.Encoder`) gives
     its own order; otherwise the order of ``model.modules()``.
     """
-    if not isinstance(model, nn.Module):
-        raise bad_argument(
-            "model",
-            "a torch.nn.Module built with multihead.MultiHeadAttention",
-            describe(model),
-            "pass the model (e.g. from multihead.models.load_minilm())",
-            kind=TypeError,
-        )
+    model = _check_model(model)
     layers = getattr(model, "attention_layers", None)
     if layers is None:
         layers = [module for module in model.modules() if isinstance(module, MultiHeadAttention)]
     if not layers:
-        raise bad_argument(
-            "model",
-            "a model with at least one multihead.MultiHeadAttention",
-            f"a {type(model).__name__} with none",
-            "build the model from multihead.MultiHeadAttention",
-        )
+        raise bad_argument("model", _SUPPORTED, f"a {type(model).__name__} with no attention layer of ours", _HOW)
     return list(layers)
+
+
+def attention_sites(model: nn.Module) -> list[AttentionSite]:
+    """Every attention step of ``model`` where capture and head surgery act, part by part in order.
+
+    A transformers model on ``attn_implementation="multihead"`` gives its attention modules (through
+    the finder :mod:`multihead.integrations.transformers` registers), numbered by their ``layer_idx``;
+    any other model its :func:`attention_layers`, all in part "self".
+    """
+    model = _check_model(model)
+    sites = find_sites(model)
+    if sites is not None:
+        return sites
+    names = {id(module): name for name, module in model.named_modules()}
+    return [
+        AttentionSite(layer.attend, layer.num_heads, layer.num_kv_heads, "self", index, names.get(id(layer), ""))
+        for index, layer in enumerate(attention_layers(model))
+    ]
+
+
+def _part_sites(model: nn.Module, part: str | None) -> tuple[str, list[AttentionSite]]:
+    """The chosen part (default: the model's first) and its sites, in layer order."""
+    sites = attention_sites(model)
+    parts = list(dict.fromkeys(site.part for site in sites))
+    if part is None:
+        part = parts[0]
+    elif not isinstance(part, str):
+        raise bad_argument("part", f"one of {parts}", describe(part), f'pass e.g. part="{parts[0]}"', kind=TypeError)
+    if part not in parts:
+        raise bad_argument("part", f"one of the model's parts {parts}", repr(part), f'pass e.g. part="{parts[0]}"')
+    return part, sorted((site for site in sites if site.part == part), key=lambda site: site.index)
 
 
 def _indices(name: str, chosen: Sequence[int] | int | None, count: int, what: str) -> list[int]:
@@ -99,14 +139,15 @@ class _LayerRecord:
 class Recorder:
     """Records per-head attention of chosen layers while active (use :func:`capture`).
 
-    Layer numbers are model layer indices (see :func:`attention_layers`); head numbers are the
-    layer's query heads. Every accessor takes ``call`` (default -1: the latest forward pass).
+    Layer numbers are the layer indices of the recorded ``part`` (see :func:`attention_sites`);
+    head numbers are the layer's query heads. Every accessor takes ``call`` (default -1: the latest forward pass).
     """
 
     def __init__(
         self,
         model: nn.Module,
         *,
+        part: str | None = None,
         layers: Sequence[int] | int | None = None,
         heads: Sequence[int] | int | None = None,
         queries: Sequence[int] | slice | None = None,
@@ -114,8 +155,8 @@ class Recorder:
         qkv: bool = False,
         outputs: bool = False,
     ):
-        all_layers = attention_layers(model)
-        self.layers = _indices("layers", layers, len(all_layers), "layer")
+        self.part, sites = _part_sites(model, part)
+        self.layers = _indices("layers", layers, len(sites), "layer")
         if queries is not None and not isinstance(queries, slice):
             if isinstance(queries, int) or not all(isinstance(x, int) for x in queries):
                 raise bad_argument(
@@ -131,11 +172,11 @@ class Recorder:
                 raise bad_argument(name, "True or False", describe(flag), f"pass {name}=True", kind=TypeError)
         self.queries = queries
         self.record_weights, self.record_qkv, self.record_outputs = weights, qkv, outputs
-        self._modules = {index: all_layers[index] for index in self.layers}
+        self._sites = {index: sites[index] for index in self.layers}
         self._records: dict[int, _LayerRecord] = {}
-        for index, layer in self._modules.items():
-            layer_heads = _indices("heads", heads, layer.num_heads, "head")
-            per_group = layer.num_heads // layer.num_kv_heads
+        for index, site in self._sites.items():
+            layer_heads = _indices("heads", heads, site.num_heads, "head")
+            per_group = site.num_heads // site.num_kv_heads
             self._records[index] = _LayerRecord(layer_heads, [head // per_group for head in layer_heads])
         self._handles: list = []
 
@@ -144,13 +185,11 @@ class Recorder:
     def __enter__(self) -> Recorder:
         if self._handles:
             raise RuntimeError("this recorder is already active; use a new capture(...) for a nested block")
-        for index, layer in self._modules.items():
+        for index, site in self._sites.items():
             record = self._records[index]
             pending: list[bool] = []  # per call in flight: did we ask the kernel for the weights?
-            self._handles.append(
-                layer.attend.register_forward_pre_hook(self._before(record, pending), with_kwargs=True)
-            )
-            self._handles.append(layer.attend.register_forward_hook(self._after(record, pending), with_kwargs=True))
+            self._handles.append(site.attend.register_forward_pre_hook(self._before(record, pending), with_kwargs=True))
+            self._handles.append(site.attend.register_forward_hook(self._after(record, pending), with_kwargs=True))
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -191,6 +230,7 @@ class Recorder:
                         v,
                         mask=kwargs.get("mask"),
                         causal=kwargs.get("causal", False),
+                        scale=kwargs.get("scale"),
                         backend=module.backend,
                         return_weights=self._selection(record),
                     ).weights
@@ -296,6 +336,7 @@ class Recorder:
 def capture(
     model: nn.Module,
     *,
+    part: str | None = None,
     layers: Sequence[int] | int | None = None,
     heads: Sequence[int] | int | None = None,
     queries: Sequence[int] | slice | None = None,
@@ -306,8 +347,11 @@ def capture(
     """A context manager that records per-head attention from every forward pass inside it.
 
     Args:
-        model: any module built with :class:`multihead.MultiHeadAttention` (or one such layer).
-        layers: layer indices to record (default all; see :func:`attention_layers`).
+        model: any module built with :class:`multihead.MultiHeadAttention` (or one such layer), or a
+            transformers model loaded with ``attn_implementation="multihead"``.
+        part: which attention to record: "self" (one-stack models), or "encoder", "decoder" or "cross"
+            for an encoder-decoder (default: the model's first part; see :func:`attention_sites`).
+        layers: layer indices within the part to record (default all).
         heads: query heads to record in each of those layers (default all).
         queries: query positions (a list or slice) whose weight rows to keep (default all).
         weights: record attention weights (b, heads, i', j).
@@ -321,4 +365,6 @@ def capture(
         >>> rec.weights(2, 5).shape            # (b, i, j): 9 word pieces with [CLS] and [SEP]
         torch.Size([1, 9, 9])
     """
-    return Recorder(model, layers=layers, heads=heads, queries=queries, weights=weights, qkv=qkv, outputs=outputs)
+    return Recorder(
+        model, part=part, layers=layers, heads=heads, queries=queries, weights=weights, qkv=qkv, outputs=outputs
+    )

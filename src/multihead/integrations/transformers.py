@@ -10,20 +10,28 @@ the model then runs through :func:`multihead.attention`. Grouped key/value heads
 repeated. What the kernel cannot honour yet (logit soft-capping, attention sinks, a position bias such as
 T5's) is refused with an error naming the option and the model's class: never dropped silently.
 
+Every call runs through an :class:`multihead.attend.Attend` step kept for the module that makes it, and
+importing this module registers a site finder (:func:`attention_sites`), so :func:`multihead.inspect.capture`,
+head gates and ablations work on these models as on ours: layers numbered by the model's ``layer_idx``,
+cross-attention apart in part "cross", an encoder-decoder's stacks in parts "encoder" and "decoder".
+
 transformers is an optional extra (``pip install 'multihead[hf]'``); nothing else in multihead imports it.
 """
 
 from __future__ import annotations
 
+from weakref import WeakKeyDictionary
+
 import torch
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from multihead._errors import bad_argument
-from multihead.functional import AttentionResult, attention
+from multihead.attend import Attend, AttentionSite, register_site_finder
+from multihead.functional import AttentionResult
 
-__all__ = ["IMPLEMENTATION", "attention_forward"]
+__all__ = ["IMPLEMENTATION", "attention_forward", "attention_sites"]
 
 IMPLEMENTATION = "multihead"
 
@@ -66,7 +74,7 @@ def attention_forward(
     if mask is None:  # transformers leaves the mask out when it is only causal (and the module is a decoder)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
         causal = causal and query.shape[2] > 1
-    result = attention(
+    result = _seam(module)(
         query,
         key,
         value,
@@ -81,5 +89,94 @@ def attention_forward(
     return output.transpose(1, 2).contiguous(), weights
 
 
+# The attention step of every transformers module that calls attention_forward: kept beside the module rather
+# than in it, so the model's modules, state dict and repr stay transformers' own.
+_SEAMS: WeakKeyDictionary[nn.Module, Attend] = WeakKeyDictionary()
+
+
+def _seam(module: nn.Module) -> Attend:
+    seam = _SEAMS.get(module)
+    if seam is None:
+        seam = _SEAMS[module] = Attend()
+    return seam
+
+
+# the attribute name, in its parent, of a decoder's attention over the encoder's states
+_CROSS_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention", "EncDecAttention")
+
+
+def _head_counts(module: nn.Module) -> tuple[int, int] | None:
+    """(query heads h, key/value heads g) of a transformers attention module, or None if it names none."""
+    config = getattr(module, "config", None)
+    candidates = (getattr(module, name, None) for name in ("num_heads", "num_attention_heads"))
+    heads = next((n for n in candidates if isinstance(n, int) and n > 0), None)
+    if heads is None:
+        heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads <= 0:
+        return None
+    groups = getattr(module, "num_key_value_groups", 1)  # query heads per key/value head (GQA)
+    if not isinstance(groups, int) or groups <= 0 or heads % groups:
+        return None
+    return heads, heads // groups
+
+
+def attention_sites(model: nn.Module) -> list[AttentionSite] | None:
+    """The attention modules of a transformers model on "multihead", as sites; None for any other model.
+
+    An attention module is an innermost module with a ``layer_idx`` and a head count. Parts: "cross" for a
+    decoder's attention over the encoder (``is_cross_attention``, or named like ``encoder_attn``),
+    "encoder" and "decoder" for the two stacks of an encoder-decoder, "self" otherwise; layers are
+    numbered by ``layer_idx``. A transformers model on another implementation is refused: its attention
+    never reaches the kernel, so nothing could be recorded.
+    """
+    if not isinstance(model, PreTrainedModel):
+        return None
+    running = getattr(model.config, "_attn_implementation", None)
+    if running != IMPLEMENTATION:
+        raise bad_argument(
+            "model",
+            f'a transformers model running attn_implementation="{IMPLEMENTATION}"',
+            f"a {type(model).__name__} running {running!r}",
+            f'load it with from_pretrained(..., attn_implementation="{IMPLEMENTATION}"), or call '
+            f'model.set_attn_implementation("{IMPLEMENTATION}")',
+        )
+    found = [
+        (name, module, counts)
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "layer_idx", None), int) and (counts := _head_counts(module)) is not None
+    ]
+    # innermost only: a decoder layer may carry a layer_idx and the config's head count too
+    names = [name for name, _, _ in found]
+    found = [entry for entry in found if not any(other.startswith(entry[0] + ".") for other in names)]
+    encoder = model.get_encoder() if getattr(model.config, "is_encoder_decoder", False) else None
+    in_encoder = set() if encoder is None else {id(module) for module in encoder.modules()}
+
+    def part_of(name: str, module: nn.Module) -> str:
+        if getattr(module, "is_cross_attention", False) or name.rpartition(".")[2] in _CROSS_NAMES:
+            return "cross"
+        if encoder is None:
+            return "self"
+        return "encoder" if id(module) in in_encoder else "decoder"
+
+    parts = [part_of(name, module) for name, module, _ in found]
+    sites = []
+    for part in dict.fromkeys(parts):
+        members = [entry for entry, entry_part in zip(found, parts, strict=True) if entry_part == part]
+        numbers = [module.layer_idx for _, module, _ in members]
+        if sorted(numbers) != list(range(len(members))):  # not a numbering of this part: number in order
+            numbers = list(range(len(members)))
+        for (name, module, (heads, kv_heads)), number in zip(members, numbers, strict=True):
+            sites.append(AttentionSite(_seam(module), heads, kv_heads, part, number, name))
+    if not sites:
+        raise bad_argument(
+            "model",
+            "a transformers model whose attention modules multihead can find (a layer_idx and a head count)",
+            f"a {type(model).__name__} with none",
+            "record a supported architecture (BERT, GPT-2, Llama, Mistral, BART, ...)",
+        )
+    return sites
+
+
 AttentionInterface.register(IMPLEMENTATION, attention_forward)
 AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+register_site_finder(attention_sites)
