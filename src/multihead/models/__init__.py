@@ -7,7 +7,7 @@ Every reader of a model (inspect, importance, syntax) takes a :class:`TextEncode
 from multihead.models.bert import Encoder, EncoderBlock, EncoderConfig
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 from multihead.models.loading import MODEL_PACKAGE, find_model_dir, load_encoder, load_minilm
-from multihead.models.tokenizer import TokenBatch, Tokenizer
+from multihead.models.tokenizer import TextTokenizer, TokenBatch, Tokenizer
 
 __all__ = [
     "Encoder",
@@ -15,6 +15,7 @@ __all__ = [
     "EncoderConfig",
     "MODEL_PACKAGE",
     "TextEncoder",
+    "TextTokenizer",
     "TokenBatch",
     "Tokenizer",
     "evaluating",

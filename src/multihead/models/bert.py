@@ -118,6 +118,8 @@ class Encoder(TextEncoder):
     to the constructor, as the loader does.
     """
 
+    tokenizer: Tokenizer | None  # the checkpoint's own WordPiece tokenizer, which save() writes
+
     def __init__(
         self, config: EncoderConfig = EncoderConfig(), *, tokenizer: Tokenizer | None = None, name: str = "encoder"
     ):

@@ -24,7 +24,7 @@ from torch import nn
 
 from multihead._errors import bad_argument
 from multihead.layer import MultiHeadAttention
-from multihead.models.tokenizer import Tokenizer
+from multihead.models.tokenizer import TextTokenizer
 
 __all__ = ["TextEncoder", "text_tokenizer", "evaluating"]
 
@@ -32,17 +32,17 @@ __all__ = ["TextEncoder", "text_tokenizer", "evaluating"]
 class TextEncoder(nn.Module, ABC):
     """A model that reads text: token ids in, token states out, with its tokenizer and its name.
 
-    ``tokenizer``: the :class:`~multihead.models.Tokenizer` that makes its ids; None for a model built
+    ``tokenizer``: the :class:`~multihead.models.TextTokenizer` that makes its ids; None for a model built
     without one (it runs on token ids only, and text readers refuse it).
     ``name``: what reports call it (the checkpoint's folder, e.g. "all-MiniLM-L6-v2").
     ``attention_layers``: its :class:`multihead.MultiHeadAttention` layers in order (layer l is the l-th).
     ``forward(input_ids, attention_mask, token_type_ids)``: (b, n) ids -> (b, n, hidden) states.
     """
 
-    tokenizer: Tokenizer | None
+    tokenizer: TextTokenizer | None
     name: str
 
-    def __init__(self, *, tokenizer: Tokenizer | None = None, name: str = "encoder") -> None:
+    def __init__(self, *, tokenizer: TextTokenizer | None = None, name: str = "encoder") -> None:
         super().__init__()
         self.tokenizer = tokenizer
         self.name = name
@@ -62,7 +62,7 @@ class TextEncoder(nn.Module, ABC):
         """(b, n) token ids, (b, n) mask (1 = real token), (b, n) segment ids -> (b, n, hidden) token states."""
 
 
-def text_tokenizer(model: object, *, argument: str = "model") -> Tokenizer:
+def text_tokenizer(model: object, *, argument: str = "model") -> TextTokenizer:
     """The tokenizer of ``model``, a :class:`TextEncoder`: the one check every reader of text makes.
 
     Raises TypeError (naming ``argument``) for a model that is not a text encoder, and ValueError

@@ -33,7 +33,6 @@ from multihead._userfiles import (
     read_json,
 )
 from multihead.models.bert import SAVED_CONFIG, Encoder, EncoderBlock, EncoderConfig
-from multihead.models.contract import text_tokenizer
 from multihead.models.tokenizer import FIX_MODEL_FOLDER, TokenBatch, Tokenizer
 
 __all__ = ["MODEL_PACKAGE", "TokenBatch", "Tokenizer", "find_model_dir", "load_encoder", "load_minilm"]
@@ -190,7 +189,9 @@ def load_minilm(path: str | Path | None = None, *, dtype: torch.dtype = torch.fl
         ['[CLS]', 'the', 'bank', 'was', 'full', 'of', 'money', '.', '[SEP]']
     """
     model = load_encoder(path, dtype=dtype)
-    return model, text_tokenizer(model)
+    tokenizer = model.tokenizer
+    assert tokenizer is not None  # the loader always attaches the checkpoint's own
+    return model, tokenizer
 
 
 def _load_saved(directory: Path, dtype: torch.dtype) -> Encoder:

@@ -1,7 +1,9 @@
-"""The WordPiece tokenizer of a BERT checkpoint (its ``tokenizer.json``, read with ``tokenizers``) and its batches."""
+"""What the readers need of a tokenizer (:class:`TextTokenizer`), and the WordPiece tokenizer of a BERT
+checkpoint (its ``tokenizer.json``, read with ``tokenizers``), with its batches."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import torch
 from multihead._errors import bad_argument
 from multihead._userfiles import read_text
 
-__all__ = ["TokenBatch", "Tokenizer", "FIX_MODEL_FOLDER"]
+__all__ = ["TokenBatch", "TextTokenizer", "Tokenizer", "FIX_MODEL_FOLDER"]
 
 # The fix for every damaged file of a model folder (the tokenizer's and the loader's errors alike).
 FIX_MODEL_FOLDER = "point --model at an intact checkpoint folder (download or save it again)"
@@ -33,7 +35,31 @@ class TokenBatch:
     word_ids: list[list[int | None]]
 
 
-class Tokenizer:
+class TextTokenizer(ABC):
+    """What every reader of text asks of a model's tokenizer: padded batches of ids with their pieces.
+
+    ``max_length``: the model's position limit; longer texts raise unless truncated.
+    ``sentence_max_length``: where embeddings truncate (at most ``max_length``).
+    """
+
+    max_length: int
+    sentence_max_length: int
+
+    @abstractmethod
+    def batch(
+        self, texts: list[str] | list[list[str]], *, truncate: bool = False, max_length: int | None = None
+    ) -> TokenBatch:
+        """Tokenize and pad ``texts`` (strings, or lists of words already split); see :meth:`Tokenizer.batch`."""
+
+    def tokenize(self, text: str) -> list[str]:
+        """The pieces of ``text`` as the model reads them, special tokens included."""
+        return self.batch([text], max_length=None).tokens[0]
+
+    def __call__(self, texts: str | list[str], *, truncate: bool = False) -> TokenBatch:
+        return self.batch([texts] if isinstance(texts, str) else list(texts), truncate=truncate)
+
+
+class Tokenizer(TextTokenizer):
     """The checkpoint's WordPiece tokenizer (``tokenizer.json``), with [CLS] ... [SEP] added.
 
     ``max_length``: the model's position limit; longer texts raise unless truncated.
@@ -55,7 +81,7 @@ class Tokenizer:
 
     def tokenize(self, text: str) -> list[str]:
         """The word pieces of ``text`` with [CLS] and [SEP]: e.g. ['[CLS]', 'the', 'bank', ..., '[SEP]']."""
-        return self.batch([text], max_length=None).tokens[0]
+        return super().tokenize(text)
 
     def batch(
         self, texts: list[str] | list[list[str]], *, truncate: bool = False, max_length: int | None = None
@@ -118,9 +144,6 @@ class Tokenizer:
             token_type_ids[row, : len(piece_types)] = torch.tensor(piece_types)
             attention_mask[row, : len(piece_ids)] = 1
         return TokenBatch(input_ids, attention_mask, token_type_ids, tokens, words)
-
-    def __call__(self, texts: str | list[str], *, truncate: bool = False) -> TokenBatch:
-        return self.batch([texts] if isinstance(texts, str) else list(texts), truncate=truncate)
 
 
 def _read_wordpiece(path: Path):

@@ -1,0 +1,222 @@
+"""Any local transformers checkpoint as a :class:`multihead.models.TextEncoder`, on multihead's kernel.
+
+    model = load_model("path/to/checkpoint")      # config.json, weights, tokenizer files
+    inspection = multihead.inspect.inspect_text(model, "The bank was full of money.")
+
+:func:`load_model` reads the folder with transformers' ``AutoModel`` and ``AutoTokenizer`` (local files only,
+``attn_implementation="multihead"``) and wraps them so every reader of a text model (``inspect_text``,
+``head_stats``, the ablation tools, ``multihead inspect --model``) serves it as it serves our own encoder:
+:class:`TransformersTokenizer` gives the readers' batches, and the model's attention steps are its
+:func:`multihead.inspect.attention_sites` (registered here for the wrapper). An encoder-decoder reads the
+text as its source and, unless told otherwise, the same text shifted right as its target (as BART's
+denoising does): its parts are "encoder", "decoder" and "cross".
+
+transformers is an optional extra (``pip install 'multihead[hf]'``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from multihead._errors import bad_argument, describe, floating_dtype
+from multihead._userfiles import existing_folder, path_kind
+from multihead.attend import AttentionSite, register_site_finder
+from multihead.integrations.transformers import IMPLEMENTATION, attention_sites
+from multihead.layer import MultiHeadAttention
+from multihead.models.contract import TextEncoder
+from multihead.models.tokenizer import TextTokenizer, TokenBatch
+
+__all__ = ["TransformersModel", "TransformersTokenizer", "load_model"]
+
+_FIX = "point --model at a transformers checkpoint folder (config.json, weights, tokenizer files)"
+# the files a tokenizer is read from (fast tokenizers, BPE and WordPiece vocabularies, SentencePiece models)
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
+# the position limit of a tokenizer that declares none (transformers' placeholder is about 1e30)
+_NO_LIMIT = 1 << 30
+
+
+class TransformersTokenizer(TextTokenizer):
+    """A transformers tokenizer giving the readers' :class:`TokenBatch` es, special tokens included.
+
+    Pieces are shown as the tokenizer decodes each one alone (" bank" for GPT-2's "Ġbank"), stripped;
+    ``max_length`` is the model's position limit.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, max_length: int):
+        self.hf = tokenizer
+        self.max_length = self.sentence_max_length = max_length
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def _piece(self, token_id: int, raw: str) -> str:
+        return str(self.hf.decode([token_id])).strip() or raw
+
+    def batch(
+        self, texts: list[str] | list[list[str]], *, truncate: bool = False, max_length: int | None = None
+    ) -> TokenBatch:
+        """Tokenize and pad ``texts``; a text over ``max_length`` (default the model's limit) raises unless
+        ``truncate`` (then it is cut, keeping the tokenizer's closing special token)."""
+        limit = self.max_length if max_length is None else max_length
+        pretokenized = bool(texts) and not isinstance(texts[0], str)
+        encoded = self.hf(list(texts), is_split_into_words=pretokenized, add_special_tokens=True)
+        rows: list[list[int]] = [list(ids) for ids in encoded["input_ids"]]
+        types = encoded.get("token_type_ids")
+        type_rows: list[list[int]] = [list(t) for t in types] if types is not None else [[0] * len(r) for r in rows]
+        words: list[list[int | None]] = [
+            list(encoded.word_ids(index)) if encoded.is_fast else [None] * len(ids) for index, ids in enumerate(rows)
+        ]
+        for index, ids in enumerate(rows):
+            if len(ids) <= limit:
+                continue
+            if not truncate:
+                raise bad_argument(
+                    "text" if len(texts) == 1 else f"texts[{index}]",
+                    f"at most {limit} tokens (the model's {self.max_length} positions)",
+                    f"{len(ids)} tokens",
+                    "shorten the text, or truncate it (truncate=True, or --truncate)",
+                )
+            closing = 1 if ids[-1] in self.hf.all_special_ids else 0  # keep the closing special token
+            rows[index] = _cut(ids, limit, closing)
+            type_rows[index] = _cut(type_rows[index], limit, closing)
+            words[index] = _cut(words[index], limit, closing)
+        longest = max(len(ids) for ids in rows)
+        input_ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)  # (b, n)
+        token_type_ids = torch.zeros((len(rows), longest), dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        tokens = []
+        for row, (ids, kinds) in enumerate(zip(rows, type_rows, strict=True)):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            token_type_ids[row, : len(kinds)] = torch.tensor(kinds, dtype=torch.long)
+            attention_mask[row, : len(ids)] = 1
+            raw = self.hf.convert_ids_to_tokens(ids)
+            tokens.append([self._piece(token_id, piece) for token_id, piece in zip(ids, raw, strict=True)])
+        return TokenBatch(input_ids, attention_mask, token_type_ids, tokens, words)
+
+
+def _cut(row: list, limit: int, closing: int) -> list:
+    """The first ``limit - closing`` entries of ``row``, then its last ``closing`` ones."""
+    return row[: limit - closing] + row[len(row) - closing :]
+
+
+class TransformersModel(TextEncoder):
+    """A transformers model running on ``attn_implementation="multihead"``, as a text encoder.
+
+    ``model``: the transformers model (base model: its forward gives ``last_hidden_state``); forward takes
+    (b, n) ids, mask and segment ids and returns (b, n, hidden) states (an encoder-decoder's: the decoder's,
+    reading the text shifted right). Its attention steps are ``multihead.inspect.attention_sites(wrapper)``.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, tokenizer: TextTokenizer | None, name: str):
+        super().__init__(tokenizer=tokenizer, name=name)
+        self.model = model
+        self.is_encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+        self.is_causal = not self.is_encoder_decoder and bool(
+            getattr(model.config, "is_decoder", False)
+            or any(getattr(module, "is_causal", False) for module in model.modules())
+        )
+        self._takes_types = "token_type_ids" in model.forward.__code__.co_varnames
+
+    @property
+    def attention_layers(self) -> list[MultiHeadAttention]:
+        """None of ours: a transformers model's attention steps are its sites."""
+        raise bad_argument(
+            "model",
+            "a model built from multihead.MultiHeadAttention",
+            f"a transformers {type(self.model).__name__}",
+            "use multihead.inspect.attention_sites(model) for its attention steps",
+            kind=TypeError,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(b, n) token ids, (b, n) mask (1 = real token), (b, n) segment ids -> (b, n, hidden) states."""
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self._takes_types and token_type_ids is not None:
+            inputs["token_type_ids"] = token_type_ids
+        return self.model(**inputs).last_hidden_state
+
+
+def _sites(model: object) -> list[AttentionSite] | None:
+    return attention_sites(model.model) if isinstance(model, TransformersModel) else None
+
+
+register_site_finder(_sites)
+
+
+def _position_limit(config, tokenizer: PreTrainedTokenizerBase) -> int:
+    limits = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    known = [int(limit) for limit in limits if isinstance(limit, int) and 0 < limit < _NO_LIMIT]
+    return min(known) if known else _NO_LIMIT
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> TransformersModel:
+    """The transformers checkpoint in folder ``path`` on multihead's kernel, with its tokenizer (eval mode).
+
+    Reads local files only. A folder that is not a checkpoint transformers knows (no config.json, an
+    unknown ``model_type``), or has no tokenizer files, is one error saying what is needed.
+    """
+    floating_dtype("dtype", dtype, allow_none=False)
+    folder = existing_folder("model", path, what="a model folder", fix=_FIX)
+    if path_kind(folder / "config.json") != "file":
+        raise bad_argument("model", "a checkpoint folder with a config.json", f"{folder} without one", _FIX)
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        raise bad_argument("config.json", "a JSON object", "a file that is not one", _FIX) from None
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError, OSError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise bad_argument(
+            "config.json",
+            "a model_type this transformers knows (bert, gpt2, llama, mistral, bart, ...)",
+            f"model_type {model_type!r} ({reason[:160]})",
+            "upgrade transformers, or point --model at a supported checkpoint",
+        ) from None
+    if not any(path_kind(folder / name) == "file" for name in _TOKENIZER_FILES):  # transformers would make an empty one
+        raise bad_argument(
+            "model",
+            f"a checkpoint folder with its tokenizer files (one of {', '.join(_TOKENIZER_FILES)})",
+            f"{folder} without any",
+            "save the tokenizer into the folder (tokenizer.save_pretrained(folder))",
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (ValueError, OSError, TypeError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise bad_argument(
+            "model",
+            "a checkpoint folder with its tokenizer files (tokenizer.json, or vocab files)",
+            f"{folder}, whose tokenizer does not load ({reason[:160]})",
+            "save the tokenizer into the folder (tokenizer.save_pretrained(folder))",
+        ) from None
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()  # the caller's output is a report: no loading bars or notes in it
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModel.from_pretrained(
+            folder, config=config, attn_implementation=IMPLEMENTATION, local_files_only=True, dtype=dtype
+        )
+    except (ValueError, OSError, RuntimeError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise bad_argument("model", "a checkpoint whose weights load", f"{folder} ({reason[:200]})", _FIX) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    if not isinstance(model, PreTrainedModel):  # pragma: no cover - AutoModel always gives one
+        raise bad_argument("model", "a transformers model", describe(model), _FIX, kind=TypeError)
+    wrapped = TransformersModel(
+        model,
+        tokenizer=TransformersTokenizer(tokenizer, max_length=_position_limit(config, tokenizer)),
+        name=folder.name,
+    )
+    return wrapped.eval()

@@ -1,0 +1,128 @@
+"""Tiny Hugging Face checkpoints written to local folders: random weights, tokenizers trained in memory.
+
+Nothing is downloaded: configs are built in code, tokenizers trained with the ``tokenizers`` library on a
+few sentences, and both saved with ``save_pretrained`` the way a user's checkpoint folder is.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SENTENCES = [
+    "The bank was full of money.",
+    "The river bank was muddy after the rain.",
+    "She sat on the bank of the river and read a book.",
+    "Money does not grow on trees, he said.",
+]
+ARCHITECTURES = ("bert", "gpt2", "llama", "bart")
+
+
+def _wordpiece() -> transformers.PreTrainedTokenizerFast:
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.train_from_iterator(SENTENCES * 4, trainers.WordPieceTrainer(vocab_size=120, special_tokens=specials))
+    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+def _byte_bpe(bos: str, eos: str, pad: str, *, wrap: bool) -> transformers.PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = list(dict.fromkeys([pad, bos, eos]))
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(SENTENCES * 4, trainer)
+    if wrap:  # <s> text </s>, as BART's tokenizer does
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A {eos}",
+            special_tokens=[(bos, tokenizer.token_to_id(bos)), (eos, tokenizer.token_to_id(eos))],
+        )
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos, pad_token=pad)
+
+
+def build(name: str) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerFast]:
+    """A random tiny model of architecture ``name`` (one of ARCHITECTURES) and its tokenizer."""
+    torch.manual_seed(0)
+    if name == "bert":
+        tokenizer = _wordpiece()
+        config = transformers.BertConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=40,
+            max_position_embeddings=64,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        return transformers.BertForMaskedLM(config), tokenizer  # a save with its MLM head (cls.predictions.*)
+    if name == "gpt2":
+        tokenizer = _byte_bpe("<|endoftext|>", "<|endoftext|>", "<|endoftext|>", wrap=False)
+        ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+        config = transformers.GPT2Config(
+            vocab_size=len(tokenizer), n_embd=24, n_layer=2, n_head=4, n_positions=64, **ids
+        )
+        return transformers.GPT2LMHeadModel(config), tokenizer
+    if name == "llama":
+        tokenizer = _byte_bpe("<s>", "</s>", "<pad>", wrap=False)
+        config = transformers.LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=40,
+            max_position_embeddings=64,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        return transformers.LlamaForCausalLM(config), tokenizer
+    if name == "bart":
+        tokenizer = _byte_bpe("<s>", "</s>", "<pad>", wrap=True)
+        config = transformers.BartConfig(
+            vocab_size=len(tokenizer),
+            d_model=24,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            max_position_embeddings=64,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.eos_token_id,
+        )
+        return transformers.BartForConditionalGeneration(config), tokenizer
+    raise AssertionError(name)
+
+
+def save(name: str, folder: Path) -> Path:
+    """Write checkpoint ``name`` (model and tokenizer) into ``folder``; returns the folder."""
+    model, tokenizer = build(name)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
