@@ -73,3 +73,20 @@ def test_a_folder_that_is_not_a_checkpoint_we_can_serve_is_one_clear_error(folde
         shutil.copy(folders["gpt2"] / file, no_tokenizer / file)
     with pytest.raises(ValueError, match="model: expected a checkpoint folder with its tokenizer files"):
         load_model(no_tokenizer)
+
+
+def test_a_masked_lm_save_loads_on_our_own_encoder_too(folders):
+    """BertForMaskedLM writes its pre-training head (cls.predictions.*): our encoder leaves it, as the pooler."""
+    from multihead.models import Encoder, load_encoder
+
+    ours = load_encoder(folders["bert"])
+    assert isinstance(ours, Encoder)
+    theirs = transformers.AutoModel.from_pretrained(folders["bert"], attn_implementation="eager").eval()
+    batch = ours.tokenizer.batch(SENTENCES[:3])
+    with torch.no_grad():
+        got = ours(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+        expected = theirs(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, token_type_ids=batch.token_type_ids
+        ).last_hidden_state
+    real = batch.attention_mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=2e-5, rtol=2e-5)

@@ -99,9 +99,10 @@ _RENAMES = [
     (r"encoder\.layer\.(\d+)\.output\.dense\.", r"blocks.\1.feed_forward_out."),
     (r"encoder\.layer\.(\d+)\.output\.LayerNorm\.", r"blocks.\1.output_norm."),
 ]
-# Tensors in the checkpoint the encoder does not use: position ids (a buffer) and BERT's [CLS] pooler,
-# which sentence-transformers' mean pooling ignores.
-_UNUSED = re.compile(r"(embeddings\.position_ids|pooler\..*)$")
+# Tensors in the checkpoint the encoder does not use: position ids (a buffer), BERT's [CLS] pooler and the
+# pre-training heads of a BertForMaskedLM or BertForPreTraining save (cls.*), none of which
+# sentence-transformers' mean pooling reads.
+_UNUSED = re.compile(r"(embeddings\.position_ids|pooler\..*|cls\..*)$")
 
 
 def _our_name(name: str) -> str | None:
