@@ -4,11 +4,13 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="multihead")
 
 Importing this module registers :func:`attention_forward` with transformers' ``AttentionInterface`` and
-transformers' boolean mask builder (``sdpa_mask``: True = may attend, our polarity; None when the mask is
-only causal) with its ``AttentionMaskInterface``, both under the name "multihead". Every attention call of
-the model then runs through :func:`multihead.attention`. Grouped key/value heads go in as g heads, never
-repeated. What the kernel cannot honour yet (logit soft-capping, attention sinks, a position bias such as
-T5's) is refused with an error naming the option and the model's class: never dropped silently.
+:func:`multihead.integrations.transformers_masks.typed_mask` with its ``AttentionMaskInterface``, both under
+the name "multihead": causal, sliding-window, bidirectional and padding masks reach the kernel as typed masks
+(never an i x j tensor), any other pattern as transformers' dense boolean mask (True = may attend, our
+polarity). Every attention call of the model then runs through :func:`multihead.attention`. Grouped
+key/value heads go in as g heads, never repeated. What the kernel cannot honour yet (logit soft-capping,
+attention sinks, a position bias such as T5's) is refused with an error naming the option and the model's
+class: never dropped silently.
 
 Every call runs through an :class:`multihead.attend.Attend` step kept for the module that makes it, and
 importing this module registers a site finder (:func:`attention_sites`), so :func:`multihead.inspect.capture`,
@@ -25,11 +27,12 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 
 from multihead._errors import bad_argument
 from multihead.attend import Attend, AttentionSite, register_site_finder
 from multihead.functional import AttentionResult
+from multihead.integrations.transformers_masks import kernel_mask, typed_mask
 
 __all__ = ["IMPLEMENTATION", "attention_forward", "attention_sites"]
 
@@ -69,7 +72,7 @@ def attention_forward(
                 f"{name}={kwargs[name]!r}" if not isinstance(kwargs[name], torch.Tensor) else f"a {name} tensor",
                 'load this model with attn_implementation="eager" or "sdpa"',
             )
-    mask = None if attention_mask is None else attention_mask[..., : key.shape[-2]]
+    mask = kernel_mask(attention_mask, key.shape[-2])
     causal = False
     if mask is None:  # transformers leaves the mask out when it is only causal (and the module is a decoder)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
@@ -178,5 +181,5 @@ def attention_sites(model: nn.Module) -> list[AttentionSite] | None:
 
 
 AttentionInterface.register(IMPLEMENTATION, attention_forward)
-AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+AttentionMaskInterface.register(IMPLEMENTATION, typed_mask)
 register_site_finder(attention_sites)

@@ -1,0 +1,256 @@
+"""transformers' attention masks as multihead's typed masks, not (b, 1, i, j) tensors.
+
+transformers builds a model's mask through its ``AttentionMaskInterface``: a mask function evaluated at every
+(query, key) pair of absolute positions ``(q_idx + q_offset, kv_idx + kv_offset)`` (causal, sliding window,
+bidirectional, ...), and-ed with a 2-D padding mask. :func:`typed_mask`, registered there under "multihead" by
+:mod:`multihead.integrations.transformers`, takes the same arguments as transformers' ``sdpa_mask`` and returns
+the same mask as a typed :class:`multihead.masks.Mask` where it recognises the pattern with certainty:
+
+    causal_mask_function                               causal(align)
+    sliding_window_causal_mask_function(w)             window(w - 1, 0, align)
+      (= and_masks(sliding_window_overlay(w), causal_mask_function), in any and_masks nesting)
+    bidirectional_mask_function                        no term (full attention)
+    sliding_window_bidirectional_mask_function(w)      window(w, w, align)
+    the 2-D padding attention_mask                     & padding(valid): its columns kv_offset ... kv_offset + j - 1
+
+``align`` follows the offsets: relative position ``d = q_offset - kv_offset`` of the first query is
+``j - i`` ("bottom_right", a KV cache) or 0 ("top_left", e.g. a static cache's prefill); no other d can be said
+with a typed diagonal. The kernel then never builds an i x j mask, and blocked kernels skip empty blocks.
+
+Everything else goes to transformers' ``sdpa_mask`` with the same arguments, giving the dense bool tensor we
+used before, so the result is never wrong: ``or_masks``, chunked or blockwise attention, packed sequences,
+custom mask functions (``use_vmap=True``), a padding mask that is not a 2-D bool tensor of the batch's rows,
+offsets that are tensors (static caches under compile), other offset relations — and every call whose caller
+allows no skip (``allow_is_causal_skip`` and ``allow_is_bidirectional_skip`` both False): such a model goes on
+to edit the tensor (adds ALiBi, concatenates masks, slices it back to 2-D), so it gets one.
+
+:func:`kernel_mask` turns what an attention call receives (None, such a typed mask, or a tensor that may cover
+more keys than the call has) into what :func:`multihead.attention` takes as ``mask``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeGuard
+
+import torch
+from transformers.masking_utils import (
+    and_masks,
+    bidirectional_mask_function,
+    causal_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+    sliding_window_bidirectional_overlay,
+    sliding_window_overlay,
+)
+
+from multihead._errors import bad_argument, describe
+from multihead.masks import AttentionShape, Mask, causal, padding, window
+
+__all__ = ["TransformersMask", "typed_mask", "kernel_mask"]
+
+# The code objects of transformers' mask-function factories' inner functions: a closure built by one of them
+# runs exactly this code, so identity says which factory made it, and its cells hold the factory's arguments.
+_AND_CODE = and_masks(causal_mask_function).__code__
+_SLIDING_CODE = sliding_window_overlay(1).__code__
+_SLIDING_BIDIRECTIONAL_CODE = sliding_window_bidirectional_overlay(1).__code__
+
+# The band of relative positions r = (kv_idx + kv_offset) - (q_idx + q_offset) a mask function allows:
+# -left <= r <= right, None = unbounded on that side
+Band = tuple[int | None, int | None]
+
+
+class TransformersMask(Mask):
+    """A typed mask built for one call of transformers' mask interface: its terms, and the sizes it was built for.
+
+    ``kv_length`` is kept because a bottom-right diagonal depends on the number of keys: a call with fewer keys
+    must see the first columns of this mask (as a sliced dense mask would), not the mask re-aligned to them.
+    """
+
+    def __init__(self, parts: Sequence[Mask], *, batch: int, q_length: int, kv_length: int, device: torch.device):
+        self.parts = tuple(parts)
+        self.batch, self.q_length, self.kv_length, self.device = batch, q_length, kv_length, device
+
+    def terms(self) -> tuple[Mask, ...]:
+        return tuple(term for part in self.parts for term in part.terms())
+
+    def dense(self) -> torch.Tensor:
+        """The mask as transformers' ``sdpa_mask`` would have built it: bool (b, 1, i, j), True = may attend."""
+        shape = AttentionShape(self.batch, 1, self.q_length, self.kv_length, self.device)
+        keep, _ = self.bind(shape).dense(torch.float32)  # boolean terms only: no bias
+        full = (self.batch, 1, self.q_length, self.kv_length)
+        if keep is None:
+            return torch.ones(full, dtype=torch.bool, device=self.device)
+        return keep.expand(full)
+
+    def __repr__(self) -> str:
+        terms = " & ".join(repr(term) for term in self.parts) or "no terms (full attention)"
+        return f"TransformersMask({terms}; i={self.q_length}, j={self.kv_length})"
+
+
+def _cells(fn: Callable) -> dict[str, Any] | None:
+    """A closure's free variables by name, or None when they cannot be read."""
+    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    names = getattr(code, "co_freevars", ())
+    if closure is None or len(closure) != len(names):
+        return None
+    try:
+        return {name: cell.cell_contents for name, cell in zip(names, closure, strict=True)}
+    except ValueError:  # an empty cell
+        return None
+
+
+def _whole(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _band(fn: object, depth: int = 0) -> Band | None:
+    """The band a transformers mask function allows, or None when it is not one we recognise with certainty."""
+    if fn is causal_mask_function:
+        return None, 0
+    if fn is bidirectional_mask_function:  # q_idx >= 0: every pair, for offsets >= 0 (checked by the caller)
+        return None, None
+    if not callable(fn) or depth > 8:
+        return None
+    code, cells = getattr(fn, "__code__", None), _cells(fn)
+    if cells is None:
+        return None
+    if code is _AND_CODE and getattr(fn, "__qualname__", "") == "and_masks.<locals>.and_mask":
+        parts = cells.get("mask_functions")
+        if not isinstance(parts, tuple):
+            return None
+        left: int | None = None
+        right: int | None = None
+        for part in parts:  # the intersection of bands is a band: the tighter bound on each side
+            band = _band(part, depth + 1)
+            if band is None:
+                return None
+            if band[0] is not None:
+                left = band[0] if left is None else min(left, band[0])
+            if band[1] is not None:
+                right = band[1] if right is None else min(right, band[1])
+        return left, right
+    if code is _SLIDING_CODE and getattr(fn, "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask":
+        size = cells.get("sliding_window")  # kv_idx > q_idx - size: r >= -(size - 1)
+        return (size - 1, None) if _whole(size) and size >= 1 else None
+    if (
+        code is _SLIDING_BIDIRECTIONAL_CODE
+        and getattr(fn, "__qualname__", "") == "sliding_window_bidirectional_overlay.<locals>.inner_mask"
+    ):
+        size = cells.get("sliding_window")  # |q_idx - kv_idx| <= size
+        return (size, size) if _whole(size) and size >= 0 else None
+    return None
+
+
+def typed_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable = causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    allow_is_bidirectional_skip: bool = False,
+    use_vmap: bool = False,
+    device: torch.device | str = "cpu",
+    **kwargs,
+) -> Mask | torch.Tensor | None:
+    """transformers' ``sdpa_mask`` signature; the mask as a :class:`TransformersMask` where it can say it exactly.
+
+    Sizes: batch b = ``batch_size``, queries i = ``q_length``, keys j = ``kv_length``; ``attention_mask`` the 2-D
+    (b, n) bool padding mask of every position so far, True = real token (shorter than kv_offset + j: padded
+    with False, as ``sdpa_mask`` does). Returns a :class:`TransformersMask` (typed terms, bound to the call's
+    sizes by the kernel); None for full attention without padding when ``allow_is_bidirectional_skip`` (what
+    ``sdpa_mask`` returns there); otherwise, for what is not recognised, ``sdpa_mask``'s own result with the
+    same arguments: a (b, 1, i, j) bool tensor or None (see the module docstring for what goes which way).
+    """
+
+    def dense() -> torch.Tensor | None:
+        return sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            local_size=local_size,
+            allow_is_causal_skip=allow_is_causal_skip,
+            allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+            use_vmap=use_vmap,
+            device=device,
+            **kwargs,
+        )
+
+    if not (allow_is_causal_skip or allow_is_bidirectional_skip):
+        return dense()  # the caller wants a tensor to work on
+    sizes = (batch_size, q_length, kv_length, q_offset, kv_offset)
+    if not all(_whole(size) for size in sizes) or q_offset < 0 or kv_offset < 0:
+        return dense()  # tensor or symbolic offsets (static caches, tracing), or positions before the first
+    band = _band(mask_function)
+    if band is None:
+        return dense()
+    parts: list[Mask] = []
+    if band != (None, None):
+        # aligned query position p = q_idx + d: the band keeps keys p - left ... p + right
+        distance = q_offset - kv_offset
+        if distance == kv_length - q_length:
+            align = "bottom_right"
+        elif distance == 0:
+            align = "top_left"
+        else:
+            return dense()
+        left, right = band
+        if (left is not None and left < 0) or (right is not None and right < 0):
+            return dense()  # an empty band: rare enough to leave to the dense path
+        parts.append(causal(align) if band == (None, 0) else window(left, right, align=align))
+    if attention_mask is not None:
+        if (
+            not isinstance(attention_mask, torch.Tensor)
+            or attention_mask.ndim != 2
+            or attention_mask.dtype != torch.bool
+            or attention_mask.shape[0] != batch_size
+        ):
+            return dense()
+        # the columns sdpa_mask reads: padded with False up to kv_offset + j, then from kv_offset on
+        padded = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        assert padded is not None  # given a mask, it returns one
+        valid = padded[:, kv_offset : kv_offset + kv_length].to(device)
+        readable = valid.device.type != "meta" and not torch.compiler.is_compiling()
+        if not (readable and bool(valid.all())):  # one sync per mask built, as sdpa_mask's own skip check
+            parts.append(padding(valid))
+    if not parts and allow_is_bidirectional_skip:
+        return None
+    return TransformersMask(
+        parts, batch=batch_size, q_length=q_length, kv_length=kv_length, device=torch.device(device)
+    )
+
+
+def kernel_mask(attention_mask: Mask | torch.Tensor | None, key_length: int) -> Mask | torch.Tensor | None:
+    """What an attention call received as ``attention_mask`` as :func:`multihead.attention`'s ``mask``.
+
+    attention_mask: None; a typed mask (a :class:`TransformersMask` built for ``kv_length`` keys, or any other
+    :class:`multihead.masks.Mask`); or a bool (True = may attend) or additive float tensor (b, 1 or h, i, >= j).
+    key_length: j, the number of keys of the call. A tensor keeps its first j columns; a TransformersMask built
+    for exactly j keys goes as it is, one built for another number of keys as its dense tensor's first j columns
+    (a bottom-right diagonal depends on the key count, so re-binding it would move it).
+    """
+    if attention_mask is None:
+        return None
+    if isinstance(attention_mask, TransformersMask):
+        if attention_mask.kv_length == key_length:
+            return attention_mask
+        return attention_mask.dense()[..., :key_length]
+    if isinstance(attention_mask, Mask):
+        return attention_mask
+    if isinstance(attention_mask, torch.Tensor):
+        return attention_mask[..., :key_length]
+    raise bad_argument(
+        "attention_mask",
+        "None, a multihead.masks mask, or a (b, 1 or h, i, j) bool or float tensor",
+        describe(attention_mask),
+        'build the mask with the model\'s own mask functions (attn_implementation="multihead" registers them)',
+        kind=TypeError,
+    )
