@@ -90,3 +90,13 @@ def test_a_masked_lm_save_loads_on_our_own_encoder_too(folders):
         ).last_hidden_state
     real = batch.attention_mask.bool()
     torch.testing.assert_close(got[real], expected[real], atol=2e-5, rtol=2e-5)
+
+
+def test_embeddings_of_the_wrapped_model_equal_our_encoders(folders):
+    """Both read the same BERT save: transformers' modules on our kernel, and our own encoder."""
+    from multihead.models import load_encoder
+
+    wrapped, ours = load_model(folders["bert"]), load_encoder(folders["bert"])
+    got, expected = wrapped.encode(SENTENCES), ours.encode(SENTENCES)
+    assert got.shape == (len(SENTENCES), 24)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -319,7 +319,10 @@ def test_encode_keeps_the_training_mode(minilm):
 def test_contract_docstring_example_runs():
     import doctest
 
+    import multihead
     from multihead.models import contract
 
-    result = doctest.testmod(contract, globs={"torch": torch, "evaluating": contract.evaluating}, verbose=False)
+    result = doctest.testmod(
+        contract, globs={"multihead": multihead, "torch": torch, "evaluating": contract.evaluating}, verbose=False
+    )
     assert result.attempted > 0 and result.failed == 0

@@ -25,7 +25,7 @@ from torch import nn
 from multihead._errors import bad_argument, describe
 from multihead.layer import MultiHeadAttention
 from multihead.masks import padding
-from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
+from multihead.models.contract import TextEncoder
 from multihead.models.tokenizer import Tokenizer
 
 __all__ = ["EncoderConfig", "EncoderBlock", "Encoder", "SAVED_CONFIG"]
@@ -247,56 +247,3 @@ class Encoder(TextEncoder):
         for block in self.blocks:
             x = block(x, mask)
         return x
-
-    @staticmethod
-    def mean_pool(states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(b, n, hidden) states, (b, n) mask -> (b, hidden) mean over real tokens (sentence-transformers)."""
-        weights = attention_mask.to(states.dtype).unsqueeze(-1)  # (b, n, 1)
-        return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-
-    def encode(
-        self, texts: str | list[str], *, batch_size: int = 32, normalize: bool = True, truncate: bool = False
-    ) -> torch.Tensor:
-        """Sentence embeddings as sentence-transformers computes them: mean pooling, then L2 normalisation.
-
-        Args:
-            texts: a string or a list of strings.
-            batch_size: texts per forward pass (padded to the longest in the batch).
-            normalize: L2-normalise each embedding (sentence-transformers' ``Normalize`` module).
-            truncate: cut texts at the tokenizer's ``sentence_max_length`` (256 for all-MiniLM-L6-v2, as
-                sentence-transformers does). Without it, texts up to the model's 512 positions are
-                encoded whole and longer ones raise.
-
-        Returns:
-            (len(texts), hidden) float32 embeddings; (1, hidden) for a single string.
-
-        Example:
-            >>> model, tokenizer = multihead.models.load_minilm()
-            >>> model.encode(["The bank was full of money.", "We sat on the river bank."]).shape
-            torch.Size([2, 384])
-        """
-        tokenizer = text_tokenizer(self)
-        batch_texts = [texts] if isinstance(texts, str) else texts
-        if not isinstance(batch_texts, list) or not all(isinstance(t, str) for t in batch_texts):
-            raise bad_argument(
-                "texts",
-                "a string or a list of strings",
-                describe(texts),
-                "pass e.g. model.encode(['first text', 'second text'])",
-                kind=TypeError,
-            )
-        if not batch_texts:
-            raise bad_argument("texts", "at least one text", "an empty list", "pass one or more strings")
-        embeddings = []
-        with evaluating(self):
-            for start in range(0, len(batch_texts), batch_size):
-                # truncation cuts where sentence-transformers does; without it, only the position limit applies
-                batch = tokenizer.batch(
-                    batch_texts[start : start + batch_size],
-                    truncate=truncate,
-                    max_length=tokenizer.sentence_max_length if truncate else None,
-                )
-                states = self(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-                embeddings.append(self.mean_pool(states, batch.attention_mask))
-        pooled = torch.cat(embeddings)  # (len(texts), hidden)
-        return F.normalize(pooled, p=2, dim=-1) if normalize else pooled

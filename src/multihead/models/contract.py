@@ -20,9 +20,10 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from multihead._errors import bad_argument
+from multihead._errors import bad_argument, describe
 from multihead.layer import MultiHeadAttention
 from multihead.models.tokenizer import TextTokenizer
 
@@ -30,7 +31,8 @@ __all__ = ["TextEncoder", "text_tokenizer", "evaluating"]
 
 
 class TextEncoder(nn.Module, ABC):
-    """A model that reads text: token ids in, token states out, with its tokenizer and its name.
+    """A model that reads text: token ids in, token states out, with its tokenizer and its name; its
+    sentence embeddings (:meth:`encode`) are mean-pooled states, as sentence-transformers computes them.
 
     ``tokenizer``: the :class:`~multihead.models.TextTokenizer` that makes its ids; None for a model built
     without one (it runs on token ids only, and text readers refuse it).
@@ -60,6 +62,59 @@ class TextEncoder(nn.Module, ABC):
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(b, n) token ids, (b, n) mask (1 = real token), (b, n) segment ids -> (b, n, hidden) token states."""
+
+    @staticmethod
+    def mean_pool(states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(b, n, hidden) states, (b, n) mask -> (b, hidden) mean over real tokens (sentence-transformers)."""
+        weights = attention_mask.to(states.dtype).unsqueeze(-1)  # (b, n, 1)
+        return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+
+    def encode(
+        self, texts: str | list[str], *, batch_size: int = 32, normalize: bool = True, truncate: bool = False
+    ) -> torch.Tensor:
+        """Sentence embeddings as sentence-transformers computes them: mean pooling, then L2 normalisation.
+
+        Args:
+            texts: a string or a list of strings.
+            batch_size: texts per forward pass (padded to the longest in the batch).
+            normalize: L2-normalise each embedding (sentence-transformers' ``Normalize`` module).
+            truncate: cut texts at the tokenizer's ``sentence_max_length`` (256 for all-MiniLM-L6-v2, as
+                sentence-transformers does). Without it, texts up to the model's positions (512 for
+                all-MiniLM-L6-v2) are encoded whole and longer ones raise.
+
+        Returns:
+            (len(texts), hidden) float32 embeddings; (1, hidden) for a single string.
+
+        Example:
+            >>> model, tokenizer = multihead.models.load_minilm()
+            >>> model.encode(["The bank was full of money.", "We sat on the river bank."]).shape
+            torch.Size([2, 384])
+        """
+        tokenizer = text_tokenizer(self)
+        batch_texts = [texts] if isinstance(texts, str) else texts
+        if not isinstance(batch_texts, list) or not all(isinstance(t, str) for t in batch_texts):
+            raise bad_argument(
+                "texts",
+                "a string or a list of strings",
+                describe(texts),
+                "pass e.g. model.encode(['first text', 'second text'])",
+                kind=TypeError,
+            )
+        if not batch_texts:
+            raise bad_argument("texts", "at least one text", "an empty list", "pass one or more strings")
+        embeddings = []
+        with evaluating(self):
+            for start in range(0, len(batch_texts), batch_size):
+                # truncation cuts where sentence-transformers does; without it, only the position limit applies
+                batch = tokenizer.batch(
+                    batch_texts[start : start + batch_size],
+                    truncate=truncate,
+                    max_length=tokenizer.sentence_max_length if truncate else None,
+                )
+                states = self(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+                embeddings.append(self.mean_pool(states, batch.attention_mask))
+        pooled = torch.cat(embeddings)  # (len(texts), hidden)
+        return F.normalize(pooled, p=2, dim=-1) if normalize else pooled
 
 
 def text_tokenizer(model: object, *, argument: str = "model") -> TextTokenizer:
