@@ -28,17 +28,24 @@ from __future__ import annotations
 
 import string
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
 
 from multihead._errors import bad_argument, describe
-from multihead.inspect.capture import capture
+from multihead.inspect.capture import Recorder, _indices, _part_sites, capture
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
+    "HeadGrid",
+    "head_grid",
+    "head_numbers",
+    "record_grid",
+    "GridRecorder",
     "HeadStats",
     "Role",
+    "PRUNED",
     "TokenInfo",
     "head_stats",
     "weight_stats",
@@ -101,6 +108,156 @@ _AVERAGED = (
     "max_weight",
 )
 _SENTENCE_ENDS = {".", "!", "?"}
+PRUNED = "pruned"  # the role label (and pattern) of a head a layer no longer has
+
+
+# ------------------------------------------------------------------ which heads: the checkpoint's numbers
+
+
+@dataclass(frozen=True)
+class HeadGrid:
+    """The heads a report covers: rows ``layers`` (model layer indices), columns ``heads`` (head numbers).
+
+    Head numbers are the checkpoint's. Pruning removes heads from a layer, and a pruned
+    :class:`~multihead.models.Encoder` keeps, in ``head_ids``, the original number of every head still
+    there, so a head keeps its number when others go (a model without ``head_ids`` numbers each layer's
+    heads 0, 1, ...). A layer may then lack some columns: row r has the heads ``layer_heads[r]`` (in
+    column order), which are the layer's heads ``positions[r]`` as the layer (and capture) counts them.
+    """
+
+    layers: list[int]
+    heads: list[int]
+    layer_heads: list[list[int]]
+    positions: list[list[int]] | None = None  # None: not taken from a model (weights given directly)
+
+    @property
+    def ragged(self) -> bool:
+        """True when some layer lacks one of the columns (a pruned model)."""
+        return any(len(kept) != len(self.heads) for kept in self.layer_heads)
+
+    @property
+    def present(self) -> torch.Tensor:
+        """(layers, heads) bool: True where the layer has the head, False where it was pruned."""
+        mask = torch.zeros(len(self.layers), len(self.heads), dtype=torch.bool)
+        for row, kept in enumerate(self.layer_heads):
+            mask[row, [self.heads.index(head) for head in kept]] = True
+        return mask
+
+    def pad(self, per_layer: Sequence[torch.Tensor | None], fill: float = 0.0) -> torch.Tensor:
+        """One (layers, heads, *rest) tensor from each row's (len(layer_heads[r]), *rest) (None: a row with no
+        head), with ``fill`` in the cells of pruned heads."""
+        first = next(values for values in per_layer if values is not None)
+        out = torch.full((len(self.layers), len(self.heads), *first.shape[1:]), fill, dtype=first.dtype)
+        for row, (kept, values) in enumerate(zip(self.layer_heads, per_layer, strict=True)):
+            if values is not None and kept:
+                out[row, [self.heads.index(head) for head in kept]] = values
+        return out
+
+
+def head_numbers(model: torch.nn.Module) -> tuple[list[list[int]], int]:
+    """Every attention layer's heads by their checkpoint numbers (``model.head_ids`` when the model keeps
+    them, else 0, 1, ... per layer), and how many heads a layer of the checkpoint had.
+
+    The layers are those :func:`~multihead.inspect.capture.capture` numbers by default (the model's
+    first part, see :func:`~multihead.inspect.capture.attention_sites`).
+    """
+    _, sites = _part_sites(model, None)
+    counts = [site.num_heads for site in sites]
+    numbers = getattr(model, "head_ids", None)
+    if numbers is None:
+        numbers = [list(range(count)) for count in counts]
+    elif len(numbers) != len(counts) or any(len(ids) != count for ids, count in zip(numbers, counts, strict=True)):
+        raise bad_argument(
+            "model.head_ids",
+            f"one list per attention layer, of its heads ({counts})",
+            [len(ids) for ids in numbers],
+            "prune with model.prune_heads, which keeps head_ids in step with the layers",
+        )
+    total = max(max(ids, default=-1) + 1 for ids in numbers)
+    config_heads = getattr(getattr(model, "config", None), "num_heads", None)
+    if isinstance(config_heads, int) and config_heads > total:
+        total = config_heads
+    return [list(ids) for ids in numbers], total
+
+
+def head_grid(
+    model: torch.nn.Module, layers: Sequence[int] | int | None = None, heads: Sequence[int] | int | None = None
+) -> HeadGrid:
+    """The :class:`HeadGrid` of ``model``'s chosen layers and heads (both default all).
+
+    ``heads`` are checkpoint head numbers (see :class:`HeadGrid`); a layer that lacks one of them (it was
+    pruned) has that cell empty. A head that no chosen layer has raises ValueError.
+    """
+    numbers, total = head_numbers(model)
+    rows = _indices("layers", layers, len(numbers), "layer")
+    if heads is None:
+        columns = sorted({head for row in rows for head in numbers[row]})
+    else:
+        columns = _indices("heads", heads, total, "head")
+        if len(set(columns)) != len(columns):
+            twice = next(head for head in columns if columns.count(head) > 1)
+            raise bad_argument("heads", "each head once", f"head {twice} twice", "list every head once")
+        kept = sorted({head for row in rows for head in numbers[row]})
+        for head in columns:
+            if head not in kept:
+                where = ", ".join(map(str, rows))
+                raise bad_argument(
+                    "heads",
+                    f"heads that a chosen layer still has ({kept})",
+                    f"{head}, pruned from layer{'s' if len(rows) > 1 else ''} {where}",
+                    "pick heads the chosen layers have, or other layers",
+                )
+    layer_heads = [[head for head in columns if head in numbers[row]] for row in rows]
+    positions = [
+        [numbers[row].index(head) for head in row_heads] for row, row_heads in zip(rows, layer_heads, strict=True)
+    ]
+    return HeadGrid(rows, columns, layer_heads, positions)
+
+
+class GridRecorder:
+    """Records the attention weights of a :class:`HeadGrid`'s heads while active (use :func:`record_grid`):
+    one :class:`~multihead.inspect.capture.Recorder` per layer, each with that layer's own heads."""
+
+    def __init__(self, model: torch.nn.Module, grid: HeadGrid):
+        if grid.positions is None:
+            raise bad_argument(
+                "grid", "a HeadGrid of a model (head_grid(model))", "one without positions", "use head_grid"
+            )
+        self.grid = grid
+        self._recorders: list[Recorder | None] = [
+            capture(model, layers=[layer], heads=positions) if positions else None
+            for layer, positions in zip(grid.layers, grid.positions, strict=True)
+        ]
+        self._stack = ExitStack()
+
+    def __enter__(self) -> GridRecorder:
+        with ExitStack() as stack:
+            for recorder in self._recorders:
+                if recorder is not None:
+                    stack.enter_context(recorder)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stack.close()
+
+    def weights(self) -> list[torch.Tensor | None]:
+        """Per row of the grid, the latest pass's (b, len(layer_heads[row]), i, j) weights (None: no head)."""
+        return [
+            None if recorder is None else recorder.weights(layer)
+            for layer, recorder in zip(self.grid.layers, self._recorders, strict=True)
+        ]
+
+    def clear(self) -> None:
+        """Forget every recorded pass."""
+        for recorder in self._recorders:
+            if recorder is not None:
+                recorder.clear()
+
+
+def record_grid(model: torch.nn.Module, grid: HeadGrid) -> GridRecorder:
+    """A context manager recording the weights of ``grid``'s heads in every forward pass inside it."""
+    return GridRecorder(model, grid)
 
 
 @dataclass
@@ -318,8 +475,10 @@ def label_head(stat: dict[str, float], pattern_shares: dict[str, float]) -> Role
 class HeadStats:
     """Statistics of every recorded head: ``values[name]`` is (layers, heads) float64.
 
-    ``layers``/``heads`` are the model indices the rows and columns stand for; ``patterns`` is
-    (layers, heads, len(PATTERNS)), the share of texts in each Kovaleva pattern.
+    ``layers``/``heads`` are the model layer indices and checkpoint head numbers the rows and columns
+    stand for (see :class:`HeadGrid`); ``patterns`` is (layers, heads, len(PATTERNS)), the share of texts
+    in each Kovaleva pattern. ``layer_heads``: each row's heads when some layer lacks a column (a pruned
+    model; its cells hold NaN and its role is "pruned"), None when every layer has every column.
     """
 
     layers: list[int]
@@ -329,10 +488,22 @@ class HeadStats:
     texts: int
     tokens: int
     source: str = "texts"
+    layer_heads: list[list[int]] | None = None
     _roles: list[list[Role]] | None = field(default=None, repr=False)
 
+    @property
+    def grid(self) -> HeadGrid:
+        """The rows, columns and each row's heads, as a :class:`HeadGrid`."""
+        kept = self.layer_heads or [list(self.heads) for _ in self.layers]
+        return HeadGrid(list(self.layers), list(self.heads), [list(row) for row in kept])
+
+    @property
+    def present(self) -> torch.Tensor:
+        """(layers, heads) bool: False in the cells of pruned heads."""
+        return self.grid.present
+
     def stat(self, layer: int, head: int) -> dict[str, float]:
-        """One head's statistics by model layer and head index."""
+        """One head's statistics by model layer and checkpoint head number."""
         row, col = self._position(layer, head)
         return {name: float(values[row, col]) for name, values in self.values.items()}
 
@@ -341,16 +512,28 @@ class HeadStats:
             raise bad_argument("layer", f"one of {self.layers}", layer, "pick a layer the statistics cover")
         if head not in self.heads:
             raise bad_argument("head", f"one of {self.heads}", head, "pick a head the statistics cover")
-        return self.layers.index(layer), self.heads.index(head)
+        row = self.layers.index(layer)
+        if self.layer_heads is not None and head not in self.layer_heads[row]:
+            raise bad_argument(
+                "head",
+                f"one of layer {layer}'s heads {self.layer_heads[row]}",
+                f"{head}, which was pruned from layer {layer}",
+                f"pick a head that layer {layer} still has",
+            )
+        return row, self.heads.index(head)
 
     def roles(self) -> list[list[Role]]:
-        """:func:`label_head` for every head: roles[row][col] for layers[row], heads[col]."""
+        """:func:`label_head` for every head: roles[row][col] for layers[row], heads[col] (a pruned head's
+        label and pattern are "pruned")."""
         if self._roles is None:
+            present = self.present.tolist()
             self._roles = [
                 [
                     label_head(
                         self.stat(layer, head), dict(zip(PATTERNS, self.patterns[row, col].tolist(), strict=True))
                     )
+                    if present[row][col]
+                    else Role(PRUNED, PRUNED, f"head {head} was pruned from layer {layer}")
                     for col, head in enumerate(self.heads)
                 ]
                 for row, layer in enumerate(self.layers)
@@ -358,30 +541,40 @@ class HeadStats:
         return self._roles
 
     def as_dict(self) -> dict:
-        """Plain lists for JSON: per-head statistics, pattern shares and roles."""
+        """Plain lists for JSON: per-head statistics, pattern shares and roles. A pruned head's statistics
+        and patterns are null, and "layer_heads" (each layer's heads) is there only when a layer lacks one
+        of ``heads``."""
         roles = self.roles()
-        return {
+        present = self.present.tolist()
+        data: dict = {
             "source": self.source,
             "texts": self.texts,
             "tokens": self.tokens,
             "layers": self.layers,
             "heads": self.heads,
-            "stats": [
-                [
-                    {name: round(value, DECIMALS) for name, value in self.stat(layer, head).items()}
-                    for head in self.heads
-                ]
-                for layer in self.layers
-            ],
-            "patterns": [
-                [
-                    dict(zip(PATTERNS, [round(x, DECIMALS) for x in self.patterns[row, col].tolist()], strict=True))
-                    for col in range(len(self.heads))
-                ]
-                for row in range(len(self.layers))
-            ],
-            "roles": [[{"label": r.label, "pattern": r.pattern, "summary": r.summary} for r in row] for row in roles],
         }
+        if self.layer_heads is not None:
+            data["layer_heads"] = self.layer_heads
+        data["stats"] = [
+            [
+                {name: round(value, DECIMALS) for name, value in self.stat(layer, head).items()}
+                if present[row][col]
+                else None
+                for col, head in enumerate(self.heads)
+            ]
+            for row, layer in enumerate(self.layers)
+        ]
+        data["patterns"] = [
+            [
+                dict(zip(PATTERNS, [round(x, DECIMALS) for x in self.patterns[row, col].tolist()], strict=True))
+                if present[row][col]
+                else None
+                for col in range(len(self.heads))
+            ]
+            for row in range(len(self.layers))
+        ]
+        data["roles"] = [[{"label": r.label, "pattern": r.pattern, "summary": r.summary} for r in row] for row in roles]
+        return data
 
 
 def head_stats(
@@ -400,7 +593,9 @@ def head_stats(
     Args:
         model: a :class:`multihead.models.Encoder` with its tokenizer (``load_minilm()``).
         texts: a string or a list of strings.
-        layers, heads: which to measure (default all).
+        layers, heads: which to measure (default all): model layer indices, and head numbers of the
+            checkpoint (a pruned model's heads keep theirs, see :class:`HeadGrid`; a head pruned from a
+            layer is left empty there: NaN, role "pruned").
         batch_size: texts per forward pass.
         truncate: cut texts over the model's positions instead of raising.
         source: a description stored with the result (default: "N texts").
@@ -428,27 +623,26 @@ def head_stats(
     if not batch_texts:
         raise bad_argument("texts", "at least one non-empty text", "none", "pass text with words in it")
     tokenizer = text_tokenizer(model)
-    accumulators: dict[int, _Accumulator] = {}
+    grid = head_grid(model, layers, heads)
+    accumulators = {
+        row: _Accumulator(len(kept), tokenizer.max_length) for row, kept in enumerate(grid.layer_heads) if kept
+    }
     tokens_seen = 0
-    with evaluating(model), capture(model, layers=layers, heads=heads) as rec:
+    with evaluating(model), record_grid(model, grid) as rec:
         for start in range(0, len(batch_texts), batch_size):
             batch = tokenizer.batch(list(batch_texts[start : start + batch_size]), truncate=truncate)
             model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
             info = token_info(batch.tokens, batch.input_ids.shape[1])
-            for layer in rec.layers:
-                if layer not in accumulators:
-                    accumulators[layer] = _Accumulator(len(rec.heads(layer)), tokenizer.max_length)
-                accumulators[layer].add(rec.weights(layer), info)
+            for row, weights in enumerate(rec.weights()):
+                if weights is not None:
+                    accumulators[row].add(weights, info)
             tokens_seen += int(batch.attention_mask.sum())
             rec.clear()
             if progress is not None:
                 progress(min(start + batch_size, len(batch_texts)))
-        recorded_heads = rec.heads(rec.layers[0])
-        recorded_layers = rec.layers
     return _finish(
         accumulators,
-        recorded_layers,
-        recorded_heads,
+        grid,
         texts=len(batch_texts),
         tokens=tokens_seen,
         source=source or f"{len(batch_texts)} text{'s' if len(batch_texts) != 1 else ''}",
@@ -461,34 +655,45 @@ def weight_stats(
     *,
     layers: Sequence[int],
     heads: Sequence[int],
+    layer_heads: Sequence[Sequence[int]] | None = None,
     max_offset: int = 512,
     source: str = "this text",
 ) -> HeadStats:
     """:class:`HeadStats` of weights already recorded, without running the model again.
 
     ``weights[k]``: (b, len(heads), n, n) of model layer ``layers[k]``, for texts whose word pieces
-    are ``tokens`` (one list per text, padded to n in the weights).
+    are ``tokens`` (one list per text, padded to n in the weights). For a pruned model, ``layer_heads[k]``
+    are the heads of ``heads`` that layer has, and ``weights[k]`` is (b, len(layer_heads[k]), n, n).
     """
-    n = weights[0].shape[-1]
-    info = token_info(tokens, n)
+    kept = [list(heads) for _ in layers] if layer_heads is None else [list(row) for row in layer_heads]
+    grid = HeadGrid(list(layers), list(heads), kept)
+    info = token_info(tokens, weights[0].shape[-1])
     accumulators = {}
-    for layer, layer_weights in zip(layers, weights, strict=True):
-        accumulators[layer] = _Accumulator(len(heads), max_offset)
-        accumulators[layer].add(layer_weights, info)
-    return _finish(
-        accumulators,
-        list(layers),
-        list(heads),
-        texts=len(tokens),
-        tokens=sum(len(pieces) for pieces in tokens),
-        source=source,
-    )
+    for row, (row_heads, layer_weights) in enumerate(zip(grid.layer_heads, weights, strict=True)):
+        if row_heads:
+            accumulators[row] = _Accumulator(len(row_heads), max_offset)
+            accumulators[row].add(layer_weights, info)
+    return _finish(accumulators, grid, texts=len(tokens), tokens=sum(len(pieces) for pieces in tokens), source=source)
 
 
 def _finish(
-    accumulators: dict[int, _Accumulator], layers: list[int], heads: list[int], *, texts: int, tokens: int, source: str
+    accumulators: dict[int, _Accumulator], grid: HeadGrid, *, texts: int, tokens: int, source: str
 ) -> HeadStats:
-    results = [accumulators[layer].result() for layer in layers]
-    values = {name: torch.stack([r[name] for r in results]) for name in results[0] if name != "patterns"}
-    patterns = torch.stack([r["patterns"] for r in results])
-    return HeadStats(layers, heads, values, patterns, texts=texts, tokens=tokens, source=source)
+    """The accumulators of the grid's rows (a row with no head has none) as (layers, heads) values, NaN where pruned."""
+    results = [accumulators[row].result() if row in accumulators else None for row in range(len(grid.layers))]
+    names = next(result for result in results if result is not None)
+
+    def column(name: str) -> torch.Tensor:
+        return grid.pad([None if result is None else result[name] for result in results], fill=float("nan"))
+
+    values = {name: column(name) for name in names if name != "patterns"}
+    return HeadStats(
+        list(grid.layers),
+        list(grid.heads),
+        values,
+        column("patterns"),
+        texts=texts,
+        tokens=tokens,
+        source=source,
+        layer_heads=grid.layer_heads if grid.ragged else None,
+    )
