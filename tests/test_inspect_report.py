@@ -134,16 +134,6 @@ def test_inspect_text_bad_inputs(minilm):
         inspect_text(minilm, TEXT, token="river")
 
 
-def test_a_pruned_model_needs_heads_every_chosen_layer_has(minilm):
-    import copy
-
-    pruned = copy.deepcopy(minilm)
-    pruned.prune_heads({1: [0, 5]})
-    with pytest.raises(ValueError, match=r"heads: expected heads that every chosen layer has .* \[10, 12\] heads"):
-        inspect_text(pruned, TEXT)
-    assert inspect_text(pruned, TEXT, layers=[1, 2], heads=range(10)).weights.shape[:2] == (2, 10)
-
-
 # --------------------------------------------------------------------------- the token and the corpus
 
 

@@ -17,6 +17,11 @@ disk offline. It shows
 * a sortable table of per-head statistics (``#head-stats``) and, only when corpus statistics
   were measured, a second one (``#corpus-stats``).
 
+Heads go by their checkpoint numbers. Of a pruned model, a head a layer no longer has (its weights
+are an empty list in the data) is an empty thumbnail (``.head-cell.pruned``, ``canvas[data-pruned]``)
+captioned "pruned" that cannot be selected; picked with the selects, the page says it was pruned;
+the statistics tables list only the heads each layer has.
+
 The data travels as JSON in ``<script type="application/json" id="report-data">``:
 ``{"report": inspection.to_dict(), "view": {...}}``, the report exactly as ``inspect.json`` holds
 it. jinja2's ``|tojson`` escapes ``<``, ``>``, ``&`` and ``'`` inside it, so text such as

@@ -18,8 +18,7 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead._userfiles import read_text
-from multihead.inspect.capture import attention_layers, capture
-from multihead.inspect.stats import DECIMALS, HeadStats, head_stats, weight_stats
+from multihead.inspect.stats import DECIMALS, HeadStats, head_grid, head_stats, record_grid, weight_stats
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
@@ -119,10 +118,12 @@ def pick_token(tokens: Sequence[str], token: str | int | None) -> int:
 class Inspection:
     """Every recorded head's weights on one text, with statistics and roles.
 
-    ``weights``: (len(layers), len(heads), n, n) float32, weights[l, h, i, j] from token i to token j.
-    ``stats``: statistics of this text; ``role_stats``: those the roles were labelled from (the
-    corpus when one was given, else this text); ``corpus``: corpus statistics or None;
-    ``token``: the index of the selected query token.
+    ``layers``: model layer indices (rows); ``heads``: head numbers of the checkpoint (columns), which a
+    pruned model's heads keep (``Encoder.head_ids``). ``weights``: (len(layers), len(heads), n, n) float32,
+    weights[l, h, i, j] from token i to token j; all 0 in the cell of a head pruned from that layer
+    (:attr:`present` says which cells hold a head). ``stats``: statistics of this text; ``role_stats``:
+    those the roles were labelled from (the corpus when one was given, else this text); ``corpus``:
+    corpus statistics or None; ``token``: the index of the selected query token.
     """
 
     model_name: str
@@ -136,8 +137,24 @@ class Inspection:
     corpus: HeadStats | None
     token: int
 
+    @property
+    def present(self) -> torch.Tensor:
+        """(layers, heads) bool: True where the layer has the head, False where it was pruned."""
+        return self.stats.present
+
+    @property
+    def layer_heads(self) -> list[list[int]]:
+        """Each recorded layer's heads (checkpoint numbers, in column order): ``heads`` unless pruned."""
+        return self.stats.grid.layer_heads
+
+    @property
+    def pruned(self) -> bool:
+        """True when some recorded layer lacks one of ``heads`` (a pruned model)."""
+        return self.stats.layer_heads is not None
+
     def head_weights(self, layer: int, head: int) -> torch.Tensor:
-        """(n, n) weights of model layer ``layer``, head ``head``."""
+        """(n, n) weights of model layer ``layer``, head ``head`` (its checkpoint number); a head pruned from
+        the layer raises ValueError."""
         row, col = self.stats._position(layer, head)
         return self.weights[row, col]
 
@@ -157,32 +174,52 @@ class Inspection:
     def to_dict(self) -> dict:
         """Everything measured, as plain JSON values (numbers rounded to ``DECIMALS`` places): tokens, weights,
         statistics, roles, each head's top keys for the selected token. ``inspect.json`` holds it, and the
-        HTML page draws it."""
-        return {
+        HTML page draws it.
+
+        Of a pruned model, "layer_heads" lists each layer's heads, and a head pruned from a layer has empty
+        lists for its weights, top_attended and most_attended, null statistics and the role "pruned".
+        """
+        present = self.present.tolist()
+
+        def cells(grid: list) -> list:  # (layers, heads, ...) nested lists, the cells of pruned heads emptied
+            if not self.pruned:
+                return grid
+            return [[value if present[r][c] else [] for c, value in enumerate(row)] for r, row in enumerate(grid)]
+
+        data: dict = {
             "model": self.model_name,
             "text": self.text,
             "tokens": self.tokens,
             "layers": self.layers,
             "heads": self.heads,
-            "token": self.token,
-            "weights": self.weights.to(torch.float64).round(decimals=DECIMALS).tolist(),
-            "text_stats": self.stats.as_dict(),
-            "roles_from": self.role_stats.source,
-            "roles": self.role_stats.as_dict()["roles"],
-            "corpus_stats": None if self.corpus is None else self.corpus.as_dict(),
-            "top_attended": [
-                [
-                    [
-                        {"token": piece, "index": index, "weight": round(weight, DECIMALS)}
-                        for piece, index, weight in self.top_attended(layer, head)
-                    ]
-                    for head in self.heads
-                ]
-                for layer in self.layers
-            ],
-            # for every head and token, the index of the token it attends to most: (layers, heads, n)
-            "most_attended": self.weights.argmax(dim=-1).tolist(),
         }
+        if self.pruned:
+            data["layer_heads"] = self.layer_heads
+        data.update(
+            {
+                "token": self.token,
+                "weights": cells(self.weights.to(torch.float64).round(decimals=DECIMALS).tolist()),
+                "text_stats": self.stats.as_dict(),
+                "roles_from": self.role_stats.source,
+                "roles": self.role_stats.as_dict()["roles"],
+                "corpus_stats": None if self.corpus is None else self.corpus.as_dict(),
+                "top_attended": [
+                    [
+                        [
+                            {"token": piece, "index": index, "weight": round(weight, DECIMALS)}
+                            for piece, index, weight in self.top_attended(layer, head)
+                        ]
+                        if present[row][col]
+                        else []
+                        for col, head in enumerate(self.heads)
+                    ]
+                    for row, layer in enumerate(self.layers)
+                ],
+                # for every head and token, the index of the token it attends to most: (layers, heads, n)
+                "most_attended": cells(self.weights.argmax(dim=-1).tolist()),
+            }
+        )
+        return data
 
 
 def inspect_text(
@@ -202,14 +239,16 @@ def inspect_text(
     Args:
         model: a :class:`multihead.models.Encoder` with its tokenizer (``load_minilm()``).
         text: the text (non-empty).
-        layers, heads: which heads to record (default all).
+        layers, heads: which heads to record (default all): model layer indices, and head numbers of the
+            checkpoint, which a pruned model's heads keep (``Encoder.head_ids``). A head pruned from a
+            chosen layer is an empty cell of the grid ("pruned"); a head no chosen layer has raises.
         token: the query token to show (see :func:`pick_token`).
         corpus: texts for corpus statistics; roles are then labelled from the corpus.
         truncate: cut a text over the model's positions instead of raising.
         progress: called with texts done, over the corpus.
 
     Returns:
-        :class:`Inspection` with (layers, heads, n, n) weights.
+        :class:`Inspection` with (layers, heads, n, n) weights (0 in the cells of pruned heads).
     """
     if not isinstance(text, str):
         raise bad_argument(
@@ -218,25 +257,31 @@ def inspect_text(
     if not text.strip():
         raise bad_argument("text", "a non-empty text", repr(text), 'pass e.g. "The bank was full of money."')
     tokenizer = text_tokenizer(model)
-    _check_even_heads(model, layers, heads)
+    grid = head_grid(model, layers, heads)
     batch = tokenizer.batch([text], truncate=truncate)
     tokens = batch.tokens[0]
     selected = pick_token(tokens, token)
-    with evaluating(model), capture(model, layers=layers, heads=heads) as rec:
+    with evaluating(model), record_grid(model, grid) as rec:
         model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-    recorded = [rec.weights(layer) for layer in rec.layers]  # each (1, heads, n, n)
-    weights = torch.stack([layer_weights[0] for layer_weights in recorded]).float()  # (layers, heads, n, n)
-    recorded_heads = rec.heads(rec.layers[0])
+    recorded = rec.weights()  # per layer (1, its heads, n, n); None for a layer with none of the heads
+    weights = grid.pad([None if w is None else w[0].float() for w in recorded])  # (layers, heads, n, n)
+    n = len(tokens)
     stats = weight_stats(
-        recorded, [tokens], layers=rec.layers, heads=recorded_heads, max_offset=tokenizer.max_length, source="this text"
+        [torch.zeros(1, 0, n, n) if w is None else w for w in recorded],
+        [tokens],
+        layers=grid.layers,
+        heads=grid.heads,
+        layer_heads=grid.layer_heads if grid.ragged else None,
+        max_offset=tokenizer.max_length,
+        source="this text",
     )
     corpus_stats = None
     if corpus is not None:
         corpus_stats = head_stats(
             model,
             list(corpus),
-            layers=rec.layers,
-            heads=recorded_heads,
+            layers=grid.layers,
+            heads=grid.heads,
             truncate=truncate,
             source=corpus_source or f"{len(corpus)} corpus texts",
             progress=progress,
@@ -245,29 +290,11 @@ def inspect_text(
         model_name=model.name,
         text=text,
         tokens=tokens,
-        layers=rec.layers,
-        heads=recorded_heads,
+        layers=grid.layers,
+        heads=grid.heads,
         weights=weights,
         stats=stats,
         role_stats=corpus_stats or stats,
         corpus=corpus_stats,
         token=selected,
     )
-
-
-def _check_even_heads(model, layers: Sequence[int] | None, heads: Sequence[int] | None) -> None:
-    """All heads of layers with different head counts (a pruned model) do not make a layers x heads grid."""
-    if heads is not None:
-        return  # capture checks the chosen heads against every chosen layer
-    counts = [layer.num_heads for layer in attention_layers(model)]
-    try:
-        chosen = sorted({counts[layer] for layer in (range(len(counts)) if layers is None else layers)})
-    except (TypeError, IndexError):
-        return  # a bad selection: capture says what is wrong with it
-    if len(chosen) > 1:
-        raise bad_argument(
-            "heads",
-            "heads that every chosen layer has (the report is a layers x heads grid)",
-            f"all heads of layers with {chosen} heads (a pruned model)",
-            f"pass heads=range({chosen[0]}), or layers with equal head counts",
-        )

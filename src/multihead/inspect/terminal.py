@@ -1,7 +1,8 @@
 """The terminal view of an :class:`~multihead.inspect.report.Inspection`, drawn with rich in 100 columns.
 
 Two tables: the layer x head grid of role labels, and for the selected token each head's two
-most attended tokens with their weights (rows heads, columns layers).
+most attended tokens with their weights (rows heads, columns layers). Heads go by their checkpoint
+numbers; a head pruned from a layer reads "pruned" in both.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from multihead.inspect.report import SPECIAL_TOKENS, Inspection
+from multihead.inspect.stats import PRUNED
 
 __all__ = ["make_console", "role_grid", "attention_table", "strongest_links", "print_inspection", "MAX_WIDTH"]
 
@@ -29,6 +31,7 @@ _ROLE_STYLES = {
     "broad": "green",
     "focused": "bold red",
     "mixed": "dim",
+    PRUNED: "dim italic",
 }
 
 
@@ -78,9 +81,13 @@ def attention_table(inspection: Inspection, top: int = 2) -> Table:
     table.add_column("head", justify="right", style="bold", no_wrap=True)
     for layer in inspection.layers:
         table.add_column(f"layer {layer}", no_wrap=True)
-    for head in inspection.heads:
-        cells = []
-        for layer in inspection.layers:
+    present = inspection.present.tolist()
+    for col, head in enumerate(inspection.heads):
+        cells: list[str | Text] = []
+        for row, layer in enumerate(inspection.layers):
+            if not present[row][col]:
+                cells.append(Text(PRUNED, style=_ROLE_STYLES[PRUNED]))
+                continue
             lines = [
                 f"{_short(piece):<{_TOKEN_CHARS}} {weight:4.0%}"
                 for piece, _, weight in inspection.top_attended(layer, head, k=top)
@@ -96,8 +103,11 @@ def strongest_links(inspection: Inspection, count: int = 6) -> list[tuple[int, i
     Returns up to ``count`` (layer, head, key piece, weight), strongest first.
     """
     links = []
+    present = inspection.present.tolist()
     for row, layer in enumerate(inspection.layers):
         for col, head in enumerate(inspection.heads):
+            if not present[row][col]:
+                continue
             weights = inspection.weights[row, col, inspection.token]  # (n,)
             for key in weights.argsort(descending=True).tolist():
                 piece = inspection.tokens[key]
@@ -111,10 +121,12 @@ def print_inspection(inspection: Inspection, console: Console | None = None) -> 
     """Print the header, the role grid and the token table to ``console`` (default: stdout, <= 100 cols)."""
     if console is None:
         console = make_console()
+    pruned = int((~inspection.present).sum())
     console.print(
         Text(
             f"{inspection.model_name}: {len(inspection.layers)} layers x {len(inspection.heads)} heads "
-            f"on {len(inspection.tokens)} tokens",
+            + (f"({pruned} pruned) " if pruned else "")
+            + f"on {len(inspection.tokens)} tokens",
             style="bold",
         )
     )
@@ -124,7 +136,7 @@ def print_inspection(inspection: Inspection, console: Console | None = None) -> 
     console.print(
         Text(
             "prev/next/self: positional (Voita 2019); [CLS]/[SEP]: sink; punct; broad; focused "
-            "(Clark 2019); mixed: none of these",
+            "(Clark 2019); mixed: none of these" + ("; pruned: the layer no longer has this head" if pruned else ""),
             style="dim",
             overflow="fold",
         )

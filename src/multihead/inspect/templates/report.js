@@ -4,7 +4,16 @@
   var payload = JSON.parse(document.getElementById("report-data").textContent);
   var report = payload.report, view = payload.view, corpus = report.corpus_stats;
   var n = report.tokens.length;
-  var state = { li: 0, hi: 0, q: report.token };
+  /* Heads go by their checkpoint numbers; a head pruned from a layer has no weights there (an empty list). */
+  function kept(li, hi) { return report.weights[li][hi].length > 0; }
+  function firstKept() {
+    for (var li = 0; li < report.layers.length; li++) for (var hi = 0; hi < report.heads.length; hi++) {
+      if (kept(li, hi)) return { li: li, hi: hi };
+    }
+    return { li: 0, hi: 0 };
+  }
+  var start = kept(0, 0) ? { li: 0, hi: 0 } : firstKept();
+  var state = { li: start.li, hi: start.hi, q: report.token };
 
   function byId(id) { return document.getElementById(id); }
 
@@ -51,8 +60,9 @@
   report.layers.forEach(function (layer) {
     var option = el("option", "", "layer " + layer); option.value = String(layer); layerSelect.appendChild(option);
   });
-  report.heads.forEach(function (head) {
+  var headOptions = report.heads.map(function (head) {
     var option = el("option", "", "head " + head); option.value = String(head); headSelect.appendChild(option);
+    return option;
   });
   layerSelect.addEventListener("change", function () { state.li = layerSelect.selectedIndex; render(); });
   headSelect.addEventListener("change", function () { state.hi = headSelect.selectedIndex; render(); });
@@ -83,6 +93,16 @@
       var canvas = el("canvas", "heatmap");
       canvas.setAttribute("data-layer", String(layer));
       canvas.setAttribute("data-head", String(head));
+      if (!kept(li, hi)) {  /* pruned from this layer: an empty thumbnail, labelled so */
+        cell.classList.add("pruned");
+        canvas.setAttribute("data-pruned", "");
+        canvas.setAttribute("aria-label", "layer " + layer + ", head " + head + ": pruned");
+        cell.title = "layer " + layer + ", head " + head + " \u2014 " + r.summary;
+        cell.appendChild(canvas);
+        cell.appendChild(el("figcaption", "role-label", r.label));
+        grid.appendChild(cell);
+        return cell;
+      }
       canvas.setAttribute("role", "button");
       canvas.setAttribute("tabindex", "0");
       canvas.setAttribute("aria-label", "layer " + layer + ", head " + head + ": " + r.label);
@@ -136,13 +156,14 @@
   detail.addEventListener("click", function (event) { var at = rowAt(event); if (at.inside) selectQuery(at.q); });
   detail.addEventListener("mousemove", function (event) {
     var at = rowAt(event);
-    detail.title = at.inside && at.k >= 0 && at.k < n
+    detail.title = kept(state.li, state.hi) && at.inside && at.k >= 0 && at.k < n
       ? report.tokens[at.q] + " \u2192 " + report.tokens[at.k] + ": " + pct(weights()[at.q][at.k]) : "";
   });
 
   function drawDetail() {
     var ctx = detail.getContext("2d"), m = weights(), s = layout.cell, x0 = layout.left, y0 = layout.top;
     ctx.clearRect(0, 0, detail.width, detail.height);
+    if (!kept(state.li, state.hi)) return;  /* a pruned head: nothing to draw */
     for (var q = 0; q < n; q++) for (var k = 0; k < n; k++) {
       ctx.fillStyle = css(m[q][k]); ctx.fillRect(x0 + k * s, y0 + q * s, s, s);
     }
@@ -163,8 +184,19 @@
 
   /* ---------------------------------------------------------------- where the query attends */
   function drawBars() {
-    var row = weights()[state.q], max = Math.max.apply(null, row), bars = byId("attention-bars");
-    var title = byId("bars-title");
+    var bars = byId("attention-bars"), title = byId("bars-title");
+    if (!kept(state.li, state.hi)) {
+      title.textContent = "Head " + report.heads[state.hi] + " was pruned from layer " + report.layers[state.li];
+      bars.textContent = "";
+      tokenNodes.forEach(function (node, k) {
+        node.classList.toggle("selected", k === state.q);
+        node.classList.remove("dark");
+        node.style.background = "";
+        node.title = "";
+      });
+      return;
+    }
+    var row = weights()[state.q], max = Math.max.apply(null, row);
     title.textContent = "";
     title.appendChild(document.createTextNode("Where "));
     title.appendChild(el("code", "", report.tokens[state.q]));
@@ -199,7 +231,8 @@
     box.appendChild(document.createTextNode(
       "layer " + report.layers[state.li] + " \u00b7 head " + report.heads[state.hi] + ": "));
     box.appendChild(el("span", "role", r.label));
-    box.appendChild(el("span", "pill", r.pattern));
+    if (kept(state.li, state.hi)) box.appendChild(el("span", "pill", r.pattern));
+    else box.appendChild(document.createTextNode(" \u2014 "));
     box.appendChild(document.createTextNode(r.summary));
   }
 
@@ -222,6 +255,7 @@
     var rows = [];
     report.layers.forEach(function (layer, li) {
       report.heads.forEach(function (head, hi) {
+        if (!kept(li, hi)) return;  /* the tables list the heads each layer has */
         var tr = el("tr");
         tr.setAttribute("data-layer", String(layer));
         tr.setAttribute("data-head", String(head));
@@ -292,6 +326,9 @@
   function render() {
     layerSelect.selectedIndex = state.li;
     headSelect.selectedIndex = state.hi;
+    headOptions.forEach(function (option, hi) {
+      option.textContent = "head " + report.heads[hi] + (kept(state.li, hi) ? "" : " (pruned)");
+    });
     cells.forEach(function (row, li) {
       row.forEach(function (cell, hi) { cell.classList.toggle("current", li === state.li && hi === state.hi); });
     });
