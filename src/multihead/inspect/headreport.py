@@ -50,8 +50,12 @@ CURVE_FILE = "pruning.json"
 SYNTAX_FILE = "syntax.json"
 
 
-def importance_table(scores: torch.Tensor, title: str, scale: float = 1000.0) -> Table:
-    """Rows layers, columns heads: scores x ``scale`` (1 - cosine x 1000 for ablation importance)."""
+def importance_table(
+    scores: torch.Tensor, title: str, scale: float = 1000.0, *, kept: list[list[int]] | None = None
+) -> Table:
+    """Rows layers, columns heads (the checkpoint's numbers): scores x ``scale`` (1 - cosine x 1000 for
+    ablation importance); "-" where not measured. ``kept``: each layer's heads (a pruned model's
+    ``head_ids``); the others read "pruned"."""
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
     table.add_column("L", justify="right", style="bold")
     for head in range(scores.shape[1]):
@@ -61,6 +65,9 @@ def importance_table(scores: torch.Tensor, title: str, scale: float = 1000.0) ->
         cells = []
         for head in range(scores.shape[1]):
             value = float(scores[layer, head])
+            if kept is not None and head not in kept[layer]:
+                cells.append("[dim]pruned[/dim]")
+                continue
             text = "-" if value != value else f"{value * scale:.1f}"
             cells.append(f"[bold red]{text}[/bold red]" if layer * scores.shape[1] + head in top else text)
         table.add_row(str(layer), *cells)
@@ -127,7 +134,9 @@ _IMPORTANCE_SCHEMA = {
     "scores": Grid(Rule("a number in [-1e9, 1e9] or null", lambda v: v is None or (NUMBER.test(v) and abs(v) <= 1e9)))
 }
 _SYNTAX_SCHEMA = {
-    "per_head_best": OptionalKey(Grid(Rule("a share in [0, 1]", lambda v: NUMBER.test(v) and 0 <= v <= 1)))
+    "per_head_best": OptionalKey(
+        Grid(Rule("a share in [0, 1] or null", lambda v: v is None or (NUMBER.test(v) and 0 <= v <= 1)))
+    )
 }
 _RUN_IMPORTANCE = "run `multihead heads importance --out DIR` first (with the same --model)"
 
@@ -249,7 +258,9 @@ def report_columns(
         )
         if "per_head_best" in data:
             _check_grid_shape(argument, syntax, data["per_head_best"], shape, fix)
-            columns["best syntax score"] = [[round(v, 4) for v in row] for row in data["per_head_best"]]
+            columns["best syntax score"] = [
+                [None if v is None else round(v, 4) for v in row] for row in data["per_head_best"]
+            ]
     if not columns:
         raise bad_argument(argument, "a folder with importance.json or syntax.json", repr(str(folder)), fix)
     return columns
@@ -284,8 +295,11 @@ def syntax_table(scores: SyntaxScores) -> Table:
 
 
 def write_syntax(scores: SyntaxScores, out_dir: Path) -> dict[str, Path]:
-    """syntax.json (every head's shares, the best heads, per-head best) and syntax.png (best vs baseline)."""
-    data = {**scores.as_dict(), "per_head_best": scores.per_head_best().tolist()}
+    """syntax.json (every head's shares, the best heads, per-head best; null for a pruned head) and syntax.png
+    (best vs baseline)."""
+    # null: a head pruned from the layer
+    best = [[None if v != v else v for v in row] for row in scores.per_head_best().tolist()]
+    data = {**scores.as_dict(), "per_head_best": best}
     rows = [row for row in scores.table() if row["layer"] is not None]
 
     def draw(plt: Any) -> Any:

@@ -26,6 +26,7 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead.inspect.capture import attention_layers, capture
+from multihead.inspect.stats import head_numbers
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
@@ -116,6 +117,8 @@ def fidelity(reference: torch.Tensor, embeddings: torch.Tensor) -> dict[str, flo
 class HeadImportance:
     """Importance of every head: ``scores`` (layers, heads), higher = matters more.
 
+    Columns are the checkpoint's head numbers (a pruned :class:`~multihead.models.Encoder`'s heads keep
+    theirs, in ``head_ids``); a head pruned from a layer, or not measured, is NaN.
     ``metric`` names what the scores are; ``details`` holds per-head extras (e.g. nn_agreement).
     """
 
@@ -160,21 +163,22 @@ def ablation_importance(
 ) -> HeadImportance:
     """Ablate each head alone and measure embedding fidelity over ``texts``.
 
-    Returns scores = 1 - mean cosine (layers, heads), with details "nn_agreement" and "min_cosine".
-    Heads of layers not in ``layers`` get NaN. ``progress(done, total)`` after each head.
+    Returns scores = 1 - mean cosine (layers, heads: the checkpoint's head numbers), with details
+    "nn_agreement" and "min_cosine". Heads of layers not in ``layers``, and heads pruned from a layer,
+    get NaN. ``progress(done, total)`` after each head.
     """
     texts = _check_texts(texts)
     all_layers = attention_layers(model)
+    numbers, heads = head_numbers(model)
     chosen = list(range(len(all_layers))) if layers is None else list(layers)
-    heads = max(layer.num_heads for layer in all_layers)
     means = mean_head_outputs(model, texts, batch_size=batch_size) if how == "mean" else None
     reference = model.encode(texts, batch_size=batch_size, truncate=True)
     shape = (len(all_layers), heads)
     scores, agreement, worst = (torch.full(shape, float("nan")) for _ in range(3))
     total, done = sum(all_layers[layer].num_heads for layer in chosen), 0
     for layer in chosen:
-        for head in range(all_layers[layer].num_heads):
-            with ablated(model, {layer: [head]}, how=how, mean_outputs=means):
+        for position, head in enumerate(numbers[layer]):  # the layer's own index, the checkpoint's number
+            with ablated(model, {layer: [position]}, how=how, mean_outputs=means):
                 result = fidelity(reference, model.encode(texts, batch_size=batch_size, truncate=True))
             scores[layer, head] = 1.0 - result["cosine"]
             agreement[layer, head] = result["nn_agreement"]
@@ -202,7 +206,7 @@ def gradient_importance(
         normalize: divide each layer's scores by their L2 norm (Michel et al.'s layer normalisation).
 
     Returns:
-        :class:`HeadImportance` with scores (layers, heads).
+        :class:`HeadImportance` with scores (layers, heads), heads by the checkpoint's numbers (NaN: pruned).
     """
     layers = attention_layers(model)
     gates = [torch.ones(layer.num_heads, requires_grad=True) for layer in layers]
@@ -231,29 +235,32 @@ def gradient_importance(
             layer.head_gate = None
     if count == 0:
         raise bad_argument("batches", "at least one batch", "none", "pass an iterable of batches")
-    heads = max(layer.num_heads for layer in layers)
-    scores = torch.full((len(layers), heads), float("nan"))
+    numbers, heads = head_numbers(model)
+    scores = torch.full((len(layers), heads), float("nan"))  # columns: checkpoint head numbers; NaN: pruned
     for index, total in enumerate(totals):
         values = (total / count).abs()
         if normalize:
             values = values / values.norm().clamp(min=1e-20)
-        scores[index, : len(values)] = values
+        scores[index, numbers[index]] = values
     return HeadImportance(
         scores, "|E[A_h^T dL/dA_h]| (Michel et al. 2019)" + (", layer-normalised" if normalize else "")
     )
 
 
-def pruning_order(importance: torch.Tensor, heads_per_layer: Sequence[int]) -> list[tuple[int, int]]:
-    """(layer, head) from least to most important, never emptying a layer (its last head is left out)."""
+def pruning_order(
+    importance: torch.Tensor, heads_per_layer: Sequence[int] | Sequence[Sequence[int]]
+) -> list[tuple[int, int]]:
+    """(layer, head) from least to most important, never emptying a layer (its last head is left out).
+
+    ``heads_per_layer``: each layer's heads, by the numbers that index ``importance``'s columns (the
+    checkpoint's: ``Encoder.head_ids``), or each layer's head count for heads 0, 1, ...
+    """
+    kept = [range(heads) if isinstance(heads, int) else list(heads) for heads in heads_per_layer]
     candidates = sorted(
-        (
-            (float(importance[layer, head]), layer, head)
-            for layer, count in enumerate(heads_per_layer)
-            for head in range(count)
-        ),
+        ((float(importance[layer, head]), layer, head) for layer, heads in enumerate(kept) for head in heads),
         key=lambda item: item[0],
     )
-    left = list(heads_per_layer)
+    left = [len(heads) for heads in kept]
     order = []
     for _, layer, head in candidates:
         if left[layer] > 1:
@@ -301,7 +308,8 @@ def pruning_curve(
     """Remove heads least-important first and, at each fraction of all heads, physically prune a copy
     of ``model`` and measure its embedding fidelity and its speed (encode over ``texts``).
 
-    Returns one dict per fraction: fraction, heads_removed, removed [(layer, head)], cosine,
+    ``importance``: (layers, heads) scores, heads by the checkpoint's numbers (as :class:`HeadImportance`).
+    Returns one dict per fraction: fraction, heads_removed, removed [(layer, checkpoint head)], cosine,
     min_cosine, nn_agreement, seconds, attention_seconds, speedup and attention_speedup (against the
     unpruned model in the same run). A layer always keeps its last head, so the largest fractions
     may remove fewer heads than asked (heads_removed says how many).
@@ -310,9 +318,9 @@ def pruning_curve(
     for fraction in fractions:
         if not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
             raise bad_argument("fraction", "a number in [0, 1)", describe(fraction), "pass e.g. 0.3")
-    layers = attention_layers(model)
-    counts = [layer.num_heads for layer in layers]
-    order = pruning_order(importance, counts)
+    numbers, _ = head_numbers(model)
+    counts = [len(heads) for heads in numbers]
+    order = pruning_order(importance, numbers)
     reference = model.encode(texts, batch_size=batch_size, truncate=True)
     base_total, base_attention = _attention_seconds(model, texts, batch_size, repeats)
     rows = []
@@ -321,8 +329,8 @@ def pruning_curve(
         removed = order[:wanted]
         pruned = copy.deepcopy(model)
         plan: dict[int, list[int]] = {}
-        for layer, head in removed:  # an Encoder prunes by the checkpoint's head numbers
-            plan.setdefault(layer, []).append(model.head_ids[layer][head])
+        for layer, head in removed:  # an Encoder prunes by the checkpoint's head numbers, as the order gives them
+            plan.setdefault(layer, []).append(head)
         if plan:
             pruned.prune_heads(plan)
         result = fidelity(reference, pruned.encode(texts, batch_size=batch_size, truncate=True))

@@ -43,8 +43,7 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead._userfiles import MissingFileError, read_text
-from multihead.inspect.capture import capture
-from multihead.inspect.stats import DECIMALS
+from multihead.inspect.stats import DECIMALS, HeadGrid, head_grid, record_grid
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
@@ -380,7 +379,9 @@ def word_attention(
 class SyntaxScores:
     """How well each head finds each dependency relation (Clark et al. 2019), with baselines.
 
-    layers, heads: the model indices the rows and columns stand for.
+    layers, heads: the model layer indices and checkpoint head numbers the rows and columns stand for.
+    layer_heads: each row's heads when some layer lacks a column (a pruned model: its cells are NaN),
+        None when every layer has every column.
     relations: the relations scored, in the order asked.
     counts[r]: dependents of relation r scored (root attachments never count).
     dependent_to_head[r], head_to_dependent[r]: (layers, heads) float64 shares in [0, 1]
@@ -401,6 +402,7 @@ class SyntaxScores:
     sentences: int
     skipped: int = 0
     source: str = field(default="sentences")
+    layer_heads: list[list[int]] | None = None
 
     def _check(self, relation: str) -> None:
         if relation not in self.relations:
@@ -435,7 +437,7 @@ class SyntaxScores:
             return row
         best_score = -math.inf
         for direction in DIRECTIONS:
-            scores = getattr(self, direction)[relation]
+            scores = torch.nan_to_num(getattr(self, direction)[relation], nan=-math.inf)  # pruned heads: never best
             index = int(scores.flatten().argmax())
             score = float(scores.flatten()[index])
             if score > best_score or row["direction"] is None:
@@ -455,13 +457,16 @@ class SyntaxScores:
         return [self.best(relation) for relation in self.relations]
 
     def per_head_best(self) -> torch.Tensor:
-        """(layers, heads): each head's best score over relations and both directions (0 if none)."""
+        """(layers, heads): each head's best score over relations and both directions (0 if none; NaN for a
+        head pruned from the layer)."""
         best = torch.zeros(len(self.layers), len(self.heads), dtype=torch.float64)
         for relation in self.relations:
             if self.counts[relation]:
                 best = torch.maximum(
                     best, torch.maximum(self.dependent_to_head[relation], self.head_to_dependent[relation])
                 )
+        if self.layer_heads is not None:
+            best[~HeadGrid(self.layers, self.heads, self.layer_heads).present] = math.nan
         return best
 
     def per_head_relation(self) -> list[list[str | None]]:
@@ -486,12 +491,14 @@ class SyntaxScores:
         def grid(tensor: torch.Tensor) -> list[list[float | None]]:
             return [[plain(x) for x in row] for row in tensor.tolist()]
 
+        layer_heads = {} if self.layer_heads is None else {"layer_heads": self.layer_heads}
         return {
             "source": self.source,
             "sentences": self.sentences,
             "skipped": self.skipped,
             "layers": self.layers,
             "heads": self.heads,
+            **layer_heads,
             "relations": self.relations,
             "counts": dict(self.counts),
             "baseline": {r: {"offset": o, "score": plain(s)} for r, (o, s) in self.baseline.items()},
@@ -534,15 +541,25 @@ class _Scorer:
         self.to_dependent.index_add_(1, relations, to_dependent)
 
     def result(
-        self, layers: list[int], heads: list[int], *, skipped: int = 0, source: str = "sentences"
+        self,
+        layers: list[int],
+        heads: list[int],
+        *,
+        skipped: int = 0,
+        source: str = "sentences",
+        layer_heads: list[list[int]] | None = None,
     ) -> SyntaxScores:
         shape = (len(layers), len(heads))
+        pruned = None if layer_heads is None else ~HeadGrid(layers, heads, layer_heads).present
         counts = {r: int(self.counts[i]) for i, r in enumerate(self.relations)}
         to_head, to_dependent, baseline = {}, {}, {}
         for i, relation in enumerate(self.relations):
             total = self.counts[i]
             to_head[relation] = (self.to_head[:, i] / total).reshape(shape)  # NaN when no dependent
             to_dependent[relation] = (self.to_dependent[:, i] / total).reshape(shape)
+            if pruned is not None:  # a head pruned from a layer has no score there
+                to_head[relation][pruned] = math.nan
+                to_dependent[relation][pruned] = math.nan
             if self.offsets[i]:  # the most common offset; ties: nearer first, then the left one
                 offset = min(self.offsets[i], key=lambda k: (-self.offsets[i][k], abs(k), k))
                 baseline[relation] = (offset, self.offsets[i][offset] / counts[relation])
@@ -559,6 +576,7 @@ class _Scorer:
             sentences=self.sentences,
             skipped=skipped,
             source=source,
+            layer_heads=layer_heads,
         )
 
 
@@ -638,7 +656,8 @@ def syntax_scores(
         sentences: :class:`Sentence` list, or a .conllu path; default :func:`bundled_treebank`.
         relations: UD relations to score (default :data:`RELATIONS`); each must occur in the
             sentences (a ValueError lists those that do).
-        layers, heads: which to score (default all).
+        layers, heads: which to score (default all): model layer indices, and the checkpoint's head numbers
+            (a pruned model's heads keep theirs; a head pruned from a layer scores NaN there).
         batch_size: sentences per forward pass.
         max_sentences: score only the first this many sentences (default all).
         progress: called after each batch with the number of sentences done (skipped ones included).
@@ -702,15 +721,16 @@ def syntax_scores(
     skipped = len(sentences) - len(keep)
     order = [index for _, index in sorted(zip(lengths, keep, strict=True))]
 
-    with evaluating(model), capture(model, layers=layers, heads=heads) as rec:
-        recorded_layers, recorded_heads = rec.layers, rec.heads(rec.layers[0])
-        scorer = _Scorer(chosen, len(recorded_layers) * len(recorded_heads))
+    grid = head_grid(model, layers, heads)
+    with evaluating(model), record_grid(model, grid) as rec:
+        scorer = _Scorer(chosen, len(grid.layers) * len(grid.heads))
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             batch = tokenizer.batch([words[i] for i in chunk])
             model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-            weights = torch.stack([rec.weights(layer) for layer in recorded_layers], dim=1)  # (b, L, H, n, n)
-            weights = weights.flatten(1, 2).float()  # (b, L*H, n, n)
+            # per layer (b, its heads, n, n) -> (L, H, b, n, n), zeros in the cells of pruned heads
+            padded = grid.pad([None if w is None else w.transpose(0, 1) for w in rec.weights()])
+            weights = padded.movedim(2, 0).flatten(1, 2).float()  # (b, L*H, n, n)
             rec.clear()
             for row, index in enumerate(chunk):
                 n = len(batch.word_ids[row])
@@ -718,4 +738,10 @@ def syntax_scores(
                 scorer.add(attention, sentences[index])
             if progress is not None:
                 progress(skipped + min(start + batch_size, len(order)))
-    return scorer.result(recorded_layers, recorded_heads, skipped=skipped, source=source)
+    return scorer.result(
+        grid.layers,
+        grid.heads,
+        skipped=skipped,
+        source=source,
+        layer_heads=grid.layer_heads if grid.ragged else None,
+    )
