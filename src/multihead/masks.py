@@ -12,10 +12,13 @@ block at a time, and skips blocks they rule out entirely.
     alibi(slopes)            additive -slope_h * |i - j| (Press et al., 2022)
     bias(tensor)             any additive float tensor broadcastable to (b, h, i, j)
     allowed(tensor)          any boolean tensor broadcastable to (b, h, i, j), True = may attend
+    softcap(cap)             logit soft-capping: score -> cap * tanh(score / cap), before the bias
 
 Masks combine with ``&``: keys must be allowed by every boolean term, and the
 bias terms add up. A plain tensor is accepted wherever a mask is: boolean means
-True = may attend, floating means additive.
+True = may attend, floating means additive. Per (query, key) pair the kernels compute
+
+    s = (q . k) * scale;  s = cap * tanh(s / cap) (with a soft-cap);  s = s + bias;  masked -> -inf
 
 Alignment when the query length i differs from the key length j
 ----------------------------------------------------------------
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +61,7 @@ __all__ = [
     "alibi_slopes",
     "bias",
     "allowed",
+    "softcap",
     "as_mask",
 ]
 
@@ -106,9 +111,17 @@ class Mask:
 
 
 class Combined(Mask):
-    """Several masks at once: every boolean term must allow a pair, bias terms add."""
+    """Several masks at once: every boolean term must allow a pair, bias terms add; at most one soft-cap."""
 
     def __init__(self, parts: tuple[Mask, ...]):
+        caps = [p for p in parts if isinstance(p, _Softcap)]
+        if len(caps) > 1:
+            raise bad_argument(
+                "mask",
+                "at most one softcap(...) term in a combined mask",
+                " and ".join(repr(c) for c in caps),
+                "keep one soft-cap: scores are capped once, with one cap",
+            )
         self.parts = parts
 
     def terms(self) -> tuple[Mask, ...]:
@@ -416,6 +429,56 @@ def allowed(tensor: torch.Tensor) -> Mask:
     return mask
 
 
+class _Softcap(Mask):
+    def __init__(self, cap: float):
+        if not isinstance(cap, numbers.Real) or isinstance(cap, bool):
+            raise bad_argument(
+                "softcap(cap=...)",
+                "a finite real number > 0",
+                describe(cap),
+                "pass the cap as a float, e.g. softcap(50.0)",
+                kind=TypeError,
+            )
+        try:
+            value = float(cap)
+        except OverflowError:  # an int beyond float's range
+            value = math.inf
+        if not (math.isfinite(value) and value > 0):  # NaN fails both tests
+            raise bad_argument(
+                "softcap(cap=...)",
+                "a finite real number > 0",
+                cap if math.isfinite(value) or not isinstance(cap, int) else describe(cap),  # a huge int: shortened
+                "pass a positive cap, e.g. softcap(50.0) (Gemma 2 uses 50.0); leave the term out for no cap",
+            )
+        self.cap: float = value
+
+    def __repr__(self) -> str:
+        return f"softcap(cap={self.cap!r})"
+
+    def _bind(self, shape: AttentionShape) -> _BoundTerm:
+        return _BoundSoftcap(self.cap)
+
+
+def softcap(cap: float) -> Mask:
+    """Logit soft-capping: each scaled score s becomes ``cap * tanh(s / cap)``, smoothly bounded to (-cap, cap).
+
+    Per (query, key) pair, the order is::
+
+        s = (q . k) * scale
+        s = cap * tanh(s / cap)      # this term
+        s = s + bias                 # alibi(...), bias(...), float tensors: added after the cap
+        s = -inf where masked        # causal, window, padding, allowed, -inf biases
+        weights = softmax(s)
+
+    The cap applies to the scaled score before any bias is added, as in Gemma 2 (Gemma Team, "Gemma 2:
+    Improving Open Language Models at a Practical Size", 2024: attention logits capped at 50.0) and in
+    FlashAttention's and FlexAttention's ``softcap`` option. Combine with ``&``
+    (``causal() & softcap(50.0)``); a mask holds at most one soft-cap. ``cap`` must be a finite real > 0.
+    Backends that apply no transform to the scores (torch's SDPA) do not serve it; ``auto`` picks another.
+    """
+    return _Softcap(cap)
+
+
 def as_mask(value: Mask | torch.Tensor, *, name: str = "mask") -> Mask:
     """Accept a typed mask or a plain tensor (bool: True = may attend; float: additive)."""
     if isinstance(value, Mask):
@@ -625,6 +688,13 @@ class _BoundAlibi(_BoundTerm):
         return -slopes[None, :, None, None] * distance[None, None].to(slopes.dtype)
 
 
+class _BoundSoftcap(_BoundTerm):
+    """Not a mask of pairs: :class:`BoundMask` takes its cap out of the terms (``BoundMask.softcap``)."""
+
+    def __init__(self, cap: float):
+        self.cap: float = cap
+
+
 class _BoundDense(_BoundTerm):
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor  # 4-D, each dim 1 or full size
@@ -650,12 +720,27 @@ class BoundMask:
     ``block(rows, cols)`` returns ``(keep, bias)``: a bool tensor (True = may attend)
     and a float tensor, each broadcastable to (b, h, rows, cols), or None when the
     block needs none. ``state(rows, cols)`` says whether the block can be skipped.
+    ``softcap`` is the cap applied to the scaled scores before the bias (None: no cap);
+    kernels apply all three through ``backends._blocks`` (``mask_scores_``, ``masked_scores``).
     """
 
     def __init__(self, terms: list[_BoundTerm], shape: AttentionShape):
+        caps = [t.cap for t in terms if isinstance(t, _BoundSoftcap)]
+        if len(caps) > 1:  # Combined refuses this already; a BoundMask built by hand is checked too
+            raise bad_argument(
+                "mask",
+                "at most one softcap(...) term",
+                " and ".join(f"softcap(cap={c!r})" for c in caps),
+                "keep one soft-cap: scores are capped once, with one cap",
+            )
+        self.softcap: float | None = caps[0] if caps else None
         # a boolean term that keeps every pair (causal with one decoding query, full-length padding)
         # changes nothing; dropping it spares kernels a dense mask
-        terms = [t for t in terms if t.is_bias or not t.surely_full(0, shape.q_len, 0, shape.k_len)]
+        terms = [
+            t
+            for t in terms
+            if not isinstance(t, _BoundSoftcap) and (t.is_bias or not t.surely_full(0, shape.q_len, 0, shape.k_len))
+        ]
         self.terms = terms
         self.shape = shape
         self.keep_terms = [t for t in terms if not t.is_bias]
@@ -667,7 +752,8 @@ class BoundMask:
 
     @property
     def is_empty(self) -> bool:
-        return not self.terms
+        """Whether the mask changes nothing: no term and no soft-cap."""
+        return not self.terms and self.softcap is None
 
     @property
     def has_bias(self) -> bool:
@@ -680,7 +766,12 @@ class BoundMask:
     @property
     def is_plain_causal(self) -> bool:
         """Exactly a top-left-aligned causal mask, nothing else (SDPA's is_causal=True)."""
-        return len(self.terms) == 1 and isinstance(self.terms[0], _BoundDiagonal) and self.terms[0].is_plain_causal
+        return (
+            self.softcap is None
+            and len(self.terms) == 1
+            and isinstance(self.terms[0], _BoundDiagonal)
+            and self.terms[0].is_plain_causal
+        )
 
     def may_empty_rows(self) -> bool:
         """Whether some query row may have every key masked (computed exactly where cheap)."""
@@ -747,7 +838,13 @@ class BoundMask:
         return self.block(slice(None), slice(None), dtype=dtype, minus_inf_as_keep=minus_inf_as_keep)
 
     def kinds(self) -> list[str]:
-        return [type(t).__name__.removeprefix("_Bound").lower() for t in self.terms]
+        """The kinds of its terms, e.g. ``["diagonal", "alibi", "softcap"]`` (a soft-cap last)."""
+        kinds = [type(t).__name__.removeprefix("_Bound").lower() for t in self.terms]
+        return kinds + (["softcap"] if self.softcap is not None else [])
+
+    def __repr__(self) -> str:
+        cap = "" if self.softcap is None else f", softcap={self.softcap!r}"
+        return f"BoundMask(kinds={self.kinds()}{cap})"
 
 
 def bind_mask(mask: Mask | torch.Tensor | None, causal_flag: bool, shape: AttentionShape) -> BoundMask:

@@ -66,6 +66,9 @@ class Capabilities:
     # calls it can serve but auto should not give it (measurably slower than another backend here);
     # naming the backend explicitly still runs it
     auto_skip: Callable[[AttentionCall], list[str]] | None = None
+    # applies a mask's logit soft-cap (masks.softcap) to the scores; False by default, so that a backend
+    # registered before soft-capping existed refuses it rather than silently dropping it
+    softcap: bool = False
 
     def reasons(self, call: AttentionCall, *, for_auto: bool = False) -> list[str]:
         missing = []
@@ -83,6 +86,8 @@ class Capabilities:
             missing.append("backward (inputs require grad)")
         if call.requires_grad and call.mask.bias_requires_grad and not self.bias_grad:
             missing.append("gradient with respect to an additive bias that requires grad")
+        if call.mask.softcap is not None and not self.softcap:
+            missing.append("logit soft-capping (it applies no transform to the scores)")
         if self.check is not None:
             missing.extend(self.check(call))
         if for_auto and self.auto_skip is not None:
