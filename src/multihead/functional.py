@@ -27,8 +27,15 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead._limits import check_fits, device_memory
 from multihead.backends import registry
-from multihead.backends._blocks import autocast_device, autocast_inputs, compute_dtype, mask_scores_, softmax_rows_
-from multihead.backends.reference import apply_mask, masked_softmax
+from multihead.backends._blocks import (
+    autocast_device,
+    autocast_inputs,
+    compute_dtype,
+    mask_scores_,
+    masked_scores,
+    softmax_rows_,
+)
+from multihead.backends.reference import masked_softmax
 from multihead.masks import AttentionShape, BoundMask, Mask, bind_mask
 
 __all__ = ["attention", "explain", "AttentionResult", "WeightSelection"]
@@ -368,8 +375,7 @@ def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
         return softmax_rows_(
             mask_scores_(scores, p.mask, queries, slice(None), heads), rows_may_be_empty=p.mask.may_empty_rows()
         ).to(p.q.dtype)
-    masked = apply_mask(scores, *p.mask.block(queries, slice(None), heads, dtype=work))
-    return masked_softmax(masked)[0].to(p.q.dtype)
+    return masked_softmax(masked_scores(scores, p.mask, queries, slice(None), heads))[0].to(p.q.dtype)
 
 
 def autocast_on(device: torch.device) -> bool:
@@ -455,12 +461,16 @@ def attention(
 ) -> torch.Tensor | AttentionResult:
     """Scaled dot-product attention: softmax(q k^T * scale + mask) v.
 
+    With a logit soft-cap in the mask (``masks.softcap(cap)``) the scaled scores are capped first:
+    softmax(cap * tanh(q k^T * scale / cap) + mask) v.
+
     Args:
         q: (b, h, i, d) queries, or unbatched (h, i, d).
         k: (b, g, j, d) keys; h % g == 0 (g < h: grouped-query, g == 1: multi-query attention).
         v: (b, g, j, e) values.
-        mask: a typed mask from :mod:`multihead.masks` (combine with ``&``), or a tensor broadcastable
-            to (b, h, i, j): bool with True = may attend, or float added to the scores.
+        mask: a typed mask from :mod:`multihead.masks` (combine with ``&``; ``masks.softcap`` caps the
+            scores before any bias), or a tensor broadcastable to (b, h, i, j): bool with True = may
+            attend, or float added to the scores.
         causal: add ``masks.causal()``, aligned bottom-right when i != j (i = 2, j = 4)::
 
                 x x x .
@@ -472,7 +482,7 @@ def attention(
         return_weights: True for all weights (b, h, i, j), or a :class:`WeightSelection` for some heads
             and query rows. Asking never changes the output. Under dropout (training) the weights
             returned are those applied, after dropout, as torch.nn.MultiheadAttention returns them.
-        return_lse: also return the log-sum-exp of the masked scaled scores, (b, h, i).
+        return_lse: also return the log-sum-exp of the masked scaled (and soft-capped) scores, (b, h, i).
 
     Under ``torch.autocast``, q, k and v are cast to the autocast dtype first (float64 excepted), as
     torch's scaled_dot_product_attention is, and the kernel runs with autocast off: its blocks keep

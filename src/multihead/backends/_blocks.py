@@ -45,16 +45,83 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def mask_scores_(
-    scores: torch.Tensor, mask: BoundMask | FoldedMask, rows: Index, cols: Index, heads: torch.Tensor | None = None
+# Scaled scores become masked scores in one order everywhere (kernels, double backward, selected weights):
+#
+#     s = (q . k) * scale;  t = cap * tanh(s / cap) (mask.softcap; t = s without);  t + bias;  -inf where masked
+#
+# in place (mask_scores_, mask_scores_and_slope_) or out of place for autograd (masked_scores).
+
+
+def softcap_(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(scores / cap), in place (logit soft-capping, see :func:`multihead.masks.softcap`)."""
+    return scores.div_(cap).tanh_().mul_(cap)
+
+
+def softcap_slope_(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """The soft-cap's derivative at the raw scaled scores, in place: 1 - tanh(s / cap)^2 = 1 - (t / cap)^2."""
+    return scores.div_(cap).tanh_().square_().neg_().add_(1.0)
+
+
+def _bias_and_keep_(
+    scores: torch.Tensor, mask: BoundMask | FoldedMask, rows: Index, cols: Index, heads: torch.Tensor | None
 ) -> torch.Tensor:
-    """Add the bias and fill disallowed pairs with -inf, in place. scores: (b, h or len(heads), rows, cols)."""
     keep, bias = mask.block(rows, cols, heads, dtype=scores.dtype)
     if bias is not None:
         scores.add_(bias)
     if keep is not None:
         scores.masked_fill_(keep.logical_not(), -math.inf)
     return scores
+
+
+def mask_scores_(
+    scores: torch.Tensor, mask: BoundMask | FoldedMask, rows: Index, cols: Index, heads: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Soft-cap (when the mask has one), add the bias and fill disallowed pairs with -inf, in place.
+
+    scores: (b, h or len(heads), rows, cols), the scaled scores.
+    """
+    if mask.softcap is not None:
+        softcap_(scores, mask.softcap)
+    return _bias_and_keep_(scores, mask, rows, cols, heads)
+
+
+def mask_scores_and_slope_(
+    scores: torch.Tensor, mask: BoundMask | FoldedMask, rows: Index, cols: Index, heads: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`mask_scores_`, and the soft-cap's derivative at each pair for backward (None without a cap).
+
+    The derivative of t = cap * tanh(s / cap) is 1 - (t / cap)^2, t the capped score before the bias: a
+    backward multiplies dS (with respect to the capped, biased scores) by it to get dS for the raw ones.
+    """
+    cap = mask.softcap
+    if cap is None:
+        return _bias_and_keep_(scores, mask, rows, cols, heads), None
+    ratio = scores.div_(cap).tanh_()  # t / cap
+    slope = torch.square(ratio).neg_().add_(1.0)
+    ratio.mul_(cap)
+    return _bias_and_keep_(scores, mask, rows, cols, heads), slope
+
+
+def apply_mask(scores: torch.Tensor, keep: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """scores + bias, with -inf where keep is False (out of place, so autograd sees it)."""
+    if bias is not None:
+        scores = scores + bias
+    if keep is not None:
+        scores = scores.masked_fill(~keep, -math.inf)
+    return scores
+
+
+def masked_scores(
+    scores: torch.Tensor,
+    mask: BoundMask | FoldedMask,
+    rows: Index = slice(None),
+    cols: Index = slice(None),
+    heads: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`mask_scores_` out of place, so autograd differentiates it (the soft-cap included)."""
+    if mask.softcap is not None:
+        scores = torch.tanh(scores / mask.softcap) * mask.softcap
+    return apply_mask(scores, *mask.block(rows, cols, heads, dtype=scores.dtype))
 
 
 def finite_or_zero(row_max: torch.Tensor) -> torch.Tensor:
@@ -245,6 +312,7 @@ class FoldedMask:
 
     def __init__(self, mask: BoundMask | FoldedMask, copies: int):
         self.mask, self.copies = mask, copies
+        self.softcap: float | None = mask.softcap  # applies to every element alike
 
     def state(self, rows: range, cols: range) -> BlockState:
         return self.mask.state(rows, cols)
@@ -293,6 +361,9 @@ def dense_input_grads(
 
         O = (P * Z) V,  dV = (P * Z)^T dO,  dP = Z * (dO V^T) + dW,  dS = P * (dP - rowsum(P * dP) + dlse),
         dQ = scale * dS K,  dK = scale * dS^T Q     (dV, dK summed over the query heads sharing a k/v head)
+
+    With a soft-cap (``mask.softcap``), dS is multiplied by the cap's derivative 1 - (t / cap)^2, t the
+    capped score before the bias.
     """
     b, h, i, _ = q.shape
     g, j = k.shape[1], k.shape[2]
@@ -301,11 +372,12 @@ def dense_input_grads(
     k_heads = k.to(work).repeat_interleave(h // g, dim=1)  # (b, h, j, d): query head n reads k head n // (h/g)
     v_heads = v.to(work).repeat_interleave(h // g, dim=1)  # (b, h, j, e)
     scores = q_scaled @ k_heads.transpose(-2, -1)  # (b, h, i, j)
-    keep, bias = mask.dense(dtype=work)
-    if bias is not None:
-        scores = scores + bias
-    if keep is not None:
-        scores = scores.masked_fill(keep.logical_not(), -math.inf)
+    slope = None  # the soft-cap's derivative 1 - (t / cap)^2, differentiable (double backward)
+    if mask.softcap is not None:
+        ratio = torch.tanh(scores / mask.softcap)  # t / cap
+        slope = 1.0 - ratio * ratio
+        scores = ratio * mask.softcap
+    scores = apply_mask(scores, *mask.dense(dtype=work))
     row_max = finite_or_zero(scores.amax(dim=-1, keepdim=True).detach())  # softmax is shift-invariant
     p = torch.exp(scores - row_max)
     total = p.sum(dim=-1, keepdim=True)
@@ -321,7 +393,9 @@ def dense_input_grads(
     ds = dp - (p * dp).sum(dim=-1, keepdim=True)
     if grad_lse is not None:
         ds = ds + grad_lse.to(work).unsqueeze(-1)
-    ds = p * ds  # (b, h, i, j)
+    ds = p * ds  # (b, h, i, j): with respect to the capped scores
+    if slope is not None:
+        ds = ds * slope  # with respect to the raw scaled scores
     dq = (ds @ k_heads) * scale
     dk = ds.transpose(-2, -1) @ q_scaled  # (b, h, j, d)
 

@@ -6,7 +6,9 @@ once, straight into the returned weights tensor, masked and softmaxed in place,
 and multiplied by V. Blocks of 1024 rows measured faster than smaller,
 cache-sized ones: fewer, larger matrix products outweigh the cache misses. The
 only i x j memory is the tensor returned to the caller. Backward reads the
-saved weights (no recomputation) block by block.
+saved weights (no recomputation) block by block; with a logit soft-cap
+(masks.softcap) it also recomputes each row block's scores, since dS is
+multiplied by the cap's derivative 1 - (t / cap)^2 at the capped score t.
 
 The autograd stack, as in tiled.py: the backward kernel is an autograd Function
 of its own whose backward (double backward) differentiates the dense closed-form
@@ -34,7 +36,9 @@ from multihead.backends._blocks import (
     double_backward,
     fold,
     legacy_batched,
-    mask_scores_,
+    mask_scores_and_slope_,
+    softcap_,
+    softcap_slope_,
     softmax_rows_,
     unfold,
 )
@@ -72,6 +76,7 @@ def _forward(
     in_place = work == q.dtype
     heads = _heads(b, h, h // g)
     rows_may_be_empty = mask.may_empty_rows()
+    cap = mask.softcap
     for rows in _row_blocks(i):
         keep, bias = mask.block(rows, slice(None), dtype=work)  # once per row block, shared by every head
         drop = None if keep is None else keep.logical_not()
@@ -84,6 +89,8 @@ def _forward(
                 else torch.empty(rows.stop - rows.start, j, dtype=work, device=q.device)
             )
             torch.mm(q_scaled[bb, hh, rows], k_work[bb, kv].t(), out=scores)
+            if cap is not None:
+                softcap_(scores, cap)  # before the bias
             if bias is not None:
                 scores.add_(_head_slice(bias, bb, hh))
             if drop is not None:
@@ -122,13 +129,18 @@ def _backward(
     heads = _heads(b, h, h // g)
     recompute = weights.dtype != work
     rows_may_be_empty = recompute and mask.may_empty_rows()
+    cap = mask.softcap
     for rows in _row_blocks(i):
-        if recompute:  # (b, g, r, n, d) @ (b, g, 1, d, j): each query head against its key/value head
+        slope = None  # the soft-cap's derivative 1 - (t / cap)^2 at each pair, (b, h, n, j)
+        if recompute or cap is not None:  # (b, g, r, n, d) @ (b, g, 1, d, j): each query head against its k/v head
             scores = (q_work[:, :, rows] * scale).view(b, g, h // g, -1, d) @ k_work[:, :, None].transpose(-2, -1)
-            p = softmax_rows_(
-                mask_scores_(scores.view(b, h, -1, j), mask, rows, slice(None)), rows_may_be_empty=rows_may_be_empty
-            )  # (b, h, n, j) in float32
+            scores = scores.view(b, h, -1, j)  # (b, h, n, j)
+        if recompute:
+            scores, slope = mask_scores_and_slope_(scores, mask, rows, slice(None))
+            p = softmax_rows_(scores, rows_may_be_empty=rows_may_be_empty)  # (b, h, n, j) in float32
         else:
+            if cap is not None:  # the saved weights do not hold the capped scores: one more product for them
+                slope = softcap_slope_(scores, cap)
             p = weights[:, :, rows].to(work)  # (b, h, n, j)
         dp = torch.zeros_like(p) if grad_weights is None else grad_weights[:, :, rows].to(work, copy=True)
         if d_out is not None:
@@ -136,6 +148,8 @@ def _backward(
                 dv[bb, kv].addmm_(p[bb, hh].t(), d_out[bb, hh, rows])
                 dp[bb, hh].addmm_(d_out[bb, hh, rows], v_work[bb, kv].t())
         ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p)  # dS = P * (dP - rowsum(P * dP))
+        if slope is not None:
+            ds.mul_(slope)  # through the soft-cap: dS with respect to the raw scaled scores
         for bb, hh, kv in heads:
             torch.mm(ds[bb, hh], k_work[bb, kv], out=dq[bb, hh, rows])
             dk[bb, kv].addmm_(ds[bb, hh].t(), q_work[bb, hh, rows])
@@ -246,5 +260,5 @@ def materialized_attention(
 
 
 CAPABILITIES = Capabilities(
-    lse=False, weights=True, dropout=False, backward=True, bias_grad=False, compiles_dynamic=False
+    lse=False, weights=True, dropout=False, backward=True, bias_grad=False, compiles_dynamic=False, softcap=True
 )

@@ -14,7 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from multihead.backends._blocks import autocast_inputs, autocast_off, compute_dtype
+from multihead.backends._blocks import apply_mask as apply_mask  # re-exported: scores + bias, -inf where masked
+from multihead.backends._blocks import autocast_inputs, autocast_off, compute_dtype, masked_scores
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BoundMask
 
@@ -38,15 +39,6 @@ def masked_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weights, lse.squeeze(-1)
 
 
-def apply_mask(scores: torch.Tensor, keep: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """scores + bias, with -inf where keep is False (out of place, so autograd sees it)."""
-    if bias is not None:
-        scores = scores + bias
-    if keep is not None:
-        scores = scores.masked_fill(~keep, -math.inf)
-    return scores
-
-
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -58,7 +50,10 @@ def reference_attention(
     need_weights: bool,
     need_lse: bool,
 ) -> BackendOutput:
-    """softmax(q k^T * scale + mask) v. q (b, h, i, d), k (b, g, j, d), v (b, g, j, e)."""
+    """softmax(softcap(q k^T * scale) + mask) v. q (b, h, i, d), k (b, g, j, d), v (b, g, j, e).
+
+    softcap(s) = cap * tanh(s / cap) when the mask has a soft-cap (``mask.softcap``), else s.
+    """
     q, k, v = autocast_inputs(q, k, v)  # as the other kernels: the autocast dtype in, then autocast off inside
     return _reference(q, k, v, mask=mask, scale=scale, dropout=dropout, need_weights=need_weights, need_lse=need_lse)
 
@@ -81,7 +76,7 @@ def _reference(
     v = v.to(work).repeat_interleave(groups, dim=1)  # (b, h, j, e)
     # scale before the product: q k^T can overflow where (q * scale) k^T does not
     scores = (q.to(work) * scale) @ k.transpose(-2, -1)  # (b, h, i, j)
-    weights, lse = masked_softmax(apply_mask(scores, *mask.dense(dtype=work)))
+    weights, lse = masked_softmax(masked_scores(scores, mask))  # soft-cap, bias, -inf where masked
     if dropout > 0:
         weights = F.dropout(weights, p=dropout, training=True)
     output = weights @ v  # (b, h, i, e)
@@ -90,4 +85,4 @@ def _reference(
     )
 
 
-CAPABILITIES = Capabilities(lse=True, weights=True, dropout=True, backward=True, bias_grad=True)
+CAPABILITIES = Capabilities(lse=True, weights=True, dropout=True, backward=True, bias_grad=True, softcap=True)

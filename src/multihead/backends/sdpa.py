@@ -10,6 +10,8 @@ What differs from ours, and how this backend bridges it:
   On other devices this is not verified here, so calls whose mask may empty a
   row are left to other backends there.
 - Dropout is passed only when it applies (training); GQA uses enable_gqa.
+- Logit soft-capping (masks.softcap) is not served: SDPA takes no score transform
+  (its Capabilities leave ``softcap`` False, so auto picks another backend).
 - Auto passes it over for bf16/fp16 backward on CPUs without bf16/fp16 matrix
   units, where torch's kernel is several times slower than tiled; naming it
   explicitly still runs it.

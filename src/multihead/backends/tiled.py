@@ -5,7 +5,9 @@ walk the key blocks keeping a running row maximum m, normaliser l and
 accumulator acc; each new block rescales the old ones by exp(m_old - m_new).
 Blocks the mask rules out entirely are skipped, so causal costs about half.
 Backward recomputes each block's probabilities from the saved log-sum-exp
-(FlashAttention-2's backward), so nothing of size i x j is ever stored.
+(FlashAttention-2's backward), so nothing of size i x j is ever stored. With a
+logit soft-cap (masks.softcap) each block's scores are capped before the bias,
+and backward multiplies dS by the cap's derivative 1 - (t / cap)^2.
 
 Blocks are computed in float32 for half types and float64 for float64. Dropout
 keep-masks are regenerated in backward from a per-call seed, not stored.
@@ -46,6 +48,7 @@ from multihead.backends._blocks import (
     fold,
     legacy_batched,
     mask_scores_,
+    mask_scores_and_slope_,
     unfold,
     vmap_by_loop,
 )
@@ -87,10 +90,21 @@ class _Layout:
 
 
 def _block_scores(lay: _Layout, q_rows: torch.Tensor, qb: range, kb: range, mask: BoundMask) -> torch.Tensor:
-    """Masked scaled scores of one block, (b*g, r*len(qb), len(kb))."""
+    """Masked scaled scores of one block (soft-capped first when the mask has a cap), (b*g, r*len(qb), len(kb))."""
     scores = torch.bmm(q_rows, lay.k[:, kb.start : kb.stop].transpose(1, 2))
     mask_scores_(lay.per_head(scores, len(qb)), mask, slice(qb.start, qb.stop), slice(kb.start, kb.stop))
     return scores
+
+
+def _block_scores_and_slope(
+    lay: _Layout, q_rows: torch.Tensor, qb: range, kb: range, mask: BoundMask
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_block_scores`, and the soft-cap's derivative 1 - (t / cap)^2 at each pair (None without a cap)."""
+    scores = torch.bmm(q_rows, lay.k[:, kb.start : kb.stop].transpose(1, 2))
+    _, slope = mask_scores_and_slope_(
+        lay.per_head(scores, len(qb)), mask, slice(qb.start, qb.stop), slice(kb.start, kb.stop)
+    )
+    return scores, None if slope is None else slope.view(scores.shape)  # (b, h, n, kb) -> (b*g, r*n, kb)
 
 
 def _forward(lay: _Layout, mask: BoundMask, dropout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +177,8 @@ def _backward(
             if mask.state(qb, kb) is BlockState.EMPTY:
                 continue
             k_block, v_block = lay.k[:, kb.start : kb.stop], lay.v[:, kb.start : kb.stop]
-            p = _block_scores(lay, q_rows, qb, kb, mask).sub_(lse_rows).exp_()  # normalised probabilities
+            scores, slope = _block_scores_and_slope(lay, q_rows, qb, kb, mask)
+            p = scores.sub_(lse_rows).exp_()  # normalised probabilities
             dp = torch.bmm(do_rows, v_block.transpose(1, 2))  # (b*g, r*n, kb)
             if dropout > 0:
                 keep = dropout_keep(p.shape, dropout, seed, qi * len(key_blocks) + ki, p.device, p.dtype)
@@ -172,6 +187,8 @@ def _backward(
             else:
                 dv[:, kb.start : kb.stop] += torch.bmm(p.transpose(1, 2), do_rows)
             ds = dp.sub_(delta_rows).mul_(p)  # dS = P * (dP - D)
+            if slope is not None:
+                ds.mul_(slope)  # through the soft-cap: dS with respect to the raw scaled scores
             dq_rows.baddbmm_(ds, k_block)
             dk[:, kb.start : kb.stop] += torch.bmm(ds.transpose(1, 2), q_rows)  # q_rows carries the scale
         dq[:, :, :, qb.start : qb.stop] = dq_rows.view(lay.b, lay.g, lay.r, len(qb), lay.d)
@@ -324,5 +341,5 @@ def tiled_attention(
 
 
 CAPABILITIES = Capabilities(
-    lse=True, weights=False, dropout=True, backward=True, bias_grad=False, compiles_dynamic=False
+    lse=True, weights=False, dropout=True, backward=True, bias_grad=False, compiles_dynamic=False, softcap=True
 )
