@@ -151,7 +151,6 @@ def test_generate_with_the_models_own_cache_gives_the_same_tokens(name):
 @pytest.mark.parametrize(
     "option, value, what",
     [
-        ("softcap", 30.0, "logit soft-capping"),
         ("s_aux", torch.zeros(4), "attention sinks"),
         ("position_bias", torch.zeros(1, 4, 3, 3), "an added position bias"),
     ],
@@ -233,3 +232,74 @@ def test_a_real_model_asking_for_a_position_bias_is_refused_by_name():
     batch = inputs(padded=False)
     with pytest.raises(ValueError, match=r"T5Attention asks for an added position bias \(T5-style\)"):
         model(**batch, decoder_input_ids=batch["input_ids"][:, :3])
+
+
+def build_gemma2(softcap: float | None = 2.0) -> torch.nn.Module:
+    """Gemma 2: logit soft-capping in every layer, a sliding window of 3 keys in every other one, GQA."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=40,
+        sliding_window=3,
+        attn_logit_softcapping=softcap,  # small, so that capping changes the scores a lot
+        query_pre_attn_scalar=8,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = transformers.Gemma2ForCausalLM(config)
+    with torch.no_grad():  # random init gives scores near 0, where the cap is the identity: make them large
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(30.0)
+    return model
+
+
+# In float64 with padding, Gemma 2's eager attention (like Mistral's) turns a padded row whose window holds only
+# padding into NaN, which the next layer spreads through the text: padding is compared in float32, where it does not
+@pytest.mark.parametrize(
+    "dtype, padded",
+    [(torch.float64, False), (torch.float32, False), (torch.float32, True)],
+    ids=["float64-full", "float32-full", "float32-padded"],
+)
+def test_gemma2_soft_capping_and_window_match_eager(dtype, padded, monkeypatch):
+    theirs = build_gemma2().to(dtype).eval()
+    theirs.set_attn_implementation("eager")
+    ours = copy.deepcopy(theirs)
+    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    batch = inputs(padded)
+    calls = kernel_calls(monkeypatch)
+    with torch.no_grad():
+        expected, got = theirs(**batch).logits, ours(**batch).logits
+    assert len(calls) == 2
+    real = batch["attention_mask"].bool()
+    # Gemma 2's eager softmax runs in float32 whatever the dtype: float64 agrees to float32 rounding
+    tolerance = 1e-6 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got[real], expected[real], atol=tolerance, rtol=tolerance)
+    uncapped = copy.deepcopy(ours)
+    for module in uncapped.modules():
+        if hasattr(module, "attn_logit_softcapping"):
+            module.attn_logit_softcapping = None
+    with torch.no_grad():
+        assert (uncapped(**batch).logits - got)[real].abs().max() > 1e-3  # the cap really changes the result
+
+
+def test_gemma2_training_gradients_and_generate_match_eager():
+    theirs = build_gemma2().to(torch.float64)
+    theirs.set_attn_implementation("eager")
+    ours = copy.deepcopy(theirs)
+    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    batch = inputs(padded=False)  # float64 with padding is NaN on eager's side (see above)
+    for model in (theirs, ours):
+        model.train()
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+    for (name, expected), got in zip(theirs.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, expected.grad, atol=1e-6, rtol=1e-5, msg=name)
+    prompt = inputs(padded=False)["input_ids"][:1, :5]
+    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(ours.eval().generate(prompt, **settings), theirs.eval().generate(prompt, **settings))

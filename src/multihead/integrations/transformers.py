@@ -8,9 +8,9 @@ Importing this module registers :func:`attention_forward` with transformers' ``A
 the name "multihead": causal, sliding-window, bidirectional and padding masks reach the kernel as typed masks
 (never an i x j tensor), any other pattern as transformers' dense boolean mask (True = may attend, our
 polarity). Every attention call of the model then runs through :func:`multihead.attention`. Grouped
-key/value heads go in as g heads, never repeated. What the kernel cannot honour yet (logit soft-capping,
-attention sinks, a position bias such as T5's) is refused with an error naming the option and the model's
-class: never dropped silently.
+key/value heads go in as g heads, never repeated. Logit soft-capping (Gemma 2) becomes the typed mask
+``masks.softcap``. What the kernel cannot honour yet (attention sinks, a position bias such as T5's) is
+refused with an error naming the option and the model's class: never dropped silently.
 
 Every call runs through an :class:`multihead.attend.Attend` step kept for the module that makes it, and
 importing this module registers a site finder (:func:`attention_sites`), so :func:`multihead.inspect.capture`,
@@ -29,6 +29,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
+from multihead import masks
 from multihead._errors import bad_argument
 from multihead.attend import Attend, AttentionSite, register_site_finder
 from multihead.functional import AttentionResult
@@ -40,7 +41,6 @@ IMPLEMENTATION = "multihead"
 
 # keyword arguments an architecture may pass that change the scores: the kernel has no equivalent yet
 _NOT_YET = {
-    "softcap": "logit soft-capping (tanh(s / c) * c)",
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
     "position_bias": "an added position bias (T5-style)",
@@ -52,7 +52,7 @@ def attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: masks.Mask | torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
@@ -60,9 +60,10 @@ def attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention signature on :func:`multihead.attention`.
 
-    query (b, h, i, d), key (b, g, j, d), value (b, g, j, e); attention_mask None, or (b, 1 or h, i, >= j)
-    boolean (True = may attend) or additive float. Returns (output (b, i, h, e), weights (b, h, i, j) when
-    ``output_attentions`` was asked, else None).
+    query (b, h, i, d), key (b, g, j, d), value (b, g, j, e); attention_mask None, a typed mask (what
+    :func:`~multihead.integrations.transformers_masks.typed_mask` made), or a (b, 1 or h, i, >= j) tensor,
+    boolean (True = may attend) or additive float; ``softcap`` (Gemma 2) caps the scores. Returns (output
+    (b, i, h, e), weights (b, h, i, j) when ``output_attentions`` was asked, else None).
     """
     for name, what in _NOT_YET.items():
         if kwargs.get(name) is not None:
@@ -77,6 +78,10 @@ def attention_forward(
     if mask is None:  # transformers leaves the mask out when it is only causal (and the module is a decoder)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
         causal = causal and query.shape[2] > 1
+    softcap = kwargs.get("softcap")
+    if softcap is not None:  # Gemma 2: cap * tanh(s / cap) on the scaled scores, before the mask
+        capped = masks.softcap(float(softcap))
+        mask = capped if mask is None else capped & mask
     result = _seam(module)(
         query,
         key,
