@@ -100,3 +100,28 @@ def test_embeddings_of_the_wrapped_model_equal_our_encoders(folders):
     got, expected = wrapped.encode(SENTENCES), ours.encode(SENTENCES)
     assert got.shape == (len(SENTENCES), 24)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_an_encoder_decoder_reads_the_text_shifted_right_and_names_each_parts_tokens(folders):
+    from multihead.inspect import capture
+
+    bart = load_model(folders["bart"])
+    batch = bart.tokenizer.batch(SENTENCES[:1])
+    source = batch.tokens[0]
+    assert source[0] == "<s>" and source[-1] == "</s>"
+    queries, keys = bart.part_tokens(batch, "cross")
+    assert queries[0] == ["</s>", *source[:-1]] and keys[0] == source  # BART's decoder starts with </s>
+    assert bart.part_tokens(batch, "decoder") == (queries, queries)
+    assert bart.part_tokens(batch, "encoder") == (batch.tokens, batch.tokens)
+    recorders = {part: capture(bart, part=part, layers=[1]) for part in ("encoder", "decoder", "cross")}
+    with torch.no_grad(), recorders["encoder"], recorders["decoder"], recorders["cross"]:
+        states = bart(batch.input_ids, batch.attention_mask)
+    n = len(source)
+    assert states.shape == (1, n, 24)
+    for part in ("encoder", "decoder", "cross"):
+        assert recorders[part].weights(1).shape == (1, 4, n, n)
+    decoder = recorders["decoder"].weights(1)[0]
+    assert (decoder.triu(1) == 0).all()  # the decoder is causal over its own input
+    # BartModel, given no decoder input, shifts the text itself: the same states
+    expected = bart.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    torch.testing.assert_close(states, expected, atol=0, rtol=0)

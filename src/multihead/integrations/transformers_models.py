@@ -52,7 +52,9 @@ class TransformersTokenizer(TextTokenizer):
         self.max_length = self.sentence_max_length = max_length
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    def _piece(self, token_id: int, raw: str) -> str:
+    def piece(self, token_id: int, raw: str | None = None) -> str:
+        """How token ``token_id`` is shown: decoded alone and stripped (its raw form if that is blank)."""
+        raw = raw if raw is not None else str(self.hf.convert_ids_to_tokens(token_id))
         return str(self.hf.decode([token_id])).strip() or raw
 
     def batch(
@@ -93,7 +95,7 @@ class TransformersTokenizer(TextTokenizer):
             token_type_ids[row, : len(kinds)] = torch.tensor(kinds, dtype=torch.long)
             attention_mask[row, : len(ids)] = 1
             raw = self.hf.convert_ids_to_tokens(ids)
-            tokens.append([self._piece(token_id, piece) for token_id, piece in zip(ids, raw, strict=True)])
+            tokens.append([self.piece(token_id, piece) for token_id, piece in zip(ids, raw, strict=True)])
         return TokenBatch(input_ids, attention_mask, token_type_ids, tokens, words)
 
 
@@ -141,7 +143,34 @@ class TransformersModel(TextEncoder):
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self._takes_types and token_type_ids is not None:
             inputs["token_type_ids"] = token_type_ids
+        if self.is_encoder_decoder:
+            inputs["decoder_input_ids"] = self._decoder_ids(input_ids)
         return self.model(**inputs).last_hidden_state
+
+    def _start_id(self) -> int:
+        config = self.model.config
+        for name in ("decoder_start_token_id", "bos_token_id", "pad_token_id"):
+            value = getattr(config, name, None)
+            if isinstance(value, int):
+                return value
+        return 0
+
+    def _decoder_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(b, n) ids of the text -> (b, n) decoder input: the text shifted right after the start token, as
+        BART's denoising reads it."""
+        shifted = torch.full_like(input_ids, self._start_id())
+        shifted[:, 1:] = input_ids[:, :-1]
+        return shifted
+
+    def part_tokens(self, batch: TokenBatch, part: str) -> tuple[list[list[str]], list[list[str]]]:
+        """For an encoder-decoder, the decoder reads the text shifted right after its start token: "decoder"
+        goes from those pieces to themselves, "cross" from them to the text's; otherwise the text's."""
+        if not self.is_encoder_decoder or part == "encoder":
+            return batch.tokens, batch.tokens
+        assert isinstance(self.tokenizer, TransformersTokenizer)
+        start = self.tokenizer.piece(self._start_id())
+        target = [[start, *pieces[:-1]] for pieces in batch.tokens]
+        return (target, target) if part == "decoder" else (target, batch.tokens)
 
 
 def _sites(model: object) -> list[AttentionSite] | None:

@@ -25,7 +25,7 @@ from torch import nn
 
 from multihead._errors import bad_argument, describe
 from multihead.layer import MultiHeadAttention
-from multihead.models.tokenizer import TextTokenizer
+from multihead.models.tokenizer import TextTokenizer, TokenBatch
 
 __all__ = ["TextEncoder", "text_tokenizer", "evaluating"]
 
@@ -68,6 +68,14 @@ class TextEncoder(nn.Module, ABC):
         """(b, n, hidden) states, (b, n) mask -> (b, hidden) mean over real tokens (sentence-transformers)."""
         weights = attention_mask.to(states.dtype).unsqueeze(-1)  # (b, n, 1)
         return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+
+    def part_tokens(self, batch: TokenBatch, part: str) -> tuple[list[list[str]], list[list[str]]]:
+        """The pieces along the query and the key axis of ``part``'s attention (see
+        :func:`multihead.inspect.attention_sites`), one list per text of ``batch``. A one-stack model reads
+        the text itself on both; an encoder-decoder's decoder reads its own input, and its cross-attention
+        goes from the decoder's input to the text.
+        """
+        return batch.tokens, batch.tokens
 
     def encode(
         self, texts: str | list[str], *, batch_size: int = 32, normalize: bool = True, truncate: bool = False
