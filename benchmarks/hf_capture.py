@@ -286,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="n = 128 and 256, 3 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7; --quick 3)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     ensure_malloc_env()  # re-executes with MALLOC_MMAP_THRESHOLD_ set, for the memory call
     prepare_allocator(print)  # timed calls: glibc's mmap threshold at its dynamic maximum, as the harness does
     sizes, rounds, block_s = ((128, 256), 3, 0.2) if args.quick else ((512, 2048), 7, 1.0)
