@@ -29,7 +29,7 @@ from multihead.attend import AttentionSite, find_sites
 from multihead.functional import AttentionResult, WeightSelection, attention
 from multihead.layer import MultiHeadAttention
 
-__all__ = ["capture", "Recorder", "attention_layers", "attention_sites"]
+__all__ = ["capture", "Recorder", "attention_layers", "attention_sites", "part_sites"]
 
 _SUPPORTED = (
     "a model built with multihead.MultiHeadAttention, or a transformers model loaded with "
@@ -80,8 +80,8 @@ def attention_sites(model: nn.Module) -> list[AttentionSite]:
     ]
 
 
-def _part_sites(model: nn.Module, part: str | None) -> tuple[str, list[AttentionSite]]:
-    """The chosen part (default: the model's first) and its sites, in layer order."""
+def part_sites(model: nn.Module, part: str | None = None) -> tuple[str, list[AttentionSite]]:
+    """The chosen part (default: the model's first) and its sites, in layer order (site l is layer l)."""
     sites = attention_sites(model)
     parts = list(dict.fromkeys(site.part for site in sites))
     if part is None:
@@ -91,6 +91,9 @@ def _part_sites(model: nn.Module, part: str | None) -> tuple[str, list[Attention
     if part not in parts:
         raise bad_argument("part", f"one of the model's parts {parts}", repr(part), f'pass e.g. part="{parts[0]}"')
     return part, sorted((site for site in sites if site.part == part), key=lambda site: site.index)
+
+
+_part_sites = part_sites  # the name inspect.stats imports today
 
 
 def _indices(name: str, chosen: Sequence[int] | int | None, count: int, what: str) -> list[int]:
@@ -155,7 +158,7 @@ class Recorder:
         qkv: bool = False,
         outputs: bool = False,
     ):
-        self.part, sites = _part_sites(model, part)
+        self.part, sites = part_sites(model, part)
         self.layers = _indices("layers", layers, len(sites), "layer")
         if queries is not None and not isinstance(queries, slice):
             if isinstance(queries, int) or not all(isinstance(x, int) for x in queries):

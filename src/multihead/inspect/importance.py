@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from multihead._errors import bad_argument, describe
-from multihead.inspect.capture import attention_layers, capture
+from multihead.heads import make_ablation
+from multihead.inspect.capture import attention_layers, capture, part_sites
 from multihead.inspect.stats import head_numbers
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
@@ -61,17 +62,21 @@ def ablated(
     """Within the block, ablate ``{layer: [heads]}`` (current head positions) of ``model``; then restore.
 
     ``mean_outputs``: for how="mean", {layer: (heads of the layer, e)} as :func:`mean_head_outputs` gives.
+    The ablation acts on each layer's attention step (its :class:`~multihead.attend.Attend`), so it serves
+    our layers and a transformers model on our kernel alike; layers are those of the model's first part.
     """
-    layers = attention_layers(model)
+    _, sites = part_sites(model)
     try:
         for index, chosen in heads.items():
             if chosen:
+                site = sites[index]
                 means = None if mean_outputs is None else mean_outputs[index][list(chosen)]
-                layers[index].ablate_heads(list(chosen), how=how, mean_outputs=means)
+                width = 0 if means is None else means.shape[-1]  # e: means come from the step's own outputs
+                site.attend.head_ablation = make_ablation(site.num_heads, width, list(chosen), how, means)
         yield model
     finally:
-        for layer in layers:
-            layer.restore_heads()
+        for site in sites:
+            site.attend.head_ablation = None
 
 
 def mean_head_outputs(model: TextEncoder, texts: Sequence[str], *, batch_size: int = 32) -> dict[int, torch.Tensor]:
@@ -168,14 +173,14 @@ def ablation_importance(
     get NaN. ``progress(done, total)`` after each head.
     """
     texts = _check_texts(texts)
-    all_layers = attention_layers(model)
+    _, sites = part_sites(model)
     numbers, heads = head_numbers(model)
-    chosen = list(range(len(all_layers))) if layers is None else list(layers)
+    chosen = list(range(len(sites))) if layers is None else list(layers)
     means = mean_head_outputs(model, texts, batch_size=batch_size) if how == "mean" else None
     reference = model.encode(texts, batch_size=batch_size, truncate=True)
-    shape = (len(all_layers), heads)
+    shape = (len(sites), heads)
     scores, agreement, worst = (torch.full(shape, float("nan")) for _ in range(3))
-    total, done = sum(all_layers[layer].num_heads for layer in chosen), 0
+    total, done = sum(sites[layer].num_heads for layer in chosen), 0
     for layer in chosen:
         for position, head in enumerate(numbers[layer]):  # the layer's own index, the checkpoint's number
             with ablated(model, {layer: [position]}, how=how, mean_outputs=means):
@@ -200,7 +205,8 @@ def gradient_importance(
     """Michel et al. (2019): I_h = |E_x[A_h(x)^T dL/dA_h(x)]|, through a gate on every head's output.
 
     Args:
-        model: any model built from :class:`multihead.MultiHeadAttention`.
+        model: any model built from :class:`multihead.MultiHeadAttention`, or a transformers model on our
+            kernel (the gates sit on its attention steps; layers are its first part's).
         loss_fn: ``loss_fn(model, batch) -> scalar loss``.
         batches: an iterable of batches for ``loss_fn``.
         normalize: divide each layer's scores by their L2 norm (Michel et al.'s layer normalisation).
@@ -208,13 +214,13 @@ def gradient_importance(
     Returns:
         :class:`HeadImportance` with scores (layers, heads), heads by the checkpoint's numbers (NaN: pruned).
     """
-    layers = attention_layers(model)
-    gates = [torch.ones(layer.num_heads, requires_grad=True) for layer in layers]
-    totals = [torch.zeros(layer.num_heads) for layer in layers]
+    _, sites = part_sites(model)
+    gates = [torch.ones(site.num_heads, requires_grad=True) for site in sites]
+    totals = [torch.zeros(site.num_heads) for site in sites]
     count = 0
     try:
-        for layer, gate in zip(layers, gates, strict=True):
-            layer.head_gate = gate
+        for site, gate in zip(sites, gates, strict=True):
+            site.attend.head_gate = gate
         for batch in batches:
             loss = loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
@@ -231,12 +237,12 @@ def gradient_importance(
                     total += grad.detach()
             count += 1
     finally:
-        for layer in layers:
-            layer.head_gate = None
+        for site in sites:
+            site.attend.head_gate = None
     if count == 0:
         raise bad_argument("batches", "at least one batch", "none", "pass an iterable of batches")
     numbers, heads = head_numbers(model)
-    scores = torch.full((len(layers), heads), float("nan"))  # columns: checkpoint head numbers; NaN: pruned
+    scores = torch.full((len(sites), heads), float("nan"))  # columns: checkpoint head numbers; NaN: pruned
     for index, total in enumerate(totals):
         values = (total / count).abs()
         if normalize:
@@ -315,6 +321,14 @@ def pruning_curve(
     may remove fewer heads than asked (heads_removed says how many).
     """
     texts = _check_texts(texts)
+    if not callable(getattr(model, "prune_heads", None)):
+        raise bad_argument(
+            "model",
+            "a model whose heads can be removed (one built from multihead.MultiHeadAttention, e.g. load_minilm())",
+            f"a {type(model).__name__}, which has no prune_heads",
+            "measure which heads matter with ablation_importance, which ablates them in place instead",
+            kind=TypeError,
+        )
     for fraction in fractions:
         if not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
             raise bad_argument("fraction", "a number in [0, 1)", describe(fraction), "pass e.g. 0.3")
