@@ -135,7 +135,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     from multihead.inspect.report import bundled_corpus, inspect_text, read_corpus
     from multihead.inspect.write import check_formats, write_reports
-    from multihead.models import load_minilm
+    from multihead.integrations import load_text_model
 
     with from_option("--format"):
         formats = check_formats(args.format)
@@ -154,7 +154,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         corpus = read_corpus(args.corpus, argument="--corpus")
         corpus_source = f"{args.corpus} ({len(corpus)} texts)"
     with from_option("--model"):
-        model, _ = load_minilm(args.model)
+        model = load_text_model(args.model)
     layers, heads = _chosen_heads(model, args.layers, args.heads)
     columns = None
     if args.scores:
@@ -510,7 +510,8 @@ def run_heads(args: argparse.Namespace) -> int:
     from multihead.inspect import headreport
     from multihead.inspect.report import bundled_corpus, read_corpus
     from multihead.inspect.stats import head_numbers
-    from multihead.models import load_minilm
+    from multihead.integrations import load_text_model
+    from multihead.models import Encoder
 
     console = make_console()
     plan = None
@@ -535,20 +536,28 @@ def run_heads(args: argparse.Namespace) -> int:
         )
     source = args.corpus or f"bundled corpus ({len(texts)} sentences)"
     with from_option("--model"):
-        model, _ = load_minilm(args.model)
-    counts = [layer.num_heads for layer in model.attention_layers]
+        model = load_text_model(args.model)
+    numbers, checkpoint_heads = head_numbers(model)  # scores are by layer and the checkpoint's head numbers
+    counts = [len(heads) for heads in numbers]
+    if args.mode == "prune" and not isinstance(model, Encoder):
+        raise bad_argument(
+            "--model",
+            "a model on multihead's own layer, whose heads can be removed (all-MiniLM-L6-v2, a BERT-style checkpoint)",
+            f"{model.name}, a transformers checkpoint",
+            "rank its heads with `multihead heads importance --model ...` (ablation: nothing is removed)",
+        )
     if plan is not None:
+        assert isinstance(model, Encoder)  # refused above otherwise
         with from_option("--remove"):
             model.prune_heads(plan)
         model_dir = output_folder("--out", out_dir / "model")
         with writing("--out", model_dir):
             path = model.save(model_dir)
-        removed = sum(counts) - sum(layer.num_heads for layer in model.attention_layers)
+        removed = sum(counts) - sum(len(heads) for heads in head_numbers(model)[0])
         console.print(f"pruned {removed} heads; model saved to {path.resolve()} (load it with --model)", soft_wrap=True)
         return 0
     from multihead.inspect.importance import ablation_importance, pruning_curve
 
-    numbers, checkpoint_heads = head_numbers(model)  # scores are by layer and the checkpoint's head numbers
     if args.mode == "prune" and args.importance:
         scores = headreport.load_importance(
             args.importance, argument="--importance", shape=(len(counts), checkpoint_heads)
@@ -591,6 +600,7 @@ def run_heads(args: argparse.Namespace) -> int:
     prune_plan: dict[int, list[int]] = {}
     for layer, head in chosen["removed"]:  # checkpoint head numbers, as Encoder.prune_heads takes them
         prune_plan.setdefault(layer, []).append(head)
+    assert isinstance(model, Encoder)  # prune on another model was refused before any work
     model.prune_heads(prune_plan)
     model_dir = output_folder("--out", out_dir / "model")
     with writing("--out", model_dir):

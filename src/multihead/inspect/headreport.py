@@ -29,7 +29,7 @@ from multihead._userfiles import (
 )
 from multihead.inspect.importance import HeadImportance
 from multihead.inspect.syntax import RELATIONS, SyntaxScores, bundled_treebank, read_conllu, syntax_scores
-from multihead.models import load_minilm
+from multihead.integrations import load_text_model
 
 __all__ = [
     "importance_table",
@@ -335,7 +335,7 @@ def run_syntax_command(args, console: Console, out_dir: Path) -> int:
         )
     sentences = read_conllu(Path(args.treebank), argument="--treebank") if args.treebank else bundled_treebank()
     with from_option("--model"):
-        model, _ = load_minilm(args.model)
+        model = load_text_model(args.model)
     total = len(sentences) if args.max_sentences is None else min(len(sentences), args.max_sentences)
     source = args.treebank or "UD English EWT dev"
     with Progress(console=console, transient=True) as bar:

@@ -1,1 +1,60 @@
-"""Other libraries' models on multihead's kernel. Each integration imports its library; nothing else here does."""
+"""Other libraries' models on multihead's kernel. Each integration imports its library; nothing else here does.
+
+:func:`load_text_model` is the one door the command line opens for ``--model``: our own encoder for the
+checkpoints it reads (all-MiniLM-L6-v2, BERT-style saves, saves of ``multihead heads prune``), any other
+transformers checkpoint through :mod:`multihead.integrations.transformers_models`, which imports
+transformers only then.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from multihead._errors import bad_argument
+from multihead._userfiles import path_kind
+from multihead.models.bert import SAVED_CONFIG
+from multihead.models.contract import TextEncoder
+from multihead.models.loading import SERVED_MODEL_TYPES, load_encoder
+
+__all__ = ["load_text_model"]
+
+
+def _model_type(folder: Path) -> str | None:
+    """config.json's model_type, or None where our loader should read the folder (and report what is wrong)."""
+    if path_kind(folder / SAVED_CONFIG) == "file" or path_kind(folder / "config.json") != "file":
+        return None
+    try:
+        kind = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object: the loader says so
+        return None
+    return kind if isinstance(kind, str) else None
+
+
+def load_text_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) -> TextEncoder:
+    """The text model in folder ``path`` (None: the bundled all-MiniLM-L6-v2), on multihead's kernel.
+
+    A checkpoint of a BERT-style encoder (config.json's model_type "bert", or a save of ours) loads on our
+    own :class:`~multihead.models.Encoder`; any other model_type through transformers
+    (:func:`multihead.integrations.transformers_models.load_model`), which must then be installed.
+    """
+    if path is None:
+        return load_encoder(None, dtype=dtype)
+    kind = _model_type(Path(path))
+    if kind is None or kind in SERVED_MODEL_TYPES:
+        return load_encoder(path, dtype=dtype)
+    try:
+        from multihead.integrations.transformers_models import load_model
+    except ModuleNotFoundError as error:
+        if error.name is None or not error.name.startswith("transformers"):
+            raise
+        raise bad_argument(
+            "model",
+            f"a checkpoint multihead reads itself (model_type {' or '.join(map(repr, SERVED_MODEL_TYPES))}), or "
+            "transformers installed for any other",
+            f"model_type {kind!r} without transformers",
+            "pip install 'multihead[hf]'",
+        ) from None
+    return load_model(path, dtype=dtype)

@@ -231,8 +231,13 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Trans
     hf_logging.disable_progress_bar()  # the caller's output is a report: no loading bars or notes in it
     hf_logging.set_verbosity_error()
     try:
-        model = AutoModel.from_pretrained(
-            folder, config=config, attn_implementation=IMPLEMENTATION, local_files_only=True, dtype=dtype
+        model, loading = AutoModel.from_pretrained(
+            folder,
+            config=config,
+            attn_implementation=IMPLEMENTATION,
+            local_files_only=True,
+            dtype=dtype,
+            output_loading_info=True,
         )
     except (ValueError, OSError, RuntimeError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -241,6 +246,15 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Trans
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+    missing = list(loading.get("missing_keys", [])) + [str(key) for key, *_ in loading.get("mismatched_keys", [])]
+    if missing:  # transformers would fill them with random values: a model that only looks loaded
+        shown = ", ".join(sorted(missing)[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise bad_argument(
+            "model",
+            f"weights for every parameter of the {config.model_type} model config.json describes",
+            f"{len(missing)} missing or of the wrong shape in {folder} ({shown})",
+            "check that config.json belongs to these weights, or save the model again",
+        )
     if not isinstance(model, PreTrainedModel):  # pragma: no cover - AutoModel always gives one
         raise bad_argument("model", "a transformers model", describe(model), _FIX, kind=TypeError)
     wrapped = TransformersModel(
