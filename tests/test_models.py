@@ -180,6 +180,18 @@ def test_transformers_is_never_imported_at_run_time():
     assert result.stdout.strip() == "[]"
 
 
+def test_the_demo_command_never_imports_transformers(tmp_path):
+    """`make demo`'s command on the bundled model goes through --model's loader, which may import transformers
+    only for a checkpoint of another architecture."""
+    code = (
+        "import sys\nfrom multihead.cli import main\n"
+        f"assert main(['inspect', 'The bank.', '--format', 'json', '--out', {str(tmp_path)!r}]) == 0\n"
+        "print(sorted(x for x in ('transformers', 'sentence_transformers') if x in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_long_texts_raise_or_truncate(minilm):
     model, tokenizer = minilm
     long_text = "word " * 600
