@@ -152,7 +152,6 @@ def test_generate_with_the_models_own_cache_gives_the_same_tokens(name):
     "option, value, what",
     [
         ("s_aux", torch.zeros(4), "attention sinks"),
-        ("position_bias", torch.zeros(1, 4, 3, 3), "an added position bias"),
     ],
 )
 def test_what_the_kernel_cannot_serve_is_refused_not_dropped(option, value, what):
@@ -225,13 +224,66 @@ def test_an_encoder_decoder_with_cross_attention_matches_eager(dtype, monkeypatc
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
-def test_a_real_model_asking_for_a_position_bias_is_refused_by_name():
-    config = transformers.T5Config(vocab_size=VOCAB, d_model=24, d_kv=6, d_ff=32, num_layers=1, num_heads=4)
-    model = transformers.T5ForConditionalGeneration(config).eval()
-    model.set_attn_implementation(integration.IMPLEMENTATION)
-    batch = inputs(padded=False)
-    with pytest.raises(ValueError, match=r"T5Attention asks for an added position bias \(T5-style\)"):
-        model(**batch, decoder_input_ids=batch["input_ids"][:, :3])
+def build_t5() -> torch.nn.Module:
+    """T5: a learned relative position bias per head (in the first layer of each stack, reused by the others),
+    no score scaling, cross-attention with its own bias."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=24,
+        d_kv=6,
+        d_ff=32,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,  # training mode, same function: T5 passes its rate to the attention call itself
+        pad_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=0,
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    with torch.no_grad():  # a bias near 0 would hide a bias dropped: make it count
+        for module in model.modules():
+            if getattr(module, "has_relative_attention_bias", False):
+                module.relative_attention_bias.weight.normal_(0.0, 2.0)
+    return model
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_t5_relative_position_bias_matches_eager(dtype, padded, monkeypatch):
+    theirs = build_t5().to(dtype).eval()
+    theirs.set_attn_implementation("eager")
+    ours = copy.deepcopy(theirs)
+    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    batch = inputs(padded)
+    target = torch.randint(3, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(2))
+    calls = kernel_calls(monkeypatch)
+    with torch.no_grad():
+        expected = theirs(**batch, decoder_input_ids=target).logits
+        got = ours(**batch, decoder_input_ids=target).logits
+    assert len(calls) == 6  # encoder self, decoder self and cross, two layers each
+    tolerance = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_t5_training_gradients_reach_the_bias_table_and_generate_matches_eager():
+    theirs = build_t5().to(torch.float64)
+    theirs.set_attn_implementation("eager")
+    ours = copy.deepcopy(theirs)
+    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    batch = inputs(padded=True)
+    labels = torch.randint(3, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(3))
+    for model in (theirs, ours):  # dropout_rate 0: training mode computes the same function
+        model.train()
+        model(**batch, labels=labels).loss.backward()
+    for (name, expected), got in zip(theirs.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, expected.grad, atol=1e-10, rtol=1e-8, msg=name)
+    bias_grads = [p.grad for n, p in ours.named_parameters() if "relative_attention_bias" in n]
+    assert len(bias_grads) == 2 and all(g.abs().sum() > 0 for g in bias_grads)
+    settings = {"max_new_tokens": 6, "do_sample": False}
+    prompt = inputs(padded=False)["input_ids"][:1]
+    assert torch.equal(ours.eval().generate(prompt, **settings), theirs.eval().generate(prompt, **settings))
 
 
 def build_gemma2(softcap: float | None = 2.0) -> torch.nn.Module:

@@ -9,8 +9,9 @@ the name "multihead": causal, sliding-window, bidirectional and padding masks re
 (never an i x j tensor), any other pattern as transformers' dense boolean mask (True = may attend, our
 polarity). Every attention call of the model then runs through :func:`multihead.attention`. Grouped
 key/value heads go in as g heads, never repeated. Logit soft-capping (Gemma 2) becomes the typed mask
-``masks.softcap``. What the kernel cannot honour yet (attention sinks, a position bias such as T5's) is
-refused with an error naming the option and the model's class: never dropped silently.
+``masks.softcap``, T5's relative position bias the typed mask ``masks.bias`` (its gradient reaches the
+bias table). What the kernel cannot honour yet (attention sinks) is refused with an error naming the option
+and the model's class: never dropped silently.
 
 Every call runs through an :class:`multihead.attend.Attend` step kept for the module that makes it, and
 importing this module registers a site finder (:func:`attention_sites`), so :func:`multihead.inspect.capture`,
@@ -43,7 +44,6 @@ IMPLEMENTATION = "multihead"
 _NOT_YET = {
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
-    "position_bias": "an added position bias (T5-style)",
 }
 
 
@@ -78,6 +78,10 @@ def attention_forward(
     if mask is None:  # transformers leaves the mask out when it is only causal (and the module is a decoder)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
         causal = causal and query.shape[2] > 1
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:  # T5: a learned (1 or b, h, i, j) bias on the scores, differentiable
+        added = masks.bias(position_bias[..., : key.shape[-2]])
+        mask = added if mask is None else added & mask
     softcap = kwargs.get("softcap")
     if softcap is not None:  # Gemma 2: cap * tanh(s / cap) on the scaled scores, before the mask
         capped = masks.softcap(float(softcap))
