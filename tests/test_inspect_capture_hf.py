@@ -163,3 +163,19 @@ def test_a_model_not_on_our_kernel_is_refused_with_the_fix():
         capture(ours, part="cross")
     with pytest.raises(ValueError, match=r"layers: expected layer indices in 0\.\.1, got 2"):
         capture(ours, layers=[2])
+
+
+def test_t5_with_its_position_bias_is_recorded_as_transformers_computes_it():
+    from test_integrations_transformers import build_t5
+
+    theirs, ours = pair(build_t5())
+    batch = inputs(padded=False)
+    target = torch.randint(3, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = theirs(**batch, decoder_input_ids=target, output_attentions=True)
+    assert [(s.part, s.index) for s in attention_sites(ours)][-2:] == [("cross", 0), ("cross", 1)]
+    with torch.no_grad(), capture(ours, part="decoder") as decoder, capture(ours, part="cross") as cross:
+        ours(**batch, decoder_input_ids=target)
+    for layer in (0, 1):  # the bias (and, in the decoder, the causal mask) shape every recorded weight
+        torch.testing.assert_close(decoder.weights(layer), expected.decoder_attentions[layer], atol=1e-12, rtol=0)
+        torch.testing.assert_close(cross.weights(layer), expected.cross_attentions[layer], atol=1e-12, rtol=0)
