@@ -1,11 +1,11 @@
 """Per-head attention statistics over a text or a corpus, and the role each head plays.
 
 Every statistic is an average over query tokens (padding excluded, each real token of each text
-counting once), computed from the weights a (i, j) of one head on one text of n tokens:
+counting once), computed from the weights a (i, j) of one head on one text, from query i to key j:
 
     entropy        -sum_j a_ij log a_ij (nats): high = broad, low = focused
-    norm_entropy   entropy / log n: 1 = uniform over the text
-    distance       sum_j a_ij |i - j|: mean attention distance in tokens
+    norm_entropy   entropy / log n, n the keys the query may see: 1 = uniform over them
+    distance       sum_j a_ij |i - j|: mean attention distance in positions
     cls, sep       attention to [CLS], to [SEP]; special = both (the "sink" tokens, Clark et al. 2019)
     punct          attention to punctuation tokens
     prev, next, self   a_{i,i-1}, a_{i,i+1}, a_ii
@@ -15,6 +15,26 @@ counting once), computed from the weights a (i, j) of one head on one text of n 
 
 and, per text, the pattern of Kovaleva et al. (2019) (see :func:`kovaleva_pattern`), whose shares
 over the corpus are reported per head.
+
+A model's attention is grouped in parts (:func:`~multihead.inspect.capture.attention_sites`): "self" in a
+one-stack model, "encoder", "decoder" and "cross" in an encoder-decoder; every reader here takes ``part``
+(default: the model's first). The queries and keys of a part are the pieces
+:meth:`~multihead.models.TextEncoder.part_tokens` names. Self-attention has the same pieces on both axes.
+Cross-attention goes from the decoder's input (i) to the source text (j), which may differ in length;
+every statistic stays defined:
+
+- positions are counted on each axis from 0, so ``|i - j|``, prev (j = i - 1), self (j = i) and next
+  (j = i + 1) name the source positions around the query's own: on a copy or alignment task the diagonal is
+  the alignment (with BART's decoder input, the text shifted right after its start token, the source piece
+  at i - 1 is the query's own piece, so an aligning head reads "prev");
+- [CLS], [SEP] and punctuation are those of the KEY pieces (the source), n is the source's length;
+- the positional statistic counts the query's word pieces (not [CLS]/[SEP]);
+- Kovaleva's D is the mass on the alignment band ``|i - j| <= 1``, V the mass on the two most attended
+  source columns, B the mass on the source sentence with the query's sentence number.
+
+A causal part (:func:`is_causal_part`: a decoder-only model, or an encoder-decoder's "decoder") lets query i
+see keys 0..i only: its norm_entropy divides each query's entropy by the log of the keys it may see
+(i + 1; at least 2), so a head spreading evenly over what it can see scores 1.
 
 References:
     Voita, Talbot, Moiseev, Sennrich, Titov. Analyzing Multi-Head Self-Attention: Specialized Heads
@@ -44,6 +64,7 @@ __all__ = [
     "record_grid",
     "GridRecorder",
     "HeadStats",
+    "is_causal_part",
     "Role",
     "PRUNED",
     "TokenInfo",
@@ -123,12 +144,15 @@ class HeadGrid:
     there, so a head keeps its number when others go (a model without ``head_ids`` numbers each layer's
     heads 0, 1, ...). A layer may then lack some columns: row r has the heads ``layer_heads[r]`` (in
     column order), which are the layer's heads ``positions[r]`` as the layer (and capture) counts them.
+    ``part``: the model's part the layers belong to ("self", or "encoder", "decoder", "cross"; see
+    :func:`~multihead.inspect.capture.attention_sites`), None when not taken from a model.
     """
 
     layers: list[int]
     heads: list[int]
     layer_heads: list[list[int]]
     positions: list[list[int]] | None = None  # None: not taken from a model (weights given directly)
+    part: str | None = None
 
     @property
     def ragged(self) -> bool:
@@ -154,14 +178,28 @@ class HeadGrid:
         return out
 
 
-def head_numbers(model: torch.nn.Module) -> tuple[list[list[int]], int]:
+def is_causal_part(model: torch.nn.Module, part: str | None = None) -> bool:
+    """True when ``part`` of ``model`` (default its first) is causal: query i sees keys 0..i only.
+
+    That is a model whose ``is_causal`` attribute says so (a decoder-only transformers checkpoint on our
+    kernel, :class:`~multihead.integrations.transformers_models.TransformersModel`; our own
+    :class:`~multihead.models.Encoder` has none: not causal), or an encoder-decoder's "decoder" part. An
+    unknown part raises ValueError naming the model's parts.
+    """
+    part, _ = _part_sites(model, part)
+    return part == "decoder" or getattr(model, "is_causal", False) is True
+
+
+def head_numbers(model: torch.nn.Module, *, part: str | None = None) -> tuple[list[list[int]], int]:
     """Every attention layer's heads by their checkpoint numbers (``model.head_ids`` when the model keeps
     them, else 0, 1, ... per layer), and how many heads a layer of the checkpoint had.
 
-    The layers are those :func:`~multihead.inspect.capture.capture` numbers by default (the model's
-    first part, see :func:`~multihead.inspect.capture.attention_sites`).
+    The layers are those of ``part`` (default: the model's first part, the layers
+    :func:`~multihead.inspect.capture.capture` numbers by default; see
+    :func:`~multihead.inspect.capture.attention_sites`). An unknown part raises ValueError naming the model's
+    parts.
     """
-    _, sites = _part_sites(model, None)
+    _, sites = _part_sites(model, part)
     counts = [site.num_heads for site in sites]
     numbers = getattr(model, "head_ids", None)
     if numbers is None:
@@ -181,14 +219,21 @@ def head_numbers(model: torch.nn.Module) -> tuple[list[list[int]], int]:
 
 
 def head_grid(
-    model: torch.nn.Module, layers: Sequence[int] | int | None = None, heads: Sequence[int] | int | None = None
+    model: torch.nn.Module,
+    layers: Sequence[int] | int | None = None,
+    heads: Sequence[int] | int | None = None,
+    *,
+    part: str | None = None,
 ) -> HeadGrid:
-    """The :class:`HeadGrid` of ``model``'s chosen layers and heads (both default all).
+    """The :class:`HeadGrid` of ``model``'s chosen layers and heads (both default all) in ``part`` (default:
+    the model's first; the grid records which).
 
     ``heads`` are checkpoint head numbers (see :class:`HeadGrid`); a layer that lacks one of them (it was
-    pruned) has that cell empty. A head that no chosen layer has raises ValueError.
+    pruned) has that cell empty. A head that no chosen layer has, or a part the model lacks, raises
+    ValueError.
     """
-    numbers, total = head_numbers(model)
+    part, _ = _part_sites(model, part)
+    numbers, total = head_numbers(model, part=part)
     rows = _indices("layers", layers, len(numbers), "layer")
     if heads is None:
         columns = sorted({head for row in rows for head in numbers[row]})
@@ -211,12 +256,13 @@ def head_grid(
     positions = [
         [numbers[row].index(head) for head in row_heads] for row, row_heads in zip(rows, layer_heads, strict=True)
     ]
-    return HeadGrid(rows, columns, layer_heads, positions)
+    return HeadGrid(rows, columns, layer_heads, positions, part)
 
 
 class GridRecorder:
     """Records the attention weights of a :class:`HeadGrid`'s heads while active (use :func:`record_grid`):
-    one :class:`~multihead.inspect.capture.Recorder` per layer, each with that layer's own heads."""
+    one :class:`~multihead.inspect.capture.Recorder` per layer of the grid's part, each with that layer's
+    own heads."""
 
     def __init__(self, model: torch.nn.Module, grid: HeadGrid):
         if grid.positions is None:
@@ -225,7 +271,7 @@ class GridRecorder:
             )
         self.grid = grid
         self._recorders: list[Recorder | None] = [
-            capture(model, layers=[layer], heads=positions) if positions else None
+            capture(model, part=grid.part, layers=[layer], heads=positions) if positions else None
             for layer, positions in zip(grid.layers, grid.positions, strict=True)
         ]
         self._stack = ExitStack()
@@ -242,7 +288,8 @@ class GridRecorder:
         self._stack.close()
 
     def weights(self) -> list[torch.Tensor | None]:
-        """Per row of the grid, the latest pass's (b, len(layer_heads[row]), i, j) weights (None: no head)."""
+        """Per row of the grid, the latest pass's (b, len(layer_heads[row]), i, j) weights (None: no head):
+        i query positions, j key positions (j differs from i in cross-attention)."""
         return [
             None if recorder is None else recorder.weights(layer)
             for layer, recorder in zip(self.grid.layers, self._recorders, strict=True)
@@ -256,7 +303,8 @@ class GridRecorder:
 
 
 def record_grid(model: torch.nn.Module, grid: HeadGrid) -> GridRecorder:
-    """A context manager recording the weights of ``grid``'s heads in every forward pass inside it."""
+    """A context manager recording the weights of ``grid``'s heads, in the grid's part (``head_grid(model,
+    part=...)``), in every forward pass inside it."""
     return GridRecorder(model, grid)
 
 
@@ -326,52 +374,85 @@ def kovaleva_pattern(
 
 
 class _Accumulator:
-    """Running sums of per-query statistics for one layer's recorded heads, over batches of texts."""
+    """Running sums of per-query statistics for one layer's recorded heads, over batches of texts.
+
+    Relative positions j - i are counted in ``offset_counts`` over -span..span, grown to the longest text
+    seen (at most ``max_offset``; an offset beyond it counts at the edge), so no table has the model's
+    position limit as its width.
+    """
 
     def __init__(self, heads: int, max_offset: int):
         self.sums = {name: torch.zeros(heads, dtype=torch.float64) for name in _AVERAGED}
         self.queries = 0  # real query tokens seen
         self.max_offset = max_offset
-        self.offset_counts = torch.zeros(heads, 2 * max_offset + 1, dtype=torch.float64)
+        self.offset_counts = torch.zeros(heads, 1, dtype=torch.float64)  # (heads, 2 * span + 1): offsets -span..span
         self.word_queries = 0  # non-special real query tokens seen (the positional statistic's base)
         self.pattern_counts = torch.zeros(heads, len(PATTERNS), dtype=torch.float64)
         self.texts = 0
 
-    def add(self, weights: torch.Tensor, info: TokenInfo) -> None:
-        """weights (b, heads, n, n) of one layer, for texts described by ``info`` (b, n)."""
-        a = weights.detach().to(torch.float64)
-        b, _, n, _ = a.shape
-        real = info.real[:, :n]  # (b, n)
-        query_real = real[:, None, :, None].to(a.dtype)  # (b, 1, n, 1): rows of padded queries count for 0
-        positions = torch.arange(n)
-        offset = positions[None, :] - positions[:, None]  # (n, n): j - i
-        lengths = real.sum(dim=1).to(a.dtype)  # (b,)
+    @property
+    def span(self) -> int:
+        return (self.offset_counts.shape[1] - 1) // 2
 
-        def to_keys(key_mask: torch.Tensor) -> torch.Tensor:  # (b, n) key flags -> (b, h, n) mass per query
-            return (a * key_mask[:, None, None, :n].to(a.dtype)).sum(-1)
+    def _cover(self, span: int) -> None:
+        """Widen ``offset_counts`` to offsets -span..span (at most max_offset), keeping the counts."""
+        span = min(span, self.max_offset)
+        grow = span - self.span
+        if grow > 0:
+            self.offset_counts = torch.nn.functional.pad(self.offset_counts, (grow, grow))
+
+    def add(
+        self, weights: torch.Tensor, info: TokenInfo, keys: TokenInfo | None = None, *, causal: bool = False
+    ) -> None:
+        """weights (b, heads, i, j) of one layer, from the query pieces ``info`` describes (b, i) to the key
+        pieces ``keys`` describes (b, j; default ``info``: self-attention). ``causal``: query i may see keys
+        0..i only (bottom-right aligned when the lengths differ); only the normalised entropy uses it."""
+        keys = info if keys is None else keys
+        a = weights.detach().to(torch.float64)
+        b, _, nq, nk = a.shape
+        real = info.real[:, :nq]  # (b, i)
+        key_real = keys.real[:, :nk]  # (b, j)
+        query_real = real[:, None, :, None].to(a.dtype)  # (b, 1, i, 1): rows of padded queries count for 0
+        positions = torch.arange(nq)
+        offset = torch.arange(nk)[None, :] - positions[:, None]  # (i, j): j - i
+        key_lengths = key_real.sum(dim=1).to(a.dtype)  # (b,)
+
+        def to_keys(key_mask: torch.Tensor) -> torch.Tensor:  # (b, j) key flags -> (b, h, i) mass per query
+            return (a * key_mask[:, None, None, :nk].to(a.dtype)).sum(-1)
+
+        def at_offset(k: int) -> torch.Tensor:  # (b, h, i): the weight on key i + k (0 where there is none)
+            return (a * (offset == k).to(a.dtype)).sum(-1)
 
         per_query = {
             "entropy": -torch.special.xlogy(a, a).sum(-1),
             "distance": (a * offset.abs().to(a.dtype)).sum(-1),
-            "cls": to_keys(info.cls),
-            "sep": to_keys(info.sep),
-            "special": to_keys(info.special),
-            "punct": to_keys(info.punct & ~info.special),
-            "prev": (a * (offset == -1).to(a.dtype)).sum(-1),
-            "next": (a * (offset == 1).to(a.dtype)).sum(-1),
-            "self": a.diagonal(dim1=-2, dim2=-1),
+            "cls": to_keys(keys.cls),
+            "sep": to_keys(keys.sep),
+            "special": to_keys(keys.special),
+            "punct": to_keys(keys.punct & ~keys.special),
+            "prev": at_offset(-1),
+            "next": at_offset(1),
+            "self": at_offset(0),
             "max_weight": a.amax(-1),
         }
-        per_query["norm_entropy"] = per_query["entropy"] / lengths.clamp(min=2).log()[:, None, None]
-        q_mask = query_real[..., 0]  # (b, 1, n)
+        if causal:  # query i sees keys 0 .. i + (keys - queries) of its text
+            query_lengths = real.sum(dim=1).to(a.dtype)  # (b,)
+            seen = positions[None, :].to(a.dtype) + 1 + (key_lengths - query_lengths)[:, None]  # (b, i)
+            visible = torch.minimum(seen, key_lengths[:, None])[:, None, :]  # (b, 1, i)
+        else:
+            visible = key_lengths[:, None, None]  # (b, 1, 1)
+        per_query["norm_entropy"] = per_query["entropy"] / visible.clamp(min=2).log()
+        q_mask = query_real[..., 0]  # (b, 1, i)
         for name, values in per_query.items():
             self.sums[name] += (values * q_mask).sum(dim=(0, 2))
         self.queries += int(real.sum())
 
         # Voita et al.: where does each word token's largest weight fall, relative to the token?
-        words = real & ~info.special[:, :n]  # (b, n)
-        argmax_offset = a.argmax(-1) - positions  # (b, h, n)
-        shifted = (argmax_offset + self.max_offset).clamp(0, 2 * self.max_offset)
+        words = real & ~info.special[:, :nq]  # (b, i)
+        self._cover(max(nq, nk) - 1)
+        span = self.span
+        argmax_offset = a.argmax(-1) - positions  # (b, h, i)
+        shifted = (argmax_offset + span).clamp(0, 2 * span)
         counts = torch.zeros_like(self.offset_counts).expand(b, -1, -1).clone()  # (b, h, offsets)
         counts.scatter_add_(2, shifted, words[:, None, :].expand_as(shifted).to(a.dtype))
         self.offset_counts += counts.sum(0)
@@ -379,12 +460,12 @@ class _Accumulator:
 
         # Kovaleva et al.: one pattern per text and head.
         rows = q_mask.sum(-1).clamp(min=1)  # (b, 1) real queries per text
-        band = (offset.abs() <= 1)[None, None]  # (1, 1, n, n)
-        column_mass = (a * query_real).sum(2)  # (b, h, n)
-        top = column_mass.topk(min(2, n), dim=-1).indices  # (b, h, 2)
+        band = (offset.abs() <= 1)[None, None]  # (1, 1, i, j): the diagonal (the alignment, in cross-attention)
+        column_mass = (a * query_real).sum(2)  # (b, h, j)
+        top = column_mass.topk(min(2, nk), dim=-1).indices  # (b, h, 2)
         top_columns = torch.zeros_like(column_mass, dtype=torch.bool).scatter_(-1, top, True)[:, :, None, :]
-        segment = info.segment[:, :n]
-        same_sentence = (segment[:, :, None] == segment[:, None, :])[:, None]  # (b, 1, n, n)
+        segment = info.segment[:, :nq]  # (b, i) the query's sentence number
+        same_sentence = (segment[:, :, None] == keys.segment[:, None, :nk])[:, None]  # (b, 1, i, j)
         diagonal = (a * band * query_real).sum(dim=(-1, -2)) / rows
         vertical = (a * (top_columns & ~band) * query_real).sum(dim=(-1, -2)) / rows
         block = (a * (same_sentence & ~band & ~top_columns) * query_real).sum(dim=(-1, -2)) / rows
@@ -396,9 +477,11 @@ class _Accumulator:
 
     def result(self) -> dict[str, torch.Tensor]:
         values = {name: total / max(self.queries, 1) for name, total in self.sums.items()}
-        best = self.offset_counts.argmax(-1)  # (heads,)
+        best = self.offset_counts.argmax(-1)  # (heads,): the most negative offset among ties
         values["positional"] = self.offset_counts.gather(-1, best[:, None])[:, 0] / max(self.word_queries, 1)
-        values["best_offset"] = (best - self.max_offset).to(torch.float64)
+        values["best_offset"] = (best - self.span).to(torch.float64)
+        if not self.word_queries:  # no word token (only [CLS]/[SEP]): no offset is anyone's best
+            values["best_offset"].zero_()
         values["patterns"] = self.pattern_counts / max(self.texts, 1)  # (heads, len(PATTERNS))
         return values
 
@@ -583,19 +666,24 @@ def head_stats(
     *,
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
+    part: str | None = None,
     batch_size: int = 16,
     truncate: bool = False,
     source: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> HeadStats:
-    """Per-head statistics of an encoder over one text or a corpus (padding masked out).
+    """Per-head statistics of a text model over one text or a corpus (padding masked out).
 
     Args:
-        model: a :class:`multihead.models.Encoder` with its tokenizer (``load_minilm()``).
+        model: a :class:`multihead.models.TextEncoder` with its tokenizer (``load_minilm()``, or a
+            transformers checkpoint through ``multihead.integrations.transformers_models.load_model``).
         texts: a string or a list of strings.
-        layers, heads: which to measure (default all): model layer indices, and head numbers of the
+        layers, heads: which to measure (default all): layer indices of the part, and head numbers of the
             checkpoint (a pruned model's heads keep theirs, see :class:`HeadGrid`; a head pruned from a
             layer is left empty there: NaN, role "pruned").
+        part: which attention (default: the model's first part): "self", or "encoder", "decoder" or
+            "cross" of an encoder-decoder. Queries and keys are the pieces ``model.part_tokens`` names; see
+            the module docstring for what each statistic means on cross-attention and on a causal part.
         batch_size: texts per forward pass.
         truncate: cut texts over the model's positions instead of raising.
         source: a description stored with the result (default: "N texts").
@@ -623,7 +711,9 @@ def head_stats(
     if not batch_texts:
         raise bad_argument("texts", "at least one non-empty text", "none", "pass text with words in it")
     tokenizer = text_tokenizer(model)
-    grid = head_grid(model, layers, heads)
+    part, _ = _part_sites(model, part)
+    grid = head_grid(model, layers, heads, part=part)
+    causal = is_causal_part(model, part)
     accumulators = {
         row: _Accumulator(len(kept), tokenizer.max_length) for row, kept in enumerate(grid.layer_heads) if kept
     }
@@ -632,11 +722,14 @@ def head_stats(
         for start in range(0, len(batch_texts), batch_size):
             batch = tokenizer.batch(list(batch_texts[start : start + batch_size]), truncate=truncate)
             model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-            info = token_info(batch.tokens, batch.input_ids.shape[1])
-            for row, weights in enumerate(rec.weights()):
+            queries, keys = model.part_tokens(batch, part)
+            recorded = rec.weights()
+            nq, nk = next(w for w in recorded if w is not None).shape[-2:]
+            query_info, key_info = token_info(queries, nq), token_info(keys, nk)
+            for row, weights in enumerate(recorded):
                 if weights is not None:
-                    accumulators[row].add(weights, info)
-            tokens_seen += int(batch.attention_mask.sum())
+                    accumulators[row].add(weights, query_info, key_info, causal=causal)
+            tokens_seen += sum(len(pieces) for pieces in queries)
             rec.clear()
             if progress is not None:
                 progress(min(start + batch_size, len(batch_texts)))
@@ -658,21 +751,28 @@ def weight_stats(
     layer_heads: Sequence[Sequence[int]] | None = None,
     max_offset: int = 512,
     source: str = "this text",
+    key_tokens: Sequence[Sequence[str]] | None = None,
+    causal: bool = False,
 ) -> HeadStats:
     """:class:`HeadStats` of weights already recorded, without running the model again.
 
-    ``weights[k]``: (b, len(heads), n, n) of model layer ``layers[k]``, for texts whose word pieces
-    are ``tokens`` (one list per text, padded to n in the weights). For a pruned model, ``layer_heads[k]``
-    are the heads of ``heads`` that layer has, and ``weights[k]`` is (b, len(layer_heads[k]), n, n).
+    ``weights[k]``: (b, len(heads), i, j) of model layer ``layers[k]``, from the query pieces ``tokens``
+    (one list per text, padded to i in the weights) to the key pieces ``key_tokens`` (padded to j; default
+    ``tokens``: self-attention). For a pruned model, ``layer_heads[k]`` are the heads of ``heads`` that layer
+    has, and ``weights[k]`` is (b, len(layer_heads[k]), i, j). ``causal``: query i sees keys 0..i only (see
+    the module docstring). ``max_offset``: the largest relative position counted apart (the model's
+    positions).
     """
     kept = [list(heads) for _ in layers] if layer_heads is None else [list(row) for row in layer_heads]
     grid = HeadGrid(list(layers), list(heads), kept)
-    info = token_info(tokens, weights[0].shape[-1])
+    nq, nk = weights[0].shape[-2:]
+    info = token_info(tokens, nq)
+    keys = info if key_tokens is None else token_info(key_tokens, nk)
     accumulators = {}
     for row, (row_heads, layer_weights) in enumerate(zip(grid.layer_heads, weights, strict=True)):
         if row_heads:
             accumulators[row] = _Accumulator(len(row_heads), max_offset)
-            accumulators[row].add(layer_weights, info)
+            accumulators[row].add(layer_weights, info, keys, causal=causal)
     return _finish(accumulators, grid, texts=len(tokens), tokens=sum(len(pieces) for pieces in tokens), source=source)
 
 
