@@ -40,6 +40,9 @@ def test_an_inspection_is_frozen_data():
         "role_stats",
         "corpus",
         "token",
+        "part",
+        "key_tokens",
+        "causal",
     ]
 
 

@@ -1,8 +1,15 @@
-"""One text through an encoder, every head measured and labelled: the :class:`Inspection` (data only).
+"""One text through a text model, every head measured and labelled: the :class:`Inspection` (data only).
 
     inspection = inspect_text(model, "The bank was full of money.", token="bank")
     inspection.top_attended(layer=2, head=5)     # [('money', 6, 0.41), ...]
     inspection.to_dict()                         # what inspect.json holds, and what the HTML page draws
+    inspect_text(bart, text, part="cross")       # an encoder-decoder's cross-attention: decoder input -> text
+
+An inspection covers one part of the model's attention (see
+:func:`~multihead.inspect.capture.attention_sites`): "self" in a one-stack model (BERT, GPT-2, Llama),
+"encoder", "decoder" or "cross" in an encoder-decoder (BART). Its ``tokens`` are the query pieces and its
+``key_tokens`` the key pieces (:meth:`~multihead.models.TextEncoder.part_tokens`): the same in
+self-attention; in cross-attention the decoder's input and the source text.
 
 The renderers take an Inspection: :mod:`~multihead.inspect.terminal`, :mod:`~multihead.inspect.html`,
 :mod:`~multihead.inspect.plots`; :mod:`~multihead.inspect.write` writes them all (``report()``).
@@ -11,14 +18,22 @@ The renderers take an Inspection: :mod:`~multihead.inspect.terminal`, :mod:`~mul
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from multihead._errors import bad_argument, describe
 from multihead._userfiles import read_text
-from multihead.inspect.stats import DECIMALS, HeadStats, head_grid, head_stats, record_grid, weight_stats
+from multihead.inspect.stats import (
+    DECIMALS,
+    HeadStats,
+    head_grid,
+    head_stats,
+    is_causal_part,
+    record_grid,
+    weight_stats,
+)
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
@@ -29,10 +44,20 @@ __all__ = [
     "pick_token",
     "BUNDLED_CORPUS",
     "SPECIAL_TOKENS",
+    "PART_TITLES",
+    "CAUSAL_NOTE",
 ]
 
 BUNDLED_CORPUS = Path(__file__).with_name("corpus.txt")
 SPECIAL_TOKENS = frozenset({"[CLS]", "[SEP]"})  # the reports set them apart from the words of the text
+# What each part's attention goes from and to, as the reports' headers name it ("self" needs no title).
+PART_TITLES = {
+    "self": "self-attention",
+    "encoder": "encoder self-attention: source text -> source text",
+    "decoder": "decoder self-attention: decoder input -> decoder input",
+    "cross": "cross-attention: decoder input -> source text",
+}
+CAUSAL_NOTE = "causal: each token attends only to itself and earlier tokens"
 # Words that are rarely what a user means by "the token to look at": the default --token skips them.
 _FUNCTION_WORDS = frozenset(
     "a an the this that these those of to in on at by for from with into onto about as and or but nor so if "
@@ -118,12 +143,16 @@ def pick_token(tokens: Sequence[str], token: str | int | None) -> int:
 class Inspection:
     """Every recorded head's weights on one text, with statistics and roles.
 
-    ``layers``: model layer indices (rows); ``heads``: head numbers of the checkpoint (columns), which a
-    pruned model's heads keep (``Encoder.head_ids``). ``weights``: (len(layers), len(heads), n, n) float32,
-    weights[l, h, i, j] from token i to token j; all 0 in the cell of a head pruned from that layer
-    (:attr:`present` says which cells hold a head). ``stats``: statistics of this text; ``role_stats``:
-    those the roles were labelled from (the corpus when one was given, else this text); ``corpus``:
-    corpus statistics or None; ``token``: the index of the selected query token.
+    ``tokens``: the query pieces (rows of every head's weights); ``key_tokens``: the key pieces (columns),
+    equal to ``tokens`` in self-attention (left empty, it is filled with ``tokens``). ``layers``: layer indices
+    of the part (rows); ``heads``: head numbers of the checkpoint (columns), which a pruned model's heads keep
+    (``Encoder.head_ids``). ``weights``: (len(layers), len(heads), i, j) float32 with i = len(tokens),
+    j = len(key_tokens), weights[l, h, i, j] from query piece i to key piece j; all 0 in the cell of a head
+    pruned from that layer (:attr:`present` says which cells hold a head). ``stats``: statistics of this
+    text; ``role_stats``: those the roles were labelled from (the corpus when one was given, else this
+    text); ``corpus``: corpus statistics or None; ``token``: the index of the selected query token.
+    ``part``: the model's part ("self", "encoder", "decoder" or "cross"); ``causal``: True when query i sees
+    keys 0..i only (a decoder: the weights above the diagonal are 0 because they are masked).
     """
 
     model_name: str
@@ -136,6 +165,25 @@ class Inspection:
     role_stats: HeadStats
     corpus: HeadStats | None
     token: int
+    part: str = "self"
+    key_tokens: list[str] = field(default_factory=list)
+    causal: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.key_tokens:  # self-attention: the queries' pieces on both axes
+            object.__setattr__(self, "key_tokens", list(self.tokens))
+
+    @property
+    def notes(self) -> list[str]:
+        """What the reports' headers say about the attention shown: the part's title unless it is a
+        one-stack model's "self", and :data:`CAUSAL_NOTE` for a causal part (none for a BERT-like encoder)."""
+        lines = [] if self.part == "self" else [PART_TITLES.get(self.part, f"{self.part} attention")]
+        return lines + ([CAUSAL_NOTE] if self.causal else [])
+
+    @property
+    def same_axes(self) -> bool:
+        """True when queries and keys are the same pieces (self-attention), False for cross-attention."""
+        return self.part != "cross" and self.key_tokens == self.tokens
 
     @property
     def present(self) -> torch.Tensor:
@@ -153,28 +201,34 @@ class Inspection:
         return self.stats.layer_heads is not None
 
     def head_weights(self, layer: int, head: int) -> torch.Tensor:
-        """(n, n) weights of model layer ``layer``, head ``head`` (its checkpoint number); a head pruned from
-        the layer raises ValueError."""
+        """(i, j) weights of layer ``layer``, head ``head`` (its checkpoint number); a head pruned from the
+        layer raises ValueError."""
         row, col = self.stats._position(layer, head)
         return self.weights[row, col]
 
     def top_attended(self, layer: int, head: int, token: int | None = None, k: int = 3) -> list[tuple[str, int, float]]:
-        """The ``k`` tokens ``token`` (default: the selected one) attends to most: (piece, index, weight)."""
-        row = self.head_weights(layer, head)[self.token if token is None else token]
+        """The ``k`` key pieces query ``token`` (default: the selected one) attends to most: (key piece, its
+        index in ``key_tokens``, weight)."""
+        row = self.head_weights(layer, head)[self.token if token is None else token]  # (j,)
         values, indices = row.topk(min(k, row.numel()))
-        return [(self.tokens[j], j, float(w)) for w, j in zip(values.tolist(), indices.tolist(), strict=True)]
+        return [(self.key_tokens[j], j, float(w)) for w, j in zip(values.tolist(), indices.tolist(), strict=True)]
 
     def most_attended(self, layer: int, head: int) -> list[tuple[str, str, float]]:
-        """For every token, the token it attends to most: (query piece, key piece, weight), in text order."""
-        weights = self.head_weights(layer, head)  # (n, n)
+        """For every query piece, the key piece it attends to most: (query piece, key piece, weight), in
+        text order."""
+        weights = self.head_weights(layer, head)  # (i, j)
         best, keys = weights.max(dim=-1)
         pairs = zip(best.tolist(), keys.tolist(), strict=True)
-        return [(self.tokens[i], self.tokens[j], float(w)) for i, (w, j) in enumerate(pairs)]
+        return [(self.tokens[i], self.key_tokens[j], float(w)) for i, (w, j) in enumerate(pairs)]
 
     def to_dict(self) -> dict:
-        """Everything measured, as plain JSON values (numbers rounded to ``DECIMALS`` places): tokens, weights,
-        statistics, roles, each head's top keys for the selected token. ``inspect.json`` holds it, and the
-        HTML page draws it.
+        """Everything measured, as plain JSON values (numbers rounded to ``DECIMALS`` places): the part and
+        whether it is causal, the query and key pieces, weights, statistics, roles, each head's top keys for
+        the selected token. ``inspect.json`` holds it, and the HTML page draws it.
+
+        "part", "causal" and "key_tokens" are always there (for a BERT-like encoder: "self", false, and the
+        same pieces as "tokens"). "weights" is (layers, heads, i, j) and "most_attended" (layers, heads, i),
+        indices into "key_tokens".
 
         Of a pruned model, "layer_heads" lists each layer's heads, and a head pruned from a layer has empty
         lists for its weights, top_attended and most_attended, null statistics and the role "pruned".
@@ -189,7 +243,10 @@ class Inspection:
         data: dict = {
             "model": self.model_name,
             "text": self.text,
+            "part": self.part,
+            "causal": self.causal,
             "tokens": self.tokens,
+            "key_tokens": self.key_tokens,
             "layers": self.layers,
             "heads": self.heads,
         }
@@ -215,7 +272,7 @@ class Inspection:
                     ]
                     for row, layer in enumerate(self.layers)
                 ],
-                # for every head and token, the index of the token it attends to most: (layers, heads, n)
+                # for every head and query, the index of the key it attends to most: (layers, heads, i)
                 "most_attended": cells(self.weights.argmax(dim=-1).tolist()),
             }
         )
@@ -228,6 +285,7 @@ def inspect_text(
     *,
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
+    part: str | None = None,
     token: str | int | None = None,
     corpus: Sequence[str] | None = None,
     corpus_source: str | None = None,
@@ -237,18 +295,24 @@ def inspect_text(
     """Run ``text`` through ``model`` recording the chosen heads, and measure and label them.
 
     Args:
-        model: a :class:`multihead.models.Encoder` with its tokenizer (``load_minilm()``).
+        model: a :class:`multihead.models.TextEncoder` with its tokenizer (``load_minilm()``, or any
+            transformers checkpoint through ``multihead.integrations.transformers_models.load_model``).
         text: the text (non-empty).
-        layers, heads: which heads to record (default all): model layer indices, and head numbers of the
-            checkpoint, which a pruned model's heads keep (``Encoder.head_ids``). A head pruned from a
+        layers, heads: which heads to record (default all): layer indices of the part, and head numbers of
+            the checkpoint, which a pruned model's heads keep (``Encoder.head_ids``). A head pruned from a
             chosen layer is an empty cell of the grid ("pruned"); a head no chosen layer has raises.
-        token: the query token to show (see :func:`pick_token`).
-        corpus: texts for corpus statistics; roles are then labelled from the corpus.
+        part: which attention (default: the model's first part): "self" for a one-stack model, "encoder",
+            "decoder" or "cross" for an encoder-decoder; a part the model lacks raises ValueError naming its
+            parts. The decoder reads the text shifted right after its start token
+            (:meth:`~multihead.models.TextEncoder.part_tokens`).
+        token: the query token to show, among the query pieces (see :func:`pick_token`).
+        corpus: texts for corpus statistics (of the same part); roles are then labelled from the corpus.
         truncate: cut a text over the model's positions instead of raising.
         progress: called with texts done, over the corpus.
 
     Returns:
-        :class:`Inspection` with (layers, heads, n, n) weights (0 in the cells of pruned heads).
+        :class:`Inspection` with (layers, heads, i, j) weights (0 in the cells of pruned heads; 0 above the
+        diagonal of a causal part): i query pieces (``tokens``), j key pieces (``key_tokens``).
     """
     if not isinstance(text, str):
         raise bad_argument(
@@ -257,23 +321,27 @@ def inspect_text(
     if not text.strip():
         raise bad_argument("text", "a non-empty text", repr(text), 'pass e.g. "The bank was full of money."')
     tokenizer = text_tokenizer(model)
-    grid = head_grid(model, layers, heads)
+    grid = head_grid(model, layers, heads, part=part)
+    chosen = grid.part or "self"
+    causal = is_causal_part(model, chosen)
     batch = tokenizer.batch([text], truncate=truncate)
-    tokens = batch.tokens[0]
+    queries, keys = model.part_tokens(batch, chosen)
+    tokens, key_tokens = list(queries[0]), list(keys[0])
     selected = pick_token(tokens, token)
     with evaluating(model), record_grid(model, grid) as rec:
         model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-    recorded = rec.weights()  # per layer (1, its heads, n, n); None for a layer with none of the heads
-    weights = grid.pad([None if w is None else w[0].float() for w in recorded])  # (layers, heads, n, n)
-    n = len(tokens)
+    recorded = rec.weights()  # per layer (1, its heads, i, j); None for a layer with none of the heads
+    weights = grid.pad([None if w is None else w[0].float() for w in recorded])  # (layers, heads, i, j)
     stats = weight_stats(
-        [torch.zeros(1, 0, n, n) if w is None else w for w in recorded],
+        [torch.zeros(1, 0, len(tokens), len(key_tokens)) if w is None else w for w in recorded],
         [tokens],
         layers=grid.layers,
         heads=grid.heads,
         layer_heads=grid.layer_heads if grid.ragged else None,
         max_offset=tokenizer.max_length,
         source="this text",
+        key_tokens=[key_tokens],
+        causal=causal,
     )
     corpus_stats = None
     if corpus is not None:
@@ -282,6 +350,7 @@ def inspect_text(
             list(corpus),
             layers=grid.layers,
             heads=grid.heads,
+            part=chosen,
             truncate=truncate,
             source=corpus_source or f"{len(corpus)} corpus texts",
             progress=progress,
@@ -297,4 +366,7 @@ def inspect_text(
         role_stats=corpus_stats or stats,
         corpus=corpus_stats,
         token=selected,
+        part=chosen,
+        key_tokens=key_tokens,
+        causal=causal,
     )
