@@ -50,7 +50,9 @@ def test_the_page_carries_to_dict_and_the_view():
     assert data["report"] == json.loads(json.dumps(inspection.to_dict()))  # one serialisation, inspect.json's
     assert data["view"] == {
         "title": "multihead inspect: all-MiniLM-L6-v2",
+        "notes": [],
         "special": [piece in ("[CLS]", "[SEP]") for piece in TOKENS],
+        "key_special": [piece in ("[CLS]", "[SEP]") for piece in TOKENS],
         "stat_names": STAT_NAMES,
         "extra_columns": EXTRA,
     }

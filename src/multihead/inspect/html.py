@@ -17,6 +17,15 @@ disk offline. It shows
 * a sortable table of per-head statistics (``#head-stats``) and, only when corpus statistics
   were measured, a second one (``#corpus-stats``).
 
+The page shows one part of the model's attention (``inspection.part``). Its header names the part when it
+is not a one-stack model's self-attention (``#report-notes``: "cross-attention: decoder input -> source
+text") and says when it is causal ("causal: each token attends only to itself and earlier tokens"). Of a
+causal part, the masked cells (keys after the query) are hatched grey in the large heatmap and plain grey
+in the thumbnails, apart from the colour of a weight of 0, and their bars read "masked". In
+cross-attention the key pieces (the source text) differ from the query pieces: the query pieces stay the
+clickable tokens, the key pieces are a second, shaded strip (``#key-strip``, ``.key-chip[data-key]``), and
+the bars, the heatmap's columns and its labels are the key pieces.
+
 Heads go by their checkpoint numbers. Of a pruned model, a head a layer no longer has (its weights
 are an empty list in the data) is an empty thumbnail (``.head-cell.pruned``, ``canvas[data-pruned]``)
 captioned "pruned" that cannot be selected; picked with the selects, the page says it was pruned;
@@ -61,7 +70,9 @@ def render_html(
     """
     view = {
         "title": f"multihead inspect: {inspection.model_name}",
+        "notes": inspection.notes,
         "special": [piece in SPECIAL_TOKENS for piece in inspection.tokens],
+        "key_special": [piece in SPECIAL_TOKENS for piece in inspection.key_tokens],
         "stat_names": STAT_NAMES,
         "extra_columns": dict(extra_columns or {}),
     }

@@ -3,6 +3,11 @@
 Two tables: the layer x head grid of role labels, and for the selected token each head's two
 most attended tokens with their weights (rows heads, columns layers). Heads go by their checkpoint
 numbers; a head pruned from a layer reads "pruned" in both.
+
+The header names the part shown when it is not a one-stack model's self-attention ("cross-attention:
+decoder input -> source text") and says when it is causal ("causal: each token attends only to itself and
+earlier tokens"); in cross-attention the attended tokens are the source text's (the key pieces), listed
+under the query pieces.
 """
 
 from __future__ import annotations
@@ -68,10 +73,11 @@ def role_grid(inspection: Inspection) -> Table:
 
 
 def attention_table(inspection: Inspection, top: int = 2) -> Table:
-    """Rows heads, columns layers: where the selected token attends most, with percentages."""
+    """Rows heads, columns layers: the key pieces the selected token attends to most, with percentages."""
     token = inspection.tokens[inspection.token]
+    where = "" if inspection.same_axes else " in the source text"
     table = Table(
-        title=f"Where '{token}' (token {inspection.token}) attends: top {top} per head",
+        title=f"Where '{token}' (token {inspection.token}) attends{where}: top {top} per head",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         show_edge=False,
@@ -98,7 +104,8 @@ def attention_table(inspection: Inspection, top: int = 2) -> Table:
 
 
 def strongest_links(inspection: Inspection, count: int = 6) -> list[tuple[int, int, str, float]]:
-    """The heads where the selected token puts most weight on another word (not itself, [CLS] or [SEP]).
+    """The heads where the selected token puts most weight on another word (not itself, [CLS] or [SEP]); in
+    cross-attention, on a word of the source text (any key piece but [CLS] and [SEP]).
 
     Returns up to ``count`` (layer, head, key piece, weight), strongest first.
     """
@@ -108,10 +115,11 @@ def strongest_links(inspection: Inspection, count: int = 6) -> list[tuple[int, i
         for col, head in enumerate(inspection.heads):
             if not present[row][col]:
                 continue
-            weights = inspection.weights[row, col, inspection.token]  # (n,)
+            weights = inspection.weights[row, col, inspection.token]  # (j,)
             for key in weights.argsort(descending=True).tolist():
-                piece = inspection.tokens[key]
-                if key != inspection.token and piece not in SPECIAL_TOKENS:
+                piece = inspection.key_tokens[key]
+                itself = inspection.same_axes and key == inspection.token
+                if not itself and piece not in SPECIAL_TOKENS:
                     links.append((layer, head, piece, float(weights[key])))
                     break
     return sorted(links, key=lambda link: -link[3])[:count]
@@ -122,21 +130,34 @@ def print_inspection(inspection: Inspection, console: Console | None = None) -> 
     if console is None:
         console = make_console()
     pruned = int((~inspection.present).sum())
+    same = inspection.same_axes
     console.print(
         Text(
             f"{inspection.model_name}: {len(inspection.layers)} layers x {len(inspection.heads)} heads "
             + (f"({pruned} pruned) " if pruned else "")
-            + f"on {len(inspection.tokens)} tokens",
+            + (
+                f"on {len(inspection.tokens)} tokens"
+                if same
+                else f"from {len(inspection.tokens)} query tokens to {len(inspection.key_tokens)} key tokens"
+            ),
             style="bold",
         )
     )
-    console.print(Text(" ".join(inspection.tokens), overflow="fold"))
+    for note in inspection.notes:
+        console.print(Text(note, style="bold"))
+    if same:
+        console.print(Text(" ".join(inspection.tokens), overflow="fold"))
+    else:
+        console.print(Text("queries: " + " ".join(inspection.tokens), overflow="fold"))
+        console.print(Text("keys:    " + " ".join(inspection.key_tokens), overflow="fold"))
     console.print()
     console.print(role_grid(inspection))
     console.print(
         Text(
             "prev/next/self: positional (Voita 2019); [CLS]/[SEP]: sink; punct; broad; focused "
-            "(Clark 2019); mixed: none of these" + ("; pruned: the layer no longer has this head" if pruned else ""),
+            "(Clark 2019); mixed: none of these"
+            + ("; pruned: the layer no longer has this head" if pruned else "")
+            + ("; prev/next/self are the source positions i-1, i+1, i" if not same else ""),
             style="dim",
             overflow="fold",
         )
@@ -148,7 +169,7 @@ def print_inspection(inspection: Inspection, console: Console | None = None) -> 
         token = inspection.tokens[inspection.token]
         console.print(
             Text(
-                f"Strongest links from '{token}' to another word: "
+                f"Strongest links from '{token}' to {'another word' if same else 'a word of the source text'}: "
                 + ", ".join(f"{piece} {weight:.0%} (L{layer} H{head})" for layer, head, piece, weight in links),
                 overflow="fold",
             )

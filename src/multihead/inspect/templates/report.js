@@ -3,7 +3,14 @@
   /* report: Inspection.to_dict(), as in inspect.json; view: what only the page needs. */
   var payload = JSON.parse(document.getElementById("report-data").textContent);
   var report = payload.report, view = payload.view, corpus = report.corpus_stats;
-  var n = report.tokens.length;
+  /* Rows are the query pieces (tokens), columns the key pieces (key_tokens): the same in self-attention,
+     the source text in cross-attention. */
+  var n = report.tokens.length, keys = report.key_tokens, nk = keys.length;
+  var sameAxes = report.part !== "cross" && nk === n &&
+    keys.every(function (token, k) { return token === report.tokens[k]; });
+  /* A causal part masks the keys after the query (aligned bottom-right when the lengths differ). */
+  function masked(q, k) { return report.causal && k - q > nk - n; }
+  var MASKED = [214, 218, 223];  /* the thumbnails' grey for masked cells */
   /* Heads go by their checkpoint numbers; a head pruned from a layer has no weights there (an empty list). */
   function kept(li, hi) { return report.weights[li][hi].length > 0; }
   function firstKept() {
@@ -46,7 +53,14 @@
   /* ---------------------------------------------------------------- header and controls */
   byId("report-title").textContent = view.title;
   byId("report-model").textContent = report.model;
-  byId("report-ntokens").textContent = String(n);
+  byId("report-ntokens").textContent = sameAxes ? String(n) : n + " queries \u00b7 " + nk + " keys";
+  if (report.part !== "self") {
+    byId("report-part").textContent = report.part;
+    byId("report-part-meta").hidden = false;
+  }
+  view.notes.forEach(function (note) { byId("report-notes").appendChild(el("p", "", note)); });
+  byId("report-notes").hidden = view.notes.length === 0;
+  byId("legend-masked").hidden = !report.causal;
   byId("report-roles-source").textContent = report.roles_from;
   byId("report-text").textContent = report.text;
   if (corpus) {
@@ -79,6 +93,18 @@
     byId("tokens").appendChild(node);
     return node;
   });
+  /* In cross-attention the keys are other pieces: a second strip, shaded by the query's attention. */
+  var keyNodes = tokenNodes;
+  if (!sameAxes) {
+    byId("key-strip").hidden = false;
+    byId("query-hint").textContent = "click a token of the decoder input";
+    keyNodes = keys.map(function (token, k) {
+      var node = el("span", "token key-chip" + (view.key_special[k] ? " special" : ""), token);
+      node.setAttribute("data-key", String(k));
+      byId("key-tokens").appendChild(node);
+      return node;
+    });
+  }
 
   /* ---------------------------------------------------------------- heatmap grid */
   var grid = byId("head-grid"), cells = [];
@@ -107,6 +133,7 @@
       canvas.setAttribute("tabindex", "0");
       canvas.setAttribute("aria-label", "layer " + layer + ", head " + head + ": " + r.label);
       cell.title = "layer " + layer + ", head " + head + " \u2014 " + r.label + " (" + r.pattern + "): " + r.summary;
+      if (nk !== n) canvas.style.aspectRatio = nk + " / " + n;
       drawSmall(canvas, report.weights[li][hi]);
       canvas.addEventListener("click", function () { selectHead(li, hi); });
       canvas.addEventListener("keydown", function (event) {
@@ -119,12 +146,12 @@
     }));
   });
 
-  /* One pixel per (query, key); CSS scales it up without smoothing. */
+  /* One pixel per (query, key); CSS scales it up without smoothing. Masked (causal) cells are grey. */
   function drawSmall(canvas, matrix) {
-    canvas.width = n; canvas.height = n;
-    var ctx = canvas.getContext("2d"), image = ctx.createImageData(n, n);
-    for (var q = 0; q < n; q++) for (var k = 0; k < n; k++) {
-      var c = rgb(matrix[q][k]), o = 4 * (q * n + k);
+    canvas.width = nk; canvas.height = n;
+    var ctx = canvas.getContext("2d"), image = ctx.createImageData(nk, n);
+    for (var q = 0; q < n; q++) for (var k = 0; k < nk; k++) {
+      var c = masked(q, k) ? MASKED : rgb(matrix[q][k]), o = 4 * (q * nk + k);
       image.data[o] = c[0]; image.data[o + 1] = c[1]; image.data[o + 2] = c[2]; image.data[o + 3] = 255;
     }
     ctx.putImageData(image, 0, 0);
@@ -136,14 +163,18 @@
   var layout = (function () {
     var ctx = detail.getContext("2d"), room = Math.max(120, detail.parentElement.clientWidth - 2);
     ctx.font = "11px " + getComputedStyle(document.body).getPropertyValue("--mono");
-    var names = report.tokens.map(function (t) { return t.length > 12 ? t.slice(0, 11) + "\u2026" : t; });
-    var width = Math.ceil(Math.max.apply(null, names.map(function (t) { return ctx.measureText(t).width; }))) + 8;
-    var cell = Math.min(30, Math.floor((room - width) / n));
-    if (cell >= 11) return { cell: cell, labels: true, names: names, left: width, top: width };
-    return { cell: Math.max(2, Math.min(30, Math.floor(room / n))), labels: false, names: names, left: 0, top: 0 };
+    function short(t) { return t.length > 12 ? t.slice(0, 11) + "\u2026" : t; }
+    function widest(names) {
+      return Math.ceil(Math.max.apply(null, names.map(function (t) { return ctx.measureText(t).width; }))) + 8;
+    }
+    var rows = report.tokens.map(short), cols = keys.map(short), left = widest(rows), top = widest(cols);
+    var cell = Math.min(30, Math.floor((room - left) / nk));
+    if (cell >= 11) return { cell: cell, labels: true, rows: rows, cols: cols, left: left, top: top };
+    return { cell: Math.max(2, Math.min(30, Math.floor(room / nk))), labels: false, rows: rows, cols: cols,
+             left: 0, top: 0 };
   })();
   (function () {
-    var dpr = window.devicePixelRatio || 1, w = layout.left + n * layout.cell + 2, h = layout.top + n * layout.cell + 2;
+    var dpr = window.devicePixelRatio || 1, w = layout.left + nk * layout.cell + 2, h = layout.top + n * layout.cell + 2;
     detail.width = Math.round(w * dpr); detail.height = Math.round(h * dpr);
     detail.style.width = w + "px"; detail.style.height = h + "px";
     detail.getContext("2d").scale(dpr, dpr);
@@ -156,30 +187,42 @@
   detail.addEventListener("click", function (event) { var at = rowAt(event); if (at.inside) selectQuery(at.q); });
   detail.addEventListener("mousemove", function (event) {
     var at = rowAt(event);
-    detail.title = kept(state.li, state.hi) && at.inside && at.k >= 0 && at.k < n
-      ? report.tokens[at.q] + " \u2192 " + report.tokens[at.k] + ": " + pct(weights()[at.q][at.k]) : "";
+    detail.title = kept(state.li, state.hi) && at.inside && at.k >= 0 && at.k < nk
+      ? report.tokens[at.q] + " \u2192 " + keys[at.k] + ": " +
+        (masked(at.q, at.k) ? "masked (a later token)" : pct(weights()[at.q][at.k])) : "";
   });
+  /* Masked (causal) cells: grey hatching, apart from a weight of 0. */
+  var hatch = (function () {
+    var tile = document.createElement("canvas"), ctx = tile.getContext("2d");
+    tile.width = tile.height = 6;
+    ctx.fillStyle = "#eef0f3"; ctx.fillRect(0, 0, 6, 6);
+    ctx.strokeStyle = "#b8bec6"; ctx.lineWidth = 1;
+    ctx.beginPath(); ctx.moveTo(0, 6); ctx.lineTo(6, 0); ctx.stroke();
+    return detail.getContext("2d").createPattern(tile, "repeat");
+  })();
 
   function drawDetail() {
     var ctx = detail.getContext("2d"), m = weights(), s = layout.cell, x0 = layout.left, y0 = layout.top;
     ctx.clearRect(0, 0, detail.width, detail.height);
     if (!kept(state.li, state.hi)) return;  /* a pruned head: nothing to draw */
-    for (var q = 0; q < n; q++) for (var k = 0; k < n; k++) {
-      ctx.fillStyle = css(m[q][k]); ctx.fillRect(x0 + k * s, y0 + q * s, s, s);
+    for (var q = 0; q < n; q++) for (var k = 0; k < nk; k++) {
+      ctx.fillStyle = masked(q, k) ? hatch : css(m[q][k]); ctx.fillRect(x0 + k * s, y0 + q * s, s, s);
     }
     if (layout.labels) {
       ctx.font = "11px " + getComputedStyle(document.body).getPropertyValue("--mono");
       ctx.textBaseline = "middle";
-      layout.names.forEach(function (name, i) {
+      layout.rows.forEach(function (name, i) {  /* the query pieces, left of their rows */
         ctx.fillStyle = i === state.q ? "#c2410c" : view.special[i] ? "#8250df" : "#1f2328";
         ctx.textAlign = "right"; ctx.fillText(name, x0 - 5, y0 + (i + 0.5) * s);
-        ctx.save(); ctx.translate(x0 + (i + 0.5) * s, y0 - 5); ctx.rotate(-Math.PI / 2);
-        ctx.textAlign = "left"; ctx.fillStyle = view.special[i] ? "#8250df" : "#1f2328"; ctx.fillText(name, 0, 0);
+      });
+      layout.cols.forEach(function (name, k) {  /* the key pieces, above their columns */
+        ctx.save(); ctx.translate(x0 + (k + 0.5) * s, y0 - 5); ctx.rotate(-Math.PI / 2);
+        ctx.textAlign = "left"; ctx.fillStyle = view.key_special[k] ? "#8250df" : "#1f2328"; ctx.fillText(name, 0, 0);
         ctx.restore();
       });
     }
     ctx.strokeStyle = "#e8590c"; ctx.lineWidth = 2;
-    ctx.strokeRect(x0 + 1, y0 + state.q * s + 1, n * s - 2, Math.max(2, s - 2));
+    ctx.strokeRect(x0 + 1, y0 + state.q * s + 1, nk * s - 2, Math.max(2, s - 2));
   }
 
   /* ---------------------------------------------------------------- where the query attends */
@@ -188,8 +231,8 @@
     if (!kept(state.li, state.hi)) {
       title.textContent = "Head " + report.heads[state.hi] + " was pruned from layer " + report.layers[state.li];
       bars.textContent = "";
-      tokenNodes.forEach(function (node, k) {
-        node.classList.toggle("selected", k === state.q);
+      tokenNodes.forEach(function (node, q) { node.classList.toggle("selected", q === state.q); });
+      keyNodes.forEach(function (node) {
         node.classList.remove("dark");
         node.style.background = "";
         node.title = "";
@@ -200,28 +243,31 @@
     title.textContent = "";
     title.appendChild(document.createTextNode("Where "));
     title.appendChild(el("code", "", report.tokens[state.q]));
-    title.appendChild(document.createTextNode(" (#" + state.q + ") attends in layer " + report.layers[state.li] +
-      ", head " + report.heads[state.hi]));
+    title.appendChild(document.createTextNode(" (#" + state.q + ") attends" + (sameAxes ? "" : " in the source text") +
+      " in layer " + report.layers[state.li] + ", head " + report.heads[state.hi]));
     bars.textContent = "";
     row.forEach(function (w, k) {
-      var line = el("div", "weight-row" + (k === state.q ? " is-query" : "") + (w === max ? " is-max" : ""));
+      var hidden = masked(state.q, k);
+      var line = el("div", "weight-row" + (sameAxes && k === state.q ? " is-query" : "") +
+        (w === max ? " is-max" : "") + (hidden ? " masked" : ""));
       line.setAttribute("data-key", String(k));
       line.setAttribute("data-weight", String(w));
       line.appendChild(el("span", "key-index", k));
-      line.appendChild(el("span", "key-token" + (view.special[k] ? " special" : ""), report.tokens[k]));
+      line.appendChild(el("span", "key-token" + (view.key_special[k] ? " special" : ""), keys[k]));
       var track = el("div", "bar-track"), fill = el("div", "bar-fill");
       fill.style.width = (100 * w) + "%";
       track.appendChild(fill);
       line.appendChild(track);
-      line.appendChild(el("span", "weight-pct", pct(w)));
+      line.appendChild(el("span", "weight-pct", hidden ? "masked" : pct(w)));
       bars.appendChild(line);
     });
-    tokenNodes.forEach(function (node, k) {
+    tokenNodes.forEach(function (node, q) { node.classList.toggle("selected", q === state.q); });
+    keyNodes.forEach(function (node, k) {
       var w = row[k];
-      node.classList.toggle("selected", k === state.q);
-      node.style.background = css(w);
+      node.style.background = masked(state.q, k) ? "" : css(w);
       node.classList.toggle("dark", Math.sqrt(w) > 0.55);
-      node.title = pct(w) + " of the attention of \u201c" + report.tokens[state.q] + "\u201d";
+      node.title = masked(state.q, k) ? "masked: after \u201c" + report.tokens[state.q] + "\u201d"
+        : pct(w) + " of the attention of \u201c" + report.tokens[state.q] + "\u201d";
     });
   }
 
