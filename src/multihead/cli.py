@@ -97,6 +97,13 @@ def _inspect_parser(subparsers) -> None:
         help="heads to show, by their numbers in the checkpoint (a pruned model's heads keep theirs), "
         "e.g. 0,5,11 (default: all)",
     )
+    parser.add_argument(
+        "--part",
+        metavar="PART",
+        help="which attention to show: self (a one-stack model such as BERT, GPT-2, Llama), or encoder, decoder "
+        "or cross (an encoder-decoder such as BART: cross goes from the decoder input to the source text); "
+        "default: the model's first",
+    )
     parser.add_argument("--token", help="the word to follow (default: the first content word)")
     parser.add_argument(
         "--corpus",
@@ -160,15 +167,20 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.scores:
         columns = _report_columns(args.scores, model)
     if corpus is None:
-        with from_option("--token", names=("token",)), from_option("--heads", names=("heads",)):
+        with (
+            from_option("--token", names=("token",)),
+            from_option("--heads", names=("heads",)),
+            from_option("--part", names=("part",)),
+        ):
             inspection = inspect_text(
-                model, args.text, layers=layers, heads=heads, token=args.token, truncate=args.truncate
+                model, args.text, layers=layers, heads=heads, part=args.part, token=args.token, truncate=args.truncate
             )
     else:
         with (
             Progress(console=console, transient=True) as progress,
             from_option("--token", names=("token",)),
             from_option("--heads", names=("heads",)),
+            from_option("--part", names=("part",)),
         ):
             task = progress.add_task("corpus statistics", total=len(corpus))
             inspection = inspect_text(
@@ -176,6 +188,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                 args.text,
                 layers=layers,
                 heads=heads,
+                part=args.part,
                 token=args.token,
                 corpus=corpus,
                 corpus_source=corpus_source,
