@@ -59,9 +59,7 @@ def test_heads_importance_ranks_a_transformers_checkpoints_heads_by_ablation(fol
 
 
 def test_pruning_a_transformers_checkpoint_is_one_line_saying_to_rank_by_ablation(folders, tmp_path, capsys):
-    code = main(
-        ["heads", "prune", "--model", str(folders["gpt2"]), "--fraction", "0.2", "--out", str(tmp_path / "p")]
-    )
+    code = main(["heads", "prune", "--model", str(folders["gpt2"]), "--fraction", "0.2", "--out", str(tmp_path / "p")])
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1

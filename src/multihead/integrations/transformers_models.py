@@ -34,6 +34,8 @@ from multihead.models.tokenizer import TextTokenizer, TokenBatch
 __all__ = ["TransformersModel", "TransformersTokenizer", "load_model"]
 
 _FIX = "point --model at a transformers checkpoint folder (config.json, weights, tokenizer files)"
+# parameters of the base model that last_hidden_state never reads
+_UNREAD = ("pooler.",)
 # the files a tokenizer is read from (fast tokenizers, BPE and WordPiece vocabularies, SentencePiece models)
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
 # the position limit of a tokenizer that declares none (transformers' placeholder is about 1e30)
@@ -246,7 +248,9 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Trans
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-    missing = list(loading.get("missing_keys", [])) + [str(key) for key, *_ in loading.get("mismatched_keys", [])]
+    # a pooler (BERT's [CLS] head) is absent from an MLM save and unused by the states we read: not missing
+    missing = [key for key in loading.get("missing_keys", []) if not str(key).startswith(_UNREAD)]
+    missing += [str(key) for key, *_ in loading.get("mismatched_keys", [])]
     if missing:  # transformers would fill them with random values: a model that only looks loaded
         shown = ", ".join(sorted(missing)[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise bad_argument(
