@@ -15,7 +15,6 @@ import os
 
 import pytest
 import torch
-import transformers
 from transformers import masking_utils as hf
 
 import multihead.attend
@@ -23,6 +22,8 @@ import multihead.functional
 from multihead.integrations import transformers as integration
 from multihead.integrations.transformers_masks import TransformersMask, kernel_mask, typed_mask
 from multihead.masks import AttentionShape, Mask, bind_mask, causal, padding
+from test_integrations_transformers import BATCH, LENGTH, VOCAB, build_bart
+from test_integrations_transformers import build as build_one_stack
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # in-memory configs only, never the hub
 
@@ -245,48 +246,10 @@ def test_kernel_mask_refuses_what_is_no_mask():
 
 # --------------------------------------------------------------------------- end to end on tiny random models
 
-VOCAB = 97
-BATCH, LENGTH = 2, 9
-
 
 def build(name: str) -> torch.nn.Module:
-    """Tiny random models, as in test_integrations_transformers.py; Mistral's window (3) is shorter than LENGTH."""
-    torch.manual_seed(0)
-    common = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-    if name == "bert":
-        config = transformers.BertConfig(
-            hidden_size=24, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, **common
-        )
-        return transformers.BertModel(config)
-    if name == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=24, n_layer=2, n_head=4, **common))
-    if name == "bart":
-        config = transformers.BartConfig(
-            d_model=24,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=32,
-            decoder_ffn_dim=32,
-            max_position_embeddings=64,
-            decoder_start_token_id=2,
-            **common,
-        )
-        return transformers.BartForConditionalGeneration(config)
-    decoder = {
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 40,
-        **common,
-    }
-    if name == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**decoder))
-    if name == "mistral":
-        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=3, **decoder))
-    raise AssertionError(name)
+    """The tiny random models of test_integrations_transformers.py; Mistral's window (3) is shorter than LENGTH."""
+    return build_bart() if name == "bart" else build_one_stack(name)
 
 
 # architecture -> the implementation that is exact in float64 (Llama's and Mistral's eager softmax is float32)

@@ -54,12 +54,18 @@ def build(name: str) -> torch.nn.Module:
 ORACLE = {"bert": "eager", "gpt2": "eager", "llama": "sdpa", "mistral": "sdpa"}
 
 
-def pair(name: str, dtype: torch.dtype, reference: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    theirs = build(name).to(dtype).eval()
+def twins(model: torch.nn.Module, dtype: torch.dtype, reference: str = "eager") -> tuple[torch.nn.Module, ...]:
+    """(``model`` on transformers' ``reference`` implementation, a copy with the same weights on ours), in eval
+    mode and ``dtype``."""
+    theirs = model.to(dtype).eval()
     theirs.set_attn_implementation(reference)
     ours = copy.deepcopy(theirs)
     ours.set_attn_implementation(integration.IMPLEMENTATION)
     return theirs, ours
+
+
+def pair(name: str, dtype: torch.dtype, reference: str) -> tuple[torch.nn.Module, ...]:
+    return twins(build(name), dtype, reference)
 
 
 def inputs(padded: bool) -> dict[str, torch.Tensor]:
@@ -208,10 +214,7 @@ def build_bart() -> torch.nn.Module:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_an_encoder_decoder_with_cross_attention_matches_eager(dtype, monkeypatch):
-    theirs = build_bart().to(dtype).eval()
-    theirs.set_attn_implementation("eager")
-    ours = copy.deepcopy(theirs)
-    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    theirs, ours = twins(build_bart(), dtype)
     batch = inputs(padded=True)  # padded source: the cross-attention's keys are masked on the second row
     target = torch.randint(3, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(2))
     calls = kernel_calls(monkeypatch)
@@ -252,10 +255,7 @@ def build_t5() -> torch.nn.Module:
 @pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_t5_relative_position_bias_matches_eager(dtype, padded, monkeypatch):
-    theirs = build_t5().to(dtype).eval()
-    theirs.set_attn_implementation("eager")
-    ours = copy.deepcopy(theirs)
-    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    theirs, ours = twins(build_t5(), dtype)
     batch = inputs(padded)
     target = torch.randint(3, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(2))
     calls = kernel_calls(monkeypatch)
@@ -268,10 +268,7 @@ def test_t5_relative_position_bias_matches_eager(dtype, padded, monkeypatch):
 
 
 def test_t5_training_gradients_reach_the_bias_table_and_generate_matches_eager():
-    theirs = build_t5().to(torch.float64)
-    theirs.set_attn_implementation("eager")
-    ours = copy.deepcopy(theirs)
-    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    theirs, ours = twins(build_t5(), torch.float64)  # put in training mode below
     batch = inputs(padded=True)
     labels = torch.randint(3, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(3))
     for model in (theirs, ours):  # dropout_rate 0: training mode computes the same function
@@ -320,10 +317,7 @@ def build_gemma2(softcap: float | None = 2.0) -> torch.nn.Module:
     ids=["float64-full", "float32-full", "float32-padded"],
 )
 def test_gemma2_soft_capping_and_window_match_eager(dtype, padded, monkeypatch):
-    theirs = build_gemma2().to(dtype).eval()
-    theirs.set_attn_implementation("eager")
-    ours = copy.deepcopy(theirs)
-    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    theirs, ours = twins(build_gemma2(), dtype)
     batch = inputs(padded)
     calls = kernel_calls(monkeypatch)
     with torch.no_grad():
@@ -342,10 +336,7 @@ def test_gemma2_soft_capping_and_window_match_eager(dtype, padded, monkeypatch):
 
 
 def test_gemma2_training_gradients_and_generate_match_eager():
-    theirs = build_gemma2().to(torch.float64)
-    theirs.set_attn_implementation("eager")
-    ours = copy.deepcopy(theirs)
-    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    theirs, ours = twins(build_gemma2(), torch.float64)  # put in training mode below
     batch = inputs(padded=False)  # float64 with padding is NaN on eager's side (see above)
     for model in (theirs, ours):
         model.train()
