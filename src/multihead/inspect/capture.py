@@ -93,9 +93,6 @@ def part_sites(model: nn.Module, part: str | None = None) -> tuple[str, list[Att
     return part, sorted((site for site in sites if site.part == part), key=lambda site: site.index)
 
 
-_part_sites = part_sites  # the name inspect.stats imports today
-
-
 def _indices(name: str, chosen: Sequence[int] | int | None, count: int, what: str) -> list[int]:
     """Validated indices into range(count); None means all; negative indices count from the end."""
     if chosen is None:

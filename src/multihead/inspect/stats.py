@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from multihead._errors import bad_argument, describe
-from multihead.inspect.capture import Recorder, _indices, _part_sites, capture
+from multihead.inspect.capture import Recorder, _indices, capture, part_sites
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
@@ -186,7 +186,7 @@ def is_causal_part(model: torch.nn.Module, part: str | None = None) -> bool:
     :class:`~multihead.models.Encoder` has none: not causal), or an encoder-decoder's "decoder" part. An
     unknown part raises ValueError naming the model's parts.
     """
-    part, _ = _part_sites(model, part)
+    part, _ = part_sites(model, part)
     return part == "decoder" or getattr(model, "is_causal", False) is True
 
 
@@ -199,7 +199,7 @@ def head_numbers(model: torch.nn.Module, *, part: str | None = None) -> tuple[li
     :func:`~multihead.inspect.capture.attention_sites`). An unknown part raises ValueError naming the model's
     parts.
     """
-    _, sites = _part_sites(model, part)
+    _, sites = part_sites(model, part)
     counts = [site.num_heads for site in sites]
     numbers = getattr(model, "head_ids", None)
     if numbers is None:
@@ -232,7 +232,7 @@ def head_grid(
     pruned) has that cell empty. A head that no chosen layer has, or a part the model lacks, raises
     ValueError.
     """
-    part, _ = _part_sites(model, part)
+    part, _ = part_sites(model, part)
     numbers, total = head_numbers(model, part=part)
     rows = _indices("layers", layers, len(numbers), "layer")
     if heads is None:
@@ -711,7 +711,7 @@ def head_stats(
     if not batch_texts:
         raise bad_argument("texts", "at least one non-empty text", "none", "pass text with words in it")
     tokenizer = text_tokenizer(model)
-    part, _ = _part_sites(model, part)
+    part, _ = part_sites(model, part)
     grid = head_grid(model, layers, heads, part=part)
     causal = is_causal_part(model, part)
     accumulators = {
