@@ -74,36 +74,18 @@ class TransformersTokenizer(TextTokenizer):
             list(encoded.word_ids(index)) if encoded.is_fast else [None] * len(ids) for index, ids in enumerate(rows)
         ]
         for index, ids in enumerate(rows):
-            if len(ids) <= limit:
-                continue
-            if not truncate:
-                raise bad_argument(
-                    "text" if len(texts) == 1 else f"texts[{index}]",
-                    f"at most {limit} tokens (the model's {self.max_length} positions)",
-                    f"{len(ids)} tokens",
-                    "shorten the text, or truncate it (truncate=True, or --truncate)",
-                )
-            closing = 1 if ids[-1] in self.hf.all_special_ids else 0  # keep the closing special token
-            rows[index] = _cut(ids, limit, closing)
-            type_rows[index] = _cut(type_rows[index], limit, closing)
-            words[index] = _cut(words[index], limit, closing)
-        longest = max(len(ids) for ids in rows)
-        input_ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)  # (b, n)
-        token_type_ids = torch.zeros((len(rows), longest), dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        tokens = []
-        for row, (ids, kinds) in enumerate(zip(rows, type_rows, strict=True)):
-            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            token_type_ids[row, : len(kinds)] = torch.tensor(kinds, dtype=torch.long)
-            attention_mask[row, : len(ids)] = 1
-            raw = self.hf.convert_ids_to_tokens(ids)
-            tokens.append([self.piece(token_id, piece) for token_id, piece in zip(ids, raw, strict=True)])
-        return TokenBatch(input_ids, attention_mask, token_type_ids, tokens, words)
-
-
-def _cut(row: list, limit: int, closing: int) -> list:
-    """The first ``limit - closing`` entries of ``row``, then its last ``closing`` ones."""
-    return row[: limit - closing] + row[len(row) - closing :]
+            closing = 1 if len(ids) > limit and ids[-1] in self.hf.all_special_ids else 0  # keep a closing special
+            rows[index], type_rows[index], words[index] = self._fit(
+                texts, index, [ids, type_rows[index], words[index]], limit, truncate=truncate, closing=closing
+            )
+        tokens = [
+            [
+                self.piece(token_id, piece)
+                for token_id, piece in zip(ids, self.hf.convert_ids_to_tokens(ids), strict=True)
+            ]
+            for ids in rows
+        ]
+        return self._padded(rows, type_rows, tokens, words)
 
 
 class TransformersModel(TextEncoder):

@@ -44,12 +44,45 @@ class TextTokenizer(ABC):
 
     max_length: int
     sentence_max_length: int
+    pad_id: int
 
     @abstractmethod
     def batch(
         self, texts: list[str] | list[list[str]], *, truncate: bool = False, max_length: int | None = None
     ) -> TokenBatch:
         """Tokenize and pad ``texts`` (strings, or lists of words already split); see :meth:`Tokenizer.batch`."""
+
+    def _fit(
+        self, texts: list, index: int, columns: list[list], limit: int, *, truncate: bool, closing: int
+    ) -> list[list]:
+        """Text ``index``'s per-piece lists (``columns``: ids, types, pieces, words, all one length) within
+        ``limit`` pieces: as they are, or cut keeping the last ``closing`` (the closing special token) when
+        ``truncate``; a longer text without it raises, naming the text."""
+        length = len(columns[0])
+        if length <= limit:
+            return columns
+        if not truncate:
+            raise bad_argument(
+                "text" if len(texts) == 1 else f"texts[{index}]",
+                f"at most {limit} tokens (the model's {self.max_length} positions)",
+                f"{length} tokens",
+                "shorten the text, or truncate it (truncate=True, or --truncate)",
+            )
+        return [column[: limit - closing] + column[length - closing :] for column in columns]
+
+    def _padded(
+        self, ids: list[list[int]], types: list[list[int]], tokens: list[list[str]], words: list[list[int | None]]
+    ) -> TokenBatch:
+        """The batch of the texts' ids and segment ids padded to the longest with ``pad_id``, and its mask."""
+        longest = max(len(row) for row in ids)
+        input_ids = torch.full((len(ids), longest), self.pad_id, dtype=torch.long)  # (b, n)
+        token_type_ids = torch.zeros((len(ids), longest), dtype=torch.long)
+        attention_mask = torch.zeros((len(ids), longest), dtype=torch.long)
+        for row, (piece_ids, piece_types) in enumerate(zip(ids, types, strict=True)):
+            input_ids[row, : len(piece_ids)] = torch.tensor(piece_ids, dtype=torch.long)
+            token_type_ids[row, : len(piece_types)] = torch.tensor(piece_types, dtype=torch.long)
+            attention_mask[row, : len(piece_ids)] = 1
+        return TokenBatch(input_ids, attention_mask, token_type_ids, tokens, words)
 
     def tokenize(self, text: str) -> list[str]:
         """The pieces of ``text`` as the model reads them, special tokens included."""
@@ -118,32 +151,15 @@ class Tokenizer(TextTokenizer):
         for index, encoding in enumerate(encodings):
             piece_ids, piece_types, pieces = list(encoding.ids), list(encoding.type_ids), list(encoding.tokens)
             piece_words = list(encoding.word_ids)
-            if len(piece_ids) > limit:
-                if not truncate:
-                    raise bad_argument(
-                        "text" if len(texts) == 1 else f"texts[{index}]",
-                        f"at most {limit} tokens (the model's {self.max_length} positions)",
-                        f"{len(piece_ids)} tokens",
-                        "shorten the text, or truncate it (truncate=True, or --truncate)",
-                    )
-                # keep the first limit - 1 pieces and the final [SEP]
-                piece_ids = piece_ids[: limit - 1] + piece_ids[-1:]
-                piece_types = piece_types[: limit - 1] + piece_types[-1:]
-                pieces = pieces[: limit - 1] + pieces[-1:]
-                piece_words = piece_words[: limit - 1] + piece_words[-1:]
+            # over the limit: keep the first limit - 1 pieces and the final [SEP]
+            piece_ids, piece_types, pieces, piece_words = self._fit(
+                texts, index, [piece_ids, piece_types, pieces, piece_words], limit, truncate=truncate, closing=1
+            )
             ids.append(piece_ids)
             types.append(piece_types)
             tokens.append(pieces)
             words.append(piece_words)
-        longest = max(len(row) for row in ids)
-        input_ids = torch.full((len(ids), longest), self.pad_id, dtype=torch.long)  # (b, n)
-        token_type_ids = torch.zeros((len(ids), longest), dtype=torch.long)
-        attention_mask = torch.zeros((len(ids), longest), dtype=torch.long)
-        for row, (piece_ids, piece_types) in enumerate(zip(ids, types, strict=True)):
-            input_ids[row, : len(piece_ids)] = torch.tensor(piece_ids)
-            token_type_ids[row, : len(piece_types)] = torch.tensor(piece_types)
-            attention_mask[row, : len(piece_ids)] = 1
-        return TokenBatch(input_ids, attention_mask, token_type_ids, tokens, words)
+        return self._padded(ids, types, tokens, words)
 
 
 def _read_wordpiece(path: Path):
