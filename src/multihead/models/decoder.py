@@ -61,6 +61,33 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_ids(name: str, ids: object, vocab: int, device: torch.device) -> torch.Tensor:
+    """ids (b, n) of int32/int64 with b, n >= 1, every id in 0..vocab - 1, on ``device``; else an InputError naming
+    ``name``."""
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype not in (torch.int32, torch.int64):
+        raise bad_argument(
+            name,
+            "an integer tensor (b, n) of token ids",
+            describe(ids),
+            "pass torch.tensor([[...]])",
+            kind=TypeError,
+        )
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise bad_argument(name, "at least one sequence of one token", f"shape {tuple(ids.shape)}", "pass a token")
+    if bool(((ids < 0) | (ids >= vocab)).any()):
+        raise bad_argument(
+            name,
+            f"token ids in 0..{vocab - 1}",
+            f"ids from {int(ids.min())} to {int(ids.max())}",
+            "tokenize with the model's vocabulary",
+        )
+    if ids.device != device:
+        raise bad_argument(
+            name, f"a tensor on {device} (the model's)", f"one on {ids.device}", f"use {name}.to(...)"
+        )
+    return ids
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
     """Sizes and options of a :class:`Decoder`, validated on construction (a ValueError or TypeError naming the field).
@@ -175,7 +202,11 @@ class DecoderBlock(nn.Module):
         """x (b, n, hidden) -> (b, n, hidden); with ``cache`` the new keys are appended and attended with the
         cached ones."""
         attended, _ = self.attention(self.attention_norm(x), causal=True, cache=cache)
-        x = x + self.dropout(attended)
+        return self.feed_forward(x + self.dropout(attended))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP sublayer: x (b, n, hidden) -> ``x + W_2 gelu(W_1 LN(x))`` (b, n, hidden); x itself when
+        attention-only."""
         if self.mlp_in is not None and self.mlp_out is not None and self.mlp_norm is not None:
             hidden = F.gelu(self.mlp_in(self.mlp_norm(x)))  # (b, n, mlp)
             x = x + self.dropout(self.mlp_out(hidden))
@@ -268,30 +299,7 @@ class Decoder(nn.Module):
         return DecoderCache([layer.new_cache(batch_size, max_len) for layer in self.attention_layers])
 
     def _check_ids(self, name: str, ids: object) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype not in (torch.int32, torch.int64):
-            raise bad_argument(
-                name,
-                "an integer tensor (b, n) of token ids",
-                describe(ids),
-                "pass torch.tensor([[...]])",
-                kind=TypeError,
-            )
-        if ids.shape[0] == 0 or ids.shape[1] == 0:
-            raise bad_argument(name, "at least one sequence of one token", f"shape {tuple(ids.shape)}", "pass a token")
-        vocab = self.config.vocab_size
-        if bool(((ids < 0) | (ids >= vocab)).any()):
-            raise bad_argument(
-                name,
-                f"token ids in 0..{vocab - 1}",
-                f"ids from {int(ids.min())} to {int(ids.max())}",
-                "tokenize with the model's vocabulary",
-            )
-        device = self.token_embeddings.weight.device
-        if ids.device != device:
-            raise bad_argument(
-                name, f"a tensor on {device} (the model's)", f"one on {ids.device}", f"use {name}.to(...)"
-            )
-        return ids
+        return _check_ids(name, ids, self.config.vocab_size, self.token_embeddings.weight.device)
 
     def forward(self, input_ids: torch.Tensor, *, cache: DecoderCache | None = None) -> torch.Tensor:
         """Next-token logits.
@@ -304,6 +312,13 @@ class Decoder(nn.Module):
         Returns:
             (b, n, vocab_size) logits; position t predicts the token after input_ids[:, t].
         """
+        x = self.hidden_states(input_ids, cache=cache)  # (b, n, hidden)
+        weight = self.token_embeddings.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight)  # (b, n, vocab)
+
+    def hidden_states(self, input_ids: torch.Tensor, *, cache: DecoderCache | None = None) -> torch.Tensor:
+        """The final LayerNorm's output, which the LM head reads: (b, n) ids -> (b, n, hidden) (arguments as
+        :meth:`forward`)."""
         ids = self._check_ids("input_ids", input_ids)
         b, n = ids.shape
         offset = 0
@@ -339,9 +354,7 @@ class Decoder(nn.Module):
         x = self.dropout(x)
         for index, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[index])
-        x = self.final_norm(x)
-        weight = self.token_embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight)  # (b, n, vocab)
+        return self.final_norm(x)
 
     # ------------------------------------------------------------------------------ generation
 
@@ -385,8 +398,9 @@ class Decoder(nn.Module):
                 "pass temperature > 0 to sample, or drop top_k and seed",
             )
 
+    @staticmethod
     def _pick(
-        self, logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+        logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
     ) -> torch.Tensor:
         """logits (b, vocab) of the last position -> next ids (b,)."""
         if temperature == 0:
