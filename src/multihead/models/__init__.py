@@ -3,12 +3,15 @@
 Every reader of a model (inspect, importance, syntax) takes a :class:`TextEncoder`: a module with its
 ``tokenizer`` and ``name``. :class:`Encoder` is one; :func:`load_minilm` gives it with its tokenizer.
 :class:`Decoder` is a GPT-style language model (:meth:`Decoder.generate`, :func:`load_decoder`).
+:class:`Seq2Seq` is an encoder-decoder transformer with cross-attention (:meth:`Seq2Seq.generate`,
+:func:`load_seq2seq`); its attention is captured in parts "encoder", "decoder" and "cross".
 """
 
 from multihead.models.bert import Encoder, EncoderBlock, EncoderConfig
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 from multihead.models.decoder import DECODER_CONFIG, Decoder, DecoderBlock, DecoderCache, DecoderConfig, load_decoder
 from multihead.models.loading import MODEL_PACKAGE, find_model_dir, load_encoder, load_minilm
+from multihead.models.seq2seq import SEQ2SEQ_CONFIG, Seq2Seq, Seq2SeqConfig, load_seq2seq
 from multihead.models.tokenizer import TextTokenizer, TokenBatch, Tokenizer
 
 __all__ = [
@@ -21,6 +24,9 @@ __all__ = [
     "EncoderBlock",
     "EncoderConfig",
     "MODEL_PACKAGE",
+    "SEQ2SEQ_CONFIG",
+    "Seq2Seq",
+    "Seq2SeqConfig",
     "TextEncoder",
     "TextTokenizer",
     "TokenBatch",
@@ -30,5 +36,6 @@ __all__ = [
     "load_decoder",
     "load_encoder",
     "load_minilm",
+    "load_seq2seq",
     "text_tokenizer",
 ]

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -82,9 +82,7 @@ def _check_ids(name: str, ids: object, vocab: int, device: torch.device) -> torc
             "tokenize with the model's vocabulary",
         )
     if ids.device != device:
-        raise bad_argument(
-            name, f"a tensor on {device} (the model's)", f"one on {ids.device}", f"use {name}.to(...)"
-        )
+        raise bad_argument(name, f"a tensor on {device} (the model's)", f"one on {ids.device}", f"use {name}.to(...)")
     return ids
 
 
@@ -438,23 +436,7 @@ class Decoder(nn.Module):
             (b, n + max_new_tokens) ids: the prompt followed by the new tokens.
         """
         ids = self._prompt(prompt_ids)
-        if not _is_int(max_new_tokens):
-            raise bad_argument(
-                "max_new_tokens",
-                "an int >= 0",
-                describe(max_new_tokens),
-                "pass e.g. max_new_tokens=20",
-                kind=TypeError,
-            )
-        if max_new_tokens < 0:
-            raise bad_argument("max_new_tokens", "an int >= 0", max_new_tokens, "pass e.g. max_new_tokens=20")
-        self._check_sampling(temperature, top_k, seed)
-        if top_k is not None and top_k > self.config.vocab_size:
-            raise bad_argument(
-                "top_k", f"at most vocab_size = {self.config.vocab_size}", top_k, "pass a smaller top_k, or None"
-            )
-        if not isinstance(use_cache, bool):
-            raise bad_argument("use_cache", "True or False", describe(use_cache), "pass use_cache=True", kind=TypeError)
+        _check_generation(max_new_tokens, temperature, top_k, seed, use_cache, self.config.vocab_size)
         b, n = ids.shape
         total = n + max_new_tokens
         if self.positions is not None and total > self.config.max_positions:
@@ -511,6 +493,27 @@ class Decoder(nn.Module):
         return folder
 
 
+def _check_generation(
+    max_new_tokens: int, temperature: float, top_k: int | None, seed: int | None, use_cache: bool, vocab_size: int
+) -> None:
+    """The options of ``generate`` (see :meth:`Decoder.generate`); an InputError naming the first bad one."""
+    if not _is_int(max_new_tokens):
+        raise bad_argument(
+            "max_new_tokens",
+            "an int >= 0",
+            describe(max_new_tokens),
+            "pass e.g. max_new_tokens=20",
+            kind=TypeError,
+        )
+    if max_new_tokens < 0:
+        raise bad_argument("max_new_tokens", "an int >= 0", max_new_tokens, "pass e.g. max_new_tokens=20")
+    Decoder._check_sampling(temperature, top_k, seed)
+    if top_k is not None and top_k > vocab_size:
+        raise bad_argument("top_k", f"at most vocab_size = {vocab_size}", top_k, "pass a smaller top_k, or None")
+    if not isinstance(use_cache, bool):
+        raise bad_argument("use_cache", "True or False", describe(use_cache), "pass use_cache=True", kind=TypeError)
+
+
 _PROBABILITY = Rule(
     "a number in [0, 1)",
     lambda value: isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0,
@@ -542,45 +545,71 @@ def load_decoder(directory: str | Path, *, dtype: torch.dtype | None = None) -> 
     refuses, or weights that do not match the config raise one InputError naming the file, before a model
     is built.
     """
-    from safetensors import SafetensorError, safe_open  # imported here: only loading needs them
-
     floating_dtype("dtype", dtype)
-    folder = existing_folder("directory", directory, what="a folder written by Decoder.save", fix=_FIX_FOLDER)
-    for name in (DECODER_CONFIG, _WEIGHTS):
-        if path_kind(folder / name) != "file":
-            raise bad_argument(
-                "directory",
-                f"a folder with {DECODER_CONFIG} and {_WEIGHTS}",
-                f"{str(folder)!r} without {name}",
-                _FIX_FOLDER,
-            )
-    saved = read_json(
-        DECODER_CONFIG,
-        folder / DECODER_CONFIG,
-        what="a decoder saved by multihead",
+    folder, saved = _read_saved(
+        directory,
+        config_file=DECODER_CONFIG,
         schema=_SAVED_SCHEMA,
+        folder_what="a folder written by Decoder.save",
+        what="a decoder saved by multihead",
         fix=_FIX_FOLDER,
     )
     try:
         config = DecoderConfig(**saved["decoder"])
     except InputError as error:
         raise bad_argument(DECODER_CONFIG, "a valid decoder config", str(error), _FIX_FOLDER) from None
+    state = _read_weights(
+        folder, lambda: Decoder(config), config_file=DECODER_CONFIG, what="the decoder", fix=_FIX_FOLDER
+    )
+    model = Decoder(config, name=saved["name"] or folder.resolve().name)
+    model.to(next(iter(state.values())).dtype)
+    model.load_state_dict(state)  # names and shapes were checked: a failure here is our bug
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def _read_saved(
+    directory: str | Path, *, config_file: str, schema: Any, folder_what: str, what: str, fix: str
+) -> tuple[Path, Any]:
+    """The folder written by a model's ``save`` and its JSON config, checked against ``schema``: a missing folder or
+    file, or a config not of the schema's shape, raises an InputError naming it."""
+    folder = existing_folder("directory", directory, what=folder_what, fix=fix)
+    for name in (config_file, _WEIGHTS):
+        if path_kind(folder / name) != "file":
+            raise bad_argument(
+                "directory",
+                f"a folder with {config_file} and {_WEIGHTS}",
+                f"{str(folder)!r} without {name}",
+                fix,
+            )
+    return folder, read_json(config_file, folder / config_file, what=what, schema=schema, fix=fix)
+
+
+def _read_weights(
+    folder: Path, build: Callable[[], nn.Module], *, config_file: str, what: str, fix: str
+) -> dict[str, torch.Tensor]:
+    """The tensors of ``folder/model.safetensors``, checked against the parameter names and shapes of ``build()``
+    (built on the meta device: nothing is allocated). An unreadable file, missing or unexpected names, or a
+    wrong shape raise an InputError naming the file; ``what`` is the model ``config_file`` describes."""
+    from safetensors import SafetensorError, safe_open  # imported here: only loading needs them
+
     try:
         with safe_open(str(folder / _WEIGHTS), framework="pt") as weights:
             state = {name: weights.get_tensor(name) for name in weights.keys()}
     except (SafetensorError, OSError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise bad_argument(_WEIGHTS, "a safetensors file of the weights", reason, _FIX_FOLDER) from None
+        raise bad_argument(_WEIGHTS, "a safetensors file of the weights", reason, fix) from None
     with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in Decoder(config).state_dict().items()}
+        expected = {name: tuple(t.shape) for name, t in build().state_dict().items()}
     missing = [name for name in expected if name not in state]
     unexpected = [name for name in state if name not in expected]
     if missing or unexpected:
         raise bad_argument(
             _WEIGHTS,
-            f"the parameters of the decoder {DECODER_CONFIG} describes",
+            f"the parameters of {what} {config_file} describes",
             f"missing {missing[:4]}, unexpected {unexpected[:4]}",
-            _FIX_FOLDER,
+            fix,
         )
     for name, shape in expected.items():
         tensor = state[name]
@@ -589,11 +618,6 @@ def load_decoder(directory: str | Path, *, dtype: torch.dtype | None = None) -> 
                 _WEIGHTS,
                 f"{name!r}: floating, of shape {shape}",
                 f"{tensor.dtype} of shape {tuple(tensor.shape)}",
-                _FIX_FOLDER,
+                fix,
             )
-    model = Decoder(config, name=saved["name"] or folder.resolve().name)
-    model.to(next(iter(state.values())).dtype)
-    model.load_state_dict(state)  # names and shapes were checked: a failure here is our bug
-    if dtype is not None:
-        model.to(dtype)
-    return model.eval()
+    return state
