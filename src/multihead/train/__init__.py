@@ -7,7 +7,8 @@
 
 The modules: tasks (batches generated from a seed), scores (previous-token, induction and alignment scores per
 head; per-position, repeated-half and in-context learning losses), loop (a model-agnostic AdamW loop, its JSON log
-and PNG curves).
+and PNG curves), symmetry (why the heads of a layer do not all learn the same thing: make_heads_identical,
+heads_divergence, symmetry_experiment).
 """
 
 from multihead.train.loop import count_tokens, history_to_json, plot_history, train
@@ -18,6 +19,12 @@ from multihead.train.scores import (
     per_position_loss,
     previous_token_score,
     repeated_half_loss,
+)
+from multihead.train.symmetry import (
+    head_parameter_difference,
+    heads_divergence,
+    make_heads_identical,
+    symmetry_experiment,
 )
 from multihead.train.tasks import BOS, InductionBatch, ReverseBatch, induction_batch, reverse_batch
 
@@ -37,4 +44,8 @@ __all__ = [
     "history_to_json",
     "plot_history",
     "count_tokens",
+    "make_heads_identical",
+    "head_parameter_difference",
+    "heads_divergence",
+    "symmetry_experiment",
 ]
