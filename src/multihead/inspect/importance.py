@@ -58,15 +58,22 @@ def _check_texts(texts: Sequence[str]) -> list[str]:
 
 @contextmanager
 def ablated(
-    model, heads: dict[int, Sequence[int]], how: str = "zero", mean_outputs: dict[int, torch.Tensor] | None = None
+    model,
+    heads: dict[int, Sequence[int]],
+    how: str = "zero",
+    mean_outputs: dict[int, torch.Tensor] | None = None,
+    *,
+    part: str | None = None,
 ):
     """Within the block, ablate ``{layer: [heads]}`` (current head positions) of ``model``; then restore.
 
     ``mean_outputs``: for how="mean", {layer: (heads of the layer, e)} as :func:`mean_head_outputs` gives.
     The ablation acts on each layer's attention step (its :class:`~multihead.attend.Attend`), so it serves
-    our layers and a transformers model on our kernel alike; layers are those of the model's first part.
+    our layers and a transformers model on our kernel alike; layers are those of ``part`` (default: the
+    model's first part; "encoder", "decoder" or "cross" for an encoder-decoder). An unknown part raises
+    ValueError naming the model's parts.
     """
-    _, sites = part_sites(model)
+    _, sites = part_sites(model, part)
     try:
         for index, chosen in heads.items():
             if chosen:
