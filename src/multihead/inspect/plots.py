@@ -191,7 +191,7 @@ def _title_lines(inspection: Inspection, width: float, thinned: str = "") -> lis
     if thinned:
         axes_note += f"; {thinned}"
     title = f'{inspection.model_name}: attention weights on "{_clip(inspection.text)}" ' + (
-        f"({axes_note}; roles from {inspection.role_stats.source})"
+        f"({axes_note}; roles from {inspection.role_stats.roles_source})"
     )
     chars = max(40, int(width * 72 / (0.55 * TITLE_FONT)))  # characters of DejaVu Sans a line holds
     return [wrapped for line in [title, *inspection.notes] for wrapped in textwrap.wrap(line, chars)]

@@ -211,7 +211,7 @@ class Inspection:
         return (
             f"Inspection(model={self.model_name!r}{part}, text={shorten(self.text)!r}, {len(self.tokens)} tokens, "
             f"{len(self.layers)} layers x {len(self.heads)} heads, token {self.token} "
-            f"{self.tokens[self.token]!r}, roles from {self.role_stats.source})"
+            f"{self.tokens[self.token]!r}, roles from {self.role_stats.roles_source})"
         )
 
     def _repr_html_(self) -> str | None:
@@ -303,13 +303,15 @@ class Inspection:
         }
         if self.pruned:
             data["layer_heads"] = self.layer_heads
+        roles = self.role_stats.as_dict()
         data.update(
             {
                 "token": self.token,
                 "weights": cells(self.weights.to(torch.float64).round(decimals=DECIMALS).tolist()),
                 "text_stats": self.stats.as_dict(),
                 "roles_from": self.role_stats.source,
-                "roles": self.role_stats.as_dict()["roles"],
+                "roles": roles["roles"],
+                "behaviours": roles.get("behaviours"),
                 "similarity": None if self.similarity is None else self.similarity.as_dict(DECIMALS),
                 "corpus_stats": None if self.corpus is None else self.corpus.as_dict(),
                 "top_attended": [
@@ -344,6 +346,7 @@ def inspect_text(
     truncate: bool = False,
     progress: Callable[[int], None] | None = None,
     relations: Mapping[tuple[int, int], HeadRelation] | None = None,
+    behaviours: Mapping[str, torch.Tensor] | None = None,
 ) -> Inspection:
     """Run ``text`` through ``model`` recording the chosen heads, and measure and label them.
 
@@ -365,6 +368,9 @@ def inspect_text(
         relations: the syntactic relation each head tracks best, by (layer, head)
             (:func:`multihead.inspect.syntax.relations_by_head` of a syntax.json, or
             ``SyntaxScores.head_relations``): weighed into the roles.
+        behaviours: behaviour probe measures of the part's heads, {name: (layers, heads)} over all its layers
+            and the checkpoint's head numbers ("prefix_matching", "copying", "alignment"; ``multihead train``
+            saves them with its checkpoint): weighed into the roles (see :mod:`multihead.inspect.roles`).
 
     Returns:
         :class:`Inspection` with (layers, heads, i, j) weights (0 in the cells of pruned heads; 0 above the
@@ -416,6 +422,24 @@ def inspect_text(
         role_stats = role_stats.with_relations(
             [[relations.get((layer, head)) for head in grid.heads] for layer in grid.layers]
         )
+    if behaviours is not None:
+        rows, cols = torch.tensor(grid.layers), torch.tensor(grid.heads)
+        chosen_behaviours = {}
+        for name, values in behaviours.items():
+            if (
+                not isinstance(values, torch.Tensor)
+                or values.ndim != 2
+                or values.shape[0] <= max(grid.layers)
+                or (values.shape[1] <= max(grid.heads))
+            ):
+                raise bad_argument(
+                    f"behaviours[{name!r}]",
+                    "a tensor (layers, heads) over every layer of the part and the checkpoint's head numbers",
+                    describe(values),
+                    "pass the probe measures of this model",
+                )
+            chosen_behaviours[name] = values[rows][:, cols]  # (chosen layers, chosen heads)
+        role_stats = role_stats.with_behaviours(chosen_behaviours)
     return Inspection(
         model_name=model.name,
         text=text,

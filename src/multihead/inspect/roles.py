@@ -18,6 +18,17 @@ focused        1 - normalised entropy                                       0.70
 relation       with syntax scores: the share of dependents whose most-      baseline   Clark et al. 2019
                attended word is their head (or the reverse), for the        + 0.15
                relation the head beats the best fixed offset by most
+prefix         with behaviour probes: on a random segment repeated twice,   0.40       Olsson et al. 2022
+               attention from a token of the second copy to the token
+               after its first occurrence (prefix matching; TransformerLens'
+               "induction score")
+induction      prefix matching as above, and copying: on those positions    0.40 and   Olsson et al. 2022
+               the head's own contribution to the logits (its direct path   0.25
+               through W^O, the final LayerNorm and the unembedding)
+               ranks the correct next token first
+alignment      with behaviour probes, cross-attention: the share of target   0.50       (ours, after Bahdanau
+               positions whose largest weight falls on the source token                 et al. 2015)
+               they are aligned with
 =============  ==========================================================  =========  ==========================
 
 Each signal's **evidence** is its measure over its threshold. The head's label is its strongest signal
@@ -36,17 +47,32 @@ looks ("[CLS] 61% · next 22%": positional, sink, punctuation, rare-word and rel
 named signal (positional, a sink, punctuation, the rare word, a relation) reaches 0.75 evidence: a head
 focused on [CLS] is a [CLS] head.
 
+The behaviour signals (prefix, induction, alignment) are not measured on the text: they come from probes run on
+the model (``multihead train`` measures them and saves them beside its checkpoint; see docs/train.md) and reach
+the roles through :meth:`~multihead.inspect.stats.HeadStats.with_behaviours`. An induction head is a head that
+does both prefix matching and copying (Olsson et al.'s definition). Copying is read on the head's direct path to
+the logits (Elhage et al. 2021), not by ablating it: heads that share the work (four induction heads in one
+layer) each cost little when removed alone, yet each copies. A head that matches prefixes without raising the
+right logit is labelled "prefix", not "induction".
+
 References:
     Voita, Talbot, Moiseev, Sennrich, Titov. Analyzing Multi-Head Self-Attention: Specialized Heads
     Do the Heavy Lifting, the Rest Can Be Pruned. ACL 2019. (positional and rare-word heads)
     Clark, Khandelwal, Levy, Manning. What Does BERT Look At? An Analysis of BERT's Attention.
     BlackboxNLP 2019. (sinks, punctuation, broad heads, syntactic heads)
+    Olsson, Elhage, Nanda, Joseph, et al. In-context Learning and Induction Heads. Transformer Circuits
+    Thread, 2022. (prefix matching, copying, induction heads)
+    Elhage, Nanda, Olsson, et al. A Mathematical Framework for Transformer Circuits. Transformer Circuits
+    Thread, 2021. (a head's direct path to the logits)
+    Bahdanau, Cho, Bengio. Neural Machine Translation by Jointly Learning to Align and Translate. ICLR 2015.
+    (attention as alignment between target and source positions)
     Speer. wordfreq (v3), https://github.com/rspeer/wordfreq: Zipf word frequencies from several corpora.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,6 +83,7 @@ __all__ = [
     "RoleRule",
     "HeadRelation",
     "ROLE_RULES",
+    "BEHAVIOUR_STATISTICS",
     "CLEAR_MARGIN",
     "MEDIUM_EVIDENCE",
     "CONFIDENCES",
@@ -106,8 +133,38 @@ ROLE_RULES: dict[str, RoleRule] = {
             "dependents whose most-attended word is their head, margin over the best fixed offset",
             "Clark et al. 2019",
         ),
+        RoleRule(
+            "prefix",
+            "prefix_matching",
+            0.4,
+            "attention from a repeated token to the token after its earlier occurrence",
+            "Olsson et al. 2022",
+        ),
+        RoleRule(
+            "induction",
+            "prefix_matching",
+            0.4,
+            "prefix matching, with copying shown by ablation",
+            "Olsson et al. 2022",
+        ),
+        RoleRule(
+            "copying",
+            "copying",
+            0.25,
+            "positions where the head's direct logits rank the correct next token first",
+            "Olsson et al. 2022; Elhage et al. 2021",
+        ),
+        RoleRule(
+            "alignment",
+            "alignment",
+            0.5,
+            "target positions whose largest cross-attention weight is on their aligned source token",
+            "multihead, after Bahdanau et al. 2015",
+        ),
     )
 }
+# The statistics the behaviour probes give (HeadStats.with_behaviours); the rest are measured on the texts.
+BEHAVIOUR_STATISTICS = ("prefix_matching", "copying", "alignment")
 CLEAR_MARGIN = 0.8  # high confidence: the runner-up's evidence is under 0.8 x the label's
 MEDIUM_EVIDENCE = 0.75  # below this share of its threshold, a label is low confidence
 CONFIDENCES = ("high", "medium", "low")
@@ -223,6 +280,15 @@ def _signals(stat: dict[str, float], relation: HeadRelation | None) -> list[Sign
             continue
         value = stat[rule.statistic] if rule_name != "focused" else 1.0 - stat[rule.statistic]
         signals.append(Signal(name, rule_name, value, value / rule.threshold))
+    prefix = stat.get("prefix_matching", math.nan)
+    if prefix == prefix:  # an induction head matches prefixes and copies; without copying it only matches
+        copying = stat.get("copying", math.nan)
+        copies = copying == copying and copying >= ROLE_RULES["copying"].threshold
+        rule_name = "induction" if copies else "prefix"
+        signals.append(Signal(rule_name, rule_name, prefix, prefix / ROLE_RULES[rule_name].threshold))
+    alignment = stat.get("alignment", math.nan)
+    if alignment == alignment:
+        signals.append(Signal("aligned", "alignment", alignment, alignment / ROLE_RULES["alignment"].threshold))
     if relation is not None:
         rule = ROLE_RULES["relation"]
         threshold = min(1.0, relation.baseline + rule.threshold)
@@ -262,6 +328,13 @@ def label_head(stat: dict[str, float], pattern_shares: dict[str, float], relatio
         )
     elif top.rule == "positional":
         what = f"largest weight at offset {int(stat['best_offset']):+d} for {top.value:.0%} of tokens"
+    elif top.rule in ("prefix", "induction"):
+        copying = stat.get("copying", math.nan)
+        what = f"{top.value:.0%} of attention from repeated tokens to the token after their earlier occurrence"
+        if copying == copying:
+            what += f"; its own logits rank the next token first at {copying:.0%} of them"
+    elif top.rule == "alignment":
+        what = f"largest cross-attention weight on the aligned source token for {top.value:.0%} of target positions"
     elif top.rule == "rare":
         what = f"largest weight on the sentence's rarest word for {top.value:.0%} of words"
     elif top.rule in ("broad", "focused"):

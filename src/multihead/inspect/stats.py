@@ -60,7 +60,7 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead.inspect.capture import Recorder, _indices, capture, part_sites
 from multihead.inspect.notebook import head_grid_html
-from multihead.inspect.roles import HeadRelation, Role, label_head, rarest_word_pieces
+from multihead.inspect.roles import BEHAVIOUR_STATISTICS, HeadRelation, Role, label_head, rarest_word_pieces
 from multihead.inspect.similarity import DivergenceAccumulator, HeadSimilarity
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
@@ -504,6 +504,9 @@ class HeadStats:
     :meth:`with_relations`), folded into its role; None when no syntax scores were given.
     ``similarity``: the heads' pairwise Jensen-Shannon divergence over the same texts
     (:class:`~multihead.inspect.similarity.HeadSimilarity`).
+    ``behaviours``: per-head measures from behaviour probes run on the model, not on these texts
+    ({name in :data:`~multihead.inspect.roles.BEHAVIOUR_STATISTICS`: (layers, heads)}, see
+    :meth:`with_behaviours`), folded into the roles; None when none were given.
     """
 
     layers: list[int]
@@ -516,6 +519,7 @@ class HeadStats:
     layer_heads: list[list[int]] | None = None
     relations: list[list[HeadRelation | None]] | None = None
     similarity: HeadSimilarity | None = field(default=None, repr=False)
+    behaviours: dict[str, torch.Tensor] | None = None
     _roles: list[list[Role]] | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
@@ -558,6 +562,42 @@ class HeadStats:
             )
         return dataclasses.replace(self, relations=relations, _roles=None)
 
+    def with_behaviours(self, behaviours: dict[str, torch.Tensor] | None) -> HeadStats:
+        """A copy whose roles weigh behaviour probes: ``behaviours[name]`` is (layers, heads) over these layers
+        and heads (NaN: not measured), for names in :data:`~multihead.inspect.roles.BEHAVIOUR_STATISTICS`
+        ("prefix_matching", "copying", "alignment"; see :mod:`multihead.inspect.roles`)."""
+        checked = None
+        if behaviours is not None:
+            checked = {}
+            for name, values in behaviours.items():
+                if name not in BEHAVIOUR_STATISTICS:
+                    raise bad_argument(
+                        "behaviours",
+                        f"measures named {', '.join(BEHAVIOUR_STATISTICS)}",
+                        repr(name),
+                        "pass the probe measures by those names",
+                    )
+                if not isinstance(values, torch.Tensor) or tuple(values.shape) != (len(self.layers), len(self.heads)):
+                    raise bad_argument(
+                        f"behaviours[{name!r}]",
+                        f"a tensor ({len(self.layers)}, {len(self.heads)}) over the statistics' layers and heads",
+                        describe(values),
+                        "pass the rows and columns of the same layers and heads",
+                    )
+                checked[name] = values.detach().double().cpu()
+        return dataclasses.replace(self, behaviours=checked, _roles=None)
+
+    @property
+    def roles_source(self) -> str:
+        """What the roles were labelled from: ``source``, and the behaviour probes when they were given."""
+        return self.source + (" and the model's behaviour probes" if self.behaviours else "")
+
+    def _behaviour(self, row: int, col: int) -> dict[str, float]:
+        """One head's behaviour measures (none when not given)."""
+        if self.behaviours is None:
+            return {}
+        return {name: float(values[row, col]) for name, values in self.behaviours.items()}
+
     @property
     def grid(self) -> HeadGrid:
         """The rows, columns and each row's heads, as a :class:`HeadGrid`."""
@@ -597,7 +637,7 @@ class HeadStats:
             self._roles = [
                 [
                     label_head(
-                        self.stat(layer, head),
+                        self.stat(layer, head) | self._behaviour(row, col),
                         dict(zip(PATTERNS, self.patterns[row, col].tolist(), strict=True)),
                         None if self.relations is None else self.relations[row][col],
                     )
@@ -642,6 +682,11 @@ class HeadStats:
             ]
             for row in range(len(self.layers))
         ]
+        if self.behaviours is not None:
+            data["behaviours"] = {
+                name: [[None if v != v else round(v, DECIMALS) for v in row] for row in values.tolist()]
+                for name, values in self.behaviours.items()
+            }
         data["roles"] = [[role.as_dict() for role in row] for row in roles]
         return data
 

@@ -191,7 +191,7 @@ def role_grids(inspection: Inspection, width: int) -> list[Table]:
 
 
 def role_title(inspection: Inspection) -> str:
-    return f"Head roles (from {inspection.role_stats.source})"
+    return f"Head roles (from {inspection.role_stats.roles_source})"
 
 
 # --------------------------------------------------------------------------- where the token attends

@@ -17,7 +17,11 @@ from multihead._errors import bad_argument
 from multihead._userfiles import path_kind
 from multihead.models.bert import SAVED_CONFIG
 from multihead.models.contract import TextEncoder
+from multihead.models.decoder import DECODER_CONFIG
 from multihead.models.loading import SERVED_MODEL_TYPES, load_encoder
+from multihead.models.seq2seq import SEQ2SEQ_CONFIG
+from multihead.models.seq2seq_reader import load_seq2seq_reader
+from multihead.models.symbols import load_decoder_reader
 
 __all__ = ["load_text_model"]
 
@@ -37,11 +41,18 @@ def load_text_model(path: str | Path | None = None, *, dtype: torch.dtype = torc
     """The text model in folder ``path`` (None: the bundled all-MiniLM-L6-v2), on multihead's kernel.
 
     A checkpoint of a BERT-style encoder (config.json's model_type "bert", or a save of ours) loads on our
-    own :class:`~multihead.models.Encoder`; any other model_type through transformers
-    (:func:`multihead.integrations.transformers_models.load_model`), which must then be installed.
+    own :class:`~multihead.models.Encoder`; a folder written by :meth:`multihead.models.Decoder.save` (such as
+    ``multihead train``'s checkpoints) as a :class:`~multihead.models.DecoderReader`, one written by
+    :meth:`multihead.models.Seq2Seq.save` as a :class:`~multihead.models.Seq2SeqReader`; any other
+    model_type through transformers (:func:`multihead.integrations.transformers_models.load_model`), which must
+    then be installed.
     """
     if path is None:
         return load_encoder(None, dtype=dtype)
+    if isinstance(path, (str, Path)) and path_kind(Path(path) / DECODER_CONFIG) == "file":
+        return load_decoder_reader(path, dtype=dtype)  # a Decoder.save (multihead train's checkpoints)
+    if isinstance(path, (str, Path)) and path_kind(Path(path) / SEQ2SEQ_CONFIG) == "file":
+        return load_seq2seq_reader(path, dtype=dtype)  # a Seq2Seq.save (multihead train reverse)
     kind = _model_type(Path(path))
     if kind is None or kind in SERVED_MODEL_TYPES:
         return load_encoder(path, dtype=dtype)

@@ -5,6 +5,8 @@ Every reader of a model (inspect, importance, syntax) takes a :class:`TextEncode
 :class:`Decoder` is a GPT-style language model (:meth:`Decoder.generate`, :func:`load_decoder`).
 :class:`Seq2Seq` is an encoder-decoder transformer with cross-attention (:meth:`Seq2Seq.generate`,
 :func:`load_seq2seq`); its attention is captured in parts "encoder", "decoder" and "cross".
+The models of ``multihead train`` read symbols (:class:`SymbolTokenizer`); :class:`DecoderReader` and
+:class:`Seq2SeqReader` present a decoder and an encoder-decoder to the readers as text encoders.
 """
 
 from multihead.models.bert import Encoder, EncoderBlock, EncoderConfig
@@ -12,9 +14,18 @@ from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 from multihead.models.decoder import DECODER_CONFIG, Decoder, DecoderBlock, DecoderCache, DecoderConfig, load_decoder
 from multihead.models.loading import MODEL_PACKAGE, find_model_dir, load_encoder, load_minilm
 from multihead.models.seq2seq import SEQ2SEQ_CONFIG, Seq2Seq, Seq2SeqConfig, load_seq2seq
+from multihead.models.seq2seq_reader import Seq2SeqReader, SourceTokenizer, load_seq2seq_reader
+from multihead.models.symbols import DecoderReader, SymbolTokenizer, load_decoder_reader, task_symbols
 from multihead.models.tokenizer import TextTokenizer, TokenBatch, Tokenizer
 
 __all__ = [
+    "DecoderReader",
+    "Seq2SeqReader",
+    "SourceTokenizer",
+    "SymbolTokenizer",
+    "load_decoder_reader",
+    "load_seq2seq_reader",
+    "task_symbols",
     "DECODER_CONFIG",
     "Decoder",
     "DecoderBlock",

@@ -8,10 +8,13 @@
 The modules: tasks (batches generated from a seed), scores (previous-token, induction and alignment scores per
 head; per-position, repeated-half and in-context learning losses), loop (a model-agnostic AdamW loop, its JSON log
 and PNG curves), symmetry (why the heads of a layer do not all learn the same thing: make_heads_identical,
-heads_divergence, symmetry_experiment).
+heads_divergence, symmetry_experiment), and the experiments behind ``multihead train``: induction (a decoder on
+repeated random segments: run_induction) and reverse (an encoder-decoder's cross-attention alignment: run_reverse).
 """
 
+from multihead.train.induction import InductionRun, InductionSettings, run_induction
 from multihead.train.loop import count_tokens, history_to_json, plot_history, train
+from multihead.train.reverse import ReverseRun, ReverseSettings, run_reverse
 from multihead.train.scores import (
     alignment_accuracy,
     in_context_learning_score,
@@ -29,6 +32,12 @@ from multihead.train.symmetry import (
 from multihead.train.tasks import BOS, InductionBatch, ReverseBatch, induction_batch, reverse_batch
 
 __all__ = [
+    "InductionRun",
+    "InductionSettings",
+    "run_induction",
+    "ReverseRun",
+    "ReverseSettings",
+    "run_reverse",
     "BOS",
     "InductionBatch",
     "ReverseBatch",

@@ -29,13 +29,16 @@ that aligns target with source attends there.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from multihead._errors import bad_argument, describe, positive_int
+from multihead.models.symbols import task_symbols
 
-__all__ = ["BOS", "InductionBatch", "ReverseBatch", "induction_batch", "reverse_batch"]
+__all__ = ["BOS", "InductionBatch", "ReverseBatch", "induction_batch", "reverse_batch", "example_text"]
 
 BOS = 0
 """The beginning-of-sequence token of every task (never drawn as a random token when a task uses it)."""
@@ -219,3 +222,22 @@ def reverse_batch(batch: int, length: int, vocab_size: int, *, generator: torch.
     decoder_input = torch.cat([start, target[:, :-1]], dim=1)  # (b, L)
     alignment = torch.arange(length - 1, -1, -1, device=device)  # (L,)
     return ReverseBatch(source=source, target=target, decoder_input=decoder_input, alignment=alignment)
+
+
+def example_text(task: str, settings: Mapping[str, Any], *, seed: int = 0) -> str:
+    """One input of ``task`` as the text a checkpoint's symbols spell (what ``multihead inspect`` shows a trained
+    model when no text is given): for "induction" a segment of ``half_length`` symbols repeated after ``<bos>``,
+    for "reverse" a source of ``length`` symbols. ``settings``: the run's settings (as saved with it).
+
+    >>> example_text("induction", {"half_length": 3, "vocab_size": 6})
+    '<bos> e e d e e d'
+    """
+    generator = torch.Generator().manual_seed(seed)
+    symbols = task_symbols(int(settings["vocab_size"]))
+    if task == "induction":
+        ids = induction_batch(1, int(settings["half_length"]), len(symbols), generator=generator).ids[0]
+    elif task == "reverse":
+        ids = reverse_batch(1, int(settings["length"]), len(symbols), generator=generator).source[0]
+    else:
+        raise bad_argument("task", '"induction" or "reverse"', repr(task), "pass a task multihead train runs")
+    return " ".join(symbols[int(token)] for token in ids)

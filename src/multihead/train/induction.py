@@ -1,0 +1,299 @@
+"""The induction experiment of Olsson et al. 2022, end to end: train a small decoder on repeated random segments,
+watch its heads over training, and test by ablation what the heads its pattern points at do.
+
+    run = run_induction(InductionSettings(layers=2, steps=3000))
+    run.final["induction"]            # (layers, h) prefix-matching score of every head on the probe
+    run.final["copying"]              # (layers, h) share of the in-context gain lost when the head is ablated
+    run.save("multihead-train")       # model/ (opens with multihead inspect --model), log.json, curves.png
+
+Training reads variable-length repeats (``min_half_length``: each sequence repeats L_i tokens, after filler) so a
+layer cannot "find" the earlier copy at a fixed distance: with one fixed L a single rotary layer learns the offset
+L - 1 positionally and scores as an induction head without being one (we measured 0.97 on a 1-layer model). The
+**probe** is TransformerLens' and the paper's: ``probe_size`` sequences ``[BOS] x_1..x_L x_1..x_L`` with the full L,
+drawn once from ``seed + 1`` and read at every log:
+
+- ``previous_token`` (layers, h): mean attention from position t to t - 1 over the sequence;
+- ``induction`` (layers, h): mean attention from position t of the second copy to t - L + 1, the token after the
+  current token's earlier occurrence (prefix matching);
+- ``repeated_half_loss``: loss on the second copy's predictable tokens; ``in_context_learning``: loss late in the
+  context minus loss early in it (Olsson et al.'s in-context learning score);
+
+and at the end, by ablation, per head:
+
+- ``ablated_loss`` (layers, h): the repeated-half loss with the head's output zeroed;
+- ``copying`` (layers, h): (ablated_loss - loss) / (chance - loss), the share of the in-context gain the head
+  carries, where chance = log(vocab_size - 1) is the loss of a model that ignores the context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from multihead._errors import bad_argument, describe, positive_int
+from multihead._userfiles import output_folder, writing
+from multihead.inspect.behaviours import BEHAVIOURS_FILE, plain_measures, read_behaviours, write_behaviours
+from multihead.inspect.capture import capture
+from multihead.inspect.importance import ablated
+from multihead.models.contract import evaluating
+from multihead.models.decoder import Decoder, DecoderConfig
+from multihead.models.symbols import SymbolTokenizer, task_symbols
+from multihead.train.loop import History, history_to_json, plot_history, train
+from multihead.train.scores import (
+    in_context_learning_score,
+    induction_score,
+    per_position_loss,
+    previous_token_score,
+    repeated_half_loss,
+)
+from multihead.train.tasks import InductionBatch, induction_batch
+
+__all__ = [
+    "BEHAVIOURS_FILE",
+    "InductionSettings",
+    "InductionRun",
+    "probe_batch",
+    "probe_scores",
+    "ablation_scores",
+    "run_induction",
+    "read_behaviours",
+    "write_behaviours",
+]
+
+
+@dataclass(frozen=True)
+class InductionSettings:
+    """One induction run: the model, the task and the optimiser, validated on construction.
+
+    Model: ``layers``, ``heads``, ``kv_heads`` (None: = heads), ``hidden``, ``mlp`` (None: attention-only, as the
+    paper's small models), ``positions`` ("rotary" or "learned"). Task: ``vocab_size`` (with BOS), ``half_length``
+    L (the probe's and the longest training repeat), ``min_half_length`` (the shortest training repeat; None: all
+    L). Optimiser: ``batch``, ``steps``, ``lr`` and ``weight_decay`` (AdamW), ``seed`` (the initialisation and the
+    batches), ``log_every`` (probe every so many steps), ``probe_size`` (sequences in the probe).
+    """
+
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int | None = None
+    hidden: int = 64
+    mlp: int | None = None
+    positions: str = "rotary"
+    vocab_size: int = 24
+    half_length: int = 12
+    min_half_length: int | None = 4
+    batch: int = 16
+    steps: int = 3000
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    seed: int = 0
+    log_every: int = 100
+    probe_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch", "log_every", "probe_size"):
+            positive_int(name, getattr(self, name))
+        lr = self.lr
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not 0 < lr < math.inf:
+            raise bad_argument("lr", "a finite number > 0", describe(lr), "pass e.g. lr=1e-3")
+        decay = self.weight_decay
+        if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0 <= decay < math.inf:
+            raise bad_argument("weight_decay", "a finite number >= 0", describe(decay), "pass e.g. weight_decay=0.0")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63 - 1:
+            raise bad_argument("seed", "an int in 0..2**63 - 2", describe(self.seed), "pass e.g. seed=0")
+        self.model_config()  # the model's fields, checked by DecoderConfig
+        induction_batch(  # the task's fields, checked by the task on a one-sequence draw
+            1,
+            self.half_length,
+            self.vocab_size,
+            generator=torch.Generator().manual_seed(0),
+            min_half_length=self.min_half_length,
+        )
+
+    def model_config(self) -> DecoderConfig:
+        """The decoder these settings train: positions for BOS and two copies of the longest segment."""
+        return DecoderConfig(
+            vocab_size=self.vocab_size,
+            max_positions=2 * self.half_length + 1,
+            hidden=self.hidden,
+            layers=self.layers,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            mlp=self.mlp,
+            positions=self.positions,
+        )
+
+
+def probe_batch(settings: InductionSettings, device: torch.device | str = "cpu") -> InductionBatch:
+    """The fixed probe: ``probe_size`` sequences [BOS] x_1..x_L x_1..x_L with the full L, from ``seed + 1``."""
+    generator = torch.Generator(device=device).manual_seed(settings.seed + 1)
+    return induction_batch(settings.probe_size, settings.half_length, settings.vocab_size, generator=generator)
+
+
+def _lm_loss(model: torch.nn.Module, batch: InductionBatch) -> torch.Tensor:
+    """The training objective: next-token cross-entropy at every position (the model is not told where the
+    repeat is)."""
+    return per_position_loss(model(batch.ids), batch.ids).mean()
+
+
+@torch.no_grad()
+def probe_scores(model: Decoder, probe: InductionBatch) -> dict[str, Any]:
+    """Every head's previous-token and induction (prefix-matching) scores on ``probe``, (layers, h) each, with
+    the repeated-half loss and the in-context learning score (see the module docstring)."""
+    with evaluating(model), capture(model) as recorder:
+        logits = model(probe.ids)  # (b, n, vocab)
+    weights = [recorder.weights(layer) for layer in range(len(model.attention_layers))]  # each (b, h, n, n)
+    return {
+        "previous_token": previous_token_score(weights),
+        "induction": induction_score(weights, probe.half_length),
+        "repeated_half_loss": float(repeated_half_loss(logits, probe.ids, probe.half_length)),
+        "in_context_learning": float(in_context_learning_score(per_position_loss(logits, probe.ids))),
+    }
+
+
+@torch.no_grad()
+def direct_copying(model: Decoder, probe: InductionBatch) -> torch.Tensor:
+    """(layers, h): for each head, the share of the second copy's predictable positions where the head's own
+    contribution to the logits ranks the correct next token first (chance: 1 / (vocab_size - 1)).
+
+    A head's contribution is its output through its slice of W^O, the final LayerNorm linearised at the actual
+    residual (centred, divided by the residual's standard deviation, scaled by the LayerNorm's weight) and the
+    unembedding: the direct path of Elhage et al. 2021, which is a last-layer head's only path to the logits in an
+    attention-only model. An induction head copies: attending to the token after the earlier occurrence, it
+    raises that token's logit.
+    """
+    residuals: list[torch.Tensor] = []
+    handle = model.final_norm.register_forward_pre_hook(lambda module, args: residuals.append(args[0]))
+    try:
+        with evaluating(model), capture(model, weights=False, outputs=True) as recorder:
+            model(probe.ids)
+    finally:
+        handle.remove()
+    residual = residuals[-1]  # (b, n, hidden): what the final LayerNorm reads
+    norm = model.final_norm
+    scale = norm.weight / (residual.var(dim=-1, unbiased=False, keepdim=True) + norm.eps).sqrt()  # (b, n, hidden)
+    unembedding = model.token_embeddings.weight if model.lm_head is None else model.lm_head.weight  # (V, hidden)
+    start = probe.offset + probe.half_length  # position t predicts t + 1: the second copy's x_2 onwards
+    targets = probe.ids[:, start + 1 :]  # (b, L - 1)
+    scores = []
+    for layer, attention in enumerate(model.attention_layers):
+        outputs = recorder.outputs(layer)[:, :, start:-1]  # (b, h, L - 1, e)
+        heads, width = attention.num_heads, attention.value_head_dim
+        w_o = attention.out_proj.weight.view(-1, heads, width)  # (hidden, h, e): head h's columns
+        contribution = torch.einsum("bhie,dhe->bhid", outputs, w_o)  # (b, h, L - 1, hidden)
+        contribution = contribution - contribution.mean(dim=-1, keepdim=True)
+        logits = (contribution * scale[:, None, start:-1]) @ unembedding.T  # (b, h, L - 1, V)
+        hits = logits.argmax(dim=-1) == targets[:, None]  # (b, h, L - 1)
+        scores.append(hits.double().mean(dim=(0, 2)))
+    return torch.stack(scores)  # (layers, h)
+
+
+@torch.no_grad()
+def ablation_scores(model: Decoder, probe: InductionBatch) -> dict[str, Any]:
+    """Zero-ablate each head alone and read the repeated-half loss on ``probe``: ``ablated_loss`` (layers, h),
+    ``copying`` (layers, h) = (ablated - loss) / (chance - loss), and ``loss`` and ``chance`` (see the module
+    docstring). A model that has not learned the task (loss at chance) gets NaN copying."""
+    layers = model.attention_layers
+    with evaluating(model):
+        loss = float(repeated_half_loss(model(probe.ids), probe.ids, probe.half_length))
+        ablated_loss = torch.zeros(len(layers), layers[0].num_heads, dtype=torch.float64)
+        for layer, attention in enumerate(layers):
+            for head in range(attention.num_heads):
+                with ablated(model, {layer: [head]}):
+                    logits = model(probe.ids)
+                ablated_loss[layer, head] = float(repeated_half_loss(logits, probe.ids, probe.half_length))
+    chance = math.log(model.config.vocab_size - 1)  # tokens are uniform over the vocabulary but BOS
+    gain = chance - loss
+    copying = (ablated_loss - loss) / gain if gain > 0.05 else torch.full_like(ablated_loss, math.nan)
+    return {"loss": loss, "chance": chance, "ablated_loss": ablated_loss, "ablation_gain_lost": copying}
+
+
+@dataclass
+class InductionRun:
+    """A finished induction run: its settings, the trained model (eval mode), the history of its logs (loss,
+    tokens/s and :func:`probe_scores` at every log) and ``final``: the last probe with :func:`ablation_scores`."""
+
+    settings: InductionSettings
+    model: Decoder
+    history: History
+    final: dict[str, Any]
+
+    def behaviours(self) -> dict[str, torch.Tensor]:
+        """The probe measures the roles weigh (:meth:`multihead.inspect.HeadStats.with_behaviours`), (layers, h)."""
+        return {"prefix_matching": self.final["induction"], "copying": self.final["copying"]}
+
+    def save(self, folder: str | Path) -> dict[str, Path]:
+        """Write the run into ``folder``: ``model/`` (the decoder, its symbols and its behaviours: open it with
+        ``multihead inspect --model``), ``log.json`` (settings, history, final scores) and ``curves.png``.
+        Returns {what: path}."""
+        out = output_folder("folder", folder)
+        model_dir = out / "model"
+        with writing("folder", model_dir):
+            self.model.save(model_dir)
+            SymbolTokenizer(task_symbols(self.settings.vocab_size), max_length=1).save(model_dir)
+            write_behaviours(model_dir, self.behaviours(), task="induction", part="self", settings=self.settings)
+        meta = {"task": "induction", "settings": dataclasses.asdict(self.settings), "final": plain_measures(self.final)}
+        log = Path(history_to_json(self.history, out / "log.json", meta=meta))
+        curves = Path(
+            plot_history(self.history, out / "curves.png", keys=["repeated_half_loss", "previous_token", "induction"])
+        )
+        return {"model": model_dir, "log": log, "curves": curves}
+
+
+def run_induction(
+    settings: InductionSettings = InductionSettings(),
+    *,
+    on_log: Callable[[int, Mapping[str, Any]], None] | None = None,
+    model: Decoder | None = None,
+) -> InductionRun:
+    """Train a decoder on the induction task with ``settings`` and measure its heads (see the module docstring).
+
+    ``on_log(step, scores)``: called at every log with the probe's scores (a progress bar goes here).
+    ``model``: train this decoder instead of a new one (it must read the task: its vocab_size and max_positions);
+    the settings' model fields are then not used.
+    """
+    if not isinstance(settings, InductionSettings):
+        raise bad_argument(
+            "settings", "InductionSettings", describe(settings), "pass InductionSettings(...)", kind=TypeError
+        )
+    if model is None:
+        torch.manual_seed(settings.seed)  # the initialisation, reproducible from the seed
+        model = Decoder(settings.model_config(), name="induction")
+    elif not isinstance(model, Decoder):
+        raise bad_argument("model", "a Decoder", describe(model), "pass a multihead.models.Decoder", kind=TypeError)
+    device = model.token_embeddings.weight.device
+    probe = probe_batch(settings, device)
+
+    def make_batch(generator: torch.Generator) -> InductionBatch:
+        return induction_batch(
+            settings.batch,
+            settings.half_length,
+            settings.vocab_size,
+            generator=generator,
+            min_half_length=settings.min_half_length,
+        )
+
+    def measure(trained: torch.nn.Module, step: int) -> dict[str, Any]:
+        scores = probe_scores(model, probe)
+        if on_log is not None:
+            on_log(step, scores)
+        return scores
+
+    history = train(
+        model,
+        make_batch,
+        steps=settings.steps,
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        seed=settings.seed,
+        loss_fn=_lm_loss,
+        log_every=settings.log_every,
+        on_log=measure,
+    )
+    final = {**probe_scores(model, probe), **ablation_scores(model, probe), "copying": direct_copying(model, probe)}
+    return InductionRun(settings, model.eval(), history, final)
