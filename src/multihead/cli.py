@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -140,7 +141,11 @@ def _inspect_parser(subparsers) -> None:
         description="Load all-MiniLM-L6-v2 (or --model PATH) onto multihead's layer, run TEXT through it, "
         "label every head's role and show where a token attends.",
     )
-    parser.add_argument("text", nargs="?", default=DEFAULT_TEXT, help=f'the text (default: "{DEFAULT_TEXT}")')
+    parser.add_argument(
+        "text",
+        nargs="?",
+        help=f'the text (default: "{DEFAULT_TEXT}"; for a `multihead train` checkpoint, an input of its task)',
+    )
     parser.add_argument("--model", metavar="PATH", help=MODEL_HELP)
     parser.add_argument("--layers", metavar="LIST", help="layers to show, e.g. 0,2-4 (default: all)")
     parser.add_argument(
@@ -210,7 +215,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     parse_indices("heads", args.heads)
     token = parse_token(args.token)
     console = make_console()
-    if not args.text.strip():
+    if args.text is not None and not args.text.strip():
         raise bad_argument("text", "a non-empty text", repr(args.text), 'pass e.g. "The bank was full of money."')
     if any(name != "terminal" for name in formats):
         output_folder("--out", args.out, create=False)  # checked now; made when the reports are written
@@ -224,6 +229,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     with from_option("--model"):
         model = load_text_model(args.model)
     layers, heads = _chosen_heads(model, args.layers, args.heads)
+    behaviours = _saved_behaviours(args.model, model, args.part)
+    text = args.text if args.text is not None else _task_text(args.model) or DEFAULT_TEXT
     columns, relations = None, None
     if args.scores:
         from multihead.inspect.headreport import report_relations
@@ -239,7 +246,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         task = progress.add_task("corpus statistics", total=len(corpus or ()))
         inspection = inspect_text(
             model,
-            args.text,
+            text,
             layers=layers,
             heads=heads,
             part=args.part,
@@ -249,7 +256,10 @@ def run_inspect(args: argparse.Namespace) -> int:
             truncate=args.truncate,
             progress=lambda done: progress.update(task, completed=done),
             relations=relations,
+            behaviours=behaviours,
         )
+    if behaviours is not None:  # the probes' measures as columns of the HTML report, beside any --scores
+        columns = {**(columns or {}), **{f"{name} (probe)": values.tolist() for name, values in behaviours.items()}}
     extra_columns = None
     if columns is not None:  # the scores of the heads shown, by layer and checkpoint head number
         extra_columns = {
@@ -260,6 +270,32 @@ def run_inspect(args: argparse.Namespace) -> int:
     for name, path in paths.items():
         console.print(f"{name} report: {path.resolve()}", soft_wrap=True, markup=False)
     return 0
+
+
+def _task_text(folder: str | None) -> str | None:
+    """An input of the task a `multihead train` checkpoint in ``folder`` learned (None for any other model)."""
+    from multihead.inspect.behaviours import read_task
+    from multihead.train.tasks import example_text
+
+    saved = None if folder is None else read_task(folder)
+    return None if saved is None else example_text(*saved)
+
+
+def _saved_behaviours(folder: str | None, model, part: str | None):
+    """The behaviour probes saved in the --model folder (``multihead train`` writes them) for the part shown, as
+    {name: (layers, heads)}; None when the folder has none for that part."""
+    from multihead.inspect.behaviours import read_behaviours
+    from multihead.inspect.capture import part_sites
+
+    if folder is None:
+        return None
+    with from_option("--model"):
+        saved = read_behaviours(folder)
+    if saved is None:
+        return None
+    with from_option("--part", names=("part",)):
+        chosen, _ = part_sites(model, part)
+    return saved.get(chosen)
 
 
 def _chosen_heads(model, layers_spec: str | None, heads_spec: str | None) -> tuple[list[int] | None, list[int] | None]:
@@ -593,6 +629,13 @@ def run_heads(args: argparse.Namespace) -> int:
     out_dir = output_folder("--out", args.out, create=False)  # checked now; made when a file is written
     if args.mode == "syntax":
         return run_syntax(args, console, out_dir)
+    if args.mode == "importance" and args.model is not None:
+        from multihead.inspect.behaviours import read_task
+
+        with from_option("--model"):
+            trained = read_task(args.model)
+        if trained is not None:  # a `multihead train` checkpoint: its heads' cost to its own task
+            return _task_importance(args, console, out_dir, *trained)
     texts = read_corpus(args.corpus, argument="--corpus") if args.corpus else bundled_corpus()
     if len(texts) < 2:  # embedding fidelity compares each text's nearest neighbour
         raise bad_argument(
@@ -679,6 +722,24 @@ def run_heads(args: argparse.Namespace) -> int:
     return 0
 
 
+def _task_importance(args: argparse.Namespace, console, out_dir: Path, task: str, settings) -> int:
+    from multihead.inspect import headreport
+    from multihead.integrations import load_text_model
+    from multihead.train.checkpoints import task_importance
+
+    with from_option("--model"):
+        model = load_text_model(args.model)
+        importance, part = task_importance(model, task, settings)
+    paths = headreport.write_importance(importance, out_dir, source=f"the {task} probe of {args.model}")
+    where = "" if part == "self" else f" ({part}-attention layers)"
+    console.print(f"Ablation importance{where}: {importance.metric}", soft_wrap=True, markup=False)
+    console.print(headreport.importance_table(importance.scores, "loss increase x 1000"))
+    ranked = ", ".join(f"L{layer}H{head} {score:+.3f}" for layer, head, score in importance.ranking()[:8])
+    console.print(f"most important: {ranked}", soft_wrap=True)
+    headreport.print_written(console, paths)
+    return 0
+
+
 def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
     from multihead.inspect import headreport
 
@@ -694,6 +755,177 @@ def _report_columns(folder: str, model) -> dict[str, list[list[float | None]]]:
     return report_columns(folder, argument="--scores", shape=(len(numbers), total))
 
 
+def _train_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a small transformer on a synthetic task and watch its heads specialise",
+        description="Train a small model built from multihead's layer on a synthetic task generated on the fly, "
+        "with a progress bar; measure every head over training and prove what it does by ablation. induction: a "
+        "decoder on repeated random segments (Olsson et al. 2022: a previous-token head, then induction heads); "
+        "reverse: an encoder-decoder that writes its source backwards (its cross-attention heads learn the "
+        "alignment). "
+        "Writes OUT/model (open it with `multihead inspect --model OUT/model`), OUT/log.json and OUT/curves.png.",
+    )
+    parser.add_argument("task", choices=("induction", "reverse"), help="the synthetic task")
+    parser.add_argument("--steps", type=int, help="optimizer updates (default: induction 3000, reverse 800)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="blocks (induction: default 2, and 1 is the paper's control; reverse: of each stack, default 1)",
+    )
+    parser.add_argument("--heads", type=int, help="query heads per layer (default 4)")
+    parser.add_argument("--kv-heads", type=int, help="key/value heads per layer (default: --heads; fewer is GQA)")
+    parser.add_argument("--hidden", type=int, help="residual width (default 64)")
+    parser.add_argument("--lr", type=float, help="AdamW learning rate (default: induction 1e-3, reverse 3e-3)")
+    parser.add_argument("--seed", type=int, help="seeds the initialisation and the batches (default 0)")
+    parser.add_argument("--out", metavar="DIR", default="multihead-train", help="where the run goes")
+    parser.set_defaults(run=run_train)
+
+
+def _train_settings(task: str, args: argparse.Namespace):
+    """The task's settings with the options given; an error about a field names the option the user typed."""
+    import dataclasses
+
+    from multihead.train.induction import InductionSettings
+    from multihead.train.reverse import ReverseSettings
+
+    given = {
+        "steps": args.steps,
+        "layers": args.layers,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "hidden": args.hidden,
+        "lr": args.lr,
+        "seed": args.seed,
+    }
+    # the fields each option sets: the encoder-decoder's --layers sets both of its stacks
+    fields: dict[str, tuple[str, ...]] = {name: (name,) for name in given}
+    if task == "reverse":
+        fields["layers"] = ("encoder_layers", "decoder_layers")
+    chosen = {field: value for name, value in given.items() if value is not None for field in fields[name]}
+    defaults = InductionSettings() if task == "induction" else ReverseSettings()
+    try:
+        return dataclasses.replace(defaults, **chosen)
+    except InputError as error:  # the settings name their fields; the user typed the options
+        message = str(error)
+        for option, names in fields.items():
+            for field in names:
+                if message.startswith(f"{field}:"):
+                    raise type(error)(f"--{option.replace('_', '-')}:{message[len(field) + 1 :]}") from None
+        raise
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from multihead.train.induction import run_induction
+    from multihead.train.reverse import run_reverse
+
+    settings = _train_settings(args.task, args)
+    out = output_folder("--out", args.out, create=False)  # checked now; written after training
+    console = make_console()
+    induction = args.task == "induction"
+    tokens_per_step = settings.batch * (2 * settings.half_length + 1 if induction else 2 * settings.length)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    ) as bar:
+        task = bar.add_task(f"training ({args.task})", total=settings.steps, status="")
+        started = [time.perf_counter(), 0]
+
+        def show(step: int, scores) -> None:
+            now = time.perf_counter()
+            rate = (step - started[1]) * tokens_per_step / max(now - started[0], 1e-9)
+            started[:] = [now, step]
+            if induction:
+                status = (
+                    f"repeated-half loss {scores['repeated_half_loss']:.3f} · "
+                    f"induction {float(scores['induction'][-1].max()):.2f}"
+                )
+            else:
+                status = f"loss {scores['probe_loss']:.3f} · alignment {float(scores['alignment'].max()):.2f}"
+            bar.update(task, completed=step, status=f"{status} · {rate:,.0f} tokens/s")
+
+        run = run_induction(settings, on_log=show) if induction else run_reverse(settings, on_log=show)
+    final = run.final
+    kind = "attention-only " if not settings.mlp else ""
+    if induction:
+        console.print(
+            f"trained a {settings.layers}-layer, {settings.heads}-head {kind}decoder for {settings.steps} steps: "
+            f"repeated-half loss {final['loss']:.3f} (chance {final['chance']:.3f}), in-context learning score "
+            f"{final['in_context_learning']:+.3f} nats",
+            soft_wrap=True,
+        )
+        note = (
+            "prev: attention from t to t - 1. induction: attention from a token of the second copy to the token "
+            "after its first occurrence (prefix matching, TransformerLens' induction score). copies: positions where "
+            "the head's own logits rank the next token first. ablated: repeated-half loss with the head zeroed "
+            f"(unablated {final['loss']:.3f}). role: multihead.inspect.roles on these probes."
+        )
+    else:
+        console.print(
+            f"trained a {settings.encoder_layers}+{settings.decoder_layers}-layer, {settings.heads}-head {kind}"
+            f"encoder-decoder for {settings.steps} steps: loss {final['loss']:.4f}, held-out sequences reversed "
+            f"exactly {final['exact_match']:.0%}",
+            soft_wrap=True,
+        )
+        note = (
+            "aligned: target positions whose largest cross-attention weight falls on the source token they reverse "
+            f"(chance {1 / settings.length:.0%}). ablated: loss with the head zeroed (unablated "
+            f"{final['loss']:.4f}). role: multihead.inspect.roles on these probes."
+        )
+    console.print(_probe_table(run, induction))
+    console.print(note, soft_wrap=True, markup=False)
+    paths = run.save(out)
+    print_written(console, paths.values())
+    part = "" if induction else " --part cross"
+    console.print(f"inspect it: multihead inspect --model {paths['model']}{part}", soft_wrap=True, markup=False)
+    return 0
+
+
+def _probe_table(run, induction: bool):
+    """One row per head a run measured (an induction run's every head, a reverse run's cross-attention heads):
+    its probe scores, its ablated loss and the role the probes give it."""
+    from rich import box
+    from rich.table import Table
+
+    from multihead.inspect.roles import label_head
+
+    final = run.final
+    columns = ("prev", "induction", "copies") if induction else ("aligned",)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("head", *columns, "ablated", "role"):
+        table.add_column(name, justify="left" if name in ("head", "role") else "right")
+    behaviours = run.behaviours()
+    layers, heads = final["ablated_loss"].shape
+    for layer in range(layers):
+        for head in range(heads):
+            measures = {name: float(values[layer, head]) for name, values in behaviours.items()}
+            # the probe signals alone: without text statistics the role is the probes' verdict
+            role = label_head({"best_offset": -1.0, **measures}, {"probe": 1.0})
+            label = role.short if role.confidence != "low" else "-"
+            if induction:
+                previous = float(final["previous_token"][layer, head])
+                if previous >= 0.4 and role.label not in ("induction", "prefix"):
+                    label = f"prev {previous:.0%}"
+                cells = [previous, measures["prefix_matching"], measures["copying"]]
+            else:
+                cells = [measures["alignment"]]
+            table.add_row(
+                f"L{layer}H{head}",
+                *(f"{value:.0%}" for value in cells),
+                f"{float(final['ablated_loss'][layer, head]):.4f}",
+                label,
+            )
+    return table
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="multihead", description="Multi-head attention you can see into.")
     parser.add_argument(
@@ -707,6 +939,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cost_parser(subparsers)
     _bench_parser(subparsers)
     _heads_parser(subparsers)
+    _train_parser(subparsers)
     return parser
 
 
