@@ -268,3 +268,15 @@ def test_cli_reverse_train_inspect_and_importance(tmp_path, capsys):
     assert "cross-attention layers" in capsys.readouterr().out
     assert main(["train", "reverse", "--layers", "0", "--out", str(tmp_path / "bad")]) == 2
     assert "--layers:" in capsys.readouterr().err
+
+
+def test_cli_symmetry_keeps_identical_heads_identical(tmp_path, capsys):
+    out = tmp_path / "symmetry"
+    assert main(["train", "symmetry", "--steps", "30", "--heads", "2", "--hidden", "16", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "identical heads stayed bitwise identical at every log" in printed
+    result = json.loads((out / "symmetry.json").read_text())
+    assert result["identical_stayed_identical"] is True
+    assert all(value == 0.0 for entry in result["identical"]["history"] for value in entry["divergence_mean"])
+    assert all(value > 0.01 for entry in result["random"]["history"] for value in entry["divergence_mean"])
+    assert (out / "symmetry.png").is_file()

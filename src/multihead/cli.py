@@ -766,7 +766,12 @@ def _train_parser(subparsers) -> None:
         "alignment). "
         "Writes OUT/model (open it with `multihead inspect --model OUT/model`), OUT/log.json and OUT/curves.png.",
     )
-    parser.add_argument("task", choices=("induction", "reverse"), help="the synthetic task")
+    parser.add_argument(
+        "task",
+        choices=("induction", "reverse", "symmetry"),
+        help="the synthetic task; symmetry trains the induction decoder twice from one initialisation, once with "
+        "every head of a layer made identical, and follows how far apart the heads' attention is",
+    )
     parser.add_argument("--steps", type=int, help="optimizer updates (default: induction 3000, reverse 800)")
     parser.add_argument(
         "--layers",
@@ -821,8 +826,10 @@ def run_train(args: argparse.Namespace) -> int:
     from multihead.train.induction import run_induction
     from multihead.train.reverse import run_reverse
 
-    settings = _train_settings(args.task, args)
+    settings = _train_settings("reverse" if args.task == "reverse" else "induction", args)
     out = output_folder("--out", args.out, create=False)  # checked now; written after training
+    if args.task == "symmetry":
+        return _train_symmetry(settings, out)
     console = make_console()
     induction = args.task == "induction"
     tokens_per_step = settings.batch * (2 * settings.half_length + 1 if induction else 2 * settings.length)
@@ -886,6 +893,63 @@ def run_train(args: argparse.Namespace) -> int:
     print_written(console, paths.values())
     part = "" if induction else " --part cross"
     console.print(f"inspect it: multihead inspect --model {paths['model']}{part}", soft_wrap=True, markup=False)
+    return 0
+
+
+def _train_symmetry(settings, out: Path) -> int:
+    """`multihead train symmetry`: the induction settings' decoder trained from one initialisation twice, as
+    drawn and with identical heads; the heads' mean pairwise divergence over training, in a table and a PNG."""
+    import json
+
+    from rich import box
+    from rich.status import Status
+    from rich.table import Table
+
+    from multihead._userfiles import writing
+    from multihead.train.symmetry import plot_symmetry, symmetry_experiment
+
+    console = make_console()
+    with Status("training twice: random heads, then identical heads", console=console):
+        result = symmetry_experiment(
+            settings.model_config(),
+            steps=settings.steps,
+            seed=settings.seed,
+            half_length=settings.half_length,
+            min_half_length=settings.min_half_length,
+            vocab_size=settings.vocab_size,
+            batch=settings.batch,
+            lr=settings.lr,
+            log_every=settings.log_every,
+        )
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="mean pairwise JSD between a layer's heads (bits)")
+    table.add_column("step", justify="right")
+    for name in ("random", "identical"):
+        for layer in range(settings.layers):
+            table.add_column(f"{name} L{layer}", justify="right")
+    table.add_column("loss random / identical", justify="right")
+    random_history, identical_history = result["random"]["history"], result["identical"]["history"]
+    shown = sorted({0, len(random_history) - 1, *range(0, len(random_history), max(1, len(random_history) // 8))})
+    for index in shown:
+        random_entry, identical_entry = random_history[index], identical_history[index]
+        table.add_row(
+            str(random_entry["step"]),
+            *(f"{value:.3f}" for value in random_entry["divergence_mean"]),
+            *(f"{value:.3f}" for value in identical_entry["divergence_mean"]),
+            f"{random_entry['repeated_loss']:.3f} / {identical_entry['repeated_loss']:.3f}",
+        )
+    console.print(table)
+    stayed = "stayed bitwise identical" if result["identical_stayed_identical"] else "drifted apart (rounding)"
+    start, end = (max(entry["divergence_mean"]) for entry in (random_history[0], random_history[-1]))
+    console.print(
+        f"identical heads {stayed} at every log; random heads: {start:.3f} bits apart at step 0 and {end:.3f} at "
+        f"step {random_history[-1]['step']} (the layer furthest apart)",
+        soft_wrap=True,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "symmetry.json"
+    with writing("--out", path):
+        path.write_text(json.dumps(result, indent=1))
+    print_written(console, [path, plot_symmetry(result, out / "symmetry.png")])
     return 0
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -39,6 +40,8 @@ import torch
 from torch import nn
 
 from multihead._errors import bad_argument, describe, floating_dtype, positive_int
+from multihead._figures import pyplot, save_figure
+from multihead._userfiles import output_file, writing
 from multihead.inspect.capture import attention_layers, capture
 from multihead.inspect.similarity import DivergenceAccumulator
 from multihead.layer import MultiHeadAttention
@@ -48,7 +51,13 @@ from multihead.train.loop import train
 from multihead.train.scores import induction_score, per_position_loss, repeated_half_loss
 from multihead.train.tasks import induction_batch
 
-__all__ = ["make_heads_identical", "head_parameter_difference", "heads_divergence", "symmetry_experiment"]
+__all__ = [
+    "make_heads_identical",
+    "head_parameter_difference",
+    "heads_divergence",
+    "symmetry_experiment",
+    "plot_symmetry",
+]
 
 
 def _check_layer(layer: object) -> MultiHeadAttention:
@@ -373,3 +382,32 @@ def symmetry_experiment(
             difference == 0.0 for entry in identical_history for difference in entry["head_difference"]
         ),
     }
+
+
+def plot_symmetry(result: dict[str, Any], path: str | os.PathLike) -> str:
+    """Draw a :func:`symmetry_experiment` result into a PNG at ``path``: per layer, the heads' mean pairwise
+    divergence over training for the random (solid) and identical (dashed) runs, and both runs' repeated-half
+    loss. Returns the path written. Needs matplotlib."""
+    if not isinstance(result, dict) or not all(name in result for name in ("random", "identical")):
+        raise bad_argument(
+            "result", "a symmetry_experiment result", describe(result), "pass symmetry_experiment(...)'s result"
+        )
+    target = output_file("path", path, suffixes=(".png",), fix="pass a path ending in .png in a writable folder")
+    plt = pyplot("plot_symmetry")
+    figure, (divergence, loss) = plt.subplots(2, 1, figsize=(6.4, 4.8), sharex=True)
+    for name, style in (("random", "-"), ("identical", "--")):
+        history = result[name]["history"]
+        steps = [entry["step"] for entry in history]
+        for layer, curve in enumerate(zip(*(entry["divergence_mean"] for entry in history), strict=True)):
+            divergence.plot(steps, curve, style, color=f"C{layer}", label=f"{name} heads, layer {layer}")
+        loss.plot(steps, [entry["repeated_loss"] for entry in history], style, color="k", label=f"{name} heads")
+    divergence.set_ylabel("mean pairwise JSD (bits)")
+    divergence.legend(fontsize=7)
+    divergence.grid(alpha=0.3)
+    loss.set_ylabel("repeated-half loss")
+    loss.set_xlabel("step")
+    loss.legend(fontsize=7)
+    loss.grid(alpha=0.3)
+    with writing("path", target):
+        save_figure(figure, target)
+    return str(target)
