@@ -28,7 +28,7 @@ from multihead.train.induction import (
     probe_scores,
     run_induction,
 )
-from multihead.train.scores import per_position_loss, repeated_half_loss
+from multihead.train.scores import per_position_loss, repeated_tokens_loss
 
 CI_STEPS = 2000
 INDUCTION_THRESHOLD = 0.4  # the induction role's threshold (roles.ROLE_RULES["induction"]); docs/train.md
@@ -73,7 +73,7 @@ def test_phase_change_is_visible_in_the_history(two_layer):
     history = two_layer.history
     assert [entry["step"] for entry in history] == list(range(250, CI_STEPS + 1, 250))
     scores = [max(entry["induction"][1]) for entry in history]
-    losses = [entry["repeated_half_loss"] for entry in history]
+    losses = [entry["repeated_token_loss"] for entry in history]
     assert scores[0] < 0.1 and scores[-1] > INDUCTION_THRESHOLD  # the score rises from nothing ...
     assert losses[0] > 0.8 * two_layer.final["chance"] and losses[-1] < 0.5 * two_layer.final["chance"]  # as loss falls
     assert all(math.isfinite(entry["tokens_per_s"]) and entry["tokens_per_s"] > 0 for entry in history)
@@ -89,19 +89,19 @@ def test_induction_heads_copy_and_ablation_shows_the_circuit(two_layer):
     assert torch.equal(copying, final["copying"])
     assert all(float(copying[1, head]) > 0.25 for head in induction_heads)
     assert float(copying[0].max()) < 0.15
-    # ablating the induction heads sends the repeated-half loss back up to chance ...
+    # ablating the induction heads sends the repeated-token loss back up to chance ...
     with torch.no_grad():
-        base = float(repeated_half_loss(model(probe.ids), probe.ids, probe.half_length))
+        base = float(repeated_tokens_loss(model(probe.ids), probe.ids, probe.repeated))
         with ablated(model, {1: induction_heads}):
-            without = float(repeated_half_loss(model(probe.ids), probe.ids, probe.half_length))
+            without = float(repeated_tokens_loss(model(probe.ids), probe.ids, probe.repeated))
     assert base == pytest.approx(final["loss"])
     assert without > 0.8 * final["chance"] > 2 * base
-    # ... while the loss on the first copy, which no head can predict, stays where it was (near chance)
+    # ... while the loss at tokens seen for the first time, which no head can predict, stays near chance
     with torch.no_grad():
-        first_copy = slice(0, probe.half_length)  # predictions of x_1..x_L of the first copy
-        before = per_position_loss(model(probe.ids), probe.ids)[:, first_copy].mean()
+        unseen = ~probe.repeated[:, :-1]  # (b, n - 1): predictions made at a token not seen before
+        before = per_position_loss(model(probe.ids), probe.ids)[unseen].mean()
         with ablated(model, {1: induction_heads}):
-            after = per_position_loss(model(probe.ids), probe.ids)[:, first_copy].mean()
+            after = per_position_loss(model(probe.ids), probe.ids)[unseen].mean()
     assert abs(float(after - before)) < 0.2 * (without - base)
     assert float(before) > 0.9 * final["chance"]
 
@@ -112,7 +112,7 @@ def test_ablation_scores_are_each_heads_loss(two_layer):
     scores = ablation_scores(model, probe)
     assert torch.equal(scores["ablated_loss"], final["ablated_loss"])
     with torch.no_grad(), ablated(model, {0: [2]}):
-        loss = float(repeated_half_loss(model(probe.ids), probe.ids, probe.half_length))
+        loss = float(repeated_tokens_loss(model(probe.ids), probe.ids, probe.repeated))
     assert float(scores["ablated_loss"][0, 2]) == pytest.approx(loss)
     gain = scores["chance"] - scores["loss"]
     assert torch.allclose(scores["ablation_gain_lost"], (scores["ablated_loss"] - scores["loss"]) / gain)
@@ -187,7 +187,7 @@ def test_cli_train_then_inspect(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "induction", "--steps", "20", "--layers", "1", "--heads", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "repeated-half loss" in printed and "inspect it:" in printed
+    assert "repeated-token loss" in printed and "inspect it:" in printed
     assert all(column in printed for column in ("prev", "induction", "copies", "ablated", "L0H1"))
     assert (out / "model" / BEHAVIOURS_FILE).is_file() and (out / "curves.png").is_file()
     report_dir = tmp_path / "report"
@@ -244,7 +244,7 @@ def test_heads_importance_on_a_checkpoint_measures_its_task(two_layer, tmp_path,
     out = tmp_path / "importance"
     assert main(["heads", "importance", "--model", str(folder), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "repeated-half loss" in printed and "most important: L" in printed
+    assert "repeated-token loss" in printed and "most important: L" in printed
     saved = json.loads((out / "importance.json").read_text())
     expected = two_layer.final["ablated_loss"] - two_layer.final["loss"]
     assert torch.allclose(torch.tensor(saved["scores"], dtype=torch.float64), expected, atol=1e-6)

@@ -577,3 +577,49 @@ def test_plot_history_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     with pytest.raises(MissingExtraError, match=r"pip install 'multihead\[plots\]'"):
         plot_history(history, tmp_path / "curves.png")
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_prefix_matching_equals_induction_score_for_one_length_and_reads_each_sequences_own():
+    from multihead.train.scores import prefix_matching_score, repeated_tokens_loss
+
+    generator = torch.Generator().manual_seed(3)
+    fixed = induction_batch(5, 4, 11, generator=generator)
+    weights = torch.softmax(torch.randn(5, 3, 9, 9, generator=generator), dim=-1)  # (b, h, n, n)
+    assert torch.allclose(prefix_matching_score(weights, fixed.previous), induction_score(weights, 4))
+    logits = torch.randn(5, 9, 11, generator=generator)
+    assert torch.allclose(
+        repeated_tokens_loss(logits, fixed.ids, fixed.repeated), repeated_half_loss(logits, fixed.ids, 4)
+    )
+    varied = induction_batch(2, 5, 11, generator=generator, min_half_length=2)
+    perfect = torch.zeros(2, 11, 11)
+    perfect[..., 0] = 1.0  # every row on BOS ...
+    for b in range(2):
+        for t in range(11):
+            p = int(varied.previous[b, t])
+            if p >= 0:  # ... but repeated tokens on the token after their earlier occurrence
+                perfect[b, t] = 0.0
+                perfect[b, t, p + 1] = 1.0
+    assert float(prefix_matching_score(perfect, varied.previous)) == 1.0
+    assert float(prefix_matching_score(perfect.roll(1, dims=-1), varied.previous)) == 0.0
+    varied_logits = torch.randn(2, 11, 11, generator=generator)
+    expected = per_position_loss(varied_logits, varied.ids)[varied.repeated[:, :-1]].mean()
+    assert torch.allclose(repeated_tokens_loss(varied_logits, varied.ids, varied.repeated), expected)
+    with pytest.raises(InputError, match="repeated: "):
+        repeated_tokens_loss(varied_logits, varied.ids, varied.repeated.long())
+
+
+@pytest.mark.parametrize(
+    ("previous", "fragment"),
+    [
+        (torch.full((1, 5), -1), "repeated token"),
+        (torch.tensor([[-1, -1, -1, 2, -1]]), "at least 2 before"),
+        (torch.tensor([[-1, -1, -1, -2, -1]]), "at least 2 before"),
+        (torch.zeros(1, 4, dtype=torch.long), r"\(1, 5\)"),
+        (torch.zeros(1, 5), "int64"),
+    ],
+)
+def test_prefix_matching_refuses_a_bad_previous(previous, fragment):
+    from multihead.train.scores import prefix_matching_score
+
+    with pytest.raises(InputError, match=f"previous: .*{fragment}"):
+        prefix_matching_score(torch.full((1, 5, 5), 0.2), previous)

@@ -852,7 +852,7 @@ def run_train(args: argparse.Namespace) -> int:
             started[:] = [now, step]
             if induction:
                 status = (
-                    f"repeated-half loss {scores['repeated_half_loss']:.3f} · "
+                    f"repeated-token loss {scores['repeated_token_loss']:.3f} · "
                     f"induction {float(scores['induction'][-1].max()):.2f}"
                 )
             else:
@@ -865,14 +865,14 @@ def run_train(args: argparse.Namespace) -> int:
     if induction:
         console.print(
             f"trained a {settings.layers}-layer, {settings.heads}-head {kind}decoder for {settings.steps} steps: "
-            f"repeated-half loss {final['loss']:.3f} (chance {final['chance']:.3f}), in-context learning score "
+            f"repeated-token loss {final['loss']:.3f} (chance {final['chance']:.3f}), in-context learning score "
             f"{final['in_context_learning']:+.3f} nats",
             soft_wrap=True,
         )
         note = (
-            "prev: attention from t to t - 1. induction: attention from a token of the second copy to the token "
-            "after its first occurrence (prefix matching, TransformerLens' induction score). copies: positions where "
-            "the head's own logits rank the next token first. ablated: repeated-half loss with the head zeroed "
+            "prev: attention from t to t - 1. induction: attention from a repeated token to the token after its "
+            "earlier occurrence (prefix matching, TransformerLens' induction score). copies: predictions at repeated "
+            "tokens the head's own logits get right. ablated: repeated-token loss with the head zeroed "
             f"(unablated {final['loss']:.3f}). role: multihead.inspect.roles on these probes."
         )
     else:

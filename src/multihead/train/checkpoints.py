@@ -21,7 +21,7 @@ _FIX = "train the model again with multihead train (it writes the file)"
 
 def task_importance(model: object, task: str, settings: Mapping[str, Any]) -> tuple[HeadImportance, str]:
     """Each head's ablation importance on its checkpoint's task: the increase of the task's loss on the run's
-    probe when the head alone is zeroed, in nats (an induction run: the repeated-half loss, every head; a reverse
+    probe when the head alone is zeroed, in nats (an induction run: the repeated-token loss, every head; a reverse
     run: the teacher-forced loss, the cross-attention heads). Returns the importance and the part it covers.
 
     ``model``: the checkpoint as :func:`multihead.integrations.load_text_model` opens it; ``task`` and
@@ -31,7 +31,7 @@ def task_importance(model: object, task: str, settings: Mapping[str, Any]) -> tu
         if task == "induction" and isinstance(model, DecoderReader):
             run_settings: Any = induction.InductionSettings(**settings)
             scores = induction.ablation_scores(model.decoder, induction.probe_batch(run_settings))
-            what, part = "repeated-half loss", "self"
+            what, part = "repeated-token loss", "self"
         elif task == "reverse" and isinstance(model, Seq2SeqReader):
             run_settings = reverse.ReverseSettings(**settings)
             scores = reverse.ablation_scores(model.seq2seq, reverse.probe_batch(run_settings))

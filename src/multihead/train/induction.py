@@ -1,28 +1,32 @@
 """The induction experiment of Olsson et al. 2022, end to end: train a small decoder on repeated random segments,
-watch its heads over training, and test by ablation what the heads its pattern points at do.
+watch its heads over training, and test what the heads its pattern points at do.
 
     run = run_induction(InductionSettings(layers=2, steps=3000))
     run.final["induction"]            # (layers, h) prefix-matching score of every head on the probe
-    run.final["copying"]              # (layers, h) share of the in-context gain lost when the head is ablated
+    run.final["copying"]              # (layers, h) how often the head's own logits name the next token
+    run.final["ablated_loss"]         # (layers, h) repeated-token loss with the head zeroed
     run.save("multihead-train")       # model/ (opens with multihead inspect --model), log.json, curves.png
 
-Training reads variable-length repeats (``min_half_length``: each sequence repeats L_i tokens, after filler) so a
-layer cannot "find" the earlier copy at a fixed distance: with one fixed L a single rotary layer learns the offset
-L - 1 positionally and scores as an induction head without being one (we measured 0.97 on a 1-layer model). The
-**probe** is TransformerLens' and the paper's: ``probe_size`` sequences ``[BOS] x_1..x_L x_1..x_L`` with the full L,
-drawn once from ``seed + 1`` and read at every log:
+Training reads repeats of several lengths (``min_half_length`` .. ``half_length``: each sequence repeats L_i random
+tokens after 2 (L - L_i) filler tokens), and so does the **probe**, ``probe_size`` held-out sequences drawn once
+from ``seed + 1`` and read at every log. One fixed L would let a single rotary layer find the earlier copy at a
+fixed distance: on the fixed-L probe TransformerLens uses, our 1-layer control's best head scores 0.42 (it
+attends at offset L - 1), though one layer cannot match prefixes. On the probe:
 
-- ``previous_token`` (layers, h): mean attention from position t to t - 1 over the sequence;
-- ``induction`` (layers, h): mean attention from position t of the second copy to t - L + 1, the token after the
-  current token's earlier occurrence (prefix matching);
-- ``repeated_half_loss``: loss on the second copy's predictable tokens; ``in_context_learning``: loss late in the
-  context minus loss early in it (Olsson et al.'s in-context learning score);
+- ``previous_token`` (layers, h): mean attention from position t to t - 1 (TransformerLens' score);
+- ``induction`` (layers, h): mean attention from each repeated token to the token after its earlier occurrence
+  (prefix matching; :func:`~multihead.train.scores.prefix_matching_score`, TransformerLens' induction score with
+  one L per sequence);
+- ``repeated_token_loss``: the loss of the predictions made at repeated tokens, which only induction makes
+  possible; ``in_context_learning``: loss late in the context minus loss early in it (Olsson et al.'s score);
 
-and at the end, by ablation, per head:
+and at the end, per head:
 
-- ``ablated_loss`` (layers, h): the repeated-half loss with the head's output zeroed;
-- ``copying`` (layers, h): (ablated_loss - loss) / (chance - loss), the share of the in-context gain the head
-  carries, where chance = log(vocab_size - 1) is the loss of a model that ignores the context.
+- ``copying`` (layers, h): :func:`direct_copying`, the share of those predictions the head's own contribution to
+  the logits gets right;
+- ``ablated_loss`` (layers, h): the repeated-token loss with the head's output zeroed, and
+  ``ablation_gain_lost`` (layers, h) = (ablated_loss - loss) / (chance - loss), the share of the in-context gain
+  lost, where chance = log(vocab_size - 1) is the loss of a model that ignores the context.
 """
 
 from __future__ import annotations
@@ -47,10 +51,10 @@ from multihead.models.symbols import SymbolTokenizer, task_symbols
 from multihead.train.loop import History, history_to_json, plot_history, train
 from multihead.train.scores import (
     in_context_learning_score,
-    induction_score,
     per_position_loss,
+    prefix_matching_score,
     previous_token_score,
-    repeated_half_loss,
+    repeated_tokens_loss,
 )
 from multihead.train.tasks import InductionBatch, induction_batch
 
@@ -130,9 +134,16 @@ class InductionSettings:
 
 
 def probe_batch(settings: InductionSettings, device: torch.device | str = "cpu") -> InductionBatch:
-    """The fixed probe: ``probe_size`` sequences [BOS] x_1..x_L x_1..x_L with the full L, from ``seed + 1``."""
+    """The fixed probe: ``probe_size`` sequences drawn as training draws them (repeats of ``min_half_length`` ..
+    ``half_length`` tokens), held out: from ``seed + 1``."""
     generator = torch.Generator(device=device).manual_seed(settings.seed + 1)
-    return induction_batch(settings.probe_size, settings.half_length, settings.vocab_size, generator=generator)
+    return induction_batch(
+        settings.probe_size,
+        settings.half_length,
+        settings.vocab_size,
+        generator=generator,
+        min_half_length=settings.min_half_length,
+    )
 
 
 def _lm_loss(model: torch.nn.Module, batch: InductionBatch) -> torch.Tensor:
@@ -144,21 +155,21 @@ def _lm_loss(model: torch.nn.Module, batch: InductionBatch) -> torch.Tensor:
 @torch.no_grad()
 def probe_scores(model: Decoder, probe: InductionBatch) -> dict[str, Any]:
     """Every head's previous-token and induction (prefix-matching) scores on ``probe``, (layers, h) each, with
-    the repeated-half loss and the in-context learning score (see the module docstring)."""
+    the repeated-token loss and the in-context learning score (see the module docstring)."""
     with evaluating(model), capture(model) as recorder:
         logits = model(probe.ids)  # (b, n, vocab)
     weights = [recorder.weights(layer) for layer in range(len(model.attention_layers))]  # each (b, h, n, n)
     return {
         "previous_token": previous_token_score(weights),
-        "induction": induction_score(weights, probe.half_length),
-        "repeated_half_loss": float(repeated_half_loss(logits, probe.ids, probe.half_length)),
+        "induction": prefix_matching_score(weights, probe.previous),
+        "repeated_token_loss": float(repeated_tokens_loss(logits, probe.ids, probe.repeated)),
         "in_context_learning": float(in_context_learning_score(per_position_loss(logits, probe.ids))),
     }
 
 
 @torch.no_grad()
 def direct_copying(model: Decoder, probe: InductionBatch) -> torch.Tensor:
-    """(layers, h): for each head, the share of the second copy's predictable positions where the head's own
+    """(layers, h): for each head, the share of the predictions made at repeated tokens where the head's own
     contribution to the logits ranks the correct next token first (chance: 1 / (vocab_size - 1)).
 
     A head's contribution is its output through its slice of W^O, the final LayerNorm linearised at the actual
@@ -178,35 +189,35 @@ def direct_copying(model: Decoder, probe: InductionBatch) -> torch.Tensor:
     norm = model.final_norm
     scale = norm.weight / (residual.var(dim=-1, unbiased=False, keepdim=True) + norm.eps).sqrt()  # (b, n, hidden)
     unembedding = model.token_embeddings.weight if model.lm_head is None else model.lm_head.weight  # (V, hidden)
-    start = probe.offset + probe.half_length  # position t predicts t + 1: the second copy's x_2 onwards
-    targets = probe.ids[:, start + 1 :]  # (b, L - 1)
+    chosen = probe.repeated[:, :-1]  # (b, n - 1): position t, a repeated token, predicts token t + 1
+    targets = probe.ids[:, 1:]  # (b, n - 1)
     scores = []
     for layer, attention in enumerate(model.attention_layers):
-        outputs = recorder.outputs(layer)[:, :, start:-1]  # (b, h, L - 1, e)
+        outputs = recorder.outputs(layer)[:, :, :-1]  # (b, h, n - 1, e)
         heads, width = attention.num_heads, attention.value_head_dim
         w_o = attention.out_proj.weight.view(-1, heads, width)  # (hidden, h, e): head h's columns
-        contribution = torch.einsum("bhie,dhe->bhid", outputs, w_o)  # (b, h, L - 1, hidden)
+        contribution = torch.einsum("bhie,dhe->bhid", outputs, w_o)  # (b, h, n - 1, hidden)
         contribution = contribution - contribution.mean(dim=-1, keepdim=True)
-        logits = (contribution * scale[:, None, start:-1]) @ unembedding.T  # (b, h, L - 1, V)
-        hits = logits.argmax(dim=-1) == targets[:, None]  # (b, h, L - 1)
-        scores.append(hits.double().mean(dim=(0, 2)))
+        logits = (contribution * scale[:, None, :-1]) @ unembedding.T  # (b, h, n - 1, V)
+        hits = (logits.argmax(dim=-1) == targets[:, None]) & chosen[:, None]  # (b, h, n - 1)
+        scores.append(hits.sum(dim=(0, 2)).double() / chosen.sum())
     return torch.stack(scores)  # (layers, h)
 
 
 @torch.no_grad()
 def ablation_scores(model: Decoder, probe: InductionBatch) -> dict[str, Any]:
-    """Zero-ablate each head alone and read the repeated-half loss on ``probe``: ``ablated_loss`` (layers, h),
-    ``copying`` (layers, h) = (ablated - loss) / (chance - loss), and ``loss`` and ``chance`` (see the module
-    docstring). A model that has not learned the task (loss at chance) gets NaN copying."""
+    """Zero-ablate each head alone and read the repeated-token loss on ``probe``: ``ablated_loss`` (layers, h),
+    ``ablation_gain_lost`` (layers, h) = (ablated - loss) / (chance - loss), and ``loss`` and ``chance`` (see the
+    module docstring). A model that has not learned the task (loss within 0.05 of chance) gets NaN shares."""
     layers = model.attention_layers
     with evaluating(model):
-        loss = float(repeated_half_loss(model(probe.ids), probe.ids, probe.half_length))
+        loss = float(repeated_tokens_loss(model(probe.ids), probe.ids, probe.repeated))
         ablated_loss = torch.zeros(len(layers), layers[0].num_heads, dtype=torch.float64)
         for layer, attention in enumerate(layers):
             for head in range(attention.num_heads):
                 with ablated(model, {layer: [head]}):
                     logits = model(probe.ids)
-                ablated_loss[layer, head] = float(repeated_half_loss(logits, probe.ids, probe.half_length))
+                ablated_loss[layer, head] = float(repeated_tokens_loss(logits, probe.ids, probe.repeated))
     chance = math.log(model.config.vocab_size - 1)  # tokens are uniform over the vocabulary but BOS
     gain = chance - loss
     copying = (ablated_loss - loss) / gain if gain > 0.05 else torch.full_like(ablated_loss, math.nan)
@@ -240,7 +251,7 @@ class InductionRun:
         meta = {"task": "induction", "settings": dataclasses.asdict(self.settings), "final": plain_measures(self.final)}
         log = Path(history_to_json(self.history, out / "log.json", meta=meta))
         curves = Path(
-            plot_history(self.history, out / "curves.png", keys=["repeated_half_loss", "previous_token", "induction"])
+            plot_history(self.history, out / "curves.png", keys=["repeated_token_loss", "previous_token", "induction"])
         )
         return {"model": model_dir, "log": log, "curves": curves}
 

@@ -30,6 +30,8 @@ from multihead._errors import bad_argument, describe, positive_int
 __all__ = [
     "previous_token_score",
     "induction_score",
+    "prefix_matching_score",
+    "repeated_tokens_loss",
     "alignment_accuracy",
     "per_position_loss",
     "repeated_half_loss",
@@ -168,6 +170,79 @@ def induction_score(weights: Weights, half_length: int, *, bos: bool = True) -> 
         return w[..., rows, rows - half_length + 1].mean(-1)  # entries w[t, t - L + 1]
 
     return _per_head("weights", weights, score)
+
+
+def _previous(previous: object, b: int, n: int) -> torch.Tensor:
+    if not isinstance(previous, torch.Tensor) or previous.dtype != torch.int64 or tuple(previous.shape) != (b, n):
+        raise bad_argument(
+            "previous",
+            f"an int64 tensor ({b}, {n}): each position's earlier occurrence, or -1",
+            describe(previous),
+            "pass the induction batch's previous",
+        )
+    positions = torch.arange(n, device=previous.device)
+    if bool(((previous >= positions - 1) & (previous >= 0)).any()) or bool((previous < -1).any()):
+        raise bad_argument(
+            "previous",
+            "positions -1, or at least 2 before their own (an earlier occurrence with a token after it)",
+            "a position that is not",
+            "pass the induction batch's previous",
+        )
+    return previous
+
+
+def prefix_matching_score(weights: Weights, previous: torch.Tensor) -> torch.Tensor:
+    """Mean attention from each repeated token to the token after its earlier occurrence, on batches of any
+    repeat lengths (Olsson et al. 2022's prefix matching; :func:`induction_score` with one L per sequence).
+
+    Position t with ``previous[b, t] = p >= 0`` holds the token seen at p; a prefix-matching head attends to key
+    p + 1. With one L for the batch this is :func:`induction_score` (p = t - L). Repeats of several lengths keep a
+    head that attends at a fixed offset from scoring: with one L, a single rotary layer that learned the offset
+    L - 1 scores as an induction head without matching anything.
+
+    Args:
+        weights: self-attention weights (b, n, n), (b, h, n, n), (layers, b, h, n, n) or a list of (b, h, n, n).
+        previous: (b, n) int64, the batch's :attr:`~multihead.train.tasks.InductionBatch.previous` (-1: not a
+            repeat).
+
+    Returns:
+        The score per head: (), (h,) or (layers, h).
+    """
+
+    def score(w: torch.Tensor) -> torch.Tensor:  # (..., b, n, n) -> (..., b)
+        b, n = w.shape[-3], w.shape[-1]
+        earlier = _previous(previous, b, n).to(w.device)
+        repeated = earlier >= 0  # (b, n)
+        counts = repeated.sum(-1)  # (b,)
+        if bool((counts == 0).any()):
+            raise bad_argument("previous", "a repeated token in every sequence", describe(previous), "pass a batch")
+        keys = (earlier + 1).clamp(min=0)  # (b, n): the token after the earlier occurrence
+        picked = w.gather(-1, keys.expand(*w.shape[:-1]).unsqueeze(-1)).squeeze(-1)  # (..., b, n): w[t, p + 1]
+        return (picked * repeated).sum(-1) / counts
+
+    return _per_head("weights", weights, score)
+
+
+def repeated_tokens_loss(logits: torch.Tensor, ids: torch.Tensor, repeated: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the predictions an induction head makes possible, for repeats of any
+    lengths: the prediction made at a repeated token (``repeated[b, t]``) of the token after it, t < n - 1
+    (:func:`repeated_half_loss` with one L per sequence).
+
+    Args:
+        logits: (b, n, vocab); ids: (b, n) int64; repeated: (b, n) bool, the batch's ``repeated``.
+
+    Returns:
+        A scalar tensor (differentiable).
+    """
+    logits, ids = _logits_and_ids(logits, ids)
+    if not isinstance(repeated, torch.Tensor) or repeated.dtype != torch.bool or repeated.shape != ids.shape:
+        raise bad_argument(
+            "repeated", f"a bool tensor {tuple(ids.shape)}", describe(repeated), "pass the induction batch's repeated"
+        )
+    chosen = repeated[:, :-1]  # entry t predicts token t + 1
+    if not bool(chosen.any()):
+        raise bad_argument("repeated", "a repeated token before the last position", "none", "pass a batch")
+    return per_position_loss(logits, ids)[chosen].mean()
 
 
 def alignment_accuracy(weights: Weights, alignment: torch.Tensor) -> torch.Tensor:
