@@ -239,6 +239,7 @@ def test_load_refuses_broken_folders(tmp_path):
 BAD_CONFIGS = [
     ({"vocab_size": 0}, ValueError, "vocab_size"),
     ({"hidden": 25}, ValueError, "hidden"),
+    ({"hidden": 36, "heads": 4}, ValueError, "hidden"),  # head size 9: rotary needs an even one
     ({"heads": 6, "kv_heads": 4}, ValueError, "kv_heads"),
     ({"kv_heads": 0}, ValueError, "kv_heads"),
     ({"layers": 2.0}, TypeError, "layers"),

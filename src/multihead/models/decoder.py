@@ -94,7 +94,7 @@ class DecoderConfig:
         vocab_size: tokens in the vocabulary.
         max_positions: longest sequence with learned positions (the table's rows); with rotary, the default
             length of :meth:`Decoder.new_cache`.
-        hidden: residual stream width.
+        hidden: residual stream width (hidden / heads even with rotary positions).
         layers: number of blocks.
         heads: query heads h per layer (hidden % heads == 0).
         kv_heads: key/value heads g (None: = heads; heads % kv_heads == 0; g < h is GQA, 1 is MQA).
@@ -130,6 +130,14 @@ class DecoderConfig:
         if self.hidden % self.heads:
             raise bad_argument(
                 "hidden", f"a multiple of heads = {self.heads}", self.hidden, "pick hidden = heads * head size"
+            )
+        head_size = self.hidden // self.heads
+        if self.positions == "rotary" and head_size % 2:
+            raise bad_argument(
+                "hidden",
+                f"hidden / heads even with rotary positions (sin/cos come in pairs; heads = {self.heads})",
+                f"{self.hidden} (head size {head_size})",
+                f"pick hidden = heads * an even head size, e.g. {self.heads * (head_size + 1)}",
             )
         if self.mlp is not None:
             if not _is_int(self.mlp):

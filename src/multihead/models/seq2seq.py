@@ -110,14 +110,6 @@ class Seq2SeqConfig:
         for name in ("vocab_size", "max_positions", "hidden", "encoder_layers", "decoder_layers"):
             positive_int(name, getattr(self, name))
         self.block_config()  # the fields a decoder shares, checked by DecoderConfig (same names, same messages)
-        head_size = self.hidden // self.heads
-        if self.positions == "rotary" and head_size % 2:
-            raise bad_argument(
-                "hidden",
-                f"hidden / heads even with rotary positions (sin/cos come in pairs; heads = {self.heads})",
-                f"{self.hidden} (head size {head_size})",
-                f"pick hidden = heads * an even head size, e.g. {self.heads * (head_size + 1)}",
-            )
 
     def block_config(self) -> DecoderConfig:
         """The :class:`DecoderConfig` of one block: these sizes and options (``layers`` is unused by a block)."""
