@@ -252,6 +252,32 @@ class DecoderCache:
         )
 
 
+def cache_offset(cache: object, layers: int, batch_size: int, new_tokens: int) -> int:
+    """The position of the first new token: ``cache.seen`` for a :class:`DecoderCache` of ``layers`` layers and
+    ``batch_size`` rows with room for ``new_tokens`` more in every layer (checked before any is appended, so a
+    refusal changes nothing), 0 without a cache."""
+    if cache is None:
+        return 0
+    if not isinstance(cache, DecoderCache):
+        raise bad_argument(
+            "cache",
+            "a DecoderCache (model.new_cache(b))",
+            describe(cache),
+            "build one with model.new_cache",
+            kind=TypeError,
+        )
+    if len(cache.layers) != layers or cache.batch_size != batch_size:
+        raise bad_argument(
+            "cache",
+            f"a cache of {layers} layers for batch size {batch_size}",
+            f"one of {len(cache.layers)} layers for batch size {cache.batch_size}",
+            "build it with model.new_cache(batch_size) for this model and batch",
+        )
+    for layer in cache.layers:
+        layer.check_room(new_tokens)
+    return cache.seen
+
+
 class Decoder(nn.Module):
     """A GPT-style language model: token embedding, ``layers`` pre-LN :class:`DecoderBlock` s, final LN, LM head.
 
@@ -327,26 +353,7 @@ class Decoder(nn.Module):
         :meth:`forward`)."""
         ids = self._check_ids("input_ids", input_ids)
         b, n = ids.shape
-        offset = 0
-        if cache is not None:
-            if not isinstance(cache, DecoderCache):
-                raise bad_argument(
-                    "cache",
-                    "a DecoderCache (model.new_cache(b))",
-                    describe(cache),
-                    "build one with model.new_cache",
-                    kind=TypeError,
-                )
-            if len(cache.layers) != len(self.blocks) or cache.batch_size != b:
-                raise bad_argument(
-                    "cache",
-                    f"a cache of {len(self.blocks)} layers for batch size {b}",
-                    f"one of {len(cache.layers)} layers for batch size {cache.batch_size}",
-                    "build it with model.new_cache(batch_size) for this model and batch",
-                )
-            for layer in cache.layers:  # checked for every layer before any appends: a refusal changes nothing
-                layer.check_room(n)
-            offset = cache.seen
+        offset = cache_offset(cache, len(self.blocks), b, n)
         if self.positions is not None and offset + n > self.config.max_positions:
             raise bad_argument(
                 "input_ids",

@@ -63,6 +63,7 @@ from multihead.models.decoder import (
     _is_int,
     _read_saved,
     _read_weights,
+    cache_offset,
 )
 from multihead.positional import LearnedPositions
 
@@ -395,26 +396,7 @@ class Seq2Seq(nn.Module):
         b, n = ids.shape
         memory = self._check_memory(memory, b)
         mask = self._source_mask(source_mask, b, memory.shape[1], "memory")
-        offset = 0
-        if cache is not None:
-            if not isinstance(cache, DecoderCache):
-                raise bad_argument(
-                    "cache",
-                    "a DecoderCache (model.new_cache(b))",
-                    describe(cache),
-                    "build one with model.new_cache",
-                    kind=TypeError,
-                )
-            if len(cache.layers) != len(self.decoder_blocks) or cache.batch_size != b:
-                raise bad_argument(
-                    "cache",
-                    f"a cache of {len(self.decoder_blocks)} layers for batch size {b}",
-                    f"one of {len(cache.layers)} layers for batch size {cache.batch_size}",
-                    "build it with model.new_cache(batch_size) for this model and batch",
-                )
-            for layer in cache.layers:  # checked for every layer before any appends: a refusal changes nothing
-                layer.check_room(n)
-            offset = cache.seen
+        offset = cache_offset(cache, len(self.decoder_blocks), b, n)
         if self.target_positions is not None and offset + n > self.config.max_positions:
             raise bad_argument(
                 "decoder_input_ids",
