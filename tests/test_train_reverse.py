@@ -71,7 +71,7 @@ def rotary_run() -> ReverseRun:
         ({"probe_size": 0}, ValueError, "probe_size"),
         ({"lr": 0.0}, ValueError, "lr: expected a finite number > 0"),
         ({"lr": float("inf")}, ValueError, "lr: expected a finite number > 0"),
-        ({"lr": True}, ValueError, "lr"),
+        ({"lr": True}, TypeError, "lr"),
         ({"weight_decay": -0.1}, ValueError, "weight_decay: expected a finite number >= 0"),
         ({"seed": -1}, ValueError, "seed: expected an int"),
         ({"seed": 1.0}, ValueError, "seed: expected an int"),

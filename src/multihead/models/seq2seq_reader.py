@@ -28,7 +28,7 @@ from multihead.attend import AttentionSite, register_site_finder
 from multihead.layer import MultiHeadAttention
 from multihead.models.contract import TextEncoder, evaluating
 from multihead.models.seq2seq import Seq2Seq, load_seq2seq
-from multihead.models.symbols import BOS_SYMBOL, SYMBOLS_FILE, SymbolTokenizer, read_symbols
+from multihead.models.symbols import BOS_SYMBOL, SymbolTokenizer, read_symbols
 from multihead.models.tokenizer import TokenBatch
 
 __all__ = ["SourceTokenizer", "Seq2SeqReader", "load_seq2seq_reader"]
@@ -190,16 +190,9 @@ def load_seq2seq_reader(folder: str | Path, *, dtype: torch.dtype | None = None)
     :class:`Seq2SeqReader`, with the :class:`SourceTokenizer` of its ``symbols.json`` when the folder has one
     (else no tokenizer: ids only). Eval mode."""
     seq2seq = load_seq2seq(folder, dtype=dtype)
-    symbols = read_symbols(Path(folder))
+    symbols = read_symbols(Path(folder), seq2seq.config.vocab_size)
     tokenizer = None
     if symbols is not None:
-        if len(symbols) != seq2seq.config.vocab_size:
-            raise bad_argument(
-                SYMBOLS_FILE,
-                f"{seq2seq.config.vocab_size} symbols (the model's vocab_size)",
-                f"{len(symbols)}",
-                "train the model again (multihead train writes both files)",
-            )
         # n source tokens are decoded into n target positions: 1 + (n - 1) new tokens fit max_positions
         tokenizer = SourceTokenizer(symbols, max_length=seq2seq.config.max_positions)
     return Seq2SeqReader(seq2seq, tokenizer=tokenizer).eval()

@@ -119,8 +119,9 @@ class SymbolTokenizer(TextTokenizer):
         return path
 
 
-def read_symbols(folder: Path) -> list[str] | None:
-    """The symbols saved in ``folder`` (None when it has no ``symbols.json``); a damaged file raises, naming it."""
+def read_symbols(folder: Path, vocab_size: int | None = None) -> list[str] | None:
+    """The symbols saved in ``folder`` (None when it has no ``symbols.json``); a damaged file, or one without
+    ``vocab_size`` symbols (the model's, when given), raises, naming it."""
     path = folder / SYMBOLS_FILE
     if path_kind(path) != "file":
         return None
@@ -131,7 +132,15 @@ def read_symbols(folder: Path) -> list[str] | None:
         schema={"symbols": ListOf(STRING)},
         fix="train the model again (multihead train writes the file)",
     )
-    return list(saved["symbols"])
+    symbols = list(saved["symbols"])
+    if vocab_size is not None and len(symbols) != vocab_size:
+        raise bad_argument(
+            SYMBOLS_FILE,
+            f"{vocab_size} symbols (the model's vocab_size)",
+            f"{len(symbols)}",
+            "train the model again (multihead train writes both files)",
+        )
+    return symbols
 
 
 class DecoderReader(TextEncoder):
@@ -181,15 +190,6 @@ def load_decoder_reader(folder: str | Path, *, dtype: torch.dtype | None = None)
     """The decoder saved in ``folder`` (:meth:`Decoder.save`) as a :class:`DecoderReader`, with the
     :class:`SymbolTokenizer` of its ``symbols.json`` when the folder has one (else no tokenizer: ids only)."""
     decoder = load_decoder(folder, dtype=dtype)
-    symbols = read_symbols(Path(folder))
-    tokenizer = None
-    if symbols is not None:
-        if len(symbols) != decoder.config.vocab_size:
-            raise bad_argument(
-                SYMBOLS_FILE,
-                f"{decoder.config.vocab_size} symbols (the decoder's vocab_size)",
-                f"{len(symbols)}",
-                "train the model again (multihead train writes both files)",
-            )
-        tokenizer = SymbolTokenizer(symbols, max_length=decoder.config.max_positions)
+    symbols = read_symbols(Path(folder), decoder.config.vocab_size)
+    tokenizer = None if symbols is None else SymbolTokenizer(symbols, max_length=decoder.config.max_positions)
     return DecoderReader(decoder, tokenizer=tokenizer).eval()

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from multihead._errors import bad_argument, describe, positive_int
+from multihead._errors import bad_argument, describe
 from multihead._userfiles import output_folder, writing
 from multihead.inspect.behaviours import BEHAVIOURS_FILE, plain_measures, read_behaviours, write_behaviours
 from multihead.inspect.capture import capture
@@ -48,7 +48,7 @@ from multihead.inspect.importance import ablated
 from multihead.models.contract import evaluating
 from multihead.models.decoder import Decoder, DecoderConfig
 from multihead.models.symbols import SymbolTokenizer, task_symbols
-from multihead.train.loop import History, history_to_json, plot_history, train
+from multihead.train.loop import History, check_run_settings, history_to_json, plot_history, train
 from multihead.train.scores import (
     in_context_learning_score,
     per_position_loss,
@@ -100,16 +100,7 @@ class InductionSettings:
     probe_size: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch", "log_every", "probe_size"):
-            positive_int(name, getattr(self, name))
-        lr = self.lr
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not 0 < lr < math.inf:
-            raise bad_argument("lr", "a finite number > 0", describe(lr), "pass e.g. lr=1e-3")
-        decay = self.weight_decay
-        if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0 <= decay < math.inf:
-            raise bad_argument("weight_decay", "a finite number >= 0", describe(decay), "pass e.g. weight_decay=0.0")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63 - 1:
-            raise bad_argument("seed", "an int in 0..2**63 - 2", describe(self.seed), "pass e.g. seed=0")
+        check_run_settings(self)
         self.model_config()  # the model's fields, checked by DecoderConfig
         induction_batch(  # the task's fields, checked by the task on a one-sequence draw
             1,

@@ -333,3 +333,16 @@ def plot_history(
     with writing("path", target):
         save_figure(figure, target)
     return str(target)
+
+
+def check_run_settings(settings: Any) -> None:
+    """The optimiser and logging fields every run's settings share (``steps``, ``batch``, ``log_every``,
+    ``probe_size``: ints >= 1; ``lr`` > 0 and ``weight_decay`` >= 0, finite; ``seed`` in 0..2**63 - 2), checked
+    once for :class:`~multihead.train.InductionSettings` and :class:`~multihead.train.ReverseSettings`."""
+    for name in ("steps", "batch", "log_every", "probe_size"):
+        positive_int(name, getattr(settings, name))
+    _number("lr", settings.lr, low=0.0, inclusive=False)
+    _number("weight_decay", settings.weight_decay, low=0.0, inclusive=True)
+    seed = settings.seed
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63 - 1:
+        raise bad_argument("seed", "an int in 0..2**63 - 2", describe(seed), "pass e.g. seed=0")

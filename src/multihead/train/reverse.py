@@ -30,7 +30,6 @@ exact reversal.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from multihead._errors import bad_argument, describe, positive_int
+from multihead._errors import bad_argument, describe
 from multihead._userfiles import output_folder, writing
 from multihead.inspect.behaviours import plain_measures, write_behaviours
 from multihead.inspect.capture import capture
@@ -47,7 +46,7 @@ from multihead.inspect.importance import ablated
 from multihead.models.contract import evaluating
 from multihead.models.seq2seq import Seq2Seq, Seq2SeqConfig
 from multihead.models.symbols import SymbolTokenizer, task_symbols
-from multihead.train.loop import History, history_to_json, plot_history, train
+from multihead.train.loop import History, check_run_settings, history_to_json, plot_history, train
 from multihead.train.scores import alignment_accuracy
 from multihead.train.tasks import BOS, ReverseBatch, reverse_batch
 
@@ -83,16 +82,7 @@ class ReverseSettings:
     probe_size: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch", "log_every", "probe_size"):
-            positive_int(name, getattr(self, name))
-        lr = self.lr
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not 0 < lr < math.inf:
-            raise bad_argument("lr", "a finite number > 0", describe(lr), "pass e.g. lr=3e-3")
-        decay = self.weight_decay
-        if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0 <= decay < math.inf:
-            raise bad_argument("weight_decay", "a finite number >= 0", describe(decay), "pass e.g. weight_decay=0.0")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63 - 1:
-            raise bad_argument("seed", "an int in 0..2**63 - 2", describe(self.seed), "pass e.g. seed=0")
+        check_run_settings(self)
         self.model_config()  # the model's fields, checked by Seq2SeqConfig
         if self.vocab_size < 3:  # BOS and at least two symbols, or there is nothing to reverse
             raise bad_argument(
