@@ -128,12 +128,13 @@ def probe_batch(settings: InductionSettings, device: torch.device | str = "cpu")
     """The fixed probe: ``probe_size`` sequences drawn as training draws them (repeats of ``min_half_length`` ..
     ``half_length`` tokens), held out: from ``seed + 1``."""
     generator = torch.Generator(device=device).manual_seed(settings.seed + 1)
+    return _task_batch(settings, settings.probe_size, generator)
+
+
+def _task_batch(settings: InductionSettings, size: int, generator: torch.Generator) -> InductionBatch:
+    """``size`` sequences of the run's task: repeats of ``min_half_length`` .. ``half_length`` tokens."""
     return induction_batch(
-        settings.probe_size,
-        settings.half_length,
-        settings.vocab_size,
-        generator=generator,
-        min_half_length=settings.min_half_length,
+        size, settings.half_length, settings.vocab_size, generator=generator, min_half_length=settings.min_half_length
     )
 
 
@@ -272,13 +273,7 @@ def run_induction(
     probe = probe_batch(settings, device)
 
     def make_batch(generator: torch.Generator) -> InductionBatch:
-        return induction_batch(
-            settings.batch,
-            settings.half_length,
-            settings.vocab_size,
-            generator=generator,
-            min_half_length=settings.min_half_length,
-        )
+        return _task_batch(settings, settings.batch, generator)
 
     def measure(trained: torch.nn.Module, step: int) -> dict[str, Any]:
         scores = probe_scores(model, probe)
