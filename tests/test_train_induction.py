@@ -255,11 +255,11 @@ def test_cli_reverse_train_inspect_and_importance(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "reverse", "--steps", "60", "--heads", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "encoder-decoder" in printed and "aligned" in printed and "--part cross" in printed
+    assert "encoder-decoder" in printed and "aligned" in printed and "inspect it:" in printed
     saved = read_behaviours(out / "model")
     assert set(saved) == {"cross"} and saved["cross"]["alignment"].shape == (1, 2)
     report = tmp_path / "report"
-    argv = ["inspect", "--model", str(out / "model"), "--part", "cross", "--format", "json", "--out", str(report)]
+    argv = ["inspect", "--model", str(out / "model"), "--format", "json", "--out", str(report)]  # part: cross
     assert main(argv) == 0
     data = json.loads((report / "inspect.json").read_text())
     assert data["part"] == "cross" and len(data["key_tokens"]) == 12 and data["tokens"][0] == "<bos>"

@@ -159,7 +159,7 @@ def _inspect_parser(subparsers) -> None:
         metavar="PART",
         help="which attention to show: self (a one-stack model such as BERT, GPT-2, Llama), or encoder, decoder "
         "or cross (an encoder-decoder such as BART: cross goes from the decoder input to the source text); "
-        "default: the model's first",
+        "default: the model's first (for a `multihead train` checkpoint, the part its probes measured)",
     )
     parser.add_argument(
         "--token",
@@ -229,7 +229,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     with from_option("--model"):
         model = load_text_model(args.model)
     layers, heads = _chosen_heads(model, args.layers, args.heads)
-    behaviours = _saved_behaviours(args.model, model, args.part)
+    part, behaviours = _saved_behaviours(args.model, model, args.part)
     text = args.text if args.text is not None else _task_text(args.model) or DEFAULT_TEXT
     columns, relations = None, None
     if args.scores:
@@ -249,7 +249,7 @@ def run_inspect(args: argparse.Namespace) -> int:
             text,
             layers=layers,
             heads=heads,
-            part=args.part,
+            part=part,
             token=token,
             corpus=corpus,
             corpus_source=corpus_source,
@@ -282,20 +282,23 @@ def _task_text(folder: str | None) -> str | None:
 
 
 def _saved_behaviours(folder: str | None, model, part: str | None):
-    """The behaviour probes saved in the --model folder (``multihead train`` writes them) for the part shown, as
-    {name: (layers, heads)}; None when the folder has none for that part."""
+    """The part to show and the behaviour probes saved in the --model folder (``multihead train`` writes them) for
+    it, as {name: (layers, heads)} (None when the folder has none for that part). Without --part, a checkpoint
+    shows the part its probes measured (an encoder-decoder of ``train reverse``: its cross-attention)."""
     from multihead.inspect.behaviours import read_behaviours
     from multihead.inspect.capture import part_sites
 
-    if folder is None:
-        return None
-    with from_option("--model"):
-        saved = read_behaviours(folder)
+    saved = None
+    if folder is not None:
+        with from_option("--model"):
+            saved = read_behaviours(folder)
     if saved is None:
-        return None
+        return part, None
+    if part is None and len(saved) == 1:
+        part = next(iter(saved))
     with from_option("--part", names=("part",)):
         chosen, _ = part_sites(model, part)
-    return saved.get(chosen)
+    return part, saved.get(chosen)
 
 
 def _chosen_heads(model, layers_spec: str | None, heads_spec: str | None) -> tuple[list[int] | None, list[int] | None]:
@@ -891,8 +894,7 @@ def run_train(args: argparse.Namespace) -> int:
     console.print(note, soft_wrap=True, markup=False)
     paths = run.save(out)
     print_written(console, paths.values())
-    part = "" if induction else " --part cross"
-    console.print(f"inspect it: multihead inspect --model {paths['model']}{part}", soft_wrap=True, markup=False)
+    console.print(f"inspect it: multihead inspect --model {paths['model']}", soft_wrap=True, markup=False)
     return 0
 
 

@@ -144,7 +144,7 @@ ROLE_RULES: dict[str, RoleRule] = {
             "induction",
             "prefix_matching",
             0.4,
-            "prefix matching, with copying shown by ablation",
+            "prefix matching by a head that also copies (the copying rule)",
             "Olsson et al. 2022",
         ),
         RoleRule(
