@@ -28,6 +28,7 @@ LAYERS = [
     ("multihead.models", "models and their inspection"),
     ("multihead.integrations", "models and their inspection"),
     ("multihead.train", "models and their inspection"),
+    ("multihead.parallel", "across processes"),
     ("multihead.cost", "counting and measuring"),
     ("multihead.machine", "counting and measuring"),
     ("multihead.compat", "the layer"),
