@@ -1,0 +1,557 @@
+"""Sequence parallelism: attention over a sequence split across the ranks of a torch.distributed group.
+
+Each of the P ranks of ``group`` holds a shard of the sequence: queries (b, h, n/P, d), keys (b, g, n/P, d),
+values (b, g, n/P, e). Two ways to attend over the whole sequence:
+
+    ulysses_attention   all-to-all to head shards (each rank: all n positions of h/P heads), attend, all-to-all back
+    ring_attention      keep the query shard; K/V shards travel round the ring, partial outputs merge by their LSE
+
+Layouts (``layout=``) say which positions a rank's shard holds; every rank must use the same one and the same shapes:
+
+    "contiguous"   rank r holds positions [r n/P, (r + 1) n/P)               (torch.chunk(x, P, dim)[r])
+    "zigzag"       rank r holds chunks r and 2P - 1 - r of 2P equal chunks   (:func:`zigzag_shard`)
+
+For P = 2, n = 8 (chunks of 2)::
+
+    position   0 1 2 3 4 5 6 7
+    contiguous 0 0 0 0 1 1 1 1
+    zigzag     0 0 1 1 1 1 0 0
+
+Under a causal mask the zigzag layout gives every rank the same work in ring attention (an early chunk and a late
+one), as zhuzilin/ring-flash-attention and PyTorch's context parallel do; Ulysses attention works on whole
+sequences, so either layout balances. A sequence whose length does not split is refused, never padded silently:
+pad it to a multiple of P (contiguous) or 2P (zigzag) and mark the padded keys with ``key_padding``; the padded
+queries' outputs are then garbage-free zeros or values you drop.
+
+Masks: ``causal=True``, ``mask=`` built from ``masks.causal()``, ``masks.window(...)`` and ``masks.softcap(...)``
+(positions are global, the query and key lengths are equal, so either alignment means the same), and
+``key_padding``: a (b, n/P) bool tensor, True = real key, sharded like K/V. Other typed masks (padding given as a
+typed mask, alibi, bias, allowed, tensors) are refused with a ValueError naming the mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from multihead import masks
+from multihead._errors import bad_argument, describe
+from multihead.functional import AttentionResult, attention
+
+__all__ = ["LAYOUTS", "ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _zigzag_size(n: int, world: int, name: str) -> int:
+    if n % (2 * world):
+        raise bad_argument(
+            name,
+            f"a sequence length n divisible by 2 * P = {2 * world} (P = {world} ranks, zigzag layout)",
+            f"n = {n}",
+            f"pad the sequence to {math.ceil(n / (2 * world)) * 2 * world} and mark the padded keys with key_padding",
+        )
+    return n // (2 * world)
+
+
+def _check_rank(rank: object, world: object) -> None:
+    for name, value in (("world", world), ("rank", rank)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise bad_argument(name, "an int", describe(value), f"pass {name} as a whole number", kind=TypeError)
+    assert isinstance(rank, int) and isinstance(world, int)
+    if world < 1 or not 0 <= rank < world:
+        raise bad_argument("rank", f"0 <= rank < world = {world}", rank, "pass dist.get_rank(group)")
+
+
+def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int = 2) -> torch.Tensor:
+    """Rank ``rank``'s zigzag shard of the full sequence ``x``: chunks ``rank`` and ``2 world - 1 - rank``.
+
+    ``x`` has the whole sequence of length n on ``dim`` (2 for (b, h, n, d); 1 for (b, n) padding); the result has
+    n / world positions there. n must be divisible by 2 world (else a ValueError naming n and P).
+    """
+    _check_rank(rank, world)
+    c = _zigzag_size(x.shape[dim], world, "zigzag_shard(x)")
+    first = x.narrow(dim, rank * c, c)
+    second = x.narrow(dim, (2 * world - 1 - rank) * c, c)
+    return torch.cat((first, second), dim)
+
+
+def zigzag_unshard(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], dim: int = 2) -> torch.Tensor:
+    """The full sequence from every rank's zigzag shard, ``shards[r]`` being rank r's (the inverse of zigzag_shard).
+
+    Pair it with ``torch.distributed.all_gather`` to collect a sequence-sharded result on every rank.
+    """
+    world = len(shards)
+    if world < 1:
+        raise bad_argument("zigzag_unshard(shards)", "one shard per rank", "an empty list", "pass every rank's shard")
+    m = shards[0].shape[dim]
+    if m % 2:
+        raise bad_argument(
+            "zigzag_unshard(shards)",
+            "shards of even length (two chunks each)",
+            f"length {m} on dim {dim}",
+            "pass shards made by zigzag_shard",
+        )
+    c = m // 2
+    chunks: list[torch.Tensor | None] = [None] * (2 * world)
+    for r, shard in enumerate(shards):
+        chunks[r] = shard.narrow(dim, 0, c)
+        chunks[2 * world - 1 - r] = shard.narrow(dim, c, c)
+    return torch.cat([chunk for chunk in chunks if chunk is not None], dim)
+
+
+def _spans(layout: str, rank: int, world: int, m: int) -> list[tuple[int, int]]:
+    """(start, length) of the global positions rank ``rank`` holds, in shard order; m = n / P."""
+    if layout == "contiguous":
+        return [(rank * m, m)]
+    c = m // 2
+    return [(rank * c, c), ((2 * world - 1 - rank) * c, c)]
+
+
+def _shard_order(layout: str, world: int, m: int, device: torch.device) -> torch.Tensor | None:
+    """Global position of each entry of the ranks' shards concatenated in rank order; None when that is 0..n-1."""
+    if layout == "contiguous":
+        return None
+    positions = [torch.arange(s, s + length) for r in range(world) for s, length in _spans(layout, r, world, m)]
+    return torch.cat(positions).to(device)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+@dataclass(frozen=True)
+class _Diagonals:
+    """The intersection of the causal / window terms: key position kp may serve query position qp when
+    -left <= kp - qp <= right (None = unbounded), plus the soft-cap terms, which do not depend on position."""
+
+    left: int | None
+    right: int | None
+    extra: tuple[masks.Mask, ...]
+
+
+def _combine(terms: list[masks.Mask]) -> masks.Mask | None:
+    return None if not terms else terms[0] if len(terms) == 1 else masks.Combined(tuple(terms))
+
+
+def _tighter(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _check_mask(mask: object, causal: bool, function: str) -> _Diagonals:
+    left: int | None = None
+    right: int | None = 0 if causal else None
+    extra: list[masks.Mask] = []
+    if mask is None:
+        return _Diagonals(left, right, ())
+    if not isinstance(mask, masks.Mask):
+        raise bad_argument(
+            "mask",
+            f"None or a typed mask from multihead.masks (causal, window, softcap) for {function}",
+            describe(mask),
+            "pass masks.causal() / masks.window(left, right) / masks.softcap(cap); give padded keys as key_padding",
+            kind=TypeError,
+        )
+    for term in mask.terms():
+        if isinstance(term, masks._Diagonal):
+            left, right = _tighter(left, term.left), _tighter(right, term.right)
+        elif isinstance(term, masks._Softcap):
+            extra.append(term)
+        else:
+            fix = (
+                "pass key_padding=, a (b, n/P) bool shard of this rank's keys (True = real)"
+                if isinstance(term, masks._Padding)
+                else "use causal, window or softcap; run this mask on one rank with multihead.attention"
+            )
+            raise bad_argument(
+                "mask",
+                f"only causal, window and softcap terms in {function} (the sequence is split across ranks)",
+                repr(term),
+                fix,
+            )
+    return _Diagonals(left, right, tuple(extra))
+
+
+def _check_inputs(
+    q: object, k: object, v: object, key_padding: object, layout: object, world: int, function: str
+) -> tuple[int, int, int, int]:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise bad_argument(name, "a torch.Tensor", describe(t), f"pass {name} as a tensor", kind=TypeError)
+        if t.ndim != 4:
+            raise bad_argument(
+                name,
+                "a 4-d tensor (b, heads, n/P, dim): this rank's shard of the sequence",
+                describe(t),
+                "pass batched (b, heads, seq, dim) shards; add a batch axis with .unsqueeze(0)",
+            )
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    b, h, m, _ = q.shape
+    g = k.shape[1]
+    if k.shape[2] != m or v.shape[2] != m or k.shape[0] != b or v.shape[:3] != k.shape[:3]:
+        raise bad_argument(
+            "k, v",
+            f"shards (b, g, n/P, d) and (b, g, n/P, e) with b = {b} and n/P = {m} as q's "
+            f"(sequence parallelism splits queries and keys alike)",
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}",
+            "shard q, k and v of the same sequence the same way; for cross-attention run multihead.attention",
+        )
+    if h % g:
+        raise bad_argument("k", f"a number of kv heads g dividing h = {h}", f"g = {g}", "use g in the divisors of h")
+    if layout not in LAYOUTS:
+        raise bad_argument("layout", f"one of {LAYOUTS}", repr(layout), 'pass layout="contiguous" or "zigzag"')
+    if layout == "zigzag" and m % 2:
+        raise bad_argument(
+            "q",
+            f"a zigzag shard of even length n/P (two chunks of n/(2P); n = {m * world}, P = {world})",
+            f"n/P = {m}",
+            f"pad the sequence to a multiple of 2P = {2 * world}, mark padded keys with key_padding, "
+            "and shard with zigzag_shard",
+        )
+    if key_padding is not None:
+        if not isinstance(key_padding, torch.Tensor) or key_padding.dtype != torch.bool:
+            raise bad_argument(
+                "key_padding",
+                "None or a (b, n/P) bool tensor, True = real key",
+                describe(key_padding),
+                "pass a bool shard of the key validity, sharded like k",
+                kind=TypeError,
+            )
+        if tuple(key_padding.shape) != (b, m):
+            raise bad_argument(
+                "key_padding",
+                f"shape (b, n/P) = ({b}, {m}), sharded like k",
+                tuple(key_padding.shape),
+                "shard the (b, n) validity with the same layout as k",
+            )
+    return b, h, g, m
+
+
+def _group_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise bad_argument(
+            "group",
+            "an initialized torch.distributed process group",
+            "no default group",
+            "call torch.distributed.init_process_group first (for one process, run multihead.attention)",
+            kind=RuntimeError,
+        )
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+# --------------------------------------------------------------------------- Ulysses
+
+
+def _ulysses_kv_heads(h: int, g: int, world: int) -> int:
+    """How many kv heads to send round (g, or P when kv heads are replicated); ValueError when P does not fit."""
+    if h % world:
+        raise bad_argument(
+            "q",
+            f"a number of query heads h divisible by the P = {world} ranks (Ulysses gives each rank h/P heads)",
+            f"h = {h}, g = {g}, P = {world}",
+            "use ring_attention (any number of heads), or a group whose size divides h",
+        )
+    if g % world == 0:
+        return g
+    if world % g == 0:
+        return world  # each kv head replicated P/g times: rank r gets the one kv head its h/P query heads read
+    raise bad_argument(
+        "k",
+        f"a number of kv heads g divisible by P = {world}, or dividing it (then kv heads are replicated)",
+        f"h = {h}, g = {g}, P = {world}",
+        "use ring_attention, or a group size P with g % P == 0 or P % g == 0",
+    )
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Slice r of dim 0 to rank r; slices from every rank stacked on dim 0 (autograd: the same exchange back)."""
+    group = group if group is not None else dist.group.WORLD
+    assert group is not None  # _group_size checked that torch.distributed is initialized
+    received = funcol.all_to_all_single_autograd(x, None, None, group)
+    return funcol.wait_tensor(received)
+
+
+def _seq_to_heads(x: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """(b, H, m, d) sequence shard -> (b, H/P, P m, d) head shard, sequence in shard order (one all-to-all)."""
+    b, heads, m, d = x.shape
+    send = x.reshape(b, world, heads // world, m, d).transpose(0, 1).contiguous()  # (P, b, H/P, m, d) by destination
+    received = _all_to_all(send, group)  # (P, b, H/P, m, d) by source
+    return received.permute(1, 2, 0, 3, 4).reshape(b, heads // world, world * m, d)  # (b, H/P, n, d)
+
+
+def _heads_to_seq(x: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """(b, H/P, P m, e) head shard, sequence in shard order -> (b, H, m, e) sequence shard (one all-to-all)."""
+    b, local_heads, n, e = x.shape
+    m = n // world
+    send = x.reshape(b, local_heads, world, m, e).permute(2, 0, 1, 3, 4).contiguous()  # (P, b, H/P, m, e)
+    received = _all_to_all(send, group)  # (P, b, H/P, m, e) by source
+    return received.transpose(0, 1).reshape(b, world * local_heads, m, e)  # (b, H, m, e)
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    causal: bool = False,
+    mask: masks.Mask | None = None,
+    key_padding: torch.Tensor | None = None,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """DeepSpeed-Ulysses attention: all-to-all from sequence shards to head shards, attend, all-to-all back.
+
+    Args:
+        q: (b, h, n/P, d) this rank's queries; P = the size of ``group``, which must divide h.
+        k: (b, g, n/P, d) this rank's keys. P must divide g, or g divide P: then each kv head is replicated P/g
+            times before the exchange (P/g times the K/V traffic), so each rank gets the one kv head its h/P query
+            heads read. Other (h, g, P) are refused with a ValueError naming them.
+        v: (b, g, n/P, e) this rank's values.
+        group: the process group the sequence is split over (default: the whole world).
+        causal, mask: ``masks.causal``/``window``/``softcap`` terms on global positions (the module docstring).
+        key_padding: None or (b, n/P) bool, True = real key, sharded like k (all-gathered: one extra collective).
+        scale: multiplies q k^T; default 1/sqrt(d).
+        layout: "contiguous" or "zigzag": which positions every rank's shard holds (the module docstring).
+        backend: the kernel backend run on each rank's heads (see :func:`multihead.explain`).
+
+    Returns:
+        (b, h, n/P, e): this rank's shard of the output, in the same layout as q.
+
+    Communication per forward: 4 all-to-alls (q, k, v to head shards, the output back; each moves
+    (P - 1)/P of its tensor), plus one all-gather of key_padding when given; the backward runs the transposed
+    all-to-alls (4 more). Autograd flows through torch's functional ``all_to_all_single_autograd``.
+    """
+    rank, world = _group_size(group)
+    b, h, g, m = _check_inputs(q, k, v, key_padding, layout, world, "ulysses_attention")
+    diagonals = _check_mask(mask, causal, "ulysses_attention")
+    kv_heads = _ulysses_kv_heads(h, g, world)
+    if kv_heads != g:
+        k = k.repeat_interleave(kv_heads // g, dim=1)  # (b, P, n/P, d): kv head j serves rank j's query heads
+        v = v.repeat_interleave(kv_heads // g, dim=1)
+    order = _shard_order(layout, world, m, q.device)  # global position of each shard-ordered entry
+    inverse = None if order is None else torch.argsort(order)
+
+    def natural(x: torch.Tensor) -> torch.Tensor:  # (b, H/P, n, d) in shard order -> position order
+        return x if inverse is None else x.index_select(2, inverse)
+
+    q_heads = natural(_seq_to_heads(q, world, group))  # (b, h/P, n, d)
+    k_heads = natural(_seq_to_heads(k, world, group))  # (b, g/P or 1, n, d)
+    v_heads = natural(_seq_to_heads(v, world, group))  # (b, g/P or 1, n, e)
+    terms: list[masks.Mask] = list(diagonals.extra)
+    if diagonals.left is not None or diagonals.right is not None:
+        terms.append(masks.window(diagonals.left, diagonals.right))
+    if key_padding is not None:
+        pieces = [torch.empty_like(key_padding) for _ in range(world)]
+        dist.all_gather(pieces, key_padding.contiguous(), group=group)
+        valid = torch.cat(pieces, dim=1)  # (b, n) in shard order
+        terms.append(masks.padding(valid if inverse is None else valid.index_select(1, inverse)))
+    combined = _combine(terms)
+    out = attention(q_heads, k_heads, v_heads, mask=combined, scale=scale, backend=backend)  # (b, h/P, n, e)
+    assert isinstance(out, torch.Tensor)
+    if order is not None:
+        out = out.index_select(2, order)  # back to shard order
+    return _heads_to_seq(out, world, group)  # (b, h, n/P, e)
+
+
+# --------------------------------------------------------------------------- ring
+
+
+class _Pending:
+    """A ring exchange in flight: this rank's buffer going to the next rank, the previous rank's coming in."""
+
+    def __init__(self, send: torch.Tensor, group: dist.ProcessGroup | None, rank: int, world: int):
+        self.group = group
+        self.next = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
+        self.prev = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+        self.send, self.received = send, torch.empty_like(send)  # both kept alive until the exchange ends
+        self.works = _exchange(send, self.received, to=self.next, source=self.prev, group=group)
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+def _exchange(
+    send: torch.Tensor, into: torch.Tensor, *, to: int, source: int, group: dist.ProcessGroup | None
+) -> list[dist.Work]:
+    """Start one point-to-point send of ``send`` to rank ``to`` and one receive from ``source`` into ``into``."""
+    ops = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, into, source, group)]
+    return list(dist.batch_isend_irecv(ops))
+
+
+class _RingShift(torch.autograd.Function):
+    """Forward: the buffer the previous rank sent (the exchange was started earlier and overlaps compute).
+    Backward: the gradient goes the other way round the ring — to the previous rank, from the next."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, pending: _Pending) -> torch.Tensor:
+        ctx.pending = pending
+        return pending.wait().view_as(pending.received)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        pending: _Pending = ctx.pending
+        grad_x = torch.empty_like(grad)
+        for work in _exchange(grad.contiguous(), grad_x, to=pending.prev, source=pending.next, group=pending.group):
+            work.wait()
+        return grad_x, None
+
+
+class _Tie(torch.autograd.Function):
+    """The output, unchanged, made to depend on the last K/V buffer received: the backward then runs every
+    ring shift on every rank — even one whose received blocks a causal mask skipped — so the ranks' gradient
+    sends and receives pair up."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        ctx.held_shape = held.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.new_zeros(ctx.held_shape)
+
+
+def _block_mask(
+    diagonals: _Diagonals, q_span: tuple[int, int], k_span: tuple[int, int], device: torch.device
+) -> tuple[bool, masks.Mask | None]:
+    """(skip, mask) for queries at global positions q_span against keys at k_span, from the causal/window bounds.
+
+    Key j may serve query i when lo <= j - i <= hi with lo = (qs - ks) - left, hi = (qs - ks) + right. A block
+    no pair of which may attend is skipped; a diagonal block is a top-left window; only an off-diagonal block a
+    window cuts (hi < 0 or lo > 0) needs a dense (i, j) bool mask.
+    """
+    (qs, cq), (ks, ck) = q_span, k_span
+    delta = qs - ks
+    lo = None if diagonals.left is None else delta - diagonals.left
+    hi = None if diagonals.right is None else delta + diagonals.right
+    if (lo is not None and lo > ck - 1) or (hi is not None and hi < -(cq - 1)):
+        return True, None
+    if (lo is None or lo <= -(cq - 1)) and (hi is None or hi >= ck - 1):
+        return False, None
+    if (lo is None or lo <= 0) and (hi is None or hi >= 0):
+        return False, masks.window(None if lo is None else -lo, hi, align="top_left")
+    offsets = torch.arange(ck, device=device)[None, :] - torch.arange(cq, device=device)[:, None]  # (i, j): j - i
+    allowed = torch.ones(cq, ck, dtype=torch.bool, device=device)
+    if lo is not None:
+        allowed &= offsets >= lo
+    if hi is not None:
+        allowed &= offsets <= hi
+    return False, masks.allowed(allowed)
+
+
+def _merge(
+    out: torch.Tensor | None, lse: torch.Tensor | None, new_out: torch.Tensor, new_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions over disjoint keys by their log-sum-exps (rows with no key stay 0, -inf)."""
+    if out is None or lse is None:
+        return new_out, new_lse
+    # logaddexp by hand: torch.logaddexp's gradient at (-inf, -inf) is NaN, and rows may have no key yet
+    top = torch.maximum(lse, new_lse).detach()  # (b, h, i)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    a, c = torch.exp(lse - top), torch.exp(new_lse - top)  # 0 where an LSE is -inf
+    total = a + c
+    seen = total > 0
+    total = torch.where(seen, top + torch.log(torch.where(seen, total, torch.ones_like(total))), lse)  # -inf if unseen
+    scale = torch.where(seen, total, torch.zeros_like(total))
+    a, c = torch.exp(lse - scale).unsqueeze(-1), torch.exp(new_lse - scale).unsqueeze(-1)  # (b, h, i, 1)
+    return out * a.to(out.dtype) + new_out * c.to(out.dtype), total
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    causal: bool = False,
+    mask: masks.Mask | None = None,
+    key_padding: torch.Tensor | None = None,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Ring attention: each rank keeps its queries; K/V shards go round the ring; partials merge by their LSE.
+
+    Args:
+        q: (b, h, n/P, d) this rank's queries (any h; P = the size of ``group``).
+        k: (b, g, n/P, d) this rank's keys, h % g == 0 (GQA and MQA send only the g kv heads round).
+        v: (b, g, n/P, e) this rank's values.
+        group: the process group the sequence is split over (default: the whole world).
+        causal, mask: ``masks.causal``/``window``/``softcap`` terms on global positions (the module docstring).
+        key_padding: None or (b, n/P) bool, True = real key, sharded like k; it travels with K/V.
+        scale: multiplies q k^T; default 1/sqrt(d).
+        layout: "contiguous" or "zigzag" (the module docstring). With ``causal`` use "zigzag": every rank then
+            computes the same number of blocks; with "contiguous" rank P - 1 does P times the work of rank 0.
+        backend: the kernel backend for each block; it must return the LSE (see :func:`multihead.explain`).
+
+    Returns:
+        (b, h, n/P, e): this rank's shard of the output, in the same layout as q.
+
+    Communication: P - 1 steps; at step s each rank sends the K/V (and key_padding) it holds to rank + 1 as one
+    packed buffer and receives rank - 1's, point to point, while it attends to the block it holds — P - 1 sends
+    per rank per forward. Each (query chunk, key chunk) pair runs ``multihead.attention(..., return_lse=True)``,
+    skipped where the causal/window bounds rule it out, and the partial outputs merge by their log-sum-exp.
+    Backward is autograd through the same steps: each shift's backward sends the K/V gradient back round the
+    ring (to rank - 1), so the dK/dV of a shard reach its owner after P - 1 steps. Autograd keeps every block it
+    received for the backward: the K/V memory per rank is that of the whole sequence (as with an all-gather).
+    """
+    rank, world = _group_size(group)
+    b, h, g, m = _check_inputs(q, k, v, key_padding, layout, world, "ring_attention")
+    diagonals = _check_mask(mask, causal, "ring_attention")
+    d, e = k.shape[-1], v.shape[-1]
+    q_spans = _spans(layout, rank, world, m)
+    q_parts = list(torch.split(q, [length for _, length in q_spans], dim=2))  # (b, h, c, d) per chunk
+    outs: list[torch.Tensor | None] = [None] * len(q_spans)
+    lses: list[torch.Tensor | None] = [None] * len(q_spans)
+
+    pieces = [k.reshape(-1), v.reshape(-1)]
+    if key_padding is not None:
+        pieces.append(key_padding.to(k.dtype).reshape(-1))  # travels with K/V: one send per step
+    held = torch.cat(pieces)  # (b g m d + b g m e [+ b m],)
+    for step in range(world):
+        pending = _Pending(held.detach(), group, rank, world) if step < world - 1 else None
+        source = (rank - step) % world
+        k_src = held[: b * g * m * d].view(b, g, m, d)
+        v_src = held[b * g * m * d : b * g * m * (d + e)].view(b, g, m, e)
+        valid_src = None if key_padding is None else held[b * g * m * (d + e) :].view(b, m) > 0.5
+        k_spans = _spans(layout, source, world, m)
+        k_offsets = [0, *torch.tensor([length for _, length in k_spans]).cumsum(0).tolist()]
+        for qi, q_span in enumerate(q_spans):
+            for ki, k_span in enumerate(k_spans):
+                skip, block_mask = _block_mask(diagonals, q_span, k_span, q.device)
+                if skip:
+                    continue
+                lo, hi = k_offsets[ki], k_offsets[ki + 1]
+                terms = list(diagonals.extra) + ([block_mask] if block_mask is not None else [])
+                if valid_src is not None:
+                    terms.append(masks.padding(valid_src[:, lo:hi]))
+                combined = _combine(terms)
+                result = attention(
+                    q_parts[qi],
+                    k_src[:, :, lo:hi],
+                    v_src[:, :, lo:hi],
+                    mask=combined,
+                    scale=scale,
+                    backend=backend,
+                    return_lse=True,
+                )
+                assert isinstance(result, AttentionResult) and result.lse is not None
+                outs[qi], lses[qi] = _merge(outs[qi], lses[qi], result.output, result.lse)
+        if pending is not None:
+            held = _RingShift.apply(held, pending)
+    parts = [
+        out if out is not None else q_parts[qi].new_zeros(b, h, q_spans[qi][1], e)  # no key at all: output 0
+        for qi, out in enumerate(outs)
+    ]
+    out = torch.cat(parts, dim=2)  # (b, h, n/P, e)
+    return _Tie.apply(out, held) if world > 1 and held.requires_grad else out

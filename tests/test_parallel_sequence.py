@@ -1,0 +1,210 @@
+"""Sequence parallelism (multihead.parallel.sequence) on gloo ranks against one process's attention, in float64.
+
+Each rank builds the whole problem from one seed, runs the parallel function on its shard, and compares its shard
+of the output and of dq, dk, dv with single-process ``multihead.attention`` on the full sequence. Collectives are
+counted with torch's CommDebugMode for Ulysses (it sees the gloo all-to-alls) and with a wrapper round the ring's
+point-to-point exchange (CommDebugMode does not see send/recv).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+
+import multihead
+from distributed import RankFailed, run_ranks
+from multihead import masks
+from multihead.parallel import sequence
+from multihead.parallel.sequence import ring_attention, ulysses_attention, zigzag_shard, zigzag_unshard
+from support import is_input_error
+
+B, N, D, E = 2, 24, 3, 5  # n divides by 2P for P = 1, 2, 4; m = n/P is 24, 12, 6
+TOL = 1e-10
+
+MASKS = {  # name -> (causal, typed mask, with key padding)
+    "none": (False, None, False),
+    "causal": (True, None, False),
+    "causal window": (True, masks.window(4, 0), False),
+    "symmetric window": (False, masks.window(3, 2), False),
+    "padding": (False, None, True),
+    "causal padding softcap": (True, masks.softcap(2.5), True),
+}
+
+
+def shard(x: torch.Tensor, layout: str, rank: int, world: int, dim: int = 2) -> torch.Tensor:
+    if layout == "zigzag":
+        return zigzag_shard(x, rank, world, dim)
+    return torch.chunk(x, world, dim)[rank]
+
+
+def problem(h: int, g: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, h, N, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, g, N, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, g, N, E, generator=gen, dtype=torch.float64)
+    grad = torch.randn(B, h, N, E, generator=gen, dtype=torch.float64)
+    valid = torch.rand(B, N, generator=gen) < 0.7
+    valid[1] = False  # a batch row with every key padded: output and gradients 0
+    return q, k, v, grad, valid
+
+
+def compare(fn, h: int, g: int, layout: str, mask_name: str, rank: int, world: int, seed: int) -> float:
+    """Largest |parallel - single process| over this rank's shard of the output, dq, dk and dv."""
+    causal, mask, with_padding = MASKS[mask_name]
+    q, k, v, grad, valid = problem(h, g, seed)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    terms = [t for t in (mask, masks.padding(valid) if with_padding else None) if t is not None]
+    full_mask = None if not terms else terms[0] if len(terms) == 1 else terms[0] & terms[1]
+    ref = multihead.attention(*full, causal=causal, mask=full_mask)
+    ref.backward(grad)
+
+    local = [shard(t, layout, rank, world).detach().requires_grad_() for t in (q, k, v)]
+    key_padding = shard(valid, layout, rank, world, dim=1) if with_padding else None
+    out = fn(*local, causal=causal, mask=mask, key_padding=key_padding, layout=layout)
+    out.backward(shard(grad, layout, rank, world))
+    errors = [(out - shard(ref, layout, rank, world)).abs().max()]
+    errors += [(t.grad - shard(f.grad, layout, rank, world)).abs().max() for t, f in zip(local, full, strict=True)]
+    return float(torch.stack(errors).max().detach())
+
+
+def check_rank(rank: int, world: int) -> dict:
+    """Every comparison, collective count and refusal one world size runs; returned for the parent to assert."""
+    report: dict = {"errors": {}, "counts": {}, "refusals": {}}
+    heads = {"ulysses": [(4, 4), (4, 2), (4, 1)], "ring": [(6, 6), (6, 2), (6, 1)]}  # MHA, GQA, MQA
+    functions = {"ulysses": ulysses_attention, "ring": ring_attention}
+    for name, fn in functions.items():
+        for h, g in heads[name] if world > 1 else heads[name][:1]:
+            for layout in ("contiguous", "zigzag") if world < 4 or (h, g) == heads[name][0] else ("zigzag",):
+                # every mask on MHA at P = 2 and on zigzag at P = 4; one mixing them elsewhere (the run stays short)
+                every_mask = (h, g) == heads[name][0] and (world == 2 or (world == 4 and layout == "zigzag"))
+                for mask_name in MASKS if every_mask else ("causal padding softcap",):
+                    key = f"{name} h={h} g={g} {layout} {mask_name}"
+                    report["errors"][key] = compare(fn, h, g, layout, mask_name, rank, world, seed=h + g)
+
+    # Ulysses: all-to-alls seen by CommDebugMode, forward and backward
+    q, k, v, grad, _ = problem(4, 2, 0)
+    local = [shard(t, "contiguous", rank, world).requires_grad_() for t in (q, k, v)]
+    with CommDebugMode() as comm:
+        out = ulysses_attention(*local, causal=True)
+    report["counts"]["ulysses forward"] = comm.get_total_counts()
+    with CommDebugMode() as comm:
+        out.backward(shard(grad, "contiguous", rank, world))
+    report["counts"]["ulysses backward"] = comm.get_total_counts()
+
+    # Ring: point-to-point exchanges counted by a wrapper; kernel calls per rank show the zigzag balance
+    exchanges, kernels = [], []
+    original_exchange, original_attention = sequence._exchange, sequence.attention
+
+    def counting_exchange(*args, **kwargs):
+        exchanges.append(1)
+        return original_exchange(*args, **kwargs)
+
+    def counting_attention(*args, **kwargs):
+        kernels.append(1)
+        return original_attention(*args, **kwargs)
+
+    sequence._exchange, sequence.attention = counting_exchange, counting_attention
+    try:
+        for layout in ("contiguous", "zigzag"):
+            q, k, v, grad, _ = problem(6, 2, 0)
+            local = [shard(t, layout, rank, world).requires_grad_() for t in (q, k, v)]
+            exchanges.clear(), kernels.clear()
+            out = ring_attention(*local, causal=True, layout=layout)
+            report["counts"][f"ring {layout} forward sends"] = len(exchanges)
+            report["counts"][f"ring {layout} kernels"] = len(kernels)
+            exchanges.clear()
+            out.backward(shard(grad, layout, rank, world))
+            report["counts"][f"ring {layout} backward sends"] = len(exchanges)
+    finally:
+        sequence._exchange, sequence.attention = original_exchange, original_attention
+
+    if world > 1:  # refusals that depend on P; raised on every rank before any collective
+        q, k, v, _, _ = problem(3, 3, 0)
+        local = [shard(t, "contiguous", rank, world) for t in (q, k, v)]
+        for key, call in {
+            "ulysses heads": lambda: ulysses_attention(*local),
+            "ulysses kv heads": lambda: ulysses_attention(local[0][:, :2].repeat(1, 3, 1, 1), *local[1:]),
+            "alibi": lambda: ring_attention(*local, mask=masks.alibi(masks.alibi_slopes(3))),
+            "typed padding": lambda: ring_attention(*local, mask=masks.padding(torch.tensor([3, 4]))),
+            "odd zigzag": lambda: ring_attention(*(t[:, :, :5] for t in local), layout="zigzag"),
+        }.items():
+            try:
+                call()
+            except (ValueError, TypeError) as error:
+                report["refusals"][key] = (is_input_error(error, ValueError), str(error))
+            else:
+                report["refusals"][key] = (False, "no error")
+    return report
+
+
+def check_world(world: int) -> None:
+    reports = run_ranks(check_rank, world)
+    for rank, report in enumerate(reports):
+        bad = {key: err for key, err in report["errors"].items() if not err <= TOL}
+        assert not bad, f"rank {rank} of {world}: {bad}"
+        counts = report["counts"]
+        assert counts["ulysses forward"] == 4, counts  # q, k, v to head shards; the output back
+        assert counts["ulysses backward"] == 4, counts  # the same four, transposed
+        for layout in ("contiguous", "zigzag"):
+            assert counts[f"ring {layout} forward sends"] == world - 1
+            assert counts[f"ring {layout} backward sends"] == world - 1
+        # causal: zigzag gives every rank 3 + 2 (P - 1) blocks; contiguous gives rank r r + 1 blocks
+        assert counts["ring zigzag kernels"] == 3 + 2 * (world - 1)
+        assert counts["ring contiguous kernels"] == rank + 1
+    return reports
+
+
+def test_world_1():
+    check_world(1)
+
+
+def test_world_2_and_refusals():
+    reports = check_world(2)
+    refusals = reports[0]["refusals"]
+    for key, fragments in {
+        "ulysses heads": ("h = 3", "g = 3", "P = 2"),
+        "ulysses kv heads": ("h = 6", "g = 3", "P = 2"),
+        "alibi": ("mask", "alibi"),
+        "typed padding": ("mask", "key_padding"),
+        "odd zigzag": ("n/P = 5", "2P"),
+    }.items():
+        is_ours, message = refusals[key]
+        assert is_ours, (key, message)
+        for fragment in fragments:
+            assert fragment in message, (key, fragment, message)
+
+
+def test_world_4():
+    check_world(4)
+
+
+def test_zigzag_round_trip_and_uneven_length():
+    x = torch.arange(2 * 3 * 16).reshape(2, 3, 16)
+    shards = [zigzag_shard(x, r, 4, dim=2) for r in range(4)]
+    assert shards[1][0, 0].tolist() == [2, 3, 12, 13]  # chunks 1 and 6 of 8
+    assert torch.equal(zigzag_unshard(shards, dim=2), x)
+    with pytest.raises(ValueError, match=r"n = 10") as info:
+        zigzag_shard(x[:, :, :10], 0, 4, dim=2)
+    assert "2 * P = 8" in str(info.value) and "pad the sequence to 16" in str(info.value)
+    assert is_input_error(info.value, ValueError)
+
+
+def test_needs_a_process_group():
+    q = torch.randn(1, 2, 4, 3)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ring_attention(q, q, q)
+
+
+def refuse_on_rank_1(rank: int, world: int) -> None:
+    q = torch.randn(1, 2 if rank == 0 else 3, 4, 3)
+    ulysses_attention(q, q[:, :1], q[:, :1])  # rank 1 refuses h = 3; rank 0 waits in the all-to-all
+
+
+def test_a_rank_that_raises_fails_the_run():
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 failed first[\s\S]*h = 3"):
+        run_ranks(refuse_on_rank_1, 2, timeout_s=3)
+    assert time.monotonic() - start < 30
