@@ -18,7 +18,13 @@ import multihead
 from distributed import RankFailed, run_ranks
 from multihead import masks
 from multihead.parallel import sequence
-from multihead.parallel.sequence import ring_attention, ulysses_attention, zigzag_shard, zigzag_unshard
+from multihead.parallel.sequence import (
+    SequenceParallelAttention,
+    ring_attention,
+    ulysses_attention,
+    zigzag_shard,
+    zigzag_unshard,
+)
 from support import is_input_error
 
 B, N, D, E = 2, 24, 3, 5  # n divides by 2P for P = 1, 2, 4; m = n/P is 24, 12, 6
@@ -120,6 +126,27 @@ def check_rank(rank: int, world: int) -> dict:
             report["counts"][f"ring {layout} backward sends"] = len(exchanges)
     finally:
         sequence._exchange, sequence.attention = original_exchange, original_attention
+
+    # the layer: projections local, attention across ranks; weight gradients summed over the ranks
+    for method in ("ring", "ulysses"):
+        for layout in ("contiguous", "zigzag"):
+            torch.manual_seed(3)
+            layer = multihead.MultiHeadAttention(7, 4, num_kv_heads=2, head_dim=6, rotary=True, dtype=torch.float64)
+            x = torch.randn(B, N, 7, dtype=torch.float64, requires_grad=True)
+            grad = torch.randn(B, N, 7, dtype=torch.float64)
+            ref, _ = layer(x, causal=True)
+            ref.backward(grad)
+            ref_grads = [p.grad.clone() for p in layer.parameters()]
+            layer.zero_grad()
+            x_local = shard(x.detach(), layout, rank, world, dim=1).requires_grad_()
+            out = SequenceParallelAttention(layer, method=method, layout=layout)(x_local, causal=True)
+            out.backward(shard(grad, layout, rank, world, dim=1))
+            errors = [(out - shard(ref, layout, rank, world, dim=1)).abs().max()]
+            errors.append((x_local.grad - shard(x.grad, layout, rank, world, dim=1)).abs().max())
+            for p, ref_grad in zip(layer.parameters(), ref_grads, strict=True):
+                torch.distributed.all_reduce(p.grad)
+                errors.append((p.grad - ref_grad).abs().max())
+            report["errors"][f"layer {method} {layout}"] = float(torch.stack(errors).max().detach())
 
     if world > 1:  # refusals that depend on P; raised on every rank before any collective
         q, k, v, _, _ = problem(3, 3, 0)

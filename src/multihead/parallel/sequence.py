@@ -37,12 +37,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch import nn
 
 from multihead import masks
 from multihead._errors import bad_argument, describe
 from multihead.functional import AttentionResult, attention
+from multihead.layer import MultiHeadAttention
 
-__all__ = ["LAYOUTS", "ring_attention", "ulysses_attention", "zigzag_shard", "zigzag_unshard"]
+__all__ = [
+    "LAYOUTS",
+    "SequenceParallelAttention",
+    "ring_attention",
+    "ulysses_attention",
+    "zigzag_shard",
+    "zigzag_unshard",
+]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -555,3 +564,89 @@ def ring_attention(
     ]
     out = torch.cat(parts, dim=2)  # (b, h, n/P, e)
     return _Tie.apply(out, held) if world > 1 and held.requires_grad else out
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+class SequenceParallelAttention(nn.Module):
+    """A :class:`multihead.MultiHeadAttention` run on a sequence-sharded input: projections local, attention by
+    ``method`` ("ring" or "ulysses") across ``group``, W^O local.
+
+    Every rank holds the whole layer (the same weights, as under data parallelism: average the weight gradients
+    over the group, e.g. with DistributedDataParallel, to keep them equal). Self-attention only; rotary positions
+    are the global positions of the rank's shard. The layer's ``Attend`` seam is bypassed, so head gates,
+    ablations and weight capture do not apply here; no KV cache (this is for training and prefill).
+
+        x (b, n/P, embed_dim), this rank's shard in ``layout``  ->  out (b, n/P, out_dim), the same shard
+    """
+
+    def __init__(
+        self,
+        layer: MultiHeadAttention,
+        group: dist.ProcessGroup | None = None,
+        *,
+        method: str = "ring",
+        layout: str = "contiguous",
+    ):
+        super().__init__()
+        if not isinstance(layer, MultiHeadAttention):
+            raise bad_argument(
+                "layer", "a multihead.MultiHeadAttention", describe(layer), "wrap a MultiHeadAttention", kind=TypeError
+            )
+        if method not in ("ring", "ulysses"):
+            raise bad_argument("method", '"ring" or "ulysses"', repr(method), 'pass method="ring" or "ulysses"')
+        if layout not in LAYOUTS:
+            raise bad_argument("layout", f"one of {LAYOUTS}", repr(layout), 'pass layout="contiguous" or "zigzag"')
+        self.layer, self.group, self.method, self.layout = layer, group, method, layout
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        causal: bool = False,
+        mask: masks.Mask | None = None,
+        key_padding: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x (b, n/P, embed_dim) -> (b, n/P, out_dim); ``causal``, ``mask``, ``key_padding`` as in ring_attention."""
+        layer = self.layer
+        if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != layer.embed_dim:
+            raise bad_argument(
+                "x",
+                f"(b, n/P, embed_dim = {layer.embed_dim}): this rank's shard of the sequence",
+                describe(x),
+                "shard a (b, n, embed_dim) input on dim 1 with the module's layout",
+            )
+        if layer.training and layer.dropout > 0:
+            raise bad_argument(
+                "layer.dropout",
+                "0 in training (attention dropout is not implemented across ranks)",
+                layer.dropout,
+                "set layer.dropout = 0.0, or call .eval()",
+            )
+        rank, world = _group_size(self.group)
+        b, m, _ = x.shape
+        h, g, d, e = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.value_head_dim
+        q, k, v = layer._project(x, None, None)
+        q = q.view(b, m, h, d).transpose(1, 2)  # (b, h, n/P, d)
+        k = k.view(b, m, g, d).transpose(1, 2)  # (b, g, n/P, d)
+        v = v.view(b, m, g, e).transpose(1, 2)  # (b, g, n/P, e)
+        if layer.rotary is not None:
+            if self.layout == "zigzag" and m % 2:
+                _check_inputs(q, k, v, key_padding, self.layout, world, "SequenceParallelAttention")
+            spans = _spans(self.layout, rank, world, m)
+            where = torch.cat([torch.arange(start, start + length, device=x.device) for start, length in spans])
+            q, k = layer.rotary.rotate(q, where, grow=False), layer.rotary.rotate(k, where, grow=False)
+        fn = ring_attention if self.method == "ring" else ulysses_attention
+        out = fn(
+            q,
+            k,
+            v,
+            self.group,
+            causal=causal,
+            mask=mask,
+            key_padding=key_padding,
+            layout=self.layout,
+            backend=layer.backend,
+        )  # (b, h, n/P, e)
+        return layer.out_proj(out.transpose(1, 2).reshape(b, m, h * e))  # (b, n/P, out_dim)
