@@ -20,8 +20,8 @@ For P = 2, n = 8 (chunks of 2)::
 Under a causal mask the zigzag layout gives every rank the same work in ring attention (an early chunk and a late
 one), as zhuzilin/ring-flash-attention and PyTorch's context parallel do; Ulysses attention works on whole
 sequences, so either layout balances. A sequence whose length does not split is refused, never padded silently:
-pad it to a multiple of P (contiguous) or 2P (zigzag) and mark the padded keys with ``key_padding``; the padded
-queries' outputs are then garbage-free zeros or values you drop.
+pad it to a multiple of P (contiguous) or 2P (zigzag), mark the padded keys with ``key_padding`` and drop the
+padded queries' outputs.
 
 Masks: ``causal=True``, ``mask=`` built from ``masks.causal()``, ``masks.window(...)`` and ``masks.softcap(...)``
 (positions are global, the query and key lengths are equal, so either alignment means the same), and
@@ -513,6 +513,7 @@ def ring_attention(
     Backward is autograd through the same steps: each shift's backward sends the K/V gradient back round the
     ring (to rank - 1), so the dK/dV of a shard reach its owner after P - 1 steps. Autograd keeps every block it
     received for the backward: the K/V memory per rank is that of the whole sequence (as with an all-gather).
+    A window cutting a block off the diagonal is evaluated as a dense (n/2P, n/2P) bool mask for that block.
     """
     rank, world = _group_size(group)
     b, h, g, m = _check_inputs(q, k, v, key_padding, layout, world, "ring_attention")
