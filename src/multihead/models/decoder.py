@@ -278,6 +278,27 @@ def cache_offset(cache: object, layers: int, batch_size: int, new_tokens: int) -
     return cache.seen
 
 
+def save_model(model: nn.Module, directory: str | Path, config_file: str, kind: str) -> Path:
+    """Write ``model``'s weights (``model.safetensors``) and ``config_file``, holding ``{"format":
+    "multihead-<kind>", "version": 1, "name": model.name, <kind>: model.config}``, to ``directory`` (created if
+    needed): the save of :class:`Decoder` and of :class:`~multihead.models.Seq2Seq`. Returns the folder."""
+    from safetensors.torch import save_file  # imported here: only saving needs it
+
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}, str(folder / _WEIGHTS)
+    )
+    saved = {
+        "format": f"multihead-{kind}",
+        "version": 1,
+        "name": model.name,
+        kind: dataclasses.asdict(model.config),  # type: ignore[call-overload]
+    }
+    (folder / config_file).write_text(json.dumps(saved, indent=1))
+    return folder
+
+
 class Decoder(nn.Module):
     """A GPT-style language model: token embedding, ``layers`` pre-LN :class:`DecoderBlock` s, final LN, LM head.
 
@@ -490,22 +511,7 @@ class Decoder(nn.Module):
     def save(self, directory: str | Path) -> Path:
         """Write ``multihead_decoder.json`` (the config) and ``model.safetensors`` (the weights) to ``directory``
         (created if needed), which :func:`load_decoder` reads back. Returns the folder."""
-        from safetensors.torch import save_file  # imported here: only saving needs it
-
-        folder = Path(directory)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {name: tensor.detach().contiguous() for name, tensor in self.state_dict().items()},
-            str(folder / _WEIGHTS),
-        )
-        saved = {
-            "format": "multihead-decoder",
-            "version": 1,
-            "name": self.name,
-            "decoder": dataclasses.asdict(self.config),
-        }
-        (folder / DECODER_CONFIG).write_text(json.dumps(saved, indent=1))
-        return folder
+        return save_model(self, directory, DECODER_CONFIG, "decoder")
 
 
 def _check_generation(

@@ -24,8 +24,6 @@ Attention sites (:func:`multihead.inspect.attention_sites`) come in three parts,
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -53,7 +51,6 @@ from multihead.models.contract import evaluating
 from multihead.models.decoder import (
     _POSITIONS,
     _PROBABILITY,
-    _WEIGHTS,
     Decoder,
     DecoderBlock,
     DecoderCache,
@@ -64,6 +61,7 @@ from multihead.models.decoder import (
     _read_saved,
     _read_weights,
     cache_offset,
+    save_model,
 )
 from multihead.positional import LearnedPositions
 
@@ -510,22 +508,7 @@ class Seq2Seq(nn.Module):
     def save(self, directory: str | Path) -> Path:
         """Write ``multihead_seq2seq.json`` (the config) and ``model.safetensors`` (the weights) to ``directory``
         (created if needed), which :func:`load_seq2seq` reads back. Returns the folder."""
-        from safetensors.torch import save_file  # imported here: only saving needs it
-
-        folder = Path(directory)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {name: tensor.detach().contiguous() for name, tensor in self.state_dict().items()},
-            str(folder / _WEIGHTS),
-        )
-        saved = {
-            "format": "multihead-seq2seq",
-            "version": 1,
-            "name": self.name,
-            "seq2seq": dataclasses.asdict(self.config),
-        }
-        (folder / SEQ2SEQ_CONFIG).write_text(json.dumps(saved, indent=1))
-        return folder
+        return save_model(self, directory, SEQ2SEQ_CONFIG, "seq2seq")
 
 
 def _sites(model: nn.Module) -> list[AttentionSite] | None:
