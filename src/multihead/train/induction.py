@@ -48,7 +48,7 @@ from multihead.inspect.importance import ablated
 from multihead.models.contract import evaluating
 from multihead.models.decoder import Decoder, DecoderConfig
 from multihead.models.symbols import SymbolTokenizer, task_symbols
-from multihead.train.loop import History, check_run_settings, history_to_json, plot_history, train
+from multihead.train.loop import History, check_run_settings, history_to_json, plot_history, train_run
 from multihead.train.scores import (
     in_context_learning_score,
     per_position_loss,
@@ -275,22 +275,6 @@ def run_induction(
     def make_batch(generator: torch.Generator) -> InductionBatch:
         return _task_batch(settings, settings.batch, generator)
 
-    def measure(trained: torch.nn.Module, step: int) -> dict[str, Any]:
-        scores = probe_scores(model, probe)
-        if on_log is not None:
-            on_log(step, scores)
-        return scores
-
-    history = train(
-        model,
-        make_batch,
-        steps=settings.steps,
-        lr=settings.lr,
-        weight_decay=settings.weight_decay,
-        seed=settings.seed,
-        loss_fn=_lm_loss,
-        log_every=settings.log_every,
-        on_log=measure,
-    )
+    history = train_run(model, settings, make_batch, _lm_loss, lambda: probe_scores(model, probe), on_log)
     final = {**probe_scores(model, probe), **ablation_scores(model, probe), "copying": direct_copying(model, probe)}
     return InductionRun(settings, model.eval(), history, final)

@@ -346,3 +346,37 @@ def check_run_settings(settings: Any) -> None:
     seed = settings.seed
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63 - 1:
         raise bad_argument("seed", "an int in 0..2**63 - 2", describe(seed), "pass e.g. seed=0")
+
+
+def train_run(
+    model: nn.Module,
+    settings: Any,
+    make_batch: Callable[[torch.Generator], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    probe: Callable[[], dict[str, Any]],
+    on_log: Callable[[int, Mapping[str, Any]], None] | None = None,
+    *,
+    count_tokens: Callable[[Any], int] = count_tokens,
+) -> History:
+    """:func:`train` with a run's settings (``steps``, ``lr``, ``weight_decay``, ``seed``, ``log_every``; see
+    :func:`check_run_settings`), logging ``probe()``'s scores at every log and passing them to
+    ``on_log(step, scores)`` (a progress bar): the loop every ``multihead train`` task runs."""
+
+    def measure(trained: nn.Module, step: int) -> dict[str, Any]:
+        scores = probe()
+        if on_log is not None:
+            on_log(step, scores)
+        return scores
+
+    return train(
+        model,
+        make_batch,
+        steps=settings.steps,
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        seed=settings.seed,
+        loss_fn=loss_fn,
+        log_every=settings.log_every,
+        on_log=measure,
+        count_tokens=count_tokens,
+    )

@@ -46,7 +46,7 @@ from multihead.inspect.importance import ablated
 from multihead.models.contract import evaluating
 from multihead.models.seq2seq import Seq2Seq, Seq2SeqConfig
 from multihead.models.symbols import SymbolTokenizer, task_symbols
-from multihead.train.loop import History, check_run_settings, history_to_json, plot_history, train
+from multihead.train.loop import History, check_run_settings, history_to_json, plot_history, train_run
 from multihead.train.scores import alignment_accuracy
 from multihead.train.tasks import BOS, ReverseBatch, reverse_batch
 
@@ -220,23 +220,8 @@ def run_reverse(
     def make_batch(generator: torch.Generator) -> ReverseBatch:
         return reverse_batch(settings.batch, settings.length, settings.vocab_size, generator=generator)
 
-    def measure(trained: torch.nn.Module, step: int) -> dict[str, Any]:
-        scores = probe_scores(model, probe)
-        if on_log is not None:
-            on_log(step, scores)
-        return scores
-
-    history = train(
-        model,
-        make_batch,
-        steps=settings.steps,
-        lr=settings.lr,
-        weight_decay=settings.weight_decay,
-        seed=settings.seed,
-        loss_fn=_loss,
-        log_every=settings.log_every,
-        on_log=measure,
-        count_tokens=_count_tokens,
+    history = train_run(
+        model, settings, make_batch, _loss, lambda: probe_scores(model, probe), on_log, count_tokens=_count_tokens
     )
     final = {**probe_scores(model, probe), **ablation_scores(model, probe), "exact_match": exact_match(model, probe)}
     return ReverseRun(settings, model.eval(), history, final)
