@@ -336,6 +336,15 @@ def _cost_parser(subparsers) -> None:
     parser.add_argument("--need-weights", action="store_true", help="the (b, h, i, j) weights are returned")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--plot", metavar="FILE.png", help="draw FLOPs and memory against n")
+    ranks = parser.add_argument_group("across ranks (multihead.parallel): per-rank FLOPs, memory and bytes sent")
+    ranks.add_argument("--tp", type=int, default=1, metavar="P", help="split the heads over P ranks (shard_heads)")
+    ranks.add_argument("--cp", type=int, default=1, metavar="P", help="split the sequence over P ranks")
+    ranks.add_argument("--cp-method", choices=("ring", "ulysses"), default="ring", help="how --cp attends (ring)")
+    ranks.add_argument(
+        "--link-gbs", type=float, metavar="GB/S", help="bandwidth between ranks, per direction (NVLink 4: 450)"
+    )
+    ranks.add_argument("--gflops", type=float, help="a rank's compute rate for the time (default: this machine's)")
+    ranks.add_argument("--memory-gbs", type=float, help="a rank's memory bandwidth (default: this machine's)")
     parser.set_defaults(run=run_cost)
 
 
@@ -346,7 +355,7 @@ def run_cost(args: argparse.Namespace) -> int:
     import json
 
     from multihead.cost import LayerShape, estimate
-    from multihead.cost_report import cost_json, plot_cost, print_cost
+    from multihead.cost_report import cost_json, parallel_json, plot_cost, print_cost, print_parallel
     from multihead.machine import read_calibration
 
     if args.backward and args.decode_cache is not None:
@@ -403,14 +412,76 @@ def run_cost(args: argparse.Namespace) -> int:
             causal=args.causal,
             argument="--plot",
         )
+    split = _parallel_split(args, shape, mode) if args.tp > 1 or args.cp > 1 else None
+    if split is None and any(v is not None for v in (args.link_gbs, args.gflops, args.memory_gbs)):
+        raise bad_argument(
+            "--link-gbs",
+            "--tp or --cp above 1 with --link-gbs, --gflops, --memory-gbs",
+            "one rank",
+            "add e.g. --cp 8",
+        )
     if args.json:
-        print(json.dumps(cost_json(report, rates), indent=1))
+        data = cost_json(report, rates)
+        if split is not None:
+            data["parallel"] = parallel_json(split[0], split[1])
+        print(json.dumps(data, indent=1))
     else:
         console = make_console()
         print_cost(report, rates, console)
+        if split is not None:
+            print_parallel(split[0], split[1], console, rates_source=split[2])
         if plot_path is not None:
             console.print(f"plot: {plot_path.resolve()}", soft_wrap=True)
     return 0
+
+
+def _parallel_split(args: argparse.Namespace, shape, mode: str):
+    """(ParallelCost, ParallelTime or None, where the rates come from) for --tp/--cp; the rates are --gflops and
+    --memory-gbs where given, else this machine's calibration."""
+    from multihead.cost import MachineRates
+    from multihead.cost_parallel import parallel_cost, parallel_time
+    from multihead.machine import read_calibration
+
+    if args.decode_cache is not None or args.kv_seq is not None or args.need_weights:
+        raise bad_argument(
+            "--tp/--cp",
+            "self-attention forward or training (the parallel layers serve no decode, cross-attention or weights)",
+            "--decode-cache, --kv-seq or --need-weights",
+            "drop those options, or --tp/--cp",
+        )
+    for name, value in (("--gflops", args.gflops), ("--memory-gbs", args.memory_gbs), ("--link-gbs", args.link_gbs)):
+        if value is not None and not value > 0:
+            raise bad_argument(name, "a positive rate", value, f"pass e.g. {name} 450")
+    cost = parallel_cost(
+        shape,
+        seq=args.seq,
+        batch=args.batch,
+        causal=args.causal,
+        dtype=args.dtype,
+        mode=mode,
+        tp=args.tp,
+        cp=args.cp,
+        cp_method=args.cp_method,
+    )
+    if args.link_gbs is None:
+        return cost, None, None
+    calibrated, _ = read_calibration()
+    if (args.gflops is None or args.memory_gbs is None) and calibrated is None:
+        raise bad_argument(
+            "--link-gbs",
+            "a rank's compute rate and memory bandwidth: --gflops and --memory-gbs, or this machine's calibration",
+            "neither",
+            "pass --gflops and --memory-gbs (e.g. 989000 and 3350 for an H100 in bfloat16), or run "
+            "`multihead bench --calibrate`",
+        )
+    gflops = dict(calibrated.matmul_gflops) if calibrated is not None else {}
+    if args.gflops is not None:
+        gflops = {cost.report.dtype: args.gflops}
+    bandwidth = args.memory_gbs if args.memory_gbs is not None else calibrated.bandwidth_gbs  # type: ignore[union-attr]
+    given = args.gflops is not None or args.memory_gbs is not None
+    rates = MachineRates(gflops, bandwidth, threads=0)
+    source = "the rates given" if given else "this machine's calibration"
+    return cost, parallel_time(cost, rates, args.link_gbs), source
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -22,8 +22,9 @@ from multihead.cost import (
     estimate,
     roofline,
 )
+from multihead.cost_parallel import ParallelCost, ParallelTime
 
-__all__ = ["human_flops", "human_bytes", "print_cost", "plot_cost", "cost_json"]
+__all__ = ["human_flops", "human_bytes", "print_cost", "print_parallel", "parallel_json", "plot_cost", "cost_json"]
 
 
 def human_flops(flops: float) -> str:
@@ -140,6 +141,68 @@ def print_cost(report: CostReport, rates: MachineRates | None, console: Console)
             f"{bound.ridge_point:.1f})",
             soft_wrap=True,
         )
+
+
+def _split(cost: ParallelCost) -> str:
+    parts = ([f"heads over tp = {cost.tp}"] if cost.tp > 1 else []) + (
+        [f"sequence over cp = {cost.cp} ({cost.cp_method})"] if cost.cp > 1 else []
+    )
+    return " x ".join(parts) or "one rank"
+
+
+def print_parallel(
+    cost: ParallelCost, timing: ParallelTime | None, console: Console, *, rates_source: str | None = None
+) -> None:
+    """The per-rank table of ``multihead cost --tp/--cp``: FLOPs, memory, bytes sent and collectives against the
+    single-process layer; with a link bandwidth, the time with communication and the ring's crossover."""
+    report = cost.report
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        title=f"Across {cost.world_size} ranks: {_split(cost)}, per rank",
+        title_justify="left",
+    )
+    table.add_column("what")
+    table.add_column("one process", justify="right")
+    table.add_column("per rank", justify="right")
+    table.add_row(
+        "query heads / kv heads",
+        f"{report.shape.h} / {report.shape.g}",
+        f"{cost.heads_per_rank} / {cost.kv_heads_per_rank}",
+    )
+    table.add_row("positions", f"{report.q_len}", f"{cost.positions_per_rank}")
+    table.add_row("needed FLOPs", human_flops(report.needed_flops), human_flops(cost.flops))
+    table.add_row("parameters", human_bytes(report.bytes.weights), human_bytes(cost.weight_bytes))
+    table.add_row("peak allocated (model)", human_bytes(report.bytes.peak), human_bytes(cost.peak_bytes))
+    table.add_row("sent, forward", "-", human_bytes(cost.sent_bytes["forward"]))
+    if report.mode == "forward+backward":
+        table.add_row("sent, backward", "-", human_bytes(cost.sent_bytes["backward"]))
+    calls = ", ".join(f"{count} {name.replace('_', '-')}" for name, count in cost.collectives.items() if count)
+    table.add_row("collectives per call", "-", calls or "none")
+    console.print(table)
+    if timing is None:
+        console.print("time: give --link-gbs (the bandwidth between ranks, GB/s per direction)", style="dim")
+        return
+    where = f" ({rates_source})" if rates_source else ""
+    console.print(
+        f"time per rank{where}: at least {_seconds(timing.total_s)} = own work {_seconds(timing.local.bound_s)} "
+        f"({timing.local.bound_by}-bound) + exposed communication {_seconds(timing.exposed_s)} "
+        f"(of {_seconds(timing.communication_s)} sent at the link rate)",
+        soft_wrap=True,
+    )
+    if timing.crossover_seq is not None:
+        state = "hidden behind compute" if timing.hidden else "NOT hidden: the link is the bottleneck"
+        console.print(
+            f"ring: each block's send is {state}; the sends hide from n = {timing.crossover_seq:,.0f} on "
+            f"({timing.crossover_seq / cost.cp:,.0f} positions per rank)",
+            soft_wrap=True,
+        )
+
+
+def parallel_json(cost: ParallelCost, timing: ParallelTime | None) -> dict:
+    data = cost.as_dict()
+    if timing is not None:
+        data["time"] = timing.as_dict()
+    return data
 
 
 def cost_json(report: CostReport, rates: MachineRates | None) -> dict:

@@ -51,6 +51,7 @@ from torch import nn
 
 from multihead._errors import bad_argument, describe
 from multihead.cache import KVCache
+from multihead.cost_parallel import check_head_split  # shared with `multihead cost --tp`
 from multihead.layer import MultiHeadAttention
 from multihead.masks import Mask
 
@@ -115,24 +116,6 @@ class _RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, i, h/P * e) -> (b, i, out_dim)
         out = _ReduceFromHeads.apply(F.linear(x, self.weight), self.group)
         return out if self.bias is None else out + self.bias
-
-
-def check_head_split(num_heads: int, num_kv_heads: int, world_size: int) -> None:
-    """Raise a ValueError unless ``world_size`` ranks can split h = ``num_heads`` query heads and g =
-    ``num_kv_heads`` key/value heads evenly (P divides h and g; the message lists the valid P, the divisors of g).
-
-    A pure function: no process group needed.
-    """
-    if num_heads % world_size == 0 and num_kv_heads % world_size == 0:
-        return
-    valid = [p for p in range(1, num_kv_heads + 1) if num_heads % p == 0 and num_kv_heads % p == 0]
-    raise bad_argument(
-        "group",
-        f"a group size P that divides num_heads = {num_heads} and num_kv_heads = {num_kv_heads} "
-        f"(each rank holds h/P query heads and g/P key/value heads)",
-        f"P = {world_size} (h % P = {num_heads % world_size}, g % P = {num_kv_heads % world_size})",
-        f"use a group of one of the sizes {valid}",
-    )
 
 
 class HeadParallelAttention(MultiHeadAttention):
