@@ -65,6 +65,10 @@ def test_both_splits_add_their_traffic_on_the_local_heads():
     assert both.sent_bytes["forward"] == ring.sent_bytes["forward"] + tp.sent_bytes["forward"]
     assert both.all_reduce_bytes == tp.all_reduce_bytes
     assert both.world_size == 8
+    # tensor parallelism inside a node (fast link), the ring across nodes: the all-reduce runs on the fast link
+    slow, fast = (parallel_time(both, RATES, 1.0, tp_link_gbs=link) for link in (1.0, 100.0))
+    assert slow.exposed_s - fast.exposed_s == pytest.approx(both.all_reduce_bytes / 1e9 - both.all_reduce_bytes / 1e11)
+    assert slow.crossover_seq == fast.crossover_seq == parallel_time(ring, RATES, 1.0).crossover_seq
 
 
 @pytest.mark.parametrize(
@@ -169,6 +173,7 @@ def test_cli_json_has_the_parallel_part(capsys):
         (["--tp", "3"], "tp: expected a group size P that divides num_heads = 8 and num_kv_heads = 2"),
         (["--cp", "2", "--cp-method", "ulysses", "--kv-heads", "1", "--heads", "3", "--embed-dim", "513"], "cp:"),
         (["--link-gbs", "10"], "--link-gbs: expected --tp or --cp above 1"),
+        (["--cp", "2", "--tp-link-gbs", "10"], "--tp-link-gbs: expected --link-gbs as well"),
         (["--cp", "2", "--link-gbs", "-1", "--gflops", "1", "--memory-gbs", "1"], "--link-gbs: expected a positive"),
         (["--cp", "2", "--need-weights"], "--tp/--cp: expected self-attention"),
     ],

@@ -12,7 +12,9 @@ spawned rank about two more seconds of start-up.
 
 from __future__ import annotations
 
+import importlib.util
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead
 from distributed import RankFailed, run_ranks
+from multihead.cost import LayerShape
+from multihead.cost_parallel import parallel_cost
 from multihead.inspect import capture
 from multihead.parallel import HeadParallelAttention, check_head_split, gather_head_weights, shard_heads
 from support import is_input_error
@@ -146,12 +150,14 @@ class CountCollectives(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: dict[str, int] = {}
+        self.bytes = 0  # of the tensors the collectives were given
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
         namespace, _, op = name.partition("::")
         if namespace in ("c10d", "_c10d_functional", "c10d_functional") and op not in NOT_COLLECTIVES:
             self.counts[name] = self.counts.get(name, 0) + 1
+            self.bytes += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
         return func(*args, **(kwargs or {}))
 
 
@@ -164,7 +170,11 @@ def count_collectives(world: int, mode=CountCollectives) -> dict[str, dict[str, 
     with mode() as backward:
         out.sum().backward()
     if isinstance(forward, CountCollectives) and isinstance(backward, CountCollectives):
-        return {"forward": forward.counts, "backward": backward.counts}
+        return {
+            "forward": forward.counts,
+            "backward": backward.counts,
+            "bytes": {"forward": forward.bytes, "backward": backward.bytes},
+        }
     return {  # CommDebugMode
         "forward": {str(op): n for op, n in forward.get_comm_counts().items()},
         "backward": {str(op): n for op, n in backward.get_comm_counts().items()},
@@ -191,9 +201,23 @@ def refusals(world: int) -> dict[str, str]:
     return found
 
 
+def example_errors(rank: int, world: int) -> dict[str, float]:
+    """README's torchrun example (examples/parallel_attention.py), its checks on a shorter sequence."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "parallel_attention.py"
+    spec = importlib.util.spec_from_file_location("parallel_attention_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.SEQ, example.EMBED = 16, 32
+    return {f"example {name}": error for name, error in example.errors(rank, world).items()}
+
+
 def check_rank(rank: int, world: int) -> dict:
     """Every check one world size runs, returned for the parent to assert."""
-    report: dict = {"errors": {}, "counts": count_collectives(world), "refusals": refusals(world)}
+    counts = count_collectives(world)
+    report: dict = {"errors": {}, "bytes": counts.pop("bytes"), "counts": counts, "refusals": refusals(world)}
+    if world == 2:
+        report["errors"].update(example_errors(rank, world))
     for name, (h, g, *_) in CONFIGS.items():
         if h % world == 0 and g % world == 0:
             report["errors"].update({f"{name}: {k}": v for k, v in gradient_errors(name, world).items()})
@@ -256,6 +280,19 @@ def test_one_all_reduce_forward_and_backward(reports):
                 "forward": {"c10d_functional.all_reduce": 1},
                 "backward": {"c10d_functional.all_reduce": 1},
             }
+
+
+def test_all_reduced_bytes_are_the_cost_models(reports):
+    """The tensors all-reduced are the (b, n, out_dim) output and the (b, n, embed_dim) input gradient, whose ring
+    all-reduce `multihead cost --tp` counts; and the README example ran at P = 2."""
+    world, results = reports
+    shape = LayerShape.of(build(8, 4, False, True, True))
+    model = parallel_cost(shape, seq=N, batch=B, causal=True, dtype="float64", mode="forward+backward", tp=world)
+    for report in results:
+        assert report["bytes"] == {"forward": B * N * OUT * 8, "backward": B * N * EMBED * 8}
+        for step in ("forward", "backward"):
+            assert model.sent_bytes[step] == 2 * (world - 1) * report["bytes"][step] // world
+        assert any(name.startswith("example") for name in report["errors"]) == (world == 2)
 
 
 def test_ranks_refuse_uneven_heads(reports):

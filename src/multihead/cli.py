@@ -343,6 +343,12 @@ def _cost_parser(subparsers) -> None:
     ranks.add_argument(
         "--link-gbs", type=float, metavar="GB/S", help="bandwidth between ranks, per direction (NVLink 4: 450)"
     )
+    ranks.add_argument(
+        "--tp-link-gbs",
+        type=float,
+        metavar="GB/S",
+        help="the --tp group's bandwidth when it differs (default: --link-gbs)",
+    )
     ranks.add_argument("--gflops", type=float, help="a rank's compute rate for the time (default: this machine's)")
     ranks.add_argument("--memory-gbs", type=float, help="a rank's memory bandwidth (default: this machine's)")
     parser.set_defaults(run=run_cost)
@@ -413,7 +419,7 @@ def run_cost(args: argparse.Namespace) -> int:
             argument="--plot",
         )
     split = _parallel_split(args, shape, mode) if args.tp > 1 or args.cp > 1 else None
-    if split is None and any(v is not None for v in (args.link_gbs, args.gflops, args.memory_gbs)):
+    if split is None and any(v is not None for v in (args.link_gbs, args.tp_link_gbs, args.gflops, args.memory_gbs)):
         raise bad_argument(
             "--link-gbs",
             "--tp or --cp above 1 with --link-gbs, --gflops, --memory-gbs",
@@ -449,7 +455,12 @@ def _parallel_split(args: argparse.Namespace, shape, mode: str):
             "--decode-cache, --kv-seq or --need-weights",
             "drop those options, or --tp/--cp",
         )
-    for name, value in (("--gflops", args.gflops), ("--memory-gbs", args.memory_gbs), ("--link-gbs", args.link_gbs)):
+    for name, value in (
+        ("--gflops", args.gflops),
+        ("--memory-gbs", args.memory_gbs),
+        ("--link-gbs", args.link_gbs),
+        ("--tp-link-gbs", args.tp_link_gbs),
+    ):
         if value is not None and not value > 0:
             raise bad_argument(name, "a positive rate", value, f"pass e.g. {name} 450")
     cost = parallel_cost(
@@ -464,6 +475,8 @@ def _parallel_split(args: argparse.Namespace, shape, mode: str):
         cp_method=args.cp_method,
     )
     if args.link_gbs is None:
+        if args.tp_link_gbs is not None:
+            raise bad_argument("--tp-link-gbs", "--link-gbs as well", "--tp-link-gbs alone", "add --link-gbs")
         return cost, None, None
     calibrated, _ = read_calibration()
     if (args.gflops is None or args.memory_gbs is None) and calibrated is None:
@@ -481,7 +494,7 @@ def _parallel_split(args: argparse.Namespace, shape, mode: str):
     given = args.gflops is not None or args.memory_gbs is not None
     rates = MachineRates(gflops, bandwidth, threads=0)
     source = "the rates given" if given else "this machine's calibration"
-    return cost, parallel_time(cost, rates, args.link_gbs), source
+    return cost, parallel_time(cost, rates, args.link_gbs, tp_link_gbs=args.tp_link_gbs), source
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -312,9 +312,13 @@ class ParallelTime:
         return data
 
 
-def parallel_time(cost: ParallelCost, rates: MachineRates, link_gbs: float) -> ParallelTime:
+def parallel_time(
+    cost: ParallelCost, rates: MachineRates, link_gbs: float, *, tp_link_gbs: float | None = None
+) -> ParallelTime:
     """One rank's time for ``cost`` on a machine with ``rates`` (per device) and ``link_gbs`` GB/s per rank and
-    direction between ranks (e.g. NVLink 4: 450; InfiniBand NDR: 50).
+    direction between ranks (e.g. NVLink 4: 450; InfiniBand NDR, one 400 Gb/s NIC per GPU: 50). ``tp_link_gbs``
+    is the head-parallel group's link when it differs (tensor parallelism inside a node on NVLink, the sequence
+    across nodes on InfiniBand); by default ``link_gbs``.
 
     Ring attention overlaps step by step: a forward block's send (t_s = K/V shard / link) runs while the rank
     attends to the block it holds (t_b = its attention FLOPs / c at the compute rate), so each of the c - 1 steps
@@ -324,11 +328,16 @@ def parallel_time(cost: ParallelCost, rates: MachineRates, link_gbs: float) -> P
     least twice the forward's). Head parallelism's all-reduces and Ulysses' all-to-alls sit between computations:
     all of their time is exposed.
     """
-    if not isinstance(link_gbs, (int, float)) or isinstance(link_gbs, bool) or not link_gbs > 0:
-        raise bad_argument("link_gbs", "a positive bandwidth in GB/s", describe(link_gbs), "pass e.g. link_gbs=450")
+    for name, value in (("link_gbs", link_gbs), ("tp_link_gbs", tp_link_gbs)):
+        if value is None and name == "tp_link_gbs":
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise bad_argument(name, "a positive bandwidth in GB/s", describe(value), f"pass e.g. {name}=450")
     local = bound(cost.flops, cost.traffic, cost.report.dtype, rates)
     link = link_gbs * 1e9
-    communication = cost.total_sent_bytes / link
+    tp_link = (tp_link_gbs or link_gbs) * 1e9
+    all_reduce_s = cost.all_reduce_bytes / tp_link  # between computations: never hidden
+    communication = (cost.total_sent_bytes - cost.all_reduce_bytes) / link + all_reduce_s
     hidden, crossover = False, None
     if cost.cp > 1 and cost.cp_method == "ring":
         flop_rate = compute_rate(cost.report.dtype, rates) * 1e9
@@ -342,7 +351,7 @@ def parallel_time(cost: ParallelCost, rates: MachineRates, link_gbs: float) -> P
             exposed += (c - 1) * max(0.0, 2 * t_send - t_block_back) + t_send
             hidden = hidden and 2 * t_send <= t_block_back
         crossover = cost.report.q_len * t_send / t_block if t_block > 0 else None
-        exposed += cost.all_reduce_bytes / link  # between steps: never hidden
+        exposed += all_reduce_s
     else:
         exposed = communication
     return ParallelTime(local, communication, exposed, local.bound_s + exposed, hidden, crossover)
