@@ -7,7 +7,9 @@ and benchmarks/parallel.py measures the bytes on loopback.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +184,15 @@ def test_cli_errors_are_one_line(extra, message, capsys):
     assert main([*CLI, *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_docs_planning_table_is_the_scripts_output():
+    """docs/parallel.md carries scripts/parallel_plan.py's table, so the page says what the cost model says."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("parallel_plan", root / "scripts" / "parallel_plan.py")
+    assert spec is not None and spec.loader is not None
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    page = (root / "docs" / "parallel.md").read_text()
+    carried = page.split("<!-- parallel-plan: begin -->\n")[1].split("\n<!-- parallel-plan: end -->")[0]
+    assert carried == plan.table()
