@@ -331,8 +331,29 @@ def test_shard_heads_refusals_without_a_group():
         shard_heads(layer)
     layer.restore_heads()
     if not dist.is_initialized():
-        with pytest.raises(ValueError, match="init_process_group"):
+        with pytest.raises(RuntimeError, match="group: expected an initialised torch.distributed process group"):
             shard_heads(layer)
+
+
+def test_shard_heads_takes_a_one_dimensional_device_mesh(tmp_path):
+    """A 1-D DeviceMesh is its group; a 2-D mesh or another object is refused, naming the group argument."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layer = build(8, 4, False, True, True)
+        x = inputs(False, seed=2)[0]
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        sharded = shard_heads(layer, mesh)
+        assert torch.equal(sharded(x, causal=True)[0], layer(x, causal=True)[0])
+        weights = sharded(x, causal=True, need_weights=True)[1]
+        assert weights is not None and torch.equal(gather_head_weights(weights, mesh), weights)
+        with pytest.raises(ValueError, match=r"group: expected a one-dimensional DeviceMesh .*mesh\["):
+            shard_heads(layer, init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")))
+        with pytest.raises(TypeError, match="group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh"):
+            shard_heads(layer, [0, 1])  # type: ignore[arg-type]
+    finally:
+        dist.destroy_process_group()
 
 
 def fail_on_rank_one(rank: int, world: int) -> None:

@@ -42,6 +42,7 @@ future work.
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,10 @@ from multihead.cache import KVCache
 from multihead.cost_parallel import check_head_split  # shared with `multihead cost --tp`
 from multihead.layer import MultiHeadAttention
 from multihead.masks import Mask
+from multihead.parallel._group import resolve_group
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["HeadParallelAttention", "check_head_split", "gather_head_weights", "shard_heads"]
 
@@ -188,7 +193,9 @@ class HeadParallelAttention(MultiHeadAttention):
         )
 
 
-def shard_heads(layer: MultiHeadAttention, group: dist.ProcessGroup | None = None) -> HeadParallelAttention:
+def shard_heads(
+    layer: MultiHeadAttention, group: dist.ProcessGroup | DeviceMesh | None = None
+) -> HeadParallelAttention:
     """This rank's head-parallel part of ``layer``: a new module; ``layer`` itself is never changed.
 
     Call it on every rank of ``group`` (default: the default group) with the same ``layer`` (same seed or the same
@@ -198,7 +205,9 @@ def shard_heads(layer: MultiHeadAttention, group: dist.ProcessGroup | None = Non
     Args:
         layer: a :class:`multihead.MultiHeadAttention` (not already sharded; no head gate or ablation: restore
             them, or prune heads, first).
-        group: the ranks sharing the heads; P = its size must divide h and g (see :func:`check_head_split`).
+        group: the ranks sharing the heads: a process group, a one-dimensional ``DeviceMesh`` (e.g. ``mesh["tp"]``
+            of a 2-D mesh) or None for the default group; P = its size must divide h and g (see
+            :func:`check_head_split`).
 
     Returns:
         :class:`HeadParallelAttention`; ``sharded(x)`` takes (b, n, embed_dim) and returns (b, n, out_dim) on every
@@ -233,13 +242,7 @@ def shard_heads(layer: MultiHeadAttention, group: dist.ProcessGroup | None = Non
             "a layer with head surgery applied",
             "call layer.restore_heads() first, or prune_heads to remove heads for good",
         )
-    if not dist.is_available() or not dist.is_initialized():
-        raise bad_argument(
-            "group",
-            "an initialised torch.distributed process group",
-            "none (torch.distributed.is_initialized() is False)",
-            "call torch.distributed.init_process_group(...) on every rank first",
-        )
+    group = resolve_group(group, "shard_heads")
     world_size, rank = _group_size(group), dist.get_rank(group)
     h, g, d, e = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.value_head_dim
     check_head_split(h, g, world_size)
@@ -271,7 +274,9 @@ def shard_heads(layer: MultiHeadAttention, group: dist.ProcessGroup | None = Non
     return sharded
 
 
-def gather_head_weights(weights: torch.Tensor, group: dist.ProcessGroup | None = None, *, dim: int = 1) -> torch.Tensor:
+def gather_head_weights(
+    weights: torch.Tensor, group: dist.ProcessGroup | DeviceMesh | None = None, *, dim: int = 1
+) -> torch.Tensor:
     """Every rank's heads of a per-head tensor, in global head order, on every rank (one all-gather).
 
     ``weights``: this rank's heads along ``dim``, e.g. the (b, h/P, i, j) weights of
@@ -288,6 +293,7 @@ def gather_head_weights(weights: torch.Tensor, group: dist.ProcessGroup | None =
             dim,
             "pass dim=1 for (b, h/P, i, j) weights",
         )
-    parts = [torch.empty_like(weights) for _ in range(_group_size(group))]
-    dist.all_gather(parts, weights.detach().contiguous(), group=group)
+    resolved = resolve_group(group, "gather_head_weights")
+    parts = [torch.empty_like(weights) for _ in range(_group_size(resolved))]
+    dist.all_gather(parts, weights.detach().contiguous(), group=resolved)
     return torch.cat(parts, dim=dim)
