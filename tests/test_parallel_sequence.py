@@ -3,7 +3,8 @@
 Each rank builds the whole problem from one seed, runs the parallel function on its shard, and compares its shard
 of the output and of dq, dk, dv with single-process ``multihead.attention`` on the full sequence. Collectives are
 counted with torch's CommDebugMode for Ulysses (it sees the gloo all-to-alls) and with a wrapper round the ring's
-point-to-point exchange (CommDebugMode does not see send/recv).
+point-to-point exchange (CommDebugMode does not see send/recv), calls and bytes. The bytes autograd saves in the
+ring's forward are summed with saved_tensors_hooks: the rank's own shards only, never the whole sequence's K/V.
 """
 
 from __future__ import annotations
@@ -100,30 +101,44 @@ def check_rank(rank: int, world: int) -> dict:
         out.backward(shard(grad, "contiguous", rank, world))
     report["counts"]["ulysses backward"] = comm.get_total_counts()
 
-    # Ring: point-to-point exchanges counted by a wrapper; kernel calls per rank show the zigzag balance
-    exchanges, kernels = [], []
+    # Ring: point-to-point exchanges (calls and bytes) counted by a wrapper; kernel calls per rank show the zigzag
+    # balance; the bytes autograd saves in the forward (each storage once) show the O(n/P) training memory
+    exchanges, sent, kernels = [], [], []
     original_exchange, original_attention = sequence._exchange, sequence.attention
 
-    def counting_exchange(*args, **kwargs):
+    def counting_exchange(send, *args, **kwargs):
         exchanges.append(1)
-        return original_exchange(*args, **kwargs)
+        sent.append(send.numel() * send.element_size())
+        return original_exchange(send, *args, **kwargs)
 
     def counting_attention(*args, **kwargs):
         kernels.append(1)
         return original_attention(*args, **kwargs)
 
+    saved: dict[int, int] = {}  # storage address -> bytes, of the tensors autograd saves
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
     sequence._exchange, sequence.attention = counting_exchange, counting_attention
     try:
         for layout in ("contiguous", "zigzag"):
             q, k, v, grad, _ = problem(6, 2, 0)
-            local = [shard(t, layout, rank, world).requires_grad_() for t in (q, k, v)]
-            exchanges.clear(), kernels.clear()
-            out = ring_attention(*local, causal=True, layout=layout)
-            report["counts"][f"ring {layout} forward sends"] = len(exchanges)
-            report["counts"][f"ring {layout} kernels"] = len(kernels)
-            exchanges.clear()
+            local = [shard(t, layout, rank, world).clone().requires_grad_() for t in (q, k, v)]
+            exchanges.clear(), sent.clear(), kernels.clear(), saved.clear()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = ring_attention(*local, causal=True, layout=layout)
+            counts = report["counts"]
+            counts[f"ring {layout} forward sends"], counts[f"ring {layout} forward bytes"] = len(exchanges), sum(sent)
+            counts[f"ring {layout} kernels"] = len(kernels)
+            counts[f"ring {layout} saved bytes"] = sum(saved.values())
+            exchanges.clear(), sent.clear()
             out.backward(shard(grad, layout, rank, world))
-            report["counts"][f"ring {layout} backward sends"] = len(exchanges)
+            counts[f"ring {layout} backward sends"], counts[f"ring {layout} backward bytes"] = len(exchanges), sum(sent)
+        # this rank's K and V bytes (one ring buffer), and its q, k, v and output bytes (what one shard holds)
+        report["counts"]["kv bytes"] = sum(t.numel() * t.element_size() for t in local[1:])
+        report["counts"]["shard bytes"] = sum(t.numel() * t.element_size() for t in (*local, out))
     finally:
         sequence._exchange, sequence.attention = original_exchange, original_attention
 
@@ -175,9 +190,17 @@ def check_world(world: int) -> None:
         counts = report["counts"]
         assert counts["ulysses forward"] == 4, counts  # q, k, v to head shards; the output back
         assert counts["ulysses backward"] == 4, counts  # the same four, transposed
+        kv_bytes, shard_bytes = counts["kv bytes"], counts["shard bytes"]
         for layout in ("contiguous", "zigzag"):
-            assert counts[f"ring {layout} forward sends"] == world - 1
-            assert counts[f"ring {layout} backward sends"] == world - 1
+            # forward: K/V to rank + 1 at each of P - 1 steps; backward: the same P - 1, and the dK/dV
+            # accumulator of each block P times (to the next rank at every step, the last to the block's owner)
+            assert counts[f"ring {layout} forward sends"] == world - 1, counts
+            assert counts[f"ring {layout} forward bytes"] == (world - 1) * kv_bytes, counts
+            assert counts[f"ring {layout} backward sends"] == (2 * world - 1 if world > 1 else 0), counts
+            assert counts[f"ring {layout} backward bytes"] == (2 * world - 1 if world > 1 else 0) * kv_bytes, counts
+            # autograd keeps this rank's q, k, v, output and LSE only, never the K/V blocks of other ranks
+            # (keeping them, as autograd through the ring would, is P x kv_bytes more and fails this at P = 4)
+            assert counts[f"ring {layout} saved bytes"] <= 1.25 * shard_bytes, (counts, shard_bytes)
         # causal: zigzag gives every rank 3 + 2 (P - 1) blocks; contiguous gives rank r r + 1 blocks
         assert counts["ring zigzag kernels"] == 3 + 2 * (world - 1)
         assert counts["ring contiguous kernels"] == rank + 1

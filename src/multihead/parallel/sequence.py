@@ -6,6 +6,11 @@ values (b, g, n/P, e). Two ways to attend over the whole sequence:
     ulysses_attention   all-to-all to head shards (each rank: all n positions of h/P heads), attend, all-to-all back
     ring_attention      keep the query shard; K/V shards travel round the ring, partial outputs merge by their LSE
 
+Both keep O(n/P) memory per rank in training as in inference. Ring attention saves only the rank's own q, k, v,
+output and LSE for the backward, which sends K/V round the ring again with their dK/dV accumulators and recomputes
+each block. Per rank, with S the bytes of its K and V shards: forward P - 1 sends of S, backward 2P - 1 sends of S
+(P - 1 K/V, P dK/dV); key_padding adds b n/P elements to each K/V send (details: :func:`ring_attention`).
+
 Layouts (``layout=``) say which positions a rank's shard holds; every rank must use the same one and the same shapes:
 
     "contiguous"   rank r holds positions [r n/P, (r + 1) n/P)               (torch.chunk(x, P, dim)[r])
@@ -38,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from multihead import masks
 from multihead._errors import bad_argument, describe
@@ -376,12 +382,12 @@ def ulysses_attention(
 class _Pending:
     """A ring exchange in flight: this rank's buffer going to the next rank, the previous rank's coming in."""
 
-    def __init__(self, send: torch.Tensor, group: dist.ProcessGroup | None, rank: int, world: int):
-        self.group = group
+    def __init__(self, send: torch.Tensor, ring: _Ring, *, tag: int):
+        group, rank, world = ring.group, ring.rank, ring.world
         self.next = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
         self.prev = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
         self.send, self.received = send, torch.empty_like(send)  # both kept alive until the exchange ends
-        self.works = _exchange(send, self.received, to=self.next, source=self.prev, group=group)
+        self.works = _exchange(send, self.received, to=self.next, source=self.prev, group=group, tag=tag)
 
     def wait(self) -> torch.Tensor:
         for work in self.works:
@@ -390,44 +396,78 @@ class _Pending:
 
 
 def _exchange(
-    send: torch.Tensor, into: torch.Tensor, *, to: int, source: int, group: dist.ProcessGroup | None
+    send: torch.Tensor,
+    into: torch.Tensor,
+    *,
+    to: int,
+    source: int,
+    group: dist.ProcessGroup | None,
+    tag: int = 0,
 ) -> list[dist.Work]:
     """Start one point-to-point send of ``send`` to rank ``to`` and one receive from ``source`` into ``into``."""
-    ops = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, into, source, group)]
+    ops = [dist.P2POp(dist.isend, send, to, group, tag), dist.P2POp(dist.irecv, into, source, group, tag)]
     return list(dist.batch_isend_irecv(ops))
 
 
-class _RingShift(torch.autograd.Function):
-    """Forward: the buffer the previous rank sent (the exchange was started earlier and overlaps compute).
-    Backward: the gradient goes the other way round the ring — to the previous rank, from the next."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, pending: _Pending) -> torch.Tensor:
-        ctx.pending = pending
-        return pending.wait().view_as(pending.received)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        pending: _Pending = ctx.pending
-        grad_x = torch.empty_like(grad)
-        for work in _exchange(grad.contiguous(), grad_x, to=pending.prev, source=pending.next, group=pending.group):
-            work.wait()
-        return grad_x, None
+_KV_TAG, _GRAD_TAG = 0, 1  # K/V buffers and dK/dV accumulators may be in flight at once between the same ranks
 
 
-class _Tie(torch.autograd.Function):
-    """The output, unchanged, made to depend on the last K/V buffer received: the backward then runs every
-    ring shift on every rank — even one whose received blocks a causal mask skipped — so the ranks' gradient
-    sends and receives pair up."""
+@dataclass(frozen=True)
+class _Ring:
+    """Everything about one ring_attention call that is not a tensor: the group, the sizes, the masks."""
 
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-        ctx.held_shape = held.shape
-        return out.view_as(out)
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    layout: str
+    diagonals: _Diagonals
+    scale: float | None
+    backend: str
+    b: int
+    g: int
+    m: int
+    d: int
+    e: int
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, grad.new_zeros(ctx.held_shape)
+    def pack(self, k: torch.Tensor, v: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
+        """K, V (and key_padding, as 0/1 in k's dtype) in one flat buffer: one send per ring step."""
+        pieces = [k.reshape(-1), v.reshape(-1)]
+        if key_padding is not None:
+            pieces.append(key_padding.to(k.dtype).reshape(-1))
+        return torch.cat(pieces)  # (b g m d + b g m e [+ b m],)
+
+    def unpack(self, held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(k (b, g, m, d), v (b, g, m, e), valid (b, m) or None): views of a buffer made by :meth:`pack`."""
+        b, g, m, d, e = self.b, self.g, self.m, self.d, self.e
+        k = held[: b * g * m * d].view(b, g, m, d)
+        v = held[b * g * m * d : b * g * m * (d + e)].view(b, g, m, e)
+        valid = held[b * g * m * (d + e) :].view(b, m) > 0.5 if held.numel() > b * g * m * (d + e) else None
+        return k, v, valid
+
+    def blocks(
+        self, source: int, valid: torch.Tensor | None, device: torch.device
+    ) -> list[tuple[slice, slice, masks.Mask | None]]:
+        """(query slice, key slice, mask) of every (query chunk, key chunk) pair of this rank's queries against
+        rank ``source``'s keys that the causal/window bounds do not rule out; the slices index the shards."""
+        q_spans = _spans(self.layout, self.rank, self.world, self.m)
+        k_spans = _spans(self.layout, source, self.world, self.m)
+        found = []
+        q_start = 0
+        for q_span in q_spans:
+            rows = slice(q_start, q_start + q_span[1])
+            q_start += q_span[1]
+            k_start = 0
+            for k_span in k_spans:
+                cols = slice(k_start, k_start + k_span[1])
+                k_start += k_span[1]
+                skip, block_mask = _block_mask(self.diagonals, q_span, k_span, device)
+                if skip:
+                    continue
+                terms = list(self.diagonals.extra) + ([block_mask] if block_mask is not None else [])
+                if valid is not None:
+                    terms.append(masks.padding(valid[:, cols]))
+                found.append((rows, cols, _combine(terms)))
+        return found
 
 
 def _block_mask(
@@ -464,16 +504,127 @@ def _merge(
     """Combine two partial attentions over disjoint keys by their log-sum-exps (rows with no key stay 0, -inf)."""
     if out is None or lse is None:
         return new_out, new_lse
-    # logaddexp by hand: torch.logaddexp's gradient at (-inf, -inf) is NaN, and rows may have no key yet
-    top = torch.maximum(lse, new_lse).detach()  # (b, h, i)
+    top = torch.maximum(lse, new_lse)  # (b, h, i)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    a, c = torch.exp(lse - top), torch.exp(new_lse - top)  # 0 where an LSE is -inf
-    total = a + c
+    total = torch.exp(lse - top) + torch.exp(new_lse - top)  # 0 where both LSEs are -inf
     seen = total > 0
     total = torch.where(seen, top + torch.log(torch.where(seen, total, torch.ones_like(total))), lse)  # -inf if unseen
     scale = torch.where(seen, total, torch.zeros_like(total))
     a, c = torch.exp(lse - scale).unsqueeze(-1), torch.exp(new_lse - scale).unsqueeze(-1)  # (b, h, i, 1)
     return out * a.to(out.dtype) + new_out * c.to(out.dtype), total
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention with its own backward: the forward keeps no graph, only this rank's q, k, v, key_padding,
+    the merged output and LSE (O(n/P)); the backward sends K/V round the ring again and recomputes each block."""
+
+    @staticmethod
+    def forward(
+        ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding: torch.Tensor | None, ring: _Ring
+    ) -> torch.Tensor:
+        b, h, m, e = q.shape[0], q.shape[1], ring.m, ring.e
+        outs: list[torch.Tensor | None] = [None] * 2
+        lses: list[torch.Tensor | None] = [None] * 2
+        q_spans = _spans(ring.layout, ring.rank, ring.world, m)
+        held = ring.pack(k, v, key_padding)
+        for step in range(ring.world):
+            pending = _Pending(held, ring, tag=_KV_TAG) if step < ring.world - 1 else None  # overlaps the blocks
+            k_src, v_src, valid = ring.unpack(held)
+            for rows, cols, block_mask in ring.blocks((ring.rank - step) % ring.world, valid, q.device):
+                result = attention(
+                    q[:, :, rows],
+                    k_src[:, :, cols],
+                    v_src[:, :, cols],
+                    mask=block_mask,
+                    scale=ring.scale,
+                    backend=ring.backend,
+                    return_lse=True,
+                )
+                assert isinstance(result, AttentionResult) and result.lse is not None
+                qi = 0 if rows.start == 0 else 1
+                block_out = result.output.to(torch.promote_types(result.output.dtype, torch.float32))  # merge in fp32+
+                outs[qi], lses[qi] = _merge(outs[qi], lses[qi], block_out, result.lse)
+            if pending is not None:
+                held = pending.wait()
+        lse_dtype = next((part.dtype for part in lses if part is not None), q.dtype)
+        out_parts, lse_parts = [], []
+        for qi, (_, length) in enumerate(q_spans):
+            part, part_lse = outs[qi], lses[qi]
+            # a query chunk no key may serve: output 0, LSE -inf
+            out_parts.append(part if part is not None else q.new_zeros(b, h, length, e))
+            lse_parts.append(
+                part_lse if part_lse is not None else q.new_full((b, h, length), -math.inf, dtype=lse_dtype)
+            )
+        out = torch.cat([part.to(q.dtype) for part in out_parts], dim=2)  # (b, h, n/P, e)
+        lse = torch.cat(lse_parts, dim=2)  # (b, h, n/P)
+        ctx.ring = ring
+        ctx.save_for_backward(q, k, v, key_padding, out, lse)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        ring: _Ring = ctx.ring
+        q, k, v, key_padding, out, lse = ctx.saved_tensors
+        b, g, m, d = ring.b, ring.g, ring.m, ring.d
+        finite = torch.isfinite(lse)  # False on rows no key may serve: their gradient is 0
+        lse_safe = torch.where(finite, lse, torch.zeros_like(lse))
+        # D_i = dO_i . O_i with the merged output: the block weights' share of the softmax gradient
+        delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (b, h, n/P)
+        work = torch.promote_types(k.dtype, torch.float32)  # gradients summed in float32 at least, sent in k's dtype
+        dq = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
+        held = ring.pack(k, v, key_padding)
+        grads_pending: _Pending | None = None
+        for step in range(ring.world):
+            pending = _Pending(held, ring, tag=_KV_TAG) if step < ring.world - 1 else None  # overlaps the blocks
+            k_src, v_src, valid = ring.unpack(held)
+            dkv = torch.zeros(b * g * m * (d + ring.e), dtype=work, device=k.device)  # this step's dK, dV
+            dk_src, dv_src = dkv[: b * g * m * d].view_as(k_src), dkv[b * g * m * d :].view_as(v_src)
+            for rows, cols, block_mask in ring.blocks((ring.rank - step) % ring.world, valid, q.device):
+                with torch.enable_grad():
+                    q_blk = q[:, :, rows].detach().requires_grad_()
+                    k_blk = k_src[:, :, cols].detach().requires_grad_()
+                    v_blk = v_src[:, :, cols].detach().requires_grad_()
+                    result = attention(
+                        q_blk,
+                        k_blk,
+                        v_blk,
+                        mask=block_mask,
+                        scale=ring.scale,
+                        backend=ring.backend,
+                        return_lse=True,
+                    )
+                    assert isinstance(result, AttentionResult) and result.lse is not None
+                    out_blk, lse_blk = result.output, result.lse
+                    # O = sum_b w_b o_b with w_b = exp(lse_b - L): dL/do_b = w_b dO, dL/dlse_b = w_b (dO.o_b - dO.O)
+                    weight = torch.where(
+                        finite[:, :, rows],
+                        torch.exp(lse_blk.detach() - lse_safe[:, :, rows].to(lse_blk.dtype)),
+                        torch.zeros_like(lse_blk),
+                    )  # (b, h, c)
+                    grad_o = grad_out[:, :, rows]
+                    row_dot = (grad_o.to(lse_blk.dtype) * out_blk.detach().to(lse_blk.dtype)).sum(-1)
+                    grad_lse = weight * (row_dot - delta[:, :, rows].to(lse_blk.dtype))
+                    grad_blk = torch.autograd.grad(
+                        (out_blk, lse_blk),
+                        (q_blk, k_blk, v_blk),
+                        (grad_o * weight.unsqueeze(-1).to(grad_o.dtype), grad_lse),
+                        allow_unused=True,
+                    )
+                for into, grad in zip((dq[:, :, rows], dk_src[:, :, cols], dv_src[:, :, cols]), grad_blk, strict=True):
+                    if grad is not None:
+                        into += grad
+            if grads_pending is not None:
+                dkv += grads_pending.wait().to(work)  # the dK/dV of this block from the ranks it visited before
+            if ring.world > 1:  # on to the next rank; after the last step that is the block's owner
+                grads_pending = _Pending(dkv.to(k.dtype), ring, tag=_GRAD_TAG)
+            if pending is not None:
+                held = pending.wait()
+        if grads_pending is not None:
+            dkv = grads_pending.wait()  # this rank's own dK/dV, summed over every rank's queries
+        dk = dkv[: b * g * m * d].view_as(k)
+        dv = dkv[b * g * m * d :].view_as(v)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def ring_attention(
@@ -506,65 +657,34 @@ def ring_attention(
     Returns:
         (b, h, n/P, e): this rank's shard of the output, in the same layout as q.
 
-    Communication: P - 1 steps; at step s each rank sends the K/V (and key_padding) it holds to rank + 1 as one
-    packed buffer and receives rank - 1's, point to point, while it attends to the block it holds — P - 1 sends
-    per rank per forward. Each (query chunk, key chunk) pair runs ``multihead.attention(..., return_lse=True)``,
-    skipped where the causal/window bounds rule it out, and the partial outputs merge by their log-sum-exp.
-    Backward is autograd through the same steps: each shift's backward sends the K/V gradient back round the
-    ring (to rank - 1), so the dK/dV of a shard reach its owner after P - 1 steps. Autograd keeps every block it
-    received for the backward: the K/V memory per rank is that of the whole sequence (as with an all-gather).
-    A window cutting a block off the diagonal is evaluated as a dense (n/2P, n/2P) bool mask for that block.
+    Forward: P steps; at each of the first P - 1 the K/V (and key_padding) this rank holds go to rank + 1 as one
+    packed buffer, and rank - 1's come in, point to point, while the rank attends to the block it holds. Each
+    (query chunk, key chunk) pair runs ``multihead.attention(..., return_lse=True)``, skipped where the
+    causal/window bounds rule it out, and the partial outputs merge by their log-sum-exp. No autograd graph is
+    kept: only this rank's q, k, v, key_padding, merged output and merged LSE are saved, so memory per rank is
+    O(n/P) in training as in inference.
+
+    Backward: the K/V buffers go round the ring again (P - 1 sends), and with each block a dK/dV accumulator:
+    every rank recomputes its blocks against the K/V it holds, weights their gradient by exp(lse_block - lse),
+    keeps dQ, and adds its dK/dV to the accumulator, which it sends on to rank + 1; after the last step one more
+    send brings each finished dK/dV to its owner (P sends). Sends per rank, with S = b g (n/P) (d + e) x the
+    element size (this rank's K and V bytes) and T = b (n/P) x the element size when key_padding is given
+    (else 0):
+
+        forward    P - 1 sends    (P - 1)(S + T) bytes
+        backward   2P - 1 sends   (P - 1)(S + T) + P S bytes     (none at P = 1)
+
+    Partial outputs merge, and gradients sum on each rank, in float32 at least; the dK/dV accumulators travel
+    in k's dtype. A window cutting a block off the diagonal is evaluated as a dense (n/2P, n/2P) bool mask for
+    that block.
     """
     rank, world = _group_size(group)
     b, h, g, m = _check_inputs(q, k, v, key_padding, layout, world, "ring_attention")
     diagonals = _check_mask(mask, causal, "ring_attention")
-    d, e = k.shape[-1], v.shape[-1]
-    q_spans = _spans(layout, rank, world, m)
-    q_parts = list(torch.split(q, [length for _, length in q_spans], dim=2))  # (b, h, c, d) per chunk
-    outs: list[torch.Tensor | None] = [None] * len(q_spans)
-    lses: list[torch.Tensor | None] = [None] * len(q_spans)
-
-    pieces = [k.reshape(-1), v.reshape(-1)]
-    if key_padding is not None:
-        pieces.append(key_padding.to(k.dtype).reshape(-1))  # travels with K/V: one send per step
-    held = torch.cat(pieces)  # (b g m d + b g m e [+ b m],)
-    for step in range(world):
-        pending = _Pending(held.detach(), group, rank, world) if step < world - 1 else None
-        source = (rank - step) % world
-        k_src = held[: b * g * m * d].view(b, g, m, d)
-        v_src = held[b * g * m * d : b * g * m * (d + e)].view(b, g, m, e)
-        valid_src = None if key_padding is None else held[b * g * m * (d + e) :].view(b, m) > 0.5
-        k_spans = _spans(layout, source, world, m)
-        k_offsets = [0, *torch.tensor([length for _, length in k_spans]).cumsum(0).tolist()]
-        for qi, q_span in enumerate(q_spans):
-            for ki, k_span in enumerate(k_spans):
-                skip, block_mask = _block_mask(diagonals, q_span, k_span, q.device)
-                if skip:
-                    continue
-                lo, hi = k_offsets[ki], k_offsets[ki + 1]
-                terms = list(diagonals.extra) + ([block_mask] if block_mask is not None else [])
-                if valid_src is not None:
-                    terms.append(masks.padding(valid_src[:, lo:hi]))
-                combined = _combine(terms)
-                result = attention(
-                    q_parts[qi],
-                    k_src[:, :, lo:hi],
-                    v_src[:, :, lo:hi],
-                    mask=combined,
-                    scale=scale,
-                    backend=backend,
-                    return_lse=True,
-                )
-                assert isinstance(result, AttentionResult) and result.lse is not None
-                outs[qi], lses[qi] = _merge(outs[qi], lses[qi], result.output, result.lse)
-        if pending is not None:
-            held = _RingShift.apply(held, pending)
-    parts = [
-        out if out is not None else q_parts[qi].new_zeros(b, h, q_spans[qi][1], e)  # no key at all: output 0
-        for qi, out in enumerate(outs)
-    ]
-    out = torch.cat(parts, dim=2)  # (b, h, n/P, e)
-    return _Tie.apply(out, held) if world > 1 and held.requires_grad else out
+    ring = _Ring(group, rank, world, layout, diagonals, scale, backend, b, g, m, k.shape[-1], v.shape[-1])
+    out = _RingAttention.apply(q, k, v, key_padding, ring)
+    assert isinstance(out, torch.Tensor)
+    return out  # (b, h, n/P, e)
 
 
 # --------------------------------------------------------------------------- the layer
