@@ -258,3 +258,21 @@ def test_a_rank_that_raises_fails_the_run():
     with pytest.raises(RankFailed, match=r"rank 1 of 2 failed first[\s\S]*h = 3"):
         run_ranks(refuse_on_rank_1, 2, timeout_s=3)
     assert time.monotonic() - start < 30
+
+
+def test_a_one_dimensional_device_mesh_is_its_group(tmp_path):
+    """ring_attention, ulysses_attention and the layer take a 1-D DeviceMesh (one rank, in this process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+        q, k, v, _, _ = problem(4, 2, 0)
+        expected = multihead.attention(q, k, v, causal=True)
+        for fn in (ring_attention, ulysses_attention):
+            assert (fn(q, k, v, mesh, causal=True) - expected).abs().max() <= TOL
+        with pytest.raises(TypeError, match="group: expected a torch.distributed ProcessGroup"):
+            ring_attention(q, k, v, "world")  # type: ignore[arg-type]
+    finally:
+        dist.destroy_process_group()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,13 @@ from torch.autograd.function import once_differentiable
 
 from multihead import masks
 from multihead._errors import bad_argument, describe
+from multihead.cost_parallel import ulysses_kv_heads
 from multihead.functional import AttentionResult, attention
 from multihead.layer import MultiHeadAttention
+from multihead.parallel._group import resolve_group
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "LAYOUTS",
@@ -248,40 +254,13 @@ def _check_inputs(
     return b, h, g, m
 
 
-def _group_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise bad_argument(
-            "group",
-            "an initialized torch.distributed process group",
-            "no default group",
-            "call torch.distributed.init_process_group first (for one process, run multihead.attention)",
-            kind=RuntimeError,
-        )
-    return dist.get_rank(group), dist.get_world_size(group)
+def _group_size(group: object, function: str) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(the process group, this rank, P) of a group, 1-D DeviceMesh or None (the default group)."""
+    resolved = resolve_group(group, function)
+    return resolved, dist.get_rank(resolved), dist.get_world_size(resolved)
 
 
 # --------------------------------------------------------------------------- Ulysses
-
-
-def _ulysses_kv_heads(h: int, g: int, world: int) -> int:
-    """How many kv heads to send round (g, or P when kv heads are replicated); ValueError when P does not fit."""
-    if h % world:
-        raise bad_argument(
-            "q",
-            f"a number of query heads h divisible by the P = {world} ranks (Ulysses gives each rank h/P heads)",
-            f"h = {h}, g = {g}, P = {world}",
-            "use ring_attention (any number of heads), or a group whose size divides h",
-        )
-    if g % world == 0:
-        return g
-    if world % g == 0:
-        return world  # each kv head replicated P/g times: rank r gets the one kv head its h/P query heads read
-    raise bad_argument(
-        "k",
-        f"a number of kv heads g divisible by P = {world}, or dividing it (then kv heads are replicated)",
-        f"h = {h}, g = {g}, P = {world}",
-        "use ring_attention, or a group size P with g % P == 0 or P % g == 0",
-    )
 
 
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -313,7 +292,7 @@ def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | DeviceMesh | None = None,
     *,
     causal: bool = False,
     mask: masks.Mask | None = None,
@@ -330,7 +309,7 @@ def ulysses_attention(
             times before the exchange (P/g times the K/V traffic), so each rank gets the one kv head its h/P query
             heads read. Other (h, g, P) are refused with a ValueError naming them.
         v: (b, g, n/P, e) this rank's values.
-        group: the process group the sequence is split over (default: the whole world).
+        group: the process group the sequence is split over, a 1-D DeviceMesh, or None (the whole world).
         causal, mask: ``masks.causal``/``window``/``softcap`` terms on global positions (the module docstring).
         key_padding: None or (b, n/P) bool, True = real key, sharded like k (all-gathered: one extra collective).
         scale: multiplies q k^T; default 1/sqrt(d).
@@ -344,10 +323,10 @@ def ulysses_attention(
     (P - 1)/P of its tensor), plus one all-gather of key_padding when given; the backward runs the transposed
     all-to-alls (4 more). Autograd flows through torch's functional ``all_to_all_single_autograd``.
     """
-    rank, world = _group_size(group)
+    group, rank, world = _group_size(group, "ulysses_attention")
     b, h, g, m = _check_inputs(q, k, v, key_padding, layout, world, "ulysses_attention")
     diagonals = _check_mask(mask, causal, "ulysses_attention")
-    kv_heads = _ulysses_kv_heads(h, g, world)
+    kv_heads = ulysses_kv_heads(h, g, world, q_argument="q", kv_argument="k")  # shared with `multihead cost --cp`
     if kv_heads != g:
         k = k.repeat_interleave(kv_heads // g, dim=1)  # (b, P, n/P, d): kv head j serves rank j's query heads
         v = v.repeat_interleave(kv_heads // g, dim=1)
@@ -631,7 +610,7 @@ def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | DeviceMesh | None = None,
     *,
     causal: bool = False,
     mask: masks.Mask | None = None,
@@ -646,7 +625,7 @@ def ring_attention(
         q: (b, h, n/P, d) this rank's queries (any h; P = the size of ``group``).
         k: (b, g, n/P, d) this rank's keys, h % g == 0 (GQA and MQA send only the g kv heads round).
         v: (b, g, n/P, e) this rank's values.
-        group: the process group the sequence is split over (default: the whole world).
+        group: the process group the sequence is split over, a 1-D DeviceMesh, or None (the whole world).
         causal, mask: ``masks.causal``/``window``/``softcap`` terms on global positions (the module docstring).
         key_padding: None or (b, n/P) bool, True = real key, sharded like k; it travels with K/V.
         scale: multiplies q k^T; default 1/sqrt(d).
@@ -678,7 +657,7 @@ def ring_attention(
     in k's dtype. A window cutting a block off the diagonal is evaluated as a dense (n/2P, n/2P) bool mask for
     that block.
     """
-    rank, world = _group_size(group)
+    group, rank, world = _group_size(group, "ring_attention")
     b, h, g, m = _check_inputs(q, k, v, key_padding, layout, world, "ring_attention")
     diagonals = _check_mask(mask, causal, "ring_attention")
     ring = _Ring(group, rank, world, layout, diagonals, scale, backend, b, g, m, k.shape[-1], v.shape[-1])
@@ -705,7 +684,7 @@ class SequenceParallelAttention(nn.Module):
     def __init__(
         self,
         layer: MultiHeadAttention,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | DeviceMesh | None = None,
         *,
         method: str = "ring",
         layout: str = "contiguous",
@@ -745,7 +724,7 @@ class SequenceParallelAttention(nn.Module):
                 layer.dropout,
                 "set layer.dropout = 0.0, or call .eval()",
             )
-        rank, world = _group_size(self.group)
+        group, rank, world = _group_size(self.group, "SequenceParallelAttention")
         b, m, _ = x.shape
         h, g, d, e = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.value_head_dim
         q, k, v = layer._project(x, None, None)
@@ -763,7 +742,7 @@ class SequenceParallelAttention(nn.Module):
             q,
             k,
             v,
-            self.group,
+            group,
             causal=causal,
             mask=mask,
             key_padding=key_padding,
