@@ -493,6 +493,15 @@ def _merge(
     return out * a.to(out.dtype) + new_out * c.to(out.dtype), total
 
 
+def _block_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype ring attention computes its blocks in: float32 for half types on the CPU, where the kernels compute
+    in float32 anyway (or slowly in half precision) and each block's output would otherwise be rounded to half
+    precision before the merge; the input's own dtype elsewhere (a GPU's half-precision kernels are the fast ones)."""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return q.dtype
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention with its own backward: the forward keeps no graph, only this rank's q, k, v, key_padding,
     the merged output and LSE (O(n/P)); the backward sends K/V round the ring again and recomputes each block."""
@@ -506,12 +515,13 @@ class _RingAttention(torch.autograd.Function):
         lses: list[torch.Tensor | None] = [None] * 2
         q_spans = _spans(ring.layout, ring.rank, ring.world, m)
         held = ring.pack(k, v, key_padding)
+        q_blocks = q.to(_block_dtype(q))
         for step in range(ring.world):
             pending = _Pending(held, ring, tag=_KV_TAG) if step < ring.world - 1 else None  # overlaps the blocks
-            k_src, v_src, valid = ring.unpack(held)
+            k_src, v_src, valid = ring.unpack(held.to(q_blocks.dtype))
             for rows, cols, block_mask in ring.blocks((ring.rank - step) % ring.world, valid, q.device):
                 result = attention(
-                    q[:, :, rows],
+                    q_blocks[:, :, rows],
                     k_src[:, :, cols],
                     v_src[:, :, cols],
                     mask=block_mask,
@@ -553,15 +563,16 @@ class _RingAttention(torch.autograd.Function):
         work = torch.promote_types(k.dtype, torch.float32)  # gradients summed in float32 at least, sent in k's dtype
         dq = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
         held = ring.pack(k, v, key_padding)
+        q_blocks = q.to(_block_dtype(q))
         grads_pending: _Pending | None = None
         for step in range(ring.world):
             pending = _Pending(held, ring, tag=_KV_TAG) if step < ring.world - 1 else None  # overlaps the blocks
-            k_src, v_src, valid = ring.unpack(held)
+            k_src, v_src, valid = ring.unpack(held.to(q_blocks.dtype))
             dkv = torch.zeros(b * g * m * (d + ring.e), dtype=work, device=k.device)  # this step's dK, dV
             dk_src, dv_src = dkv[: b * g * m * d].view_as(k_src), dkv[b * g * m * d :].view_as(v_src)
             for rows, cols, block_mask in ring.blocks((ring.rank - step) % ring.world, valid, q.device):
                 with torch.enable_grad():
-                    q_blk = q[:, :, rows].detach().requires_grad_()
+                    q_blk = q_blocks[:, :, rows].detach().requires_grad_()
                     k_blk = k_src[:, :, cols].detach().requires_grad_()
                     v_blk = v_src[:, :, cols].detach().requires_grad_()
                     result = attention(
@@ -587,7 +598,7 @@ class _RingAttention(torch.autograd.Function):
                     grad_blk = torch.autograd.grad(
                         (out_blk, lse_blk),
                         (q_blk, k_blk, v_blk),
-                        (grad_o * weight.unsqueeze(-1).to(grad_o.dtype), grad_lse),
+                        (grad_o.to(out_blk.dtype) * weight.unsqueeze(-1).to(out_blk.dtype), grad_lse),
                         allow_unused=True,
                     )
                 for into, grad in zip((dq[:, :, rows], dk_src[:, :, cols], dv_src[:, :, cols]), grad_blk, strict=True):
