@@ -97,7 +97,9 @@ class Config:
     shapes: tuple[Shape, ...]
     repeats: int  # timed steps per case (each one also a byte count)
     noop_repeats: int
-    scale_n0: int  # ring's n per rank in the longest-sequence experiment
+    scale_n0: int  # n per rank in the longest-sequence experiment
+    scale_methods: tuple[str, ...] = ("ring", "ulysses", "tp")  # ring first: the issue's claim
+    single_process: bool = True  # also the plain layer on one process at n = P x n0 (in the P = 1 launch)
     worlds: tuple[int, ...] = WORLDS
 
     @property
@@ -108,7 +110,9 @@ class Config:
 MHA = Shape("MHA 512/8", 512, 8, 8)
 GQA = Shape("GQA 512/8/2", 512, 8, 2)
 FULL = Config(quick=False, batch=1, seq=2048, shapes=(MHA, GQA), repeats=5, noop_repeats=9, scale_n0=4096)
-QUICK = Config(quick=True, batch=1, seq=256, shapes=(MHA,), repeats=3, noop_repeats=5, scale_n0=256)
+QUICK = Config(
+    quick=True, batch=1, seq=256, shapes=(MHA,), repeats=3, noop_repeats=5, scale_n0=256, scale_methods=("ring",)
+)
 
 
 def threads_per_rank(world: int, cores: int = CORES) -> int:
@@ -159,19 +163,35 @@ def plan_cases(config: Config, world: int) -> list[dict]:
                         "repeats": config.repeats,
                     }
                 )
-    for mode in MODES:
-        cases.append(
-            {
-                "kind": "scaling",
-                "shape": asdict(MHA),
-                "method": "ring",
-                "mode": mode,
-                "seq": world * config.scale_n0,
-                "batch": config.batch,
-                "causal": True,
-                "repeats": 0,  # one call: the memory call, timed
-            }
-        )
+    for method in config.scale_methods:
+        for mode in MODES:
+            cases.append(
+                {
+                    "kind": "scaling",
+                    "shape": asdict(MHA),
+                    "method": method,
+                    "mode": mode,
+                    "seq": world * config.scale_n0,
+                    "batch": config.batch,
+                    "causal": True,
+                    "repeats": 0,  # one call: the memory call, timed
+                }
+            )
+    if world == 1 and config.single_process:
+        for times in config.worlds:
+            for mode in MODES:
+                cases.append(
+                    {
+                        "kind": "single",
+                        "shape": asdict(MHA),
+                        "method": "layer",
+                        "mode": mode,
+                        "seq": times * config.scale_n0,
+                        "batch": config.batch,
+                        "causal": True,
+                        "repeats": 0,
+                    }
+                )
     return cases
 
 
@@ -262,7 +282,9 @@ def predicted(case: dict, world: int) -> dict:
         out["source"] = f"formula only (cost model missing: {error})"
         return out
     layer_shape = LayerShape(shape.embed_dim, shape.num_heads, num_kv_heads=shape.num_kv_heads)
-    split: dict[str, Any] = {"tp": world} if case["method"] == "tp" else {"cp": world, "cp_method": case["method"]}
+    split: dict[str, Any] = (
+        {"tp": world} if case["method"] in ("tp", "layer") else {"cp": world, "cp_method": case["method"]}
+    )
     try:
         cost = parallel_cost(
             layer_shape,
@@ -343,8 +365,8 @@ def _step_factory(case: dict, rank: int, world: int) -> tuple[Callable[[], objec
     x = torch.randn(b, n, shape.embed_dim, generator=generator)
     grad = torch.randn(b, n, shape.embed_dim, generator=generator)
     module: torch.nn.Module
-    if case["method"] == "tp":
-        module = shard_heads(layer)
+    if case["method"] in ("tp", "layer"):
+        module = shard_heads(layer) if case["method"] == "tp" else layer  # "layer": the plain layer, one process
 
         def call(inp: torch.Tensor) -> torch.Tensor:
             return module(inp, causal=case["causal"])[0]
@@ -516,6 +538,7 @@ def summarise_case(ranks: list[dict], index: int, noop_tx: float, noop_wchar: li
     lo_per_rank = None if lo_median is None else (lo_median - noop_tx) / world
     memory_lo = records[0]["memory_window"]["lo_tx"]
     memory_call_bytes = None if memory_lo is None else (memory_lo - noop_tx) / world
+    memory_wchar = max(rec["memory_window"]["wchar"] - noop_wchar[r] for r, rec in enumerate(records))
     wchar = [
         statistics.median(s["wchar"] for s in rec["steps"]) - noop_wchar[r] if rec["steps"] else None
         for r, rec in enumerate(records)
@@ -544,6 +567,7 @@ def summarise_case(ranks: list[dict], index: int, noop_tx: float, noop_wchar: li
         "lo_tx_per_step": lo,
         "bytes_per_rank": lo_per_rank,
         "memory_call_bytes_per_rank": memory_call_bytes,
+        "memory_call_wchar_max": memory_wchar,
         "wchar_per_rank": wchar,
         "wchar_max": max(wchar_known) if wchar_known else None,
         "predicted_sent": model["sent"],
@@ -717,23 +741,31 @@ def memory_time_table(rows: list[dict]) -> list[str]:
 
 def scaling_table(rows: list[dict]) -> list[str]:
     lines = [
-        "| mode | P | n = P x n0 | peak per rank MiB (max) | / P = 1 | predicted MiB | measured / predicted | "
-        "one process at this n, predicted MiB | one call s | sent per rank: measured / predicted |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | mode | P | n = P x n0 | peak per rank MiB (max) | / P = 1 | predicted MiB | measured / predicted | "
+        "the layer on one process at this n: MiB (predicted) | one call s | sent per rank: lo / wchar / predicted |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     scaling = [r for r in rows if r["kind"] == "scaling"]
-    for mode in MODES:
-        base = next((r["peak_mib"] for r in scaling if r["mode"] == mode and r["world"] == 1), None)
-        for r in scaling:
-            if r["mode"] != mode:
-                continue
-            lines.append(
-                f"| {mode} | {r['world']} | {r['seq']} | {fmt(r['peak_mib'], '.1f')} | "
-                f"{fmt(ratio(r['peak_mib'], base), '.2f')} | {fmt(r['predicted_peak_mib'], '.1f')} | "
-                f"{fmt(r['peak_ratio'], '.2f')} | {fmt(r.get('single_process_peak_mib'), '.0f')} | "
-                f"{fmt(r['memory_call_s'], '.1f')} | {fmt_bytes(r.get('memory_call_bytes_per_rank'))} / "
-                f"{fmt_bytes(r['predicted_bytes'])} |"
-            )
+    single = {(r["mode"], r["seq"]): r for r in rows if r["kind"] == "single"}
+    methods = list(dict.fromkeys(r["method"] for r in scaling))
+    for method in methods:
+        for mode in MODES:
+            sel = [r for r in scaling if r["method"] == method and r["mode"] == mode]
+            base = next((r["peak_mib"] for r in sel if r["world"] == 1), None)
+            for r in sel:
+                one = single.get((mode, r["seq"]))
+                one_text = (
+                    f"{fmt(one['peak_mib'], '.0f')} ({fmt(one['predicted_peak_mib'], '.0f')})"
+                    if one is not None
+                    else f"— ({fmt(r.get('single_process_peak_mib'), '.0f')})"
+                )
+                lines.append(
+                    f"| {method} | {mode} | {r['world']} | {r['seq']} | {fmt(r['peak_mib'], '.1f')} | "
+                    f"{fmt(ratio(r['peak_mib'], base), '.2f')} | {fmt(r['predicted_peak_mib'], '.1f')} | "
+                    f"{fmt(r['peak_ratio'], '.2f')} | {one_text} | {fmt(r['memory_call_s'], '.1f')} | "
+                    f"{fmt_bytes(r.get('memory_call_bytes_per_rank'))} / {fmt_bytes(r.get('memory_call_wchar_max'))} "
+                    f"/ {fmt_bytes(r['predicted_bytes'])} |"
+                )
     return lines
 
 
@@ -846,9 +878,14 @@ def markdown(results: dict) -> str:
         "",
         *memory_time_table(rows),
         "",
-        f"## The longest sequence per memory budget: ring (zigzag, causal) at n = P x {config['scale_n0']}",
+        f"## The longest sequence per memory budget: n = P x {config['scale_n0']}",
         "",
-        "One call per case (the memory call, whose time is shown); the peak is the largest rank's.",
+        f"{MHA.name}, causal, n grows with P. One call per case (the memory call, whose time is shown); the peak is "
+        "the largest rank's. If a method's per-rank peak stays flat, a per-rank memory budget holds a P times longer "
+        "sequence. The plain layer on one process at the same n is measured beside it (in the P = 1 launch, 2 "
+        "threads), with the cost model's peak in brackets. At P = 1 nothing is sent: what lo counts there over a "
+        "call of seconds is other processes' loopback traffic (torchrun's store keep-alive, other jobs), which "
+        "the per-process wchar column does not see.",
         "",
         *scaling_table(rows),
         "",
@@ -862,7 +899,8 @@ def plot(results: dict, path: Path) -> bool:
     if plt is None:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    first = results["config"]["shapes"][0]["name"]
+    shapes = results["config"]["shapes"]
+    first = shapes[0]["name"] if shapes else None
     rows = [r for r in results["rows"] if r["kind"] == "main" and r["shape"] == first]
     for method, color in zip(METHODS, ("C0", "C1", "C2"), strict=True):
         for mode, marker in zip(MODES, ("o", "s"), strict=True):
@@ -885,15 +923,25 @@ def plot(results: dict, path: Path) -> bool:
     if left.get_legend_handles_labels()[0]:
         left.legend(fontsize=7)
     scaling = [r for r in results["rows"] if r["kind"] == "scaling"]
-    for mode, marker in zip(MODES, ("o", "s"), strict=True):
-        sel = [r for r in scaling if r["mode"] == mode]
-        right.plot([r["world"] for r in sel], [r["peak_mib"] or 0 for r in sel], marker=marker, label=mode)
+    for method, color in zip(METHODS, ("C0", "C1", "C2"), strict=True):
+        for mode, marker, style in zip(MODES, ("o", "s"), ("--", "-"), strict=True):
+            sel = [r for r in scaling if r["mode"] == mode and r["method"] == method]
+            if sel:
+                right.plot(
+                    [r["world"] for r in sel],
+                    [r["peak_mib"] or 0 for r in sel],
+                    marker=marker,
+                    linestyle=style,
+                    color=color,
+                    label=f"{method} {mode}",
+                )
     right.set_xticks(list(results["config"]["worlds"]))
     right.set_xlabel("P ranks (n = P x n0)")
     right.set_ylabel("peak MiB per rank")
     right.set_ylim(bottom=0)
-    right.set_title(f"ring, n0 = {results['config']['scale_n0']}", fontsize=9)
-    right.legend(fontsize=7)
+    right.set_title(f"{MHA.name}, n = P x {results['config']['scale_n0']}", fontsize=9)
+    if right.get_legend_handles_labels()[0]:
+        right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

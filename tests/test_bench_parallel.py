@@ -124,9 +124,11 @@ def test_feasible_not_run_and_plan():
     }
     scaling = [c for c in cases if c["kind"] == "scaling"]
     assert [(c["method"], c["mode"], c["seq"]) for c in scaling] == [
-        ("ring", "forward", 64),
-        ("ring", "forward+backward", 64),
+        (method, mode, 64) for method in ("ring", "ulysses", "tp") for mode in ("forward", "forward+backward")
     ]
+    single = [(c["method"], c["seq"]) for c in bench.plan_cases(config, 1) if c["kind"] == "single"]
+    assert single == [("layer", n) for n in (16, 32, 64) for _ in range(2)]  # the plain layer at n = P x n0
+    assert not [c for c in cases if c["kind"] == "single"]  # only in the P = 1 launch
     assert [bench.threads_per_rank(p) for p in (1, 2, 4)] == [2, 1, 1]
 
 
@@ -205,10 +207,10 @@ def test_markdown_and_reports(tmp_path, monkeypatch):
     assert len(bytes_rows) == 2  # the bytes table and the memory/time table
     assert bytes_rows[0].endswith("| 1.000 |")
     assert "Not run: nothing at P = 4: because." in text
-    scaling = [line for line in text.splitlines() if line.startswith("| forward | 2 | 48 |")]  # longest sequence
+    scaling = [line for line in text.splitlines() if line.startswith("| ring | forward | 2 | 48 |")]  # longest n
     # the synthetic ranks send 12288 B each (tp's volume); ring forward predicts one K/V shard, 2 * 4 * 24 * 32 * 4 B
-    assert len(scaling) == 1 and scaling[0].endswith("| 0.0117 MiB / 0.0234 MiB |")
-    assert "| forward | 1 | 48 | 12.0 | 1.00 |" in text
+    assert len(scaling) == 1 and scaling[0].endswith("| 0.0117 MiB / 0.0117 MiB / 0.0234 MiB |")
+    assert "| ring | forward | 1 | 48 | 12.0 | 1.00 |" in text
     written = bench.write_reports(results, tmp_path, "parallel_test")
     assert written == text
     assert (tmp_path / "parallel_test.json").exists() and (tmp_path / "parallel_test.md").read_text() == text
