@@ -353,8 +353,9 @@ def ratio(measured: float | None, expected: float | None) -> float | None:
 # --------------------------------------------------------------------------- one rank (under torchrun)
 
 
-def _step_factory(case: dict, rank: int, world: int) -> tuple[Callable[[], object], Callable[[], None]]:
-    """(step, clear) of one case on this rank: the module, this rank's input and output gradient."""
+def _step_factory(case: dict, rank: int, world: int) -> tuple[Callable[[], object], Callable[[], None], int]:
+    """(step, clear, input bytes) of one case on this rank: the module, this rank's input and output gradient;
+    the bytes of the input (and, for backward, the output gradient) this rank holds before the call."""
     from multihead.parallel import SequenceParallelAttention, shard_heads, zigzag_shard
 
     shape = Shape(**case["shape"])
@@ -398,7 +399,8 @@ def _step_factory(case: dict, rank: int, world: int) -> tuple[Callable[[], objec
         x.grad = None
         module.zero_grad(set_to_none=True)
 
-    return step, clear
+    held_bytes = x.numel() * x.element_size() + (grad.numel() * grad.element_size() if backward else 0)
+    return step, clear, held_bytes
 
 
 def _window(step: Callable[[], object], rank: int) -> dict:
@@ -424,8 +426,8 @@ class _Workload:
 
 def measure_case(case: dict, rank: int, world: int) -> dict:
     """On every rank: warm-up, the memory call, then ``repeats`` timed and counted steps."""
-    step, clear = _step_factory(case, rank, world)
-    record: dict[str, Any] = {"case": case}
+    step, clear, held_bytes = _step_factory(case, rank, world)
+    record: dict[str, Any] = {"case": case, "input_mib": held_bytes / MIB}
     if case["repeats"]:
         clear()
         step()  # warm-up
@@ -577,6 +579,7 @@ def summarise_case(ranks: list[dict], index: int, noop_tx: float, noop_wchar: li
         "bytes_ratio": ratio(lo_per_rank, expected_sent) if world > 1 else None,
         "formula_ratio": ratio(lo_per_rank, formula_sent) if world > 1 else None,
         "peak_mib_per_rank": peaks,
+        "input_mib": max(rec.get("input_mib") or 0.0 for rec in records),
         "peak_mib": peak,
         "predicted_peak_mib": predicted_mib,
         "single_process_peak_mib": None if model["single_peak_bytes"] is None else model["single_peak_bytes"] / MIB,
@@ -741,9 +744,10 @@ def memory_time_table(rows: list[dict]) -> list[str]:
 
 def scaling_table(rows: list[dict]) -> list[str]:
     lines = [
-        "| method | mode | P | n = P x n0 | peak per rank MiB (max) | / P = 1 | predicted MiB | measured / predicted | "
-        "the layer on one process at this n: MiB (predicted) | one call s | sent per rank: lo / wchar / predicted |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | mode | P | n = P x n0 | call's peak per rank MiB (max) | + input held MiB | total / P = 1 | "
+        "predicted MiB | peak / predicted | the layer on one process at this n: peak MiB (predicted) | one call s | "
+        "sent per rank: lo / wchar / predicted |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     scaling = [r for r in rows if r["kind"] == "scaling"]
     single = {(r["mode"], r["seq"]): r for r in rows if r["kind"] == "single"}
@@ -751,7 +755,7 @@ def scaling_table(rows: list[dict]) -> list[str]:
     for method in methods:
         for mode in MODES:
             sel = [r for r in scaling if r["method"] == method and r["mode"] == mode]
-            base = next((r["peak_mib"] for r in sel if r["world"] == 1), None)
+            base = next((total_mib(r) for r in sel if r["world"] == 1), None)
             for r in sel:
                 one = single.get((mode, r["seq"]))
                 one_text = (
@@ -761,12 +765,17 @@ def scaling_table(rows: list[dict]) -> list[str]:
                 )
                 lines.append(
                     f"| {method} | {mode} | {r['world']} | {r['seq']} | {fmt(r['peak_mib'], '.1f')} | "
-                    f"{fmt(ratio(r['peak_mib'], base), '.2f')} | {fmt(r['predicted_peak_mib'], '.1f')} | "
-                    f"{fmt(r['peak_ratio'], '.2f')} | {one_text} | {fmt(r['memory_call_s'], '.1f')} | "
-                    f"{fmt_bytes(r.get('memory_call_bytes_per_rank'))} / {fmt_bytes(r.get('memory_call_wchar_max'))} "
-                    f"/ {fmt_bytes(r['predicted_bytes'])} |"
+                    f"{fmt(r.get('input_mib'), '.1f')} | {fmt(ratio(total_mib(r), base), '.2f')} | "
+                    f"{fmt(r['predicted_peak_mib'], '.1f')} | {fmt(r['peak_ratio'], '.2f')} | {one_text} | "
+                    f"{fmt(r['memory_call_s'], '.1f')} | {fmt_bytes(r.get('memory_call_bytes_per_rank'))} / "
+                    f"{fmt_bytes(r.get('memory_call_wchar_max'))} / {fmt_bytes(r['predicted_bytes'])} |"
                 )
     return lines
+
+
+def total_mib(row: dict) -> float | None:
+    """A row's per-rank peak plus the input (and output gradient) the rank holds: what a memory budget must fit."""
+    return None if row["peak_mib"] is None else row["peak_mib"] + (row.get("input_mib") or 0.0)
 
 
 def noop_table(launches: list[dict]) -> list[str]:
@@ -881,11 +890,13 @@ def markdown(results: dict) -> str:
         f"## The longest sequence per memory budget: n = P x {config['scale_n0']}",
         "",
         f"{MHA.name}, causal, n grows with P. One call per case (the memory call, whose time is shown); the peak is "
-        "the largest rank's. If a method's per-rank peak stays flat, a per-rank memory budget holds a P times longer "
-        "sequence. The plain layer on one process at the same n is measured beside it (in the P = 1 launch, 2 "
-        "threads), with the cost model's peak in brackets. At P = 1 nothing is sent: what lo counts there over a "
-        "call of seconds is other processes' loopback traffic (torchrun's store keep-alive, other jobs), which "
-        "the per-process wchar column does not see.",
+        "the largest rank's, above what the rank held before the call. The input x (and, with backward, the output "
+        "gradient) is held before the call, so it is listed beside the peak: tp holds the whole (b, n, D) on every "
+        "rank, Ulysses and ring n/P of it. If a method's total per rank stays flat, a per-rank memory budget holds a "
+        "P times longer sequence. The plain layer on one process at the same n is measured beside it (in the P = 1 "
+        "launch, 2 threads), with the cost model's peak in brackets. At P = 1 nothing is sent: what lo counts "
+        "there over a call of seconds is other processes' loopback traffic (torchrun's store keep-alive, other "
+        "jobs), which the per-process wchar column does not see.",
         "",
         *scaling_table(rows),
         "",
@@ -929,7 +940,7 @@ def plot(results: dict, path: Path) -> bool:
             if sel:
                 right.plot(
                     [r["world"] for r in sel],
-                    [r["peak_mib"] or 0 for r in sel],
+                    [total_mib(r) or 0 for r in sel],
                     marker=marker,
                     linestyle=style,
                     color=color,
@@ -937,7 +948,7 @@ def plot(results: dict, path: Path) -> bool:
                 )
     right.set_xticks(list(results["config"]["worlds"]))
     right.set_xlabel("P ranks (n = P x n0)")
-    right.set_ylabel("peak MiB per rank")
+    right.set_ylabel("peak + input held, MiB per rank")
     right.set_ylim(bottom=0)
     right.set_title(f"{MHA.name}, n = P x {results['config']['scale_n0']}", fontsize=9)
     if right.get_legend_handles_labels()[0]:

@@ -156,6 +156,7 @@ def rank_record(world: int, rank: int, cases: list[dict], sent: int) -> dict:
         ]
         memory_window = {"s": 0.5, "wchar": 40 + sent, "lo_tx": 100 + world * sent if rank == 0 else None}
         records.append({"case": c, "peak_mib": 10.0 + rank + i, "rss_before_mib": 300.0, "memory_call_s": 0.5,
+                        "input_mib": 2.0 / world,
                         "memory_window": memory_window, "steps": steps})  # fmt: skip
     return {"rank": rank, "world": world, "threads": 1, "noop": noop, "noop_end": noop,
             "idle": {"s": 1.0, "wchar": 0, "lo_tx": 500 if rank == 0 else None}, "records": records}  # fmt: skip
@@ -210,7 +211,9 @@ def test_markdown_and_reports(tmp_path, monkeypatch):
     scaling = [line for line in text.splitlines() if line.startswith("| ring | forward | 2 | 48 |")]  # longest n
     # the synthetic ranks send 12288 B each (tp's volume); ring forward predicts one K/V shard, 2 * 4 * 24 * 32 * 4 B
     assert len(scaling) == 1 and scaling[0].endswith("| 0.0117 MiB / 0.0117 MiB / 0.0234 MiB |")
-    assert "| ring | forward | 1 | 48 | 12.0 | 1.00 |" in text
+    # P = 1: peak 12 + input 2; P = 2: the larger rank's peak 13 + its half of the input, 1: the same total
+    assert "| ring | forward | 1 | 48 | 12.0 | 2.0 | 1.00 |" in text
+    assert scaling[0].startswith("| ring | forward | 2 | 48 | 13.0 | 1.0 | 1.00 |")
     written = bench.write_reports(results, tmp_path, "parallel_test")
     assert written == text
     assert (tmp_path / "parallel_test.json").exists() and (tmp_path / "parallel_test.md").read_text() == text
