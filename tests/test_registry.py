@@ -175,6 +175,6 @@ def test_a_named_backend_that_cannot_serve_says_what_it_lacks(scratch_registry):
 
 
 def test_the_real_registry_has_the_documented_backends_in_auto_order():
-    assert registry.available_backends() == ["sdpa", "tiled", "materialized", "reference"]
+    assert registry.available_backends() == ["sdpa", "tiled", "flex", "materialized", "reference"]
     assert registry.choose(make_call(need_lse=True), "auto").name == "tiled"
     assert registry.choose(make_call(weights="all"), "auto").name == "materialized"

@@ -4,11 +4,13 @@ Built in, in the order ``backend="auto"`` considers them:
 
 - ``sdpa``: torch's fused scaled_dot_product_attention, where it matches our semantics exactly.
 - ``tiled``: our online-softmax kernel, O(n) memory, every mask, LSE, dropout, backward.
+- ``flex``: torch's FlexAttention, typed masks lowered to mask_mod/score_mod and a BlockMask; compiled
+  once per mask structure (any length), forward only on CPU; auto skips it until its kernel is compiled.
 - ``materialized``: one pass that writes all weights once; auto's pick when every weight is asked for.
 - ``reference``: the readable oracle, any dtype, everything (including gradients to a bias).
 """
 
-from multihead.backends import materialized, reference, sdpa, tiled
+from multihead.backends import flex, materialized, reference, sdpa, tiled
 from multihead.backends.registry import (
     AttentionCall,
     Backend,
@@ -35,5 +37,6 @@ __all__ = [
 
 register("sdpa", sdpa.sdpa_attention, sdpa.CAPABILITIES, priority=10)
 register("tiled", tiled.tiled_attention, tiled.CAPABILITIES, priority=20)
+register("flex", flex.flex_attention_backend, flex.CAPABILITIES, priority=25)
 register("materialized", materialized.materialized_attention, materialized.CAPABILITIES, priority=30)
 register("reference", reference.reference_attention, reference.CAPABILITIES, priority=100)
