@@ -408,7 +408,7 @@ def _run(
                     _WARM.add(key)
     out, lse = result if need_lse else (result, None)
     if lse is not None:
-        dead = ~torch.isfinite(lse) | (lse == -math.inf)  # rows with every key masked: output 0, lse -inf
+        dead = (lse == -math.inf) | lse.isnan()  # rows with every key masked: output 0, lse -inf
         lse = lse.masked_fill(dead, -math.inf)
         out = out.masked_fill(dead[..., None], 0.0)
     elif mask.may_empty_rows():
