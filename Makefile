@@ -73,3 +73,8 @@ demo: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info multihead-report
+
+# Does auto pick the fastest kernel? Every serving backend, auto, torch SDPA and FlexAttention per mask x n x dtype x mode.
+.PHONY: bench-dispatch
+bench-dispatch: install
+	$(PY) benchmarks/dispatch.py

@@ -1,0 +1,188 @@
+"""benchmarks/dispatch.py's pure parts on synthetic records: the skip prediction, the rounds, the rotation, the
+measured and predicted winners, auto / best, the run's verdict and the markdown tables. No timing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the script and its harness live in benchmarks/, not the package
+
+import dispatch as bench  # noqa: E402
+
+
+def record(mask="window", n=1024, dtype="float32", mode="forward", times=None, chosen="tiled", estimates=None):
+    """A measured case: seconds per round for each contestant."""
+    times = times or {
+        "sdpa": [0.30, 0.20, 0.25],
+        "tiled": [0.10, 0.12, 0.11],
+        "flex": [0.05, 0.06, 0.07],
+        "auto": [0.11, 0.10, 0.13],
+        bench.SDPA_PEER: [0.09, 0.08, 0.10],
+        bench.FLEX_PEER: [0.04, 0.05, 0.04],
+    }
+    estimates = {"sdpa": 0.5, "tiled": 0.2, "flex": 0.1} if estimates is None else estimates
+    return {
+        "mask": mask,
+        "n": n,
+        "dtype": dtype,
+        "mode": mode,
+        "status": "ok",
+        "times": times,
+        "chosen": chosen,
+        "estimates": estimates,
+        "skipped": {},
+        "rounds": 3,
+    }
+
+
+def test_predict_from_previous_n_scales_by_n_squared():
+    seconds, source = bench.predict_seconds(4096, {"n": 1024, "median_s": 0.5}, estimate_s=99.0)
+    assert seconds == pytest.approx(0.5 * 16)
+    assert "n=1024" in source
+
+
+def test_predict_uses_a_skipped_series_prediction_then_the_estimate_then_nothing():
+    assert bench.predict_seconds(2048, {"n": 1024, "median_s": None, "predicted_s": 3.0}, None)[0] == 12.0
+    assert bench.predict_seconds(1024, None, 0.25) == (0.25, "estimate")
+    assert bench.predict_seconds(1024, None, None) == (None, "unknown")
+
+
+def test_skip_reason_names_time_and_memory():
+    assert bench.skip_reason(5.0, 0, budget_s=20.0, ram=2**34) is None
+    assert bench.skip_reason(None, 0, budget_s=20.0, ram=None) is None
+    why = bench.skip_reason(30.0, 2**34, budget_s=20.0, ram=2**34)
+    assert "predicted 30 s > budget 20 s" in why
+    assert "dense mask 16.0 GiB > 50% of 16 GiB" in why
+
+
+def test_repeats_shrink_to_fit_the_case_budget_but_never_below_one():
+    assert bench.repeats_for(None, 60.0, 5) == 5
+    assert bench.repeats_for(1.0, 60.0, 5) == 5
+    assert bench.repeats_for(25.0, 60.0, 5) == 2
+    assert bench.repeats_for(100.0, 60.0, 5) == 1
+
+
+def test_rotation_puts_each_contestant_first_in_turn():
+    names = ["a", "b", "c"]
+    assert [bench.rotation(names, r)[0] for r in range(4)] == ["a", "b", "c", "a"]
+    assert sorted(bench.rotation(names, 2)) == names
+    assert bench.rotation([], 3) == []
+
+
+def test_summarize_winner_auto_over_best_and_prediction():
+    r = bench.summarize(record())
+    assert r["stats"]["tiled"] == {"median_s": 0.11, "min_s": 0.10, "max_s": 0.12, "repeats": 3}
+    assert r["winner"] == "flex"  # among multihead's backends only
+    assert r["best_with_peers"] == bench.FLEX_PEER
+    assert r["auto_over_best"] == pytest.approx(0.11 / 0.06)
+    assert r["auto_over_best_with_peers"] == pytest.approx(0.11 / 0.04)
+    assert r["auto_picked_winner"] is False
+    assert r["predicted"] == "flex" and r["prediction_right"] is True
+    assert r["measured_over_estimated"] == pytest.approx({"sdpa": 0.5, "tiled": 0.55, "flex": 0.6})
+
+
+def test_summarize_without_estimates_predicts_nothing():
+    r = bench.summarize(record(estimates={}, chosen="sdpa"))
+    assert r["predicted"] is None and r["prediction_right"] is None
+    assert r["measured_over_estimated"] == {}
+
+
+def test_overall_counts_and_worst_ratio():
+    good = bench.summarize(
+        record(mask="causal", times={"sdpa": [0.1], "tiled": [0.2], "auto": [0.105]}, chosen="sdpa",
+               estimates={"sdpa": 0.1, "tiled": 0.4})
+    )  # fmt: skip
+    bad = bench.summarize(record())
+    skipped = {"mask": "none", "n": 16384, "dtype": "float32", "mode": "forward", "status": "skipped", "reason": "x"}
+    verdict = bench.overall([good, bad, skipped])
+    assert verdict["cases"] == 2
+    assert verdict["auto_picked_winner"] == 1
+    assert verdict["prediction_right"] == 2 and verdict["predicted"] == 2
+    assert verdict["worst_auto_over_best"] == pytest.approx(0.11 / 0.06)
+    assert "causal & window(256), n=1024" in verdict["worst_case"]
+    assert verdict["within_10pct"] == 1 and verdict["goal_met"] is False
+    assert verdict["measured_over_estimated"]["tiled"]["cases"] == 2
+    assert verdict["measured_over_estimated"]["tiled"]["min"] == pytest.approx(0.5)
+
+
+def test_overall_of_nothing_measured():
+    verdict = bench.overall([])
+    assert verdict["cases"] == 0 and verdict["goal_met"] is None and verdict["worst_auto_over_best"] is None
+
+
+def test_case_table_rows_columns_and_marks():
+    measured = bench.summarize(record())
+    measured["skipped"] = {"materialized": "predicted 30 s > budget 20 s"}
+    skipped = {"mask": "alibi", "n": 16384, "dtype": "float32", "mode": "forward", "status": "skipped",
+               "reason": "auto (tiled) predicted 40 s > budget 20 s"}  # fmt: skip
+    lines = bench.case_table([measured, skipped])
+    header = lines[0]
+    assert header.index("sdpa") < header.index("tiled") < header.index("flex") < header.index("materialized")
+    assert header.index("materialized") < header.index("torch sdpa") < header.index("torch flex")
+    row = lines[2]
+    assert row.startswith("| causal & window(256) | 1024 | 250 (200–300) | 110 (100–120) | 60 (50–70) | skipped |")
+    assert "**1.83**" in row and "| flex | yes |" in row
+    assert "skipped: auto (tiled) predicted 40 s" in lines[3]
+    assert all(line.count("|") == header.count("|") for line in lines)
+
+
+def test_single_round_is_marked_k1():
+    assert bench._ms({"median_s": 1.5, "min_s": 1.5, "max_s": 1.5, "repeats": 1}) == "1,500 (k=1)"
+
+
+def test_markdown_report_has_tables_verdict_and_skips():
+    measured = bench.summarize(record())
+    measured["skipped"] = {"materialized": "predicted 30 s > budget 20 s"}
+    backward = bench.summarize(
+        record(mode="forward+backward", times={"sdpa": [0.3], "tiled": [0.4], "auto": [0.31]}, chosen="sdpa",
+               estimates={"sdpa": 0.2, "tiled": 0.5})
+    )  # fmt: skip
+    results = {
+        "config": {"quick": True, "dtypes": ["float32"], "modes": ["forward", "forward+backward"]},
+        "machine_line": "AMD EPYC (2 CPUs; fma avx avx2)",
+        "load": {"start": "load average: 1.0", "end": "load average: 2.0"},
+        "elapsed_s": 12.0,
+        "compile_s": {"torch flex (window, float32)": 11.5},
+        "records": [measured, backward],
+    }
+    results["overall"] = bench.overall(results["records"])
+    text = bench.markdown_report(results)
+    assert "## float32, forward\n" in text and "## float32, forward+backward\n" in text
+    assert "auto picked the measured winner in 1 of 2 measured cases" in text
+    assert "Goal (every row within 10%): **FAIL**" in text
+    assert "| torch flex (window, float32) | 11.5 |" in text
+    assert "| materialized | predicted 30 s > budget 20 s |" in text
+    assert "AMD EPYC (2 CPUs; fma avx avx2)" in text
+
+
+def test_error_text_is_one_table_safe_line():
+    text = bench.error_text(RuntimeError("C++ compile error | x\n\nCommand: g++ ..."))
+    assert text == "error: RuntimeError: C++ compile error / x"
+
+
+@pytest.mark.parametrize("kind", bench.MASKS)
+def test_the_sdpa_peer_gets_the_same_mask_as_multihead(kind):
+    import torch
+
+    import multihead
+
+    n = 300
+    q, k, v = (torch.randn(1, bench.HEADS, n, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    ours = multihead.attention(q, k, v, backend="reference", **bench.mask_arguments(kind, n))
+    torch.testing.assert_close(bench.sdpa_peer(kind, n, torch.float32)(q, k, v), ours, atol=1e-5, rtol=1e-5)
+
+
+def test_dense_mask_sizes_and_unknown_kind():
+    import torch
+
+    assert bench.dense_mask("causal", 64, torch.float32) is None
+    assert bench.dense_mask("none", 64, torch.float32) is None
+    assert bench.dense_mask_bytes("alibi", 1024, torch.bfloat16) == bench.HEADS * 1024**2 * 6
+    assert bench.dense_mask_bytes("window", 1024, torch.float32) == 1024**2
+    with pytest.raises(ValueError, match="mask kind 'diagonal'"):
+        bench.mask_arguments("diagonal", 64)
