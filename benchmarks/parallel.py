@@ -111,7 +111,15 @@ MHA = Shape("MHA 512/8", 512, 8, 8)
 GQA = Shape("GQA 512/8/2", 512, 8, 2)
 FULL = Config(quick=False, batch=1, seq=2048, shapes=(MHA, GQA), repeats=5, noop_repeats=9, scale_n0=4096)
 QUICK = Config(
-    quick=True, batch=1, seq=256, shapes=(MHA,), repeats=3, noop_repeats=5, scale_n0=256, scale_methods=("ring",)
+    quick=True,
+    batch=1,
+    seq=256,
+    shapes=(MHA,),
+    repeats=3,
+    noop_repeats=5,
+    scale_n0=256,
+    scale_methods=("ring",),
+    single_process=False,
 )
 
 
@@ -460,6 +468,7 @@ def worker(plan_path: Path) -> int:
     torch.set_num_threads(plan["threads"])
     set_mmap_threshold(TIMING_MMAP_THRESHOLD)
     dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    gc.freeze()  # the imported modules out of every later gc.collect(): the harness collects around each call
     out: dict[str, Any] = {"rank": rank, "world": world, "threads": torch.get_num_threads(), "pid": os.getpid()}
     noop = [_window(lambda: None, rank) for _ in range(plan["noop_repeats"])]
     idle = _window(lambda: time.sleep(IDLE_S), rank)  # background traffic: torchrun's store, other processes
