@@ -23,8 +23,9 @@ What is measured, per call (each rank runs the same steps; rank 0 reads the mach
     predicted multihead.cost_parallel.parallel_cost: the bytes each rank sends (forward, backward) and the
               per-rank peak the cost model expects.
 
-Then the longest sequence per memory budget: ring attention at n = P x n0 for P = 1, 2, 4, per-rank peak forward
-and forward+backward (if it stays flat, a per-rank budget holds a P times longer sequence).
+Then the longest sequence per memory budget: ring, Ulysses and tp at n = P x n0 for P = 1, 2, 4, the per-rank
+peak and the input each rank holds, forward and forward+backward (if their total stays flat, a per-rank budget
+holds a P times longer sequence), beside the plain layer measured on one process at the same n.
 
 The driver (this script run without torchrun's environment) launches
 ``python -m torch.distributed.run --standalone --nproc-per-node P benchmarks/parallel.py --plan ...`` for each P,
