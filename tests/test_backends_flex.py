@@ -263,3 +263,25 @@ def test_flex_is_warm_follows_the_cache_key(kernel):
     assert not flex.flex_is_warm(call(3, 4, dtype=torch.bfloat16))
     assert not flex.flex_is_warm(call(3, 4, mask=masks.window(3, 0)))  # other mask kinds: other code
     assert flex.compile_seconds() > 0
+
+
+def test_a_compiler_failure_is_a_clear_error_and_flex_is_passed_over_after(monkeypatch):
+    """torch's compiler can fail for some mask structures on the CPU (inductor's C++ for a padding-only mask at
+    h = 16, n = 1024 here): the call raises a ValueError naming the backend, and explain then refuses flex for
+    that kind of call, with the compiler's words, so auto never tries it."""
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("CppCompileError: C++ compile error\n(details)")
+
+    q = torch.randn(1, 3, 40, 8)
+    mask = masks.padding(torch.tensor([30])) & masks.softcap(7.0)  # a structure no other test compiles
+    monkeypatch.setattr(flex, "_kernel", lambda key: failing)
+    with pytest.raises(
+        ValueError,
+        match=r"backend: expected a mask FlexAttention's compiler handles here.*"
+        r"CppCompileError.*Fix: use backend='auto' or 'tiled'",
+    ):
+        attention(q, q, q, mask=mask, backend="flex")
+    reasons = multihead.explain(q, q, q, mask=mask).rejected["flex"]
+    assert any("torch's compiler failed for it here: RuntimeError: CppCompileError" in r for r in reasons)
+    assert multihead.explain(q, q, q, mask=mask, backend="flex").chosen is None

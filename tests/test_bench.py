@@ -6,6 +6,7 @@ Tiny cases keep this fast; no test asserts on a time, only on how the numbers ar
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import json
 import re
@@ -282,12 +283,21 @@ def test_wider_cells_wrap_words_never_numbers(monkeypatch, width):
 
 def test_calibrate_alone_saves_the_rates(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
+    # each backend's rate for auto, measured small and without compiling flex (the real one takes a minute)
+    quick = functools.partial(machine.calibrate_kernels, ("float32",), repeats=1, flex=False)
+    monkeypatch.setattr(machine, "KERNEL_CASES", {"float32": (torch.float32, 128)})
+    monkeypatch.setattr(machine, "calibrate_kernels", quick)
     assert main(["bench", "--calibrate"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("calibrated ") and "float32 matmul" in out and "calibration.json" in out
+    assert "backends (float32 forward, GFLOP/s): sdpa " in out
     saved = json.loads((tmp_path / "calibration.json").read_text())
     assert saved["matmul_gflops"]["float32"] > 0 and saved["bandwidth_gbs"] > 0
     assert saved["machine"] == identity_key() and saved["measured_unix"] > 0
+    kernel = saved["details"]["kernel_rates"]
+    assert set(kernel["gflops"]) == {"sdpa", "sdpa masked", "tiled", "materialized"} and kernel["mask_gbs"] > 0
+    assert all(rate > 0 for by_key in kernel["gflops"].values() for rate in by_key.values())
+    assert machine.cached_kernel_rates() is not None  # what auto reads in a new process
     assert main(["bench", "--calibrate", "--dtype", "int8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--dtype: expected one of float32" in err

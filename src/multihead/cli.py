@@ -597,13 +597,20 @@ def run_bench(args: argparse.Namespace) -> int:
         cache = calibration_path()
         fix = "set MULTIHEAD_CACHE to a folder you can write to"
         output_folder("MULTIHEAD_CACHE", cache.parent, fix=fix)
-        rates = calibrate(dtypes)
+        with console.status("calibrating: matmul rate, bandwidth, and each backend's rate for auto"):
+            rates = calibrate(dtypes, kernels=True)
         with writing("MULTIHEAD_CACHE", cache, fix=fix):
             path = save_calibration(rates)
+        kernel = rates.details.get("kernel_rates", {}).get("gflops", {})
+        backends = ", ".join(
+            f"{name} {by_key['forward float32']:.1f}" for name, by_key in kernel.items() if "forward float32" in by_key
+        )
         console.print(
             f"calibrated {identity().describe()}: "
             + ", ".join(f"{k} matmul {v:.1f} GFLOP/s" for k, v in rates.matmul_gflops.items())
-            + f", bandwidth {rates.bandwidth_gbs:.1f} GB/s; saved to {path}",
+            + f", bandwidth {rates.bandwidth_gbs:.1f} GB/s"
+            + (f"; backends (float32 forward, GFLOP/s): {backends}" if backends else "")
+            + f"; saved to {path}",
             soft_wrap=True,
         )
         return 0

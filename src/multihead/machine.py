@@ -38,6 +38,7 @@ from multihead._userfiles import (
     path_kind,
     read_json,
 )
+from multihead.backends.costs import KernelRates
 from multihead.cost import DTYPES, MachineRates, dtype_name
 
 __all__ = [
@@ -45,6 +46,8 @@ __all__ = [
     "identity",
     "identity_key",
     "calibrate",
+    "calibrate_kernels",
+    "cached_kernel_rates",
     "cached_rates",
     "calibration_path",
     "save_calibration",
@@ -151,6 +154,7 @@ def calibrate(
     matmul_sizes: Sequence[int] = (512, 1024, 2048),
     copy_mib: int = 256,
     min_run_time: float = 0.3,
+    kernels: bool = False,
 ) -> MachineRates:
     """Measure this machine now: ``torch.mm`` of two squares of each of ``matmul_sizes`` per dtype (half types:
     those up to 512, they are slow on CPUs without their units), and ``dst.copy_(src)`` of ``copy_mib`` MiB.
@@ -158,7 +162,9 @@ def calibrate(
     Each is timed in blocks by ``torch.utils.benchmark`` for about ``min_run_time`` seconds. The rate is a
     ceiling for the roofline, so it is the fastest block of the fastest size (2 n^3 FLOPs per matmul: a
     square that fits the caches runs faster than a large one; read plus written bytes per copy). A busy
-    machine measures low, which shows later as a measured time under the bound (see multihead.bench).
+    machine measures low, which shows later as a measured time under the bound (see multihead.bench). With
+    ``kernels``, each backend's rate for ``backend="auto"`` too (:func:`calibrate_kernels`, about 15 s), kept in
+    ``details["kernel_rates"]``.
     """
     rates: dict[str, float] = {}
     by_size: dict[str, dict[int, float]] = {}
@@ -181,9 +187,113 @@ def calibrate(
         bandwidth,
         torch.get_num_threads(),
         time.strftime("%Y-%m-%d %H:%M:%S"),
-        {"matmul_gflops_by_size": by_size, "copy_mib": copy_mib, "timer": "torch.utils.benchmark, fastest block"},
+        {
+            "matmul_gflops_by_size": by_size,
+            "copy_mib": copy_mib,
+            "timer": "torch.utils.benchmark, fastest block",
+            **({"kernel_rates": asdict(calibrate_kernels())} if kernels else {}),
+        },
         identity_key(),
         time.time(),
+    )
+
+
+# --------------------------------------------------------------------------- each backend's rate, for auto
+
+KERNEL_CASES = {"float32": (torch.float32, 1024), "half": (torch.bfloat16, 256)}  # precision: (dtype, n)
+KERNEL_HEADS, KERNEL_HEAD_DIM = 8, 64
+
+
+def _median_call_s(call: Callable[[], object], repeats: int = 3) -> float:
+    call()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _kernel_times(
+    attention: Callable[..., object],
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    grad: torch.Tensor,
+    mask: torch.Tensor | None,
+    backend: str,
+    repeats: int,
+) -> tuple[float, float]:
+    """(forward seconds, backward seconds: forward+backward minus forward) of ``backend`` on ``inputs``."""
+
+    def forward() -> object:
+        with torch.no_grad():
+            return attention(*inputs, mask=mask, backend=backend)
+
+    def training() -> None:
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        out = attention(*leaves, mask=mask, backend=backend)
+        assert isinstance(out, torch.Tensor)
+        out.backward(grad)
+
+    forward_s = _median_call_s(forward, repeats)
+    return forward_s, max(_median_call_s(training, repeats) - forward_s, forward_s / 100)
+
+
+def calibrate_kernels(
+    precisions: Sequence[str] = ("float32", "half"), *, repeats: int = 3, flex: bool = True
+) -> KernelRates:
+    """Measure each built-in backend's n x n rate here, for ``backend="auto"`` to compare them
+    (:mod:`multihead.backends.costs`): b = 1, h = 8, d = e = 64 at n = 1024 in float32 (n = 256 in bfloat16 for
+    "half"), forward and forward+backward, median of ``repeats`` calls after a warm-up.
+
+    Rates count 2 (d + e) FLOPs per pair forward and 2.5 times that backward (backward time: forward+backward
+    minus forward), so they include each kernel's softmax and per-block work at d = 64. "sdpa masked" is SDPA given a
+    dense bool mask; ``mask_gbs`` is how fast a (1, 8, 2048, 2048) window & ALiBi bias is built. With ``flex``, the
+    flex backend is compiled (seconds) and timed forward (it has no backward on the CPU).
+    """
+    from multihead import masks as typed_masks
+    from multihead.backends.costs import BACKWARD_FLOP_FACTOR
+    from multihead.functional import attention
+    from multihead.masks import AttentionShape, bind_mask
+
+    gflops: dict[str, dict[str, float]] = {}
+    for name in precisions:
+        dtype, n = KERNEL_CASES[name]
+        q, k, v, grad = (torch.randn(1, KERNEL_HEADS, n, KERNEL_HEAD_DIM, dtype=dtype) for _ in range(4))
+        keep = torch.rand(n, n) < 0.9
+        keep[:, 0] = True  # no empty row
+        flops = 2.0 * (2 * KERNEL_HEAD_DIM) * KERNEL_HEADS * n * n
+        for label, backend, mask in (
+            ("sdpa", "sdpa", None),
+            ("sdpa masked", "sdpa", keep),
+            ("tiled", "tiled", None),
+            ("materialized", "materialized", None),
+        ):
+            forward_s, backward_s = _kernel_times(attention, (q, k, v), grad, mask, backend, repeats)
+            rates = gflops.setdefault(label, {})
+            rates[f"forward {name}"] = flops / forward_s / 1e9
+            rates[f"backward {name}"] = BACKWARD_FLOP_FACTOR * flops / backward_s / 1e9
+    # flex (FlexAttention): compiled once here (seconds), then timed; forward only where it has no backward (CPU)
+    from multihead.backends import flex as flex_backend
+
+    for name in precisions if flex else ():
+        dtype, n = KERNEL_CASES[name]
+        q, k, v = (torch.randn(1, KERNEL_HEADS, n, KERNEL_HEAD_DIM, dtype=dtype) for _ in range(3))
+        flex_backend.warm_up(heads=KERNEL_HEADS, qk_dim=KERNEL_HEAD_DIM, dtype=dtype, length=n)
+
+        def flex_forward(q=q, k=k, v=v) -> object:
+            with torch.no_grad():
+                return attention(q, k, v, backend="flex")
+
+        flops = 2.0 * (2 * KERNEL_HEAD_DIM) * KERNEL_HEADS * n * n
+        gflops.setdefault("flex", {})[f"forward {name}"] = flops / _median_call_s(flex_forward, repeats) / 1e9
+    # building a dense mask: a (1, 8, 2048, 2048) float32 bias from a window and ALiBi
+    shape = AttentionShape(1, 8, 2048, 2048, torch.device("cpu"))
+    bound = bind_mask(typed_masks.window(256) & typed_masks.alibi(typed_masks.alibi_slopes(8)), False, shape)
+    mask_s = _median_call_s(lambda: bound.dense(torch.float32), repeats)
+    return KernelRates(
+        gflops,
+        mask_gbs=8 * 2048 * 2048 * 4 / mask_s / 1e9,
+        source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} on {identity().describe()}",
     )
 
 
@@ -307,6 +417,25 @@ def cached_rates(
     except OSError as error:
         say(f"calibration not saved ({error.strerror or error}); set MULTIHEAD_CACHE to a folder you can write to")
     return rates, True
+
+
+def cached_kernel_rates(path: Path | None = None) -> KernelRates | None:
+    """The backends' rates of this machine's calibration (``multihead bench --calibrate``), or None when there is
+    none, it is not this machine's or recent (:func:`read_calibration`), or it holds no usable kernel rates."""
+    rates, _ = read_calibration(path)
+    kernel = (rates.details if rates is not None else {}).get("kernel_rates")
+    if not isinstance(kernel, dict):
+        return None
+    try:
+        gflops = {
+            str(backend): {str(key): float(value) for key, value in by_key.items() if float(value) > 0}
+            for backend, by_key in kernel["gflops"].items()
+        }
+        mask_gbs = float(kernel["mask_gbs"])
+        source = str(kernel.get("source", ""))
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None  # absent or damaged: auto falls back to the defaults
+    return KernelRates(gflops, mask_gbs, source) if mask_gbs > 0 else None
 
 
 # --------------------------------------------------------------------------- memory

@@ -46,6 +46,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from multihead._errors import bad_argument
 from multihead.backends._blocks import autocast_inputs
+from multihead.backends.costs import block_kernel_estimate
 from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities
 from multihead.masks import (
     AttentionShape,
@@ -72,6 +73,7 @@ SERVED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 _KERNELS: dict[tuple, Callable] = {}
 _WARM: set[tuple] = set()
 _COMPILE_SECONDS: dict[tuple, float] = {}
+_FAILED: dict[tuple, str] = {}  # cache key -> the first line of the compiler's error: refused from then on
 _LOCK = threading.Lock()
 
 
@@ -403,7 +405,16 @@ def _run(
                 # not become one symbol, nor a size of 1 a constant, or the kernel would recompile when they
                 # differ (global settings: changed under the lock)
                 with _LOCK, fx_config.patch(use_duck_shape=False, backed_size_oblivious=True):  # type: ignore[attr-defined]
-                    result = kernel(*args)
+                    try:
+                        result = kernel(*args)
+                    except Exception as error:  # torch's compiler failed (e.g. inductor's C++ for some structures)
+                        _FAILED[key] = _first_line(error)
+                        raise bad_argument(
+                            "backend",
+                            "a mask FlexAttention's compiler handles here",
+                            f"{lowered.structure}: {_FAILED[key]}",
+                            "use backend='auto' or 'tiled' (auto now passes flex over for this kind of call)",
+                        ) from None
                     _COMPILE_SECONDS[key] = time.perf_counter() - start
                     _WARM.add(key)
     out, lse = result if need_lse else (result, None)
@@ -499,8 +510,16 @@ def _cpu_supported() -> bool:
     return _CPU_SUPPORTED
 
 
+def _first_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:200]
+
+
 def _flex_limits(call: AttentionCall) -> list[str]:
     missing = []
+    failed = _FAILED.get(_cache_key(call, _structure(call.mask)))
+    if failed is not None:
+        missing.append(f"a kernel for this kind of call (torch's compiler failed for it here: {failed})")
     if call.device.type == "cpu":
         if not _cpu_supported():
             missing.append("a CPU with AVX2 (FlexAttention's compiled CPU kernel needs it)")
@@ -533,4 +552,5 @@ CAPABILITIES = Capabilities(
     check=_flex_limits,
     auto_skip=_cold,
     softcap=True,
+    estimate=lambda call: block_kernel_estimate(call, "flex", BLOCK, BLOCK),  # the live blocks of its BlockMask
 )

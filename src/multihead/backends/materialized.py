@@ -42,6 +42,7 @@ from multihead.backends._blocks import (
     softmax_rows_,
     unfold,
 )
+from multihead.backends.costs import dense_kernel_estimate
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BoundMask
 
@@ -260,5 +261,12 @@ def materialized_attention(
 
 
 CAPABILITIES = Capabilities(
-    lse=False, weights=True, dropout=False, backward=True, bias_grad=False, compiles_dynamic=False, softcap=True
+    lse=False,
+    weights=True,
+    dropout=False,
+    backward=True,
+    bias_grad=False,
+    compiles_dynamic=False,
+    softcap=True,
+    estimate=lambda call: dense_kernel_estimate(call, "materialized"),  # every pair, weights written once
 )

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from multihead._errors import bad_argument
+from multihead.backends.costs import Estimate
 from multihead.masks import BoundMask
 
 
@@ -69,6 +70,9 @@ class Capabilities:
     # applies a mask's logit soft-cap (masks.softcap) to the scores; False by default, so that a backend
     # registered before soft-capping existed refuses it rather than silently dropping it
     softcap: bool = False
+    # its predicted time for a call it serves (backends.costs): auto runs the cheapest of the serving backends that
+    # estimate; a backend without one is chosen by priority alone
+    estimate: Callable[[AttentionCall], Estimate | None] | None = None
 
     def reasons(self, call: AttentionCall, *, for_auto: bool = False) -> list[str]:
         missing = []
@@ -110,16 +114,65 @@ class Backend:
 
 @dataclass
 class Explanation:
-    """Which backend ``auto`` (or the named one) serves a call, and why the others do not."""
+    """Which backend ``auto`` (or the named one) serves a call, and why the others do not; ``estimates`` holds
+    the predicted time of each serving backend that estimates its cost (when auto compared them)."""
 
     chosen: str | None
     rejected: dict[str, list[str]] = field(default_factory=dict)
+    estimates: dict[str, Estimate] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = [f"chosen: {self.chosen}"]
+        chosen = f"chosen: {self.chosen}"
+        if self.chosen in self.estimates:
+            chosen += f" ({self.estimates[self.chosen]})"
+        lines = [chosen]
         for name, why in self.rejected.items():
             lines.append(f"  {name}: " + "; ".join(why))
         return "\n".join(lines)
+
+
+# Below this many (query, key) pairs one block holds the whole call: no kernel skips anything, and comparing
+# estimates would cost more than it could save; auto keeps the priority order
+ESTIMATE_MIN_PAIRS = 256 * 256
+
+
+def _serving(call: AttentionCall, for_auto: bool) -> tuple[list[Backend], dict[str, list[str]]]:
+    """The backends that serve ``call`` in auto's order, and what each other one lacks."""
+    serving, missing = [], {}
+    for candidate in _auto_order(call):
+        reasons = candidate.capabilities.reasons(call, for_auto=for_auto)
+        if reasons:
+            missing[candidate.name] = reasons
+        else:
+            serving.append(candidate)
+    return serving, missing
+
+
+def _compares(call: AttentionCall, first: Backend) -> bool:
+    """Whether auto compares estimates for ``call`` whose first serving backend is ``first``: not when it has no
+    estimate, when every weight is asked for (the backend writing them ranks first), while tracing (sizes are
+    symbols: comparing them would pin a compiled graph to one length), or for a call of one block."""
+    if first.capabilities.estimate is None or call.weights == "all" or torch.compiler.is_compiling():
+        return False
+    return call.q_len * call.k_len >= ESTIMATE_MIN_PAIRS
+
+
+def _cheapest(call: AttentionCall, serving: list[Backend]) -> tuple[Backend, dict[str, Estimate]]:
+    """Auto's pick among the serving backends: the first by priority, unless it and others estimate their cost
+    (and the call is big enough to matter): then the cheapest of those."""
+    first = serving[0]
+    if not _compares(call, first):
+        return first, {}
+    estimates = {}
+    for candidate in serving:
+        if candidate.capabilities.estimate is not None:
+            estimate = candidate.capabilities.estimate(call)
+            if estimate is not None:
+                estimates[candidate.name] = estimate
+    if first.name not in estimates:
+        return first, estimates
+    best = min(estimates, key=lambda name: estimates[name].seconds)  # ties: the first by priority
+    return _REGISTRY[best], estimates
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -191,35 +244,50 @@ def _auto_order(call: AttentionCall) -> list[Backend]:
 def explain_call(call: AttentionCall, backend: str) -> Explanation:
     """The backend that serves ``call`` and, for each other one, why not."""
     if backend != "auto":
-        chosen = get_backend(backend)
-        missing = chosen.capabilities.reasons(call)
-        return Explanation(None if missing else chosen.name, {chosen.name: missing} if missing else {})
-    explanation = Explanation(None)
+        named = get_backend(backend)
+        lacks = named.capabilities.reasons(call)
+        return Explanation(None if lacks else named.name, {named.name: lacks} if lacks else {})
+    serving, missing = _serving(call, for_auto=True)
+    if not serving:
+        return Explanation(None, missing)
+    chosen, estimates = _cheapest(call, serving)
+    explanation = Explanation(chosen.name, {}, estimates)
     for candidate in _auto_order(call):
-        missing = candidate.capabilities.reasons(call, for_auto=True)
-        if missing:
-            explanation.rejected[candidate.name] = missing
-        elif explanation.chosen is None:
-            explanation.chosen = candidate.name
+        name = candidate.name
+        if name in missing:
+            explanation.rejected[name] = missing[name]
+        elif name == chosen.name:
+            continue
         elif call.weights == "all" and not candidate.capabilities.weights:
-            explanation.rejected[candidate.name] = [
-                f"could serve, but it does not return weights itself and {explanation.chosen!r} "
-                "writes all of them in one pass"
+            explanation.rejected[name] = [
+                f"could serve, but it does not return weights itself and {chosen.name!r} writes all of them in one pass"
+            ]
+        elif name in estimates and chosen.name in estimates:
+            explanation.rejected[name] = [
+                f"could serve, {estimates[name]}; {chosen.name!r} is cheaper ({estimates[chosen.name].seconds:.3g} s)"
             ]
         else:
-            explanation.rejected[candidate.name] = [f"could serve, but {explanation.chosen!r} ranks first"]
+            explanation.rejected[name] = [f"could serve, but {chosen.name!r} ranks first"]
     return explanation
 
 
 def choose(call: AttentionCall, backend: str) -> Backend:
     """The backend to run, or a ValueError naming what the requested one lacks.
 
-    Stops at the first backend that serves (the hot path); the full explanation is built only to report failure.
+    Under auto, the cheapest serving backend by their estimates (:func:`_cheapest`); the full explanation is built
+    only to report failure.
     """
-    candidates = [get_backend(backend)] if backend != "auto" else _auto_order(call)
-    for candidate in candidates:
-        if not candidate.capabilities.reasons(call, for_auto=backend == "auto"):
-            return candidate
+    if backend == "auto":
+        order = _auto_order(call)
+        for index, candidate in enumerate(order):
+            if candidate.capabilities.reasons(call, for_auto=True):
+                continue
+            if not _compares(call, candidate):  # the hot path: the first that serves, nothing else looked at
+                return candidate
+            rest = [other for other in order[index + 1 :] if not other.capabilities.reasons(call, for_auto=True)]
+            return _cheapest(call, [candidate, *rest])[0]
+    elif not get_backend(backend).capabilities.reasons(call):
+        return get_backend(backend)
     explanation = explain_call(call, backend)
     if explanation.chosen is None:
         why = "; ".join(f"{n} lacks {', '.join(r)}" for n, r in explanation.rejected.items())

@@ -24,6 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from multihead.backends.costs import Estimate, dense_kernel_estimate, dense_mask_bytes, live_fraction
 from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities
 from multihead.masks import BoundMask
 
@@ -104,6 +105,20 @@ def _sdpa_limits(call: AttentionCall) -> list[str]:
     return []
 
 
+SDPA_CAUSAL_BLOCK = 128  # about the query/key blocks torch's CPU flash kernel skips under is_causal
+
+
+def _estimate(call: AttentionCall) -> Estimate | None:
+    """Its own causal skips the blocks above the diagonal; any other mask is one dense tensor and every pair."""
+    mask = call.mask
+    if mask.is_empty:
+        return dense_kernel_estimate(call, "sdpa")
+    if mask.is_plain_causal:
+        fraction = live_fraction(mask, call.q_len, call.k_len, SDPA_CAUSAL_BLOCK, SDPA_CAUSAL_BLOCK)
+        return dense_kernel_estimate(call, "sdpa", fraction=fraction)
+    return dense_kernel_estimate(call, "sdpa masked", mask_bytes=dense_mask_bytes(call))
+
+
 CAPABILITIES = Capabilities(
     lse=False,
     weights=False,
@@ -112,4 +127,5 @@ CAPABILITIES = Capabilities(
     bias_grad=False,
     check=_sdpa_limits,
     auto_skip=_sdpa_slower_here,
+    estimate=_estimate,
 )

@@ -52,6 +52,7 @@ from multihead.backends._blocks import (
     unfold,
     vmap_by_loop,
 )
+from multihead.backends.costs import block_kernel_estimate
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BlockState, BoundMask
 
@@ -341,5 +342,12 @@ def tiled_attention(
 
 
 CAPABILITIES = Capabilities(
-    lse=True, weights=False, dropout=True, backward=True, bias_grad=False, compiles_dynamic=False, softcap=True
+    lse=True,
+    weights=False,
+    dropout=True,
+    backward=True,
+    bias_grad=False,
+    compiles_dynamic=False,
+    softcap=True,
+    estimate=lambda call: block_kernel_estimate(call, "tiled", BLOCK_Q, BLOCK_K),  # skips the masked-out blocks
 )

@@ -1,0 +1,253 @@
+"""What a call costs each backend here, for ``backend="auto"`` to pick the cheapest that serves it.
+
+A backend's estimate is the n x n work it really does for this call, at this machine's measured rate for it:
+
+    seconds = computed pairs x b h x FLOPs per pair / rate  (+ building a dense mask)  (+ per-block overhead)
+
+- **Computed pairs** depend on the mask and the kernel. SDPA computes every pair of a dense mask (and skips the
+  masked blocks of its own ``is_causal``); the block kernels (tiled, flex) compute only the blocks the mask leaves
+  alive (:func:`live_fraction`, from ``BoundMask.state`` on the kernel's block grid).
+- **FLOPs per pair** are 2 (d + e) forward (q k^T and weights x V), and 2.5 times that for the backward.
+- **Rates** (:class:`KernelRates`) are GFLOP/s per backend, direction and precision, measured on this machine by
+  ``multihead bench --calibrate`` (``multihead.machine.calibrate_kernels``) and installed with
+  :func:`set_kernel_rates`; until then :data:`DEFAULT_RATES`, measured on this project's machine (named there).
+- **A dense mask** (SDPA with anything but its own causal) is built and read at ``mask_gbs``.
+
+``multihead.explain`` prints each serving backend's estimate; ``benchmarks/`` checks the predicted winner against
+the measured one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from multihead.masks import BlockState, BoundMask
+
+if TYPE_CHECKING:
+    from multihead.backends.registry import AttentionCall
+
+__all__ = [
+    "DEFAULT_RATES",
+    "Estimate",
+    "KernelRates",
+    "kernel_rates",
+    "live_fraction",
+    "set_kernel_rates",
+    "set_rates_loader",
+]
+
+BACKWARD_FLOP_FACTOR = 2.5  # a backward's n x n FLOPs over the forward's (recompute q k^T, then dV, dP, dQ, dK)
+MAX_GRID = 32  # blocks per side looked at by live_fraction: coarser cells past this (an estimate, cheap per call)
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """Measured speeds of each backend's n x n work.
+
+    ``gflops[backend][key]`` with key "<forward|backward> <float32|half|float64>": GFLOP/s counting 2 (d + e)
+    FLOPs per computed pair forward and 2.5 times that backward, measured at d = e = 64 (so the softmax and each
+    kernel's per-block work are in them). ``mask_gbs``: how fast a dense mask is built and read.
+    """
+
+    gflops: dict[str, dict[str, float]]
+    mask_gbs: float
+    source: str = ""
+
+    def rate(self, backend: str, direction: str, dtype: torch.dtype) -> float | None:
+        by_key = self.gflops.get(backend)
+        if by_key is None:
+            return None
+        return by_key.get(f"{direction} {precision(dtype)}")
+
+
+# Measured by multihead.machine.calibrate_kernels (what `multihead bench --calibrate` runs) on this project's
+# machine, the median of 3 calibrations on 2026-11-23 with the machine otherwise idle: AMD EPYC, 2 cores, AVX2 (no
+# AVX-512, no bf16/AMX units), torch 2.13.0 CPU, 2 threads; b = 1, h = 8, d = 64, n = 1024 (float32), 256 (bfloat16)
+DEFAULT_RATES = KernelRates(
+    gflops={
+        "sdpa": {
+            "forward float32": 80.5,
+            "backward float32": 82.1,
+            "forward half": 72.9,
+            "backward half": 11.2,
+        },
+        "sdpa masked": {
+            "forward float32": 72.0,
+            "backward float32": 81.9,
+            "forward half": 57.8,
+            "backward half": 11.1,
+        },
+        "tiled": {
+            "forward float32": 51.7,
+            "backward float32": 56.5,
+            "forward half": 34.8,
+            "backward half": 47.5,
+        },
+        "materialized": {
+            "forward float32": 40.9,
+            "backward float32": 45.9,
+            "forward half": 36.7,
+            "backward half": 39.5,
+        },
+        "flex": {
+            "forward float32": 39.8,
+            "forward half": 13.6,
+        },
+    },
+    mask_gbs=0.96,
+    source="defaults: the median of 3 calibrations on an AMD EPYC (AVX2), 2 threads, torch 2.13.0",
+)
+
+_installed: KernelRates | None = None
+_loader: Callable[[], KernelRates | None] | None = None  # reads this machine's calibration (set by the package)
+_loaded = False
+
+
+def set_kernel_rates(rates: KernelRates | None) -> None:
+    """Use ``rates`` for ``auto``'s estimates from now on; None: this machine's calibration if there is one (read
+    again on next use), else :data:`DEFAULT_RATES`."""
+    global _installed, _loaded
+    _installed, _loaded = rates, rates is not None
+
+
+def set_rates_loader(loader: Callable[[], KernelRates | None] | None) -> None:
+    """``loader()`` gives this machine's calibrated rates or None; it runs once, when auto first estimates.
+    (``multihead`` installs :func:`multihead.machine.cached_kernel_rates`: the backends cannot import it.)"""
+    global _loader, _loaded
+    _loader = loader
+    if _installed is None:
+        _loaded = False
+
+
+def kernel_rates() -> KernelRates:
+    """The rates ``auto`` estimates with: installed ones, else this machine's calibration (``multihead bench
+    --calibrate``), else :data:`DEFAULT_RATES`."""
+    global _installed, _loaded
+    if not _loaded:
+        _loaded = True
+        if _loader is not None:
+            _installed = _loader()
+    return _installed if _installed is not None else DEFAULT_RATES
+
+
+def precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float64:
+        return "float64"
+    return "half" if dtype in (torch.bfloat16, torch.float16) else "float32"
+
+
+def live_fraction(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k: int) -> float:
+    """The share of (query, key) pairs in blocks of ``block_q`` x ``block_k`` that ``mask`` does not rule out
+    entirely: what a block-skipping kernel computes. Past :data:`MAX_GRID` blocks per side, cells of several
+    blocks are looked at (a cell counts whole when any of it may attend: an upper bound)."""
+    if not mask.keep_terms:
+        return 1.0
+    rows = max(block_q, math.ceil(q_len / MAX_GRID / block_q) * block_q)
+    cols = max(block_k, math.ceil(k_len / MAX_GRID / block_k) * block_k)
+    alive = 0
+    for row_start in range(0, q_len, rows):
+        row_span = range(row_start, min(row_start + rows, q_len))
+        for col_start in range(0, k_len, cols):
+            col_span = range(col_start, min(col_start + cols, k_len))
+            if mask.state(row_span, col_span) is not BlockState.EMPTY:
+                alive += len(row_span) * len(col_span)
+    return alive / (q_len * k_len)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A backend's predicted time for one call, and what it rests on."""
+
+    seconds: float
+    computed_fraction: float  # share of the i x j pairs the kernel computes
+    dense_mask_bytes: int = 0  # a mask it must build as an (.., i, j) tensor
+
+    def __str__(self) -> str:
+        text = f"~{_time(self.seconds)}, computes {self.computed_fraction:.0%} of the pairs"
+        if self.dense_mask_bytes:
+            text += f" and builds a {self.dense_mask_bytes / 2**20:.1f} MiB dense mask"
+        return text
+
+
+def _time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.0f} us"
+
+
+def work_seconds(
+    call_flops_per_pair: float, pairs: float, requires_grad: bool, rate_forward: float, rate_backward: float
+) -> float:
+    """Seconds for ``pairs`` pairs at the forward rate, plus the backward's 2.5 x FLOPs at its rate if needed."""
+    flops = call_flops_per_pair * pairs
+    seconds = flops / (rate_forward * 1e9)
+    if requires_grad:
+        seconds += BACKWARD_FLOP_FACTOR * flops / (rate_backward * 1e9)
+    return seconds
+
+
+def _rates(backend: str, call: AttentionCall) -> tuple[float, float] | None:
+    """(forward, backward) GFLOP/s of ``backend`` for the call's precision; None when one it needs is unmeasured
+    (a forward-only call needs no backward rate)."""
+    rates = kernel_rates()
+    forward, backward = rates.rate(backend, "forward", call.dtype), rates.rate(backend, "backward", call.dtype)
+    if forward is None or (backward is None and call.requires_grad):
+        return None
+    return forward, backward if backward is not None else forward
+
+
+def _flops_per_pair(call: AttentionCall) -> float:
+    return 2.0 * (call.qk_dim + call.v_dim) * call.batch * call.heads
+
+
+def block_kernel_estimate(call: AttentionCall, backend: str, block_q: int, block_k: int) -> Estimate | None:
+    """A kernel that computes only the live blocks of ``block_q`` x ``block_k`` (tiled, flex), at ``backend``'s
+    rate."""
+    rates = _rates(backend, call)
+    if rates is None:
+        return None
+    fraction = live_fraction(call.mask, call.q_len, call.k_len, block_q, block_k)
+    seconds = work_seconds(_flops_per_pair(call), fraction * call.q_len * call.k_len, call.requires_grad, *rates)
+    return Estimate(seconds, fraction)
+
+
+def dense_mask_bytes(call: AttentionCall) -> int:
+    """Bytes of the one tensor a kernel taking a dense mask builds for ``call.mask``: the broadcast of its terms'
+    shapes, (b or 1, h or 1, i or 1, j): a batch dim for padding, a head dim for ALiBi, a row dim for anything but
+    padding; bool unless a term adds a bias (then the call's dtype)."""
+    mask = call.mask
+    batch = heads = rows = 1
+    for term in mask.terms:
+        tensor = getattr(term, "tensor", None)
+        kind = type(term).__name__
+        if tensor is not None:  # a dense term: its own (b or 1, h or 1, i or 1, j or 1)
+            batch, heads, rows = max(batch, tensor.shape[0]), max(heads, tensor.shape[1]), max(rows, tensor.shape[2])
+        elif kind == "_BoundPadding":
+            batch = call.batch
+        else:  # causal / window diagonals; ALiBi, which is per head too
+            rows = call.q_len
+            if kind == "_BoundAlibi":
+                heads = call.heads
+    element = call.dtype.itemsize if mask.bias_terms else 1
+    return batch * heads * rows * call.k_len * element
+
+
+MASK_PASSES = 3  # a dense mask is written, combined into one tensor, and read by the kernel
+
+
+def dense_kernel_estimate(
+    call: AttentionCall, backend: str, *, fraction: float = 1.0, mask_bytes: int = 0
+) -> Estimate | None:
+    """A kernel that computes ``fraction`` of the pairs (every one unless it skips some itself) at ``backend``'s
+    rate, plus building and reading a ``mask_bytes`` dense mask (again in the backward)."""
+    rates = _rates(backend, call)
+    if rates is None:
+        return None
+    seconds = work_seconds(_flops_per_pair(call), fraction * call.q_len * call.k_len, call.requires_grad, *rates)
+    seconds += mask_bytes * MASK_PASSES * (2 if call.requires_grad else 1) / (kernel_rates().mask_gbs * 1e9)
+    return Estimate(seconds, fraction, mask_bytes)

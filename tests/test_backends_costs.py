@@ -1,0 +1,175 @@
+"""backends.costs and auto's cost-aware choice: what each backend computes for a mask, at which rate, and that
+auto runs the cheapest serving backend (explain shows the estimates)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import multihead
+from multihead import masks
+from multihead.backends import costs, registry
+from multihead.backends.costs import DEFAULT_RATES, KernelRates, dense_mask_bytes, live_fraction
+from multihead.masks import AttentionShape, bind_mask
+
+
+def bound(mask, n: int, *, causal: bool = False, b: int = 1, h: int = 4, j: int | None = None):
+    return bind_mask(mask, causal, AttentionShape(b, h, n, j or n, torch.device("cpu")))
+
+
+def call_for(mask, n: int, *, causal=False, b=1, h=4, d=16, dtype=torch.float32, requires_grad=False):
+    return registry.AttentionCall(
+        batch=b,
+        heads=h,
+        kv_heads=h,
+        q_len=n,
+        k_len=n,
+        qk_dim=d,
+        v_dim=d,
+        dtype=dtype,
+        device=torch.device("cpu"),
+        mask=bound(mask, n, causal=causal, b=b, h=h),
+        dropout=0.0,
+        weights="none",
+        need_lse=False,
+        requires_grad=requires_grad,
+    )
+
+
+def test_live_fraction_counts_the_blocks_a_mask_leaves():
+    assert live_fraction(bound(None, 1024), 1024, 1024, 256, 256) == 1.0
+    # causal over a 4 x 4 grid: the 10 blocks on or below the diagonal
+    assert live_fraction(bound(None, 1024, causal=True), 1024, 1024, 256, 256) == 10 / 16
+    # window(256) at n = 4096: each block row keeps its diagonal block and the one before (the first: one)
+    assert live_fraction(bound(masks.window(256), 4096), 4096, 4096, 256, 256) == (2 * 16 - 1) / 256
+    # past MAX_GRID blocks a side, cells of several blocks: an upper bound, still far below dense
+    wide = live_fraction(bound(masks.window(256), 65536), 65536, 65536, 256, 256)
+    assert (2 * 256 - 1) / 256**2 <= wide < 0.1
+    # padding: keys past the batch's longest real length are dead in every row
+    padded = bound(masks.padding(torch.tensor([300, 500])), 1024, b=2)
+    assert live_fraction(padded, 1024, 1024, 256, 256) == 2 / 4
+
+
+def test_dense_mask_bytes_follow_the_terms():
+    assert dense_mask_bytes(call_for(masks.window(8), 64)) == 64 * 64  # one bool (i, j)
+    padding = masks.padding(torch.tensor([3, 40]))
+    assert dense_mask_bytes(call_for(padding, 64, b=2)) == 2 * 64  # (b, 1, 1, j): one row serves every query
+    assert dense_mask_bytes(call_for(padding & masks.window(8), 64, b=2)) == 2 * 64 * 64
+    alibi = masks.alibi(masks.alibi_slopes(4))
+    assert dense_mask_bytes(call_for(alibi, 64)) == 4 * 64 * 64 * 4  # float32 bias per head
+    bias = masks.bias(torch.zeros(1, 1, 64, 64, dtype=torch.float64))
+    assert dense_mask_bytes(call_for(bias, 64, dtype=torch.float64)) == 64 * 64 * 8
+
+
+FAST_BLOCKS = KernelRates(  # a machine where the block kernel is as fast as SDPA per computed pair
+    gflops={
+        "sdpa": {"forward float32": 100.0, "backward float32": 100.0},
+        "sdpa masked": {"forward float32": 50.0, "backward float32": 50.0},
+        "tiled": {"forward float32": 100.0, "backward float32": 100.0},
+        "materialized": {"forward float32": 10.0, "backward float32": 10.0},
+    },
+    mask_gbs=1.0,
+    source="test",
+)
+
+
+@pytest.fixture
+def rates():
+    costs.set_kernel_rates(FAST_BLOCKS)
+    yield FAST_BLOCKS
+    costs.set_kernel_rates(DEFAULT_RATES)
+
+
+def test_estimates_are_work_over_the_measured_rate(rates):
+    n = 1024
+    flops = 2 * (16 + 16) * 4 * n * n  # 2 (d + e) b h i j
+    plain = costs.dense_kernel_estimate(call_for(None, n), "sdpa")
+    assert plain is not None and plain.seconds == pytest.approx(flops / 100e9)
+    trained = costs.dense_kernel_estimate(call_for(None, n, requires_grad=True), "sdpa")
+    assert trained is not None and trained.seconds == pytest.approx(3.5 * flops / 100e9)  # backward 2.5 x
+    window = call_for(masks.window(64), n)
+    masked = costs.dense_kernel_estimate(window, "sdpa masked", mask_bytes=dense_mask_bytes(window))
+    assert masked is not None
+    assert masked.seconds == pytest.approx(flops / 50e9 + 3 * n * n / 1e9)
+    assert costs.dense_kernel_estimate(call_for(None, n, dtype=torch.float64), "sdpa") is None  # no rate: no guess
+
+
+def test_auto_runs_the_block_kernel_where_the_mask_leaves_few_blocks(rates):
+    n = 2048
+    q = torch.randn(1, 4, n, 16)
+    windowed = multihead.explain(q, q, q, mask=masks.window(128))
+    assert windowed.chosen == "tiled"
+    assert set(windowed.estimates) == {"sdpa", "tiled", "materialized"}
+    assert windowed.estimates["tiled"].seconds < windowed.estimates["sdpa"].seconds
+    text = str(windowed)
+    assert text.startswith("chosen: tiled (~") and "computes 23% of the pairs" in text  # (2 x 8 - 1) of 64 blocks
+    assert "builds a 4.0 MiB dense mask; 'tiled' is cheaper" in text
+    # the same rates, no mask: SDPA's own kernel does the same work at the same rate, and ranks first
+    assert multihead.explain(q, q, q).chosen == "sdpa"
+    # and the call runs the chosen kernel, equal to the reference
+    out = multihead.attention(q, q, q, mask=masks.window(128))
+    ref = multihead.attention(q.double(), q.double(), q.double(), mask=masks.window(128), backend="reference")
+    assert (out.double() - ref).abs().max() < 1e-4
+
+
+def test_small_calls_and_backends_without_estimates_keep_the_priority_order(rates):
+    q = torch.randn(1, 2, 64, 8)
+    small = multihead.explain(q, q, q, mask=masks.window(4))
+    assert small.chosen == "sdpa" and small.estimates == {}  # one block: nothing to skip
+    calls = []
+
+    def spy(q, k, v, **kwargs):
+        calls.append(1)
+        return registry.get_backend("reference").fn(q, k, v, **kwargs)
+
+    registry.register("first", spy, registry.Capabilities(lse=True, softcap=True), priority=1)
+    try:
+        big = torch.randn(1, 2, 512, 8)
+        assert multihead.explain(big, big, big, mask=masks.window(4)).chosen == "first"
+        multihead.attention(big, big, big, mask=masks.window(4))
+        assert calls == [1]
+    finally:
+        registry.unregister("first")
+
+
+def test_auto_follows_the_installed_calibration():
+    q = torch.randn(1, 4, 2048, 16)
+    slow_blocks = KernelRates(
+        gflops={**FAST_BLOCKS.gflops, "tiled": {"forward float32": 1.0, "backward float32": 1.0}},
+        mask_gbs=100.0,
+        source="test",
+    )
+    try:
+        costs.set_kernel_rates(slow_blocks)
+        assert multihead.explain(q, q, q, mask=masks.window(128)).chosen == "sdpa"
+        costs.set_kernel_rates(FAST_BLOCKS)
+        assert multihead.explain(q, q, q, mask=masks.window(128)).chosen == "tiled"
+    finally:
+        costs.set_kernel_rates(DEFAULT_RATES)
+
+
+def test_the_package_reads_this_machines_calibration_once(tmp_path, monkeypatch):
+    from multihead import machine
+
+    monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
+    rates = machine.MachineRates(
+        {"float32": 100.0},
+        10.0,
+        2,
+        details={"kernel_rates": {"gflops": FAST_BLOCKS.gflops, "mask_gbs": 1.0, "source": "cached"}},
+    )
+    machine.save_calibration(rates)
+    try:
+        costs.set_kernel_rates(None)  # as in a user's process: nothing installed, the package's loader reads
+        assert costs.kernel_rates().source == "cached"
+        assert costs.kernel_rates().gflops["tiled"]["forward float32"] == 100.0
+        # a damaged entry falls back to the defaults, never raises
+        data = json.loads(machine.calibration_path().read_text())
+        data["details"]["kernel_rates"] = {"gflops": "fast"}
+        machine.calibration_path().write_text(json.dumps(data))
+        costs.set_kernel_rates(None)
+        assert costs.kernel_rates() is DEFAULT_RATES
+    finally:
+        costs.set_kernel_rates(DEFAULT_RATES)
