@@ -204,6 +204,11 @@ KERNEL_CASES = {"float32": (torch.float32, 1024), "half": (torch.bfloat16, 256)}
 KERNEL_HEADS, KERNEL_HEAD_DIM = 8, 64
 
 
+def _kernel_flops(n: int) -> float:
+    """Forward n x n FLOPs of the calibration case: 2 (d + e) per pair and head, b = 1."""
+    return 2.0 * (2 * KERNEL_HEAD_DIM) * KERNEL_HEADS * n * n
+
+
 def _median_call_s(call: Callable[[], object], repeats: int = 3) -> float:
     call()  # warm-up
     times = []
@@ -261,7 +266,7 @@ def calibrate_kernels(
         q, k, v, grad = (torch.randn(1, KERNEL_HEADS, n, KERNEL_HEAD_DIM, dtype=dtype) for _ in range(4))
         keep = torch.rand(n, n) < 0.9
         keep[:, 0] = True  # no empty row
-        flops = 2.0 * (2 * KERNEL_HEAD_DIM) * KERNEL_HEADS * n * n
+        flops = _kernel_flops(n)
         for label, backend, mask in (
             ("sdpa", "sdpa", None),
             ("sdpa masked", "sdpa", keep),
@@ -284,7 +289,7 @@ def calibrate_kernels(
             with torch.no_grad():
                 return attention(q, k, v, backend="flex")
 
-        flops = 2.0 * (2 * KERNEL_HEAD_DIM) * KERNEL_HEADS * n * n
+        flops = _kernel_flops(n)
         gflops.setdefault("flex", {})[f"forward {name}"] = flops / _median_call_s(flex_forward, repeats) / 1e9
     # building a dense mask: a (1, 8, 2048, 2048) float32 bias from a window and ALiBi
     shape = AttentionShape(1, 8, 2048, 2048, torch.device("cpu"))

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from multihead.masks import BlockState, BoundMask
+from multihead.masks import BlockState, BoundMask, _BoundAlibi, _BoundDense, _BoundPadding
 
 if TYPE_CHECKING:
     from multihead.backends.registry import AttentionCall
@@ -208,12 +208,8 @@ def _flops_per_pair(call: AttentionCall) -> float:
 def block_kernel_estimate(call: AttentionCall, backend: str, block_q: int, block_k: int) -> Estimate | None:
     """A kernel that computes only the live blocks of ``block_q`` x ``block_k`` (tiled, flex), at ``backend``'s
     rate."""
-    rates = _rates(backend, call)
-    if rates is None:
-        return None
     fraction = live_fraction(call.mask, call.q_len, call.k_len, block_q, block_k)
-    seconds = work_seconds(_flops_per_pair(call), fraction * call.q_len * call.k_len, call.requires_grad, *rates)
-    return Estimate(seconds, fraction)
+    return dense_kernel_estimate(call, backend, fraction=fraction)
 
 
 def dense_mask_bytes(call: AttentionCall) -> int:
@@ -223,15 +219,14 @@ def dense_mask_bytes(call: AttentionCall) -> int:
     mask = call.mask
     batch = heads = rows = 1
     for term in mask.terms:
-        tensor = getattr(term, "tensor", None)
-        kind = type(term).__name__
-        if tensor is not None:  # a dense term: its own (b or 1, h or 1, i or 1, j or 1)
-            batch, heads, rows = max(batch, tensor.shape[0]), max(heads, tensor.shape[1]), max(rows, tensor.shape[2])
-        elif kind == "_BoundPadding":
+        if isinstance(term, _BoundDense):  # its own (b or 1, h or 1, i or 1, j or 1)
+            shape = term.tensor.shape
+            batch, heads, rows = max(batch, shape[0]), max(heads, shape[1]), max(rows, shape[2])
+        elif isinstance(term, _BoundPadding):
             batch = call.batch
         else:  # causal / window diagonals; ALiBi, which is per head too
             rows = call.q_len
-            if kind == "_BoundAlibi":
+            if isinstance(term, _BoundAlibi):
                 heads = call.heads
     element = call.dtype.itemsize if mask.bias_terms else 1
     return batch * heads * rows * call.k_len * element
