@@ -45,13 +45,14 @@ def assert_within_rule(
 
 @contextlib.contextmanager
 def tiny_blocks(block_q: int = 2, block_k: int = 3, rows: int = 2):
-    """Tiny kernel blocks, so small tests cross many blocks, partial blocks and skipped blocks."""
-    saved = tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK
-    tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK = block_q, block_k, rows
+    """Tiny kernel blocks, so small tests cross many blocks, partial blocks and skipped blocks (and the
+    materialised kernel's row blocks attend key spans narrower than the whole sequence)."""
+    saved = tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK, materialized.KEY_BLOCK
+    tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK, materialized.KEY_BLOCK = block_q, block_k, rows, block_k
     try:
         yield
     finally:
-        tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK = saved
+        tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK, materialized.KEY_BLOCK = saved
 
 
 def is_input_error(exc: BaseException, kind: type[Exception]) -> bool:

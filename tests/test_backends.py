@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import multihead
 from multihead import masks
+from multihead.backends._blocks import softmax_rows_
 from multihead.functional import WeightSelection, attention
 from support import assert_within_rule, make_qkv, textbook_lowp, tiny_blocks
 
@@ -550,3 +551,15 @@ def test_materialized_bfloat16_gradients_are_as_accurate_as_the_other_kernels(se
     exact = dq(torch.float64, "reference")
     errors = {b: (dq(torch.bfloat16, b) - exact).abs().max().item() for b in ("reference", "tiled", "materialized")}
     assert errors["materialized"] <= 2 * max(errors["reference"], errors["tiled"]) + 1e-4, errors
+
+
+@pytest.mark.parametrize("rows_may_be_empty", [False, True])
+def test_in_place_softmax_is_right_on_a_column_range_of_a_wider_tensor(rows_may_be_empty):
+    # torch's fused softmax, written over its own input, returns wrong values on a strided view (torch
+    # 2.13); softmax_rows_ must give the softmax of exactly those columns and leave the others alone
+    wide = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
+    before = wide.clone()
+    expected = torch.softmax(before[:, 2:7], dim=-1)
+    softmax_rows_(wide[:, 2:7], rows_may_be_empty=rows_may_be_empty)
+    torch.testing.assert_close(wide[:, 2:7], expected)
+    assert torch.equal(wide[:, :2], before[:, :2]) and torch.equal(wide[:, 7:], before[:, 7:])

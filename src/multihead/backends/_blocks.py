@@ -132,9 +132,11 @@ def finite_or_zero(row_max: torch.Tensor) -> torch.Tensor:
 def softmax_rows_(scores: torch.Tensor, *, rows_may_be_empty: bool = True) -> torch.Tensor:
     """In-place softmax over the last axis (no autograd); rows that are all -inf become 0.
 
-    When no row can be all -inf, torch's fused softmax kernel runs in place (one pass fewer).
+    When no row can be all -inf, torch's fused softmax kernel runs in place (one pass fewer). It is
+    given only contiguous tensors: on a strided view (a column range of a wider tensor) its ``out=``
+    written over its own input returns wrong values (torch 2.13: errors of order 1).
     """
-    if not rows_may_be_empty:
+    if not rows_may_be_empty and scores.is_contiguous():
         return torch.ops.aten._softmax.out(scores, -1, False, out=scores)
     row_max = finite_or_zero(scores.amax(dim=-1, keepdim=True))
     scores.sub_(row_max).exp_()

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from multihead._memory import empty_written_once
 from multihead.backends._blocks import (
     Blocks,
     FoldedMask,
@@ -44,9 +45,10 @@ from multihead.backends._blocks import (
 )
 from multihead.backends.costs import dense_kernel_estimate
 from multihead.backends.registry import BackendOutput, Capabilities
-from multihead.masks import BoundMask
+from multihead.masks import BlockState, BoundMask
 
 ROWS_PER_BLOCK = 1024  # rows per head block: 1024 measured 17% faster than 256 at n = 2048 (BENCHMARKS.md)
+KEY_BLOCK = 128  # granularity of the live key span of a row block (_live_keys)
 
 
 def _row_blocks(n: int):
@@ -64,6 +66,25 @@ def _heads(b: int, h: int, group: int) -> list[tuple[int, int, int]]:
     return [(bb, hh, hh // group) for bb in range(b) for hh in range(h)]
 
 
+def _key_spans(mask: BoundMask | FoldedMask, rows: slice, j: int) -> tuple[range, range]:
+    """(live, partial): the keys some query in ``rows`` may attend (from the first to the last key block of
+    KEY_BLOCK the mask does not empty), and within them the keys the mask must be applied to (from the first to
+    the last block it only partly keeps). Outside ``live`` every weight is 0 and no score needs computing: a
+    causal mask's first row block of 1024 at n = 2048 attends half the keys, and only its diagonal band of
+    1024 keys needs masking."""
+    live, partial = [], []
+    for cols in Blocks(j, KEY_BLOCK):
+        state = mask.state(range(rows.start, rows.stop), cols)
+        if state is not BlockState.EMPTY:
+            live.append(cols)
+        if state is BlockState.PARTIAL:
+            partial.append(cols)
+    return (
+        range(live[0].start, live[-1].stop) if live else range(0),
+        range(partial[0].start, partial[-1].stop) if partial else range(0),
+    )
+
+
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BoundMask | FoldedMask, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,34 +93,43 @@ def _forward(
     g, j, e = k.shape[1], k.shape[2], v.shape[3]
     work = compute_dtype(q.dtype)
     q_scaled, k_work, v_work = q.to(work) * scale, k.to(work), v.to(work)  # scale after the upcast
-    weights = torch.empty(b, h, i, j, dtype=q.dtype, device=q.device)
+    weights = empty_written_once(b, h, i, j, dtype=q.dtype, device=q.device)  # first touch on huge pages
     out = torch.empty(b, h, i, e, dtype=work, device=q.device)
-    in_place = work == q.dtype
     heads = _heads(b, h, h // g)
     rows_may_be_empty = mask.may_empty_rows()
     cap = mask.softcap
     for rows in _row_blocks(i):
-        keep, bias = mask.block(rows, slice(None), dtype=work)  # once per row block, shared by every head
-        drop = None if keep is None else keep.logical_not()
+        keys, masked = _key_spans(mask, rows, j)
+        if not keys:  # every pair of these rows masked: weights and output 0 (the fully-masked-row rule)
+            weights[:, :, rows].zero_()
+            out[:, :, rows].zero_()
+            continue
+        cols = slice(keys.start, keys.stop)
+        keep, bias = mask.block(rows, cols, dtype=work)  # once per row block, shared by every head
+        # only the band the keep terms partly keep is masked; a bias's -inf (turned into keep=False by block)
+        # may lie anywhere, so with a bias the whole span is
+        band = slice(masked.start - keys.start, masked.stop - keys.start) if bias is None else slice(None)
+        drop = None if keep is None or (bias is None and not masked) else keep[..., band].logical_not()
+        # scores go straight into the returned tensor when they fill its rows in its dtype; else into one
+        # contiguous buffer per row block (the fused softmax needs contiguous rows), copied in after
+        in_place = work == q.dtype and len(keys) == j
+        buffer = None if in_place else torch.empty(rows.stop - rows.start, len(keys), dtype=work, device=q.device)
+        if len(keys) < j:
+            weights[:, :, rows, : keys.start].zero_()
+            weights[:, :, rows, keys.stop :].zero_()
         for bb, hh, kv in heads:
-            # this head's (n, j) scores, written into the returned tensor when dtypes agree, then masked,
-            # softmaxed and multiplied by V in place
-            scores = (
-                weights[bb, hh, rows]
-                if in_place
-                else torch.empty(rows.stop - rows.start, j, dtype=work, device=q.device)
-            )
-            torch.mm(q_scaled[bb, hh, rows], k_work[bb, kv].t(), out=scores)
+            scores = weights[bb, hh, rows] if buffer is None else buffer
+            torch.mm(q_scaled[bb, hh, rows], k_work[bb, kv, cols].t(), out=scores)
             if cap is not None:
                 softcap_(scores, cap)  # before the bias
             if bias is not None:
                 scores.add_(_head_slice(bias, bb, hh))
             if drop is not None:
-                scores.masked_fill_(_head_slice(drop, bb, hh), -math.inf)
+                scores[:, band].masked_fill_(_head_slice(drop, bb, hh), -math.inf)
             softmax_rows_(scores, rows_may_be_empty=rows_may_be_empty)
-            torch.mm(scores, v_work[bb, kv], out=out[bb, hh, rows])
-            if not in_place:
-                weights[bb, hh, rows] = scores
+            torch.mm(scores, v_work[bb, kv, cols], out=out[bb, hh, rows])
+            if buffer is not None:
+                weights[bb, hh, rows, cols] = scores
     return out.to(q.dtype), weights
 
 
