@@ -78,3 +78,7 @@ clean:
 .PHONY: bench-dispatch
 bench-dispatch: install
 	$(PY) benchmarks/dispatch.py
+
+.PHONY: bench-weights
+bench-weights: install
+	$(PY) benchmarks/weights.py

@@ -207,6 +207,53 @@ def overall(records: Sequence[dict]) -> dict:
     }
 
 
+HALF_SLACK = 1.0  # the issue's goal: auto in bfloat16 at least as fast as auto in float32 on the same case
+
+
+def half_against_float32(records: Sequence[dict]) -> list[dict]:
+    """For each mask x n x mode measured in both bfloat16 and float32: auto's median in each, auto's pick in
+    each, and bfloat16 / float32 (the goal: <= 1). The two are separate cases, each interleaved with its own
+    contestants, not with each other."""
+    by_key = {
+        (r["mask"], r["n"], r["mode"], r["dtype"]): r
+        for r in records
+        if r.get("status") == "ok" and AUTO in (r.get("stats") or {})
+    }
+    rows = []
+    for (mask, n, mode, dtype), half in sorted(by_key.items(), key=lambda item: str(item[0])):
+        single = by_key.get((mask, n, mode, "float32"))
+        if dtype != "bfloat16" or single is None:
+            continue
+        half_s, single_s = half["stats"][AUTO]["median_s"], single["stats"][AUTO]["median_s"]
+        rows.append(
+            {
+                "mask": mask,
+                "n": n,
+                "mode": mode,
+                "bfloat16_ms": half_s * 1e3,
+                "float32_ms": single_s * 1e3,
+                "bfloat16_pick": half.get("chosen"),
+                "float32_pick": single.get("chosen"),
+                "ratio": half_s / single_s,
+            }
+        )
+    return rows
+
+
+def half_table(rows: Sequence[dict]) -> list[str]:
+    lines = [
+        "| mask | n | mode | auto bfloat16 ms | pick | auto float32 ms | pick | bfloat16 / float32 |",
+        "|---|---:|---|---:|---|---:|---|---:|",
+    ]
+    for row in rows:
+        ratio = f"{row['ratio']:.2f}" if row["ratio"] <= HALF_SLACK else f"**{row['ratio']:.2f}**"
+        lines.append(
+            f"| {MASK_LABELS.get(row['mask'], row['mask'])} | {row['n']} | {row['mode']} | {row['bfloat16_ms']:,.0f} "
+            f"| {row['bfloat16_pick']} | {row['float32_ms']:,.0f} | {row['float32_pick']} | {ratio} |"
+        )
+    return lines
+
+
 def case_label(record: dict) -> str:
     return f"{MASK_LABELS.get(record['mask'], record['mask'])}, n={record['n']}, {record['dtype']}, {record['mode']}"
 
@@ -335,6 +382,18 @@ def markdown_report(results: dict) -> str:
     ]
     for name, r in verdict["measured_over_estimated"].items():
         lines.append(f"| {name} | {r['cases']} | {r['median']:.2f} | {r['min']:.2f} | {r['max']:.2f} |")
+    half_rows = half_against_float32(records)
+    if half_rows:
+        at_least_as_fast = sum(row["ratio"] <= HALF_SLACK for row in half_rows)
+        lines += [
+            "",
+            "## auto in bfloat16 against auto in float32 (goal: bfloat16 / float32 <= 1)",
+            "",
+            f"bfloat16 at least as fast in {at_least_as_fast} of {len(half_rows)} cases (bold: slower). The two "
+            "medians come from separate cases, each interleaved with its own contestants.",
+            "",
+            *half_table(half_rows),
+        ]
     lines += ["", "## Measured / estimated per case (ms / ms = ratio)", "", *estimate_table(records), ""]
     compiles = results.get("compile_s") or {}
     if compiles:

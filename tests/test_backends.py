@@ -476,23 +476,6 @@ def test_selected_weights_carry_gradients_like_the_reference(kind):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
 
 
-def test_auto_skips_sdpa_for_half_backward_on_cpus_without_half_units(monkeypatch):
-    """A soft rejection: auto prefers tiled there, but backend='sdpa' still runs."""
-    from multihead.backends import sdpa
-
-    q, k, v = make_qkv(dtype=torch.bfloat16, requires_grad=True)
-    monkeypatch.setattr(sdpa, "cpu_has_half_matrix_units", lambda: False)
-    explanation = multihead.explain(q, k, v, causal=True)
-    assert explanation.chosen == "tiled"
-    assert "slower than tiled here" in " ".join(explanation.rejected["sdpa"])
-    assert multihead.explain(q, k, v, causal=True, backend="sdpa").chosen == "sdpa"
-    attention(q, k, v, causal=True, backend="sdpa").float().sum().backward()
-    with torch.no_grad():  # forward only: sdpa is fine
-        assert multihead.explain(q, k, v, causal=True).chosen == "sdpa"
-    monkeypatch.setattr(sdpa, "cpu_has_half_matrix_units", lambda: True)
-    assert multihead.explain(q, k, v, causal=True).chosen == "sdpa"
-
-
 # --------------------------------------------------------------------------- extreme but valid magnitudes
 
 

@@ -173,3 +173,62 @@ def test_the_package_reads_this_machines_calibration_once(tmp_path, monkeypatch)
         assert costs.kernel_rates() is DEFAULT_RATES
     finally:
         costs.set_kernel_rates(DEFAULT_RATES)
+
+
+def half_rates(forward_half: float, backward_half: float) -> KernelRates:
+    """FAST_BLOCKS with SDPA's half-precision rates set (float32: 100 GFLOP/s each way)."""
+    gflops = {name: dict(by_key) for name, by_key in FAST_BLOCKS.gflops.items()}
+    for label in ("sdpa", "sdpa masked"):
+        gflops[label].update({"forward half": forward_half, "backward half": backward_half})
+    return KernelRates(gflops, mask_gbs=1.0, source="test")
+
+
+@pytest.fixture
+def sdpa_dtypes(monkeypatch):
+    """The dtype torch's SDPA is called with, call by call."""
+    from multihead.backends import sdpa
+
+    seen: list[torch.dtype] = []
+    real = sdpa.F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        seen.append(q.dtype)
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    yield seen
+    costs.set_kernel_rates(DEFAULT_RATES)
+
+
+@pytest.mark.parametrize("mask", [None, "window"])
+def test_sdpa_computes_a_half_call_in_the_precision_measured_faster(sdpa_dtypes, mask):
+    q, k, v = (torch.randn(1, 4, 300, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    typed = masks.window(40) if mask else None
+    # forward as fast in bf16 as in float32 here, backward 9x slower (this project's AVX2 machine: 11 vs 82)
+    costs.set_kernel_rates(half_rates(forward_half=100.0, backward_half=11.0))
+    with torch.no_grad():
+        out = multihead.attention(q, k, v, mask=typed, backend="sdpa")
+    assert sdpa_dtypes == [torch.bfloat16] and out.dtype == torch.bfloat16  # a tie keeps the call's dtype
+    out = multihead.attention(q, k, v, mask=typed, backend="sdpa")
+    assert sdpa_dtypes[-1] == torch.float32 and out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
+    reference = multihead.attention(*(t.detach().double() for t in (q, k, v)), mask=typed, backend="reference")
+    assert (out.double() - reference).abs().max() <= 2**-8 * reference.abs().max()  # one bf16 rounding
+    estimate = multihead.explain(q, k, v, mask=typed).estimates["sdpa"]
+    assert estimate.computes_in == torch.float32 and "in float32" in str(estimate)
+    # a machine whose bf16 kernel is the faster one runs it in bf16
+    costs.set_kernel_rates(half_rates(forward_half=300.0, backward_half=300.0))
+    multihead.attention(q, k, v, mask=typed, backend="sdpa")
+    assert sdpa_dtypes[-1] == torch.bfloat16
+    assert multihead.explain(q, k, v, mask=typed).estimates["sdpa"].computes_in is None
+
+
+def test_faster_compute_dtype_keeps_other_dtypes_devices_and_unmeasured_rates(rates):
+    cpu = torch.device("cpu")
+    costs.set_kernel_rates(half_rates(forward_half=10.0, backward_half=10.0))
+    assert costs.faster_compute_dtype("sdpa", torch.bfloat16, cpu, False) == torch.float32
+    assert costs.faster_compute_dtype("sdpa", torch.float16, cpu, True) == torch.float32
+    assert costs.faster_compute_dtype("sdpa", torch.float64, cpu, False) == torch.float64
+    assert costs.faster_compute_dtype("sdpa", torch.bfloat16, torch.device("meta"), False) == torch.bfloat16
+    assert costs.faster_compute_dtype("tiled", torch.bfloat16, cpu, False) == torch.bfloat16  # no half rate

@@ -186,3 +186,16 @@ def test_dense_mask_sizes_and_unknown_kind():
     assert bench.dense_mask_bytes("window", 1024, torch.float32) == 1024**2
     with pytest.raises(ValueError, match="mask kind 'diagonal'"):
         bench.mask_arguments("diagonal", 64)
+
+
+def test_bfloat16_auto_is_compared_with_float32_auto_case_by_case():
+    single = bench.summarize(record(dtype="float32", times={"auto": [0.2, 0.2, 0.2], "tiled": [0.2] * 3}))
+    half = bench.summarize(record(dtype="bfloat16", times={"auto": [0.1, 0.1, 0.1], "tiled": [0.1] * 3}))
+    slower = bench.summarize(record(n=4096, dtype="bfloat16", times={"auto": [0.5] * 3, "tiled": [0.5] * 3}))
+    alone = bench.summarize(record(mask="alibi", dtype="bfloat16", times={"auto": [0.1] * 3, "tiled": [0.1] * 3}))
+    rows = bench.half_against_float32([single, half, slower, alone])
+    assert [(row["n"], row["ratio"]) for row in rows] == [(1024, 0.5)]  # no float32 twin: no row
+    table = "\n".join(bench.half_table(rows))
+    assert "| 0.50 |" in table
+    slower_twin = bench.summarize(record(n=4096, dtype="float32", times={"auto": [0.25] * 3, "tiled": [0.25] * 3}))
+    assert "**2.00**" in "\n".join(bench.half_table(bench.half_against_float32([slower, slower_twin])))

@@ -200,7 +200,8 @@ def calibrate(
 
 # --------------------------------------------------------------------------- each backend's rate, for auto
 
-KERNEL_CASES = {"float32": (torch.float32, 1024), "half": (torch.bfloat16, 256)}  # precision: (dtype, n)
+# precision: (dtype, n); one n, so that a kernel's precisions compare (the sdpa backend picks the faster one)
+KERNEL_CASES = {"float32": (torch.float32, 1024), "half": (torch.bfloat16, 1024)}
 KERNEL_HEADS, KERNEL_HEAD_DIM = 8, 64
 
 
@@ -217,6 +218,13 @@ def _median_call_s(call: Callable[[], object], repeats: int = 3) -> float:
         call()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def _torch_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, backend: str
+) -> torch.Tensor:
+    """torch's SDPA at the inputs' precision, as the sdpa backend calls it (``backend`` is "sdpa")."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def _kernel_times(
@@ -247,8 +255,9 @@ def calibrate_kernels(
     precisions: Sequence[str] = ("float32", "half"), *, repeats: int = 3, flex: bool = True
 ) -> KernelRates:
     """Measure each built-in backend's n x n rate here, for ``backend="auto"`` to compare them
-    (:mod:`multihead.backends.costs`): b = 1, h = 8, d = e = 64 at n = 1024 in float32 (n = 256 in bfloat16 for
-    "half"), forward and forward+backward, median of ``repeats`` calls after a warm-up.
+    (:mod:`multihead.backends.costs`): b = 1, h = 8, d = e = 64 at n = 1024 in float32 and in bfloat16 for "half",
+    forward and forward+backward, median of ``repeats`` calls after a warm-up. "sdpa" and "sdpa masked" are torch's
+    kernel itself at each precision (the sdpa backend runs a half call in float32 where that rate is higher).
 
     Rates count 2 (d + e) FLOPs per pair forward and 2.5 times that backward (backward time: forward+backward
     minus forward), so they include each kernel's softmax and per-block work at d = 64. "sdpa masked" is SDPA given a
@@ -267,13 +276,13 @@ def calibrate_kernels(
         keep = torch.rand(n, n) < 0.9
         keep[:, 0] = True  # no empty row
         flops = _kernel_flops(n)
-        for label, backend, mask in (
-            ("sdpa", "sdpa", None),
-            ("sdpa masked", "sdpa", keep),
-            ("tiled", "tiled", None),
-            ("materialized", "materialized", None),
+        for label, kernel, backend, mask in (
+            ("sdpa", _torch_sdpa, "sdpa", None),
+            ("sdpa masked", _torch_sdpa, "sdpa", keep),
+            ("tiled", attention, "tiled", None),
+            ("materialized", attention, "materialized", None),
         ):
-            forward_s, backward_s = _kernel_times(attention, (q, k, v), grad, mask, backend, repeats)
+            forward_s, backward_s = _kernel_times(kernel, (q, k, v), grad, mask, backend, repeats)
             rates = gflops.setdefault(label, {})
             rates[f"forward {name}"] = flops / forward_s / 1e9
             rates[f"backward {name}"] = BACKWARD_FLOP_FACTOR * flops / backward_s / 1e9

@@ -12,6 +12,9 @@ A backend's estimate is the n x n work it really does for this call, at this mac
   ``multihead bench --calibrate`` (``multihead.machine.calibrate_kernels``) and installed with
   :func:`set_kernel_rates`; until then :data:`DEFAULT_RATES`, measured on this project's machine (named there).
 - **A dense mask** (SDPA with anything but its own causal) is built and read at ``mask_gbs``.
+- **Precision.** A kernel measured faster in float32 than in bfloat16/float16 here (torch's SDPA on CPUs without
+  half-precision matrix units: its bf16 backward ran at 11 GFLOP/s against 82 in float32 on this project's
+  machine) is run in float32 for half inputs, and estimated so (:func:`faster_compute_dtype`).
 
 ``multihead.explain`` prints each serving backend's estimate; ``benchmarks/`` checks the predicted winner against
 the measured one.
@@ -36,6 +39,7 @@ __all__ = [
     "Estimate",
     "KernelRates",
     "kernel_rates",
+    "faster_compute_dtype",
     "live_fraction",
     "set_kernel_rates",
     "set_rates_loader",
@@ -66,40 +70,41 @@ class KernelRates:
 
 
 # Measured by multihead.machine.calibrate_kernels (what `multihead bench --calibrate` runs) on this project's
-# machine, the median of 3 calibrations on 2026-11-23 with the machine otherwise idle: AMD EPYC, 2 cores, AVX2 (no
-# AVX-512, no bf16/AMX units), torch 2.13.0 CPU, 2 threads; b = 1, h = 8, d = 64, n = 1024 (float32), 256 (bfloat16)
+# machine, the median of 3 calibrations on 2026-11-23 20:35 with the machine otherwise idle: AMD EPYC, 2 cores, AVX2
+# (no AVX-512, no bf16/AMX units), torch 2.13.0 CPU, 2 threads; b = 1, h = 8, d = 64, n = 1024 in float32 and
+# bfloat16 ("half"); "sdpa" and "sdpa masked" are torch's kernel itself in each precision
 DEFAULT_RATES = KernelRates(
     gflops={
         "sdpa": {
-            "forward float32": 80.5,
-            "backward float32": 82.1,
-            "forward half": 72.9,
-            "backward half": 11.2,
+            "forward float32": 98.3,
+            "backward float32": 93.8,
+            "forward half": 94.3,
+            "backward half": 12.8,
         },
         "sdpa masked": {
-            "forward float32": 72.0,
-            "backward float32": 81.9,
-            "forward half": 57.8,
-            "backward half": 11.1,
+            "forward float32": 85.2,
+            "backward float32": 88.8,
+            "forward half": 81.5,
+            "backward half": 12.3,
         },
         "tiled": {
-            "forward float32": 51.7,
-            "backward float32": 56.5,
-            "forward half": 34.8,
-            "backward half": 47.5,
+            "forward float32": 55.7,
+            "backward float32": 70.5,
+            "forward half": 48.8,
+            "backward half": 68.6,
         },
         "materialized": {
-            "forward float32": 40.9,
-            "backward float32": 45.9,
-            "forward half": 36.7,
-            "backward half": 39.5,
+            "forward float32": 48.9,
+            "backward float32": 40.6,
+            "forward half": 70.6,
+            "backward half": 37.3,
         },
         "flex": {
-            "forward float32": 39.8,
-            "forward half": 13.6,
+            "forward float32": 44.5,
+            "forward half": 28.3,
         },
     },
-    mask_gbs=0.96,
+    mask_gbs=1.15,
     source="defaults: the median of 3 calibrations on an AMD EPYC (AVX2), 2 threads, torch 2.13.0",
 )
 
@@ -141,6 +146,29 @@ def precision(dtype: torch.dtype) -> str:
     return "half" if dtype in (torch.bfloat16, torch.float16) else "float32"
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def faster_compute_dtype(backend: str, dtype: torch.dtype, device: torch.device, requires_grad: bool) -> torch.dtype:
+    """The dtype ``backend``'s kernel runs a ``dtype`` call in: float32 for a half-precision CPU call where this
+    machine's rates for it say float32 is faster (forward, plus its backward when gradients are needed; casting
+    q, k, v and the output costs O(n), against the kernel's O(n^2)), else ``dtype``. The rates are the CPU's, so
+    other devices keep their dtype."""
+    if dtype not in HALF_DTYPES or device.type != "cpu":
+        return dtype
+    rates = kernel_rates()
+
+    def seconds_per_flop(precision_dtype: torch.dtype) -> float | None:
+        forward = rates.rate(backend, "forward", precision_dtype)
+        backward = rates.rate(backend, "backward", precision_dtype)
+        if forward is None or (requires_grad and backward is None):
+            return None
+        return 1 / forward + (BACKWARD_FLOP_FACTOR / backward if requires_grad and backward else 0.0)
+
+    half, single = seconds_per_flop(dtype), seconds_per_flop(torch.float32)
+    return torch.float32 if half is not None and single is not None and single < half else dtype
+
+
 def live_fraction(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k: int) -> float:
     """The share of (query, key) pairs in blocks of ``block_q`` x ``block_k`` that ``mask`` does not rule out
     entirely: what a block-skipping kernel computes. Past :data:`MAX_GRID` blocks per side, cells of several
@@ -166,9 +194,12 @@ class Estimate:
     seconds: float
     computed_fraction: float  # share of the i x j pairs the kernel computes
     dense_mask_bytes: int = 0  # a mask it must build as an (.., i, j) tensor
+    computes_in: torch.dtype | None = None  # set when it computes in another dtype than the call's
 
     def __str__(self) -> str:
         text = f"~{_time(self.seconds)}, computes {self.computed_fraction:.0%} of the pairs"
+        if self.computes_in is not None:
+            text += f" in {str(self.computes_in).removeprefix('torch.')}"
         if self.dense_mask_bytes:
             text += f" and builds a {self.dense_mask_bytes / 2**20:.1f} MiB dense mask"
         return text
@@ -191,11 +222,11 @@ def work_seconds(
     return seconds
 
 
-def _rates(backend: str, call: AttentionCall) -> tuple[float, float] | None:
-    """(forward, backward) GFLOP/s of ``backend`` for the call's precision; None when one it needs is unmeasured
+def _rates(backend: str, call: AttentionCall, dtype: torch.dtype) -> tuple[float, float] | None:
+    """(forward, backward) GFLOP/s of ``backend`` computing in ``dtype``; None when one it needs is unmeasured
     (a forward-only call needs no backward rate)."""
     rates = kernel_rates()
-    forward, backward = rates.rate(backend, "forward", call.dtype), rates.rate(backend, "backward", call.dtype)
+    forward, backward = rates.rate(backend, "forward", dtype), rates.rate(backend, "backward", dtype)
     if forward is None or (backward is None and call.requires_grad):
         return None
     return forward, backward if backward is not None else forward
@@ -212,10 +243,10 @@ def block_kernel_estimate(call: AttentionCall, backend: str, block_q: int, block
     return dense_kernel_estimate(call, backend, fraction=fraction)
 
 
-def dense_mask_bytes(call: AttentionCall) -> int:
+def dense_mask_bytes(call: AttentionCall, dtype: torch.dtype | None = None) -> int:
     """Bytes of the one tensor a kernel taking a dense mask builds for ``call.mask``: the broadcast of its terms'
     shapes, (b or 1, h or 1, i or 1, j): a batch dim for padding, a head dim for ALiBi, a row dim for anything but
-    padding; bool unless a term adds a bias (then the call's dtype)."""
+    padding; bool unless a term adds a bias (then ``dtype``, by default the call's)."""
     mask = call.mask
     batch = heads = rows = 1
     for term in mask.terms:
@@ -228,7 +259,7 @@ def dense_mask_bytes(call: AttentionCall) -> int:
             rows = call.q_len
             if isinstance(term, _BoundAlibi):
                 heads = call.heads
-    element = call.dtype.itemsize if mask.bias_terms else 1
+    element = (dtype or call.dtype).itemsize if mask.bias_terms else 1
     return batch * heads * rows * call.k_len * element
 
 
@@ -236,13 +267,20 @@ MASK_PASSES = 3  # a dense mask is written, combined into one tensor, and read b
 
 
 def dense_kernel_estimate(
-    call: AttentionCall, backend: str, *, fraction: float = 1.0, mask_bytes: int = 0
+    call: AttentionCall,
+    backend: str,
+    *,
+    fraction: float = 1.0,
+    mask_bytes: int = 0,
+    compute_dtype: torch.dtype | None = None,
 ) -> Estimate | None:
     """A kernel that computes ``fraction`` of the pairs (every one unless it skips some itself) at ``backend``'s
-    rate, plus building and reading a ``mask_bytes`` dense mask (again in the backward)."""
-    rates = _rates(backend, call)
+    rate in ``compute_dtype`` (default: the call's), plus building and reading a ``mask_bytes`` dense mask (again
+    in the backward)."""
+    dtype = call.dtype if compute_dtype is None else compute_dtype
+    rates = _rates(backend, call, dtype)
     if rates is None:
         return None
     seconds = work_seconds(_flops_per_pair(call), fraction * call.q_len * call.k_len, call.requires_grad, *rates)
     seconds += mask_bytes * MASK_PASSES * (2 if call.requires_grad else 1) / (kernel_rates().mask_gbs * 1e9)
-    return Estimate(seconds, fraction, mask_bytes)
+    return Estimate(seconds, fraction, mask_bytes, computes_in=None if dtype == call.dtype else dtype)

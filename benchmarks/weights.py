@@ -1,0 +1,180 @@
+"""Per-head weights against torch's default: ``layer(x, need_weights=True)`` vs ``torch.nn.MultiheadAttention``.
+
+Usage:
+    python benchmarks/weights.py [--n 2048] [--rounds 21] [--train-rounds 7] [--out benchmarks/results]
+    make bench-weights
+
+torch's ``nn.MultiheadAttention`` returns weights by default (``need_weights=True``), averaged over heads,
+(b, n, n). multihead's layer returns every head's exact weights, (b, h, n, n), 12x as many. Both layers hold
+the same parameters (multihead.bench.attention_layers) and agree to 1e-4 before timing (ours averaged over
+heads against torch's). The contestants, per shape (BERT-base: 768 wide, 12 heads, full; GPT-2 small: the same,
+causal) and mode (forward under no_grad; forward+backward of out.sum() + weights.sum()):
+
+    ours_weights    multihead.MultiHeadAttention, need_weights=True      -> out, (b, h, n, n)
+    torch_weights   torch.nn.MultiheadAttention, need_weights=True       -> out, (b, n, n) averaged (its default)
+    ours            multihead, need_weights=False                        -> out
+    torch           torch, need_weights=False                            -> out
+
+Each round runs every contestant once, the order rotating by one each round, so a burst of other work hits
+all alike; each time is the median over the rounds, and the headline ratio torch_weights / ours_weights is
+computed per round and reported as median [min, max]; every call's time is kept in the JSON. It runs with
+glibc's default allocator settings, as a user's process does (benchmarks/layer.py sets MALLOC_MMAP_THRESHOLD_
+to measure memory, which makes every tensor over 64 KiB fresh memory); the 192 MiB weights are fresh memory
+either way, for both layers. Writes weights.json and weights.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from harness import common
+
+from multihead.bench import attention_layers
+
+SHAPES = {"bert-base": (768, 12, False), "gpt2-small": (768, 12, True)}
+CONTESTANTS = ("ours_weights", "torch_weights", "ours", "torch")
+MODES = ("forward", "forward+backward")
+AGREE_TOL = 1e-4
+
+
+def contestants(shape: str, n: int, mode: str, seed: int = 0) -> dict[str, Callable[[], object]]:
+    """The four calls of one case, as thunks; checks first that the layers agree."""
+    embed_dim, heads, causal = SHAPES[shape]
+    ours, torch_mha, _ = attention_layers(embed_dim, heads, torch.float32, seed)
+    ours.eval(), torch_mha.eval()
+    x = torch.randn(1, n, embed_dim, generator=torch.Generator().manual_seed(seed))
+    torch_mask = torch.nn.Transformer.generate_square_subsequent_mask(n) if causal else None
+    train = mode == "forward+backward"
+    x_in = x.requires_grad_(train)
+
+    def ours_call(weights: bool) -> Callable[[], object]:
+        return lambda: ours(x_in, causal=causal, need_weights=weights)
+
+    def torch_call(weights: bool) -> Callable[[], object]:
+        return lambda: torch_mha(x_in, x_in, x_in, need_weights=weights, attn_mask=torch_mask, is_causal=causal)
+
+    calls = {
+        "ours_weights": ours_call(True),
+        "torch_weights": torch_call(True),
+        "ours": ours_call(False),
+        "torch": torch_call(False),
+    }
+    with torch.no_grad():
+        out, w = calls["ours_weights"]()
+        out_t, w_t = calls["torch_weights"]()
+        diff = max((out - out_t).abs().max().item(), (w.mean(dim=1) - w_t).abs().max().item())
+    if diff > AGREE_TOL:
+        raise AssertionError(f"{shape} n={n}: multihead and torch disagree by {diff:.3g} (> {AGREE_TOL})")
+
+    def timed(call: Callable[[], object]) -> Callable[[], object]:
+        if not train:
+
+            def forward() -> object:
+                with torch.no_grad():
+                    return call()
+
+            return forward
+
+        def forward_backward() -> object:
+            out, weights = call()
+            loss = out.sum() if weights is None else out.sum() + weights.sum()
+            loss.backward()
+            x_in.grad = None
+            for p in (*ours.parameters(), *torch_mha.parameters()):
+                p.grad = None
+            return loss
+
+        return forward_backward
+
+    return {name: timed(call) for name, call in calls.items()}
+
+
+def measure(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """``rounds`` rounds of every call once, the order rotating; seconds per call per round."""
+    names = list(calls)
+    for name in names:
+        calls[name]()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def summarize(times: dict[str, list[float]]) -> dict:
+    per_round = [t / o for t, o in zip(times["torch_weights"], times["ours_weights"], strict=True)]
+    return {
+        "ms": {name: 1e3 * statistics.median(ts) for name, ts in times.items()},
+        "ms_min": {name: 1e3 * min(ts) for name, ts in times.items()},
+        "speedup": statistics.median(per_round),
+        "speedup_min": min(per_round),
+        "speedup_max": max(per_round),
+        "rounds": len(per_round),
+        "times_ms": {name: [1e3 * t for t in ts] for name, ts in times.items()},
+    }
+
+
+def run(n: int, rounds: int, train_rounds: int, say: Callable[[str], None]) -> dict:
+    results = []
+    for shape in SHAPES:
+        for mode in MODES:
+            k = rounds if mode == "forward" else train_rounds
+            record = {"shape": shape, "n": n, "mode": mode, **summarize(measure(contestants(shape, n, mode), k))}
+            say(
+                f"{shape:10s} {mode:16s} ours_weights {record['ms']['ours_weights']:7.1f} ms  torch_weights "
+                f"{record['ms']['torch_weights']:7.1f} ms  speedup {record['speedup']:.2f} "
+                f"[{record['speedup_min']:.2f}, {record['speedup_max']:.2f}] over {k} rounds"
+            )
+            results.append(record)
+    peaks = {"float32": common.matmul_peak_gflops(torch.float32, 5, 1.0)}
+    return {"machine": common.machine_info(peaks), "cases": results}
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        "# Per-head weights vs torch's default (averaged) weights",
+        "",
+        f"Machine: {common.machine_line(results['machine'])}.",
+        "",
+        "| shape | n | mode | multihead per-head weights ms | torch need_weights=True ms | multihead no weights ms "
+        "| torch need_weights=False ms | torch / multihead (weights), median [min, max] | rounds |",
+        "|---|---:|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for c in results["cases"]:
+        ms = c["ms"]
+        lines.append(
+            f"| {c['shape']} | {c['n']} | {c['mode']} | {ms['ours_weights']:.1f} | {ms['torch_weights']:.1f} | "
+            f"{ms['ours']:.1f} | {ms['torch']:.1f} | {c['speedup']:.2f} [{c['speedup_min']:.2f}, "
+            f"{c['speedup_max']:.2f}] | {c['rounds']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds, forward")
+    parser.add_argument("--train-rounds", type=int, default=7, help="interleaved rounds, forward+backward")
+    parser.add_argument("--out", type=Path, default=common.default_out_dir())
+    args = parser.parse_args(argv)
+    if args.n < 1 or args.rounds < 1 or args.train_rounds < 1:
+        parser.error(
+            f"--n, --rounds and --train-rounds must be positive, got {args.n}, {args.rounds}, {args.train_rounds}"
+        )
+    results = run(args.n, args.rounds, args.train_rounds, print)
+    common.write_json(results, args.out, "weights")
+    (args.out / "weights.md").write_text(markdown(results))
+    print(f"wrote {args.out / 'weights.json'} and weights.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
