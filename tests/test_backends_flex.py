@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 import multihead
 from multihead import masks
-from multihead.backends import flex
+from multihead.backends import costs, flex
 from multihead.functional import attention
 from multihead.masks import AttentionShape, bind_mask
 from support import assert_within_rule, make_qkv, textbook_lowp
@@ -248,21 +248,48 @@ def test_auto_skips_flex_while_cold_and_says_why(kernel):
     assert not any("not compiled" in r for r in rejected)
 
 
-def test_flex_is_warm_follows_the_cache_key(kernel):
-    def call(i, j, kv_heads=G, mask=None, dtype=torch.float32):
-        mask = causal_mask("top_left", j) if mask is None else mask
-        bound = bind_mask(mask, False, AttentionShape(B, H, i, j, torch.device("cpu")))
-        return multihead.backends.AttentionCall(
-            B, H, kv_heads, i, j, D, E, dtype, torch.device("cpu"), bound, 0.0, "none", False, False
-        )
+def kernel_call(i, j, kv_heads=G, mask=None, dtype=torch.float32):
+    """The AttentionCall of a forward call on the shared kernel's heads and head dims."""
+    mask = causal_mask("top_left", j) if mask is None else mask
+    bound = bind_mask(mask, False, AttentionShape(B, H, i, j, torch.device("cpu")))
+    return multihead.backends.AttentionCall(
+        B, H, kv_heads, i, j, D, E, dtype, torch.device("cpu"), bound, 0.0, "none", False, False
+    )
 
-    assert flex.flex_is_warm(call(100, 1000))
-    assert flex.flex_is_warm(call(3, 4))
-    assert not flex.flex_is_warm(call(3, 4, kv_heads=H))  # head counts are compiled in
-    assert not flex.flex_is_warm(call(1, 4))  # one query: a kernel of its own
-    assert not flex.flex_is_warm(call(3, 4, dtype=torch.bfloat16))
-    assert not flex.flex_is_warm(call(3, 4, mask=masks.window(3, 0)))  # other mask kinds: other code
+
+@pytest.fixture
+def faster_half_flex():
+    """Rates of a machine where compiled FlexAttention is faster in bfloat16 than in float32."""
+    gflops = {name: dict(by_key) for name, by_key in costs.DEFAULT_RATES.gflops.items()}
+    gflops["flex"]["forward half"] = 10 * gflops["flex"]["forward float32"]
+    costs.set_kernel_rates(costs.KernelRates(gflops, mask_gbs=costs.DEFAULT_RATES.mask_gbs, source="test"))
+    yield
+    costs.set_kernel_rates(costs.DEFAULT_RATES)
+
+
+def test_flex_is_warm_follows_the_cache_key(kernel):
+    assert flex.flex_is_warm(kernel_call(100, 1000))
+    assert flex.flex_is_warm(kernel_call(3, 4))
+    assert not flex.flex_is_warm(kernel_call(3, 4, kv_heads=H))  # head counts are compiled in
+    assert not flex.flex_is_warm(kernel_call(1, 4))  # one query: a kernel of its own
+    assert not flex.flex_is_warm(kernel_call(3, 4, mask=masks.window(3, 0)))  # other mask kinds: other code
     assert flex.compile_seconds() > 0
+
+
+def test_a_half_call_runs_on_the_float32_kernel_where_that_is_faster(kernel):
+    # the shipped rates (this project's AVX2 machine): compiled FlexAttention runs 45 GFLOP/s in float32, 28 in bf16
+    assert flex.flex_is_warm(kernel_call(3, 4, dtype=torch.bfloat16))
+    before, kernels = graphs(), dict(flex._COMPILE_SECONDS)
+    check_against_reference(flex_backend, causal_mask("top_left", 300), 130, 300, torch.bfloat16, "bf16 in float32")
+    assert graphs() == before and flex._COMPILE_SECONDS == kernels  # the float32 kernel served it
+    q, k, v = inputs(300, 300, torch.bfloat16)  # big enough for auto to compare estimates (explain runs nothing)
+    estimate = multihead.explain(q, k, v, mask=causal_mask("top_left", 300)).estimates["flex"]
+    assert estimate.computes_in == torch.float32
+
+
+def test_a_half_call_gets_its_own_kernel_where_half_is_faster(kernel, faster_half_flex):
+    assert not flex.flex_is_warm(kernel_call(3, 4, dtype=torch.bfloat16))
+    assert flex.flex_is_warm(kernel_call(3, 4))
 
 
 def test_a_compiler_failure_is_a_clear_error_and_flex_is_passed_over_after(monkeypatch):

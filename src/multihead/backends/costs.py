@@ -12,9 +12,11 @@ A backend's estimate is the n x n work it really does for this call, at this mac
   ``multihead bench --calibrate`` (``multihead.machine.calibrate_kernels``) and installed with
   :func:`set_kernel_rates`; until then :data:`DEFAULT_RATES`, measured on this project's machine (named there).
 - **A dense mask** (SDPA with anything but its own causal) is built and read at ``mask_gbs``.
-- **Precision.** A kernel measured faster in float32 than in bfloat16/float16 here (torch's SDPA on CPUs without
-  half-precision matrix units: its bf16 backward ran at 11 GFLOP/s against 82 in float32 on this project's
-  machine) is run in float32 for half inputs, and estimated so (:func:`faster_compute_dtype`).
+- **Precision.** The kernels torch provides (SDPA, FlexAttention) run a bfloat16/float16 call in float32 where
+  they were measured faster in float32 here, and are estimated so (:func:`faster_compute_dtype`): on CPUs without
+  half-precision matrix units SDPA's bf16 backward ran at 13 GFLOP/s against 94 in float32 on this project's
+  machine, and compiled FlexAttention's bf16 forward at 28 against 45. Our own kernels compute their blocks in
+  float32 already.
 
 ``multihead.explain`` prints each serving backend's estimate; ``benchmarks/`` checks the predicted winner against
 the measured one.
@@ -39,7 +41,9 @@ __all__ = [
     "Estimate",
     "KernelRates",
     "kernel_rates",
+    "call_compute_dtype",
     "faster_compute_dtype",
+    "inputs_in_faster_dtype",
     "live_fraction",
     "set_kernel_rates",
     "set_rates_loader",
@@ -169,6 +173,21 @@ def faster_compute_dtype(backend: str, dtype: torch.dtype, device: torch.device,
     return torch.float32 if half is not None and single is not None and single < half else dtype
 
 
+def call_compute_dtype(backend: str, call: AttentionCall) -> torch.dtype:
+    """:func:`faster_compute_dtype` for a call, as the backend will see it."""
+    return faster_compute_dtype(backend, call.dtype, call.device, call.requires_grad)
+
+
+def inputs_in_faster_dtype(
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in the dtype ``backend``'s kernel runs them fastest in here (:func:`faster_compute_dtype`; no copy
+    when that is theirs). The kernel's output goes back to the inputs' dtype, and autograd casts the gradients."""
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    work = faster_compute_dtype(backend, q.dtype, q.device, requires_grad)
+    return q.to(work), k.to(work), v.to(work)
+
+
 def live_fraction(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k: int) -> float:
     """The share of (query, key) pairs in blocks of ``block_q`` x ``block_k`` that ``mask`` does not rule out
     entirely: what a block-skipping kernel computes. Past :data:`MAX_GRID` blocks per side, cells of several
@@ -236,11 +255,13 @@ def _flops_per_pair(call: AttentionCall) -> float:
     return 2.0 * (call.qk_dim + call.v_dim) * call.batch * call.heads
 
 
-def block_kernel_estimate(call: AttentionCall, backend: str, block_q: int, block_k: int) -> Estimate | None:
+def block_kernel_estimate(
+    call: AttentionCall, backend: str, block_q: int, block_k: int, *, compute_dtype: torch.dtype | None = None
+) -> Estimate | None:
     """A kernel that computes only the live blocks of ``block_q`` x ``block_k`` (tiled, flex), at ``backend``'s
-    rate."""
+    rate in ``compute_dtype`` (default: the call's)."""
     fraction = live_fraction(call.mask, call.q_len, call.k_len, block_q, block_k)
-    return dense_kernel_estimate(call, backend, fraction=fraction)
+    return dense_kernel_estimate(call, backend, fraction=fraction, compute_dtype=compute_dtype)
 
 
 def dense_mask_bytes(call: AttentionCall, dtype: torch.dtype | None = None) -> int:

@@ -13,7 +13,7 @@ What differs from ours, and how this backend bridges it:
 - Logit soft-capping (masks.softcap) is not served: SDPA takes no score transform
   (its Capabilities leave ``softcap`` False, so auto picks another backend).
 - Half-precision calls on the CPU run in float32 where this machine's rates say torch's kernel is faster there
-  (backends.costs.faster_compute_dtype): without bf16/fp16 matrix units its bf16 backward ran at 11 GFLOP/s
+  (backends.costs.inputs_in_faster_dtype): without bf16/fp16 matrix units its bf16 backward ran at 11 GFLOP/s
   against 82 in float32 here, and its forward at 73 against 80. The output and gradients come back in the
   inputs' dtype, rounded once from float32.
 """
@@ -27,9 +27,10 @@ import torch.nn.functional as F
 
 from multihead.backends.costs import (
     Estimate,
+    call_compute_dtype,
     dense_kernel_estimate,
     dense_mask_bytes,
-    faster_compute_dtype,
+    inputs_in_faster_dtype,
     live_fraction,
 )
 from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities
@@ -69,11 +70,9 @@ def sdpa_attention(
     need_lse: bool,
 ) -> BackendOutput:
     """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), in q's dtype."""
-    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    work = faster_compute_dtype(rates_label(mask), q.dtype, q.device, requires_grad)
     given = q.dtype
-    q, k, v = q.to(work), k.to(work), v.to(work)
-    attn_mask, is_causal = sdpa_mask(mask, work)
+    q, k, v = inputs_in_faster_dtype(rates_label(mask), q, k, v)
+    attn_mask, is_causal = sdpa_mask(mask, q.dtype)
     if attn_mask is not None and mask.may_empty_rows():
         # SDPA adds the mask to q k^T: a fully masked row whose scores overflow to +inf gets inf - inf = NaN.
         # Zero queries score 0 everywhere, so such rows give 0 (output and gradient) like every other backend.
@@ -106,7 +105,7 @@ def _estimate(call: AttentionCall) -> Estimate | None:
     """Its own causal skips the blocks above the diagonal; any other mask is one dense tensor and every pair."""
     mask = call.mask
     label = rates_label(mask)
-    work = faster_compute_dtype(label, call.dtype, call.device, call.requires_grad)
+    work = call_compute_dtype(label, call)
     if mask.is_empty:
         return dense_kernel_estimate(call, label, compute_dtype=work)
     if mask.is_plain_causal:
