@@ -4,8 +4,11 @@ The textbook code allocates scores, scaled scores, masked scores and weights as
 separate (b, h, i, j) tensors. Here each head's block of query rows is written
 once, straight into the returned weights tensor, masked and softmaxed in place,
 and multiplied by V. Blocks of 1024 rows measured faster than smaller,
-cache-sized ones: fewer, larger matrix products outweigh the cache misses. The
-only i x j memory is the tensor returned to the caller. Backward reads the
+cache-sized ones: fewer, larger matrix products outweigh the cache misses. A row
+block computes only the keys its mask leaves alive and masks only the band the
+mask partly keeps (:func:`_key_spans`); the returned tensor is advised onto huge
+pages before its first write (:mod:`multihead._memory`). The only i x j memory is
+the tensor returned to the caller. Backward reads the
 saved weights (no recomputation) block by block; with a logit soft-cap
 (masks.softcap) it also recomputes each row block's scores, since dS is
 multiplied by the cap's derivative 1 - (t / cap)^2 at the capped score t.
@@ -48,7 +51,7 @@ from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BlockState, BoundMask
 
 ROWS_PER_BLOCK = 1024  # rows per head block: 1024 measured 17% faster than 256 at n = 2048 (BENCHMARKS.md)
-KEY_BLOCK = 128  # granularity of the live key span of a row block (_live_keys)
+KEY_BLOCK = 128  # granularity of a row block's live and masked key spans (_key_spans)
 
 
 def _row_blocks(n: int):
