@@ -82,3 +82,7 @@ bench-dispatch: install
 .PHONY: bench-weights
 bench-weights: install
 	$(PY) benchmarks/weights.py
+
+.PHONY: bench-half
+bench-half: install
+	$(PY) benchmarks/half.py

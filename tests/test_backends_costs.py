@@ -232,3 +232,14 @@ def test_faster_compute_dtype_keeps_other_dtypes_devices_and_unmeasured_rates(ra
     assert costs.faster_compute_dtype("sdpa", torch.float64, cpu, False) == torch.float64
     assert costs.faster_compute_dtype("sdpa", torch.bfloat16, torch.device("meta"), False) == torch.bfloat16
     assert costs.faster_compute_dtype("tiled", torch.bfloat16, cpu, False) == torch.bfloat16  # no half rate
+
+
+def test_calibration_runs_every_kernel_in_the_dtype_it_is_given(sdpa_dtypes):
+    # rates that would send a bf16 call to float32: inside native_precision the kernel's own bf16 path runs
+    costs.set_kernel_rates(half_rates(forward_half=10.0, backward_half=10.0))
+    q, k, v = (torch.randn(1, 2, 300, 8, dtype=torch.bfloat16) for _ in range(3))
+    with costs.native_precision():
+        assert costs.faster_compute_dtype("sdpa", torch.bfloat16, torch.device("cpu"), True) == torch.bfloat16
+        multihead.attention(q, k, v, backend="sdpa")
+    multihead.attention(q, k, v, backend="sdpa")
+    assert sdpa_dtypes == [torch.bfloat16, torch.float32]

@@ -256,8 +256,9 @@ def calibrate_kernels(
 ) -> KernelRates:
     """Measure each built-in backend's n x n rate here, for ``backend="auto"`` to compare them
     (:mod:`multihead.backends.costs`): b = 1, h = 8, d = e = 64 at n = 1024 in float32 and in bfloat16 for "half",
-    forward and forward+backward, median of ``repeats`` calls after a warm-up. "sdpa" and "sdpa masked" are torch's
-    kernel itself at each precision (the sdpa backend runs a half call in float32 where that rate is higher).
+    forward and forward+backward, median of ``repeats`` calls after a warm-up. Each kernel runs in the precision
+    given (``costs.native_precision``): "sdpa" and "sdpa masked" are torch's kernel itself (the sdpa and flex
+    backends run a half call in float32 where that rate is higher).
 
     Rates count 2 (d + e) FLOPs per pair forward and 2.5 times that backward (backward time: forward+backward
     minus forward), so they include each kernel's softmax and per-block work at d = 64. "sdpa masked" is SDPA given a
@@ -265,41 +266,13 @@ def calibrate_kernels(
     flex backend is compiled (seconds) and timed forward (it has no backward on the CPU).
     """
     from multihead import masks as typed_masks
-    from multihead.backends.costs import BACKWARD_FLOP_FACTOR
-    from multihead.functional import attention
+    from multihead.backends.costs import native_precision
     from multihead.masks import AttentionShape, bind_mask
 
     gflops: dict[str, dict[str, float]] = {}
-    for name in precisions:
-        dtype, n = KERNEL_CASES[name]
-        q, k, v, grad = (torch.randn(1, KERNEL_HEADS, n, KERNEL_HEAD_DIM, dtype=dtype) for _ in range(4))
-        keep = torch.rand(n, n) < 0.9
-        keep[:, 0] = True  # no empty row
-        flops = _kernel_flops(n)
-        for label, kernel, backend, mask in (
-            ("sdpa", _torch_sdpa, "sdpa", None),
-            ("sdpa masked", _torch_sdpa, "sdpa", keep),
-            ("tiled", attention, "tiled", None),
-            ("materialized", attention, "materialized", None),
-        ):
-            forward_s, backward_s = _kernel_times(kernel, (q, k, v), grad, mask, backend, repeats)
-            rates = gflops.setdefault(label, {})
-            rates[f"forward {name}"] = flops / forward_s / 1e9
-            rates[f"backward {name}"] = BACKWARD_FLOP_FACTOR * flops / backward_s / 1e9
-    # flex (FlexAttention): compiled once here (seconds), then timed; forward only where it has no backward (CPU)
-    from multihead.backends import flex as flex_backend
-
-    for name in precisions if flex else ():
-        dtype, n = KERNEL_CASES[name]
-        q, k, v = (torch.randn(1, KERNEL_HEADS, n, KERNEL_HEAD_DIM, dtype=dtype) for _ in range(3))
-        flex_backend.warm_up(heads=KERNEL_HEADS, qk_dim=KERNEL_HEAD_DIM, dtype=dtype, length=n)
-
-        def flex_forward(q=q, k=k, v=v) -> object:
-            with torch.no_grad():
-                return attention(q, k, v, backend="flex")
-
-        flops = _kernel_flops(n)
-        gflops.setdefault("flex", {})[f"forward {name}"] = flops / _median_call_s(flex_forward, repeats) / 1e9
+    with native_precision():  # each kernel in each precision as it is, not as auto would run it
+        for name in precisions:
+            _measure_kernels(gflops, name, repeats, flex)
     # building a dense mask: a (1, 8, 2048, 2048) float32 bias from a window and ALiBi
     shape = AttentionShape(1, 8, 2048, 2048, torch.device("cpu"))
     bound = bind_mask(typed_masks.window(256) & typed_masks.alibi(typed_masks.alibi_slopes(8)), False, shape)
@@ -309,6 +282,38 @@ def calibrate_kernels(
         mask_gbs=8 * 2048 * 2048 * 4 / mask_s / 1e9,
         source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} on {identity().describe()}",
     )
+
+
+def _measure_kernels(gflops: dict[str, dict[str, float]], precision: str, repeats: int, flex: bool) -> None:
+    """Add each kernel's forward (and backward) GFLOP/s in ``precision`` to ``gflops[label]``."""
+    from multihead.backends import flex as flex_backend
+    from multihead.backends.costs import BACKWARD_FLOP_FACTOR
+    from multihead.functional import attention
+
+    dtype, n = KERNEL_CASES[precision]
+    q, k, v, grad = (torch.randn(1, KERNEL_HEADS, n, KERNEL_HEAD_DIM, dtype=dtype) for _ in range(4))
+    keep = torch.rand(n, n) < 0.9
+    keep[:, 0] = True  # no empty row
+    flops = _kernel_flops(n)
+    for label, kernel, backend, mask in (
+        ("sdpa", _torch_sdpa, "sdpa", None),
+        ("sdpa masked", _torch_sdpa, "sdpa", keep),
+        ("tiled", attention, "tiled", None),
+        ("materialized", attention, "materialized", None),
+    ):
+        forward_s, backward_s = _kernel_times(kernel, (q, k, v), grad, mask, backend, repeats)
+        rates = gflops.setdefault(label, {})
+        rates[f"forward {precision}"] = flops / forward_s / 1e9
+        rates[f"backward {precision}"] = BACKWARD_FLOP_FACTOR * flops / backward_s / 1e9
+    # flex (FlexAttention): compiled once here (seconds), then timed; forward only where it has no backward (CPU)
+    if flex:
+        flex_backend.warm_up(heads=KERNEL_HEADS, qk_dim=KERNEL_HEAD_DIM, dtype=dtype, length=n)
+
+        def flex_forward() -> object:
+            with torch.no_grad():
+                return attention(q, k, v, backend="flex")
+
+        gflops.setdefault("flex", {})[f"forward {precision}"] = flops / _median_call_s(flex_forward, repeats) / 1e9
 
 
 # --------------------------------------------------------------------------- the cache

@@ -14,8 +14,8 @@ A backend's estimate is the n x n work it really does for this call, at this mac
 - **A dense mask** (SDPA with anything but its own causal) is built and read at ``mask_gbs``.
 - **Precision.** The kernels torch provides (SDPA, FlexAttention) run a bfloat16/float16 call in float32 where
   they were measured faster in float32 here, and are estimated so (:func:`faster_compute_dtype`): on CPUs without
-  half-precision matrix units SDPA's bf16 backward ran at 13 GFLOP/s against 94 in float32 on this project's
-  machine, and compiled FlexAttention's bf16 forward at 28 against 45. Our own kernels compute their blocks in
+  half-precision matrix units SDPA's bf16 backward ran at 12 GFLOP/s against 110 in float32 on this project's
+  machine, and compiled FlexAttention's bf16 forward at 31 against 47. Our own kernels compute their blocks in
   float32 already.
 
 ``multihead.explain`` prints each serving backend's estimate; ``benchmarks/`` checks the predicted winner against
@@ -24,8 +24,9 @@ the measured one.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,7 @@ __all__ = [
     "faster_compute_dtype",
     "inputs_in_faster_dtype",
     "live_fraction",
+    "native_precision",
     "set_kernel_rates",
     "set_rates_loader",
 ]
@@ -74,41 +76,41 @@ class KernelRates:
 
 
 # Measured by multihead.machine.calibrate_kernels (what `multihead bench --calibrate` runs) on this project's
-# machine, the median of 3 calibrations on 2026-11-23 20:35 with the machine otherwise idle: AMD EPYC, 2 cores, AVX2
+# machine, the median of 3 calibrations on 2026-11-23 21:21 with the machine otherwise idle: AMD EPYC, 2 cores, AVX2
 # (no AVX-512, no bf16/AMX units), torch 2.13.0 CPU, 2 threads; b = 1, h = 8, d = 64, n = 1024 in float32 and
 # bfloat16 ("half"); "sdpa" and "sdpa masked" are torch's kernel itself in each precision
 DEFAULT_RATES = KernelRates(
     gflops={
         "sdpa": {
-            "forward float32": 98.3,
-            "backward float32": 93.8,
-            "forward half": 94.3,
-            "backward half": 12.8,
+            "forward float32": 112.2,
+            "backward float32": 110.4,
+            "forward half": 105.0,
+            "backward half": 11.9,
         },
         "sdpa masked": {
-            "forward float32": 85.2,
-            "backward float32": 88.8,
-            "forward half": 81.5,
+            "forward float32": 92.2,
+            "backward float32": 93.6,
+            "forward half": 89.3,
             "backward half": 12.3,
         },
         "tiled": {
-            "forward float32": 55.7,
-            "backward float32": 70.5,
-            "forward half": 48.8,
-            "backward half": 68.6,
+            "forward float32": 61.5,
+            "backward float32": 80.7,
+            "forward half": 52.7,
+            "backward half": 66.9,
         },
         "materialized": {
-            "forward float32": 48.9,
-            "backward float32": 40.6,
-            "forward half": 70.6,
-            "backward half": 37.3,
+            "forward float32": 61.0,
+            "backward float32": 61.5,
+            "forward half": 75.6,
+            "backward half": 41.8,
         },
         "flex": {
-            "forward float32": 44.5,
-            "forward half": 28.3,
+            "forward float32": 46.9,
+            "forward half": 31.2,
         },
     },
-    mask_gbs=1.15,
+    mask_gbs=1.3,
     source="defaults: the median of 3 calibrations on an AMD EPYC (AVX2), 2 threads, torch 2.13.0",
 )
 
@@ -153,12 +155,27 @@ def precision(dtype: torch.dtype) -> str:
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
+_native_precision = False  # set while calibrating: every kernel runs in its call's dtype
+
+
+@contextlib.contextmanager
+def native_precision() -> Iterator[None]:
+    """Within: every kernel runs a call in the call's own dtype (no float32 for half calls). For calibration,
+    which measures each kernel's rate in each precision."""
+    global _native_precision
+    before, _native_precision = _native_precision, True
+    try:
+        yield
+    finally:
+        _native_precision = before
+
+
 def faster_compute_dtype(backend: str, dtype: torch.dtype, device: torch.device, requires_grad: bool) -> torch.dtype:
     """The dtype ``backend``'s kernel runs a ``dtype`` call in: float32 for a half-precision CPU call where this
     machine's rates for it say float32 is faster (forward, plus its backward when gradients are needed; casting
     q, k, v and the output costs O(n), against the kernel's O(n^2)), else ``dtype``. The rates are the CPU's, so
     other devices keep their dtype."""
-    if dtype not in HALF_DTYPES or device.type != "cpu":
+    if dtype not in HALF_DTYPES or device.type != "cpu" or _native_precision:
         return dtype
     rates = kernel_rates()
 

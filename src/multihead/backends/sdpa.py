@@ -13,8 +13,8 @@ What differs from ours, and how this backend bridges it:
 - Logit soft-capping (masks.softcap) is not served: SDPA takes no score transform
   (its Capabilities leave ``softcap`` False, so auto picks another backend).
 - Half-precision calls on the CPU run in float32 where this machine's rates say torch's kernel is faster there
-  (backends.costs.inputs_in_faster_dtype): without bf16/fp16 matrix units its bf16 backward ran at 13 GFLOP/s
-  against 94 in float32 here, and its forward at 94 against 98. The output and gradients come back in the
+  (backends.costs.inputs_in_faster_dtype): without bf16/fp16 matrix units its bf16 backward ran at 12 GFLOP/s
+  against 110 in float32 here, and its forward at 105 against 112. The output and gradients come back in the
   inputs' dtype, rounded once from float32.
 """
 
