@@ -243,3 +243,28 @@ def test_calibration_runs_every_kernel_in_the_dtype_it_is_given(sdpa_dtypes):
         multihead.attention(q, k, v, backend="sdpa")
     multihead.attention(q, k, v, backend="sdpa")
     assert sdpa_dtypes == [torch.bfloat16, torch.float32]
+
+
+def test_tiled_takes_float32_inputs_for_a_half_call_where_the_rates_say_so(monkeypatch):
+    from multihead.backends import tiled
+
+    seen: list[torch.dtype] = []
+    real = tiled._TiledAttention.call
+
+    def spy(q, *args):
+        seen.append(q.dtype)
+        return real(q, *args)
+
+    monkeypatch.setattr(tiled._TiledAttention, "call", spy)
+    q, k, v = (torch.randn(1, 2, 40, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    try:
+        out = multihead.attention(q, k, v, causal=True, backend="tiled")  # the shipped rates: float32 is faster
+        out.float().sum().backward()
+        assert seen == [torch.float32] and out.dtype == q.grad.dtype == torch.bfloat16
+        gflops = {name: dict(by_key) for name, by_key in DEFAULT_RATES.gflops.items()}
+        gflops["tiled"].update({"forward half": 1000.0, "backward half": 1000.0})
+        costs.set_kernel_rates(KernelRates(gflops, mask_gbs=1.0, source="test"))
+        multihead.attention(q, k, v, causal=True, backend="tiled")
+        assert seen[-1] == torch.bfloat16
+    finally:
+        costs.set_kernel_rates(DEFAULT_RATES)

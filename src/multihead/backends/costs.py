@@ -12,11 +12,12 @@ A backend's estimate is the n x n work it really does for this call, at this mac
   ``multihead bench --calibrate`` (``multihead.machine.calibrate_kernels``) and installed with
   :func:`set_kernel_rates`; until then :data:`DEFAULT_RATES`, measured on this project's machine (named there).
 - **A dense mask** (SDPA with anything but its own causal) is built and read at ``mask_gbs``.
-- **Precision.** The kernels torch provides (SDPA, FlexAttention) run a bfloat16/float16 call in float32 where
-  they were measured faster in float32 here, and are estimated so (:func:`faster_compute_dtype`): on CPUs without
-  half-precision matrix units SDPA's bf16 backward ran at 12 GFLOP/s against 110 in float32 on this project's
-  machine, and compiled FlexAttention's bf16 forward at 31 against 47. Our own kernels compute their blocks in
-  float32 already.
+- **Precision.** SDPA, FlexAttention and tiled run a bfloat16/float16 call in float32 where they were measured
+  faster in float32 here, and are estimated so (:func:`faster_compute_dtype`): on CPUs without half-precision
+  matrix units SDPA's bf16 backward ran at 12 GFLOP/s against 110 in float32 on this project's machine, compiled
+  FlexAttention's bf16 forward at 31 against 47, and tiled (float32 blocks either way, but casting its saved
+  inputs again in the backward) at 53/67 against 62/81. The materialised kernel keeps the call's dtype: its
+  weights are returned in it.
 
 ``multihead.explain`` prints each serving backend's estimate; ``benchmarks/`` checks the predicted winner against
 the measured one.
