@@ -14,9 +14,9 @@ A backend's estimate is the n x n work it really does for this call, at this mac
 - **A dense mask** (SDPA with anything but its own causal) is built and read at ``mask_gbs``.
 - **Precision.** SDPA, FlexAttention and tiled run a bfloat16/float16 call in float32 where they were measured
   faster in float32 here, and are estimated so (:func:`faster_compute_dtype`): on CPUs without half-precision
-  matrix units SDPA's bf16 backward ran at 12 GFLOP/s against 110 in float32 on this project's machine, compiled
-  FlexAttention's bf16 forward at 31 against 47, and tiled (float32 blocks either way, but casting its saved
-  inputs again in the backward) at 53/67 against 62/81. The materialised kernel keeps the call's dtype: its
+  matrix units SDPA's bf16 backward ran at 12 GFLOP/s against 102 in float32 on this project's machine, compiled
+  FlexAttention's bf16 forward at 30 against 45, and tiled (float32 blocks either way, but casting its saved
+  inputs again in the backward) at 51/67 against 60/76. The materialised kernel keeps the call's dtype: its
   weights are returned in it.
 
 ``multihead.explain`` prints each serving backend's estimate; ``benchmarks/`` checks the predicted winner against
@@ -77,42 +77,43 @@ class KernelRates:
 
 
 # Measured by multihead.machine.calibrate_kernels (what `multihead bench --calibrate` runs) on this project's
-# machine, the median of 3 calibrations on 2026-11-23 21:21 with the machine otherwise idle: AMD EPYC, 2 cores, AVX2
-# (no AVX-512, no bf16/AMX units), torch 2.13.0 CPU, 2 threads; b = 1, h = 8, d = 64, n = 1024 in float32 and
-# bfloat16 ("half"); "sdpa" and "sdpa masked" are torch's kernel itself in each precision
+# machine, the median of 6 calibrations on 2026-11-23 (3 at 20:35, 3 at 21:21; single runs differed by up to 30%)
+# with the machine otherwise idle: AMD EPYC, 2 cores, AVX2 (no AVX-512, no bf16/AMX units), torch 2.13.0 CPU,
+# 2 threads; b = 1, h = 8, d = 64, n = 1024 in float32 and bfloat16 ("half"), each kernel in its own precision
+# ("sdpa" and "sdpa masked" are torch's kernel itself)
 DEFAULT_RATES = KernelRates(
     gflops={
         "sdpa": {
-            "forward float32": 112.2,
-            "backward float32": 110.4,
-            "forward half": 105.0,
-            "backward half": 11.9,
+            "forward float32": 110.3,
+            "backward float32": 102.1,
+            "forward half": 99.7,
+            "backward half": 12.0,
         },
         "sdpa masked": {
-            "forward float32": 92.2,
-            "backward float32": 93.6,
-            "forward half": 89.3,
+            "forward float32": 90.2,
+            "backward float32": 92.6,
+            "forward half": 88.9,
             "backward half": 12.3,
         },
         "tiled": {
-            "forward float32": 61.5,
-            "backward float32": 80.7,
-            "forward half": 52.7,
-            "backward half": 66.9,
+            "forward float32": 59.5,
+            "backward float32": 75.9,
+            "forward half": 50.6,
+            "backward half": 67.1,
         },
         "materialized": {
-            "forward float32": 61.0,
-            "backward float32": 61.5,
-            "forward half": 75.6,
-            "backward half": 41.8,
+            "forward float32": 59.3,
+            "backward float32": 57.7,
+            "forward half": 73.8,
+            "backward half": 39.5,
         },
         "flex": {
-            "forward float32": 46.9,
-            "forward half": 31.2,
+            "forward float32": 44.9,
+            "forward half": 29.8,
         },
     },
-    mask_gbs=1.3,
-    source="defaults: the median of 3 calibrations on an AMD EPYC (AVX2), 2 threads, torch 2.13.0",
+    mask_gbs=1.21,
+    source="defaults: the median of 6 calibrations on an AMD EPYC (AVX2), 2 threads, torch 2.13.0",
 )
 
 _installed: KernelRates | None = None

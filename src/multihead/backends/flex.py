@@ -368,7 +368,7 @@ def _run(
     """Output (b, h, i, e) in q's dtype and, with ``need_lse``, the natural-log LSE (b, h, i) in float32.
 
     A half-precision call runs in float32 where this machine's rates say the compiled kernel is faster there
-    (on this project's AVX2 CPU: bf16 forward 31 GFLOP/s, float32 47). ``compiled=False`` runs FlexAttention
+    (on this project's AVX2 CPU: bf16 forward 30 GFLOP/s, float32 45). ``compiled=False`` runs FlexAttention
     unfused (dense i x j scores): for tests of the lowering only.
     """
     given = q.dtype

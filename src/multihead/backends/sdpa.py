@@ -14,7 +14,7 @@ What differs from ours, and how this backend bridges it:
   (its Capabilities leave ``softcap`` False, so auto picks another backend).
 - Half-precision calls on the CPU run in float32 where this machine's rates say torch's kernel is faster there
   (backends.costs.inputs_in_faster_dtype): without bf16/fp16 matrix units its bf16 backward ran at 12 GFLOP/s
-  against 110 in float32 here, and its forward at 105 against 112. The output and gradients come back in the
+  against 102 in float32 here, and its forward at 100 against 110. The output and gradients come back in the
   inputs' dtype, rounded once from float32.
 """
 
