@@ -8,9 +8,10 @@ Usage:
 For each mask kind x n x mode (forward under no_grad; forward+backward) of benchmarks/dispatch.py's grid (b = 1,
 h = 16, d = 64): ``multihead.attention(..., backend="auto")`` on the same q, k, v in float32 and in bfloat16. One
 warm-up call each, after compiling the flex kernel the call could use in both dtypes (so auto may pick it, as in
-dispatch.py); then ``--rounds`` rounds of the two calls, their order alternating. The ratio bfloat16 / float32 is
-taken per round and reported as median [min, max]; the goal is a median <= 1. auto's pick in each dtype comes from
-``multihead.explain``. Writes half.json and half.md.
+dispatch.py); then ``--rounds`` rounds of the two calls, their order alternating
+(harness.common.interleaved_rounds). The ratio bfloat16 / float32 is taken per round and reported as median
+[min, max]; the goal is a median <= 1. auto's pick in each dtype comes from ``multihead.explain``. Writes half.json
+and half.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -67,27 +67,14 @@ def _thunk(q, k, v, grad, arguments: dict, backward: bool) -> Callable[[], objec
     return forward_backward if backward else forward
 
 
-def measure(thunks: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    names = list(thunks)
-    for name in names:
-        thunks[name]()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
-            thunks[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def summarize(times: dict[str, list[float]]) -> dict:
-    per_round = [h / s for h, s in zip(times["bfloat16"], times["float32"], strict=True)]
+    ratio = common.ratio_per_round(times["bfloat16"], times["float32"])
     return {
         "ms": {name: 1e3 * statistics.median(ts) for name, ts in times.items()},
-        "ratio": statistics.median(per_round),
-        "ratio_min": min(per_round),
-        "ratio_max": max(per_round),
-        "rounds": len(per_round),
+        "ratio": ratio["median"],
+        "ratio_min": ratio["min"],
+        "ratio_max": ratio["max"],
+        "rounds": ratio["rounds"],
         "times_ms": {name: [1e3 * t for t in ts] for name, ts in times.items()},
     }
 
@@ -99,7 +86,8 @@ def run(sizes: Sequence[int], masks: Sequence[str], rounds: int, say: Callable[[
         for kind in masks:
             for mode in MODES:
                 thunks, picks = calls(kind, n, mode == "forward+backward")
-                record = {"mask": kind, "n": n, "mode": mode, "picks": picks, **summarize(measure(thunks, rounds))}
+                times = common.interleaved_rounds(thunks, rounds)
+                record = {"mask": kind, "n": n, "mode": mode, "picks": picks, **summarize(times)}
                 say(
                     f"{MASK_LABELS[kind]:22s} n={n:5d} {mode:16s} bfloat16 {record['ms']['bfloat16']:8.1f} ms "
                     f"({picks['bfloat16']})  float32 {record['ms']['float32']:8.1f} ms ({picks['float32']})  "

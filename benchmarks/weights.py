@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -95,29 +94,15 @@ def contestants(shape: str, n: int, mode: str, seed: int = 0) -> dict[str, Calla
     return {name: timed(call) for name, call in calls.items()}
 
 
-def measure(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    """``rounds`` rounds of every call once, the order rotating; seconds per call per round."""
-    names = list(calls)
-    for name in names:
-        calls[name]()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def summarize(times: dict[str, list[float]]) -> dict:
-    per_round = [t / o for t, o in zip(times["torch_weights"], times["ours_weights"], strict=True)]
+    speedup = common.ratio_per_round(times["torch_weights"], times["ours_weights"])
     return {
         "ms": {name: 1e3 * statistics.median(ts) for name, ts in times.items()},
         "ms_min": {name: 1e3 * min(ts) for name, ts in times.items()},
-        "speedup": statistics.median(per_round),
-        "speedup_min": min(per_round),
-        "speedup_max": max(per_round),
-        "rounds": len(per_round),
+        "speedup": speedup["median"],
+        "speedup_min": speedup["min"],
+        "speedup_max": speedup["max"],
+        "rounds": speedup["rounds"],
         "times_ms": {name: [1e3 * t for t in ts] for name, ts in times.items()},
     }
 
@@ -127,7 +112,8 @@ def run(n: int, rounds: int, train_rounds: int, say: Callable[[str], None]) -> d
     for shape in SHAPES:
         for mode in MODES:
             k = rounds if mode == "forward" else train_rounds
-            record = {"shape": shape, "n": n, "mode": mode, **summarize(measure(contestants(shape, n, mode), k))}
+            times = common.interleaved_rounds(contestants(shape, n, mode), k)
+            record = {"shape": shape, "n": n, "mode": mode, **summarize(times)}
             say(
                 f"{shape:10s} {mode:16s} ours_weights {record['ms']['ours_weights']:7.1f} ms  torch_weights "
                 f"{record['ms']['torch_weights']:7.1f} ms  speedup {record['speedup']:.2f} "

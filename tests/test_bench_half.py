@@ -27,7 +27,8 @@ def test_both_dtypes_compute_the_same_attention():
 
 def test_the_order_alternates_and_the_ratio_is_per_round():
     order: list[str] = []
-    times = bench.measure({name: (lambda name=name: order.append(name)) for name in bench.DTYPES}, rounds=3)
+    calls = {name: (lambda name=name: order.append(name)) for name in bench.DTYPES}
+    times = bench.common.interleaved_rounds(calls, rounds=3)
     assert order == ["float32", "bfloat16", "float32", "bfloat16", "bfloat16", "float32", "float32", "bfloat16"]
     assert len(times["float32"]) == 3
     summary = bench.summarize({"bfloat16": [1.0, 3.0, 2.0], "float32": [2.0, 2.0, 2.0]})

@@ -36,7 +36,7 @@ def test_contestants_return_per_head_and_averaged_weights(shape, mode):
 def test_rounds_rotate_and_the_ratio_is_per_round():
     order: list[str] = []
     calls = {name: (lambda name=name: order.append(name)) for name in bench.CONTESTANTS}
-    times = bench.measure(calls, rounds=4)
+    times = bench.common.interleaved_rounds(calls, rounds=4)
     assert order[:4] == list(bench.CONTESTANTS)  # the warm-up
     rounds = [order[4 + 4 * r : 8 + 4 * r] for r in range(4)]
     assert [r[0] for r in rounds] == list(bench.CONTESTANTS)  # each starts one later

@@ -230,6 +230,28 @@ def time_calls(
     return times
 
 
+def interleaved_rounds(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """One warm-up call each, then ``rounds`` rounds of every call once, the order rotated left by one each round
+    (so a burst of other work hits all alike); seconds per call, per round."""
+    names = list(calls)
+    for name in names:
+        calls[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def ratio_per_round(numerator: Sequence[float], denominator: Sequence[float]) -> dict:
+    """numerator / denominator round by round: median, min, max and the number of rounds."""
+    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": len(ratios)}
+
+
 def timing_record(times: Sequence[float], gflop: float, peak_gflops: float | None) -> dict:
     """The record fields of a measured case from its timed calls (status "ok", median, GFLOP/s, % peak)."""
     median = statistics.median(times)
