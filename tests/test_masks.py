@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from unittest.mock import patch
 
 import torch
 from hypothesis import given, settings
@@ -123,6 +124,67 @@ def test_block_state_never_contradicts_the_dense_mask(case):
     assert torch.equal(block_keep, keep)
     # may_empty_rows is exact: True iff some row has no allowed key
     assert bound.may_empty_rows() == bool((~dense_keep(mask, b, h, i, j).any(-1)).any())
+
+
+@st.composite
+def masks_that_may_empty_rows(draw):
+    """Combinations of two or more masking terms (and biases that mask nothing), on sizes that span several of the
+    row and key blocks may_empty_rows looks at when those are 2 x 3."""
+    b, h, i, j = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 11)), draw(st.integers(1, 11))
+    align = draw(st.sampled_from(["bottom_right", "top_left"]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    options = {
+        "causal": masks.causal(align),
+        "window": masks.window(draw(st.integers(0, 3)), draw(st.integers(0, 3)), align=align),
+        "padding": masks.padding(torch.tensor(draw(st.lists(st.integers(0, j), min_size=b, max_size=b)))),
+        "allowed": torch.rand(b, 1, i, j, generator=gen) < draw(st.sampled_from([0.1, 0.5, 0.9])),
+        "bias with -inf": torch.randn(1, h, i, j, dtype=torch.float64, generator=gen).masked_fill(
+            torch.rand(1, h, i, j, generator=gen) < draw(st.sampled_from([0.2, 0.8])), -math.inf
+        ),
+        "alibi": masks.alibi(masks.alibi_slopes(h)),
+    }
+    chosen = draw(st.lists(st.sampled_from(sorted(options)), min_size=2, max_size=4, unique=True))
+    mask = masks.as_mask(options[chosen[0]])
+    for name in chosen[1:]:
+        mask = mask & options[name]
+    return (b, h, i, j), mask
+
+
+@settings(max_examples=300, deadline=None)
+@given(masks_that_may_empty_rows())
+def test_may_empty_rows_is_exact_block_by_block(case):
+    """Checked a few rows and keys at a time (blocks settled by their states, the rest evaluated), it still says
+    True exactly when some row of the dense mask keeps no key."""
+    (b, h, i, j), mask = case
+    bound = bind_mask(mask, False, AttentionShape(b, h, i, j, CPU))
+    with patch.object(masks, "EMPTY_ROW_BLOCK", 3), patch.object(masks, "EMPTY_ROW_CHECK_ELEMENTS", 2 * b * h * j):
+        assert bound.may_empty_rows() == bool((~dense_keep(mask, b, h, i, j).any(-1)).any())
+
+
+def test_may_empty_rows_builds_no_i_by_j_tensor():
+    """It runs on every kernel call: causal & ALiBi at n = 16384 with 16 heads once built a 17 GiB dense bias here.
+    A finite bias is not evaluated at all, and other combinations a bounded block of rows at a time."""
+    n, heads = 16384, 16
+    shape = AttentionShape(1, heads, n, n, CPU)
+    with patch.object(masks._BoundAlibi, "evaluate", side_effect=AssertionError("ALiBi evaluated")):
+        assert not bind_mask(masks.alibi(masks.alibi_slopes(heads)), True, shape).may_empty_rows()
+    built = []
+    block = masks.BoundMask.block
+
+    def recording_block(self, rows, cols, *args, **kwargs):
+        keep, bias = block(self, rows, cols, *args, **kwargs)
+        built.append(keep.numel())
+        return keep, bias
+
+    # a window narrower than a key block keeps no block whole: every row block is evaluated, over its live keys
+    narrow = masks.causal() & masks.window(8) & masks.padding([n // 2])
+    with patch.object(masks.BoundMask, "block", recording_block):
+        assert bind_mask(narrow, False, shape).may_empty_rows()  # the rows past the padding see no key
+        assert built and max(built) <= masks.EMPTY_ROW_BLOCK * 2 * masks.EMPTY_ROW_BLOCK
+        built.clear()
+        # causal & padding: every row block past the first keeps key block 0 whole, settled by its state alone
+        assert not bind_mask(masks.causal() & masks.padding([n // 2]), False, shape).may_empty_rows()
+        assert built == [masks.EMPTY_ROW_BLOCK**2]
 
 
 def test_causal_blocks_above_the_diagonal_are_empty_and_below_full():

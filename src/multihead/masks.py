@@ -714,6 +714,10 @@ class _BoundDense(_BoundTerm):
 # --------------------------------------------------------------------------- the bound mask
 
 
+EMPTY_ROW_BLOCK = 256  # rows and keys per block BoundMask.may_empty_rows looks at
+EMPTY_ROW_CHECK_ELEMENTS = 2**24  # the most (b, h, rows, keys) entries it builds at once
+
+
 class BoundMask:
     """A mask validated against one call's sizes; what kernels use.
 
@@ -774,18 +778,57 @@ class BoundMask:
         )
 
     def may_empty_rows(self) -> bool:
-        """Whether some query row may have every key masked (computed exactly where cheap)."""
+        """Whether some query row may have every key masked: exact wherever the values can be read, and without
+        an i x j tensor (see :meth:`_some_row_empty`)."""
         if any(t.may_empty_rows() for t in self.terms):
             return True
-        if len(self.terms) < 2:
+        # a finite bias (ALiBi, a bias without -inf) masks no pair: only the other terms can empty a row, together
+        masking = [t for t in self.terms if not t.is_bias or t.may_hold_minus_inf]
+        if len(masking) < 2:
             return False
         if self.shape.device.type == "meta" or torch.compiler.is_compiling():
             return True  # no values to look at: assume the worst (kernels then guard every row)
-        keep, bias = self.dense(torch.float32)  # terms that each leave a key may still jointly leave none
-        if bias is not None:
-            finite = bias > -math.inf
-            keep = finite if keep is None else keep & finite
-        return keep is not None and bool((~keep.any(-1)).any())
+        return BoundMask(masking, self.shape)._some_row_empty()
+
+    def _some_row_empty(self) -> bool:
+        """Whether terms that each leave every row a key jointly leave some row none, a block of rows at a time.
+
+        A row block with a key block its keep terms keep whole (FULL) is settled by block states alone, unless a
+        bias's -inf entries may mask inside it; otherwise only the span of its non-EMPTY key blocks is evaluated
+        (keys outside it are masked for every row of the block). At most :data:`EMPTY_ROW_CHECK_ELEMENTS`
+        entries are built at once: a kernel asks this on every call, and a dense (b, h, i, j) check at
+        i = j = 16384 with 16 ALiBi heads took 17 GiB.
+        """
+        q_len, k_len = self.shape.q_len, self.shape.k_len
+        full_settles = not any(t.may_hold_minus_inf for t in self.bias_terms)
+        rows_at_once = max(1, min(EMPTY_ROW_BLOCK, EMPTY_ROW_CHECK_ELEMENTS // (self._planes() * k_len)))
+        for row_start in range(0, q_len, rows_at_once):
+            rows = range(row_start, min(row_start + rows_at_once, q_len))
+            live: list[range] = []
+            for col_start in range(0, k_len, EMPTY_ROW_BLOCK):
+                cols = range(col_start, min(col_start + EMPTY_ROW_BLOCK, k_len))
+                state = self.state(rows, cols)
+                if state is BlockState.FULL and full_settles:
+                    break
+                if state is not BlockState.EMPTY:
+                    live.append(cols)
+            else:  # no key block kept whole: look at the pairs
+                if not live:
+                    return True
+                keep, _ = self.block(slice(rows.start, rows.stop), slice(live[0].start, live[-1].stop))
+                if keep is not None and bool((~keep.any(-1)).any()):
+                    return True
+        return False
+
+    def _planes(self) -> int:
+        """How many (rows, keys) planes a block of this mask holds: b x h for a per-batch, per-head tensor term."""
+        planes = 1
+        for term in self.terms:
+            if isinstance(term, _BoundDense):
+                planes = max(planes, term.tensor.shape[0] * term.tensor.shape[1])
+            elif isinstance(term, _BoundPadding):
+                planes = max(planes, term.valid.shape[0])
+        return planes
 
     def state(self, rows: Span, cols: Span) -> BlockState:
         states = [t.state(rows, cols) for t in self.keep_terms]
