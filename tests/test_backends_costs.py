@@ -246,11 +246,51 @@ def test_sdpa_computes_a_half_call_in_the_precision_measured_faster(sdpa_dtypes,
 def test_faster_compute_dtype_keeps_other_dtypes_devices_and_unmeasured_rates(rates):
     cpu = torch.device("cpu")
     costs.set_kernel_rates(half_rates(forward_half=10.0, backward_half=10.0))
-    assert costs.faster_compute_dtype("sdpa", torch.bfloat16, cpu, False) == torch.float32
-    assert costs.faster_compute_dtype("sdpa", torch.float16, cpu, True) == torch.float32
-    assert costs.faster_compute_dtype("sdpa", torch.float64, cpu, False) == torch.float64
-    assert costs.faster_compute_dtype("sdpa", torch.bfloat16, torch.device("meta"), False) == torch.bfloat16
-    assert costs.faster_compute_dtype("tiled", torch.bfloat16, cpu, False) == torch.bfloat16  # no half rate
+    work = {"flops": 1e9, "cast_bytes": 10**6}
+
+    assert costs.faster_compute_dtype("sdpa", torch.bfloat16, cpu, False, **work) == torch.float32
+    assert costs.faster_compute_dtype("sdpa", torch.float16, cpu, True, **work) == torch.float32
+    assert costs.faster_compute_dtype("sdpa", torch.float64, cpu, False, **work) == torch.float64
+    assert costs.faster_compute_dtype("sdpa", torch.bfloat16, torch.device("meta"), False, **work) == torch.bfloat16
+    assert costs.faster_compute_dtype("tiled", torch.bfloat16, cpu, False, **work) == torch.bfloat16  # no half rate
+
+
+def test_the_casts_count_in_the_precision_choice(rates):
+    """float32 10% faster than bf16 (SDPA's forward here) does not pay for casting q, k, v and the output on a short
+    call; on a long one (O(n^2) work against O(n) casts) it does."""
+    cpu = torch.device("cpu")
+    costs.set_kernel_rates(half_rates(forward_half=90.0, backward_half=90.0))  # float32: 100 GFLOP/s
+    # 1 GFLOP: 10.0 ms in float32, 11.1 ms in bf16; casting 1.1 ms' worth at fresh_gbs tips it, 0.9 ms' does not
+    fresh = costs.kernel_rates().fresh_gbs * 1e9
+    tipping, cheap = int(1.2e-3 * fresh), int(0.9e-3 * fresh)
+    assert (
+        costs.faster_compute_dtype("sdpa", torch.bfloat16, cpu, False, flops=1e9, cast_bytes=tipping) == torch.bfloat16
+    )
+    assert costs.faster_compute_dtype("sdpa", torch.bfloat16, cpu, False, flops=1e9, cast_bytes=cheap) == torch.float32
+    # with the shipped rates: SDPA's causal forward at h = 16, d = 64 stays in bf16 at n = 1024, float32 at 4096
+    costs.set_kernel_rates(DEFAULT_RATES)
+    for n, expected in ((1024, None), (4096, torch.float32)):
+        q = torch.randn(1, 16, n, 64, dtype=torch.bfloat16)
+        assert multihead.explain(q, q, q, causal=True).estimates["sdpa"].computes_in == expected
+    # and an estimate in float32 for a half call counts the casts
+    call = call_for(None, 4096, causal=True, h=16, d=64, dtype=torch.bfloat16)
+    fraction = sdpa.computed_fraction(call.mask)
+    kernel = costs.dense_kernel_estimate(call, "sdpa", fraction=fraction, compute_dtype=torch.float32, casts=False)
+    with_casts = costs.dense_kernel_estimate(call, "sdpa", fraction=fraction, compute_dtype=torch.float32)
+    assert kernel is not None and with_casts is not None
+    cast_s = costs.cast_bytes(1, 16, 16, 4096, 4096, 64, 64, False) / (DEFAULT_RATES.fresh_gbs * 1e9)
+    assert with_casts.seconds == pytest.approx(kernel.seconds + cast_s)
+    assert sdpa._estimate(call).seconds == pytest.approx(with_casts.seconds)
+
+
+def test_cast_bytes_count_what_the_float32_path_writes():
+    # forward: q, k, v in float32 and the output back in bf16; training adds dO in float32 and dq, dk, dv in bf16
+    q, kv, out = 2 * 4 * 10 * 8, 2 * 2 * 12 * 8, 2 * 4 * 10 * 6  # b = 2, h = 4, g = 2, i = 10, j = 12, d = 8, e = 6
+    kv_v = 2 * 2 * 12 * 6
+    assert costs.cast_bytes(2, 4, 2, 10, 12, 8, 6, False) == 4 * (q + kv + kv_v) + 2 * out
+    assert costs.cast_bytes(2, 4, 2, 10, 12, 8, 6, True) == 4 * (q + kv + kv_v) + 2 * out + 4 * out + 2 * (
+        q + kv + kv_v
+    )
 
 
 def test_calibration_runs_every_kernel_in_the_dtype_it_is_given(sdpa_dtypes):
@@ -258,7 +298,8 @@ def test_calibration_runs_every_kernel_in_the_dtype_it_is_given(sdpa_dtypes):
     costs.set_kernel_rates(half_rates(forward_half=10.0, backward_half=10.0))
     q, k, v = (torch.randn(1, 2, 300, 8, dtype=torch.bfloat16) for _ in range(3))
     with costs.native_precision():
-        assert costs.faster_compute_dtype("sdpa", torch.bfloat16, torch.device("cpu"), True) == torch.bfloat16
+        work = {"flops": 1e9, "cast_bytes": 0}
+        assert costs.faster_compute_dtype("sdpa", torch.bfloat16, torch.device("cpu"), True, **work) == torch.bfloat16
         multihead.attention(q, k, v, backend="sdpa")
     multihead.attention(q, k, v, backend="sdpa")
     assert sdpa_dtypes == [torch.bfloat16, torch.float32]

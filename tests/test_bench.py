@@ -21,6 +21,7 @@ from rich.console import Console
 
 import multihead
 from multihead import bench, machine
+from multihead.backends import costs
 from multihead.bench_report import print_report, rich_tables
 from multihead.cli import main
 from multihead.cost import MachineRates
@@ -297,7 +298,13 @@ def test_calibrate_alone_saves_the_rates(tmp_path, monkeypatch, capsys):
     kernel = saved["details"]["kernel_rates"]
     assert set(kernel["gflops"]) == {"sdpa", "sdpa masked", "tiled", "materialized"} and kernel["mask_gbs"] > 0
     assert all(rate > 0 for by_key in kernel["gflops"].values() for rate in by_key.values())
-    assert machine.cached_kernel_rates() is not None  # what auto reads in a new process
+    cached = machine.cached_kernel_rates()  # what auto reads in a new process
+    assert cached is not None and cached.fresh_gbs == kernel["fresh_gbs"] > 0
+    # a calibration saved before fresh_gbs was measured still serves, with the default for it
+    del saved["details"]["kernel_rates"]["fresh_gbs"]
+    (tmp_path / "calibration.json").write_text(json.dumps(saved))
+    older = machine.cached_kernel_rates()
+    assert older is not None and older.fresh_gbs == costs.DEFAULT_FRESH_GBS and older.mask_gbs == kernel["mask_gbs"]
     assert main(["bench", "--calibrate", "--dtype", "int8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--dtype: expected one of float32" in err

@@ -38,7 +38,7 @@ from multihead._userfiles import (
     path_kind,
     read_json,
 )
-from multihead.backends.costs import KernelRates
+from multihead.backends.costs import DEFAULT_FRESH_GBS, KernelRates
 from multihead.cost import DTYPES, MachineRates, dtype_name
 
 __all__ = [
@@ -262,7 +262,8 @@ def calibrate_kernels(
 
     Rates count 2 (d + e) FLOPs per pair forward and 2.5 times that backward (backward time: forward+backward
     minus forward), so they include each kernel's softmax and per-block work at d = 64. "sdpa masked" is SDPA given a
-    dense bool mask; ``mask_gbs`` is how fast a (1, 8, 2048, 2048) window & ALiBi bias is built. With ``flex``, the
+    dense bool mask; ``mask_gbs`` is how fast a (1, 8, 2048, 2048) window & ALiBi bias is built, ``fresh_gbs`` how
+    fast a new 64 MiB tensor is written (the casts of a half call computed in float32). With ``flex``, the
     flex backend is compiled (seconds) and timed forward (it has no backward on the CPU).
     """
     from multihead import masks as typed_masks
@@ -277,11 +278,17 @@ def calibrate_kernels(
     shape = AttentionShape(1, 8, 2048, 2048, torch.device("cpu"))
     bound = bind_mask(typed_masks.window(256) & typed_masks.alibi(typed_masks.alibi_slopes(8)), False, shape)
     mask_s = _median_call_s(lambda: bound.dense(torch.float32), repeats)
+    # writing a new tensor, as a cast does: past glibc's largest mmap threshold (32 MiB) every one is fresh pages
+    fresh_s = _median_call_s(lambda: torch.empty(FRESH_ELEMENTS).fill_(1.0), repeats)
     return KernelRates(
         gflops,
         mask_gbs=8 * 2048 * 2048 * 4 / mask_s / 1e9,
         source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} on {identity().describe()}",
+        fresh_gbs=FRESH_ELEMENTS * 4 / fresh_s / 1e9,
     )
+
+
+FRESH_ELEMENTS = 16 * 2**20  # float32: 64 MiB
 
 
 def _measure_kernels(gflops: dict[str, dict[str, float]], precision: str, repeats: int, flex: bool) -> None:
@@ -452,9 +459,10 @@ def cached_kernel_rates(path: Path | None = None) -> KernelRates | None:
         }
         mask_gbs = float(kernel["mask_gbs"])
         source = str(kernel.get("source", ""))
+        fresh_gbs = float(kernel.get("fresh_gbs", DEFAULT_FRESH_GBS))  # absent in calibrations before it was measured
     except (TypeError, KeyError, ValueError, AttributeError):
         return None  # absent or damaged: auto falls back to the defaults
-    return KernelRates(gflops, mask_gbs, source) if mask_gbs > 0 else None
+    return KernelRates(gflops, mask_gbs, source, fresh_gbs) if mask_gbs > 0 and fresh_gbs > 0 else None
 
 
 # --------------------------------------------------------------------------- memory

@@ -12,12 +12,14 @@ A backend's estimate is the n x n work it really does for this call, at this mac
   ``multihead bench --calibrate`` (``multihead.machine.calibrate_kernels``) and installed with
   :func:`set_kernel_rates`; until then :data:`DEFAULT_RATES`, measured on this project's machine (named there).
 - **A dense mask** (SDPA with anything but its own causal) is built and read at ``mask_gbs``.
-- **Precision.** SDPA, FlexAttention and tiled run a bfloat16/float16 call in float32 where they were measured
-  faster in float32 here, and are estimated so (:func:`faster_compute_dtype`): on CPUs without half-precision
+- **Precision.** SDPA, FlexAttention and tiled run a bfloat16/float16 call in float32 where that is faster here,
+  casts included, and are estimated so (:func:`faster_compute_dtype`): on CPUs without half-precision
   matrix units SDPA's bf16 backward ran at 12 GFLOP/s against 102 in float32 on this project's machine, compiled
   FlexAttention's bf16 forward at 30 against 45, and tiled (float32 blocks either way, but casting its saved
-  inputs again in the backward) at 51/67 against 60/76. The materialised kernel keeps the call's dtype: its
-  weights are returned in it.
+  inputs again in the backward) at 51/67 against 60/76. Casting q, k, v to float32 and the output back writes new
+  tensors at ``fresh_gbs`` (page faults included: 3.1 GB/s here), so a short SDPA forward stays in bf16 (n = 1024,
+  h = 16: four casts took 5.2 ms beside a 26 ms kernel that float32 makes 10% faster). The materialised kernel
+  keeps the call's dtype: its weights are returned in it.
 
 ``multihead.explain`` prints each serving backend's estimate; ``benchmarks/`` checks the predicted winner against
 the measured one.
@@ -44,6 +46,7 @@ __all__ = [
     "KernelRates",
     "kernel_rates",
     "call_compute_dtype",
+    "cast_bytes",
     "dense_mask_extent",
     "faster_compute_dtype",
     "inputs_in_faster_dtype",
@@ -57,18 +60,26 @@ BACKWARD_FLOP_FACTOR = 2.5  # a backward's n x n FLOPs over the forward's (recom
 MAX_GRID = 32  # blocks per side looked at by live_fraction: coarser cells past this (an estimate, cheap per call)
 
 
+# Writing a freshly allocated 64 MiB float32 tensor on this project's machine (below): 3.1 GB/s, page faults
+# included, against 45 GB/s rewriting memory already mapped. Casts of q, k, v and the output are fresh tensors
+# each call: at n = 1024, h = 16 the four took 5.2 ms beside SDPA's 26 ms kernel (torch.profiler)
+DEFAULT_FRESH_GBS = 3.1
+
+
 @dataclass(frozen=True)
 class KernelRates:
     """Measured speeds of each backend's n x n work.
 
     ``gflops[backend][key]`` with key "<forward|backward> <float32|half|float64>": GFLOP/s counting 2 (d + e)
     FLOPs per computed pair forward and 2.5 times that backward, measured at d = e = 64 (so the softmax and each
-    kernel's per-block work are in them). ``mask_gbs``: how fast a dense mask is built and read.
+    kernel's per-block work are in them). ``mask_gbs``: how fast a dense mask is built and read. ``fresh_gbs``: how
+    fast a new tensor of tens of MiB is written, page faults included (what casting q, k, v to float32 costs).
     """
 
     gflops: dict[str, dict[str, float]]
     mask_gbs: float
     source: str = ""
+    fresh_gbs: float = DEFAULT_FRESH_GBS
 
     def rate(self, backend: str, direction: str, dtype: torch.dtype) -> float | None:
         by_key = self.gflops.get(backend)
@@ -115,6 +126,7 @@ DEFAULT_RATES = KernelRates(
     },
     mask_gbs=1.21,
     source="defaults: the median of 6 calibrations on an AMD EPYC (AVX2), 2 threads, torch 2.13.0",
+    fresh_gbs=DEFAULT_FRESH_GBS,
 )
 
 _installed: KernelRates | None = None
@@ -173,38 +185,90 @@ def native_precision() -> Iterator[None]:
         _native_precision = before
 
 
-def faster_compute_dtype(backend: str, dtype: torch.dtype, device: torch.device, requires_grad: bool) -> torch.dtype:
+def cast_bytes(
+    batch: int, heads: int, kv_heads: int, q_len: int, k_len: int, qk_dim: int, v_dim: int, requires_grad: bool
+) -> int:
+    """Bytes a half-precision call computed in float32 writes into new tensors: q, k, v in float32 (4 bytes an
+    element) and the output back in half (2); with gradients also the output's gradient in float32 and the gradients
+    of q, k, v back in half."""
+    q, out = batch * heads * q_len * qk_dim, batch * heads * q_len * v_dim
+    k, v = batch * kv_heads * k_len * qk_dim, batch * kv_heads * k_len * v_dim
+    written = 4 * (q + k + v) + 2 * out
+    if requires_grad:
+        written += 4 * out + 2 * (q + k + v)
+    return written
+
+
+def faster_compute_dtype(
+    backend: str, dtype: torch.dtype, device: torch.device, requires_grad: bool, *, flops: float, cast_bytes: int
+) -> torch.dtype:
     """The dtype ``backend``'s kernel runs a ``dtype`` call in: float32 for a half-precision CPU call where this
-    machine's rates for it say float32 is faster (forward, plus its backward when gradients are needed; casting
-    q, k, v and the output costs O(n), against the kernel's O(n^2)), else ``dtype``. The rates are the CPU's, so
-    other devices keep their dtype."""
+    machine's rates say its ``flops`` (the forward's, for the pairs it computes; the backward's 2.5 times that when
+    gradients are needed) take less time in float32, casts included (``cast_bytes`` written at ``fresh_gbs``: they
+    decide short calls, where SDPA's float32 gain of 10% is smaller than the casts), else ``dtype``. The rates are
+    the CPU's, so other devices keep their dtype."""
     if dtype not in HALF_DTYPES or device.type != "cpu" or _native_precision:
         return dtype
     rates = kernel_rates()
 
-    def seconds_per_flop(precision_dtype: torch.dtype) -> float | None:
+    def kernel_seconds(precision_dtype: torch.dtype) -> float | None:
         forward = rates.rate(backend, "forward", precision_dtype)
         backward = rates.rate(backend, "backward", precision_dtype)
         if forward is None or (requires_grad and backward is None):
             return None
-        return 1 / forward + (BACKWARD_FLOP_FACTOR / backward if requires_grad and backward else 0.0)
+        return work_seconds(flops, 1.0, requires_grad, forward, backward or forward)
 
-    half, single = seconds_per_flop(dtype), seconds_per_flop(torch.float32)
-    return torch.float32 if half is not None and single is not None and single < half else dtype
+    half, single = kernel_seconds(dtype), kernel_seconds(torch.float32)
+    if half is None or single is None:
+        return dtype
+    return torch.float32 if single + cast_bytes / (rates.fresh_gbs * 1e9) < half else dtype
 
 
-def call_compute_dtype(backend: str, call: AttentionCall) -> torch.dtype:
-    """:func:`faster_compute_dtype` for a call, as the backend will see it."""
-    return faster_compute_dtype(backend, call.dtype, call.device, call.requires_grad)
+def call_compute_dtype(backend: str, call: AttentionCall, fraction: Callable[[], float] | None = None) -> torch.dtype:
+    """:func:`faster_compute_dtype` for a call, as the backend will see it: with ``fraction`` (the share of pairs
+    its kernel computes, asked only for a half call on the CPU) the casts count; without it the rates alone decide
+    (a kernel that casts to float32 blocks either way, or one compiled for every length: see
+    :func:`block_kernel_estimate`), as they do under torch.compile, whose sizes are symbols a size would pin."""
+    if call.dtype not in HALF_DTYPES or call.device.type != "cpu" or _native_precision:
+        return call.dtype
+    if fraction is None or torch.compiler.is_compiling():  # the rates alone: the work's size cancels out
+        return faster_compute_dtype(backend, call.dtype, call.device, call.requires_grad, flops=1.0, cast_bytes=0)
+    return faster_compute_dtype(
+        backend,
+        call.dtype,
+        call.device,
+        call.requires_grad,
+        flops=_flops_per_pair(call) * fraction() * call.q_len * call.k_len,
+        cast_bytes=_call_cast_bytes(call),
+    )
+
+
+def _call_cast_bytes(call: AttentionCall) -> int:
+    return cast_bytes(
+        call.batch, call.heads, call.kv_heads, call.q_len, call.k_len, call.qk_dim, call.v_dim, call.requires_grad
+    )
 
 
 def inputs_in_faster_dtype(
-    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    backend: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fraction: Callable[[], float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v in the dtype ``backend``'s kernel runs them fastest in here (:func:`faster_compute_dtype`; no copy
-    when that is theirs). The kernel's output goes back to the inputs' dtype, and autograd casts the gradients."""
+    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) in the dtype ``backend``'s kernel runs them fastest in here
+    (:func:`call_compute_dtype`, ``fraction`` as there; no copy when the dtype is theirs). The kernel's output goes
+    back to the inputs' dtype, and autograd casts the gradients."""
+    if q.dtype not in HALF_DTYPES or q.device.type != "cpu" or _native_precision:
+        return q, k, v
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    work = faster_compute_dtype(backend, q.dtype, q.device, requires_grad)
+    if fraction is None or torch.compiler.is_compiling():  # the rates alone (sizes under tracing are symbols)
+        work = faster_compute_dtype(backend, q.dtype, q.device, requires_grad, flops=1.0, cast_bytes=0)
+    else:
+        (b, h, i, d), (g, j, e) = q.shape, (k.shape[1], k.shape[2], v.shape[3])
+        flops = 2.0 * (d + e) * b * h * fraction() * i * j
+        written = cast_bytes(b, h, g, i, j, d, e, requires_grad)
+        work = faster_compute_dtype(backend, q.dtype, q.device, requires_grad, flops=flops, cast_bytes=written)
     return q.to(work), k.to(work), v.to(work)
 
 
@@ -214,6 +278,13 @@ def live_fraction(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k
     blocks are looked at (a cell counts whole when any of it may attend: an upper bound)."""
     if not mask.keep_terms:
         return 1.0
+    key = (q_len, k_len, block_q, block_k)
+    if key not in mask.live_fractions:  # asked by several estimates and the kernel of one call
+        mask.live_fractions[key] = _live_fraction(mask, q_len, k_len, block_q, block_k)
+    return mask.live_fractions[key]
+
+
+def _live_fraction(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k: int) -> float:
     rows = max(block_q, math.ceil(q_len / MAX_GRID / block_q) * block_q)
     cols = max(block_k, math.ceil(k_len / MAX_GRID / block_k) * block_k)
     alive = 0
@@ -276,12 +347,21 @@ def _flops_per_pair(call: AttentionCall) -> float:
 
 
 def block_kernel_estimate(
-    call: AttentionCall, backend: str, block_q: int, block_k: int, *, compute_dtype: torch.dtype | None = None
+    call: AttentionCall,
+    backend: str,
+    block_q: int,
+    block_k: int,
+    *,
+    casts: bool = True,
+    dtype_by_rates_alone: bool = False,
 ) -> Estimate | None:
     """A kernel that computes only the live blocks of ``block_q`` x ``block_k`` (tiled, flex), at ``backend``'s
-    rate in ``compute_dtype`` (default: the call's)."""
+    rate in the dtype it computes in (:func:`call_compute_dtype`). ``casts``: whether computing a half call in
+    float32 casts more than its half path does (False for tiled, which casts to float32 blocks either way);
+    ``dtype_by_rates_alone``: the casts do not decide the dtype (flex: one compiled kernel serves every length)."""
     fraction = live_fraction(call.mask, call.q_len, call.k_len, block_q, block_k)
-    return dense_kernel_estimate(call, backend, fraction=fraction, compute_dtype=compute_dtype)
+    work = call_compute_dtype(backend, call, None if dtype_by_rates_alone or not casts else lambda: fraction)
+    return dense_kernel_estimate(call, backend, fraction=fraction, compute_dtype=work, casts=casts)
 
 
 def dense_mask_extent(mask: BoundMask) -> tuple[int, int, int]:
@@ -320,14 +400,17 @@ def dense_kernel_estimate(
     fraction: float = 1.0,
     mask_bytes: int = 0,
     compute_dtype: torch.dtype | None = None,
+    casts: bool = True,
 ) -> Estimate | None:
     """A kernel that computes ``fraction`` of the pairs (every one unless it skips some itself) at ``backend``'s
     rate in ``compute_dtype`` (default: the call's), plus building and reading a ``mask_bytes`` dense mask (again
-    in the backward)."""
+    in the backward), plus the casts to ``compute_dtype`` and back (with ``casts``) where it is not the call's."""
     dtype = call.dtype if compute_dtype is None else compute_dtype
     rates = _rates(backend, call, dtype)
     if rates is None:
         return None
     seconds = work_seconds(_flops_per_pair(call), fraction * call.q_len * call.k_len, call.requires_grad, *rates)
     seconds += mask_bytes * MASK_PASSES * (2 if call.requires_grad else 1) / (kernel_rates().mask_gbs * 1e9)
+    if casts and dtype != call.dtype:
+        seconds += _call_cast_bytes(call) / (kernel_rates().fresh_gbs * 1e9)
     return Estimate(seconds, fraction, mask_bytes, computes_in=None if dtype == call.dtype else dtype)

@@ -289,7 +289,7 @@ def _cache_key(call: AttentionCall, structure: tuple) -> tuple:
     where that was measured faster: :func:`_run`)."""
     return (
         structure,
-        call_compute_dtype("flex", call),
+        call_compute_dtype("flex", call),  # the rates alone, as in _run
         call.device.type,
         call.device.index,
         call.heads,
@@ -372,6 +372,8 @@ def _run(
     unfused (dense i x j scores): for tests of the lowering only.
     """
     given = q.dtype
+    # the rates alone pick the dtype, never the casts (which would make it depend on the length): a second compiled
+    # kernel for short calls would cost seconds to save fractions of a millisecond
     q, k, v = inputs_in_faster_dtype("flex", q, k, v)
     b, h, i, _ = q.shape
     g, j = k.shape[1], k.shape[2]
@@ -558,7 +560,5 @@ CAPABILITIES = Capabilities(
     auto_skip=_cold,
     softcap=True,
     # the live blocks of its BlockMask, in the dtype it computes in
-    estimate=lambda call: block_kernel_estimate(
-        call, "flex", BLOCK, BLOCK, compute_dtype=call_compute_dtype("flex", call)
-    ),
+    estimate=lambda call: block_kernel_estimate(call, "flex", BLOCK, BLOCK, dtype_by_rates_alone=True),
 )

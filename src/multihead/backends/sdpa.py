@@ -12,10 +12,11 @@ What differs from ours, and how this backend bridges it:
 - Dropout is passed only when it applies (training); GQA uses enable_gqa.
 - Logit soft-capping (masks.softcap) is not served: SDPA takes no score transform
   (its Capabilities leave ``softcap`` False, so auto picks another backend).
-- Half-precision calls on the CPU run in float32 where this machine's rates say torch's kernel is faster there
-  (backends.costs.inputs_in_faster_dtype): without bf16/fp16 matrix units its bf16 backward ran at 12 GFLOP/s
-  against 102 in float32 here, and its forward at 100 against 110. The output and gradients come back in the
-  inputs' dtype, rounded once from float32.
+- Half-precision calls on the CPU run in float32 where this machine's rates say torch's kernel is faster there,
+  the casts included (backends.costs.inputs_in_faster_dtype): without bf16/fp16 matrix units its bf16 backward ran
+  at 12 GFLOP/s against 102 in float32 here, and its forward at 100 against 110 (so a short forward stays in bf16:
+  the casts cost more than the 10%). The output and gradients come back in the inputs' dtype, rounded once from
+  float32.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def sdpa_attention(
 ) -> BackendOutput:
     """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), in q's dtype."""
     given = q.dtype
-    q, k, v = inputs_in_faster_dtype(rates_label(mask), q, k, v)
+    q, k, v = inputs_in_faster_dtype(rates_label(mask), q, k, v, lambda: computed_fraction(mask))
     attn_mask, is_causal = sdpa_mask(mask, q.dtype)
     if attn_mask is not None and mask.may_empty_rows():
         # SDPA adds the mask to q k^T: a fully masked row whose scores overflow to +inf gets inf - inf = NaN.
@@ -108,17 +109,21 @@ def _sdpa_limits(call: AttentionCall) -> list[str]:
 SDPA_CAUSAL_BLOCK = 128  # about the query/key blocks torch's CPU flash kernel skips under is_causal
 
 
+def computed_fraction(mask: BoundMask) -> float:
+    """The share of pairs torch's kernel computes: its own causal skips the blocks above the diagonal; given a
+    dense mask it computes every pair."""
+    if mask.is_plain_causal:
+        return live_fraction(mask, mask.shape.q_len, mask.shape.k_len, SDPA_CAUSAL_BLOCK, SDPA_CAUSAL_BLOCK)
+    return 1.0
+
+
 def _estimate(call: AttentionCall) -> Estimate | None:
     """Its own causal skips the blocks above the diagonal; any other mask is one dense tensor and every pair."""
     mask = call.mask
-    label = rates_label(mask)
-    work = call_compute_dtype(label, call)
-    if mask.is_empty:
-        return dense_kernel_estimate(call, label, compute_dtype=work)
-    if mask.is_plain_causal:
-        fraction = live_fraction(mask, call.q_len, call.k_len, SDPA_CAUSAL_BLOCK, SDPA_CAUSAL_BLOCK)
-        return dense_kernel_estimate(call, label, fraction=fraction, compute_dtype=work)
-    return dense_kernel_estimate(call, label, mask_bytes=dense_mask_bytes(call, work), compute_dtype=work)
+    label, fraction = rates_label(mask), computed_fraction(mask)
+    work = call_compute_dtype(label, call, lambda: fraction)
+    mask_bytes = 0 if mask.is_empty or mask.is_plain_causal else dense_mask_bytes(call, work)
+    return dense_kernel_estimate(call, label, fraction=fraction, mask_bytes=mask_bytes, compute_dtype=work)
 
 
 CAPABILITIES = Capabilities(

@@ -52,7 +52,7 @@ from multihead.backends._blocks import (
     unfold,
     vmap_by_loop,
 )
-from multihead.backends.costs import block_kernel_estimate, call_compute_dtype, inputs_in_faster_dtype
+from multihead.backends.costs import block_kernel_estimate, inputs_in_faster_dtype
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BlockState, BoundMask
 
@@ -339,7 +339,7 @@ def tiled_attention(
     """
     q, k, v = autocast_inputs(q, k, v)
     given = q.dtype
-    q, k, v = inputs_in_faster_dtype("tiled", q, k, v)
+    q, k, v = inputs_in_faster_dtype("tiled", q, k, v)  # the rates alone: the Function casts to float32 either way
     seed = torch.randint(0, 2**62, (1,)) if dropout > 0 else None
     # the Function returns the compute dtype (float32 for half inputs), which backward reads; cast after
     output, lse = _TiledAttention.call(q, k, v, mask, scale, dropout, seed)
@@ -355,7 +355,5 @@ CAPABILITIES = Capabilities(
     compiles_dynamic=False,
     softcap=True,
     # skips the masked-out blocks; in the dtype it computes in
-    estimate=lambda call: block_kernel_estimate(
-        call, "tiled", BLOCK_Q, BLOCK_K, compute_dtype=call_compute_dtype("tiled", call)
-    ),
+    estimate=lambda call: block_kernel_estimate(call, "tiled", BLOCK_Q, BLOCK_K, casts=False),
 )
