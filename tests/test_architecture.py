@@ -31,6 +31,7 @@ LAYERS = [
     ("multihead.parallel", "across processes"),
     ("multihead.cost", "counting and measuring"),
     ("multihead.machine", "counting and measuring"),
+    ("multihead.backend_rates", "counting and measuring"),
     ("multihead.compat", "the layer"),
     ("multihead.layer", "the layer"),
     ("multihead.attend", "the layer"),

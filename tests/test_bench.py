@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from rich.console import Console
 
 import multihead
-from multihead import bench, machine
+from multihead import backend_rates, bench, machine
 from multihead.backends import costs
 from multihead.bench_report import print_report, rich_tables
 from multihead.cli import main
@@ -286,7 +286,7 @@ def test_calibrate_alone_saves_the_rates(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
     # each backend's rate for auto, measured small and without compiling flex (the real one takes a minute)
     quick = functools.partial(machine.calibrate_kernels, ("float32",), repeats=1, flex=False)
-    monkeypatch.setattr(machine, "KERNEL_CASES", {"float32": (torch.float32, 128)})
+    monkeypatch.setattr(backend_rates, "KERNEL_CASES", {"float32": (torch.float32, 128)})
     monkeypatch.setattr(machine, "calibrate_kernels", quick)
     assert main(["bench", "--calibrate"]) == 0
     out = capsys.readouterr().out
@@ -300,11 +300,13 @@ def test_calibrate_alone_saves_the_rates(tmp_path, monkeypatch, capsys):
     assert all(rate > 0 for by_key in kernel["gflops"].values() for rate in by_key.values())
     cached = machine.cached_kernel_rates()  # what auto reads in a new process
     assert cached is not None and cached.fresh_gbs == kernel["fresh_gbs"] > 0
-    # a calibration saved before fresh_gbs was measured still serves, with the default for it
-    del saved["details"]["kernel_rates"]["fresh_gbs"]
+    assert cached.masked_gps == kernel["masked_gps"] > 0
+    # a calibration saved before fresh_gbs and masked_gps were measured still serves, with the defaults for them
+    del saved["details"]["kernel_rates"]["fresh_gbs"], saved["details"]["kernel_rates"]["masked_gps"]
     (tmp_path / "calibration.json").write_text(json.dumps(saved))
     older = machine.cached_kernel_rates()
-    assert older is not None and older.fresh_gbs == costs.DEFAULT_FRESH_GBS and older.mask_gbs == kernel["mask_gbs"]
+    assert older is not None and older.mask_gbs == kernel["mask_gbs"]
+    assert (older.fresh_gbs, older.masked_gps) == (costs.DEFAULT_FRESH_GBS, costs.DEFAULT_MASKED_GPS)
     assert main(["bench", "--calibrate", "--dtype", "int8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--dtype: expected one of float32" in err

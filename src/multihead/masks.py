@@ -749,9 +749,10 @@ class BoundMask:
         self.shape = shape
         self.keep_terms = [t for t in terms if not t.is_bias]
         self.bias_terms = [t for t in terms if t.is_bias]
-        # (i, j, block_q, block_k) -> the share of pairs in live blocks: backends.costs.live_fraction keeps it
-        # here, as the estimates and the kernel of the one call this mask is bound to ask for it alike
-        self.live_fractions: dict[tuple[int, int, int, int], float] = {}
+        # (i, j, block_q, block_k) -> the shares of pairs in live blocks and in blocks masked score by score:
+        # backends.costs keeps them here, as the estimates and the kernel of the one call this mask is bound to
+        # ask for them alike
+        self.live_fractions: dict[tuple[int, int, int, int], tuple[float, float]] = {}
 
     @classmethod
     def none(cls, shape: AttentionShape) -> BoundMask:

@@ -2,14 +2,17 @@
 
 A backend's estimate is the n x n work it really does for this call, at this machine's measured rate for it:
 
-    seconds = computed pairs x b h x FLOPs per pair / rate  (+ building a dense mask)  (+ per-block overhead)
+    seconds = computed pairs x b h x FLOPs per pair / rate  (+ building a dense mask)  (+ masking blocks apart)
+              (+ casting a half call to float32 and back)
 
 - **Computed pairs** depend on the mask and the kernel. SDPA computes every pair of a dense mask (and skips the
   masked blocks of its own ``is_causal``); the block kernels (tiled, flex) compute only the blocks the mask leaves
-  alive (:func:`live_fraction`, from ``BoundMask.state`` on the kernel's block grid).
+  alive (:func:`live_fraction`, from ``BoundMask.state`` on the kernel's block grid). Tiled also masks the blocks
+  the mask keeps only in part, and every live block of a bias or cap, apart from its products
+  (:func:`masked_fraction`, at ``masked_gps``); flex's mods run inside its kernel.
 - **FLOPs per pair** are 2 (d + e) forward (q k^T and weights x V), and 2.5 times that for the backward.
 - **Rates** (:class:`KernelRates`) are GFLOP/s per backend, direction and precision, measured on this machine by
-  ``multihead bench --calibrate`` (``multihead.machine.calibrate_kernels``) and installed with
+  ``multihead bench --calibrate`` (``multihead.backend_rates.calibrate_kernels``) and installed with
   :func:`set_kernel_rates`; until then :data:`DEFAULT_RATES`, measured on this project's machine (named there).
 - **A dense mask** (SDPA with anything but its own causal) is built and read at ``mask_gbs``.
 - **Precision.** SDPA, FlexAttention and tiled run a bfloat16/float16 call in float32 where that is faster here,
@@ -51,6 +54,7 @@ __all__ = [
     "faster_compute_dtype",
     "inputs_in_faster_dtype",
     "live_fraction",
+    "masked_fraction",
     "native_precision",
     "set_kernel_rates",
     "set_rates_loader",
@@ -64,6 +68,11 @@ MAX_GRID = 32  # blocks per side looked at by live_fraction: coarser cells past 
 # included, against 45 GB/s rewriting memory already mapped. Casts of q, k, v and the output are fresh tensors
 # each call: at n = 1024, h = 16 the four took 5.2 ms beside SDPA's 26 ms kernel (torch.profiler)
 DEFAULT_FRESH_GBS = 3.1
+# The median of 5 runs of backend_rates._measure_masked_gps on this project's machine (0.35-0.41; tiled, float32,
+# n = 1024, h = 8, ALiBi against none). In benchmarks/dispatch.py (h = 16) tiled's causal & window(256) forward took
+# 47 ms against 28 for its 7 of 16 blocks at the unmasked rate, and causal & ALiBi 63 against 40 for its 10 biased
+# blocks: 2.6 and 2.2 ns (0.38 and 0.45 billion a second) for each of the 7.3 and 10.5 million scores it masked
+DEFAULT_MASKED_GPS = 0.39
 
 
 @dataclass(frozen=True)
@@ -74,12 +83,15 @@ class KernelRates:
     FLOPs per computed pair forward and 2.5 times that backward, measured at d = e = 64 (so the softmax and each
     kernel's per-block work are in them). ``mask_gbs``: how fast a dense mask is built and read. ``fresh_gbs``: how
     fast a new tensor of tens of MiB is written, page faults included (what casting q, k, v to float32 costs).
+    ``masked_gps``: how many billion scores per second a block kernel masks one block at a time (evaluating the
+    mask, bias or cap for the block and applying it to each head's scores), beside its matrix products.
     """
 
     gflops: dict[str, dict[str, float]]
     mask_gbs: float
     source: str = ""
     fresh_gbs: float = DEFAULT_FRESH_GBS
+    masked_gps: float = DEFAULT_MASKED_GPS
 
     def rate(self, backend: str, direction: str, dtype: torch.dtype) -> float | None:
         by_key = self.gflops.get(backend)
@@ -88,7 +100,7 @@ class KernelRates:
         return by_key.get(f"{direction} {precision(dtype)}")
 
 
-# Measured by multihead.machine.calibrate_kernels (what `multihead bench --calibrate` runs) on this project's
+# Measured by multihead.backend_rates.calibrate_kernels (what `multihead bench --calibrate` runs) on this project's
 # machine, the median of 6 calibrations on 2026-11-23 (3 at 20:35, 3 at 21:21; single runs differed by up to 30%)
 # with the machine otherwise idle: AMD EPYC, 2 cores, AVX2 (no AVX-512, no bf16/AMX units), torch 2.13.0 CPU,
 # 2 threads; b = 1, h = 8, d = 64, n = 1024 in float32 and bfloat16 ("half"), each kernel in its own precision
@@ -127,6 +139,7 @@ DEFAULT_RATES = KernelRates(
     mask_gbs=1.21,
     source="defaults: the median of 6 calibrations on an AMD EPYC (AVX2), 2 threads, torch 2.13.0",
     fresh_gbs=DEFAULT_FRESH_GBS,
+    masked_gps=DEFAULT_MASKED_GPS,
 )
 
 _installed: KernelRates | None = None
@@ -276,25 +289,42 @@ def live_fraction(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k
     """The share of (query, key) pairs in blocks of ``block_q`` x ``block_k`` that ``mask`` does not rule out
     entirely: what a block-skipping kernel computes. Past :data:`MAX_GRID` blocks per side, cells of several
     blocks are looked at (a cell counts whole when any of it may attend: an upper bound)."""
-    if not mask.keep_terms:
-        return 1.0
+    return _block_fractions(mask, q_len, k_len, block_q, block_k)[0]
+
+
+def masked_fraction(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k: int) -> float:
+    """The share of pairs in the live blocks a block kernel masks score by score: the blocks its keep terms keep
+    only in part, and every live one when the mask adds a bias or caps the scores (cells as in
+    :func:`live_fraction`)."""
+    return _block_fractions(mask, q_len, k_len, block_q, block_k)[1]
+
+
+def _block_fractions(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k: int) -> tuple[float, float]:
+    """(live, masked) fractions, kept on the mask: several estimates and the kernel of one call ask for them."""
     key = (q_len, k_len, block_q, block_k)
-    if key not in mask.live_fractions:  # asked by several estimates and the kernel of one call
-        mask.live_fractions[key] = _live_fraction(mask, q_len, k_len, block_q, block_k)
+    if key not in mask.live_fractions:
+        mask.live_fractions[key] = _count_blocks(mask, q_len, k_len, block_q, block_k)
     return mask.live_fractions[key]
 
 
-def _live_fraction(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k: int) -> float:
+def _count_blocks(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k: int) -> tuple[float, float]:
+    every_live_block_masked = bool(mask.bias_terms) or mask.softcap is not None
+    if not mask.keep_terms:
+        return 1.0, 1.0 if every_live_block_masked else 0.0
     rows = max(block_q, math.ceil(q_len / MAX_GRID / block_q) * block_q)
     cols = max(block_k, math.ceil(k_len / MAX_GRID / block_k) * block_k)
-    alive = 0
+    alive = masked = 0
     for row_start in range(0, q_len, rows):
         row_span = range(row_start, min(row_start + rows, q_len))
         for col_start in range(0, k_len, cols):
             col_span = range(col_start, min(col_start + cols, k_len))
-            if mask.state(row_span, col_span) is not BlockState.EMPTY:
-                alive += len(row_span) * len(col_span)
-    return alive / (q_len * k_len)
+            state = mask.state(row_span, col_span)
+            if state is not BlockState.EMPTY:
+                pairs = len(row_span) * len(col_span)
+                alive += pairs
+                if state is BlockState.PARTIAL or every_live_block_masked:
+                    masked += pairs
+    return alive / (q_len * k_len), masked / (q_len * k_len)
 
 
 @dataclass(frozen=True)
@@ -346,22 +376,46 @@ def _flops_per_pair(call: AttentionCall) -> float:
     return 2.0 * (call.qk_dim + call.v_dim) * call.batch * call.heads
 
 
+HALF_CALL_HANDLING = ("per call", "by rates", "float32 blocks", "as given")
+
+
 def block_kernel_estimate(
     call: AttentionCall,
     backend: str,
     block_q: int,
     block_k: int,
     *,
-    casts: bool = True,
-    dtype_by_rates_alone: bool = False,
+    half: str = "per call",
+    masks_blocks: bool = False,
+    remasks_in_backward: bool = True,
 ) -> Estimate | None:
-    """A kernel that computes only the live blocks of ``block_q`` x ``block_k`` (tiled, flex), at ``backend``'s
-    rate in the dtype it computes in (:func:`call_compute_dtype`). ``casts``: whether computing a half call in
-    float32 casts more than its half path does (False for tiled, which casts to float32 blocks either way);
-    ``dtype_by_rates_alone``: the casts do not decide the dtype (flex: one compiled kernel serves every length)."""
-    fraction = live_fraction(call.mask, call.q_len, call.k_len, block_q, block_k)
-    work = call_compute_dtype(backend, call, None if dtype_by_rates_alone or not casts else lambda: fraction)
-    return dense_kernel_estimate(call, backend, fraction=fraction, compute_dtype=work, casts=casts)
+    """A kernel that computes only the live blocks of ``block_q`` x ``block_k`` (tiled, flex, the materialised
+    kernel's key spans), at ``backend``'s rate in the dtype it computes in, with the casts of a half call computed
+    in float32 (:func:`cast_bytes` at ``fresh_gbs``).
+
+    ``half``, how it runs a half-precision call: "per call", in float32 where that is faster, casts included
+    (:func:`call_compute_dtype`); "by rates", the same but the rates alone decide (flex: one compiled kernel serves
+    every length); "float32 blocks", in float32 blocks whatever the dtype (tiled: it pays the casts either way, the
+    rates pick which inputs it takes); "as given", in the call's dtype (materialised: its weights are returned).
+    ``masks_blocks``: it masks each block's scores apart from its matrix products (tiled, materialised; flex's mods
+    are fused into its kernel), forward and, with ``remasks_in_backward``, again in the backward, at ``masked_gps``.
+    """
+    if half not in HALF_CALL_HANDLING:
+        raise ValueError(f"half: expected one of {HALF_CALL_HANDLING}, got {half!r}")
+    fraction, masked = _block_fractions(call.mask, call.q_len, call.k_len, block_q, block_k)
+    if half == "as given":
+        work = call.dtype
+    else:
+        work = call_compute_dtype(backend, call, (lambda: fraction) if half == "per call" else None)
+    rates = kernel_rates()
+    extra = 0.0
+    half_on_cpu = call.dtype in HALF_DTYPES and call.device.type == "cpu"
+    if half_on_cpu and (work != call.dtype or half == "float32 blocks"):
+        extra += _call_cast_bytes(call) / (rates.fresh_gbs * 1e9)
+    if masks_blocks:
+        passes = 2 if call.requires_grad and remasks_in_backward else 1
+        extra += passes * masked * call.batch * call.heads * call.q_len * call.k_len / (rates.masked_gps * 1e9)
+    return dense_kernel_estimate(call, backend, fraction=fraction, compute_dtype=work, casts=False, extra_seconds=extra)
 
 
 def dense_mask_extent(mask: BoundMask) -> tuple[int, int, int]:
@@ -401,15 +455,18 @@ def dense_kernel_estimate(
     mask_bytes: int = 0,
     compute_dtype: torch.dtype | None = None,
     casts: bool = True,
+    extra_seconds: float = 0.0,
 ) -> Estimate | None:
     """A kernel that computes ``fraction`` of the pairs (every one unless it skips some itself) at ``backend``'s
     rate in ``compute_dtype`` (default: the call's), plus building and reading a ``mask_bytes`` dense mask (again
-    in the backward), plus the casts to ``compute_dtype`` and back (with ``casts``) where it is not the call's."""
+    in the backward), plus the casts to ``compute_dtype`` and back (with ``casts``) where it is not the call's, plus
+    ``extra_seconds``."""
     dtype = call.dtype if compute_dtype is None else compute_dtype
     rates = _rates(backend, call, dtype)
     if rates is None:
         return None
     seconds = work_seconds(_flops_per_pair(call), fraction * call.q_len * call.k_len, call.requires_grad, *rates)
+    seconds += extra_seconds
     seconds += mask_bytes * MASK_PASSES * (2 if call.requires_grad else 1) / (kernel_rates().mask_gbs * 1e9)
     if casts and dtype != call.dtype:
         seconds += _call_cast_bytes(call) / (kernel_rates().fresh_gbs * 1e9)

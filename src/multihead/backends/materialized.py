@@ -46,7 +46,7 @@ from multihead.backends._blocks import (
     softmax_rows_,
     unfold,
 )
-from multihead.backends.costs import dense_kernel_estimate
+from multihead.backends.costs import block_kernel_estimate
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BlockState, BoundMask
 
@@ -301,5 +301,15 @@ CAPABILITIES = Capabilities(
     bias_grad=False,
     compiles_dynamic=False,
     softcap=True,
-    estimate=lambda call: dense_kernel_estimate(call, "materialized"),  # every pair, weights written once
+    # each row block's live key span, masked apart; weights written once; its backward masks again only when it
+    # recomputes half-precision weights in float32
+    estimate=lambda call: block_kernel_estimate(
+        call,
+        "materialized",
+        ROWS_PER_BLOCK,
+        KEY_BLOCK,
+        half="as given",
+        masks_blocks=True,
+        remasks_in_backward=call.dtype in (torch.bfloat16, torch.float16),
+    ),
 )

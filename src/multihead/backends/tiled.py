@@ -354,6 +354,8 @@ CAPABILITIES = Capabilities(
     bias_grad=False,
     compiles_dynamic=False,
     softcap=True,
-    # skips the masked-out blocks; in the dtype it computes in
-    estimate=lambda call: block_kernel_estimate(call, "tiled", BLOCK_Q, BLOCK_K, casts=False),
+    # skips the masked-out blocks, masks the partial (or biased) ones apart; in the dtype it computes in
+    estimate=lambda call: block_kernel_estimate(
+        call, "tiled", BLOCK_Q, BLOCK_K, half="float32 blocks", masks_blocks=True
+    ),
 )

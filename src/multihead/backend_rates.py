@@ -1,0 +1,164 @@
+"""Each backend's rate here, for ``backend="auto"`` to compare them (:mod:`multihead.backends.costs`).
+
+:func:`calibrate_kernels` times every built-in kernel in each precision, how fast a dense mask is built, how fast
+new memory is written (the casts of a half call computed in float32) and how fast tiled masks a block's scores;
+``multihead bench --calibrate`` (:func:`multihead.machine.calibrate`) runs it and keeps the result with the rest of
+this machine's calibration.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from multihead.backends.costs import KernelRates
+
+__all__ = ["calibrate_kernels", "KERNEL_CASES"]
+
+# precision: (dtype, n); one n, so that a kernel's precisions compare (the sdpa backend picks the faster one)
+KERNEL_CASES = {"float32": (torch.float32, 1024), "half": (torch.bfloat16, 1024)}
+KERNEL_HEADS, KERNEL_HEAD_DIM = 8, 64
+
+
+def _kernel_flops(n: int) -> float:
+    """Forward n x n FLOPs of the calibration case: 2 (d + e) per pair and head, b = 1."""
+    return 2.0 * (2 * KERNEL_HEAD_DIM) * KERNEL_HEADS * n * n
+
+
+def _median_call_s(call: Callable[[], object], repeats: int = 3) -> float:
+    call()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _torch_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, backend: str
+) -> torch.Tensor:
+    """torch's SDPA at the inputs' precision, as the sdpa backend calls it (``backend`` is "sdpa")."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _kernel_times(
+    attention: Callable[..., object],
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    grad: torch.Tensor,
+    mask: torch.Tensor | None,
+    backend: str,
+    repeats: int,
+) -> tuple[float, float]:
+    """(forward seconds, backward seconds: forward+backward minus forward) of ``backend`` on ``inputs``."""
+
+    def forward() -> object:
+        with torch.no_grad():
+            return attention(*inputs, mask=mask, backend=backend)
+
+    def training() -> None:
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        out = attention(*leaves, mask=mask, backend=backend)
+        assert isinstance(out, torch.Tensor)
+        out.backward(grad)
+
+    forward_s = _median_call_s(forward, repeats)
+    return forward_s, max(_median_call_s(training, repeats) - forward_s, forward_s / 100)
+
+
+def calibrate_kernels(
+    precisions: Sequence[str] = ("float32", "half"), *, repeats: int = 3, flex: bool = True, where: str = "this machine"
+) -> KernelRates:
+    """Measure each built-in backend's n x n rate here, for ``backend="auto"`` to compare them
+    (:mod:`multihead.backends.costs`): b = 1, h = 8, d = e = 64 at n = 1024 in float32 and in bfloat16 for "half",
+    forward and forward+backward, median of ``repeats`` calls after a warm-up. Each kernel runs in the precision
+    given (``costs.native_precision``): "sdpa" and "sdpa masked" are torch's kernel itself (the sdpa and flex
+    backends run a half call in float32 where that rate is higher).
+
+    Rates count 2 (d + e) FLOPs per pair forward and 2.5 times that backward (backward time: forward+backward
+    minus forward), so they include each kernel's softmax and per-block work at d = 64. "sdpa masked" is SDPA given a
+    dense bool mask; ``mask_gbs`` is how fast a (1, 8, 2048, 2048) window & ALiBi bias is built, ``fresh_gbs`` how
+    fast a new 64 MiB tensor is written (the casts of a half call computed in float32), ``masked_gps`` how fast
+    tiled masks a block's scores (:func:`_measure_masked_gps`). With ``flex``, the
+    flex backend is compiled (seconds) and timed forward (it has no backward on the CPU).
+    """
+    from multihead import masks as typed_masks
+    from multihead.backends.costs import native_precision
+    from multihead.masks import AttentionShape, bind_mask
+
+    gflops: dict[str, dict[str, float]] = {}
+    with native_precision():  # each kernel in each precision as it is, not as auto would run it
+        for name in precisions:
+            _measure_kernels(gflops, name, repeats, flex)
+    # building a dense mask: a (1, 8, 2048, 2048) float32 bias from a window and ALiBi
+    shape = AttentionShape(1, 8, 2048, 2048, torch.device("cpu"))
+    bound = bind_mask(typed_masks.window(256) & typed_masks.alibi(typed_masks.alibi_slopes(8)), False, shape)
+    mask_s = _median_call_s(lambda: bound.dense(torch.float32), repeats)
+    # writing a new tensor, as a cast does: past glibc's largest mmap threshold (32 MiB) every one is fresh pages
+    fresh_s = _median_call_s(lambda: torch.empty(FRESH_ELEMENTS).fill_(1.0), repeats)
+    return KernelRates(
+        gflops,
+        mask_gbs=8 * 2048 * 2048 * 4 / mask_s / 1e9,
+        source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} on {where}",
+        fresh_gbs=FRESH_ELEMENTS * 4 / fresh_s / 1e9,
+        masked_gps=_measure_masked_gps(max(repeats, 3)),
+    )
+
+
+def _measure_masked_gps(repeats: int) -> float:
+    """Billions of scores per second the tiled kernel masks block by block: its float32 forward at n = 1024 with an
+    ALiBi bias (every block biased) against the same call without, in alternating calls; the median of the
+    per-round differences."""
+    from multihead import masks as typed_masks
+    from multihead.functional import attention
+
+    _, n = KERNEL_CASES["float32"]
+    q, k, v = (torch.randn(1, KERNEL_HEADS, n, KERNEL_HEAD_DIM) for _ in range(3))
+    alibi = typed_masks.alibi(typed_masks.alibi_slopes(KERNEL_HEADS))
+
+    def seconds(mask: typed_masks.Mask | None) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            attention(q, k, v, mask=mask, backend="tiled")
+        return time.perf_counter() - start
+
+    seconds(None), seconds(alibi)  # warm-up
+    differences = sorted(seconds(alibi) - seconds(None) for _ in range(repeats))
+    return KERNEL_HEADS * n * n / max(differences[len(differences) // 2], 1e-6) / 1e9
+
+
+FRESH_ELEMENTS = 16 * 2**20  # float32: 64 MiB
+
+
+def _measure_kernels(gflops: dict[str, dict[str, float]], precision: str, repeats: int, flex: bool) -> None:
+    """Add each kernel's forward (and backward) GFLOP/s in ``precision`` to ``gflops[label]``."""
+    from multihead.backends import flex as flex_backend
+    from multihead.backends.costs import BACKWARD_FLOP_FACTOR
+    from multihead.functional import attention
+
+    dtype, n = KERNEL_CASES[precision]
+    q, k, v, grad = (torch.randn(1, KERNEL_HEADS, n, KERNEL_HEAD_DIM, dtype=dtype) for _ in range(4))
+    keep = torch.rand(n, n) < 0.9
+    keep[:, 0] = True  # no empty row
+    flops = _kernel_flops(n)
+    for label, kernel, backend, mask in (
+        ("sdpa", _torch_sdpa, "sdpa", None),
+        ("sdpa masked", _torch_sdpa, "sdpa", keep),
+        ("tiled", attention, "tiled", None),
+        ("materialized", attention, "materialized", None),
+    ):
+        forward_s, backward_s = _kernel_times(kernel, (q, k, v), grad, mask, backend, repeats)
+        rates = gflops.setdefault(label, {})
+        rates[f"forward {precision}"] = flops / forward_s / 1e9
+        rates[f"backward {precision}"] = BACKWARD_FLOP_FACTOR * flops / backward_s / 1e9
+    # flex (FlexAttention): compiled once here (seconds), then timed; forward only where it has no backward (CPU)
+    if flex:
+        flex_backend.warm_up(heads=KERNEL_HEADS, qk_dim=KERNEL_HEAD_DIM, dtype=dtype, length=n)
+
+        def flex_forward() -> object:
+            with torch.no_grad():
+                return attention(q, k, v, backend="flex")
+
+        gflops.setdefault("flex", {})[f"forward {precision}"] = flops / _median_call_s(flex_forward, repeats) / 1e9
