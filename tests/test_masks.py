@@ -187,6 +187,43 @@ def test_may_empty_rows_builds_no_i_by_j_tensor():
         assert built == [masks.EMPTY_ROW_BLOCK**2]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.none(), st.integers(0, 6)),
+            st.one_of(st.none(), st.integers(0, 6)),
+            st.sampled_from(["bottom_right", "top_left"]),
+        ),
+        min_size=2,
+        max_size=4,
+    ),
+    st.integers(1, 9),
+    st.integers(1, 9),
+)
+def test_diagonals_of_one_alignment_bind_as_one_band(windows, i, j):
+    """causal & window(...) & window(...) of one alignment keep what each keeps, as one band per alignment."""
+    parts = [masks.window(left, right, align=align) for left, right, align in windows]
+    combined = parts[0]
+    for part in parts[1:]:
+        combined = combined & part
+    bound = bind_mask(combined, False, AttentionShape(1, 1, i, j, CPU))
+    expected = torch.ones(1, 1, i, j, dtype=torch.bool)
+    for part in parts:
+        expected &= dense_keep(part, 1, 1, i, j)
+    assert torch.equal(dense_keep(combined, 1, 1, i, j), expected)
+    assert len(bound.terms) <= len({align for _, _, align in windows})
+    assert bound.may_empty_rows() == bool((~expected.any(-1)).any())
+
+
+def test_causal_and_a_window_are_one_band():
+    bound = bind_mask(masks.causal() & masks.window(256), False, AttentionShape(1, 1, 1024, 1024, CPU))
+    assert bound.kinds() == ["diagonal"] and not bound.is_plain_causal
+    assert bind_mask(masks.causal() & masks.causal(), False, AttentionShape(1, 1, 8, 8, CPU)).is_plain_causal
+    mixed = bind_mask(masks.causal() & masks.causal("top_left"), False, AttentionShape(1, 1, 4, 8, CPU))
+    assert mixed.kinds() == ["diagonal", "diagonal"]  # two alignments: two bands
+
+
 def test_causal_blocks_above_the_diagonal_are_empty_and_below_full():
     bound = bind_mask(masks.causal(), False, AttentionShape(1, 1, 8, 8, CPU))
     assert bound.state(range(0, 4), range(4, 8)) is BlockState.EMPTY

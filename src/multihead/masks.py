@@ -714,6 +714,34 @@ class _BoundDense(_BoundTerm):
 # --------------------------------------------------------------------------- the bound mask
 
 
+def _merge_diagonals(terms: list[_BoundTerm]) -> list[_BoundTerm]:
+    """Diagonal terms of one alignment as one band, the tighter bound on each side (causal & window(256) is
+    window(256, 0)): kernels then check one band per block instead of several, and a single band settles
+    may_empty_rows without looking at any pair. The band takes the place of the first of them."""
+    first: dict[str, int] = {}  # alignment -> index of its band in merged
+    merged: list[_BoundTerm] = []
+    for term in terms:
+        if not isinstance(term, _BoundDiagonal):
+            merged.append(term)
+            continue
+        align = term.spec.align
+        if align not in first:
+            first[align] = len(merged)
+            merged.append(term)
+            continue
+        band = merged[first[align]]
+        assert isinstance(band, _BoundDiagonal)
+        left, right = _tighter(band.spec.left, term.spec.left), _tighter(band.spec.right, term.spec.right)
+        name = "causal" if left is None and right == 0 else "window"
+        merged[first[align]] = _BoundDiagonal(_Diagonal(left, right, align, name), band.offset, band.shape)
+    return merged
+
+
+def _tighter(a: int | None, b: int | None) -> int | None:
+    """The smaller of two bounds, None being unbounded."""
+    return b if a is None else a if b is None else min(a, b)
+
+
 EMPTY_ROW_BLOCK = 256  # rows and keys per block BoundMask.may_empty_rows looks at
 EMPTY_ROW_CHECK_ELEMENTS = 2**24  # the most (b, h, rows, keys) entries it builds at once
 
@@ -745,7 +773,7 @@ class BoundMask:
             for t in terms
             if not isinstance(t, _BoundSoftcap) and (t.is_bias or not t.surely_full(0, shape.q_len, 0, shape.k_len))
         ]
-        self.terms = terms
+        self.terms = terms = _merge_diagonals(terms)
         self.shape = shape
         self.keep_terms = [t for t in terms if not t.is_bias]
         self.bias_terms = [t for t in terms if t.is_bias]
