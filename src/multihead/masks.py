@@ -780,7 +780,7 @@ class BoundMask:
         # (i, j, block_q, block_k) -> the shares of pairs in live blocks and in blocks masked score by score:
         # backends.costs keeps them here, as the estimates and the kernel of the one call this mask is bound to
         # ask for them alike
-        self.live_fractions: dict[tuple[int, int, int, int], tuple[float, float]] = {}
+        self.block_fractions: dict[tuple[int, int, int, int], tuple[float, float]] = {}
 
     @classmethod
     def none(cls, shape: AttentionShape) -> BoundMask:

@@ -198,6 +198,9 @@ def native_precision() -> Iterator[None]:
         _native_precision = before
 
 
+CallSizes = tuple[int, int, int, int, int, int, int]  # (b, h, g, i, j, d, e)
+
+
 def cast_bytes(
     batch: int, heads: int, kv_heads: int, q_len: int, k_len: int, qk_dim: int, v_dim: int, requires_grad: bool
 ) -> int:
@@ -242,24 +245,7 @@ def call_compute_dtype(backend: str, call: AttentionCall, fraction: Callable[[],
     its kernel computes, asked only for a half call on the CPU) the casts count; without it the rates alone decide
     (a kernel that casts to float32 blocks either way, or one compiled for every length: see
     :func:`block_kernel_estimate`), as they do under torch.compile, whose sizes are symbols a size would pin."""
-    if call.dtype not in HALF_DTYPES or call.device.type != "cpu" or _native_precision:
-        return call.dtype
-    if fraction is None or torch.compiler.is_compiling():  # the rates alone: the work's size cancels out
-        return faster_compute_dtype(backend, call.dtype, call.device, call.requires_grad, flops=1.0, cast_bytes=0)
-    return faster_compute_dtype(
-        backend,
-        call.dtype,
-        call.device,
-        call.requires_grad,
-        flops=_flops_per_pair(call) * fraction() * call.q_len * call.k_len,
-        cast_bytes=_call_cast_bytes(call),
-    )
-
-
-def _call_cast_bytes(call: AttentionCall) -> int:
-    return cast_bytes(
-        call.batch, call.heads, call.kv_heads, call.q_len, call.k_len, call.qk_dim, call.v_dim, call.requires_grad
-    )
+    return _sized_compute_dtype(backend, call.dtype, call.device, call.requires_grad, _sizes(call), fraction)
 
 
 def inputs_in_faster_dtype(
@@ -272,17 +258,35 @@ def inputs_in_faster_dtype(
     """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) in the dtype ``backend``'s kernel runs them fastest in here
     (:func:`call_compute_dtype`, ``fraction`` as there; no copy when the dtype is theirs). The kernel's output goes
     back to the inputs' dtype, and autograd casts the gradients."""
-    if q.dtype not in HALF_DTYPES or q.device.type != "cpu" or _native_precision:
-        return q, k, v
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if fraction is None or torch.compiler.is_compiling():  # the rates alone (sizes under tracing are symbols)
-        work = faster_compute_dtype(backend, q.dtype, q.device, requires_grad, flops=1.0, cast_bytes=0)
-    else:
-        (b, h, i, d), (g, j, e) = q.shape, (k.shape[1], k.shape[2], v.shape[3])
-        flops = 2.0 * (d + e) * b * h * fraction() * i * j
-        written = cast_bytes(b, h, g, i, j, d, e, requires_grad)
-        work = faster_compute_dtype(backend, q.dtype, q.device, requires_grad, flops=flops, cast_bytes=written)
+    sizes = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3])
+    work = _sized_compute_dtype(backend, q.dtype, q.device, requires_grad, sizes, fraction)
     return q.to(work), k.to(work), v.to(work)
+
+
+def _sized_compute_dtype(
+    backend: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    requires_grad: bool,
+    sizes: CallSizes,
+    fraction: Callable[[], float] | None,
+) -> torch.dtype:
+    """The choice behind :func:`call_compute_dtype` and :func:`inputs_in_faster_dtype`, for a call of ``sizes``
+    (b, h, g, i, j, d, e): nothing is computed from them unless the call is half on the CPU and ``fraction`` given."""
+    if dtype not in HALF_DTYPES or device.type != "cpu" or _native_precision:
+        return dtype
+    if fraction is None or torch.compiler.is_compiling():  # the rates alone: the work's size cancels out
+        return faster_compute_dtype(backend, dtype, device, requires_grad, flops=1.0, cast_bytes=0)
+    b, h, g, i, j, d, e = sizes
+    flops = 2.0 * (d + e) * b * h * fraction() * i * j
+    written = cast_bytes(b, h, g, i, j, d, e, requires_grad)
+    return faster_compute_dtype(backend, dtype, device, requires_grad, flops=flops, cast_bytes=written)
+
+
+def _sizes(call: AttentionCall) -> CallSizes:
+    """(b, h, g, i, j, d, e) of a call, in :func:`cast_bytes`' order."""
+    return (call.batch, call.heads, call.kv_heads, call.q_len, call.k_len, call.qk_dim, call.v_dim)
 
 
 def live_fraction(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k: int) -> float:
@@ -302,9 +306,9 @@ def masked_fraction(mask: BoundMask, q_len: int, k_len: int, block_q: int, block
 def _block_fractions(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k: int) -> tuple[float, float]:
     """(live, masked) fractions, kept on the mask: several estimates and the kernel of one call ask for them."""
     key = (q_len, k_len, block_q, block_k)
-    if key not in mask.live_fractions:
-        mask.live_fractions[key] = _count_blocks(mask, q_len, k_len, block_q, block_k)
-    return mask.live_fractions[key]
+    if key not in mask.block_fractions:
+        mask.block_fractions[key] = _count_blocks(mask, q_len, k_len, block_q, block_k)
+    return mask.block_fractions[key]
 
 
 def _count_blocks(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k: int) -> tuple[float, float]:
@@ -407,15 +411,15 @@ def block_kernel_estimate(
         work = call.dtype
     else:
         work = call_compute_dtype(backend, call, (lambda: fraction) if half == "per call" else None)
-    rates = kernel_rates()
-    extra = 0.0
-    half_on_cpu = call.dtype in HALF_DTYPES and call.device.type == "cpu"
-    if half_on_cpu and (work != call.dtype or half == "float32 blocks"):
-        extra += _call_cast_bytes(call) / (rates.fresh_gbs * 1e9)
+    masking = 0.0
     if masks_blocks:
         passes = 2 if call.requires_grad and remasks_in_backward else 1
-        extra += passes * masked * call.batch * call.heads * call.q_len * call.k_len / (rates.masked_gps * 1e9)
-    return dense_kernel_estimate(call, backend, fraction=fraction, compute_dtype=work, casts=False, extra_seconds=extra)
+        scores = masked * call.batch * call.heads * call.q_len * call.k_len
+        masking = passes * scores / (kernel_rates().masked_gps * 1e9)
+    casts = True if half == "float32 blocks" else None  # tiled casts a half call whatever dtype it takes
+    return dense_kernel_estimate(
+        call, backend, fraction=fraction, compute_dtype=work, casts=casts, extra_seconds=masking
+    )
 
 
 def dense_mask_extent(mask: BoundMask) -> tuple[int, int, int]:
@@ -454,13 +458,13 @@ def dense_kernel_estimate(
     fraction: float = 1.0,
     mask_bytes: int = 0,
     compute_dtype: torch.dtype | None = None,
-    casts: bool = True,
+    casts: bool | None = None,
     extra_seconds: float = 0.0,
 ) -> Estimate | None:
     """A kernel that computes ``fraction`` of the pairs (every one unless it skips some itself) at ``backend``'s
     rate in ``compute_dtype`` (default: the call's), plus building and reading a ``mask_bytes`` dense mask (again
-    in the backward), plus the casts to ``compute_dtype`` and back (with ``casts``) where it is not the call's, plus
-    ``extra_seconds``."""
+    in the backward), plus the casts of a half CPU call to float32 and back (``casts``: None, where
+    ``compute_dtype`` is not the call's; True, whatever it is; False, never), plus ``extra_seconds``."""
     dtype = call.dtype if compute_dtype is None else compute_dtype
     rates = _rates(backend, call, dtype)
     if rates is None:
@@ -468,6 +472,7 @@ def dense_kernel_estimate(
     seconds = work_seconds(_flops_per_pair(call), fraction * call.q_len * call.k_len, call.requires_grad, *rates)
     seconds += extra_seconds
     seconds += mask_bytes * MASK_PASSES * (2 if call.requires_grad else 1) / (kernel_rates().mask_gbs * 1e9)
-    if casts and dtype != call.dtype:
-        seconds += _call_cast_bytes(call) / (kernel_rates().fresh_gbs * 1e9)
+    half_on_cpu = call.dtype in HALF_DTYPES and call.device.type == "cpu"
+    if half_on_cpu and (dtype != call.dtype if casts is None else casts):
+        seconds += cast_bytes(*_sizes(call), call.requires_grad) / (kernel_rates().fresh_gbs * 1e9)
     return Estimate(seconds, fraction, mask_bytes, computes_in=None if dtype == call.dtype else dtype)
