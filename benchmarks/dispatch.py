@@ -4,12 +4,14 @@ FlexAttention side by side, with auto's estimates next to the measured times.
 Usage:
     python benchmarks/dispatch.py [--quick] [--budget-s 20] [--case-budget-s 60] [--max-run-s S]
                                   [--sizes 1024,4096,16384] [--dtypes float32,bfloat16] [--out DIR]
+                                  [--masks causal,window,...] [--modes forward,...] [--backends sdpa,tiled,...]
     make bench-dispatch
 
 For each case (mask kind x n x dtype x mode; b = 1, h = 16, d = 64):
 
 - **contestants**: each of multihead's backends that serves the call (named with ``backend=...``; the
-  oracle ``reference`` only with ``--reference``), ``auto``, and two peers: torch SDPA given the same mask
+  oracle ``reference`` only with ``--reference``; ``--backends`` times fewer, and the report says which were
+  left out), ``auto``, and two peers: torch SDPA given the same mask
   as a dense tensor built before the timed calls (``is_causal=True`` for plain causal) and FlexAttention
   (``torch.compile(flex_attention, dynamic=True)``, compiled once per mask kind and dtype outside the timed
   region, its compile time reported apart; a ``create_block_mask`` BlockMask built per case outside the
@@ -356,6 +358,9 @@ def markdown_report(results: dict) -> str:
         "calls; `torch flex` is compiled FlexAttention with a BlockMask built before the timed calls.",
         "",
     ]
+    left_out = [name for name in OWN[:-1] if name not in config.get("backends", OWN)]
+    if left_out:  # --backends: 'best' is over the backends timed
+        lines += [f"Not timed (`--backends`): {', '.join(left_out)}; 'best' is over the backends timed.", ""]
     for dtype in config["dtypes"]:
         for mode in config["modes"]:
             chunk = sorted(
@@ -778,13 +783,6 @@ def progress(record: dict) -> str:
     )
 
 
-def write_reports(results: dict, out_dir: Path, stem: str) -> str:
-    common.write_json(results, out_dir, stem)
-    report = markdown_report(results)
-    (out_dir / f"{stem}.md").write_text(report)
-    return report
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = common.build_parser(
         __doc__,
@@ -797,6 +795,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, help="rounds per case (default 5)")
     parser.add_argument("--masks", help=f"comma-separated mask kinds (default {','.join(MASKS)})")
     parser.add_argument("--modes", help="comma-separated: forward,forward+backward")
+    parser.add_argument(
+        "--backends",
+        help=f"comma-separated multihead backends to time, from {','.join(OWN[:-1])} (default all; auto and the "
+        "peers always run)",
+    )
     parser.add_argument("--reference", action="store_true", help="also time the reference (oracle) backend")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     return parser
@@ -806,28 +809,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     from multihead._errors import InputError
     from multihead._userfiles import output_folder
 
-    common.ensure_malloc_env()
     args = build_parser().parse_args(argv)
     config = common.config_from_args(Config, args)
     for name in ("case_budget_s", "max_run_s", "repeats"):
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
-    if args.masks:
-        config.masks = tuple(m for m in args.masks.split(",") if m)
-    if args.modes:
-        config.modes = tuple(m for m in args.modes.split(",") if m)
-    config.reference = args.reference
-    config.threads = args.threads
-    try:
+    try:  # checked before the re-execution below, which would only repeat a refusal
+        if args.masks:
+            config.masks = option_names("--masks", args.masks, MASKS)
+        if args.modes:
+            config.modes = option_names("--modes", args.modes, common.MODES)
+        if args.backends:  # the oracle stays behind --reference
+            config.backends = (*option_names("--backends", args.backends, OWN[:-1]), "reference")
         output_folder("--out", config.out_dir, create=False)
-    except InputError as error:
+    except (InputError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    config.reference = args.reference
+    config.threads = args.threads
+    common.ensure_malloc_env()
     results = run(config)
-    report = write_reports(results, config.out_dir, config.stem)
+    report = common.write_json_and_markdown(results, config.out_dir, config.stem, markdown_report)
     print(report, flush=True)
     print(f"wrote {config.out_dir / config.stem}.json, .md ({results['elapsed_s']:.0f} s)", flush=True)
     return 0
+
+
+def option_names(option: str, text: str, allowed: Sequence[str]) -> tuple[str, ...]:
+    """The names of a comma-separated option, each one of ``allowed``; a ValueError naming the option else."""
+    names = tuple(name for name in text.split(",") if name)
+    unknown = [name for name in names if name not in allowed]
+    if unknown or not names:
+        what = f"unknown {unknown}" if unknown else "no name"
+        raise ValueError(f"{option}: {what} in {text!r}; choose from {','.join(allowed)}")
+    return names
 
 
 if __name__ == "__main__":

@@ -140,8 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown or args.rounds < 1:
         parser.error(f"--masks from {','.join(MASKS)} (got {unknown}) and --rounds >= 1 (got {args.rounds})")
     results = run(args.sizes, masks, args.rounds, print)
-    common.write_json(results, args.out, "half")
-    (args.out / "half.md").write_text(markdown(results))
+    common.write_json_and_markdown(results, args.out, "half", markdown)
     print(f"wrote {args.out / 'half.json'} and half.md")
     return 0
 

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import common
 from harness.common import (
     MALLOC_ENV,
     MALLOC_VALUE,
@@ -970,12 +971,8 @@ def plot(results: dict, path: Path) -> bool:
 
 
 def write_reports(results: dict, out_dir: Path, stem: str) -> str:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
-    text = markdown(results)
-    (out_dir / f"{stem}.md").write_text(text)
-    plot(results, out_dir / f"{stem}.png")
-    return text
+    """<stem>.json, .md and .png under out_dir; returns the markdown."""
+    return common.write_reports(results, out_dir, stem, markdown, plot)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -158,6 +158,34 @@ def test_markdown_report_has_tables_verdict_and_skips():
     assert "| torch flex (window, float32) | 11.5 |" in text
     assert "| materialized | predicted 30 s > budget 20 s |" in text
     assert "AMD EPYC (2 CPUs; fma avx avx2)" in text
+    assert "Not timed" not in text  # every backend was (the config predates --backends)
+    results["config"]["backends"] = ["sdpa", "tiled", "reference"]
+    assert "Not timed (`--backends`): flex, materialized; 'best' is over the backends timed." in (
+        bench.markdown_report(results)
+    )
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        (
+            "--backends",
+            "tiled,fast",
+            "--backends: unknown ['fast'] in 'tiled,fast'; choose from sdpa,tiled,flex,materialized",
+        ),
+        ("--backends", "reference", "--backends: unknown ['reference']"),  # the oracle is --reference
+        ("--masks", "causal,sliding", "--masks: unknown ['sliding'] in 'causal,sliding'; choose from causal,window"),
+        ("--modes", ",", "--modes: no name in ','; choose from forward,forward+backward"),
+    ],
+)
+def test_name_options_refuse_unknown_names_before_running(tmp_path, capsys, option, value, message):
+    assert bench.main([option, value, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_option_names_keeps_the_order_given():
+    assert bench.option_names("--backends", "tiled,sdpa,", bench.OWN) == ("tiled", "sdpa")
 
 
 def test_error_text_is_one_table_safe_line():

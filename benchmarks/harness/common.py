@@ -487,10 +487,16 @@ def write_reports(
     results: dict, out_dir: Path, stem: str, markdown_report: Callable[[dict], str], plot: Callable[[dict, Path], bool]
 ) -> str:
     """<stem>.json, <stem>.md (``markdown_report``) and <stem>.png (``plot``) under out_dir; returns the markdown."""
+    report = write_json_and_markdown(results, out_dir, stem, markdown_report)
+    plot(results, out_dir / f"{stem}.png")
+    return report
+
+
+def write_json_and_markdown(results: dict, out_dir: Path, stem: str, markdown_report: Callable[[dict], str]) -> str:
+    """<stem>.json and <stem>.md (``markdown_report``) under out_dir; returns the markdown."""
     write_json(results, out_dir, stem)
     report = markdown_report(results)
     (out_dir / f"{stem}.md").write_text(report)
-    plot(results, out_dir / f"{stem}.png")
     return report
 
 
