@@ -20,14 +20,20 @@ import weights as bench  # noqa: E402
 @pytest.mark.parametrize("shape", list(bench.SHAPES))
 def test_contestants_return_per_head_and_averaged_weights(shape, mode):
     calls = bench.contestants(shape, 24, mode)
-    assert set(calls) == set(bench.CONTESTANTS)
+    causal = bench.SHAPES[shape][2]
+    with_floor = mode == "forward" and not causal  # the floor is timed for a full mask's forward only
+    assert set(calls) == set(bench.CONTESTANTS) | ({bench.FLOOR} if with_floor else set())
     if mode == "forward":
         out, weights = calls["ours_weights"]()
         _, averaged = calls["torch_weights"]()
         assert weights.shape == (1, 12, 24, 24) and averaged.shape == (1, 24, 24)
         assert calls["ours"]()[1] is None and calls["torch"]()[1] is None
-        if bench.SHAPES[shape][2]:  # causal: nothing above the diagonal
+        if causal:  # nothing above the diagonal
             assert torch.equal(weights.triu(1), torch.zeros_like(weights))
+        else:  # the floor does the same work: the same output and per-head weights
+            floor_out, floor_weights = calls[bench.FLOOR]()
+            torch.testing.assert_close(floor_weights, weights[0], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(floor_out, out, atol=1e-5, rtol=1e-5)
     else:
         for name in bench.CONTESTANTS:
             assert calls[name]().requires_grad  # the loss, after its backward ran
@@ -50,10 +56,22 @@ def test_rounds_rotate_and_the_ratio_is_per_round():
     )
     assert (summary["speedup"], summary["speedup_min"], summary["speedup_max"]) == (1.5, 1.0, 2.0)
     assert summary["ms"]["ours_weights"] == 1000.0 and len(times["ours"]) == 4
+    assert summary["ceiling"] is None  # no floor timed
+    with_floor = bench.summarize(
+        {"torch_weights": [2.0, 3.0, 1.0], "ours_weights": [1.0] * 3, bench.FLOOR: [1.0, 2.0, 1.0]}
+    )
+    assert (with_floor["ceiling"]["median"], with_floor["ceiling"]["min"], with_floor["ceiling"]["max"]) == (
+        1.5,
+        1.0,
+        2.0,
+    )
 
 
 def test_the_run_writes_its_table(tmp_path):
     assert bench.main(["--n", "16", "--rounds", "1", "--train-rounds", "1", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "weights.md").read_text()
     assert table.count("| bert-base | 16 |") == 2 and table.count("| gpt2-small | 16 |") == 2
+    rows = [line for line in table.splitlines() if line.startswith(("| bert-base", "| gpt2-small"))]
+    floors = [row for row in rows if not row.endswith("| — | — | 1 |")]
+    assert [row.split(" | ")[:3] for row in floors] == [["| bert-base", "16", "forward"]]  # the only floor timed
     assert "Machine:" in table and (tmp_path / "weights.json").exists()
