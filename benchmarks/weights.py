@@ -185,7 +185,8 @@ def markdown(results: dict) -> str:
     lines += [
         "",
         "floor: the products and the softmax alone, in memory mapped before the timed calls (forward, full mask; "
-        "benchmarks/weights.py). torch / floor is the most any layer returning exact per-head weights could reach.",
+        "benchmarks/weights.py). torch / floor is the most a layer returning exact per-head weights could reach with "
+        "torch's kernels on this machine.",
     ]
     return "\n".join(lines) + "\n"
 
