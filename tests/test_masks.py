@@ -187,6 +187,33 @@ def test_may_empty_rows_builds_no_i_by_j_tensor():
         assert built == [masks.EMPTY_ROW_BLOCK**2]
 
 
+def test_may_empty_rows_bounds_blocks_that_broadcast_batch_and_heads():
+    """Padding (per batch) and a per-head tensor broadcast to (b, h, rows, keys) blocks: the row count per block is
+    set from b x h planes, so no block passes EMPTY_ROW_CHECK_ELEMENTS (counting only the larger of b and h built
+    4 times as many entries here)."""
+    b, h, n = 4, 8, 64
+    allowed = torch.rand(1, h, n, n, generator=torch.Generator().manual_seed(0)) < 0.5
+    mask = masks.as_mask(allowed) & masks.padding(torch.full((b,), n // 2))
+    bound = bind_mask(mask, False, AttentionShape(b, h, n, n, CPU))
+    built = []
+    block = masks.BoundMask.block
+
+    def recording_block(self, rows, cols, *args, **kwargs):
+        keep, bias = block(self, rows, cols, *args, **kwargs)
+        built.append(keep.numel())
+        return keep, bias
+
+    limit = b * h * n * 2  # two rows of every plane at once
+    some_row_empty = bool((~dense_keep(mask, b, h, n, n).any(-1)).any())
+    with (
+        patch.object(masks.BoundMask, "block", recording_block),
+        patch.object(masks, "EMPTY_ROW_CHECK_ELEMENTS", limit),
+    ):
+        assert bound.may_empty_rows() == some_row_empty
+    assert built and max(built) <= limit
+    assert bound.dense_extent() == (b, h, n)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(

@@ -833,7 +833,8 @@ class BoundMask:
         """
         q_len, k_len = self.shape.q_len, self.shape.k_len
         full_settles = not any(t.may_hold_minus_inf for t in self.bias_terms)
-        rows_at_once = max(1, min(EMPTY_ROW_BLOCK, EMPTY_ROW_CHECK_ELEMENTS // (self._planes() * k_len)))
+        batch, heads, _ = self.dense_extent()  # a block holds batch x heads (rows, keys) planes
+        rows_at_once = max(1, min(EMPTY_ROW_BLOCK, EMPTY_ROW_CHECK_ELEMENTS // (batch * heads * k_len)))
         for row_start in range(0, q_len, rows_at_once):
             rows = range(row_start, min(row_start + rows_at_once, q_len))
             live: list[range] = []
@@ -852,15 +853,22 @@ class BoundMask:
                     return True
         return False
 
-    def _planes(self) -> int:
-        """How many (rows, keys) planes a block of this mask holds: b x h for a per-batch, per-head tensor term."""
-        planes = 1
+    def dense_extent(self) -> tuple[int, int, int]:
+        """(b or 1, h or 1, i or 1) of the (.., j) tensor this mask's terms broadcast to, densely or a block at a
+        time: a batch dim for padding, a head dim for ALiBi, a row dim for anything but padding, and a tensor
+        term's own (b or 1, h or 1, i or 1)."""
+        batch = heads = rows = 1
         for term in self.terms:
             if isinstance(term, _BoundDense):
-                planes = max(planes, term.tensor.shape[0] * term.tensor.shape[1])
+                shape = term.tensor.shape
+                batch, heads, rows = max(batch, shape[0]), max(heads, shape[1]), max(rows, shape[2])
             elif isinstance(term, _BoundPadding):
-                planes = max(planes, term.valid.shape[0])
-        return planes
+                batch = self.shape.batch
+            else:  # causal / window diagonals; ALiBi, which is per head too
+                rows = self.shape.q_len
+                if isinstance(term, _BoundAlibi):
+                    heads = self.shape.heads
+        return batch, heads, rows
 
     def state(self, rows: Span, cols: Span) -> BlockState:
         states = [t.state(rows, cols) for t in self.keep_terms]

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from multihead.masks import BlockState, BoundMask, _BoundAlibi, _BoundDense, _BoundPadding
+from multihead.masks import BlockState, BoundMask
 
 if TYPE_CHECKING:
     from multihead.backends.registry import AttentionCall
@@ -50,7 +50,6 @@ __all__ = [
     "kernel_rates",
     "call_compute_dtype",
     "cast_bytes",
-    "dense_mask_extent",
     "faster_compute_dtype",
     "inputs_in_faster_dtype",
     "live_fraction",
@@ -422,28 +421,10 @@ def block_kernel_estimate(
     )
 
 
-def dense_mask_extent(mask: BoundMask) -> tuple[int, int, int]:
-    """(b or 1, h or 1, i or 1) of the one (.., j) tensor a kernel taking a dense mask builds for ``mask``: the
-    broadcast of its terms' shapes: a batch dim for padding, a head dim for ALiBi, a row dim for anything but
-    padding."""
-    batch = heads = rows = 1
-    for term in mask.terms:
-        if isinstance(term, _BoundDense):  # its own (b or 1, h or 1, i or 1, j or 1)
-            shape = term.tensor.shape
-            batch, heads, rows = max(batch, shape[0]), max(heads, shape[1]), max(rows, shape[2])
-        elif isinstance(term, _BoundPadding):
-            batch = mask.shape.batch
-        else:  # causal / window diagonals; ALiBi, which is per head too
-            rows = mask.shape.q_len
-            if isinstance(term, _BoundAlibi):
-                heads = mask.shape.heads
-    return batch, heads, rows
-
-
 def dense_mask_bytes(call: AttentionCall, dtype: torch.dtype | None = None) -> int:
-    """Bytes of the dense mask (:func:`dense_mask_extent`) a kernel builds for ``call.mask``: bool unless a term
+    """Bytes of the dense mask (``BoundMask.dense_extent``) a kernel builds for ``call.mask``: bool unless a term
     adds a bias (then ``dtype``, by default the call's)."""
-    batch, heads, rows = dense_mask_extent(call.mask)
+    batch, heads, rows = call.mask.dense_extent()
     element = (dtype or call.dtype).itemsize if call.mask.bias_terms else 1
     return batch * heads * rows * call.k_len * element
 

@@ -31,7 +31,6 @@ from multihead.backends.costs import (
     call_compute_dtype,
     dense_kernel_estimate,
     dense_mask_bytes,
-    dense_mask_extent,
     inputs_in_faster_dtype,
     live_fraction,
 )
@@ -62,7 +61,7 @@ def rates_label(mask: BoundMask) -> str:
     interleaved rounds, n = 1024 and 4096, h = 16, float32, forward and forward+backward)."""
     if mask.is_empty or mask.is_plain_causal:
         return "sdpa"
-    _, _, rows = dense_mask_extent(mask)
+    _, _, rows = mask.dense_extent()
     return "sdpa" if rows == 1 else "sdpa masked"
 
 
