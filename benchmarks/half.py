@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from dispatch import BATCH, HEAD_DIM, HEADS, MASK_LABELS, MASKS, lscpu_line, mask_arguments, uptime
+from dispatch import BATCH, HEAD_DIM, HEADS, MASK_LABELS, MASKS, lscpu_line, mask_arguments, option_names, uptime
 from harness import common
 
 import multihead
@@ -135,10 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=common.default_out_dir())
     args = parser.parse_args(argv)
-    masks = [m for m in args.masks.split(",") if m]
-    unknown = [m for m in masks if m not in MASKS]
-    if unknown or args.rounds < 1:
-        parser.error(f"--masks from {','.join(MASKS)} (got {unknown}) and --rounds >= 1 (got {args.rounds})")
+    try:
+        masks = option_names("--masks", args.masks, MASKS)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected >= 1, got {args.rounds}")
     results = run(args.sizes, masks, args.rounds, print)
     common.write_json_and_markdown(results, args.out, "half", markdown)
     print(f"wrote {args.out / 'half.json'} and half.md")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,3 +44,17 @@ def test_the_report_marks_the_cases_past_the_goal(tmp_path):
     slower = {**case, **bench.summarize({"bfloat16": [2.0], "float32": [1.0]})}
     results = {"machine": "m", "torch_threads": 2, "load": ["a", "b"], "cases": [slower]}
     assert "**2.00 [2.00, 2.00]**" in bench.markdown(results) and "Met in 0 of 1" in bench.markdown(results)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--masks", "causal,sliding"], "--masks: unknown ['sliding'] in 'causal,sliding'; choose from causal,window"),
+        (["--rounds", "0"], "--rounds: expected >= 1, got 0"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_option(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main([*argv, "--out", str(tmp_path)])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything ran
