@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from unittest.mock import patch
 
 import torch
@@ -161,14 +163,10 @@ def test_may_empty_rows_is_exact_block_by_block(case):
         assert bound.may_empty_rows() == bool((~dense_keep(mask, b, h, i, j).any(-1)).any())
 
 
-def test_may_empty_rows_builds_no_i_by_j_tensor():
-    """It runs on every kernel call: causal & ALiBi at n = 16384 with 16 heads once built a 17 GiB dense bias here.
-    A finite bias is not evaluated at all, and other combinations a bounded block of rows at a time."""
-    n, heads = 16384, 16
-    shape = AttentionShape(1, heads, n, n, CPU)
-    with patch.object(masks._BoundAlibi, "evaluate", side_effect=AssertionError("ALiBi evaluated")):
-        assert not bind_mask(masks.alibi(masks.alibi_slopes(heads)), True, shape).may_empty_rows()
-    built = []
+@contextlib.contextmanager
+def recording_blocks() -> Iterator[list[int]]:
+    """Within it, every BoundMask.block call appends the number of keep entries it built to the yielded list."""
+    built: list[int] = []
     block = masks.BoundMask.block
 
     def recording_block(self, rows, cols, *args, **kwargs):
@@ -176,9 +174,20 @@ def test_may_empty_rows_builds_no_i_by_j_tensor():
         built.append(keep.numel())
         return keep, bias
 
+    with patch.object(masks.BoundMask, "block", recording_block):
+        yield built
+
+
+def test_may_empty_rows_builds_no_i_by_j_tensor():
+    """It runs on every kernel call: causal & ALiBi at n = 16384 with 16 heads once built a 17 GiB dense bias here.
+    A finite bias is not evaluated at all, and other combinations a bounded block of rows at a time."""
+    n, heads = 16384, 16
+    shape = AttentionShape(1, heads, n, n, CPU)
+    with patch.object(masks._BoundAlibi, "evaluate", side_effect=AssertionError("ALiBi evaluated")):
+        assert not bind_mask(masks.alibi(masks.alibi_slopes(heads)), True, shape).may_empty_rows()
     # a window narrower than a key block keeps no block whole: every row block is evaluated, over its live keys
     narrow = masks.causal() & masks.window(8) & masks.padding([n // 2])
-    with patch.object(masks.BoundMask, "block", recording_block):
+    with recording_blocks() as built:
         assert bind_mask(narrow, False, shape).may_empty_rows()  # the rows past the padding see no key
         assert built and max(built) <= masks.EMPTY_ROW_BLOCK * 2 * masks.EMPTY_ROW_BLOCK
         built.clear()
@@ -195,20 +204,9 @@ def test_may_empty_rows_bounds_blocks_that_broadcast_batch_and_heads():
     allowed = torch.rand(1, h, n, n, generator=torch.Generator().manual_seed(0)) < 0.5
     mask = masks.as_mask(allowed) & masks.padding(torch.full((b,), n // 2))
     bound = bind_mask(mask, False, AttentionShape(b, h, n, n, CPU))
-    built = []
-    block = masks.BoundMask.block
-
-    def recording_block(self, rows, cols, *args, **kwargs):
-        keep, bias = block(self, rows, cols, *args, **kwargs)
-        built.append(keep.numel())
-        return keep, bias
-
     limit = b * h * n * 2  # two rows of every plane at once
     some_row_empty = bool((~dense_keep(mask, b, h, n, n).any(-1)).any())
-    with (
-        patch.object(masks.BoundMask, "block", recording_block),
-        patch.object(masks, "EMPTY_ROW_CHECK_ELEMENTS", limit),
-    ):
+    with recording_blocks() as built, patch.object(masks, "EMPTY_ROW_CHECK_ELEMENTS", limit):
         assert bound.may_empty_rows() == some_row_empty
     assert built and max(built) <= limit
     assert bound.dense_extent() == (b, h, n)
