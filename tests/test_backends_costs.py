@@ -3,6 +3,7 @@ auto runs the cheapest serving backend (explain shows the estimates)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import multihead
 from multihead import masks
+from multihead.backend_rates import fit_rate_and_row_cost
 from multihead.backends import costs, registry, sdpa
 from multihead.backends.costs import DEFAULT_RATES, KernelRates, dense_mask_bytes, live_fraction
 from multihead.masks import AttentionShape, bind_mask
@@ -81,6 +83,22 @@ def test_tiled_estimate_adds_the_masking_of_its_blocks(rates):
         assert estimate.seconds == pytest.approx(kernel.seconds + masking)
 
 
+def test_the_materialised_estimate_writes_its_weights_into_new_memory():
+    """Its (b, h, i, j) weights are a new tensor each call, written at fresh_gbs beside its blocks' work."""
+    from multihead.backends import materialized
+
+    costs.set_kernel_rates(DEFAULT_RATES)  # rates for both precisions
+    n = 1024
+    for dtype in (torch.float32, torch.bfloat16):
+        call = call_for(None, n, dtype=dtype)
+        blocks = (materialized.ROWS_PER_BLOCK, materialized.KEY_BLOCK)
+        kernel = costs.block_kernel_estimate(call, "materialized", *blocks, half="as given", masks_blocks=True)
+        estimate = materialized.CAPABILITIES.estimate(call)
+        weights = 4 * n * n * dtype.itemsize  # b = 1, h = 4
+        assert kernel is not None and estimate is not None
+        assert estimate.seconds == pytest.approx(kernel.seconds + weights / (DEFAULT_RATES.fresh_gbs * 1e9))
+
+
 def test_the_shipped_rates_prefer_flex_where_tiled_masks_many_blocks():
     """benchmarks/dispatch.py (h = 16, d = 64): compiled flex ran causal & ALiBi and causal & window(256) forward
     faster than tiled (53 against 63 ms, 34 against 47 at n = 1024; 179 against 225 at n = 4096, float32), which
@@ -141,6 +159,37 @@ def test_estimates_are_work_over_the_measured_rate(rates):
     assert costs.dense_kernel_estimate(call_for(None, n, dtype=torch.float64), "sdpa") is None  # no rate: no guess
 
 
+def test_estimates_add_a_cost_per_query_row_and_head(rates):
+    """Beside its pairs a kernel pays per query row and head (forward, and backward with gradients), on every row
+    whatever share of the pairs it skips."""
+    n = 1024
+    costs.set_kernel_rates(
+        dataclasses.replace(FAST_BLOCKS, row_us={"sdpa": {"forward float32": 2.0, "backward float32": 3.0}})
+    )
+    flops, rows = 2 * (16 + 16) * 4 * n * n, 4 * n  # b = 1, h = 4
+    plain = costs.dense_kernel_estimate(call_for(None, n), "sdpa")
+    assert plain is not None and plain.seconds == pytest.approx(flops / 100e9 + rows * 2e-6)
+    trained = costs.dense_kernel_estimate(call_for(None, n, requires_grad=True), "sdpa")
+    assert trained is not None and trained.seconds == pytest.approx(3.5 * flops / 100e9 + rows * 5e-6)
+    skipping = costs.dense_kernel_estimate(call_for(None, n), "sdpa", fraction=0.25)
+    assert skipping is not None and skipping.seconds == pytest.approx(0.25 * flops / 100e9 + rows * 2e-6)
+    tiled = costs.dense_kernel_estimate(call_for(None, n), "tiled")  # no cost per row measured for it
+    assert tiled is not None and tiled.seconds == pytest.approx(flops / 100e9)
+
+
+def test_two_lengths_part_the_rate_from_the_cost_per_row():
+    flops, rows = (1e9, 4e9), (8192, 16384)  # n and 2n: four times the pairs, twice the rows
+    exact = tuple(f / 100e9 + r * 0.2e-6 for f, r in zip(flops, rows, strict=True))
+    assert fit_rate_and_row_cost(flops, rows, exact) == pytest.approx((100.0, 0.2))
+    # noise can tilt the line past what the calls allow: no cost per row below 0 ...
+    assert fit_rate_and_row_cost(flops, rows, (0.01, 0.05)) == pytest.approx((4e9 / 0.05 / 1e9, 0.0))
+    # ... nor above half of either call's time per row, and the rate is read from the longer call
+    per_row = 0.012 / (2 * 16384)
+    assert fit_rate_and_row_cost(flops, rows, (0.01, 0.012)) == pytest.approx(
+        (4e9 / (0.012 - 16384 * per_row) / 1e9, per_row * 1e6)
+    )
+
+
 def test_auto_runs_the_block_kernel_where_the_mask_leaves_few_blocks(rates):
     n = 2048
     q = torch.randn(1, 4, n, 16)
@@ -169,13 +218,14 @@ def test_sdpa_reads_a_mask_of_one_row_at_its_unmasked_rate(rates):
     assert windowed is not None and windowed.seconds == pytest.approx(flops / 50e9 + 3 * 2 * n * n / 1e9)
 
 
-def test_the_shipped_rates_send_padded_training_to_sdpa():
-    """benchmarks/dispatch.py measured SDPA 5-18% faster than tiled for padding (70% real) forward+backward at
-    n = 1024 and 4096, h = 16, where the estimates (at SDPA's masked rate) preferred tiled."""
+def test_the_shipped_rates_send_padded_training_to_sdpa_when_short_and_to_tiled_when_long():
+    """benchmarks/dispatch.py, padding (70% real) forward+backward at h = 16, float32: SDPA took 117 ms against
+    tiled's 134 at n = 1024, and 29.3 s against tiled's 25.8 at n = 16384. Tiled skips the padded keys' blocks;
+    rates measured at n = 1024 alone put it 48% behind SDPA per pair, where it ran 19% behind at n = 16384."""
     costs.set_kernel_rates(DEFAULT_RATES)
-    for n in (1024, 4096):
-        q = torch.randn(1, 16, n, 64, requires_grad=True)
-        assert multihead.explain(q, q, q, mask=masks.padding(torch.tensor([int(0.7 * n)]))).chosen == "sdpa"
+    for n, expected in ((1024, "sdpa"), (16384, "tiled")):
+        q = torch.empty(1, 16, n, 64, requires_grad=True)
+        assert multihead.explain(q, q, q, mask=masks.padding(torch.tensor([int(0.7 * n)]))).chosen == expected
 
 
 def test_small_calls_and_backends_without_estimates_keep_the_priority_order(rates):
@@ -312,18 +362,19 @@ def test_the_casts_count_in_the_precision_choice(rates):
         costs.faster_compute_dtype("sdpa", torch.bfloat16, cpu, False, flops=1e9, cast_bytes=tipping) == torch.bfloat16
     )
     assert costs.faster_compute_dtype("sdpa", torch.bfloat16, cpu, False, flops=1e9, cast_bytes=cheap) == torch.float32
-    # with the shipped rates: SDPA's causal forward at h = 16, d = 64 stays in bf16 at n = 1024, float32 at 4096
+    # with the shipped rates (float32 7% faster): SDPA's causal forward at h = 16, d = 64 stays in bf16 at n = 4096,
+    # float32 at 8192
     costs.set_kernel_rates(DEFAULT_RATES)
-    for n, expected in ((1024, None), (4096, torch.float32)):
+    for n, expected in ((4096, None), (8192, torch.float32)):
         q = torch.randn(1, 16, n, 64, dtype=torch.bfloat16)
         assert multihead.explain(q, q, q, causal=True).estimates["sdpa"].computes_in == expected
     # and an estimate in float32 for a half call counts the casts
-    call = call_for(None, 4096, causal=True, h=16, d=64, dtype=torch.bfloat16)
+    call = call_for(None, 8192, causal=True, h=16, d=64, dtype=torch.bfloat16)
     fraction = sdpa.computed_fraction(call.mask)
     kernel = costs.dense_kernel_estimate(call, "sdpa", fraction=fraction, compute_dtype=torch.float32, casts=False)
     with_casts = costs.dense_kernel_estimate(call, "sdpa", fraction=fraction, compute_dtype=torch.float32)
     assert kernel is not None and with_casts is not None
-    cast_s = costs.cast_bytes(1, 16, 16, 4096, 4096, 64, 64, False) / (DEFAULT_RATES.fresh_gbs * 1e9)
+    cast_s = costs.cast_bytes(1, 16, 16, 8192, 8192, 64, 64, False) / (DEFAULT_RATES.fresh_gbs * 1e9)
     assert with_casts.seconds == pytest.approx(kernel.seconds + cast_s)
     assert sdpa._estimate(call).seconds == pytest.approx(with_casts.seconds)
 

@@ -286,7 +286,7 @@ def test_calibrate_alone_saves_the_rates(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
     # each backend's rate for auto, measured small and without compiling flex (the real one takes a minute)
     quick = functools.partial(machine.calibrate_kernels, ("float32",), repeats=1, flex=False)
-    monkeypatch.setattr(backend_rates, "KERNEL_CASES", {"float32": (torch.float32, 128)})
+    monkeypatch.setattr(backend_rates, "KERNEL_CASES", {"float32": (torch.float32, (64, 128))})
     monkeypatch.setattr(machine, "calibrate_kernels", quick)
     assert main(["bench", "--calibrate"]) == 0
     out = capsys.readouterr().out
@@ -301,12 +301,15 @@ def test_calibrate_alone_saves_the_rates(tmp_path, monkeypatch, capsys):
     cached = machine.cached_kernel_rates()  # what auto reads in a new process
     assert cached is not None and cached.fresh_gbs == kernel["fresh_gbs"] > 0
     assert cached.masked_gps == kernel["masked_gps"] > 0
-    # a calibration saved before fresh_gbs and masked_gps were measured still serves, with the defaults for them
-    del saved["details"]["kernel_rates"]["fresh_gbs"], saved["details"]["kernel_rates"]["masked_gps"]
+    assert cached.row_us == kernel["row_us"] and set(kernel["row_us"]) == set(kernel["gflops"])
+    assert all(cost >= 0 for by_key in kernel["row_us"].values() for cost in by_key.values())
+    # a calibration saved before fresh_gbs, masked_gps and row_us were measured still serves, with the defaults
+    for measured_later in ("fresh_gbs", "masked_gps", "row_us"):
+        del saved["details"]["kernel_rates"][measured_later]
     (tmp_path / "calibration.json").write_text(json.dumps(saved))
     older = machine.cached_kernel_rates()
     assert older is not None and older.mask_gbs == kernel["mask_gbs"]
-    assert (older.fresh_gbs, older.masked_gps) == (costs.DEFAULT_FRESH_GBS, costs.DEFAULT_MASKED_GPS)
+    assert (older.fresh_gbs, older.masked_gps, older.row_us) == (costs.DEFAULT_FRESH_GBS, costs.DEFAULT_MASKED_GPS, {})
     assert main(["bench", "--calibrate", "--dtype", "int8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--dtype: expected one of float32" in err

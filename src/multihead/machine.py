@@ -166,7 +166,7 @@ def calibrate(
     ceiling for the roofline, so it is the fastest block of the fastest size (2 n^3 FLOPs per matmul: a
     square that fits the caches runs faster than a large one; read plus written bytes per copy). A busy
     machine measures low, which shows later as a measured time under the bound (see multihead.bench). With
-    ``kernels``, each backend's rate for ``backend="auto"`` too (:func:`calibrate_kernels`, about 15 s), kept in
+    ``kernels``, each backend's rate for ``backend="auto"`` too (:func:`calibrate_kernels`, about 35 s), kept in
     ``details["kernel_rates"]``.
     """
     rates: dict[str, float] = {}
@@ -337,14 +337,18 @@ def cached_kernel_rates(path: Path | None = None) -> KernelRates | None:
         }
         mask_gbs = float(kernel["mask_gbs"])
         source = str(kernel.get("source", ""))
-        # absent in calibrations made before they were measured: the defaults
+        # absent in calibrations made before they were measured: the defaults (no cost per row)
         fresh_gbs = float(kernel.get("fresh_gbs", DEFAULT_FRESH_GBS))
         masked_gps = float(kernel.get("masked_gps", DEFAULT_MASKED_GPS))
+        row_us = {
+            str(backend): {str(key): float(value) for key, value in by_key.items() if float(value) >= 0}
+            for backend, by_key in kernel.get("row_us", {}).items()
+        }
     except (TypeError, KeyError, ValueError, AttributeError):
         return None  # absent or damaged: auto falls back to the defaults
     if min(mask_gbs, fresh_gbs, masked_gps) <= 0:
         return None
-    return KernelRates(gflops, mask_gbs, source, fresh_gbs, masked_gps)
+    return KernelRates(gflops, mask_gbs, source, fresh_gbs, masked_gps, row_us)
 
 
 # --------------------------------------------------------------------------- memory

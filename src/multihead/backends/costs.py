@@ -2,8 +2,8 @@
 
 A backend's estimate is the n x n work it really does for this call, at this machine's measured rate for it:
 
-    seconds = computed pairs x b h x FLOPs per pair / rate  (+ building a dense mask)  (+ masking blocks apart)
-              (+ casting a half call to float32 and back)
+    seconds = computed pairs x b h x FLOPs per pair / rate  +  b h i x cost per row
+              (+ building a dense mask)  (+ masking blocks apart)  (+ casting a half call to float32 and back)
 
 - **Computed pairs** depend on the mask and the kernel. SDPA computes every pair of a dense mask (and skips the
   masked blocks of its own ``is_causal``); the block kernels (tiled, flex) compute only the blocks the mask leaves
@@ -14,15 +14,21 @@ A backend's estimate is the n x n work it really does for this call, at this mac
 - **Rates** (:class:`KernelRates`) are GFLOP/s per backend, direction and precision, measured on this machine by
   ``multihead bench --calibrate`` (``multihead.backend_rates.calibrate_kernels``) and installed with
   :func:`set_kernel_rates`; until then :data:`DEFAULT_RATES`, measured on this project's machine (named there).
+- **A cost per row**, per query row and head, is what a kernel spends beside its pairs (each block of queries'
+  running statistics and output, and the like). Measured with the rate at two lengths, it keeps a short call's
+  rows out of the rate, which then carries over to long calls, where the rows weigh little. Tiled's is larger
+  than SDPA's: rates measured at n = 1024 alone put tiled / SDPA at 1.48 forward+backward, where it measured
+  1.2-1.3 from n = 2048 on.
 - **A dense mask** (SDPA with anything but its own causal) is built and read at ``mask_gbs``.
 - **Precision.** SDPA, FlexAttention and tiled run a bfloat16/float16 call in float32 where that is faster here,
   casts included, and are estimated so (:func:`faster_compute_dtype`): on CPUs without half-precision
-  matrix units SDPA's bf16 backward ran at 12 GFLOP/s against 102 in float32 on this project's machine, compiled
-  FlexAttention's bf16 forward at 30 against 45, and tiled (float32 blocks either way, but casting its saved
-  inputs again in the backward) at 51/67 against 60/76. Casting q, k, v to float32 and the output back writes new
-  tensors at ``fresh_gbs`` (page faults included: 3.1 GB/s here), so a short SDPA forward stays in bf16 (n = 1024,
-  h = 16: four casts took 5.2 ms beside a 26 ms kernel that float32 makes 10% faster). The materialised kernel
-  keeps the call's dtype: its weights are returned in it.
+  matrix units SDPA's bf16 backward ran at 18 GFLOP/s against 135 in float32 on this project's machine, compiled
+  FlexAttention's bf16 forward at 46 against 93, and tiled (float32 blocks either way, but casting its saved
+  inputs again in the backward) at 96/120 against 99/149. Casting q, k, v to float32 and the output back writes
+  new tensors at ``fresh_gbs`` (page faults included: 2.6 GB/s here), so a short SDPA forward stays in bf16
+  (n = 1024, h = 16: four casts took 5.2 ms beside a 26 ms kernel that float32 makes 7-10% faster). The materialised
+  kernel writes its weights into a new tensor at ``fresh_gbs`` too, and keeps the call's dtype: its weights are
+  returned in it.
 
 ``multihead.explain`` prints each serving backend's estimate; ``benchmarks/`` checks the predicted winner against
 the measured one.
@@ -33,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,15 +69,17 @@ BACKWARD_FLOP_FACTOR = 2.5  # a backward's n x n FLOPs over the forward's (recom
 MAX_GRID = 32  # blocks per side looked at by live_fraction: coarser cells past this (an estimate, cheap per call)
 
 
-# Writing a freshly allocated 64 MiB float32 tensor on this project's machine (below): 3.1 GB/s, page faults
-# included, against 45 GB/s rewriting memory already mapped. Casts of q, k, v and the output are fresh tensors
-# each call: at n = 1024, h = 16 the four took 5.2 ms beside SDPA's 26 ms kernel (torch.profiler)
-DEFAULT_FRESH_GBS = 3.1
-# The median of 5 runs of backend_rates._measure_masked_gps on this project's machine (0.35-0.41; tiled, float32,
-# n = 1024, h = 8, ALiBi against none). In benchmarks/dispatch.py (h = 16) tiled's causal & window(256) forward took
-# 47 ms against 28 for its 7 of 16 blocks at the unmasked rate, and causal & ALiBi 63 against 40 for its 10 biased
-# blocks: 2.6 and 2.2 ns (0.38 and 0.45 billion a second) for each of the 7.3 and 10.5 million scores it masked
-DEFAULT_MASKED_GPS = 0.39
+# Writing a freshly allocated 64 MiB float32 tensor on this project's machine (below): 2.6 GB/s, page faults
+# included (2.5-2.8 in the 3 calibrations of DEFAULT_RATES, 3.1 the day before), against 45 GB/s rewriting memory
+# already mapped. Casts of q, k, v and the output are fresh tensors each call: at n = 1024, h = 16 the four took
+# 5.2 ms beside SDPA's 26 ms kernel (torch.profiler)
+DEFAULT_FRESH_GBS = 2.6
+# The median of the 3 calibrations of DEFAULT_RATES: 0.44 (0.40-0.45); 5 runs the day before gave 0.35-0.41
+# (backend_rates._measure_masked_gps: tiled, float32, n = 1024, h = 8, ALiBi against none). In
+# benchmarks/dispatch.py (h = 16) tiled's causal & window(256) forward took 47 ms against 28 for its 7 of 16 blocks
+# at the unmasked rate, and causal & ALiBi 63 against 40 for its 10 biased blocks: 2.6 and 2.2 ns (0.38 and 0.45
+# billion a second) for each of the 7.3 and 10.5 million scores it masked
+DEFAULT_MASKED_GPS = 0.44
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,8 @@ class KernelRates:
     fast a new tensor of tens of MiB is written, page faults included (what casting q, k, v to float32 costs).
     ``masked_gps``: how many billion scores per second a block kernel masks one block at a time (evaluating the
     mask, bias or cap for the block and applying it to each head's scores), beside its matrix products.
+    ``row_us[backend][key]``, keyed as ``gflops``: microseconds a call spends per query row and head beside its
+    pairs (none where absent).
     """
 
     gflops: dict[str, dict[str, float]]
@@ -91,6 +101,7 @@ class KernelRates:
     source: str = ""
     fresh_gbs: float = DEFAULT_FRESH_GBS
     masked_gps: float = DEFAULT_MASKED_GPS
+    row_us: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def rate(self, backend: str, direction: str, dtype: torch.dtype) -> float | None:
         by_key = self.gflops.get(backend)
@@ -98,47 +109,62 @@ class KernelRates:
             return None
         return by_key.get(f"{direction} {precision(dtype)}")
 
+    def row_seconds(self, backend: str, dtype: torch.dtype, requires_grad: bool) -> float:
+        """Seconds per query row and head of ``backend`` in ``dtype`` beside its pairs, forward (and backward)."""
+        by_key = self.row_us.get(backend, {})
+        directions = ("forward", "backward") if requires_grad else ("forward",)
+        return sum(by_key.get(f"{direction} {precision(dtype)}", 0.0) for direction in directions) * 1e-6
+
 
 # Measured by multihead.backend_rates.calibrate_kernels (what `multihead bench --calibrate` runs) on this project's
-# machine, the median of 6 calibrations on 2026-11-23 (3 at 20:35, 3 at 21:21; single runs differed by up to 30%)
-# with the machine otherwise idle: AMD EPYC, 2 cores, AVX2 (no AVX-512, no bf16/AMX units), torch 2.13.0 CPU,
-# 2 threads; b = 1, h = 8, d = 64, n = 1024 in float32 and bfloat16 ("half"), each kernel in its own precision
-# ("sdpa" and "sdpa masked" are torch's kernel itself)
+# machine, the median of 3 calibrations on 2026-11-24 (5 interleaved rounds each; every rate within 11% of its
+# median) with the machine otherwise idle: AMD EPYC, 2 cores, AVX2 (no AVX-512, no bf16/AMX
+# units), torch 2.13.0 CPU, 2 threads; b = 1, h = 8, d = 64, n = 1024 and 2048 in float32 and bfloat16 ("half"),
+# each kernel in its own precision ("sdpa" and "sdpa masked" are torch's kernel itself). The rates of 2026-11-23,
+# at n = 1024 alone and in a slower spell of the machine, put SDPA at 110 GFLOP/s forward and tiled at 60; tiled
+# ran at 0.63-0.65x their estimate and SDPA at 0.78-0.84x at n = 16384
 DEFAULT_RATES = KernelRates(
     gflops={
         "sdpa": {
-            "forward float32": 110.3,
-            "backward float32": 102.1,
-            "forward half": 99.7,
-            "backward half": 12.0,
+            "forward float32": 145.0,
+            "backward float32": 134.9,
+            "forward half": 135.5,
+            "backward half": 17.9,
         },
         "sdpa masked": {
-            "forward float32": 90.2,
-            "backward float32": 92.6,
-            "forward half": 88.9,
-            "backward half": 12.3,
+            "forward float32": 115.8,
+            "backward float32": 136.0,
+            "forward half": 116.5,
+            "backward half": 17.7,
         },
         "tiled": {
-            "forward float32": 59.5,
-            "backward float32": 75.9,
-            "forward half": 50.6,
-            "backward half": 67.1,
+            "forward float32": 99.1,
+            "backward float32": 149.1,
+            "forward half": 96.1,
+            "backward half": 120.1,
         },
         "materialized": {
-            "forward float32": 59.3,
-            "backward float32": 57.7,
-            "forward half": 73.8,
-            "backward half": 39.5,
+            "forward float32": 114.0,
+            "backward float32": 89.4,
+            "forward half": 61.4,
+            "backward half": 89.0,
         },
         "flex": {
-            "forward float32": 44.9,
-            "forward half": 29.8,
+            "forward float32": 92.9,
+            "forward half": 46.4,
         },
     },
-    mask_gbs=1.21,
-    source="defaults: the median of 6 calibrations on an AMD EPYC (AVX2), 2 threads, torch 2.13.0",
+    mask_gbs=1.66,
+    source="defaults: the median of 3 calibrations on an AMD EPYC (AVX2), 2 threads, torch 2.13.0",
     fresh_gbs=DEFAULT_FRESH_GBS,
     masked_gps=DEFAULT_MASKED_GPS,
+    row_us={
+        "sdpa": {"forward float32": 0.09, "backward float32": 0.27, "forward half": 0.1, "backward half": 0.0},
+        "sdpa masked": {"forward float32": 0.0, "backward float32": 0.41, "forward half": 0.0, "backward half": 0.29},
+        "tiled": {"forward float32": 0.3, "backward float32": 2.1, "forward half": 0.18, "backward half": 0.33},
+        "materialized": {"forward float32": 0.48, "backward float32": 1.24, "forward half": 0.0, "backward half": 3.68},
+        "flex": {"forward float32": 0.63, "forward half": 0.47},
+    },
 )
 
 _installed: KernelRates | None = None
@@ -215,13 +241,20 @@ def cast_bytes(
 
 
 def faster_compute_dtype(
-    backend: str, dtype: torch.dtype, device: torch.device, requires_grad: bool, *, flops: float, cast_bytes: int
+    backend: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    requires_grad: bool,
+    *,
+    flops: float,
+    cast_bytes: int,
+    rows: int = 0,
 ) -> torch.dtype:
     """The dtype ``backend``'s kernel runs a ``dtype`` call in: float32 for a half-precision CPU call where this
     machine's rates say its ``flops`` (the forward's, for the pairs it computes; the backward's 2.5 times that when
-    gradients are needed) take less time in float32, casts included (``cast_bytes`` written at ``fresh_gbs``: they
-    decide short calls, where SDPA's float32 gain of 10% is smaller than the casts), else ``dtype``. The rates are
-    the CPU's, so other devices keep their dtype."""
+    gradients are needed) and ``rows`` (query rows x heads, at the cost per row) take less time in float32, casts
+    included (``cast_bytes`` written at ``fresh_gbs``: they decide short calls, where SDPA's float32 gain of 10% is
+    smaller than the casts), else ``dtype``. The rates are the CPU's, so other devices keep their dtype."""
     if dtype not in HALF_DTYPES or device.type != "cpu" or _native_precision:
         return dtype
     rates = kernel_rates()
@@ -231,7 +264,8 @@ def faster_compute_dtype(
         backward = rates.rate(backend, "backward", precision_dtype)
         if forward is None or (requires_grad and backward is None):
             return None
-        return work_seconds(flops, 1.0, requires_grad, forward, backward or forward)
+        pairs_seconds = work_seconds(flops, 1.0, requires_grad, forward, backward or forward)
+        return pairs_seconds + rows * rates.row_seconds(backend, precision_dtype, requires_grad)
 
     half, single = kernel_seconds(dtype), kernel_seconds(torch.float32)
     if half is None or single is None:
@@ -280,7 +314,7 @@ def _sized_compute_dtype(
     b, h, g, i, j, d, e = sizes
     flops = 2.0 * (d + e) * b * h * fraction() * i * j
     written = cast_bytes(b, h, g, i, j, d, e, requires_grad)
-    return faster_compute_dtype(backend, dtype, device, requires_grad, flops=flops, cast_bytes=written)
+    return faster_compute_dtype(backend, dtype, device, requires_grad, flops=flops, cast_bytes=written, rows=b * h * i)
 
 
 def _sizes(call: AttentionCall) -> CallSizes:
@@ -391,6 +425,7 @@ def block_kernel_estimate(
     half: str = "per call",
     masks_blocks: bool = False,
     remasks_in_backward: bool = True,
+    fresh_bytes: int = 0,
 ) -> Estimate | None:
     """A kernel that computes only the live blocks of ``block_q`` x ``block_k`` (tiled, flex, the materialised
     kernel's key spans), at ``backend``'s rate in the dtype it computes in, with the casts of a half call computed
@@ -402,6 +437,9 @@ def block_kernel_estimate(
     rates pick which inputs it takes); "as given", in the call's dtype (materialised: its weights are returned).
     ``masks_blocks``: it masks each block's scores apart from its matrix products (tiled, materialised; flex's mods
     are fused into its kernel), forward and, with ``remasks_in_backward``, again in the backward, at ``masked_gps``.
+    ``fresh_bytes``: a new tensor it writes each call (materialised: its b h i j weights) at ``fresh_gbs``. The
+    rates, measured where the weights are 32-128 MiB, miss it at 16 GiB: at n = 16384, h = 16 the materialised
+    forward took 1.4-2.6x tiled's time (benchmarks/dispatch.py), where its rate alone put it below tiled's.
     """
     if half not in HALF_CALL_HANDLING:
         raise ValueError(f"half: expected one of {HALF_CALL_HANDLING}, got {half!r}")
@@ -415,6 +453,7 @@ def block_kernel_estimate(
         passes = 2 if call.requires_grad and remasks_in_backward else 1
         scores = masked * call.batch * call.heads * call.q_len * call.k_len
         masking = passes * scores / (kernel_rates().masked_gps * 1e9)
+    masking += fresh_bytes / (kernel_rates().fresh_gbs * 1e9)
     casts = True if half == "float32 blocks" else None  # tiled casts a half call whatever dtype it takes
     return dense_kernel_estimate(
         call, backend, fraction=fraction, compute_dtype=work, casts=casts, extra_seconds=masking
@@ -443,15 +482,17 @@ def dense_kernel_estimate(
     extra_seconds: float = 0.0,
 ) -> Estimate | None:
     """A kernel that computes ``fraction`` of the pairs (every one unless it skips some itself) at ``backend``'s
-    rate in ``compute_dtype`` (default: the call's), plus building and reading a ``mask_bytes`` dense mask (again
-    in the backward), plus the casts of a half CPU call to float32 and back (``casts``: None, where
-    ``compute_dtype`` is not the call's; True, whatever it is; False, never), plus ``extra_seconds``."""
+    rate in ``compute_dtype`` (default: the call's), plus its cost per query row and head, plus building and
+    reading a ``mask_bytes`` dense mask (again in the backward), plus the casts of a half CPU call to float32 and
+    back (``casts``: None, where ``compute_dtype`` is not the call's; True, whatever it is; False, never), plus
+    ``extra_seconds``."""
     dtype = call.dtype if compute_dtype is None else compute_dtype
     rates = _rates(backend, call, dtype)
     if rates is None:
         return None
     seconds = work_seconds(_flops_per_pair(call), fraction * call.q_len * call.k_len, call.requires_grad, *rates)
-    seconds += extra_seconds
+    rows = call.batch * call.heads * call.q_len  # every block of queries is walked, whatever the mask skips
+    seconds += rows * kernel_rates().row_seconds(backend, dtype, call.requires_grad) + extra_seconds
     seconds += mask_bytes * MASK_PASSES * (2 if call.requires_grad else 1) / (kernel_rates().mask_gbs * 1e9)
     half_on_cpu = call.dtype in HALF_DTYPES and call.device.type == "cpu"
     if half_on_cpu and (dtype != call.dtype if casts is None else casts):

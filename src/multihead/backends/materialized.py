@@ -301,8 +301,8 @@ CAPABILITIES = Capabilities(
     bias_grad=False,
     compiles_dynamic=False,
     softcap=True,
-    # each row block's live key span, masked apart; weights written once; its backward masks again only when it
-    # recomputes half-precision weights in float32
+    # each row block's live key span, masked apart; weights written once, into a new (b, h, i, j) tensor; its
+    # backward masks again only when it recomputes half-precision weights in float32
     estimate=lambda call: block_kernel_estimate(
         call,
         "materialized",
@@ -311,5 +311,6 @@ CAPABILITIES = Capabilities(
         half="as given",
         masks_blocks=True,
         remasks_in_backward=call.dtype in (torch.bfloat16, torch.float16),
+        fresh_bytes=call.batch * call.heads * call.q_len * call.k_len * call.dtype.itemsize,
     ),
 )
