@@ -25,8 +25,8 @@ For each case (mask kind x n x dtype x mode; b = 1, h = 16, d = 64):
   backends, the predicted winner (lowest estimate in ``explain(...).estimates``) and whether they agree,
   and each backend's measured / estimated time.
 - **skips**: a contestant predicted (from the same series at the previous n scaled by n^2, else from its
-  estimate) to take more than ``--budget-s`` for one call, or whose dense mask would need more than half of
-  RAM, is not run and is listed with the reason; a case whose auto call is predicted past the budget is
+  estimate) to take more than ``--budget-s`` for one call, or whose dense mask (torch SDPA's, prebuilt; our
+  backends', from their estimates) would need more than half of RAM, is not run and is listed with the reason; a case whose auto call is predicted past the budget is
   skipped whole. ``--max-run-s`` stops starting cases after that many seconds (the rest listed as skipped).
 
 Writes dispatch.json and dispatch.md (dispatch_quick.* with --quick) under benchmarks/results.
@@ -622,6 +622,16 @@ def explain(kind: str, n: int, dtype: torch.dtype, backward: bool) -> tuple[str 
     return e.chosen, {name: est.seconds for name, est in e.estimates.items()}
 
 
+def own_dense_mask_bytes(kind: str, n: int, dtype: torch.dtype, backward: bool) -> dict[str, int]:
+    """Bytes of the dense mask each of multihead's estimated backends would build for this case (from its
+    estimate; the sdpa backend builds ALiBi's (1, h, n, n) bias itself), for the RAM check."""
+    import multihead
+
+    q, k, v = _probes(n, dtype, backward)
+    estimates = multihead.explain(q, k, v, **mask_arguments(kind, n)).estimates
+    return {name: estimate.dense_mask_bytes for name, estimate in estimates.items()}
+
+
 def run_case(
     config: Config, kind: str, n: int, dtype_name: str, mode: str, history: dict, flex_peer: FlexPeer | None, results
 ) -> dict:
@@ -631,6 +641,8 @@ def run_case(
     calls = contestants(kind, n, dtype, backward, names, flex_peer)
     chosen_before, estimates_before = explain(kind, n, dtype, backward)
     ram = common.ram_bytes()
+    own_dense = own_dense_mask_bytes(kind, n, dtype, backward)
+    own_dense[AUTO] = own_dense.get(chosen_before or "", 0)
     predictions, skipped = {}, {}
     for name in [*calls, SDPA_PEER, *([FLEX_PEER] if not backward and flex_peer is not None else [])]:
         estimate = estimates_before.get(name)
@@ -642,7 +654,7 @@ def run_case(
             estimate = estimates_before.get("flex")
         seconds, source = predict_seconds(n, history.get(series_key(record, name)), estimate)
         predictions[name] = {"seconds": seconds, "from": source}
-        dense = dense_mask_bytes(kind, n, dtype) if name == SDPA_PEER else 0
+        dense = dense_mask_bytes(kind, n, dtype) if name == SDPA_PEER else own_dense.get(name, 0)
         reason = skip_reason(seconds, dense, config.budget_s, ram)
         failed = results["failed"].get((kind, dtype_name, mode, name))
         if failed is not None:

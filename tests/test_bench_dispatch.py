@@ -60,6 +60,21 @@ def test_skip_reason_names_time_and_memory():
     assert "dense mask 16.0 GiB > 50% of 16 GiB" in why
 
 
+def test_our_backends_dense_masks_count_in_the_ram_check(monkeypatch):
+    """The sdpa backend builds ALiBi's (1, h, n, n) bias itself: at n = 16384 that is 16 GiB, which once killed a
+    run. It is skipped as torch SDPA given the prebuilt bias is, on its estimate's dense mask."""
+    import torch
+
+    n = 512
+    own = bench.own_dense_mask_bytes("alibi", n, torch.float32, False)
+    assert own["sdpa"] == bench.HEADS * n * n * 4 and own["tiled"] == 0
+    monkeypatch.setattr(bench.common, "ram_bytes", lambda: own["sdpa"])  # its mask alone: past half of RAM
+    config = bench.Config(sizes=(n,), dtypes=("float32",), masks=("alibi",), repeats=1, backends=("sdpa", "tiled"))
+    record = bench.run_case(config, "alibi", n, "float32", "forward", {}, None, {"failed": {}})
+    assert set(record["skipped"]) == {"sdpa", bench.SDPA_PEER} and "dense mask" in record["skipped"]["sdpa"]
+    assert record["status"] == "ok" and record["chosen"] != "sdpa" and "tiled" in record["stats"]
+
+
 def test_repeats_shrink_to_fit_the_case_budget_but_never_below_one():
     assert bench.repeats_for(None, 60.0, 5) == 5
     assert bench.repeats_for(1.0, 60.0, 5) == 5
