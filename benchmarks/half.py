@@ -10,8 +10,12 @@ h = 16, d = 64): ``multihead.attention(..., backend="auto")`` on the same q, k, 
 warm-up call each, after compiling the flex kernel the call could use in both dtypes (so auto may pick it, as in
 dispatch.py); then ``--rounds`` rounds of the two calls, their order alternating
 (harness.common.interleaved_rounds). The ratio bfloat16 / float32 is taken per round and reported as median
-[min, max]; the goal is a median <= 1. auto's pick in each dtype comes from ``multihead.explain``. Writes half.json
-and half.md.
+[min, max]; the goal is a median <= 1. auto's pick in each dtype comes from ``multihead.explain``.
+
+A third call in the same rounds, "float32 + casts", is the floor of a bf16 call on a CPU without bf16 matrix units
+(where every kernel is fastest in float32): the bf16 inputs cast to float32, auto's float32 call, its output cast
+back to bf16 (and, with the backward, the gradients cast both ways by autograd). bfloat16 / (float32 + casts) says
+how far auto's bf16 path is from that floor. Writes half.json and half.md.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import multihead
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODES = ("forward", "forward+backward")
+CAST_FLOOR = "float32 + casts"  # bf16 inputs -> float32, auto in float32, the output -> bf16
+FLOOR_TOLERANCE = 1.05  # "at the floor": bfloat16 / (float32 + casts) at most this
 
 
 def calls(kind: str, n: int, backward: bool) -> tuple[dict[str, Callable[[], object]], dict[str, str | None]]:
@@ -49,18 +55,29 @@ def calls(kind: str, n: int, backward: bool) -> tuple[dict[str, Callable[[], obj
                 pass  # flex does not serve this call (or its compiler failed): auto passes it over
         picks[name] = multihead.explain(q, k, v, **arguments).chosen
         thunks[name] = _thunk(q, k, v, grad.to(dtype), arguments, backward)
+    # the floor: on the bf16 leaves, through auto's float32 call
+    q, k, v = (t.to(torch.bfloat16).requires_grad_(backward) for t in base)
+    thunks[CAST_FLOOR] = _thunk(q, k, v, grad.to(torch.bfloat16), arguments, backward, through=torch.float32)
+    picks[CAST_FLOOR] = picks["float32"]
     return thunks, picks
 
 
-def _thunk(q, k, v, grad, arguments: dict, backward: bool) -> Callable[[], object]:
+def _thunk(q, k, v, grad, arguments: dict, backward: bool, through: torch.dtype | None = None) -> Callable[[], object]:
+    """A call of auto on q, k, v (and its backward); ``through``: cast there first, and the output back."""
+
+    def attend() -> torch.Tensor:
+        if through is None:
+            return multihead.attention(q, k, v, **arguments)
+        return multihead.attention(q.to(through), k.to(through), v.to(through), **arguments).to(q.dtype)
+
     def forward() -> object:
         with torch.no_grad():
-            return multihead.attention(q, k, v, **arguments)
+            return attend()
 
     def forward_backward() -> object:
         for t in (q, k, v):
             t.grad = None
-        out = multihead.attention(q, k, v, **arguments)
+        out = attend()
         out.backward(grad)
         return out
 
@@ -68,8 +85,9 @@ def _thunk(q, k, v, grad, arguments: dict, backward: bool) -> Callable[[], objec
 
 
 def summarize(times: dict[str, list[float]]) -> dict:
+    """Medians, bfloat16 / float32 per round and, when timed, bfloat16 / (float32 + casts) per round."""
     ratio = common.ratio_per_round(times["bfloat16"], times["float32"])
-    return {
+    summary = {
         "ms": {name: 1e3 * statistics.median(ts) for name, ts in times.items()},
         "ratio": ratio["median"],
         "ratio_min": ratio["min"],
@@ -77,6 +95,10 @@ def summarize(times: dict[str, list[float]]) -> dict:
         "rounds": ratio["rounds"],
         "times_ms": {name: [1e3 * t for t in ts] for name, ts in times.items()},
     }
+    if CAST_FLOOR in times:
+        floor = common.ratio_per_round(times["bfloat16"], times[CAST_FLOOR])
+        summary |= {"floor_ratio": floor["median"], "floor_ratio_min": floor["min"], "floor_ratio_max": floor["max"]}
+    return summary
 
 
 def run(sizes: Sequence[int], masks: Sequence[str], rounds: int, say: Callable[[str], None]) -> dict:
@@ -91,7 +113,8 @@ def run(sizes: Sequence[int], masks: Sequence[str], rounds: int, say: Callable[[
                 say(
                     f"{MASK_LABELS[kind]:22s} n={n:5d} {mode:16s} bfloat16 {record['ms']['bfloat16']:8.1f} ms "
                     f"({picks['bfloat16']})  float32 {record['ms']['float32']:8.1f} ms ({picks['float32']})  "
-                    f"ratio {record['ratio']:.2f} [{record['ratio_min']:.2f}, {record['ratio_max']:.2f}]"
+                    f"ratio {record['ratio']:.2f} [{record['ratio_min']:.2f}, {record['ratio_max']:.2f}]; "
+                    f"{CAST_FLOOR} {record['ms'][CAST_FLOOR]:8.1f} ms, bfloat16 / that {record['floor_ratio']:.2f}"
                 )
                 cases.append(record)
     return {
@@ -105,25 +128,31 @@ def run(sizes: Sequence[int], masks: Sequence[str], rounds: int, say: Callable[[
 def markdown(results: dict) -> str:
     cases = results["cases"]
     met = sum(c["ratio"] <= 1.0 for c in cases)
+    at_floor = sum(c["floor_ratio"] <= FLOOR_TOLERANCE for c in cases)
     lines = [
         "# auto in bfloat16 against auto in float32 (benchmarks/half.py)",
         "",
         f"Machine: {results['machine']}, {results['torch_threads']} torch threads. Load at start: "
         f"`{results['load'][0]}`; at end: `{results['load'][1]}`.",
         "",
-        f"b = {BATCH}, h = {HEADS}, d = {HEAD_DIM}; the same q, k, v in both dtypes, the two calls in the same rounds. "
+        f"b = {BATCH}, h = {HEADS}, d = {HEAD_DIM}; the same q, k, v in both dtypes, the calls in the same rounds. "
         f"bfloat16 / float32 per round, median [min, max]; the goal is <= 1. Met in {met} of {len(cases)} cases "
-        "(bold: not met).",
+        f"(bold: not met). '{CAST_FLOOR}': the bf16 inputs cast to float32, auto's float32 call and the output cast "
+        "back (autograd casts the gradients): a bf16 call's floor where float32 kernels are the fastest. "
+        f"bfloat16 within {FLOOR_TOLERANCE - 1:.0%} of it in {at_floor} of {len(cases)} cases.",
         "",
-        "| mask | n | mode | auto bfloat16 ms | pick | auto float32 ms | pick | bfloat16 / float32 | rounds |",
-        "|---|---:|---|---:|---|---:|---|---|---:|",
+        f"| mask | n | mode | auto bfloat16 ms | pick | auto float32 ms | pick | bfloat16 / float32 | {CAST_FLOOR} ms "
+        f"| bfloat16 / ({CAST_FLOOR}) | rounds |",
+        "|---|---:|---|---:|---|---:|---|---|---:|---|---:|",
     ]
     for c in cases:
         ratio = f"{c['ratio']:.2f} [{c['ratio_min']:.2f}, {c['ratio_max']:.2f}]"
+        floor = f"{c['floor_ratio']:.2f} [{c['floor_ratio_min']:.2f}, {c['floor_ratio_max']:.2f}]"
         lines.append(
             f"| {MASK_LABELS[c['mask']]} | {c['n']} | {c['mode']} | {c['ms']['bfloat16']:,.1f} | "
             f"{c['picks']['bfloat16']} | {c['ms']['float32']:,.1f} | {c['picks']['float32']} | "
-            f"{ratio if c['ratio'] <= 1.0 else f'**{ratio}**'} | {c['rounds']} |"
+            f"{ratio if c['ratio'] <= 1.0 else f'**{ratio}**'} | {c['ms'][CAST_FLOOR]:,.1f} | {floor} | "
+            f"{c['rounds']} |"
         )
     return "\n".join(lines) + "\n"
 

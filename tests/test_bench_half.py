@@ -18,12 +18,13 @@ import half as bench  # noqa: E402
 
 def test_both_dtypes_compute_the_same_attention():
     thunks, picks = bench.calls("window", 40, backward=False)
-    single, half = thunks["float32"](), thunks["bfloat16"]()
-    assert single.dtype == torch.float32 and half.dtype == torch.bfloat16
-    assert (half.float() - single).abs().max() < 2e-2
-    assert set(picks) == {"float32", "bfloat16"} and picks["float32"] is not None
+    single, half, floor = thunks["float32"](), thunks["bfloat16"](), thunks[bench.CAST_FLOOR]()
+    assert single.dtype == torch.float32 and half.dtype == floor.dtype == torch.bfloat16
+    assert (half.float() - single).abs().max() < 2e-2 and (floor.float() - single).abs().max() < 2e-2
+    assert set(picks) == {"float32", "bfloat16", bench.CAST_FLOOR} and picks["float32"] is not None
     thunks, _ = bench.calls("causal", 40, backward=True)
     assert thunks["bfloat16"]().requires_grad  # its backward ran
+    assert thunks[bench.CAST_FLOOR]().dtype == torch.bfloat16  # through float32 and back, backward included
 
 
 def test_the_order_alternates_and_the_ratio_is_per_round():
@@ -32,8 +33,9 @@ def test_the_order_alternates_and_the_ratio_is_per_round():
     times = bench.common.interleaved_rounds(calls, rounds=3)
     assert order == ["float32", "bfloat16", "float32", "bfloat16", "bfloat16", "float32", "float32", "bfloat16"]
     assert len(times["float32"]) == 3
-    summary = bench.summarize({"bfloat16": [1.0, 3.0, 2.0], "float32": [2.0, 2.0, 2.0]})
+    summary = bench.summarize({"bfloat16": [1.0, 3.0, 2.0], "float32": [2.0, 2.0, 2.0], bench.CAST_FLOOR: [1, 1, 4]})
     assert (summary["ratio"], summary["ratio_min"], summary["ratio_max"]) == (1.0, 0.5, 1.5)
+    assert (summary["floor_ratio"], summary["floor_ratio_min"], summary["floor_ratio_max"]) == (1.0, 0.5, 3.0)
 
 
 def test_the_report_marks_the_cases_past_the_goal(tmp_path):
@@ -41,9 +43,11 @@ def test_the_report_marks_the_cases_past_the_goal(tmp_path):
     report = (tmp_path / "half.md").read_text()
     assert report.count("| causal | 32 |") == 2 and "Met in" in report
     case = {"mask": "none", "n": 8, "mode": "forward", "picks": {"bfloat16": "sdpa", "float32": "sdpa"}}
-    slower = {**case, **bench.summarize({"bfloat16": [2.0], "float32": [1.0]})}
+    slower = {**case, **bench.summarize({"bfloat16": [2.0], "float32": [1.0], bench.CAST_FLOOR: [1.9]})}
     results = {"machine": "m", "torch_threads": 2, "load": ["a", "b"], "cases": [slower]}
-    assert "**2.00 [2.00, 2.00]**" in bench.markdown(results) and "Met in 0 of 1" in bench.markdown(results)
+    report = bench.markdown(results)
+    assert "**2.00 [2.00, 2.00]**" in report and "Met in 0 of 1" in report
+    assert "| 1,900.0 | 1.05 [1.05, 1.05] |" in report and "within 5% of it in 0 of 1" in report  # 2.0 / 1.9
 
 
 @pytest.mark.parametrize(
