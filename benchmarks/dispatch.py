@@ -26,8 +26,9 @@ For each case (mask kind x n x dtype x mode; b = 1, h = 16, d = 64):
   and each backend's measured / estimated time.
 - **skips**: a contestant predicted (from the same series at the previous n scaled by n^2, else from its
   estimate) to take more than ``--budget-s`` for one call, or whose dense mask (torch SDPA's, prebuilt; our
-  backends', from their estimates) would need more than half of RAM, is not run and is listed with the reason; a case whose auto call is predicted past the budget is
-  skipped whole. ``--max-run-s`` stops starting cases after that many seconds (the rest listed as skipped).
+  backends', from their estimates) would need more than half of RAM, is not run and is listed with the reason;
+  a case whose auto call is predicted past the budget is skipped whole. ``--max-run-s`` stops starting cases
+  after that many seconds (the rest listed as skipped).
 
 Writes dispatch.json and dispatch.md (dispatch_quick.* with --quick) under benchmarks/results.
 """
