@@ -253,7 +253,7 @@ def faster_compute_dtype(
     """The dtype ``backend``'s kernel runs a ``dtype`` call in: float32 for a half-precision CPU call where this
     machine's rates say its ``flops`` (the forward's, for the pairs it computes; the backward's 2.5 times that when
     gradients are needed) and ``rows`` (query rows x heads, at the cost per row) take less time in float32, casts
-    included (``cast_bytes`` written at ``fresh_gbs``: they decide short calls, where SDPA's float32 gain of 10% is
+    included (``cast_bytes`` written at ``fresh_gbs``: they decide short calls, where SDPA's float32 gain of 7-10% is
     smaller than the casts), else ``dtype``. The rates are the CPU's, so other devices keep their dtype."""
     if dtype not in HALF_DTYPES or device.type != "cpu" or _native_precision:
         return dtype
@@ -453,10 +453,10 @@ def block_kernel_estimate(
         passes = 2 if call.requires_grad and remasks_in_backward else 1
         scores = masked * call.batch * call.heads * call.q_len * call.k_len
         masking = passes * scores / (kernel_rates().masked_gps * 1e9)
-    masking += fresh_bytes / (kernel_rates().fresh_gbs * 1e9)
+    writing = fresh_bytes / (kernel_rates().fresh_gbs * 1e9)
     casts = True if half == "float32 blocks" else None  # tiled casts a half call whatever dtype it takes
     return dense_kernel_estimate(
-        call, backend, fraction=fraction, compute_dtype=work, casts=casts, extra_seconds=masking
+        call, backend, fraction=fraction, compute_dtype=work, casts=casts, extra_seconds=masking + writing
     )
 
 
