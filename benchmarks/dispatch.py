@@ -26,9 +26,9 @@ For each case (mask kind x n x dtype x mode; b = 1, h = 16, d = 64):
   and each backend's measured / estimated time.
 - **skips**: a contestant predicted (from the same series at the previous n scaled by n^2, else from its
   estimate) to take more than ``--budget-s`` for one call, or whose dense mask (torch SDPA's, prebuilt; our
-  backends', from their estimates) would need more than half of RAM, is not run and is listed with the reason;
-  a case whose auto call is predicted past the budget is skipped whole. ``--max-run-s`` stops starting cases
-  after that many seconds (the rest listed as skipped).
+  backends' that build one, by their estimates) would need more than half of RAM at its peak, is not run and
+  is listed with the reason; a case whose auto call is predicted past the budget is skipped whole.
+  ``--max-run-s`` stops starting cases after that many seconds (the rest listed as skipped).
 
 Writes dispatch.json and dispatch.md (dispatch_quick.* with --quick) under benchmarks/results.
 """
@@ -625,7 +625,7 @@ def explain(kind: str, n: int, dtype: torch.dtype, backward: bool) -> tuple[str 
 
 def own_dense_mask_bytes(kind: str, n: int, dtype: torch.dtype, backward: bool) -> dict[str, int]:
     """Bytes of the dense mask each of multihead's estimated backends would build for this case (from its
-    estimate; the sdpa backend builds ALiBi's (1, h, n, n) bias itself), for the RAM check."""
+    estimate; the sdpa backend builds ALiBi's (1, h, n, n) bias itself): which of them the RAM check covers."""
     import multihead
 
     q, k, v = _probes(n, dtype, backward)
@@ -655,7 +655,10 @@ def run_case(
             estimate = estimates_before.get("flex")
         seconds, source = predict_seconds(n, history.get(series_key(record, name)), estimate)
         predictions[name] = {"seconds": seconds, "from": source}
-        dense = dense_mask_bytes(kind, n, dtype) if name == SDPA_PEER else own_dense.get(name, 0)
+        # a backend that builds a dense mask builds the peer's, and as it does: an ALiBi bias in float32 first
+        # (bfloat16: 6 bytes an entry at the peak, where the estimate counts the 2 it keeps)
+        builds_dense = name == SDPA_PEER or own_dense.get(name, 0) > 0
+        dense = dense_mask_bytes(kind, n, dtype) if builds_dense else 0
         reason = skip_reason(seconds, dense, config.budget_s, ram)
         failed = results["failed"].get((kind, dtype_name, mode, name))
         if failed is not None:

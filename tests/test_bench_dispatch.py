@@ -61,14 +61,16 @@ def test_skip_reason_names_time_and_memory():
 
 
 def test_our_backends_dense_masks_count_in_the_ram_check(monkeypatch):
-    """The sdpa backend builds ALiBi's (1, h, n, n) bias itself: at n = 16384 that is 16 GiB, which once killed a
-    run. It is skipped as torch SDPA given the prebuilt bias is, on its estimate's dense mask."""
+    """The sdpa backend builds ALiBi's (1, h, n, n) bias itself, in float32 and then in the call's dtype: at
+    n = 16384 that is 16 GiB (bfloat16: 24 at the peak), which killed two runs. It is skipped as torch SDPA
+    given the prebuilt bias is, on the same peak."""
     import torch
 
     n = 512
     own = bench.own_dense_mask_bytes("alibi", n, torch.float32, False)
     assert own["sdpa"] == bench.HEADS * n * n * 4 and own["tiled"] == 0
-    monkeypatch.setattr(bench.common, "ram_bytes", lambda: own["sdpa"])  # its mask alone: past half of RAM
+    assert bench.dense_mask_bytes("alibi", n, torch.bfloat16) == bench.HEADS * n * n * (4 + 2)
+    monkeypatch.setattr(bench.common, "ram_bytes", lambda: 3 * own["sdpa"])  # half of it: under float32 + cast
     config = bench.Config(sizes=(n,), dtypes=("float32",), masks=("alibi",), repeats=1, backends=("sdpa", "tiled"))
     record = bench.run_case(config, "alibi", n, "float32", "forward", {}, None, {"failed": {}})
     assert set(record["skipped"]) == {"sdpa", bench.SDPA_PEER} and "dense mask" in record["skipped"]["sdpa"]
