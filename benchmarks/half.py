@@ -12,10 +12,11 @@ dispatch.py); then ``--rounds`` rounds of the two calls, their order alternating
 (harness.common.interleaved_rounds). The ratio bfloat16 / float32 is taken per round and reported as median
 [min, max]; the goal is a median <= 1. auto's pick in each dtype comes from ``multihead.explain``.
 
-A third call in the same rounds, "float32 + casts", is the floor of a bf16 call on a CPU without bf16 matrix units
-(where every kernel is fastest in float32): the bf16 inputs cast to float32, auto's float32 call, its output cast
-back to bf16 (and, with the backward, the gradients cast both ways by autograd). bfloat16 / (float32 + casts) says
-how far auto's bf16 path is from that floor. Writes half.json and half.md.
+A third call in the same rounds, "float32 + casts", is what a bf16 call costs computed in float32, the floor on a
+CPU without bf16 matrix units (a call kept in bf16 beats it only where torch's bf16 kernel beats float32 plus the
+casts): the bf16 inputs cast to float32, auto's float32 call, its output cast back to bf16 (and, with the backward,
+the gradients cast both ways by autograd). bfloat16 / (float32 + casts) says how far auto's bf16 path is from that
+floor. Writes half.json and half.md.
 """
 
 from __future__ import annotations
