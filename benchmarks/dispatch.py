@@ -614,23 +614,17 @@ def sdpa_peer(kind: str, n: int, dtype: torch.dtype) -> Callable:
     return call
 
 
-def explain(kind: str, n: int, dtype: torch.dtype, backward: bool) -> tuple[str | None, dict[str, float]]:
-    """auto's choice and each estimated backend's seconds, for this case (meta tensors: nothing computed)."""
+def explain(
+    kind: str, n: int, dtype: torch.dtype, backward: bool
+) -> tuple[str | None, dict[str, float], dict[str, int]]:
+    """auto's choice, each estimated backend's seconds and the bytes of the dense mask it would build (the sdpa
+    backend builds ALiBi's (1, h, n, n) bias itself), for this case (meta tensors: nothing computed)."""
     import multihead
 
     q, k, v = _probes(n, dtype, backward)
     e = multihead.explain(q, k, v, **mask_arguments(kind, n))
-    return e.chosen, {name: est.seconds for name, est in e.estimates.items()}
-
-
-def own_dense_mask_bytes(kind: str, n: int, dtype: torch.dtype, backward: bool) -> dict[str, int]:
-    """Bytes of the dense mask each of multihead's estimated backends would build for this case (from its
-    estimate; the sdpa backend builds ALiBi's (1, h, n, n) bias itself): which of them the RAM check covers."""
-    import multihead
-
-    q, k, v = _probes(n, dtype, backward)
-    estimates = multihead.explain(q, k, v, **mask_arguments(kind, n)).estimates
-    return {name: estimate.dense_mask_bytes for name, estimate in estimates.items()}
+    seconds = {name: est.seconds for name, est in e.estimates.items()}
+    return e.chosen, seconds, {name: est.dense_mask_bytes for name, est in e.estimates.items()}
 
 
 def run_case(
@@ -640,9 +634,8 @@ def run_case(
     record: dict = {"mask": kind, "n": n, "dtype": dtype_name, "mode": mode, "load_start": os.getloadavg()[0]}
     names = [name for name in config.backends if name != "reference" or config.reference]
     calls = contestants(kind, n, dtype, backward, names, flex_peer)
-    chosen_before, estimates_before = explain(kind, n, dtype, backward)
+    chosen_before, estimates_before, own_dense = explain(kind, n, dtype, backward)
     ram = common.ram_bytes()
-    own_dense = own_dense_mask_bytes(kind, n, dtype, backward)
     own_dense[AUTO] = own_dense.get(chosen_before or "", 0)
     predictions, skipped = {}, {}
     for name in [*calls, SDPA_PEER, *([FLEX_PEER] if not backward and flex_peer is not None else [])]:
@@ -717,7 +710,7 @@ def run_case(
         if name != AUTO
     }
     outputs.clear()
-    chosen, estimates = explain(kind, n, dtype, backward)
+    chosen, estimates, _ = explain(kind, n, dtype, backward)
     record.update(chosen=chosen, estimates=estimates)
     round_s = sum(s if s is not None else (predictions.get(name, {}).get("seconds") or 0.0) for name, s in warm.items())
     rounds = repeats_for(round_s, config.case_budget_s, config.repeats)
