@@ -31,13 +31,8 @@ def _kernel_flops(n: int) -> float:
 
 
 def _median_call_s(call: Callable[[], object], repeats: int = 3) -> float:
-    call()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    """One call's median seconds over ``repeats`` calls after a warm-up (:func:`_interleaved_median_s` of one)."""
+    return _interleaved_median_s({"call": call}, repeats)["call"]
 
 
 def _interleaved_median_s(calls: dict[Key, Callable[[], object]], repeats: int) -> dict[Key, float]:
