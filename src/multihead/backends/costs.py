@@ -257,20 +257,11 @@ def faster_compute_dtype(
     smaller than the casts), else ``dtype``. The rates are the CPU's, so other devices keep their dtype."""
     if dtype not in HALF_DTYPES or device.type != "cpu" or _native_precision:
         return dtype
-    rates = kernel_rates()
-
-    def kernel_seconds(precision_dtype: torch.dtype) -> float | None:
-        forward = rates.rate(backend, "forward", precision_dtype)
-        backward = rates.rate(backend, "backward", precision_dtype)
-        if forward is None or (requires_grad and backward is None):
-            return None
-        pairs_seconds = work_seconds(flops, 1.0, requires_grad, forward, backward or forward)
-        return pairs_seconds + rows * rates.row_seconds(backend, precision_dtype, requires_grad)
-
-    half, single = kernel_seconds(dtype), kernel_seconds(torch.float32)
+    half = kernel_seconds(backend, dtype, requires_grad, flops, rows)
+    single = kernel_seconds(backend, torch.float32, requires_grad, flops, rows)
     if half is None or single is None:
         return dtype
-    return torch.float32 if single + cast_bytes / (rates.fresh_gbs * 1e9) < half else dtype
+    return torch.float32 if single + cast_bytes / (kernel_rates().fresh_gbs * 1e9) < half else dtype
 
 
 def call_compute_dtype(backend: str, call: AttentionCall, fraction: Callable[[], float] | None = None) -> torch.dtype:
@@ -388,25 +379,19 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.0f} us"
 
 
-def work_seconds(
-    call_flops_per_pair: float, pairs: float, requires_grad: bool, rate_forward: float, rate_backward: float
-) -> float:
-    """Seconds for ``pairs`` pairs at the forward rate, plus the backward's 2.5 x FLOPs at its rate if needed."""
-    flops = call_flops_per_pair * pairs
-    seconds = flops / (rate_forward * 1e9)
-    if requires_grad:
-        seconds += BACKWARD_FLOP_FACTOR * flops / (rate_backward * 1e9)
-    return seconds
-
-
-def _rates(backend: str, call: AttentionCall, dtype: torch.dtype) -> tuple[float, float] | None:
-    """(forward, backward) GFLOP/s of ``backend`` computing in ``dtype``; None when one it needs is unmeasured
-    (a forward-only call needs no backward rate)."""
+def kernel_seconds(backend: str, dtype: torch.dtype, requires_grad: bool, flops: float, rows: int) -> float | None:
+    """Seconds of ``backend``'s kernel computing in ``dtype``: ``flops`` forward FLOPs at its forward rate (and the
+    backward's 2.5 times that at its backward rate, with gradients), plus ``rows`` query rows x heads at its cost
+    per row. None when a rate it needs is unmeasured (a forward-only call needs no backward rate)."""
     rates = kernel_rates()
     forward, backward = rates.rate(backend, "forward", dtype), rates.rate(backend, "backward", dtype)
-    if forward is None or (backward is None and call.requires_grad):
+    if forward is None or (requires_grad and backward is None):
         return None
-    return forward, backward if backward is not None else forward
+    seconds = flops / (forward * 1e9)
+    if requires_grad:
+        assert backward is not None  # checked above
+        seconds += BACKWARD_FLOP_FACTOR * flops / (backward * 1e9)
+    return seconds + rows * rates.row_seconds(backend, dtype, requires_grad)
 
 
 def _flops_per_pair(call: AttentionCall) -> float:
@@ -487,12 +472,12 @@ def dense_kernel_estimate(
     back (``casts``: None, where ``compute_dtype`` is not the call's; True, whatever it is; False, never), plus
     ``extra_seconds``."""
     dtype = call.dtype if compute_dtype is None else compute_dtype
-    rates = _rates(backend, call, dtype)
-    if rates is None:
-        return None
-    seconds = work_seconds(_flops_per_pair(call), fraction * call.q_len * call.k_len, call.requires_grad, *rates)
+    flops = _flops_per_pair(call) * (fraction * call.q_len * call.k_len)
     rows = call.batch * call.heads * call.q_len  # every block of queries is walked, whatever the mask skips
-    seconds += rows * kernel_rates().row_seconds(backend, dtype, call.requires_grad) + extra_seconds
+    seconds = kernel_seconds(backend, dtype, call.requires_grad, flops, rows)
+    if seconds is None:
+        return None
+    seconds += extra_seconds
     seconds += mask_bytes * MASK_PASSES * (2 if call.requires_grad else 1) / (kernel_rates().mask_gbs * 1e9)
     half_on_cpu = call.dtype in HALF_DTYPES and call.device.type == "cpu"
     if half_on_cpu and (dtype != call.dtype if casts is None else casts):
