@@ -470,11 +470,13 @@ def dense_mask(kind: str, n: int, dtype: torch.dtype) -> torch.Tensor | None:
     return None
 
 
-def dense_mask_bytes(kind: str, n: int, dtype: torch.dtype) -> int:
+def dense_mask_bytes(kind: str, n: int) -> int:
+    """The peak bytes of building :func:`dense_mask` for torch SDPA: an ALiBi bias is the float32 product and
+    its copy with -inf above the diagonal (8 bytes an entry, whatever dtype it is then cast to)."""
     if kind in ("window", "padding"):
         return n * n
     if kind == "alibi":
-        return HEADS * n * n * (4 + dtype.itemsize)  # built in float32, then cast
+        return HEADS * n * n * 8
     return 0
 
 
@@ -648,10 +650,8 @@ def run_case(
             estimate = estimates_before.get("flex")
         seconds, source = predict_seconds(n, history.get(series_key(record, name)), estimate)
         predictions[name] = {"seconds": seconds, "from": source}
-        # a backend that builds a dense mask builds the peer's, and as it does: an ALiBi bias in float32 first
-        # (bfloat16: 6 bytes an entry at the peak, where the estimate counts the 2 it keeps)
-        builds_dense = name == SDPA_PEER or own_dense.get(name, 0) > 0
-        dense = dense_mask_bytes(kind, n, dtype) if builds_dense else 0
+        # ours build their dense mask at the size they keep (BoundMask.additive), which their estimates count
+        dense = dense_mask_bytes(kind, n) if name == SDPA_PEER else own_dense.get(name, 0)
         reason = skip_reason(seconds, dense, config.budget_s, ram)
         failed = results["failed"].get((kind, dtype_name, mode, name))
         if failed is not None:

@@ -7,11 +7,13 @@ import math
 from collections.abc import Iterator
 from unittest.mock import patch
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from multihead import masks
+from multihead.machine import measure_peak_bytes
 from multihead.masks import AttentionShape, BlockState, bind_mask
 
 CPU = torch.device("cpu")
@@ -65,6 +67,71 @@ def test_alibi_bias_is_minus_slope_times_distance_to_the_aligned_query():
     # query 0 sits at key position 2 (bottom-right), query 1 at key position 3
     assert bias[0, 0].tolist() == [[-1.0, -0.5, 0.0, -0.5], [-1.5, -1.0, -0.5, 0.0]]
     assert bias[0, 1].tolist() == [[-0.5, -0.25, 0.0, -0.25], [-0.75, -0.5, -0.25, 0.0]]
+
+
+@pytest.mark.parametrize("slopes_dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_alibi_bias_built_a_head_at_a_time_is_the_slopes_dtype_product_rounded_once(slopes_dtype, monkeypatch):
+    h, i, j = 5, 33, 40
+    slopes = masks.alibi_slopes(h).to(slopes_dtype)
+    distance = (torch.arange(j)[None] - (torch.arange(i)[:, None] + j - i)).abs().to(slopes_dtype)
+    product = -slopes[:, None, None] * distance  # (h, i, j), in the slopes' dtype
+    monkeypatch.setattr(masks, "ALIBI_CHUNK_ELEMENTS", 2 * i * j)  # two heads a chunk: 3 chunks, the last short
+    bound = bind_mask(masks.alibi(slopes), False, AttentionShape(1, h, i, j, CPU))
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        _, bias = bound.dense(dtype)
+        assert bias.shape == (1, h, i, j) and bias.dtype == dtype
+        assert torch.equal(bias[0], product.to(dtype))
+    heads = torch.tensor([3, 0])
+    _, some = bound.block(slice(4, 9), slice(None), heads, dtype=torch.bfloat16)
+    assert torch.equal(some[0], product[heads, 4:9].to(torch.bfloat16))
+
+
+def test_learned_alibi_slopes_get_their_gradient_through_the_bias():
+    h, i, j = 3, 4, 6
+    slopes = masks.alibi_slopes(h).requires_grad_()
+    bound = bind_mask(masks.alibi(slopes), False, AttentionShape(1, h, i, j, CPU))
+    _, bias = bound.dense(torch.float64)
+    bias.sum().backward()
+    distance = (torch.arange(j)[None] - (torch.arange(i)[:, None] + j - i)).abs().sum()
+    assert torch.equal(slopes.grad, -distance.float().expand(h))
+    with torch.no_grad():  # no graph wanted: built a few heads at a time, the same values
+        assert torch.equal(bound.dense(torch.float64)[1], bias.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_alibi_as_one_additive_mask_peaks_at_one_bias(dtype, monkeypatch):
+    """SDPA's dense causal & ALiBi mask: the bias is built a head at a time into the result and the causal -inf
+    written into it in place. Built in float32, cast and then filled, it peaked at 6 bytes an entry for bfloat16
+    (24 GiB at i = j = 16384 with 16 heads) where 2 are kept."""
+    h, n = 8, 256
+    monkeypatch.setattr(masks, "ALIBI_CHUNK_ELEMENTS", n * n)
+    bound = bind_mask(masks.alibi(masks.alibi_slopes(h)), True, AttentionShape(1, h, n, n, CPU))
+    kept = h * n * n * dtype.itemsize
+    peak = measure_peak_bytes(lambda: bound.additive(dtype))
+    # beside the bias: the distances and one head's product (float32), the causal keep-mask and its negation
+    assert kept <= peak <= kept + n * n * (4 + 4 + 1 + 1)
+    additive = bound.additive(dtype)
+    _, bias = bound.dense(dtype)
+    upper = torch.ones(n, n, dtype=torch.bool).triu(1)
+    assert torch.equal(additive, bias.masked_fill(upper, -math.inf))
+
+
+def test_additive_mask_never_writes_the_callers_bias():
+    bias = torch.randn(1, 1, 6, 6)
+    given_bias = bias.clone()
+    bound = bind_mask(masks.bias(bias), True, AttentionShape(1, 2, 6, 6, CPU))
+    additive = bound.additive(torch.float32)
+    assert torch.equal(bias, given_bias)
+    upper = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    assert torch.equal(additive, given_bias.masked_fill(upper, -math.inf))
+    # a bias built for the call (cast from float64) that broadcasts over rows cannot take the causal -inf in
+    # place: a new (.., i, j) tensor
+    row_bias = torch.randn(1, 1, 1, 6, dtype=torch.float64)
+    bound = bind_mask(masks.bias(row_bias), True, AttentionShape(1, 2, 6, 6, CPU))
+    additive = bound.additive(torch.float32)
+    assert torch.equal(additive, row_bias.float().expand(1, 1, 6, 6).masked_fill(upper, -math.inf))
+    # no bias: the keep-mask itself
+    assert bind_mask(masks.causal(), False, AttentionShape(1, 2, 6, 6, CPU)).additive(torch.float32).dtype == torch.bool
 
 
 def test_masks_combine_with_and_and_biases_add():

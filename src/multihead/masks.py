@@ -576,6 +576,13 @@ class _BoundTerm:
         """A bool (keep) or float (bias) tensor broadcastable to (b, h_sel, rows, cols)."""
         raise TypeError(type(self).__name__)
 
+    def evaluate_in(
+        self, rows: Index, cols: Index, heads: torch.Tensor | None, dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        """A bias term's :meth:`evaluate` in ``dtype`` (None: its own), rounded once from its own dtype."""
+        part = self.evaluate(rows, cols, heads)
+        return part if dtype is None else part.to(dtype)
+
     def may_empty_rows(self) -> bool:
         return False
 
@@ -680,12 +687,38 @@ class _BoundAlibi(_BoundTerm):
         self.slopes, self.offset, self.shape = slopes, offset, shape
         self.requires_grad = slopes.requires_grad
 
-    def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
-        i = _positions(rows, self.shape.q_len, self.shape.device)
+    def _distance(self, rows: Index, cols: Index) -> torch.Tensor:
+        """|j - aligned i| for the block, (rows, cols) float32: positions are integers below 2**24, so exact."""
+        i = _positions(rows, self.shape.q_len, self.shape.device) + self.offset
         j = _positions(cols, self.shape.k_len, self.shape.device)
-        distance = (j[None, :] - (i[:, None] + self.offset)).abs()  # (rows, cols)
+        return (j.to(torch.float32)[None, :] - i.to(torch.float32)[:, None]).abs_()
+
+    def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
         slopes = self.slopes if heads is None else self.slopes.index_select(0, heads)
-        return -slopes[None, :, None, None] * distance[None, None].to(slopes.dtype)
+        return -slopes[None, :, None, None] * self._distance(rows, cols)[None, None].to(slopes.dtype)
+
+    def evaluate_in(
+        self, rows: Index, cols: Index, heads: torch.Tensor | None, dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        """(1, h_sel, rows, cols) in ``dtype``, equal to ``evaluate(...).to(dtype)`` but built a few heads at a time
+        into the result, so the peak is the result plus at most :data:`ALIBI_CHUNK_ELEMENTS` entries in the slopes'
+        dtype. Building all heads in float32 and then casting took 6 bytes an entry at the peak for a bfloat16
+        call, where the bias kept is 2 (24 GiB at i = j = 16384 with 16 heads). Learned slopes that need their
+        gradient, and traced calls, take :meth:`evaluate`'s one broadcast product."""
+        slopes = self.slopes if heads is None else self.slopes.index_select(0, heads)
+        needs_graph = slopes.requires_grad and torch.is_grad_enabled()
+        if needs_graph or torch.compiler.is_compiling():
+            return super().evaluate_in(rows, cols, heads, dtype)
+        distance = self._distance(rows, cols).to(slopes.dtype)
+        out = torch.empty((1, len(slopes), *distance.shape), dtype=dtype or slopes.dtype, device=distance.device)
+        step = max(1, ALIBI_CHUNK_ELEMENTS // max(1, distance.numel()))
+        for start in range(0, len(slopes), step):
+            chunk = -slopes[start : start + step, None, None]
+            if out.dtype == slopes.dtype:
+                torch.mul(chunk, distance, out=out[0, start : start + step])
+            else:  # the product in the slopes' dtype, rounded once into the result
+                out[0, start : start + step].copy_(chunk * distance)
+        return out
 
 
 class _BoundSoftcap(_BoundTerm):
@@ -741,6 +774,8 @@ def _tighter(a: int | None, b: int | None) -> int | None:
     """The smaller of two bounds, None being unbounded."""
     return b if a is None else a if b is None else min(a, b)
 
+
+ALIBI_CHUNK_ELEMENTS = 2**24  # the most (heads, rows, keys) entries an ALiBi bias builds before rounding them
 
 EMPTY_ROW_BLOCK = 256  # rows and keys per block BoundMask.may_empty_rows looks at
 EMPTY_ROW_CHECK_ELEMENTS = 2**24  # the most (b, h, rows, keys) entries it builds at once
@@ -903,9 +938,7 @@ class BoundMask:
             keep = part if keep is None else keep & part
         total = None
         for term in self.bias_terms:
-            part = term.evaluate(rows, cols, heads)
-            if dtype is not None:
-                part = part.to(dtype)
+            part = term.evaluate_in(rows, cols, heads, dtype)
             if term.may_hold_minus_inf and minus_inf_as_keep:
                 # -inf in a bias means "masked": as a keep term it masks the pair even where the score
                 # overflowed to +inf (inf + -inf would be NaN, and a fully masked row NaN, not 0)
@@ -919,6 +952,21 @@ class BoundMask:
         self, dtype: torch.dtype, *, minus_inf_as_keep: bool = True
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.block(slice(None), slice(None), dtype=dtype, minus_inf_as_keep=minus_inf_as_keep)
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The whole mask as one tensor for a kernel that adds it to the scores (SDPA's ``attn_mask``), shaped
+        (b or 1, h or 1, i or 1, j): the bool keep-mask (True = may attend) where no term adds a bias, else the
+        bias in ``dtype`` with -inf wherever a keep term masks. The -inf is written in place into a bias built
+        for this call (ALiBi, a sum of terms), so the peak is one bias rather than two (a causal & ALiBi bias
+        at i = j = 16384 with 16 heads is 8 GiB in bfloat16); a caller's bias tensor is copied, never written."""
+        keep, bias = self.dense(dtype, minus_inf_as_keep=False)  # -inf stays in the one additive mask
+        if bias is None or keep is None:
+            return keep if bias is None else bias
+        only = self.bias_terms[0]
+        callers = len(self.bias_terms) == 1 and isinstance(only, _BoundDense) and bias.dtype == only.tensor.dtype
+        if callers or torch.broadcast_shapes(bias.shape, keep.shape) != bias.shape:
+            return bias.masked_fill(keep.logical_not(), -math.inf)
+        return bias.masked_fill_(keep.logical_not(), -math.inf)
 
     def kinds(self) -> list[str]:
         """The kinds of its terms, e.g. ``["diagonal", "alibi", "softcap"]`` (a soft-cap last)."""

@@ -46,12 +46,7 @@ def sdpa_mask(mask: BoundMask, dtype: torch.dtype) -> tuple[torch.Tensor | None,
         return None, False
     if mask.is_plain_causal:
         return None, True
-    keep, bias = mask.dense(dtype=dtype, minus_inf_as_keep=False)  # -inf stays in the one additive mask
-    if bias is None:
-        return keep, False
-    if keep is not None:
-        bias = bias.masked_fill(~keep, -math.inf)
-    return bias, False
+    return mask.additive(dtype), False
 
 
 def rates_label(mask: BoundMask) -> str:
