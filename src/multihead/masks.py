@@ -712,12 +712,16 @@ class _BoundAlibi(_BoundTerm):
         distance = self._distance(rows, cols).to(slopes.dtype)
         out = torch.empty((1, len(slopes), *distance.shape), dtype=dtype or slopes.dtype, device=distance.device)
         step = max(1, ALIBI_CHUNK_ELEMENTS // max(1, distance.numel()))
+        # the product in the slopes' dtype, rounded once into the result: one buffer for every chunk, since a
+        # new one past glibc's mmap threshold (32 MiB) would fault in fresh pages each time
+        product = None if out.dtype == slopes.dtype else distance.new_empty((min(step, len(slopes)), *distance.shape))
         for start in range(0, len(slopes), step):
             chunk = -slopes[start : start + step, None, None]
-            if out.dtype == slopes.dtype:
-                torch.mul(chunk, distance, out=out[0, start : start + step])
-            else:  # the product in the slopes' dtype, rounded once into the result
-                out[0, start : start + step].copy_(chunk * distance)
+            target = out[0, start : start + step]
+            if product is None:
+                torch.mul(chunk, distance, out=target)
+            else:
+                target.copy_(torch.mul(chunk, distance, out=product[: len(chunk)]))
         return out
 
 
