@@ -83,6 +83,27 @@ def test_tiled_estimate_adds_the_masking_of_its_blocks(rates):
         assert estimate.seconds == pytest.approx(kernel.seconds + masking)
 
 
+def test_flex_estimate_adds_its_score_mod_on_every_computed_score_for_each_bias_or_cap():
+    """Flex's score_mod adds each bias (and the cap) to every score of its live blocks, at score_mod_gps a term:
+    in benchmarks/dispatch.py its causal & ALiBi forward took 0.65-0.92 ns a score more than its causal one, and
+    without this term its estimate put it at 0.66-0.79x its time."""
+    from multihead.backends import flex
+
+    costs.set_kernel_rates(DEFAULT_RATES)  # flex has rates there
+    n = 1024
+    causal = call_for(None, n, causal=True)
+    plain = flex.CAPABILITIES.estimate(causal)
+    for mask, terms in (
+        (masks.alibi(masks.alibi_slopes(4)), 1),
+        (masks.alibi(masks.alibi_slopes(4)) & masks.softcap(30.0), 2),
+    ):
+        call = call_for(mask, n, causal=True)
+        estimate = flex.CAPABILITIES.estimate(call)
+        assert plain is not None and estimate is not None
+        scores = live_fraction(call.mask, n, n, flex.BLOCK, flex.BLOCK) * 4 * n * n  # b = 1, h = 4
+        assert estimate.seconds == pytest.approx(plain.seconds + terms * scores / (DEFAULT_RATES.score_mod_gps * 1e9))
+
+
 def test_the_materialised_estimate_writes_its_weights_into_new_memory():
     """Its (b, h, i, j) weights are a new tensor each call, written at fresh_gbs beside its blocks' work."""
     from multihead.backends import materialized
@@ -155,7 +176,16 @@ def test_estimates_are_work_over_the_measured_rate(rates):
     window = call_for(masks.window(64), n)
     masked = costs.dense_kernel_estimate(window, "sdpa masked", mask_bytes=dense_mask_bytes(window))
     assert masked is not None
-    assert masked.seconds == pytest.approx(flops / 50e9 + 3 * n * n / 1e9)
+    assert masked.seconds == pytest.approx(flops / 50e9 + 4 * n * n / 1e9)  # (i, j) entries at 1 GB/s of float32
+    # built once a call: the backward reads the mask its forward was given
+    window = call_for(masks.window(64), n, requires_grad=True)
+    masked = costs.dense_kernel_estimate(window, "sdpa masked", mask_bytes=dense_mask_bytes(window))
+    assert masked is not None and masked.seconds == pytest.approx(3.5 * flops / 50e9 + 4 * n * n / 1e9)
+    # a bias takes as long to build in bfloat16 as in float32: it is computed in float32 and rounded
+    alibi = [call_for(masks.alibi(masks.alibi_slopes(4)), n, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)]
+    assert (
+        costs.dense_mask_seconds(alibi[0]) == costs.dense_mask_seconds(alibi[1]) == pytest.approx(4 * 4 * n * n / 1e9)
+    )
     assert costs.dense_kernel_estimate(call_for(None, n, dtype=torch.float64), "sdpa") is None  # no rate: no guess
 
 
@@ -213,9 +243,9 @@ def test_sdpa_reads_a_mask_of_one_row_at_its_unmasked_rate(rates):
     n = 1024
     flops = 2 * (16 + 16) * 2 * 4 * n * n
     padded = sdpa._estimate(call_for(masks.padding(torch.tensor([700, 900])), n, b=2))
-    assert padded is not None and padded.seconds == pytest.approx(flops / 100e9 + 3 * 2 * n / 1e9)
+    assert padded is not None and padded.seconds == pytest.approx(flops / 100e9 + 4 * 2 * n / 1e9)
     windowed = sdpa._estimate(call_for(masks.window(64) & masks.padding(torch.tensor([700, 900])), n, b=2))
-    assert windowed is not None and windowed.seconds == pytest.approx(flops / 50e9 + 3 * 2 * n * n / 1e9)
+    assert windowed is not None and windowed.seconds == pytest.approx(flops / 50e9 + 4 * 2 * n * n / 1e9)
 
 
 def test_the_shipped_rates_send_padded_training_to_sdpa_when_short_and_to_tiled_when_long():

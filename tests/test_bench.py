@@ -301,18 +301,30 @@ def test_calibrate_alone_saves_the_rates(tmp_path, monkeypatch, capsys):
     cached = machine.cached_kernel_rates()  # what auto reads in a new process
     assert cached is not None and cached.fresh_gbs == kernel["fresh_gbs"] > 0
     assert cached.masked_gps == kernel["masked_gps"] > 0
+    assert cached.score_mod_gps == kernel["score_mod_gps"] == costs.DEFAULT_SCORE_MOD_GPS  # flex not compiled here
     assert cached.row_us == kernel["row_us"] and set(kernel["row_us"]) == set(kernel["gflops"])
     assert all(cost >= 0 for by_key in kernel["row_us"].values() for cost in by_key.values())
-    # a calibration saved before fresh_gbs, masked_gps and row_us were measured still serves, with the defaults
-    for measured_later in ("fresh_gbs", "masked_gps", "row_us"):
+    # a calibration saved before fresh_gbs, masked_gps, row_us and score_mod_gps were measured still serves, with
+    # the defaults
+    for measured_later in ("fresh_gbs", "masked_gps", "row_us", "score_mod_gps"):
         del saved["details"]["kernel_rates"][measured_later]
     (tmp_path / "calibration.json").write_text(json.dumps(saved))
     older = machine.cached_kernel_rates()
     assert older is not None and older.mask_gbs == kernel["mask_gbs"]
     assert (older.fresh_gbs, older.masked_gps, older.row_us) == (costs.DEFAULT_FRESH_GBS, costs.DEFAULT_MASKED_GPS, {})
+    assert older.score_mod_gps == costs.DEFAULT_SCORE_MOD_GPS
     assert main(["bench", "--calibrate", "--dtype", "int8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--dtype: expected one of float32" in err
+
+
+def test_calibration_with_flex_times_its_forward_and_its_score_mod(monkeypatch):
+    """With flex compiled (as `multihead bench --calibrate` does), its forward rate and the cost of its score_mod
+    adding an ALiBi bias are measured, not left at the defaults."""
+    monkeypatch.setattr(backend_rates, "KERNEL_CASES", {"float32": (torch.float32, (64, 128))})
+    rates = backend_rates.calibrate_kernels(("float32",), repeats=1, flex=True)
+    assert rates.gflops["flex"]["forward float32"] > 0
+    assert rates.score_mod_gps > 0 and rates.score_mod_gps != costs.DEFAULT_SCORE_MOD_GPS
 
 
 def test_the_installed_package_has_no_benchmark_harness():

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch
 
-from multihead.backends.costs import KernelRates
+from multihead.backends.costs import DEFAULT_SCORE_MOD_GPS, KernelRates
 
 __all__ = ["calibrate_kernels", "KERNEL_CASES"]
 
@@ -104,11 +104,12 @@ def calibrate_kernels(
     Rates count 2 (d + e) FLOPs per pair forward and 2.5 times that backward (backward time: forward+backward
     minus forward), so they include each kernel's softmax and per-block work at d = 64; what a call spends per
     query row beside its pairs is ``row_us``, parted from the rate by the two lengths
-    (:func:`fit_rate_and_row_cost`). "sdpa masked" is SDPA given a dense bool mask; ``mask_gbs`` is how fast a
-    (1, 8, 2048, 2048) window & ALiBi bias is built, ``fresh_gbs`` how fast a new 64 MiB tensor is written (the
-    casts of a half call computed in float32), ``masked_gps`` how fast tiled masks a block's scores
-    (:func:`_measure_masked_gps`). With ``flex``, the flex backend is compiled (seconds) and timed forward (it has
-    no backward on the CPU).
+    (:func:`fit_rate_and_row_cost`). "sdpa masked" is SDPA given a dense bool mask; ``mask_gbs`` is how fast the
+    (1, 8, 2048, 2048) window & ALiBi mask SDPA would be handed is built (``BoundMask.additive``, float32),
+    ``fresh_gbs`` how fast a new 64 MiB tensor is written (the casts of a half call computed in float32),
+    ``masked_gps`` how fast tiled masks a block's scores and ``score_mod_gps`` how fast flex's score_mod adds a bias
+    (:func:`_measure_bias_gps`). With ``flex``, the flex backend is compiled (seconds) and timed forward (it has no
+    backward on the CPU); without it, ``score_mod_gps`` is the default.
     """
     from multihead import masks as typed_masks
     from multihead.backends.costs import native_precision
@@ -119,10 +120,10 @@ def calibrate_kernels(
     with native_precision():  # each kernel in each precision as it is, not as auto would run it
         for name in precisions:
             _measure_kernels(gflops, row_us, name, repeats, flex)
-    # building a dense mask: a (1, 8, 2048, 2048) float32 bias from a window and ALiBi
+    # building a dense mask as the sdpa backend does: a (1, 8, 2048, 2048) float32 ALiBi bias with the window's -inf
     shape = AttentionShape(1, 8, 2048, 2048, torch.device("cpu"))
     bound = bind_mask(typed_masks.window(256) & typed_masks.alibi(typed_masks.alibi_slopes(8)), False, shape)
-    mask_s = _median_call_s(lambda: bound.dense(torch.float32), repeats)
+    mask_s = _median_call_s(lambda: bound.additive(torch.float32), repeats)
     # writing a new tensor, as a cast does: past glibc's largest mmap threshold (32 MiB) every one is fresh pages
     fresh_s = _median_call_s(lambda: torch.empty(FRESH_ELEMENTS).fill_(1.0), repeats)
     return KernelRates(
@@ -130,15 +131,17 @@ def calibrate_kernels(
         mask_gbs=8 * 2048 * 2048 * 4 / mask_s / 1e9,
         source=f"calibrated {time.strftime('%Y-%m-%d %H:%M')} on {where}",
         fresh_gbs=FRESH_ELEMENTS * 4 / fresh_s / 1e9,
-        masked_gps=_measure_masked_gps(max(repeats, 3)),
+        masked_gps=_measure_bias_gps("tiled", max(repeats, 3)),
+        score_mod_gps=_measure_bias_gps("flex", max(repeats, 3)) if flex else DEFAULT_SCORE_MOD_GPS,
         row_us=row_us,
     )
 
 
-def _measure_masked_gps(repeats: int) -> float:
-    """Billions of scores per second the tiled kernel masks block by block: its float32 forward at n = 1024 with an
-    ALiBi bias (every block biased) against the same call without, in alternating calls; the median of the
-    per-round differences."""
+def _measure_bias_gps(backend: str, repeats: int) -> float:
+    """Billions of scores per second ``backend`` spends adding an ALiBi bias to each score (tiled: block by block,
+    beside its matrix products; flex: in its score_mod): its float32 forward at n = 1024 with the bias (every
+    score biased) against the same call without, in alternating calls; the median of the per-round differences.
+    Flex is compiled for both (seconds) by the warm-up calls."""
     from multihead import masks as typed_masks
     from multihead.functional import attention
 
@@ -149,7 +152,7 @@ def _measure_masked_gps(repeats: int) -> float:
     def seconds(mask: typed_masks.Mask | None) -> float:
         start = time.perf_counter()
         with torch.no_grad():
-            attention(q, k, v, mask=mask, backend="tiled")
+            attention(q, k, v, mask=mask, backend=backend)
         return time.perf_counter() - start
 
     seconds(None), seconds(alibi)  # warm-up

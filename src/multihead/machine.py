@@ -41,7 +41,7 @@ from multihead._userfiles import (
     read_json,
 )
 from multihead.backend_rates import calibrate_kernels
-from multihead.backends.costs import DEFAULT_FRESH_GBS, DEFAULT_MASKED_GPS, KernelRates
+from multihead.backends.costs import DEFAULT_FRESH_GBS, DEFAULT_MASKED_GPS, DEFAULT_SCORE_MOD_GPS, KernelRates
 from multihead.cost import DTYPES, MachineRates, dtype_name
 
 __all__ = [
@@ -340,15 +340,16 @@ def cached_kernel_rates(path: Path | None = None) -> KernelRates | None:
         # absent in calibrations made before they were measured: the defaults (no cost per row)
         fresh_gbs = float(kernel.get("fresh_gbs", DEFAULT_FRESH_GBS))
         masked_gps = float(kernel.get("masked_gps", DEFAULT_MASKED_GPS))
+        score_mod_gps = float(kernel.get("score_mod_gps", DEFAULT_SCORE_MOD_GPS))
         row_us = {
             str(backend): {str(key): float(value) for key, value in by_key.items() if float(value) >= 0}
             for backend, by_key in kernel.get("row_us", {}).items()
         }
     except (TypeError, KeyError, ValueError, AttributeError):
         return None  # absent or damaged: auto falls back to the defaults
-    if min(mask_gbs, fresh_gbs, masked_gps) <= 0:
+    if min(mask_gbs, fresh_gbs, masked_gps, score_mod_gps) <= 0:
         return None
-    return KernelRates(gflops, mask_gbs, source, fresh_gbs, masked_gps, row_us)
+    return KernelRates(gflops, mask_gbs, source, fresh_gbs, masked_gps, row_us, score_mod_gps)
 
 
 # --------------------------------------------------------------------------- memory

@@ -3,13 +3,15 @@
 A backend's estimate is the n x n work it really does for this call, at this machine's measured rate for it:
 
     seconds = computed pairs x b h x FLOPs per pair / rate  +  b h i x cost per row
-              (+ building a dense mask)  (+ masking blocks apart)  (+ casting a half call to float32 and back)
+              (+ building a dense mask)  (+ masking blocks apart, or a score_mod's biases)
+              (+ casting a half call to float32 and back)
 
 - **Computed pairs** depend on the mask and the kernel. SDPA computes every pair of a dense mask (and skips the
   masked blocks of its own ``is_causal``); the block kernels (tiled, flex) compute only the blocks the mask leaves
   alive (:func:`live_fraction`, from ``BoundMask.state`` on the kernel's block grid). Tiled also masks the blocks
   the mask keeps only in part, and every live block of a bias or cap, apart from its products
-  (:func:`masked_fraction`, at ``masked_gps``); flex's mods run inside its kernel.
+  (:func:`masked_fraction`, at ``masked_gps``); flex's mask_mod runs inside its kernel, and its score_mod adds
+  each bias or cap term to every score it computes, at ``score_mod_gps`` a term.
 - **FLOPs per pair** are 2 (d + e) forward (q k^T and weights x V), and 2.5 times that for the backward.
 - **Rates** (:class:`KernelRates`) are GFLOP/s per backend, direction and precision, measured on this machine by
   ``multihead bench --calibrate`` (``multihead.backend_rates.calibrate_kernels``) and installed with
@@ -19,7 +21,8 @@ A backend's estimate is the n x n work it really does for this call, at this mac
   rows out of the rate, which then carries over to long calls, where the rows weigh little. Tiled's is larger
   than SDPA's: rates measured at n = 1024 alone put tiled / SDPA at 1.48 forward+backward, where it measured
   1.2-1.3 from n = 2048 on.
-- **A dense mask** (SDPA with anything but its own causal) is built and read at ``mask_gbs``.
+- **A dense mask** (SDPA with anything but its own causal) is built once a call at ``mask_gbs``
+  (:func:`dense_mask_seconds`); the kernel's reading it is in the "sdpa masked" rate.
 - **Precision.** SDPA, FlexAttention and tiled run a bfloat16/float16 call in float32 where that is faster here,
   casts included, and are estimated so (:func:`faster_compute_dtype`): on CPUs without half-precision
   matrix units SDPA's bf16 backward ran at 18 GFLOP/s against 135 in float32 on this project's machine, compiled
@@ -75,11 +78,16 @@ MAX_GRID = 32  # blocks per side looked at by live_fraction: coarser cells past 
 # 5.2 ms beside SDPA's 26 ms kernel (torch.profiler)
 DEFAULT_FRESH_GBS = 2.6
 # The median of the 3 calibrations of DEFAULT_RATES: 0.44 (0.40-0.45); 5 runs the day before gave 0.35-0.41
-# (backend_rates._measure_masked_gps: tiled, float32, n = 1024, h = 8, ALiBi against none). In
+# (backend_rates._measure_bias_gps("tiled"): float32, n = 1024, h = 8, ALiBi against none). In
 # benchmarks/dispatch.py (h = 16) tiled's causal & window(256) forward took 47 ms against 28 for its 7 of 16 blocks
 # at the unmasked rate, and causal & ALiBi 63 against 40 for its 10 biased blocks: 2.6 and 2.2 ns (0.38 and 0.45
 # billion a second) for each of the 7.3 and 10.5 million scores it masked
 DEFAULT_MASKED_GPS = 0.44
+# FlexAttention adding an ALiBi bias in its score_mod (backend_rates._measure_bias_gps("flex"): float32, n = 1024,
+# h = 8, ALiBi against none): 0.68-0.71 in 3 runs on 2026-11-24. In benchmarks/dispatch.py (h = 16) its causal &
+# ALiBi forward took 12-3402 ms more than its causal one at n = 1024-16384, float32 and bfloat16: 0.65-0.92 billion
+# biased scores a second (median 0.78), where its estimate, without this, put it at 0.66-0.79x its time
+DEFAULT_SCORE_MOD_GPS = 0.70
 
 
 @dataclass(frozen=True)
@@ -88,10 +96,13 @@ class KernelRates:
 
     ``gflops[backend][key]`` with key "<forward|backward> <float32|half|float64>": GFLOP/s counting 2 (d + e)
     FLOPs per computed pair forward and 2.5 times that backward, measured at d = e = 64 (so the softmax and each
-    kernel's per-block work are in them). ``mask_gbs``: how fast a dense mask is built and read. ``fresh_gbs``: how
+    kernel's per-block work are in them). ``mask_gbs``: how fast the dense mask handed to SDPA is built
+    (``BoundMask.additive``), in GB/s of its entries counted as float32. ``fresh_gbs``: how
     fast a new tensor of tens of MiB is written, page faults included (what casting q, k, v to float32 costs).
     ``masked_gps``: how many billion scores per second a block kernel masks one block at a time (evaluating the
     mask, bias or cap for the block and applying it to each head's scores), beside its matrix products.
+    ``score_mod_gps``: how many billion scores per second a kernel that fuses its score transforms (flex's
+    score_mod) spends on each bias or cap term, beside its pairs.
     ``row_us[backend][key]``, keyed as ``gflops``: microseconds a call spends per query row and head beside its
     pairs (none where absent).
     """
@@ -102,6 +113,7 @@ class KernelRates:
     fresh_gbs: float = DEFAULT_FRESH_GBS
     masked_gps: float = DEFAULT_MASKED_GPS
     row_us: dict[str, dict[str, float]] = field(default_factory=dict)
+    score_mod_gps: float = DEFAULT_SCORE_MOD_GPS
 
     def rate(self, backend: str, direction: str, dtype: torch.dtype) -> float | None:
         by_key = self.gflops.get(backend)
@@ -154,10 +166,11 @@ DEFAULT_RATES = KernelRates(
             "forward half": 46.4,
         },
     },
-    mask_gbs=1.66,
+    mask_gbs=1.69,  # BoundMask.additive since it builds ALiBi in chunks: the median of 5 runs, 1.66-1.69
     source="defaults: the median of 3 calibrations on an AMD EPYC (AVX2), 2 threads, torch 2.13.0",
     fresh_gbs=DEFAULT_FRESH_GBS,
     masked_gps=DEFAULT_MASKED_GPS,
+    score_mod_gps=DEFAULT_SCORE_MOD_GPS,
     row_us={
         "sdpa": {"forward float32": 0.09, "backward float32": 0.27, "forward half": 0.1, "backward half": 0.0},
         "sdpa masked": {"forward float32": 0.0, "backward float32": 0.41, "forward half": 0.0, "backward half": 0.29},
@@ -410,6 +423,7 @@ def block_kernel_estimate(
     half: str = "per call",
     masks_blocks: bool = False,
     remasks_in_backward: bool = True,
+    scores_modded: bool = False,
     fresh_bytes: int = 0,
 ) -> Estimate | None:
     """A kernel that computes only the live blocks of ``block_q`` x ``block_k`` (tiled, flex, the materialised
@@ -422,6 +436,8 @@ def block_kernel_estimate(
     rates pick which inputs it takes); "as given", in the call's dtype (materialised: its weights are returned).
     ``masks_blocks``: it masks each block's scores apart from its matrix products (tiled, materialised; flex's mods
     are fused into its kernel), forward and, with ``remasks_in_backward``, again in the backward, at ``masked_gps``.
+    ``scores_modded``: its kernel applies each bias or cap term to every score it computes (flex's score_mod), at
+    ``score_mod_gps`` a term.
     ``fresh_bytes``: a new tensor it writes each call (materialised: its b h i j weights) at ``fresh_gbs``. The
     rates, measured where the weights are 32-128 MiB, miss it at 16 GiB: at n = 16384, h = 16 the materialised
     forward took 1.4-2.6x tiled's time (benchmarks/dispatch.py), where its rate alone put it below tiled's.
@@ -438,6 +454,10 @@ def block_kernel_estimate(
         passes = 2 if call.requires_grad and remasks_in_backward else 1
         scores = masked * call.batch * call.heads * call.q_len * call.k_len
         masking = passes * scores / (kernel_rates().masked_gps * 1e9)
+    if scores_modded:
+        terms = len(call.mask.bias_terms) + (call.mask.softcap is not None)
+        scores = fraction * call.batch * call.heads * call.q_len * call.k_len
+        masking += terms * scores / (kernel_rates().score_mod_gps * 1e9)
     writing = fresh_bytes / (kernel_rates().fresh_gbs * 1e9)
     casts = True if half == "float32 blocks" else None  # tiled casts a half call whatever dtype it takes
     return dense_kernel_estimate(
@@ -453,7 +473,14 @@ def dense_mask_bytes(call: AttentionCall, dtype: torch.dtype | None = None) -> i
     return batch * heads * rows * call.k_len * element
 
 
-MASK_PASSES = 3  # a dense mask is written, combined into one tensor, and read by the kernel
+def dense_mask_seconds(call: AttentionCall) -> float:
+    """Building the dense mask SDPA is handed for ``call.mask`` (``BoundMask.additive``), once a call: SDPA's
+    backward reads the mask its forward was given. Its time goes with its entries, whatever their dtype: a
+    bfloat16 ALiBi bias is computed in float32 and rounded, and took as long as a float32 one here (0.87 against
+    1.89 GB/s of the bytes kept). Measured against torch SDPA given the same mask prebuilt, our sdpa's extra time
+    for causal & ALiBi was one build forward and forward+backward alike (n = 1024, 4096)."""
+    batch, heads, rows = call.mask.dense_extent()
+    return batch * heads * rows * call.k_len * 4 / (kernel_rates().mask_gbs * 1e9)
 
 
 def dense_kernel_estimate(
@@ -467,10 +494,10 @@ def dense_kernel_estimate(
     extra_seconds: float = 0.0,
 ) -> Estimate | None:
     """A kernel that computes ``fraction`` of the pairs (every one unless it skips some itself) at ``backend``'s
-    rate in ``compute_dtype`` (default: the call's), plus its cost per query row and head, plus building and
-    reading a ``mask_bytes`` dense mask (again in the backward), plus the casts of a half CPU call to float32 and
-    back (``casts``: None, where ``compute_dtype`` is not the call's; True, whatever it is; False, never), plus
-    ``extra_seconds``."""
+    rate in ``compute_dtype`` (default: the call's), plus its cost per query row and head, plus building the dense
+    mask of ``mask_bytes`` (:func:`dense_mask_seconds`; 0: none is built), plus the casts of a half CPU call to
+    float32 and back (``casts``: None, where ``compute_dtype`` is not the call's; True, whatever it is; False,
+    never), plus ``extra_seconds``."""
     dtype = call.dtype if compute_dtype is None else compute_dtype
     flops = _flops_per_pair(call) * (fraction * call.q_len * call.k_len)
     rows = call.batch * call.heads * call.q_len  # every block of queries is walked, whatever the mask skips
@@ -478,7 +505,8 @@ def dense_kernel_estimate(
     if seconds is None:
         return None
     seconds += extra_seconds
-    seconds += mask_bytes * MASK_PASSES * (2 if call.requires_grad else 1) / (kernel_rates().mask_gbs * 1e9)
+    if mask_bytes:
+        seconds += dense_mask_seconds(call)
     half_on_cpu = call.dtype in HALF_DTYPES and call.device.type == "cpu"
     if half_on_cpu and (dtype != call.dtype if casts is None else casts):
         seconds += cast_bytes(*_sizes(call), call.requires_grad) / (kernel_rates().fresh_gbs * 1e9)

@@ -560,5 +560,5 @@ CAPABILITIES = Capabilities(
     auto_skip=_cold,
     softcap=True,
     # the live blocks of its BlockMask, in the dtype it computes in
-    estimate=lambda call: block_kernel_estimate(call, "flex", BLOCK, BLOCK, half="by rates"),
+    estimate=lambda call: block_kernel_estimate(call, "flex", BLOCK, BLOCK, half="by rates", scores_modded=True),
 )
