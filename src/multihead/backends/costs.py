@@ -84,9 +84,10 @@ DEFAULT_FRESH_GBS = 2.6
 # billion a second) for each of the 7.3 and 10.5 million scores it masked
 DEFAULT_MASKED_GPS = 0.44
 # FlexAttention adding an ALiBi bias in its score_mod (backend_rates._measure_bias_gps("flex"): float32, n = 1024,
-# h = 8, ALiBi against none): 0.68-0.71 in 3 runs on 2026-11-24. In benchmarks/dispatch.py (h = 16) its causal &
-# ALiBi forward took 12-3402 ms more than its causal one at n = 1024-16384, float32 and bfloat16: 0.65-0.92 billion
-# biased scores a second (median 0.78), where its estimate, without this, put it at 0.66-0.79x its time
+# h = 8, ALiBi against none): 0.68-0.71 in 5 runs on 2026-11-24, 2 of them in full calibrations. In
+# benchmarks/dispatch.py (h = 16) its causal & ALiBi forward took 12-3402 ms more than its causal one at
+# n = 1024-16384, float32 and bfloat16: 0.65-0.92 billion biased scores a second (median 0.78), where its
+# estimate, without this, put it at 0.62-0.88x its time
 DEFAULT_SCORE_MOD_GPS = 0.70
 
 
