@@ -65,7 +65,8 @@ def test_skip_reason_names_time_and_memory():
 def test_our_backends_dense_masks_count_in_the_ram_check(monkeypatch):
     """The sdpa backend builds ALiBi's (1, h, n, n) bias itself, at the size its estimate counts (16 GiB at
     n = 16384 in float32); torch SDPA given the prebuilt bias peaks at twice that. Each is skipped on its own
-    peak: two runs were killed before our backends' masks counted at all."""
+    peak. Two runs were killed: one before our backends' masks counted at all, one while the bias was built in
+    float32 and cast, at three times the bfloat16 size counted."""
     import torch
 
     n = 512
