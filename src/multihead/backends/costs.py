@@ -451,14 +451,13 @@ def block_kernel_estimate(
     else:
         work = call_compute_dtype(backend, call, (lambda: fraction) if half == "per call" else None)
     masking = 0.0
+    pairs = call.batch * call.heads * call.q_len * call.k_len
     if masks_blocks:
         passes = 2 if call.requires_grad and remasks_in_backward else 1
-        scores = masked * call.batch * call.heads * call.q_len * call.k_len
-        masking = passes * scores / (kernel_rates().masked_gps * 1e9)
+        masking = passes * masked * pairs / (kernel_rates().masked_gps * 1e9)
     if scores_modded:
         terms = len(call.mask.bias_terms) + (call.mask.softcap is not None)
-        scores = fraction * call.batch * call.heads * call.q_len * call.k_len
-        masking += terms * scores / (kernel_rates().score_mod_gps * 1e9)
+        masking += terms * fraction * pairs / (kernel_rates().score_mod_gps * 1e9)
     writing = fresh_bytes / (kernel_rates().fresh_gbs * 1e9)
     casts = True if half == "float32 blocks" else None  # tiled casts a half call whatever dtype it takes
     return dense_kernel_estimate(
@@ -466,12 +465,18 @@ def block_kernel_estimate(
     )
 
 
-def dense_mask_bytes(call: AttentionCall, dtype: torch.dtype | None = None) -> int:
-    """Bytes of the dense mask (``BoundMask.dense_extent``) a kernel builds for ``call.mask``: bool unless a term
-    adds a bias (then ``dtype``, by default the call's)."""
+def _dense_mask_entries(call: AttentionCall) -> int:
+    """Entries of the dense mask a kernel builds for ``call.mask``: its (b or 1, h or 1, i or 1) x j
+    (``BoundMask.dense_extent``)."""
     batch, heads, rows = call.mask.dense_extent()
+    return batch * heads * rows * call.k_len
+
+
+def dense_mask_bytes(call: AttentionCall, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the dense mask a kernel builds for ``call.mask``: bool unless a term adds a bias (then ``dtype``, by
+    default the call's)."""
     element = (dtype or call.dtype).itemsize if call.mask.bias_terms else 1
-    return batch * heads * rows * call.k_len * element
+    return _dense_mask_entries(call) * element
 
 
 def dense_mask_seconds(call: AttentionCall) -> float:
@@ -480,8 +485,7 @@ def dense_mask_seconds(call: AttentionCall) -> float:
     bfloat16 ALiBi bias is computed in float32 and rounded, and took as long as a float32 one here (0.87 against
     1.89 GB/s of the bytes kept). Measured against torch SDPA given the same mask prebuilt, our sdpa's extra time
     for causal & ALiBi was one build forward and forward+backward alike (n = 1024, 4096)."""
-    batch, heads, rows = call.mask.dense_extent()
-    return batch * heads * rows * call.k_len * 4 / (kernel_rates().mask_gbs * 1e9)
+    return _dense_mask_entries(call) * 4 / (kernel_rates().mask_gbs * 1e9)
 
 
 def dense_kernel_estimate(
