@@ -705,10 +705,10 @@ class _BoundAlibi(_BoundTerm):
         dtype. Building all heads in float32 and then casting took 6 bytes an entry at the peak for a bfloat16
         call, where the bias kept is 2 (24 GiB at i = j = 16384 with 16 heads). Learned slopes that need their
         gradient, and traced calls, take :meth:`evaluate`'s one broadcast product."""
-        slopes = self.slopes if heads is None else self.slopes.index_select(0, heads)
-        needs_graph = slopes.requires_grad and torch.is_grad_enabled()
+        needs_graph = self.slopes.requires_grad and torch.is_grad_enabled()
         if needs_graph or torch.compiler.is_compiling():
             return super().evaluate_in(rows, cols, heads, dtype)
+        slopes = self.slopes if heads is None else self.slopes.index_select(0, heads)
         distance = self._distance(rows, cols).to(slopes.dtype)
         out = torch.empty((1, len(slopes), *distance.shape), dtype=dtype or slopes.dtype, device=distance.device)
         step = max(1, ALIBI_CHUNK_ELEMENTS // max(1, distance.numel()))
