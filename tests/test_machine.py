@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,3 +146,13 @@ def test_measure_peak_bytes_counts_what_a_step_allocates():
     transient = measure_peak_bytes(lambda: [torch.empty(MIB, dtype=torch.uint8) for _ in range(2)])
     assert transient == 2 * MIB
     assert measure_peak_bytes(lambda: None) == 0
+
+
+def test_the_suite_reads_no_calibration_from_the_users_home():
+    """conftest's rule: HOME and the caches lie in an empty folder of this run, so `auto` and the CLI see no
+    calibration an earlier `multihead bench --calibrate` left (make test sets HOME the same way)."""
+    home = Path(os.environ["HOME"])
+    assert home.name.startswith("multihead-test-home-") and "MULTIHEAD_CACHE" not in os.environ
+    assert machine.calibration_path().is_relative_to(home)
+    assert Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).is_relative_to(home)
+    assert read_calibration()[0] is None and machine.cached_kernel_rates() is None
