@@ -150,10 +150,10 @@ def test_a_cache_not_used_is_a_note_of_the_report(cache, monkeypatch):
 
 def test_results_json_and_table(monkeypatch, tmp_path):
     results = run_tiny(monkeypatch, (FAST, False))
-    written, note = bench.write_reports(results, tmp_path)
-    assert note is None and [p.name for p in written] == ["bench_quick.json", "bench_quick.png"]
-    assert written[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    data = json.loads(written[0].read_text())
+    written = bench.write_reports(results, tmp_path)
+    assert not written.skipped and [p.name for p in written.values()] == ["bench_quick.json", "bench_quick.png"]
+    assert written["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(written["json"].read_text())
     assert data["benchmark"] == "multihead bench" and data["quick"] is True
     assert set(data["machine"]) >= {"cpu", "notable_flags", "flags_hash", "threads", "torch", "description"}
     assert {k: data["machine"][k] for k in ("cpu", "threads", "torch")} == {
@@ -189,9 +189,9 @@ def test_results_json_and_table(monkeypatch, tmp_path):
 def test_without_matplotlib_the_json_is_written_and_the_note_names_the_extra(monkeypatch, tmp_path):
     results = run_tiny(monkeypatch, (FAST, False))
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    written, note = bench.write_reports({**results, "quick": False}, tmp_path)
-    assert [p.name for p in written] == ["bench.json"] and not (tmp_path / "bench.png").exists()
-    assert note.startswith("bench.png not drawn: matplotlib is not installed") and "multihead[plots]" in note
+    written = bench.write_reports({**results, "quick": False}, tmp_path)
+    assert [p.name for p in written.values()] == ["bench.json"] and not (tmp_path / "bench.png").exists()
+    assert written.skipped == {"png": tmp_path / "bench.png"}
 
 
 def test_the_command_prints_the_machine_the_tables_and_what_it_wrote(cache, monkeypatch, tmp_path, capsys):

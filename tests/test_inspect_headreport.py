@@ -169,12 +169,11 @@ def test_without_matplotlib_the_json_is_written_and_the_png_left_out_with_a_note
     assert list(paths) == ["json"] and not (tmp_path / "importance.png").exists()
     out = console()
     headreport.print_written(out, paths)
-    lines = out.export_text().splitlines()
-    assert lines[0] == f"wrote {paths['json'].resolve()}"
-    assert lines[1] == (
-        "note: no PNG figure: matplotlib is not installed. For figures: pip install 'multihead[plots]' "
-        "(or pip install matplotlib)"
-    )
+    assert out.export_text().splitlines() == [
+        f"wrote {paths['json'].resolve()}",
+        "note: importance.png not drawn: matplotlib is not installed. Fix: pip install 'multihead[plots]' "
+        "(or pip install matplotlib)",
+    ]
 
 
 def test_print_written_lists_every_file(tmp_path):

@@ -1,5 +1,6 @@
 """multihead.inspect.plots: the PNG grid of every head's heatmap on the page's colour scale, labelled, and the
-clear error without matplotlib.
+clear error without matplotlib (the commands that write a PNG among other files skip it instead: see
+test_without_matplotlib.py).
 
 The colour checks read the written PNG back and compare the pixel at the centre of each cell with
 ``weight_rgb`` of that cell's weight (the page's square-root scale), within 2 per channel.
@@ -17,7 +18,6 @@ import torch
 
 import multihead.inspect.plots as plots
 from multihead._figures import PNG_DPI, MissingExtraError, save_figure
-from multihead.cli import main
 from multihead.inspect.colours import MASKED_RGB, WEIGHT_SCALE_LABEL, WEIGHT_TICKS, weight_rgb
 from multihead.inspect.plots import (
     CELL_INCHES,
@@ -298,17 +298,3 @@ def test_without_matplotlib_the_error_names_the_extra(monkeypatch, tmp_path):
     with pytest.raises(MissingExtraError, match=r"the png report needs matplotlib.*pip install 'multihead\[plots\]'"):
         heatmap_grid(synthetic_inspection(), tmp_path / "heads.png")
     assert not (tmp_path / "heads.png").exists()
-
-
-def test_inspect_format_png_without_matplotlib_is_one_line_before_any_work(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    out = tmp_path / "report"
-    assert main(["inspect", "The bank was full of money.", "--format", "html,png", "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert err == (
-        "multihead inspect: error: --format: expected formats whose libraries are installed (png is drawn with "
-        "matplotlib), got png, but matplotlib is not installed. Fix: pip install 'multihead[plots]' (or pip install "
-        "matplotlib)\n"
-    )
-    assert not out.exists()  # refused before the model ran or a file was written

@@ -9,7 +9,6 @@ import sys
 import pytest
 from rich.console import Console
 
-from multihead._figures import MissingExtraError
 from multihead.inspect.html import render_html
 from multihead.inspect.write import FILES, FORMATS, check_formats, report, write_reports
 from support_inspect import synthetic_inspection
@@ -37,12 +36,13 @@ def test_check_formats_refuses_unknown_or_no_formats(formats, got):
         check_formats(formats)
 
 
-def test_png_without_matplotlib_is_refused_with_the_install_command(monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    message = r"format: expected .*got png, but matplotlib is not installed\. Fix: pip install 'multihead\[plots\]'"
-    with pytest.raises(MissingExtraError, match=message):
-        check_formats("html,png")
-    assert check_formats("html,json") == ["html", "json"]  # the others need no extra
+def test_png_without_matplotlib_is_left_out_and_the_others_written(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    assert check_formats("html,png,json") == ["html", "png", "json"]  # accepted: only the figure is skipped
+    paths = write_reports(synthetic_inspection(), tmp_path, ["html", "png", "json"])
+    assert paths == {"html": tmp_path / "report.html", "json": tmp_path / "inspect.json"}
+    assert paths.skipped == {"png": tmp_path / "heads.png"} and not (tmp_path / "heads.png").exists()
+    assert all(path.is_file() for path in paths.values())
 
 
 def test_every_format_written_from_one_inspection(tmp_path):

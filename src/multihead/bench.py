@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils import benchmark
 
 import multihead
-from multihead._figures import INSTALL_HINT, has_matplotlib, pyplot, save_figure
+from multihead._figures import Written, draw_figure, pyplot, save_figure
 from multihead.cost import DTYPES, LayerShape, MachineRates, Roofline, attention_kernel_cost, bound, estimate, roofline
 from multihead.machine import age_text, cached_rates, identity
 
@@ -470,15 +470,13 @@ def plot(results: dict, path: Path) -> Path:
     return save_figure(figure, path)
 
 
-def write_reports(results: dict, out_dir: Path) -> tuple[list[Path], str | None]:
-    """bench.json (bench_quick.json for --quick) and, with matplotlib, the PNG beside it; (paths, note on the PNG)."""
+def write_reports(results: dict, out_dir: Path) -> Written:
+    """bench.json (bench_quick.json for --quick) and the PNG beside it; {"json": path, "png": path}. Without
+    matplotlib the PNG is left out, in the result's ``skipped`` (:func:`multihead._figures.print_written` says so)."""
     stem = "bench_quick" if results["quick"] else "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / f"{stem}.json"]
-    written[0].write_text(json.dumps(results, indent=1))
-    if not results["cases"]:
-        return written, None
-    if not has_matplotlib():
-        return written, f"{stem}.png not drawn: matplotlib is not installed. Fix: {INSTALL_HINT}"
-    written.append(plot(results, out_dir / f"{stem}.png"))
-    return written, None
+    written = Written(json=out_dir / f"{stem}.json")
+    written["json"].write_text(json.dumps(results, indent=1))
+    if results["cases"]:
+        draw_figure(written, "png", out_dir / f"{stem}.png", lambda path: plot(results, path))
+    return written

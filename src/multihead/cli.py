@@ -15,6 +15,7 @@ from pathlib import Path
 # Each command imports what it runs inside its own function, so one command does not load the others' modules
 # (a usage mistake is answered without them). These imports point down the layers like any other.
 from multihead._errors import InputError, bad_argument
+from multihead._figures import print_written, skipped_note  # "wrote <path>"; one line for a figure left out
 from multihead._userfiles import from_option, output_file, output_folder
 from multihead.inspect.terminal import make_console
 
@@ -46,12 +47,6 @@ def package_version() -> str:
         from multihead import __version__
 
         return __version__
-
-
-def print_written(console, paths) -> None:
-    """One line per file written: its absolute path (as plain text: a folder named [x] is not rich markup)."""
-    for path in paths:
-        console.print(f"wrote {Path(path).resolve()}", soft_wrap=True, markup=False, highlight=False)
 
 
 def parse_indices(name: str, spec: str | None, count: int | None = None) -> list[int] | None:
@@ -269,6 +264,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns, argument="--out")
     for name, path in paths.items():
         console.print(f"{name} report: {path.resolve()}", soft_wrap=True, markup=False)
+    note = skipped_note(paths.skipped.values())  # png without matplotlib: the other reports, and this line
+    if note is not None:
+        console.print(note, soft_wrap=True, markup=False, highlight=False)
     return 0
 
 
@@ -360,6 +358,7 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg")  # formats matplotlib writes everywhere
 def run_cost(args: argparse.Namespace) -> int:
     import json
 
+    from multihead._figures import Written, draw_figure
     from multihead.cost import LayerShape, estimate
     from multihead.cost_report import cost_json, parallel_json, plot_cost, print_cost, print_parallel
     from multihead.machine import read_calibration
@@ -407,17 +406,6 @@ def run_cost(args: argparse.Namespace) -> int:
     rates, note = read_calibration()
     if note:  # a damaged cache is not the user's argument: say it was ignored, and go on without it
         print(f"multihead cost: note: {note}", file=sys.stderr)
-    if plot_path is not None:
-        plot_path = plot_cost(
-            shape,
-            plot_path,
-            seq=args.seq,
-            batch=args.batch,
-            dtype=report.dtype,
-            mode=mode,
-            causal=args.causal,
-            argument="--plot",
-        )
     split = _parallel_split(args, shape, mode) if args.tp > 1 or args.cp > 1 else None
     if split is None and any(v is not None for v in (args.link_gbs, args.tp_link_gbs, args.gflops, args.memory_gbs)):
         raise bad_argument(
@@ -426,18 +414,40 @@ def run_cost(args: argparse.Namespace) -> int:
             "one rank",
             "add e.g. --cp 8",
         )
+    plotted = Written()  # the --plot figure; without matplotlib, left out and named in one line
+    if plot_path is not None:
+        draw_figure(
+            plotted,
+            "plot",
+            plot_path,
+            lambda path: plot_cost(
+                shape,
+                path,
+                seq=args.seq,
+                batch=args.batch,
+                dtype=report.dtype,
+                mode=mode,
+                causal=args.causal,
+                argument="--plot",
+            ),
+        )
+    skipped = skipped_note(plotted.skipped.values())
     if args.json:
         data = cost_json(report, rates)
         if split is not None:
             data["parallel"] = parallel_json(split[0], split[1])
         print(json.dumps(data, indent=1))
+        if skipped is not None:
+            print(skipped, file=sys.stderr)  # stdout stays the JSON
     else:
         console = make_console()
         print_cost(report, rates, console)
         if split is not None:
             print_parallel(split[0], split[1], console, rates_source=split[2])
-        if plot_path is not None:
-            console.print(f"plot: {plot_path.resolve()}", soft_wrap=True)
+        if "plot" in plotted:
+            console.print(f"plot: {plotted['plot'].resolve()}", soft_wrap=True)
+        if skipped is not None:
+            console.print(skipped, soft_wrap=True, markup=False, highlight=False)
     return 0
 
 
@@ -620,8 +630,8 @@ def run_bench(args: argparse.Namespace) -> int:
             quick=args.quick, dtypes=dtypes, recalibrate=args.calibrate, say=lambda line: status.update(line)
         )
     with writing("--out", out_dir):
-        written, note = bench.write_reports(results, out_dir)
-    print_report(results, console, [note] if note else [])
+        written = bench.write_reports(results, out_dir)
+    print_report(results, console)
     print_written(console, written)
     return 0
 
@@ -858,7 +868,8 @@ def _train_parser(subparsers) -> None:
         "decoder on repeated random segments (Olsson et al. 2022: a previous-token head, then induction heads); "
         "reverse: an encoder-decoder that writes its source backwards (its cross-attention heads learn the "
         "alignment). "
-        "Writes OUT/model (open it with `multihead inspect --model OUT/model`), OUT/log.json and OUT/curves.png.",
+        "Writes OUT/model (open it with `multihead inspect --model OUT/model`), OUT/log.json and, with "
+        "matplotlib, OUT/curves.png.",
     )
     parser.add_argument(
         "task",
@@ -984,7 +995,7 @@ def run_train(args: argparse.Namespace) -> int:
     console.print(_probe_table(run, induction))
     console.print(note, soft_wrap=True, markup=False)
     paths = run.save(out)
-    print_written(console, paths.values())
+    print_written(console, paths)
     console.print(f"inspect it: multihead inspect --model {paths['model']}", soft_wrap=True, markup=False)
     return 0
 
@@ -998,6 +1009,7 @@ def _train_symmetry(settings, out: Path) -> int:
     from rich.status import Status
     from rich.table import Table
 
+    from multihead._figures import Written, draw_figure
     from multihead._userfiles import writing
     from multihead.train.symmetry import plot_symmetry, symmetry_experiment
 
@@ -1039,10 +1051,11 @@ def _train_symmetry(settings, out: Path) -> int:
         soft_wrap=True,
     )
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "symmetry.json"
-    with writing("--out", path):
-        path.write_text(json.dumps(result, indent=1))
-    print_written(console, [path, plot_symmetry(result, out / "symmetry.png")])
+    written = Written(json=out / "symmetry.json")
+    with writing("--out", written["json"]):
+        written["json"].write_text(json.dumps(result, indent=1))
+    draw_figure(written, "png", out / "symmetry.png", lambda path: plot_symmetry(result, path))
+    print_written(console, written)
     return 0
 
 

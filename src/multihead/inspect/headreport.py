@@ -14,7 +14,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from multihead._errors import bad_argument
-from multihead._figures import INSTALL_HINT, has_matplotlib, pyplot, save_figure
+from multihead._figures import Written, draw_figure, print_written, pyplot, save_figure
 from multihead._userfiles import (
     NON_NEGATIVE_INT,
     NUMBER,
@@ -88,7 +88,7 @@ def importance_table(
     return table
 
 
-def write_importance(importance: HeadImportance, out_dir: Path, *, source: str) -> dict[str, Path]:
+def write_importance(importance: HeadImportance, out_dir: Path, *, source: str) -> Written:
     """importance.json and importance.png (a layer x head heatmap) in ``out_dir``."""
     data = {
         **importance.as_dict(),
@@ -110,36 +110,26 @@ def write_importance(importance: HeadImportance, out_dir: Path, *, source: str) 
 
 def _write_files(
     out_dir: Path, json_name: str, data: object, draw: Callable[[Any], Any], *, allow_nan: bool = True
-) -> dict[str, Path]:
-    """``json_name`` (``data`` as JSON) and, when matplotlib is installed, the PNG of the same stem with the
-    figure ``draw(pyplot)`` returns, in the user's --out folder (created now; a failed write names --out).
+) -> Written:
+    """``json_name`` (``data`` as JSON) and the PNG of the same stem with the figure ``draw(pyplot)`` returns, in
+    the user's --out folder (created now; a failed write names --out).
 
-    Returns {"json": path, "png": path}; without matplotlib, no "png" (:func:`print_written` says why).
+    Returns {"json": path, "png": path}; without matplotlib the PNG is left out, in the result's ``skipped``
+    (:func:`print_written` prints the one line that says so).
     """
     output_folder("--out", out_dir)
-    paths = {"json": out_dir / json_name}
+    paths = Written(json=out_dir / json_name)
     text = json.dumps(data, indent=1, allow_nan=allow_nan)
     with writing("--out", paths["json"]):
         paths["json"].write_text(text)
-    if has_matplotlib():
-        paths["png"] = paths["json"].with_suffix(".png")
+
+    def save(path: Path) -> None:
         figure = draw(pyplot())
-        with writing("--out", paths["png"]):
-            save_figure(figure, paths["png"])
+        with writing("--out", path):
+            save_figure(figure, path)
+
+    draw_figure(paths, "png", paths["json"].with_suffix(".png"), save)
     return paths
-
-
-def print_written(console: Console, paths: dict[str, Path]) -> None:
-    """One line per file written (its absolute path), and a note when the PNG was left out for want of matplotlib."""
-    for path in paths.values():
-        console.print(f"wrote {path.resolve()}", soft_wrap=True, markup=False, highlight=False)
-    if "png" not in paths:
-        console.print(
-            f"note: no PNG figure: matplotlib is not installed. For figures: {INSTALL_HINT}",
-            soft_wrap=True,
-            markup=False,
-            highlight=False,
-        )
 
 
 # A score is 1 - cosine (in [0, 2]) for ablation, |E[A dL/dA]| for gradient importance: bounded well below
@@ -232,7 +222,7 @@ def curve_table(curve: list[dict]) -> Table:
     return table
 
 
-def write_curve(curve: list[dict], out_dir: Path) -> dict[str, Path]:
+def write_curve(curve: list[dict], out_dir: Path) -> Written:
     """pruning.json and pruning.png (fidelity and speed-up against the fraction of heads removed)."""
 
     def draw(plt: Any) -> Any:
@@ -339,7 +329,7 @@ def syntax_table(scores: SyntaxScores) -> Table:
     return table
 
 
-def write_syntax(scores: SyntaxScores, out_dir: Path) -> dict[str, Path]:
+def write_syntax(scores: SyntaxScores, out_dir: Path) -> Written:
     """syntax.json (every head's shares, the best heads, per-head best; null for a pruned head) and syntax.png
     (best vs baseline)."""
     # null: a head pruned from the layer

@@ -9,7 +9,8 @@ first column and key tokens the columns of the last row: every token while they 
 
 Needs matplotlib, the ``plots`` extra (``pip install 'multihead[plots]'``); without it,
 :func:`heatmap_grid` (and :func:`heatmap_figure`) raise :class:`~multihead._figures.MissingExtraError` naming
-the install.
+the install; :func:`~multihead.inspect.write.write_reports` (``multihead inspect --format png``) leaves the PNG out
+instead and writes the other formats.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from multihead._errors import bad_argument
-from multihead._figures import INSTALL_HINT, MissingExtraError, has_matplotlib
+from multihead._figures import Written, draw_figure
 from multihead._userfiles import output_folder, writing
 from multihead.inspect.html import render_html
 from multihead.inspect.plots import heatmap_grid
@@ -33,8 +33,8 @@ FILES = {"html": "report.html", "png": "heads.png", "json": "inspect.json"}  # "
 def check_formats(formats: Sequence[str] | str) -> list[str]:
     """Validated report formats (a list, or a comma-separated string).
 
-    Asking for "png" without matplotlib installed is refused here, before any work, with the install
-    command (a :class:`~multihead._figures.MissingExtraError`).
+    "png" is accepted without matplotlib installed: :func:`write_reports` then writes the other formats and
+    leaves the PNG out (an optional figure never fails a report).
     """
     names = formats.split(",") if isinstance(formats, str) else list(formats)
     names = [name.strip() for name in names if name.strip()]
@@ -46,14 +46,6 @@ def check_formats(formats: Sequence[str] | str) -> list[str]:
             ", ".join(unknown) or "none",
             "pass e.g. --format terminal,html",
         )
-    if "png" in names and not has_matplotlib():
-        raise bad_argument(
-            "format",
-            "formats whose libraries are installed (png is drawn with matplotlib)",
-            "png, but matplotlib is not installed",
-            INSTALL_HINT,
-            kind=MissingExtraError,
-        )
     return names
 
 
@@ -64,12 +56,12 @@ def report(
     out_dir: str | Path = "multihead-report",
     formats: Sequence[str] = ("html", "png", "json"),
     **options,
-) -> dict[str, Path]:
+) -> Written:
     """Inspect ``text`` (options as :func:`~multihead.inspect.inspect_text`) and write the reports; returns
     {format: path}.
 
-    Files: ``report.html`` (self-contained, opens offline), ``heads.png``, ``inspect.json``;
-    "terminal" prints to the terminal.
+    Files: ``report.html`` (self-contained, opens offline), ``heads.png`` (left out without matplotlib, see
+    :func:`write_reports`), ``inspect.json``; "terminal" prints to the terminal.
 
     Example:
         >>> import tempfile
@@ -91,8 +83,11 @@ def write_reports(
     extra_columns: Mapping[str, Sequence[Sequence[float | None]]] | None = None,
     *,
     argument: str = "out_dir",
-) -> dict[str, Path]:
+) -> Written:
     """Write (or print) ``inspection`` in each of ``formats``; returns {format: path} for the files written.
+
+    "png" without matplotlib installed is left out, the other formats written: the result's ``skipped`` holds
+    {"png": path} (:func:`multihead._figures.skipped_note` is the line the CLI prints for it).
 
     ``console``: where "terminal" prints (default stdout at the terminal's width, 100 when piped).
     ``extra_columns``: per-head scores for the HTML page's table (see :func:`~multihead.inspect.html.render_html`).
@@ -100,7 +95,7 @@ def write_reports(
     ValueError naming ``argument`` (the CLI passes "--out").
     """
     chosen = check_formats(formats)
-    paths: dict[str, Path] = {}
+    paths = Written()
     directory = Path(out_dir)
     if any(name in FILES for name in chosen):
         directory = output_folder(argument, out_dir)
@@ -108,11 +103,11 @@ def write_reports(
         if name == "terminal":
             print_inspection(inspection, console)
             continue
-        path = paths[name] = directory / FILES[name]
+        path = directory / FILES[name]
         if name == "png":
-            with writing(argument, path):
-                heatmap_grid(inspection, path)
+            draw_figure(paths, name, path, lambda target: _draw_png(inspection, target, argument))
             continue
+        paths[name] = path
         if name == "html":
             text = render_html(inspection, extra_columns)
         else:
@@ -120,3 +115,9 @@ def write_reports(
         with writing(argument, path):
             path.write_text(text, encoding="utf-8")
     return paths
+
+
+def _draw_png(inspection: Inspection, path: Path, argument: str) -> None:
+    """heads.png at ``path``; a failed write names ``argument``."""
+    with writing(argument, path):
+        heatmap_grid(inspection, path)

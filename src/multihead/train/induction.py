@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from multihead._errors import bad_argument, describe
+from multihead._figures import Written, draw_figure
 from multihead._userfiles import output_folder, writing
 from multihead.inspect.behaviours import BEHAVIOURS_FILE, plain_measures, read_behaviours, write_behaviours
 from multihead.inspect.capture import capture
@@ -230,10 +231,10 @@ class InductionRun:
         """The probe measures the roles weigh (:meth:`multihead.inspect.HeadStats.with_behaviours`), (layers, h)."""
         return {"prefix_matching": self.final["induction"], "copying": self.final["copying"]}
 
-    def save(self, folder: str | Path) -> dict[str, Path]:
+    def save(self, folder: str | Path) -> Written:
         """Write the run into ``folder``: ``model/`` (the decoder, its symbols and its behaviours: open it with
-        ``multihead inspect --model``), ``log.json`` (settings, history, final scores) and ``curves.png``.
-        Returns {what: path}."""
+        ``multihead inspect --model``), ``log.json`` (settings, history, final scores) and ``curves.png``
+        (left out without matplotlib: in the result's ``skipped``). Returns {what: path}."""
         out = output_folder("folder", folder)
         model_dir = out / "model"
         with writing("folder", model_dir):
@@ -242,10 +243,10 @@ class InductionRun:
             write_behaviours(model_dir, self.behaviours(), task="induction", part="self", settings=self.settings)
         meta = {"task": "induction", "settings": dataclasses.asdict(self.settings), "final": plain_measures(self.final)}
         log = Path(history_to_json(self.history, out / "log.json", meta=meta))
-        curves = Path(
-            plot_history(self.history, out / "curves.png", keys=["repeated_token_loss", "previous_token", "induction"])
-        )
-        return {"model": model_dir, "log": log, "curves": curves}
+        written = Written(model=model_dir, log=log)
+        keys = ["repeated_token_loss", "previous_token", "induction"]
+        draw_figure(written, "curves", out / "curves.png", lambda path: plot_history(self.history, path, keys=keys))
+        return written
 
 
 def run_induction(

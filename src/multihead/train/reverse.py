@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from multihead._errors import bad_argument, describe
+from multihead._figures import Written, draw_figure
 from multihead._userfiles import output_folder, writing
 from multihead.inspect.behaviours import plain_measures, write_behaviours
 from multihead.inspect.capture import capture
@@ -176,10 +177,11 @@ class ReverseRun:
         """The probe measures the roles weigh, (decoder_layers, h) over the cross-attention heads."""
         return {"alignment": self.final["alignment"]}
 
-    def save(self, folder: str | Path) -> dict[str, Path]:
+    def save(self, folder: str | Path) -> Written:
         """Write the run into ``folder``: ``model/`` (the seq2seq model, its symbols and its cross-attention
         behaviours: open it with :func:`multihead.models.seq2seq_reader.load_seq2seq_reader`), ``log.json``
-        (settings, history, final scores) and ``curves.png``. Returns {what: path}."""
+        (settings, history, final scores) and ``curves.png`` (left out without
+        matplotlib: in the result's ``skipped``). Returns {what: path}."""
         out = output_folder("folder", folder)
         model_dir = out / "model"
         with writing("folder", model_dir):
@@ -188,8 +190,10 @@ class ReverseRun:
             write_behaviours(model_dir, self.behaviours(), task="reverse", part="cross", settings=self.settings)
         meta = {"task": "reverse", "settings": dataclasses.asdict(self.settings), "final": plain_measures(self.final)}
         log = Path(history_to_json(self.history, out / "log.json", meta=meta))
-        curves = Path(plot_history(self.history, out / "curves.png", keys=["probe_loss", "accuracy", "alignment"]))
-        return {"model": model_dir, "log": log, "curves": curves}
+        written = Written(model=model_dir, log=log)
+        keys = ["probe_loss", "accuracy", "alignment"]
+        draw_figure(written, "curves", out / "curves.png", lambda path: plot_history(self.history, path, keys=keys))
+        return written
 
 
 def run_reverse(
