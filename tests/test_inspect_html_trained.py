@@ -31,6 +31,9 @@ REVERSE = ReverseSettings(length=LENGTH, vocab_size=12, steps=100, log_every=100
 # half_length 8: 17 pieces (<bos> and a segment twice), few enough for one label per heatmap row
 INDUCTION = InductionSettings(half_length=8, steps=40, log_every=40, probe_size=16)
 ALIGNED = 0.9  # the reverse run's heads align on the probe well over this (measured: 0.97 to 0.998)
+# Of the 7 rows of the inspected text, each head's strongest key is the reversed position on at least this many:
+# the trained weights differ in their last bits between CPU kinds, so a test asks for the behaviour, not every argmax
+MOSTLY_REVERSED = LENGTH - 2
 # An edited copy of the induction checkpoint's probes: (layer, head) -> (prefix_matching, copying)
 EDITED = {(1, 2): (0.9, 0.8), (1, 3): (0.9, 0.05)}
 
@@ -47,6 +50,11 @@ def with_one_thread(function, *args):
         return function(*args)
     finally:
         torch.set_num_threads(saved)
+
+
+def strongest_keys(weights: list[list[float]]) -> list[int]:
+    """Each query row's strongest key (the first on a tie), as the page's bars and lines pick it."""
+    return [max(range(len(row)), key=row.__getitem__) for row in weights]
 
 
 def inspect_folder(model_dir: Path, out: Path, *part: str) -> dict:
@@ -263,20 +271,22 @@ def test_an_aligned_head_reads_the_reversed_position_in_every_view(reverse_repor
     page = open_page(reverse_report["html"])
     for hi, head in enumerate(data["heads"]):
         weights = data["weights"][0][hi]  # (target, source)
-        reversed_keys = [LENGTH - 1 - q for q in range(LENGTH)]
-        assert [max(range(LENGTH), key=row.__getitem__) for row in weights] == reversed_keys, hi
+        strongest = strongest_keys(weights)
+        # The behaviour, with a margin: a model trained on another CPU kind rounds differently, and a head aligned
+        # at 0.97 may put one position's maximum elsewhere (seen on AVX-512: [4, 5, 4, 3, ...] for [6, 5, 4, 3, ...]).
+        assert sum(k == LENGTH - 1 - q for q, k in enumerate(strongest)) >= MOSTLY_REVERSED, (hi, strongest)
         page.select_option("#head-select", str(head))
-        # the large heatmap draws each cell in its weight's colour: the strongest cell of row q is column L-1-q
+        # the large heatmap draws each cell in its weight's colour
         assert detail_pixels(page, LENGTH, LENGTH) == [[list(weight_rgb(w)) for w in row] for row in weights], hi
         for q in range(LENGTH):
             page.click(f'.token[data-index="{q}"]')
-            # the bars: every source token, the reversed one on top
+            # the bars: every source token, the strongest of inspect.json on top (on most rows the reversed one)
             bars = read_bars(page)
             assert [(k, token) for k, _, token, _ in bars] == list(enumerate(keys))
             assert [weight for _, weight, _, _ in bars] == weights[q]
             top = page.locator("#attention-bars .weight-row").first
-            assert int(top.get_attribute("data-key")) == LENGTH - 1 - q
-            assert top.locator(".key-token").text_content() == keys[LENGTH - 1 - q]
+            assert int(top.get_attribute("data-key")) == strongest[q]
+            assert top.locator(".key-token").text_content() == keys[strongest[q]]
             assert "is-max" in top.get_attribute("class")
             title = page.text_content("#bars-title")
             assert title == (
@@ -285,7 +295,7 @@ def test_an_aligned_head_reads_the_reversed_position_in_every_view(reverse_repor
             # the heatmap labels the selected query's row and its strongest key's column
             labels = drawn_labels(page)
             assert [q, short_label(queries[q])] in labels["rows"]
-            assert [LENGTH - 1 - q, short_label(keys[LENGTH - 1 - q])] in labels["cols"]
+            assert [strongest[q], short_label(keys[strongest[q]])] in labels["cols"]
         # the role column and the thumbnails' captions say "aligned", as the roles of inspect.json do
         assert data["roles"][0][hi]["label"] == "aligned"
     assert role_column(page) == json_labels(data) == ["aligned"] * len(data["heads"])
@@ -310,12 +320,13 @@ def test_the_cross_attention_head_view_joins_target_queries_to_source_keys(rever
             # from the query's label (left) to the key's label (right)
             assert (y1, y2) == (query_at[q][1], key_at[k][1]), (q, k)
             assert query_at[q][0] < x1 < x2 < key_at[k][0]
-        # the strongest line of each query goes to the reversed source token
+        # the strongest line of each query goes to its strongest source token in inspect.json (on most rows the
+        # reversed one: the previous test holds the behaviour)
         strongest = {}
         for _, q, k, _, weight in head_view_lines(page):
             if weight > strongest.get(q, (-1, -1.0))[1]:
                 strongest[q] = (k, weight)
-        assert {q: k for q, (k, _) in strongest.items()} == {q: LENGTH - 1 - q for q in range(LENGTH)}
+        assert {q: k for q, (k, _) in strongest.items()} == dict(enumerate(strongest_keys(data["weights"][0][hi])))
     # hovering a target token leaves its lines only, into the source
     page.hover('#head-view text[data-query="2"]')
     assert {line[:3] for line in head_view_lines(page)} == expected_lines(data, 0, len(data["heads"]) - 1, [2])
