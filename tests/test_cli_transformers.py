@@ -75,3 +75,24 @@ def test_without_transformers_another_model_type_names_the_extra(folders, monkey
     assert code == 2
     err = capsys.readouterr().err
     assert "model_type 'gpt2' without transformers" in err and "pip install 'multihead[hf]'" in err
+
+
+def test_a_transformers_without_an_internal_the_integration_needs_is_one_line(folders, monkeypatch, capsys):
+    import importlib
+
+    from multihead.integrations import TRANSFORMERS_TESTED
+
+    masking_utils = importlib.import_module("transformers.masking_utils")  # the one the integration imports now
+    monkeypatch.delattr(masking_utils, "sliding_window_bidirectional_overlay")  # as transformers 5.0 lacks it
+    kept = "multihead.integrations.transformers_versions"  # the error's class: the one caught by name
+    prefix = "multihead.integrations.transformers"
+    for name in [name for name in sys.modules if name.startswith(prefix) and name != kept]:
+        monkeypatch.delitem(sys.modules, name)  # imported again by --model: it fails, then is put back
+    code = main(["inspect", "The bank.", "--model", str(folders["gpt2"]), "--format", "terminal"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    oldest, newest = TRANSFORMERS_TESTED
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("multihead inspect: error: --model transformers: expected a version")
+    assert "masking_utils has no sliding_window_bidirectional_overlay" in err
+    assert err.endswith(f"Fix: pip install 'transformers>={oldest},<={newest}'")

@@ -165,6 +165,18 @@ def test_a_model_not_on_our_kernel_is_refused_with_the_fix():
         capture(ours, layers=[2])
 
 
+def test_a_model_whose_stack_runs_another_implementation_is_refused_naming_the_module():
+    """T5's stacks keep copies of the config; transformers before 5.20 switched only the model's own."""
+    from test_integrations_transformers import build_t5
+
+    _, ours = pair(build_t5())
+    attention = ours.decoder.block[1].layer[0].SelfAttention
+    attention.config = copy.deepcopy(attention.config)
+    attention.config._attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match=r"decoder\.block\.1\.layer\.0\.SelfAttention \(T5Attention\) runs 'sdpa'"):
+        capture(ours, part="decoder")
+
+
 def test_t5_with_its_position_bias_is_recorded_as_transformers_computes_it():
     from test_integrations_transformers import build_t5
 

@@ -132,21 +132,13 @@ def test_an_encoder_decoders_parts_have_their_own_pieces_and_shapes(models):
 
 
 def test_every_parts_weights_are_transformers_eager_attentions(models, folders):
-    """The same checkpoint run by transformers' eager attention, with BART's own shift as the decoder input."""
-    from transformers.models.bart.modeling_bart import shift_tokens_right
-
+    """The same checkpoint run by transformers' eager attention, which shifts the source itself into the decoder's
+    input when given none (BART's own shift, through its public forward)."""
     bart = models["bart"]
     eager = transformers.AutoModel.from_pretrained(folders["bart"], attn_implementation="eager").eval()
     batch = bart.tokenizer.batch([TEXT])
-    config = eager.config
-    decoder_input = shift_tokens_right(batch.input_ids, config.pad_token_id, config.decoder_start_token_id)
     with torch.no_grad():
-        expected = eager(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            decoder_input_ids=decoder_input,
-            output_attentions=True,
-        )
+        expected = eager(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_attentions=True)
     theirs = {
         "encoder": expected.encoder_attentions,
         "decoder": expected.decoder_attentions,
@@ -156,8 +148,9 @@ def test_every_parts_weights_are_transformers_eager_attentions(models, folders):
         inspection = inspect_text(bart, TEXT, part=part)
         want = torch.stack([layer[0] for layer in attentions]).float()  # (layers, heads, i, j)
         torch.testing.assert_close(inspection.weights, want, atol=1e-5, rtol=0)
-    pieces = [bart.tokenizer.piece(token_id) for token_id in decoder_input[0].tolist()]
-    assert inspect_text(bart, TEXT, part="cross").tokens == pieces
+    # the shift: the decoder start token, then the source but its last token
+    shifted = [eager.config.decoder_start_token_id] + batch.input_ids[0, :-1].tolist()
+    assert inspect_text(bart, TEXT, part="cross").tokens == [bart.tokenizer.piece(token_id) for token_id in shifted]
 
 
 @pytest.mark.parametrize("part", ["encoder", "decoder", "cross"])

@@ -12,9 +12,11 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
+import transformers
 from transformers import masking_utils as hf
 
 import multihead.attend
@@ -29,24 +31,50 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # in-memory configs only, never th
 
 # --------------------------------------------------------------------------- the mask function, pattern by pattern
 
+# The names the integration itself imports from transformers.masking_utils (and_masks, causal_mask_function,
+# bidirectional_mask_function, sliding_window_overlay, sliding_window_bidirectional_overlay, sdpa_mask) are
+# used as hf.<name>: importing the integration above has checked them (a transformers without one stops here
+# with the integration's one-line error). Every other mask function a test builds comes from internal(), or from
+# a model's own call (packed sequences).
+
+
+def internal(name: str) -> Callable:
+    """transformers.masking_utils.<name>, a helper no public API exposes; a transformers without it cannot build
+    that mask for its models either, so a case that needs it is skipped, naming the version, at run time (never
+    the whole file at collection)."""
+    function = getattr(hf, name, None)
+    if not callable(function):
+        pytest.skip(f"transformers {transformers.__version__} has no masking_utils.{name}")
+    return function
+
+
 CAUSAL = {"allow_is_causal_skip": True}
 BIDIRECTIONAL = {"allow_is_causal_skip": False, "allow_is_bidirectional_skip": True}  # create_bidirectional_mask's
 
-# name -> (mask function, the flags transformers' create_* function passes, whether it has a diagonal)
-PATTERNS = {
-    "causal": (hf.causal_mask_function, CAUSAL, True),
-    "sliding 1": (hf.sliding_window_causal_mask_function(1), {**CAUSAL, "local_size": 1}, True),
-    "sliding 3": (hf.sliding_window_causal_mask_function(3), {**CAUSAL, "local_size": 3}, True),
-    "sliding 6": (hf.sliding_window_causal_mask_function(6), {**CAUSAL, "local_size": 6}, True),
+# name -> (mask function (built when the test runs), the flags transformers' create_* function passes, whether it
+# has a diagonal)
+PATTERNS: dict[str, tuple[Callable[[], Callable], dict, bool]] = {
+    "causal": (lambda: hf.causal_mask_function, CAUSAL, True),
+    "sliding 1": (lambda: internal("sliding_window_causal_mask_function")(1), {**CAUSAL, "local_size": 1}, True),
+    "sliding 3": (lambda: internal("sliding_window_causal_mask_function")(3), {**CAUSAL, "local_size": 3}, True),
+    "sliding 6": (lambda: internal("sliding_window_causal_mask_function")(6), {**CAUSAL, "local_size": 6}, True),
     # the same pieces, nested and in another order
     "sliding 4 nested": (
-        hf.and_masks(hf.causal_mask_function, hf.and_masks(hf.sliding_window_overlay(4))),
+        lambda: hf.and_masks(hf.causal_mask_function, hf.and_masks(hf.sliding_window_overlay(4))),
         {**CAUSAL, "local_size": 4},
         True,
     ),
-    "bidirectional": (hf.bidirectional_mask_function, BIDIRECTIONAL, False),
-    "bidirectional sliding 0": (hf.sliding_window_bidirectional_mask_function(0), BIDIRECTIONAL, True),
-    "bidirectional sliding 2": (hf.sliding_window_bidirectional_mask_function(2), BIDIRECTIONAL, True),
+    "bidirectional": (lambda: hf.bidirectional_mask_function, BIDIRECTIONAL, False),
+    "bidirectional sliding 0": (
+        lambda: internal("sliding_window_bidirectional_mask_function")(0),
+        BIDIRECTIONAL,
+        True,
+    ),
+    "bidirectional sliding 2": (
+        lambda: internal("sliding_window_bidirectional_mask_function")(2),
+        BIDIRECTIONAL,
+        True,
+    ),
 }
 
 # (q_length i, kv_length j, q_offset, kv_offset): single queries, i > j, and the offsets caches give
@@ -99,7 +127,8 @@ def literal(**arguments) -> torch.Tensor:
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_recognised_patterns_give_sdpa_masks_mask_as_a_typed_mask(pattern):
-    function, flags, diagonal = PATTERNS[pattern]
+    make, flags, diagonal = PATTERNS[pattern]
+    function = make()
     typed = 0
     for batch, i, j, q_offset, kv_offset, valid in cases():
         arguments = {
@@ -141,7 +170,8 @@ def test_a_cache_step_is_bottom_right_and_a_static_prefill_top_left():
     prefill = typed_mask(1, 3, 8, q_offset=0, kv_offset=0)
     assert isinstance(prefill, TransformersMask) and repr(prefill.parts[0]) == repr(causal("top_left"))
     # a sliding-window cache that dropped 5 keys: keys 5 ... 9 for queries 8, 9
-    window_step = typed_mask(1, 2, 5, q_offset=8, kv_offset=5, mask_function=hf.sliding_window_causal_mask_function(3))
+    sliding = internal("sliding_window_causal_mask_function")(3)
+    window_step = typed_mask(1, 2, 5, q_offset=8, kv_offset=5, mask_function=sliding)
     assert "window(left=2, right=0, align='bottom_right')" in repr(window_step)
 
 
@@ -162,30 +192,59 @@ def left_padding() -> torch.Tensor:
     return torch.tensor([[True] * 5, [False, False, True, True, True]])
 
 
-# function -> use_vmap, as transformers' create_* functions set it (True for user-given functions)
-UNRECOGNISED = {
-    "or_masks": (hf.or_masks(hf.causal_mask_function, hf.sliding_window_overlay(2)), True),
-    "chunked": (hf.chunked_causal_mask_function(2, torch.zeros(2, dtype=torch.long)), False),
-    "a lambda": (lambda b, h, q, kv: kv <= q, True),
-    "and_masks with a lambda": (hf.and_masks(hf.causal_mask_function, lambda b, h, q, kv: kv != 1), True),
-    "packed sequences": (
-        hf.packed_sequence_compatibility_function(
-            hf.causal_mask_function, torch.tensor([[0, 1, 0, 1, 2]] * 2), torch.tensor([[0, 0, 1, 1, 1]] * 2)
+# two sequences packed in each row (lengths 2 and 3): the position ids a packing collator gives
+PACKED_POSITIONS = torch.tensor([[0, 1, 0, 1, 2]] * 2)
+
+
+def packed_sequence_mask_function() -> tuple[Callable, bool]:
+    """(mask function, use_vmap) a causal model hands the mask interface for packed sequences, taken from a call.
+
+    transformers has no public builder for it (its helpers were renamed and rewired between releases), so it is
+    recorded where a model makes it: a tiny Llama on "multihead" given PACKED_POSITIONS and no attention mask.
+    """
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return typed_mask(*args, **kwargs)
+
+    model = build_one_stack("llama").eval()
+    model.set_attn_implementation(integration.IMPLEMENTATION)
+    ids = torch.randint(3, VOCAB, PACKED_POSITIONS.shape, generator=torch.Generator().manual_seed(3))
+    transformers.AttentionMaskInterface.register(integration.IMPLEMENTATION, recording)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=PACKED_POSITIONS, use_cache=False)
+    finally:
+        transformers.AttentionMaskInterface.register(integration.IMPLEMENTATION, typed_mask)
+    assert calls, "the model never asked the mask interface for a mask"
+    function = calls[0]["mask_function"]
+    assert function is not hf.causal_mask_function, "transformers did not see packed sequences"
+    return function, bool(calls[0].get("use_vmap", False))
+
+
+# name -> (mask function, use_vmap), built when the test runs; use_vmap as transformers' create_* functions set it
+# (True for user-given functions)
+UNRECOGNISED: dict[str, Callable[[], tuple[Callable, bool]]] = {
+    "or_masks": lambda: (internal("or_masks")(hf.causal_mask_function, hf.sliding_window_overlay(2)), True),
+    "chunked": lambda: (internal("chunked_causal_mask_function")(2, torch.zeros(2, dtype=torch.long)), False),
+    "a lambda": lambda: (lambda b, h, q, kv: kv <= q, True),
+    "and_masks with a lambda": lambda: (hf.and_masks(hf.causal_mask_function, lambda b, h, q, kv: kv != 1), True),
+    "packed sequences": packed_sequence_mask_function,
+    "blockwise": lambda: (
+        internal("or_masks")(
+            hf.causal_mask_function, internal("blockwise_overlay")(torch.tensor([[0, 0, -1, 1, 1]] * 2))
         ),
         False,
     ),
-    "blockwise": (
-        hf.or_masks(hf.causal_mask_function, hf.blockwise_overlay(torch.tensor([[0, 0, -1, 1, 1]] * 2))),
-        False,
-    ),
-    "an empty window": (hf.sliding_window_causal_mask_function(0), False),
+    "an empty window": lambda: (internal("sliding_window_causal_mask_function")(0), False),
 }
 
 
 @pytest.mark.parametrize("name", list(UNRECOGNISED))
 @pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
 def test_what_is_not_recognised_is_sdpa_masks_dense_tensor(name, padded):
-    function, use_vmap = UNRECOGNISED[name]
+    function, use_vmap = UNRECOGNISED[name]()
     arguments = {
         "batch_size": 2,
         "q_length": 5,
@@ -324,6 +383,26 @@ def test_models_match_transformers_while_the_kernel_gets_typed_masks(name, paddi
     assert all(mask_type is TransformersMask for mask_type, _ in calls)
     real = inputs["attention_mask"].bool()  # padding positions' rows are arbitrary
     torch.testing.assert_close(got[real], expected[real], atol=1e-10, rtol=1e-10)
+
+
+def test_packed_sequences_match_transformers_on_sdpa_masks_tensor(monkeypatch):
+    """Packed sequences (position ids that restart, no attention mask) are left to sdpa_mask: the kernel gets its
+    tensor, each sequence sees only itself, and the logits equal transformers' own."""
+    theirs, ours = pair("llama")
+    packed = {
+        "input_ids": torch.randint(3, VOCAB, PACKED_POSITIONS.shape, generator=torch.Generator().manual_seed(4)),
+        "position_ids": PACKED_POSITIONS,
+        "use_cache": False,
+    }
+    calls = kernel_masks(monkeypatch)
+    with torch.no_grad():
+        expected, got = output(theirs, packed), output(ours, packed)
+        assert calls and all(mask_type is torch.Tensor for mask_type, _ in calls)
+        unpacked = output(ours, {"input_ids": packed["input_ids"], "use_cache": False})
+    torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+    # the second sequence's first token sees only itself: not what one causal sequence of 5 gives
+    assert not torch.allclose(got[:, 2], unpacked[:, 2])
+    torch.testing.assert_close(got[:, :2], unpacked[:, :2], atol=1e-10, rtol=1e-10)
 
 
 def test_mistrals_window_is_typed_and_shorter_than_the_sequence(monkeypatch):

@@ -8,15 +8,25 @@ transformers' "sdpa" (float64 throughout) and in float32 with "eager".
 
 from __future__ import annotations
 
+import ast
 import copy
+import importlib
+import inspect
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers  # the test extra installs it; the package itself never needs it
 
 import multihead.attend
+from multihead._errors import InputError
+from multihead.integrations import TRANSFORMERS_TESTED, UnsupportedTransformersError
 from multihead.integrations import transformers as integration
+from multihead.integrations import transformers_internals as internals
+from multihead.integrations.transformers_internals import attn_implementation
+from multihead.integrations.transformers_masks import typed_mask
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders and in-memory configs only, never the hub
 
@@ -167,6 +177,104 @@ def test_what_the_kernel_cannot_serve_is_refused_not_dropped(option, value, what
         integration.attention_forward(module, q, k, v, None, **{option: value})
 
 
+def current(module: str):
+    """The module ``import`` gives now (transformers 5.4 puts a new top-level module in sys.modules once a model is
+    built, so a reference taken at collection may no longer be the one the integration imports)."""
+    return importlib.import_module(module)
+
+
+def reimport_without(monkeypatch, change) -> BaseException:
+    """The error importing the integration anew raises after ``change(monkeypatch)`` broke transformers; every
+    module of the integration (and the change) is restored after the test."""
+    change(monkeypatch)
+    kept = "multihead.integrations.transformers_versions"  # the error's class: the one caught by name
+    prefix = "multihead.integrations.transformers"
+    for name in [name for name in sys.modules if name.startswith(prefix) and name != kept]:
+        monkeypatch.delitem(sys.modules, name)  # imported again below, then put back as it was
+    with pytest.raises(ImportError) as raised:
+        importlib.import_module("multihead.integrations.transformers")
+    return raised.value
+
+
+def _old_mask_call(monkeypatch):
+    def sdpa_mask(batch_size, cache_position, kv_length, kv_offset=0, **kwargs):  # transformers 5.0 to 5.3's
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(current("transformers.masking_utils"), "sdpa_mask", sdpa_mask)
+
+
+def _closure_changed(monkeypatch):
+    monkeypatch.setattr(
+        current("transformers.masking_utils"), "sliding_window_overlay", lambda size: lambda b, h, q, kv: kv > q - size
+    )
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        (
+            lambda mp: mp.delattr(current("transformers.masking_utils"), "bidirectional_mask_function"),
+            "whose transformers.masking_utils has no bidirectional_mask_function",
+        ),
+        (
+            lambda mp: mp.delattr(current("transformers.masking_utils"), "sdpa_mask"),
+            "whose transformers.masking_utils has no sdpa_mask",
+        ),
+        (
+            # None stands for a transformers without it: its lazy top-level module would find a deleted name again
+            lambda mp: mp.setattr(current("transformers"), "AttentionMaskInterface", None),
+            "which has no transformers.AttentionMaskInterface",
+        ),
+        (
+            _old_mask_call,
+            "whose transformers.masking_utils.sdpa_mask (the mask interface's call) takes no q_length",
+        ),
+        (
+            _closure_changed,
+            "whose transformers.masking_utils.sliding_window_overlay no longer builds "
+            "sliding_window_overlay.<locals>.inner_mask over 'sliding_window'",
+        ),
+    ],
+    ids=["a mask function", "sdpa_mask", "the mask interface", "the mask call's signature", "a factory's closure"],
+)
+def test_a_transformers_without_an_internal_we_rely_on_is_one_line_naming_the_tested_range(monkeypatch, change, what):
+    error = reimport_without(monkeypatch, change)
+    assert isinstance(error, UnsupportedTransformersError) and isinstance(error, InputError)
+    message = str(error)
+    oldest, newest = TRANSFORMERS_TESTED
+    assert len(message.splitlines()) == 1
+    assert message == (
+        f"transformers: expected a version multihead's integration is tested on ({oldest} to {newest}), got "
+        f"transformers {transformers.__version__}, {what}. Fix: pip install 'transformers>={oldest},<={newest}'"
+    )
+
+
+def test_transformers_internals_are_imported_in_one_place_and_all_checked():
+    """Only transformers_internals imports transformers.masking_utils, and it checks every name it imports."""
+    source = Path(internals.__file__).parent.parent
+    importers = []
+    for path in source.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == "transformers.masking_utils":
+                importers.append(path.name)
+                assert {alias.name for alias in node.names} == set(internals.MASKING_NAMES)
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "transformers"
+                and path.name != "transformers_internals.py"
+            ):
+                names = {alias.name for alias in node.names}
+                assert not names & {*internals.TOP_LEVEL_NAMES, "masking_utils"}, path
+            if isinstance(node, ast.Attribute) and node.attr == "masking_utils":
+                importers.append(path.name)
+    assert importers == ["transformers_internals.py"]
+    # the signature checked is the one typed_mask takes (besides **kwargs, passed on to sdpa_mask)
+    taken = [name for name, p in inspect.signature(typed_mask).parameters.items() if p.kind != p.VAR_KEYWORD]
+    assert taken == list(internals.SDPA_MASK_PARAMETERS)
+    oldest, newest = (tuple(int(part) for part in version.split(".")) for version in TRANSFORMERS_TESTED)
+    assert oldest <= newest
+
+
 def test_the_real_minilm_on_our_kernel_gives_sentence_transformers_embeddings():
     from sentence_transformers import SentenceTransformer
 
@@ -181,7 +289,7 @@ def test_the_real_minilm_on_our_kernel_gives_sentence_transformers_embeddings():
     folder = str(find_model_dir())
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.BertModel.from_pretrained(folder, attn_implementation=integration.IMPLEMENTATION).eval()
-    assert model.config._attn_implementation == integration.IMPLEMENTATION
+    assert attn_implementation(model.config) == integration.IMPLEMENTATION  # the one private read, in one place
     batch = tokenizer(sentences, padding=True, return_tensors="pt")
     with torch.no_grad():
         states = model(**batch).last_hidden_state  # (b, n, 384)

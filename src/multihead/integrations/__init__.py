@@ -15,6 +15,7 @@ import torch
 
 from multihead._errors import bad_argument
 from multihead._userfiles import path_kind
+from multihead.integrations.transformers_versions import TRANSFORMERS_TESTED, UnsupportedTransformersError
 from multihead.models.bert import SAVED_CONFIG
 from multihead.models.contract import TextEncoder
 from multihead.models.decoder import DECODER_CONFIG
@@ -23,7 +24,7 @@ from multihead.models.seq2seq import SEQ2SEQ_CONFIG
 from multihead.models.seq2seq_reader import load_seq2seq_reader
 from multihead.models.symbols import load_decoder_reader
 
-__all__ = ["load_text_model"]
+__all__ = ["TRANSFORMERS_TESTED", "UnsupportedTransformersError", "load_text_model"]
 
 
 def _model_type(folder: Path) -> str | None:

@@ -19,6 +19,10 @@ head gates and ablations work on these models as on ours: layers numbered by the
 cross-attention apart in part "cross", an encoder-decoder's stacks in parts "encoder" and "decoder".
 
 transformers is an optional extra (``pip install 'multihead[hf]'``); nothing else in multihead imports it.
+The transformers internals the integration relies on are imported by
+:mod:`multihead.integrations.transformers_internals` alone: on a transformers that lacks one, importing this
+module raises :class:`multihead.integrations.UnsupportedTransformersError`, one line naming the missing name,
+the installed version and the tested range.
 """
 
 from __future__ import annotations
@@ -27,13 +31,17 @@ from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface
+from transformers import PreTrainedModel
 
 from multihead import masks
 from multihead._errors import bad_argument
 from multihead.attend import Attend, AttentionSite, register_site_finder
 from multihead.functional import AttentionResult
+from multihead.integrations.transformers_internals import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    attn_implementation,
+)
 from multihead.integrations.transformers_masks import kernel_mask, typed_mask
 
 __all__ = ["IMPLEMENTATION", "attention_forward", "attention_sites"]
@@ -139,11 +147,13 @@ def attention_sites(model: nn.Module) -> list[AttentionSite] | None:
     decoder's attention over the encoder (``is_cross_attention``, or named like ``encoder_attn``),
     "encoder" and "decoder" for the two stacks of an encoder-decoder, "self" otherwise; layers are
     numbered by ``layer_idx``. A transformers model on another implementation is refused: its attention
-    never reaches the kernel, so nothing could be recorded.
+    never reaches the kernel, so nothing could be recorded. So is one whose attention modules' own configs name
+    another (T5's stacks keep copies of the config, which transformers before 5.20's ``set_attn_implementation``
+    left as they were).
     """
     if not isinstance(model, PreTrainedModel):
         return None
-    running = getattr(model.config, "_attn_implementation", None)
+    running = attn_implementation(model.config)
     if running != IMPLEMENTATION:
         raise bad_argument(
             "model",
@@ -160,6 +170,16 @@ def attention_sites(model: nn.Module) -> list[AttentionSite] | None:
     # innermost only: a decoder layer may carry a layer_idx and the config's head count too
     names = [name for name, _, _ in found]
     found = [entry for entry in found if not any(other.startswith(entry[0] + ".") for other in names)]
+    for name, module, _ in found:  # a stack with a config of its own may run another implementation
+        elsewhere = attn_implementation(getattr(module, "config", None))
+        if elsewhere not in (None, IMPLEMENTATION):
+            raise bad_argument(
+                "model",
+                f'a transformers model whose every attention module runs attn_implementation="{IMPLEMENTATION}"',
+                f"a {type(model).__name__} whose {name} ({type(module).__name__}) runs {elsewhere!r}",
+                f'load it with from_pretrained(..., attn_implementation="{IMPLEMENTATION}"): this transformers\' '
+                "set_attn_implementation did not reach every module",
+            )
     encoder = model.get_encoder() if getattr(model.config, "is_encoder_decoder", False) else None
     in_encoder = set() if encoder is None else {id(module) for module in encoder.modules()}
 

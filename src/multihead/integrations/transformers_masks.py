@@ -34,17 +34,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 import torch
-from transformers.masking_utils import (
+
+from multihead._errors import bad_argument, describe
+from multihead.integrations.transformers_internals import (  # transformers' internals: imported there, checked
     and_masks,
     bidirectional_mask_function,
     causal_mask_function,
-    prepare_padding_mask,
     sdpa_mask,
     sliding_window_bidirectional_overlay,
     sliding_window_overlay,
 )
-
-from multihead._errors import bad_argument, describe
 from multihead.masks import AttentionShape, Mask, causal, padding, window
 
 __all__ = ["TransformersMask", "typed_mask", "kernel_mask"]
@@ -215,8 +214,8 @@ def typed_mask(
         ):
             return dense()
         # the columns sdpa_mask reads: padded with False up to kv_offset + j, then from kv_offset on
-        padded = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-        assert padded is not None  # given a mask, it returns one
+        short = kv_offset + kv_length - attention_mask.shape[1]
+        padded = torch.nn.functional.pad(attention_mask, (0, short)) if short > 0 else attention_mask
         valid = padded[:, kv_offset : kv_offset + kv_length].to(device)
         readable = valid.device.type != "meta" and not torch.compiler.is_compiling()
         if not (readable and bool(valid.all())):  # one sync per mask built, as sdpa_mask's own skip check
