@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from types import CodeType
+from typing import Any, NamedTuple
 
 import transformers
 from transformers import masking_utils
@@ -36,12 +37,16 @@ from transformers import masking_utils
 from multihead.integrations.transformers_versions import TRANSFORMERS_TESTED, UnsupportedTransformersError
 
 __all__ = [
+    "AND_MASKS",
+    "SLIDING_WINDOW",
+    "SLIDING_WINDOW_BIDIRECTIONAL",
     "AttentionInterface",
     "AttentionMaskInterface",
     "and_masks",
     "attn_implementation",
     "bidirectional_mask_function",
     "causal_mask_function",
+    "Closure",
     "check",
     "sdpa_mask",
     "sliding_window_bidirectional_overlay",
@@ -86,9 +91,35 @@ def _unsupported(what: str) -> UnsupportedTransformersError:
     )
 
 
-def check() -> None:
+class Closure(NamedTuple):
+    """A closure a masking_utils factory builds, as the integration recognises it: its code object and qualified
+    name, and the free variable that holds the factory's argument."""
+
+    code: CodeType
+    qualname: str
+    variable: str
+
+    def built(self, fn: object) -> bool:
+        """Whether ``fn`` is a closure this factory built (same code, same qualified name)."""
+        return getattr(fn, "__code__", None) is self.code and getattr(fn, "__qualname__", "") == self.qualname
+
+
+def _closure(factory: str, built: Callable, inner: str, variable: str) -> Closure:
+    """The :class:`Closure` ``built`` (made by ``factory``) is, or the error when it is no longer that closure."""
+    qualname, code = f"{factory}.<locals>.{inner}", getattr(built, "__code__", None)
+    if (
+        not isinstance(code, CodeType)
+        or getattr(built, "__qualname__", "") != qualname
+        or variable not in code.co_freevars
+    ):
+        raise _unsupported(f"whose transformers.masking_utils.{factory} no longer builds {qualname} over {variable!r}")
+    return Closure(code, qualname, variable)
+
+
+def check() -> tuple[Closure, Closure, Closure]:
     """Raise :class:`~multihead.integrations.UnsupportedTransformersError` unless transformers and its masking_utils
-    have every name the integration imports, the factories building the closures it reads."""
+    have every name the integration imports; returns the closures of ``and_masks``, ``sliding_window_overlay`` and
+    ``sliding_window_bidirectional_overlay`` the integration reads."""
     module: Any = masking_utils  # read by name: a missing one is our error, not an AttributeError
     for name in TOP_LEVEL_NAMES:
         if getattr(transformers, name, None) is None:
@@ -102,27 +133,20 @@ def check() -> None:
             raise _unsupported(
                 f"whose transformers.masking_utils.sdpa_mask (the mask interface's call) takes no {name}"
             )
-    closures: dict[str, tuple[Callable, str, str]] = {
-        "and_masks": (module.and_masks(module.causal_mask_function), "and_mask", "mask_functions"),
-        "sliding_window_overlay": (module.sliding_window_overlay(1), "inner_mask", "sliding_window"),
-        "sliding_window_bidirectional_overlay": (
+    return (
+        _closure("and_masks", module.and_masks(module.causal_mask_function), "and_mask", "mask_functions"),
+        _closure("sliding_window_overlay", module.sliding_window_overlay(1), "inner_mask", "sliding_window"),
+        _closure(
+            "sliding_window_bidirectional_overlay",
             module.sliding_window_bidirectional_overlay(1),
             "inner_mask",
             "sliding_window",
         ),
-    }
-    for factory, (built, inner, variable) in closures.items():
-        code = getattr(built, "__code__", None)
-        if getattr(built, "__qualname__", "") != f"{factory}.<locals>.{inner}" or variable not in getattr(
-            code, "co_freevars", ()
-        ):
-            raise _unsupported(
-                f"whose transformers.masking_utils.{factory} no longer builds {factory}.<locals>.{inner} over "
-                f"{variable!r}"
-            )
+    )
 
 
-check()
+# the closures transformers_masks reads, checked with everything else the integration imports
+AND_MASKS, SLIDING_WINDOW, SLIDING_WINDOW_BIDIRECTIONAL = check()
 
 from transformers import AttentionInterface, AttentionMaskInterface  # noqa: E402 - once check() found them
 from transformers.masking_utils import (  # noqa: E402 - only once check() has said every name is there

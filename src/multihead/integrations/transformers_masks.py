@@ -37,22 +37,16 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead.integrations.transformers_internals import (  # transformers' internals: imported there, checked
-    and_masks,
+    AND_MASKS,
+    SLIDING_WINDOW,
+    SLIDING_WINDOW_BIDIRECTIONAL,
     bidirectional_mask_function,
     causal_mask_function,
     sdpa_mask,
-    sliding_window_bidirectional_overlay,
-    sliding_window_overlay,
 )
 from multihead.masks import AttentionShape, Mask, causal, padding, window
 
 __all__ = ["TransformersMask", "typed_mask", "kernel_mask"]
-
-# The code objects of transformers' mask-function factories' inner functions: a closure built by one of them
-# runs exactly this code, so identity says which factory made it, and its cells hold the factory's arguments.
-_AND_CODE = and_masks(causal_mask_function).__code__
-_SLIDING_CODE = sliding_window_overlay(1).__code__
-_SLIDING_BIDIRECTIONAL_CODE = sliding_window_bidirectional_overlay(1).__code__
 
 # The band of relative positions r = (kv_idx + kv_offset) - (q_idx + q_offset) a mask function allows:
 # -left <= r <= right, None = unbounded on that side
@@ -111,11 +105,11 @@ def _band(fn: object, depth: int = 0) -> Band | None:
         return None, None
     if not callable(fn) or depth > 8:
         return None
-    code, cells = getattr(fn, "__code__", None), _cells(fn)
+    cells = _cells(fn)  # a closure made by one of the factories below holds the factory's arguments
     if cells is None:
         return None
-    if code is _AND_CODE and getattr(fn, "__qualname__", "") == "and_masks.<locals>.and_mask":
-        parts = cells.get("mask_functions")
+    if AND_MASKS.built(fn):
+        parts = cells.get(AND_MASKS.variable)
         if not isinstance(parts, tuple):
             return None
         left: int | None = None
@@ -129,14 +123,11 @@ def _band(fn: object, depth: int = 0) -> Band | None:
             if band[1] is not None:
                 right = band[1] if right is None else min(right, band[1])
         return left, right
-    if code is _SLIDING_CODE and getattr(fn, "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask":
-        size = cells.get("sliding_window")  # kv_idx > q_idx - size: r >= -(size - 1)
+    if SLIDING_WINDOW.built(fn):
+        size = cells.get(SLIDING_WINDOW.variable)  # kv_idx > q_idx - size: r >= -(size - 1)
         return (size - 1, None) if _whole(size) and size >= 1 else None
-    if (
-        code is _SLIDING_BIDIRECTIONAL_CODE
-        and getattr(fn, "__qualname__", "") == "sliding_window_bidirectional_overlay.<locals>.inner_mask"
-    ):
-        size = cells.get("sliding_window")  # |q_idx - kv_idx| <= size
+    if SLIDING_WINDOW_BIDIRECTIONAL.built(fn):
+        size = cells.get(SLIDING_WINDOW_BIDIRECTIONAL.variable)  # |q_idx - kv_idx| <= size
         return (size, size) if _whole(size) and size >= 0 else None
     return None
 
