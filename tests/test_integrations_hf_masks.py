@@ -23,6 +23,7 @@ import multihead.attend
 import multihead.functional
 from multihead.integrations import transformers as integration
 from multihead.integrations.transformers_masks import TransformersMask, kernel_mask, typed_mask
+from multihead.integrations.transformers_versions import TRANSFORMERS_TESTED
 from multihead.masks import AttentionShape, Mask, bind_mask, causal, padding
 from test_integrations_transformers import BATCH, LENGTH, VOCAB, build_bart
 from test_integrations_transformers import build as build_one_stack
@@ -39,12 +40,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # in-memory configs only, never th
 
 
 def internal(name: str) -> Callable:
-    """transformers.masking_utils.<name>, a helper no public API exposes; a transformers without it cannot build
-    that mask for its models either, so a case that needs it is skipped, naming the version, at run time (never
-    the whole file at collection)."""
+    """transformers.masking_utils.<name>, a helper no public API exposes. Every transformers in the tested range
+    has it; one without it fails the case that needs it at run time (never the whole file at collection), naming
+    the version and the helper, so a drift is seen rather than skipped."""
     function = getattr(hf, name, None)
     if not callable(function):
-        pytest.skip(f"transformers {transformers.__version__} has no masking_utils.{name}")
+        pytest.fail(
+            f"transformers {transformers.__version__} has no masking_utils.{name} (tested on "
+            f"{' to '.join(TRANSFORMERS_TESTED)}): see which mask this helper built and whether the integration "
+            "still reads it"
+        )
     return function
 
 
