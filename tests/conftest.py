@@ -45,3 +45,72 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+# --------------------------------------------------------------------------- the device a portable test runs on
+# `pytest --device cuda` runs every test marked `portable` on that device (the others run on the CPU as always):
+# a portable test takes the `device` fixture and builds every tensor and module on it.
+
+DEVICE_OPTION_HELP = "the device portable tests run on: cpu (default), cuda or cuda:N"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", action="store", default="cpu", metavar="DEVICE", help=DEVICE_OPTION_HELP)
+
+
+def _parse_device(value: str) -> torch.device:
+    """--device's value as a torch.device with an index for cuda (a tensor's .device compares equal to it), or a
+    one-line pytest.UsageError naming the option and the fix."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise pytest.UsageError(
+            f"--device: expected cpu, cuda or cuda:N, got {value!r}. Fix: pass --device cpu or --device cuda"
+        ) from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise pytest.UsageError(
+            f"--device: expected cpu, cuda or cuda:N, got {value!r}. Fix: pass --device cpu or --device cuda"
+        )
+    if not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"--device {value}: CUDA is not available to this torch ({torch.__version__}). "
+            "Fix: run on a machine with a CUDA GPU and a CUDA build of torch, or drop --device (cpu)"
+        )
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise pytest.UsageError(
+            f"--device {value}: this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1}). "
+            "Fix: pass --device cuda or an index below the count"
+        )
+    return torch.device("cuda", index)
+
+
+def pytest_configure(config):
+    config.multihead_device = _parse_device(config.getoption("--device"))
+    if config.multihead_device.type == "cuda":
+        torch.cuda.set_device(config.multihead_device)
+
+
+def pytest_report_header(config):
+    return f"multihead portable tests run on: {config.multihead_device}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that takes `device` is portable: it must carry the marker, or `-m portable` would leave it out."""
+    unmarked = [
+        item.nodeid for item in items if "device" in item.fixturenames and not item.get_closest_marker("portable")
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            f"{len(unmarked)} test(s) take the `device` fixture without the `portable` marker, e.g. {unmarked[0]}. "
+            "Fix: mark them @pytest.mark.portable (or pytestmark = pytest.mark.portable for the file)"
+        )
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    """The torch.device of --device (cpu unless asked): portable tests build their tensors and modules on it."""
+    return request.config.multihead_device
