@@ -146,3 +146,9 @@ bench-weights: install
 .PHONY: bench-half
 bench-half: install
 	$(PY) benchmarks/half.py
+
+# auto's own host time on small calls (decode steps, short causal prefill, a cached layer decode step) beside torch's
+# SDPA called directly and torch.nn.MultiheadAttention, in one interleaved run.
+.PHONY: bench-overhead
+bench-overhead: install
+	$(PY) benchmarks/host_overhead.py
