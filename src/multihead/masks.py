@@ -651,7 +651,7 @@ class _BoundPadding(_BoundTerm):
         """
         if self._key_counts is None:
             valid = self.valid[:, 0, 0, :]  # (b, j)
-            zero = torch.zeros(1, dtype=torch.long)
+            zero = torch.zeros(1, dtype=torch.long, device="cpu")
             self._key_counts = (
                 torch.cat([zero, valid.any(0).cpu().long().cumsum(0)]),
                 torch.cat([zero, valid.all(0).cpu().long().cumsum(0)]),

@@ -340,7 +340,7 @@ def tiled_attention(
     q, k, v = autocast_inputs(q, k, v)
     given = q.dtype
     q, k, v = inputs_in_faster_dtype("tiled", q, k, v)  # the rates alone: the Function casts to float32 either way
-    seed = torch.randint(0, 2**62, (1,)) if dropout > 0 else None
+    seed = torch.randint(0, 2**62, (1,), device="cpu") if dropout > 0 else None  # read on the host (_seed)
     # the Function returns the compute dtype (float32 for half inputs), which backward reads; cast after
     output, lse = _TiledAttention.call(q, k, v, mask, scale, dropout, seed)
     return BackendOutput(output.to(given), None, lse.to(given) if need_lse else None)
