@@ -14,14 +14,24 @@ import torch
 from multihead.backends import materialized, tiled
 
 
-def make_qkv(b=2, h=6, g=3, i=5, j=7, d=4, e=3, *, dtype=torch.float64, seed=0, requires_grad=False):
-    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) from a fixed seed."""
+def make_qkv(b=2, h=6, g=3, i=5, j=7, d=4, e=3, *, dtype=torch.float64, seed=0, requires_grad=False, device="cpu"):
+    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) from a fixed seed, on ``device``.
+
+    Drawn on the CPU and then moved, so every device gets the same values from the same seed.
+    """
     gen = torch.Generator().manual_seed(seed)
     tensors = [
-        torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+        torch.randn(*shape, generator=gen, dtype=torch.float64, device="cpu").to(device=device, dtype=dtype)
         for shape in ((b, h, i, d), (b, g, j, d), (b, g, j, e))
     ]
     return [t.requires_grad_(requires_grad) for t in tensors]
+
+
+def randn(*shape, seed=0, dtype=torch.float64, device="cpu", requires_grad=False):
+    """A seeded standard-normal tensor drawn on the CPU and moved to ``device`` (the same values everywhere)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensor = torch.randn(*shape, generator=gen, dtype=torch.float64, device="cpu").to(device=device, dtype=dtype)
+    return tensor.requires_grad_(requires_grad)
 
 
 TINY = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5}
@@ -83,3 +93,25 @@ def textbook_lowp(
     scores = q @ keys.transpose(-2, -1) * scale  # (b, h, i, j), rounded to q's dtype
     weights, lse = masked_softmax(apply_mask(scores, keep, bias))
     return weights @ values, weights, lse
+
+
+def refused_on_this_device(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call) -> bool:
+    """Whether ``backend`` refuses this call for a reason q's device alone gives: sdpa's zero for fully masked rows
+    is verified on the CPU only, so off it sdpa refuses calls whose mask may empty a row. Then the refusal is
+    checked to be the clear error (naming the device), and the caller's test has nothing more to compare.
+
+    False on the CPU, where every backend serves every call these tests make.
+    """
+    import pytest
+
+    from multihead import attention, explain
+
+    if backend in ("auto", "reference", "textbook_lowp"):
+        return False
+    reasons = explain(q, k, v, **call).rejected.get(backend, [])
+    fragment = f"fully masked rows on {q.device.type}"
+    if not any(fragment in reason for reason in reasons):
+        return False
+    with pytest.raises(ValueError, match=f"{backend} lacks {fragment}"):
+        attention(q, k, v, backend=backend, **call)
+    return True

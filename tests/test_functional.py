@@ -26,11 +26,12 @@ BACKENDS = ["auto", "sdpa", "tiled", "materialized", "reference"]
     ],
     ids=["tiled", "lse", "auto", "materialized-weights", "reference-all"],
 )
-def test_autocast_computes_as_if_called_in_the_autocast_dtype(options):
+@pytest.mark.portable
+def test_autocast_computes_as_if_called_in_the_autocast_dtype(options, device):
     """Under torch.autocast the inputs are cast as SDPA's are and the kernel runs unaffected by autocast."""
-    leaves = make_qkv(dtype=torch.float32, requires_grad=True)
-    mask = masks.causal() & masks.padding(torch.tensor([7, 4]))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    leaves = make_qkv(dtype=torch.float32, requires_grad=True, device=device)
+    mask = masks.causal() & masks.padding(torch.tensor([7, 4], device=device))
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         result = attention(*leaves, mask=mask, **options)
     expected = attention(*(t.detach().bfloat16() for t in leaves), mask=mask, **options)
     for got, want in zip(*(r if isinstance(r, tuple) else (r,) for r in (result, expected)), strict=True):
@@ -42,9 +43,10 @@ def test_autocast_computes_as_if_called_in_the_autocast_dtype(options):
     assert all(t.grad is not None and t.grad.dtype == torch.float32 and t.grad.isfinite().all() for t in leaves)
 
 
-def test_autocast_leaves_float64_alone():
-    q, k, v = make_qkv(dtype=torch.float64)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+@pytest.mark.portable
+def test_autocast_leaves_float64_alone(device):
+    q, k, v = make_qkv(dtype=torch.float64, device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         output = attention(q, k, v, causal=True)
     assert output.dtype == torch.float64
 
@@ -98,16 +100,18 @@ def test_sdpa_on_meta_says_why_it_cannot_take_rows_that_may_be_empty():
         (slice(9, 12), ValueError, "WeightSelection.queries: expected a slice selecting some of the 5 queries"),
     ],
 )
-def test_bad_query_slices_are_refused_in_the_callers_terms(queries, kind, fragment):
+@pytest.mark.portable
+def test_bad_query_slices_are_refused_in_the_callers_terms(queries, kind, fragment, device):
     with pytest.raises(kind) as info:
-        attention(*make_qkv(), return_weights=WeightSelection(queries=queries))
+        attention(*make_qkv(device=device), return_weights=WeightSelection(queries=queries))
     assert is_input_error(info.value, kind) and fragment in str(info.value), str(info.value)
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_stepped_query_slice_selects_those_rows_with_any_mask(backend):
-    q, k, v = make_qkv()
-    mask = masks.causal() & masks.padding(torch.tensor([7, 5]))
+def test_a_stepped_query_slice_selects_those_rows_with_any_mask(backend, device):
+    q, k, v = make_qkv(device=device)
+    mask = masks.causal() & masks.padding(torch.tensor([7, 5], device=device))
     selected = attention(
         q, k, v, mask=mask, backend=backend, return_weights=WeightSelection(queries=slice(None, None, 2))
     )
