@@ -4,6 +4,10 @@ cores is fine).
 
     results = run_ranks(check_outputs, world_size=4, args=(seed,))   # [rank 0's return, rank 1's, ...]
 
+On ``device=cuda`` (``pytest --device cuda``) the group is NCCL, rank r on cuda:r, and ``rank_device()`` tells a
+rank's code where to build its tensors; ``cannot_run(device, world_size)`` says why a world size cannot run there
+(no NCCL, fewer GPUs than ranks), for the caller to skip with.
+
 ``fn(rank, world_size, *args)`` runs after ``init_process_group`` in each rank and its return value (picklable)
 comes back to the caller. A rank that raises makes ``run_ranks`` raise :class:`RankFailed` with the traceback of the
 rank that failed first (the cause); the other ranks, stuck in a collective, are stopped by the group's timeout
@@ -26,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankFailed", "run_ranks"]
+__all__ = ["RankFailed", "cannot_run", "rank_device", "run_ranks", "set_rank_device"]
 
 GROUP_TIMEOUT_S = 30  # a collective waiting longer than this on a dead peer raises instead of hanging
 
@@ -35,13 +39,50 @@ class RankFailed(RuntimeError):
     """A rank raised: the message holds its rank and traceback."""
 
 
-def _worker(rank: int, world_size: int, folder: str, fn: Callable[..., Any], args: tuple, timeout_s: float) -> None:
+_rank_device = torch.device("cpu")
+
+
+def rank_device() -> torch.device:
+    """The device this rank builds its tensors and modules on: cpu under gloo, cuda:rank under NCCL."""
+    return _rank_device
+
+
+def set_rank_device(device: torch.device) -> None:
+    """Where this process's rank computes (run_ranks sets it in each rank; a test's in-process group sets it)."""
+    global _rank_device
+    _rank_device = torch.device(device)
+    if _rank_device.type == "cuda":
+        torch.cuda.set_device(_rank_device)
+
+
+def group_backend(device: torch.device) -> str:
+    """The process-group backend for ranks on ``device``'s type: nccl for cuda, gloo for the CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def cannot_run(device: torch.device, world_size: int) -> str | None:
+    """Why ``world_size`` ranks cannot run on ``device``'s type here (a skip reason), or None when they can."""
+    if torch.device(device).type != "cuda":
+        return None
+    if not dist.is_nccl_available():
+        return "--device cuda: this torch has no NCCL for the ranks' process group"
+    count = torch.cuda.device_count()
+    if count < world_size:
+        return f"--device cuda: {world_size} ranks need {world_size} GPUs (one each, NCCL); this machine has {count}"
+    return None
+
+
+def _worker(
+    rank: int, world_size: int, folder: str, fn: Callable[..., Any], args: tuple, timeout_s: float, device_type: str
+) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)  # ranks share the machine's cores
     outcome: tuple[str, Any]
     try:
+        device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+        set_rank_device(device)
         dist.init_process_group(
-            "gloo",
+            group_backend(device),
             init_method=f"file://{folder}/store",
             rank=rank,
             world_size=world_size,
@@ -60,15 +101,27 @@ def _worker(rank: int, world_size: int, folder: str, fn: Callable[..., Any], arg
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = GROUP_TIMEOUT_S
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    timeout_s: float = GROUP_TIMEOUT_S,
+    device: torch.device | str = "cpu",
 ) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; their return values, by rank.
+    """``fn(rank, world_size, *args)`` on ``world_size`` ranks; their return values, by rank.
 
-    ``fn`` must be importable by the spawned processes (a module-level function of a test file).
+    Gloo ranks on the CPU, or NCCL ranks on cuda:0 .. cuda:world_size-1 for a cuda ``device`` (check
+    ``cannot_run`` first). ``fn`` must be importable by the spawned processes (a module-level function of a test
+    file) and builds its tensors on ``rank_device()``.
     """
+    device_type = torch.device(device).type
     with tempfile.TemporaryDirectory(prefix="multihead-dist-") as folder:
         context = mp.start_processes(
-            _worker, args=(world_size, folder, fn, args, timeout_s), nprocs=world_size, join=False, start_method="spawn"
+            _worker,
+            args=(world_size, folder, fn, args, timeout_s, device_type),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
         )
         try:
             while not context.join(timeout=timeout_s * 3):

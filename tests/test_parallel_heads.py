@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead
-from distributed import RankFailed, run_ranks
+from distributed import RankFailed, cannot_run, group_backend, rank_device, run_ranks, set_rank_device
 from multihead.cost import LayerShape
 from multihead.cost_parallel import parallel_cost
 from multihead.inspect import capture
@@ -55,17 +55,18 @@ def build(h: int, g: int, cross: bool, rotary: bool, bias: bool) -> multihead.Mu
         rotary=rotary,
         bias=bias,
         dtype=torch.float64,
+        device="cpu",
         **kdims,
-    )
+    ).to(rank_device())  # initialised on the CPU, so every device holds the same weights
 
 
 def inputs(cross: bool, seed: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, N, EMBED, generator=gen, dtype=torch.float64)
-    key = torch.randn(B, M, KDIM, generator=gen, dtype=torch.float64) if cross else None
-    value = torch.randn(B, M, VDIM, generator=gen, dtype=torch.float64) if cross else None
-    grad = torch.randn(B, N, OUT, generator=gen, dtype=torch.float64)
-    return x, key, value, grad
+    x = torch.randn(B, N, EMBED, generator=gen, dtype=torch.float64, device="cpu")
+    key = torch.randn(B, M, KDIM, generator=gen, dtype=torch.float64, device="cpu") if cross else None
+    value = torch.randn(B, M, VDIM, generator=gen, dtype=torch.float64, device="cpu") if cross else None
+    grad = torch.randn(B, N, OUT, generator=gen, dtype=torch.float64, device="cpu")
+    return tuple(None if t is None else t.to(rank_device()) for t in (x, key, value, grad))
 
 
 def gradient_errors(name: str, world: int) -> dict[str, float]:
@@ -216,7 +217,7 @@ def check_rank(rank: int, world: int) -> dict:
     """Every check one world size runs, returned for the parent to assert."""
     counts = count_collectives(world)
     report: dict = {"errors": {}, "bytes": counts.pop("bytes"), "counts": counts, "refusals": refusals(world)}
-    if world == 2:
+    if world == 2 and rank_device().type == "cpu":  # the example runs gloo on the CPU
         report["errors"].update(example_errors(rank, world))
     for name, (h, g, *_) in CONFIGS.items():
         if h % world == 0 and g % world == 0:
@@ -231,10 +232,11 @@ def check_rank(rank: int, world: int) -> dict:
     return report
 
 
-def in_this_process(tmp_path_factory) -> list[dict]:
-    """World size 1 on a one-rank gloo group in the test process: spares a process start-up (seconds)."""
+def in_this_process(tmp_path_factory, device: torch.device) -> list[dict]:
+    """World size 1 on a one-rank group in the test process: spares a process start-up (seconds)."""
     store = tmp_path_factory.mktemp("heads-store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    set_rank_device(device)
+    dist.init_process_group(group_backend(device), init_method=f"file://{store}", rank=0, world_size=1)
     try:
         from torch.distributed.tensor.debug import CommDebugMode  # slow to import: only here
 
@@ -243,15 +245,21 @@ def in_this_process(tmp_path_factory) -> list[dict]:
         return [report]
     finally:
         dist.destroy_process_group()
+        set_rank_device(torch.device("cpu"))
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda p: f"P={p}")
-def reports(request, tmp_path_factory) -> tuple[int, list[dict]]:
+def reports(request, tmp_path_factory, device) -> tuple[int, list[dict]]:
+    """Every rank's report for P ranks: gloo on the CPU; on --device cuda, NCCL with a GPU a rank (else skipped)."""
+    reason = cannot_run(device, request.param)
+    if reason:
+        pytest.skip(reason)
     if request.param == 1 and not dist.is_initialized():
-        return 1, in_this_process(tmp_path_factory)
-    return request.param, run_ranks(check_rank, request.param)
+        return 1, in_this_process(tmp_path_factory, device)
+    return request.param, run_ranks(check_rank, request.param, device=device)
 
 
+@pytest.mark.portable
 def test_matches_single_process_layer(reports):
     world, results = reports
     for rank, report in enumerate(results):
@@ -261,6 +269,7 @@ def test_matches_single_process_layer(reports):
         assert sum(name.endswith(": output") for name in report["errors"]) == expected
 
 
+@pytest.mark.portable
 def test_each_rank_holds_its_heads(reports):
     world, results = reports
     for rank, report in enumerate(results):
@@ -268,6 +277,7 @@ def test_each_rank_holds_its_heads(reports):
         assert report["local heads"] == (8 // world, 4 // world, rank * 8 // world, rank * 4 // world)
 
 
+@pytest.mark.portable
 def test_one_all_reduce_forward_and_backward(reports):
     _, results = reports
     for report in results:
@@ -282,6 +292,7 @@ def test_one_all_reduce_forward_and_backward(reports):
             }
 
 
+@pytest.mark.portable
 def test_all_reduced_bytes_are_the_cost_models(reports):
     """The tensors all-reduced are the (b, n, out_dim) output and the (b, n, embed_dim) input gradient, whose ring
     all-reduce `multihead cost --tp` counts; and the README example ran at P = 2."""
@@ -295,6 +306,7 @@ def test_all_reduced_bytes_are_the_cost_models(reports):
         assert any(name.startswith("example") for name in report["errors"]) == (world == 2)
 
 
+@pytest.mark.portable
 def test_ranks_refuse_uneven_heads(reports):
     world, results = reports
     expected = {1: set(), 2: {"MQA", "h=6 g=3"}, 4: {"MQA", "h=6 g=3", "h=6 g=6"}}[world]
@@ -359,7 +371,7 @@ def test_shard_heads_takes_a_one_dimensional_device_mesh(tmp_path):
 def fail_on_rank_one(rank: int, world: int) -> None:
     if rank == 1:
         shard_heads(build(4, 1, False, False, True))  # MQA over 2 ranks: ValueError
-    dist.all_reduce(torch.ones(3))  # rank 0 waits in a collective for the rank that failed
+    dist.all_reduce(torch.ones(3, device=rank_device()))  # rank 0 waits in a collective for the rank that failed
 
 
 def test_failing_rank_raises_rank_failed_promptly():

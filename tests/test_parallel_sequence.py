@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import multihead
-from distributed import RankFailed, run_ranks
+from distributed import RankFailed, cannot_run, rank_device, run_ranks
 from multihead import masks
 from multihead.parallel import sequence
 from multihead.parallel.sequence import (
@@ -49,13 +49,13 @@ def shard(x: torch.Tensor, layout: str, rank: int, world: int, dim: int = 2) -> 
 
 def problem(h: int, g: int, seed: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, h, N, D, generator=gen, dtype=torch.float64)
-    k = torch.randn(B, g, N, D, generator=gen, dtype=torch.float64)
-    v = torch.randn(B, g, N, E, generator=gen, dtype=torch.float64)
-    grad = torch.randn(B, h, N, E, generator=gen, dtype=torch.float64)
-    valid = torch.rand(B, N, generator=gen) < 0.7
+    q = torch.randn(B, h, N, D, generator=gen, dtype=torch.float64, device="cpu")
+    k = torch.randn(B, g, N, D, generator=gen, dtype=torch.float64, device="cpu")
+    v = torch.randn(B, g, N, E, generator=gen, dtype=torch.float64, device="cpu")
+    grad = torch.randn(B, h, N, E, generator=gen, dtype=torch.float64, device="cpu")
+    valid = torch.rand(B, N, generator=gen, device="cpu") < 0.7
     valid[1] = False  # a batch row with every key padded: output and gradients 0
-    return q, k, v, grad, valid
+    return tuple(t.to(rank_device()) for t in (q, k, v, grad, valid))  # drawn on the CPU: the same on every device
 
 
 def compare(fn, h: int, g: int, layout: str, mask_name: str, rank: int, world: int, seed: int) -> float:
@@ -178,9 +178,12 @@ def check_rank(rank: int, world: int) -> dict:
     for method in ("ring", "ulysses"):
         for layout in ("contiguous", "zigzag"):
             torch.manual_seed(3)
-            layer = multihead.MultiHeadAttention(7, 4, num_kv_heads=2, head_dim=6, rotary=True, dtype=torch.float64)
-            x = torch.randn(B, N, 7, dtype=torch.float64, requires_grad=True)
-            grad = torch.randn(B, N, 7, dtype=torch.float64)
+            layer = multihead.MultiHeadAttention(
+                7, 4, num_kv_heads=2, head_dim=6, rotary=True, dtype=torch.float64, device="cpu"
+            )
+            layer = layer.to(rank_device())  # initialised on the CPU: the same weights on every device
+            x = torch.randn(B, N, 7, dtype=torch.float64, device="cpu").to(rank_device()).requires_grad_()
+            grad = torch.randn(B, N, 7, dtype=torch.float64, device="cpu").to(rank_device())
             ref, _ = layer(x, causal=True)
             ref.backward(grad)
             ref_grads = [p.grad.clone() for p in layer.parameters()]
@@ -202,7 +205,9 @@ def check_rank(rank: int, world: int) -> dict:
             "ulysses heads": lambda: ulysses_attention(*local),
             "ulysses kv heads": lambda: ulysses_attention(local[0][:, :2].repeat(1, 3, 1, 1), *local[1:]),
             "alibi": lambda: ring_attention(*local, mask=masks.alibi(masks.alibi_slopes(3))),
-            "typed padding": lambda: ring_attention(*local, mask=masks.padding(torch.tensor([3, 4]))),
+            "typed padding": lambda: ring_attention(
+                *local, mask=masks.padding(torch.tensor([3, 4], device=rank_device()))
+            ),
             "odd zigzag": lambda: ring_attention(*(t[:, :, :5] for t in local), layout="zigzag"),
         }.items():
             try:
@@ -214,8 +219,13 @@ def check_rank(rank: int, world: int) -> dict:
     return report
 
 
-def check_world(world: int) -> None:
-    reports = run_ranks(check_rank, world)
+def check_world(world: int, device: torch.device) -> list[dict]:
+    """Every rank's report for P ranks, asserted: gloo on the CPU; on --device cuda, NCCL with a GPU a rank
+    (skipped where there are fewer GPUs than ranks)."""
+    reason = cannot_run(device, world)
+    if reason:
+        pytest.skip(reason)
+    reports = run_ranks(check_rank, world, device=device)
     for rank, report in enumerate(reports):
         bad = {key: err for key, err in report["errors"].items() if not err <= TOL}
         assert not bad, f"rank {rank} of {world}: {bad}"
@@ -245,12 +255,14 @@ def check_world(world: int) -> None:
     return reports
 
 
-def test_world_1():
-    check_world(1)
+@pytest.mark.portable
+def test_world_1(device):
+    check_world(1, device)
 
 
-def test_world_2_and_refusals():
-    reports = check_world(2)
+@pytest.mark.portable
+def test_world_2_and_refusals(device):
+    reports = check_world(2, device)
     refusals = reports[0]["refusals"]
     for key, fragments in {
         "ulysses heads": ("h = 3", "g = 3", "P = 2"),
@@ -265,8 +277,9 @@ def test_world_2_and_refusals():
             assert fragment in message, (key, fragment, message)
 
 
-def test_world_4():
-    check_world(4)
+@pytest.mark.portable
+def test_world_4(device):
+    check_world(4, device)
 
 
 def test_zigzag_round_trip_and_uneven_length():
