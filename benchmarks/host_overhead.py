@@ -114,9 +114,9 @@ class Case:
 
 
 def spread(values: Sequence[float]) -> dict:
-    """median, quartiles (q1, q3; exclusive method, both the value itself with one value), min, max, n."""
+    """median, quartiles (q1, q3; inclusive method, so within [min, max]), min, max, n."""
     values = list(values)
-    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values[0],) * 3
     return {
         "median": statistics.median(values),
         "q1": q1,
