@@ -12,15 +12,16 @@ from support import is_input_error
 B, G, D, E = 2, 3, 4, 5
 
 
-def new_cache(**kwargs) -> KVCache:
-    return KVCache(B, 9, G, D, E, dtype=torch.float64, **kwargs)
+def new_cache(device: torch.device | str = "cpu", **kwargs) -> KVCache:
+    return KVCache(B, 9, G, D, E, dtype=torch.float64, device=device, **kwargs)
 
 
-def keys_values(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def keys_values(n: int, seed: int = 0, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """keys (b, g, n, d) and values (b, g, n, e), drawn on the CPU and moved to ``device``."""
     gen = torch.Generator().manual_seed(seed)
     return (
-        torch.randn(B, G, n, D, generator=gen, dtype=torch.float64),
-        torch.randn(B, G, n, E, generator=gen, dtype=torch.float64),
+        torch.randn(B, G, n, D, generator=gen, dtype=torch.float64, device="cpu").to(device),
+        torch.randn(B, G, n, E, generator=gen, dtype=torch.float64, device="cpu").to(device),
     )
 
 
@@ -51,10 +52,15 @@ BAD_APPENDS = [
 
 @pytest.mark.parametrize("window", [None, 4], ids=["plain", "window"])
 @pytest.mark.parametrize("index", range(len(BAD_APPENDS)))
-def test_bad_appends_raise_before_anything_is_written(index, window):
+@pytest.mark.portable
+def test_bad_appends_raise_before_anything_is_written(index, window, device):
     (keys, values), kind, fragment = BAD_APPENDS[index]
-    cache = new_cache(window=window)
-    cache.append(*keys_values(2, seed=1))
+    keys, values = (
+        t.to(device) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t for t in (keys, values)
+    )
+    fragment = fragment.replace("on cpu", f"on {device}")
+    cache = new_cache(device, window=window)
+    cache.append(*keys_values(2, seed=1, device=device))
     before = snapshot(cache)
     with pytest.raises(kind) as excinfo:
         cache.append(keys, values)
@@ -63,19 +69,21 @@ def test_bad_appends_raise_before_anything_is_written(index, window):
     assert_unchanged(cache, before)
 
 
-def test_a_full_cache_refuses_more_and_keeps_what_it_holds():
-    cache = new_cache()
-    cache.append(*keys_values(8))
+@pytest.mark.portable
+def test_a_full_cache_refuses_more_and_keeps_what_it_holds(device):
+    cache = new_cache(device)
+    cache.append(*keys_values(8, device=device))
     before = snapshot(cache)
     with pytest.raises(ValueError, match=r"cache: expected room for 3 more token\(s\) \(max_len = 9\)"):
-        cache.append(*keys_values(3))
+        cache.append(*keys_values(3, device=device))
     assert_unchanged(cache, before)
 
 
 @pytest.mark.parametrize("window", [None, 4], ids=["plain", "window"])
-def test_a_staged_append_counts_only_once_committed(window):
-    cache, reference = new_cache(window=window), new_cache(window=window)
-    first, second = keys_values(3, seed=1), keys_values(2, seed=2)
+@pytest.mark.portable
+def test_a_staged_append_counts_only_once_committed(window, device):
+    cache, reference = new_cache(device, window=window), new_cache(device, window=window)
+    first, second = keys_values(3, seed=1, device=device), keys_values(2, seed=2, device=device)
     cache.append(*first)
     reference.append(*first)
     held = len(cache), cache.seen, cache.keys[:, :, : len(cache)].clone(), cache.values[:, :, : len(cache)].clone()
@@ -94,10 +102,11 @@ def test_a_staged_append_counts_only_once_committed(window):
         pending.commit()
 
 
-def test_a_stale_stage_cannot_be_committed():
-    cache = new_cache()
-    pending = cache.stage(*keys_values(2))
-    cache.append(*keys_values(1, seed=3))
+@pytest.mark.portable
+def test_a_stale_stage_cannot_be_committed(device):
+    cache = new_cache(device)
+    pending = cache.stage(*keys_values(2, device=device))
+    cache.append(*keys_values(1, seed=3, device=device))
     with pytest.raises(RuntimeError, match="the cache changed between stage"):
         pending.commit()
     assert (len(cache), cache.seen) == (1, 1)
@@ -121,9 +130,10 @@ def test_bad_construction_raises_clearly(kwargs, kind, fragment):
     assert is_input_error(excinfo.value, kind) and fragment in str(excinfo.value), str(excinfo.value)
 
 
-def test_a_window_cache_holds_the_last_keys_only():
-    cache = new_cache(window=4)
-    keys, values = keys_values(7)
+@pytest.mark.portable
+def test_a_window_cache_holds_the_last_keys_only(device):
+    cache = new_cache(device, window=4)
+    keys, values = keys_values(7, device=device)
     cache.append(keys[:, :, :5], values[:, :, :5])
     cache.append(keys[:, :, 5:], values[:, :, 5:])
     assert (len(cache), cache.seen) == (4, 7)
