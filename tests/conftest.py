@@ -9,7 +9,7 @@ import tempfile
 import pytest
 import torch
 
-from multihead.backends import costs
+from multihead.backends import policy
 from support import tiny_blocks
 
 # The rule: no outcome depends on what the user's earlier commands left in their home (a `multihead bench
@@ -28,8 +28,20 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(ISOLATED_HOME, "torchinduct
 os.environ["TRITON_CACHE_DIR"] = os.path.join(ISOLATED_HOME, "triton")
 
 torch.set_num_threads(2)
-# auto's choices rest on the measured defaults in every test, whatever this machine's cached calibration says
-costs.set_kernel_rates(costs.DEFAULT_RATES)
+# auto plans every CPU call of the suite as the kind its choices were written for (cpu-avx2, whose table was
+# measured), so that a test passes on every CPU kind; tests of the kinds themselves install their own policy
+policy.set_policy(policy.STATIC.assuming(policy.DeviceKind("cpu", "cpu-avx2", "as assumed by the tests")))
+
+
+SUITE_POLICY = policy.current_policy()
+
+
+@pytest.fixture(autouse=True)
+def suite_policy():
+    """Every test starts with the suite's policy, whatever the test before installed (set_policy is process-wide)."""
+    policy.set_policy(SUITE_POLICY)
+    yield
+    policy.set_policy(SUITE_POLICY)
 
 
 @pytest.fixture

@@ -12,9 +12,17 @@ import torch
 import multihead
 from multihead import masks
 from multihead.backend_rates import fit_rate_and_row_cost
-from multihead.backends import costs, registry, sdpa
-from multihead.backends.costs import DEFAULT_RATES, KernelRates, dense_mask_bytes, live_fraction
+from multihead.backends import costs, policy, registry, sdpa
+from multihead.backends.costs import KernelRates, dense_mask_bytes, live_fraction
+from multihead.backends.rates import CPU_AVX2_RATES
 from multihead.masks import AttentionShape, bind_mask
+
+KIND = policy.current_policy().kind_of(torch.device("cpu"))  # as conftest plans the suite's CPU calls
+
+
+def install_rates(rates: KernelRates) -> None:
+    """Estimate every kind with ``rates`` from now on (conftest restores the suite's policy after each test)."""
+    policy.set_policy(policy.current_policy().with_rates(rates))
 
 
 def bound(mask, n: int, *, causal: bool = False, b: int = 1, h: int = 4, j: int | None = None):
@@ -89,7 +97,7 @@ def test_flex_estimate_adds_its_score_mod_on_every_computed_score_for_each_bias_
     without this term its estimate put it at 0.62-0.88x its time."""
     from multihead.backends import flex
 
-    costs.set_kernel_rates(DEFAULT_RATES)  # flex has rates there
+    install_rates(CPU_AVX2_RATES)  # flex has rates there
     n = 1024
     causal = call_for(None, n, causal=True)
     plain = flex.CAPABILITIES.estimate(causal)
@@ -101,14 +109,14 @@ def test_flex_estimate_adds_its_score_mod_on_every_computed_score_for_each_bias_
         estimate = flex.CAPABILITIES.estimate(call)
         assert plain is not None and estimate is not None
         scores = live_fraction(call.mask, n, n, flex.BLOCK, flex.BLOCK) * 4 * n * n  # b = 1, h = 4
-        assert estimate.seconds == pytest.approx(plain.seconds + terms * scores / (DEFAULT_RATES.score_mod_gps * 1e9))
+        assert estimate.seconds == pytest.approx(plain.seconds + terms * scores / (CPU_AVX2_RATES.score_mod_gps * 1e9))
 
 
 def test_the_materialised_estimate_writes_its_weights_into_new_memory():
     """Its (b, h, i, j) weights are a new tensor each call, written at fresh_gbs beside its blocks' work."""
     from multihead.backends import materialized
 
-    costs.set_kernel_rates(DEFAULT_RATES)  # rates for both precisions
+    install_rates(CPU_AVX2_RATES)  # rates for both precisions
     n = 1024
     for dtype in (torch.float32, torch.bfloat16):
         call = call_for(None, n, dtype=dtype)
@@ -117,7 +125,7 @@ def test_the_materialised_estimate_writes_its_weights_into_new_memory():
         estimate = materialized.CAPABILITIES.estimate(call)
         weights = 4 * n * n * dtype.itemsize  # b = 1, h = 4
         assert kernel is not None and estimate is not None
-        assert estimate.seconds == pytest.approx(kernel.seconds + weights / (DEFAULT_RATES.fresh_gbs * 1e9))
+        assert estimate.seconds == pytest.approx(kernel.seconds + weights / (CPU_AVX2_RATES.fresh_gbs * 1e9))
 
 
 def test_the_shipped_rates_prefer_flex_where_tiled_masks_many_blocks():
@@ -126,7 +134,7 @@ def test_the_shipped_rates_prefer_flex_where_tiled_masks_many_blocks():
     the estimates missed while they left out tiled's masking; unmasked, tiled stays ahead (64 against 84 ms)."""
     from multihead.backends import flex, tiled
 
-    costs.set_kernel_rates(DEFAULT_RATES)
+    install_rates(CPU_AVX2_RATES)
     alibi = masks.alibi(masks.alibi_slopes(16))
     for mask, n in ((alibi, 1024), (masks.window(256), 1024), (masks.window(256), 4096)):
         for dtype in (torch.float32, torch.bfloat16):
@@ -161,9 +169,9 @@ FAST_BLOCKS = KernelRates(  # a machine where the block kernel is as fast as SDP
 
 @pytest.fixture
 def rates():
-    costs.set_kernel_rates(FAST_BLOCKS)
+    install_rates(FAST_BLOCKS)
     yield FAST_BLOCKS
-    costs.set_kernel_rates(DEFAULT_RATES)
+    install_rates(CPU_AVX2_RATES)
 
 
 def test_estimates_are_work_over_the_measured_rate(rates):
@@ -193,9 +201,7 @@ def test_estimates_add_a_cost_per_query_row_and_head(rates):
     """Beside its pairs a kernel pays per query row and head (forward, and backward with gradients), on every row
     whatever share of the pairs it skips."""
     n = 1024
-    costs.set_kernel_rates(
-        dataclasses.replace(FAST_BLOCKS, row_us={"sdpa": {"forward float32": 2.0, "backward float32": 3.0}})
-    )
+    install_rates(dataclasses.replace(FAST_BLOCKS, row_us={"sdpa": {"forward float32": 2.0, "backward float32": 3.0}}))
     flops, rows = 2 * (16 + 16) * 4 * n * n, 4 * n  # b = 1, h = 4
     plain = costs.dense_kernel_estimate(call_for(None, n), "sdpa")
     assert plain is not None and plain.seconds == pytest.approx(flops / 100e9 + rows * 2e-6)
@@ -252,7 +258,7 @@ def test_the_shipped_rates_send_padded_training_to_sdpa_when_short_and_to_tiled_
     """benchmarks/dispatch.py, padding (70% real) forward+backward at h = 16, float32: SDPA took 117 ms against
     tiled's 134 at n = 1024, and 29.3 s against tiled's 25.8 at n = 16384. Tiled skips the padded keys' blocks;
     rates measured at n = 1024 alone put it 48% behind SDPA per pair, where it ran 19% behind at n = 16384."""
-    costs.set_kernel_rates(DEFAULT_RATES)
+    install_rates(CPU_AVX2_RATES)
     for n, expected in ((1024, "sdpa"), (16384, "tiled")):
         q = torch.empty(1, 16, n, 64, requires_grad=True)
         assert multihead.explain(q, q, q, mask=masks.padding(torch.tensor([int(0.7 * n)]))).chosen == expected
@@ -278,45 +284,46 @@ def test_small_calls_and_backends_without_estimates_keep_the_priority_order(rate
         registry.unregister("first")
 
 
-def test_auto_follows_the_installed_calibration():
+def test_auto_follows_the_installed_rates():
     q = torch.randn(1, 4, 2048, 16)
     slow_blocks = KernelRates(
         gflops={**FAST_BLOCKS.gflops, "tiled": {"forward float32": 1.0, "backward float32": 1.0}},
         mask_gbs=100.0,
         source="test",
     )
-    try:
-        costs.set_kernel_rates(slow_blocks)
+    with policy.use_policy(policy.current_policy().with_rates(slow_blocks)):
         assert multihead.explain(q, q, q, mask=masks.window(128)).chosen == "sdpa"
-        costs.set_kernel_rates(FAST_BLOCKS)
+    with policy.use_policy(policy.current_policy().with_rates(FAST_BLOCKS)):
         assert multihead.explain(q, q, q, mask=masks.window(128)).chosen == "tiled"
-    finally:
-        costs.set_kernel_rates(DEFAULT_RATES)
 
 
-def test_the_package_reads_this_machines_calibration_once(tmp_path, monkeypatch):
+def test_a_calibration_in_the_home_decides_nothing_until_the_user_opts_in(tmp_path, monkeypatch):
+    """The issue's case: a calibration written in `multihead bench --calibrate`'s format, its rates skewed towards
+    tiled, moved a causal float32 call from sdpa to tiled silently. The static policy never reads it;
+    machine.measured_policy() is the opt-in, and explain names it."""
     from multihead import machine
 
     monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
+    q = torch.randn(1, 4, 512, 16)
+    assert multihead.explain(q, q, q, causal=True).chosen == "sdpa"
+    skewed = {**FAST_BLOCKS.gflops, "sdpa": {"forward float32": 1.0, "backward float32": 1.0}}
     rates = machine.MachineRates(
-        {"float32": 100.0},
-        10.0,
-        2,
-        details={"kernel_rates": {"gflops": FAST_BLOCKS.gflops, "mask_gbs": 1.0, "source": "cached"}},
+        {"float32": 100.0}, 10.0, 2, details={"kernel_rates": {"gflops": skewed, "mask_gbs": 1.0, "source": "cached"}}
     )
     machine.save_calibration(rates)
-    try:
-        costs.set_kernel_rates(None)  # as in a user's process: nothing installed, the package's loader reads
-        assert costs.kernel_rates().source == "cached"
-        assert costs.kernel_rates().gflops["tiled"]["forward float32"] == 100.0
-        # a damaged entry falls back to the defaults, never raises
-        data = json.loads(machine.calibration_path().read_text())
-        data["details"]["kernel_rates"] = {"gflops": "fast"}
-        machine.calibration_path().write_text(json.dumps(data))
-        costs.set_kernel_rates(None)
-        assert costs.kernel_rates() is DEFAULT_RATES
-    finally:
-        costs.set_kernel_rates(DEFAULT_RATES)
+    assert multihead.explain(q, q, q, causal=True).chosen == "sdpa"  # read by nobody
+    measured = machine.measured_policy(base=policy.current_policy())
+    assert measured.name == "measured" and measured.rates_for(KIND).gflops["sdpa"]["forward float32"] == 1.0
+    with policy.use_policy(measured):
+        chosen = multihead.explain(q, q, q, causal=True)
+    assert chosen.chosen == "tiled" and "policy measured" in str(chosen) and "cached" in str(chosen)
+    assert multihead.explain(q, q, q, causal=True).chosen == "sdpa"  # only within the block
+    # a damaged calibration is refused with the fix, not read as defaults
+    data = json.loads(machine.calibration_path().read_text())
+    data["details"]["kernel_rates"] = {"gflops": "fast"}
+    machine.calibration_path().write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"calibration: .*multihead bench --calibrate"):
+        machine.measured_policy()
 
 
 def half_rates(forward_half: float, backward_half: float) -> KernelRates:
@@ -341,7 +348,7 @@ def sdpa_dtypes(monkeypatch):
 
     monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
     yield seen
-    costs.set_kernel_rates(DEFAULT_RATES)
+    install_rates(CPU_AVX2_RATES)
 
 
 @pytest.mark.parametrize("mask", [None, "window"])
@@ -349,7 +356,7 @@ def test_sdpa_computes_a_half_call_in_the_precision_measured_faster(sdpa_dtypes,
     q, k, v = (torch.randn(1, 4, 300, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     typed = masks.window(40) if mask else None
     # forward as fast in bf16 as in float32 here, backward 9x slower (this project's AVX2 machine: 11 vs 82)
-    costs.set_kernel_rates(half_rates(forward_half=100.0, backward_half=11.0))
+    install_rates(half_rates(forward_half=100.0, backward_half=11.0))
     with torch.no_grad():
         out = multihead.attention(q, k, v, mask=typed, backend="sdpa")
     assert sdpa_dtypes == [torch.bfloat16] and out.dtype == torch.bfloat16  # a tie keeps the call's dtype
@@ -362,31 +369,32 @@ def test_sdpa_computes_a_half_call_in_the_precision_measured_faster(sdpa_dtypes,
     estimate = multihead.explain(q, k, v, mask=typed).estimates["sdpa"]
     assert estimate.computes_in == torch.float32 and "in float32" in str(estimate)
     # a machine whose bf16 kernel is the faster one runs it in bf16
-    costs.set_kernel_rates(half_rates(forward_half=300.0, backward_half=300.0))
+    install_rates(half_rates(forward_half=300.0, backward_half=300.0))
     multihead.attention(q, k, v, mask=typed, backend="sdpa")
     assert sdpa_dtypes[-1] == torch.bfloat16
     assert multihead.explain(q, k, v, mask=typed).estimates["sdpa"].computes_in is None
 
 
 def test_faster_compute_dtype_keeps_other_dtypes_devices_and_unmeasured_rates(rates):
-    cpu = torch.device("cpu")
-    costs.set_kernel_rates(half_rates(forward_half=10.0, backward_half=10.0))
+    cpu = KIND
+    install_rates(half_rates(forward_half=10.0, backward_half=10.0))
     work = {"flops": 1e9, "cast_bytes": 10**6}
 
     assert costs.faster_compute_dtype("sdpa", torch.bfloat16, cpu, False, **work) == torch.float32
     assert costs.faster_compute_dtype("sdpa", torch.float16, cpu, True, **work) == torch.float32
     assert costs.faster_compute_dtype("sdpa", torch.float64, cpu, False, **work) == torch.float64
-    assert costs.faster_compute_dtype("sdpa", torch.bfloat16, torch.device("meta"), False, **work) == torch.bfloat16
+    meta = policy.DeviceKind("meta", "meta")  # a device kind with no half-precision rule: keeps its dtype
+    assert costs.faster_compute_dtype("sdpa", torch.bfloat16, meta, False, **work) == torch.bfloat16
     assert costs.faster_compute_dtype("tiled", torch.bfloat16, cpu, False, **work) == torch.bfloat16  # no half rate
 
 
 def test_the_casts_count_in_the_precision_choice(rates):
     """float32 10% faster than bf16 (SDPA's forward here) does not pay for casting q, k, v and the output on a short
     call; on a long one (O(n^2) work against O(n) casts) it does."""
-    cpu = torch.device("cpu")
-    costs.set_kernel_rates(half_rates(forward_half=90.0, backward_half=90.0))  # float32: 100 GFLOP/s
+    cpu = KIND
+    install_rates(half_rates(forward_half=90.0, backward_half=90.0))  # float32: 100 GFLOP/s
     # 1 GFLOP: 10.0 ms in float32, 11.1 ms in bf16; casting 1.1 ms' worth at fresh_gbs tips it, 0.9 ms' does not
-    fresh = costs.kernel_rates().fresh_gbs * 1e9
+    fresh = costs.kernel_rates(KIND).fresh_gbs * 1e9
     tipping, cheap = int(1.2e-3 * fresh), int(0.9e-3 * fresh)
     assert (
         costs.faster_compute_dtype("sdpa", torch.bfloat16, cpu, False, flops=1e9, cast_bytes=tipping) == torch.bfloat16
@@ -394,7 +402,7 @@ def test_the_casts_count_in_the_precision_choice(rates):
     assert costs.faster_compute_dtype("sdpa", torch.bfloat16, cpu, False, flops=1e9, cast_bytes=cheap) == torch.float32
     # with the shipped rates (float32 7% faster): SDPA's causal forward at h = 16, d = 64 stays in bf16 at n = 4096,
     # float32 at 8192
-    costs.set_kernel_rates(DEFAULT_RATES)
+    install_rates(CPU_AVX2_RATES)
     for n, expected in ((4096, None), (8192, torch.float32)):
         q = torch.randn(1, 16, n, 64, dtype=torch.bfloat16)
         assert multihead.explain(q, q, q, causal=True).estimates["sdpa"].computes_in == expected
@@ -404,7 +412,7 @@ def test_the_casts_count_in_the_precision_choice(rates):
     kernel = costs.dense_kernel_estimate(call, "sdpa", fraction=fraction, compute_dtype=torch.float32, casts=False)
     with_casts = costs.dense_kernel_estimate(call, "sdpa", fraction=fraction, compute_dtype=torch.float32)
     assert kernel is not None and with_casts is not None
-    cast_s = costs.cast_bytes(1, 16, 16, 8192, 8192, 64, 64, False) / (DEFAULT_RATES.fresh_gbs * 1e9)
+    cast_s = costs.cast_bytes(1, 16, 16, 8192, 8192, 64, 64, False) / (CPU_AVX2_RATES.fresh_gbs * 1e9)
     assert with_casts.seconds == pytest.approx(kernel.seconds + cast_s)
     assert sdpa._estimate(call).seconds == pytest.approx(with_casts.seconds)
 
@@ -421,11 +429,11 @@ def test_cast_bytes_count_what_the_float32_path_writes():
 
 def test_calibration_runs_every_kernel_in_the_dtype_it_is_given(sdpa_dtypes):
     # rates that would send a bf16 call to float32: inside native_precision the kernel's own bf16 path runs
-    costs.set_kernel_rates(half_rates(forward_half=10.0, backward_half=10.0))
+    install_rates(half_rates(forward_half=10.0, backward_half=10.0))
     q, k, v = (torch.randn(1, 2, 300, 8, dtype=torch.bfloat16) for _ in range(3))
     with costs.native_precision():
         work = {"flops": 1e9, "cast_bytes": 0}
-        assert costs.faster_compute_dtype("sdpa", torch.bfloat16, torch.device("cpu"), True, **work) == torch.bfloat16
+        assert costs.faster_compute_dtype("sdpa", torch.bfloat16, KIND, True, **work) == torch.bfloat16
         multihead.attention(q, k, v, backend="sdpa")
     multihead.attention(q, k, v, backend="sdpa")
     assert sdpa_dtypes == [torch.bfloat16, torch.float32]
@@ -447,10 +455,10 @@ def test_tiled_takes_float32_inputs_for_a_half_call_where_the_rates_say_so(monke
         out = multihead.attention(q, k, v, causal=True, backend="tiled")  # the shipped rates: float32 is faster
         out.float().sum().backward()
         assert seen == [torch.float32] and out.dtype == q.grad.dtype == torch.bfloat16
-        gflops = {name: dict(by_key) for name, by_key in DEFAULT_RATES.gflops.items()}
+        gflops = {name: dict(by_key) for name, by_key in CPU_AVX2_RATES.gflops.items()}
         gflops["tiled"].update({"forward half": 1000.0, "backward half": 1000.0})
-        costs.set_kernel_rates(KernelRates(gflops, mask_gbs=1.0, source="test"))
+        install_rates(KernelRates(gflops, mask_gbs=1.0, source="test"))
         multihead.attention(q, k, v, causal=True, backend="tiled")
         assert seen[-1] == torch.bfloat16
     finally:
-        costs.set_kernel_rates(DEFAULT_RATES)
+        install_rates(CPU_AVX2_RATES)

@@ -18,7 +18,8 @@ from torch._dynamo.utils import counters
 
 import multihead
 from multihead import masks
-from multihead.backends import costs, flex
+from multihead.backends import costs, flex, policy
+from multihead.backends.rates import CPU_AVX2_RATES
 from multihead.functional import attention
 from multihead.masks import AttentionShape, bind_mask
 from support import assert_within_rule, make_qkv, textbook_lowp
@@ -260,11 +261,11 @@ def kernel_call(i, j, kv_heads=G, mask=None, dtype=torch.float32):
 @pytest.fixture
 def faster_half_flex():
     """Rates of a machine where compiled FlexAttention is faster in bfloat16 than in float32."""
-    gflops = {name: dict(by_key) for name, by_key in costs.DEFAULT_RATES.gflops.items()}
+    gflops = {name: dict(by_key) for name, by_key in CPU_AVX2_RATES.gflops.items()}
     gflops["flex"]["forward half"] = 10 * gflops["flex"]["forward float32"]
-    costs.set_kernel_rates(costs.KernelRates(gflops, mask_gbs=costs.DEFAULT_RATES.mask_gbs, source="test"))
-    yield
-    costs.set_kernel_rates(costs.DEFAULT_RATES)
+    faster = costs.KernelRates(gflops, mask_gbs=CPU_AVX2_RATES.mask_gbs, source="test")
+    with policy.use_policy(policy.current_policy().with_rates(faster)):
+        yield
 
 
 def test_flex_is_warm_follows_the_cache_key(kernel):

@@ -21,7 +21,7 @@ from rich.console import Console
 
 import multihead
 from multihead import backend_rates, bench, machine
-from multihead.backends import costs
+from multihead.backends import rates as rate_tables
 from multihead.bench_report import print_report, rich_tables
 from multihead.cli import main
 from multihead.cost import MachineRates
@@ -298,10 +298,11 @@ def test_calibrate_alone_saves_the_rates(tmp_path, monkeypatch, capsys):
     kernel = saved["details"]["kernel_rates"]
     assert set(kernel["gflops"]) == {"sdpa", "sdpa masked", "tiled", "materialized"} and kernel["mask_gbs"] > 0
     assert all(rate > 0 for by_key in kernel["gflops"].values() for rate in by_key.values())
-    cached = machine.cached_kernel_rates()  # what auto reads in a new process
+    cached = machine.cached_kernel_rates()  # what machine.measured_policy() reads
     assert cached is not None and cached.fresh_gbs == kernel["fresh_gbs"] > 0
     assert cached.masked_gps == kernel["masked_gps"] > 0
-    assert cached.score_mod_gps == kernel["score_mod_gps"] == costs.DEFAULT_SCORE_MOD_GPS  # flex not compiled here
+    # flex is not compiled here: its score_mod rate is the default
+    assert cached.score_mod_gps == kernel["score_mod_gps"] == rate_tables.DEFAULT_SCORE_MOD_GPS
     assert cached.row_us == kernel["row_us"] and set(kernel["row_us"]) == set(kernel["gflops"])
     assert all(cost >= 0 for by_key in kernel["row_us"].values() for cost in by_key.values())
     # a calibration saved before fresh_gbs, masked_gps, row_us and score_mod_gps were measured still serves, with
@@ -311,8 +312,9 @@ def test_calibrate_alone_saves_the_rates(tmp_path, monkeypatch, capsys):
     (tmp_path / "calibration.json").write_text(json.dumps(saved))
     older = machine.cached_kernel_rates()
     assert older is not None and older.mask_gbs == kernel["mask_gbs"]
-    assert (older.fresh_gbs, older.masked_gps, older.row_us) == (costs.DEFAULT_FRESH_GBS, costs.DEFAULT_MASKED_GPS, {})
-    assert older.score_mod_gps == costs.DEFAULT_SCORE_MOD_GPS
+    defaults = (rate_tables.DEFAULT_FRESH_GBS, rate_tables.DEFAULT_MASKED_GPS, {})
+    assert (older.fresh_gbs, older.masked_gps, older.row_us) == defaults
+    assert older.score_mod_gps == rate_tables.DEFAULT_SCORE_MOD_GPS
     assert main(["bench", "--calibrate", "--dtype", "int8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--dtype: expected one of float32" in err
@@ -324,7 +326,7 @@ def test_calibration_with_flex_times_its_forward_and_its_score_mod(monkeypatch):
     monkeypatch.setattr(backend_rates, "KERNEL_CASES", {"float32": (torch.float32, (64, 128))})
     rates = backend_rates.calibrate_kernels(("float32",), repeats=1, flex=True)
     assert rates.gflops["flex"]["forward float32"] > 0
-    assert rates.score_mod_gps > 0 and rates.score_mod_gps != costs.DEFAULT_SCORE_MOD_GPS
+    assert rates.score_mod_gps > 0 and rates.score_mod_gps != rate_tables.DEFAULT_SCORE_MOD_GPS
 
 
 def test_the_installed_package_has_no_benchmark_harness():

@@ -10,14 +10,6 @@ from multihead import inspect, models  # isort: skip  (they build on the layer a
 __version__ = "0.1.0"
 
 
-def _calibrated_kernel_rates() -> backends.costs.KernelRates | None:
-    from multihead.machine import cached_kernel_rates  # read when auto first compares backends, not at import
-
-    return cached_kernel_rates()
-
-
-backends.costs.set_rates_loader(_calibrated_kernel_rates)
-
 __all__ = [
     "attention",
     "explain",

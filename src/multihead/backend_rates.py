@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch
 
-from multihead.backends.costs import DEFAULT_SCORE_MOD_GPS, KernelRates
+from multihead.backends.rates import DEFAULT_SCORE_MOD_GPS, KernelRates
 
 __all__ = ["calibrate_kernels", "KERNEL_CASES"]
 

@@ -620,7 +620,13 @@ def run_bench(args: argparse.Namespace) -> int:
             + ", ".join(f"{k} matmul {v:.1f} GFLOP/s" for k, v in rates.matmul_gflops.items())
             + f", bandwidth {rates.bandwidth_gbs:.1f} GB/s"
             + (f"; backends (float32 forward, GFLOP/s): {backends}" if backends else "")
-            + f"; saved to {path}",
+            + f"; saved to {path}"
+            + (
+                "; auto uses these rates only where you opt in: "
+                "multihead.backends.set_policy(multihead.machine.measured_policy())"
+                if backends
+                else ""
+            ),
             soft_wrap=True,
         )
         return 0

@@ -16,9 +16,11 @@ reads key/value head n // (h / g), as torch's ``enable_gqa`` and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, overload
 
@@ -26,7 +28,7 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead._limits import check_fits, device_memory
-from multihead.backends import registry
+from multihead.backends import policy, registry
 from multihead.backends._blocks import (
     autocast_device,
     autocast_inputs,
@@ -321,6 +323,7 @@ def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return
         weights=weights,
         need_lse=return_lse,
         requires_grad=requires_grad or (bound.bias_requires_grad and torch.is_grad_enabled()),
+        kind=policy.current_policy().kind_of(q.device),
     )
     return _Prepared(
         q,
@@ -528,6 +531,8 @@ def attention(
         return_lse=return_lse,
     )
     chosen = registry.choose(p.call, backend)
+    if backend == "auto" and policy.current_policy().autotune:
+        chosen = _autotuned(p, chosen)
     native_weights = p.call.weights != "none" and chosen.capabilities.weights
     result = chosen.fn(
         p.q, p.k, p.v, mask=p.mask, scale=p.scale, dropout=p.dropout, need_weights=native_weights, need_lse=return_lse
@@ -546,6 +551,63 @@ def attention(
     if p.call.weights == "none" and not return_lse:
         return output
     return AttentionResult(output, weights, lse)
+
+
+def _autotuned(p: _Prepared, estimated: registry.Backend) -> registry.Backend:
+    """Under :func:`multihead.backends.policy.autotune`: the serving backend measured fastest for this call's
+    signature on this device (timed once, on copies of the call's inputs), else ``estimated``. Calls with dropout
+    (timing would draw random numbers), traced calls, and calls only one backend serves keep ``estimated``."""
+    if p.dropout > 0 or torch.compiler.is_compiling():
+        return estimated
+    serving = registry.serving_for_auto(p.call)
+    if len(serving) < 2:
+        return estimated
+    key = (policy.device_identity(p.q.device), _signature(p.call))
+    timers = {backend.name: _timer(p, backend) for backend in serving}
+    return registry.get_backend(policy.tune(key, timers))
+
+
+def _signature(call: registry.AttentionCall) -> tuple:
+    """What a measured winner is kept for: everything of the call but the data (the mask by its structure)."""
+    return (
+        call.kind,
+        call.dtype,
+        (call.batch, call.heads, call.kv_heads, call.q_len, call.k_len, call.qk_dim, call.v_dim),
+        call.weights,
+        call.need_lse,
+        call.requires_grad,
+        call.mask.signature(),
+    )
+
+
+def _timer(p: _Prepared, backend: registry.Backend) -> Callable[[], float]:
+    """A call that runs ``backend`` on detached copies of the call's inputs (forward, and backward when the call
+    needs gradients, as attention would run it) and returns its seconds (device work included)."""
+    native_weights = p.call.weights != "none" and backend.capabilities.weights
+
+    def seconds() -> float:
+        leaves = [t.detach().requires_grad_(p.call.requires_grad) for t in (p.q, p.k, p.v)]
+        _synchronize(p.q.device)
+        start = time.perf_counter()
+        with torch.set_grad_enabled(p.call.requires_grad):
+            result = backend.fn(
+                *leaves, mask=p.mask, scale=p.scale, dropout=0.0, need_weights=native_weights, need_lse=p.call.need_lse
+            )
+            if p.call.weights != "none" and not native_weights:
+                copies = dataclasses.replace(p, q=leaves[0], k=leaves[1], v=leaves[2])
+                _weights_for(copies, p.selection or WeightSelection())
+            if p.call.requires_grad:
+                result.output.backward(torch.ones_like(result.output))
+        _synchronize(p.q.device)
+        return time.perf_counter() - start
+
+    return seconds
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (timing an asynchronous device needs it; only autotune times)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def explain(

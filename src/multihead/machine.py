@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch.utils import benchmark
 
-from multihead._errors import InputError
+from multihead._errors import InputError, bad_argument
 from multihead._userfiles import (
     ANY_OBJECT,
     POSITIVE_INT,
@@ -41,7 +41,8 @@ from multihead._userfiles import (
     read_json,
 )
 from multihead.backend_rates import calibrate_kernels
-from multihead.backends.costs import DEFAULT_FRESH_GBS, DEFAULT_MASKED_GPS, DEFAULT_SCORE_MOD_GPS, KernelRates
+from multihead.backends.policy import STATIC, DispatchPolicy, cpu_flags
+from multihead.backends.rates import DEFAULT_FRESH_GBS, DEFAULT_MASKED_GPS, DEFAULT_SCORE_MOD_GPS, KernelRates
 from multihead.cost import DTYPES, MachineRates, dtype_name
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "calibrate_kernels",
     "cached_kernel_rates",
     "cached_rates",
+    "measured_policy",
     "calibration_path",
     "save_calibration",
     "read_calibration",
@@ -106,25 +108,11 @@ class Identity:
         return f"{self.cpu} ({flags}; torch uses {self.torch_isa}), {self.threads} threads, torch {self.torch}"
 
 
-def _cpuinfo() -> dict[str, str]:
-    """The first value of each field of /proc/cpuinfo ({} off Linux)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as lines:
-            for line in lines:
-                name, colon, value = line.partition(":")
-                if colon:
-                    fields.setdefault(name.strip(), value.strip())
-    except OSError:
-        return {}
-    return fields
-
-
 def identity() -> Identity:
     """This machine and process, now (the threads are torch.get_num_threads())."""
-    info = _cpuinfo()
-    cpu = info.get("model name") or info.get("Model") or platform.processor() or platform.machine() or "unknown CPU"
-    flags = sorted(set((info.get("flags") or info.get("Features") or "").split()))
+    model, flag_set = cpu_flags()
+    cpu = model or platform.processor() or platform.machine() or "unknown CPU"
+    flags = sorted(flag_set)
     digest = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16] if flags else ""
     return Identity(
         cpu=cpu,
@@ -350,6 +338,23 @@ def cached_kernel_rates(path: Path | None = None) -> KernelRates | None:
     if min(mask_gbs, fresh_gbs, masked_gps, score_mod_gps) <= 0:
         return None
     return KernelRates(gflops, mask_gbs, source, fresh_gbs, masked_gps, row_us, score_mod_gps)
+
+
+def measured_policy(path: Path | None = None, *, base: DispatchPolicy = STATIC) -> DispatchPolicy:
+    """``base`` with this machine's calibrated rates (``multihead bench --calibrate``) as its CPU kind's table: the
+    opt-in to measured rates, e.g. ``multihead.backends.set_policy(measured_policy())``. Raises a
+    ValueError naming the fix when there is no usable calibration of this machine."""
+    rates = cached_kernel_rates(path)
+    if rates is None:
+        _, why = read_calibration(path)
+        found = calibration_path() if path is None else path
+        raise bad_argument(
+            "calibration",
+            "this machine's kernel rates, written by `multihead bench --calibrate`",
+            why or f"none in {found}",
+            "run `multihead bench --calibrate` (about a minute), then build the policy again",
+        )
+    return base.with_rates(rates, kind=base.kind_of(torch.device("cpu")).name, name="measured")
 
 
 # --------------------------------------------------------------------------- memory

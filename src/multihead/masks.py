@@ -919,6 +919,12 @@ class BoundMask:
 
     def block(
         self,
+    def signature(self) -> tuple:
+        """The mask's structure without its data, hashable: each term's kind and numbers (a band's sides and
+        alignment offset, a tensor's shape and dtype) and the soft-cap. What auto's measured choices are kept for
+        (``multihead.backends.policy.autotune``)."""
+        return tuple(_term_signature(term) for term in self.terms), self.softcap
+
         rows: Index,
         cols: Index,
         heads: torch.Tensor | None = None,
@@ -990,3 +996,16 @@ def bind_mask(mask: Mask | torch.Tensor | None, causal_flag: bool, shape: Attent
     if causal_flag:
         parts.append(causal())
     return Combined(tuple(parts)).bind(shape) if parts else BoundMask.none(shape)
+
+
+def _term_signature(term: _BoundTerm) -> tuple:
+    """One bound term's part of :meth:`BoundMask.signature`."""
+    if isinstance(term, _BoundDiagonal):
+        return "band", term.spec.left, term.spec.right, term.offset
+    if isinstance(term, _BoundPadding):
+        return "padding", tuple(term.valid.shape)
+    if isinstance(term, _BoundAlibi):
+        return "alibi", tuple(term.slopes.shape), term.offset, term.requires_grad
+    if isinstance(term, _BoundDense):
+        return "dense", tuple(term.tensor.shape), term.tensor.dtype, term.requires_grad
+    return (type(term).__name__,)

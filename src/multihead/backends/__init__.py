@@ -10,7 +10,8 @@ Built in, in the order ``backend="auto"`` considers them:
 - ``reference``: the readable oracle, any dtype, everything (including gradients to a bias).
 """
 
-from multihead.backends import flex, materialized, reference, sdpa, tiled
+from multihead.backends import flex, materialized, policy, reference, sdpa, tiled
+from multihead.backends.policy import DispatchPolicy, autotune, set_policy, use_policy
 from multihead.backends.registry import (
     AttentionCall,
     Backend,
@@ -25,6 +26,11 @@ from multihead.backends.registry import (
 
 __all__ = [
     "AttentionCall",
+    "DispatchPolicy",
+    "autotune",
+    "policy",
+    "set_policy",
+    "use_policy",
     "Backend",
     "BackendOutput",
     "Capabilities",

@@ -1,6 +1,6 @@
-"""What a call costs each backend here, for ``backend="auto"`` to pick the cheapest that serves it.
+"""What a call costs each backend on its kind of device, for ``backend="auto"`` to pick the cheapest that serves it.
 
-A backend's estimate is the n x n work it really does for this call, at this machine's measured rate for it:
+A backend's estimate is the n x n work it really does for this call, at its rate on the call's device kind:
 
     seconds = computed pairs x b h x FLOPs per pair / rate  +  b h i x cost per row
               (+ building a dense mask)  (+ masking blocks apart, or a score_mod's biases)
@@ -13,9 +13,9 @@ A backend's estimate is the n x n work it really does for this call, at this mac
   (:func:`masked_fraction`, at ``masked_gps``); flex's mask_mod runs inside its kernel, and its score_mod adds
   each bias or cap term to every score it computes, at ``score_mod_gps`` a term.
 - **FLOPs per pair** are 2 (d + e) forward (q k^T and weights x V), and 2.5 times that for the backward.
-- **Rates** (:class:`KernelRates`) are GFLOP/s per backend, direction and precision, measured on this machine by
-  ``multihead bench --calibrate`` (``multihead.backend_rates.calibrate_kernels``) and installed with
-  :func:`set_kernel_rates`; until then :data:`DEFAULT_RATES`, measured on this project's machine (named there).
+- **Rates** (:class:`KernelRates`) are GFLOP/s per backend, direction and precision: the current dispatch policy's
+  table for the call's device kind (:mod:`multihead.backends.policy`; static tables by kind in
+  :mod:`multihead.backends.rates`, a machine's own calibration only where the user opts in).
 - **A cost per row**, per query row and head, is what a kernel spends beside its pairs (each block of queries'
   running statistics and output, and the like). Measured with the rate at two lengths, it keeps a short call's
   rows out of the rate, which then carries over to long calls, where the rows weigh little. Tiled's is larger
@@ -24,7 +24,7 @@ A backend's estimate is the n x n work it really does for this call, at this mac
 - **A dense mask** (SDPA with anything but its own causal) is built once a call at ``mask_gbs``
   (:func:`dense_mask_seconds`); the kernel's reading it is in the "sdpa masked" rate.
 - **Precision.** SDPA, FlexAttention and tiled run a bfloat16/float16 call in float32 where that is faster here,
-  casts included, and are estimated so (:func:`faster_compute_dtype`): on CPUs without half-precision
+  casts included, on CPUs only, and are estimated so (:func:`faster_compute_dtype`): on CPUs without half-precision
   matrix units SDPA's bf16 backward ran at 18 GFLOP/s against 135 in float32 on this project's machine, compiled
   FlexAttention's bf16 forward at 46 against 93, and tiled (float32 blocks either way, but casting its saved
   inputs again in the backward) at 96/120 against 99/149. Casting q, k, v to float32 and the output back writes
@@ -42,184 +42,48 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from multihead.backends.policy import DeviceKind, current_policy
+from multihead.backends.rates import KernelRates
 from multihead.masks import BlockState, BoundMask
 
 if TYPE_CHECKING:
     from multihead.backends.registry import AttentionCall
 
 __all__ = [
-    "DEFAULT_RATES",
     "Estimate",
     "KernelRates",
-    "kernel_rates",
+    "call_kind",
     "call_compute_dtype",
     "cast_bytes",
     "faster_compute_dtype",
     "inputs_in_faster_dtype",
+    "kernel_rates",
     "live_fraction",
     "masked_fraction",
     "native_precision",
-    "set_kernel_rates",
-    "set_rates_loader",
 ]
 
 BACKWARD_FLOP_FACTOR = 2.5  # a backward's n x n FLOPs over the forward's (recompute q k^T, then dV, dP, dQ, dK)
 MAX_GRID = 32  # blocks per side looked at by live_fraction: coarser cells past this (an estimate, cheap per call)
 
 
-# Writing a freshly allocated 64 MiB float32 tensor on this project's machine (below): 2.6 GB/s, page faults
-# included (2.5-2.8 in the 3 calibrations of DEFAULT_RATES, 3.1 the day before), against 45 GB/s rewriting memory
-# already mapped. Casts of q, k, v and the output are fresh tensors each call: at n = 1024, h = 16 the four took
-# 5.2 ms beside SDPA's 26 ms kernel (torch.profiler)
-DEFAULT_FRESH_GBS = 2.6
-# The median of the 3 calibrations of DEFAULT_RATES: 0.44 (0.40-0.45); 5 runs the day before gave 0.35-0.41
-# (backend_rates._measure_bias_gps("tiled"): float32, n = 1024, h = 8, ALiBi against none). In
-# benchmarks/dispatch.py (h = 16) tiled's causal & window(256) forward took 47 ms against 28 for its 7 of 16 blocks
-# at the unmasked rate, and causal & ALiBi 63 against 40 for its 10 biased blocks: 2.6 and 2.2 ns (0.38 and 0.45
-# billion a second) for each of the 7.3 and 10.5 million scores it masked
-DEFAULT_MASKED_GPS = 0.44
-# FlexAttention adding an ALiBi bias in its score_mod (backend_rates._measure_bias_gps("flex"): float32, n = 1024,
-# h = 8, ALiBi against none): 0.68-0.71 in 5 runs on 2026-11-24, 2 of them in full calibrations. In
-# benchmarks/dispatch.py (h = 16) its causal & ALiBi forward took 12-3402 ms more than its causal one at
-# n = 1024-16384, float32 and bfloat16: 0.65-0.92 billion biased scores a second (median 0.78), where its
-# estimate, without this, put it at 0.62-0.88x its time
-DEFAULT_SCORE_MOD_GPS = 0.70
-
-
-@dataclass(frozen=True)
-class KernelRates:
-    """Measured speeds of each backend's n x n work.
-
-    ``gflops[backend][key]`` with key "<forward|backward> <float32|half|float64>": GFLOP/s counting 2 (d + e)
-    FLOPs per computed pair forward and 2.5 times that backward, measured at d = e = 64 (so the softmax and each
-    kernel's per-block work are in them). ``mask_gbs``: how fast the dense mask handed to SDPA is built
-    (``BoundMask.additive``), in GB/s of its entries counted as float32. ``fresh_gbs``: how
-    fast a new tensor of tens of MiB is written, page faults included (what casting q, k, v to float32 costs).
-    ``masked_gps``: how many billion scores per second a block kernel masks one block at a time (evaluating the
-    mask, bias or cap for the block and applying it to each head's scores), beside its matrix products.
-    ``score_mod_gps``: how many billion scores per second a kernel that fuses its score transforms (flex's
-    score_mod) spends on each bias or cap term, beside its pairs.
-    ``row_us[backend][key]``, keyed as ``gflops``: microseconds a call spends per query row and head beside its
-    pairs (none where absent).
-    """
-
-    gflops: dict[str, dict[str, float]]
-    mask_gbs: float
-    source: str = ""
-    fresh_gbs: float = DEFAULT_FRESH_GBS
-    masked_gps: float = DEFAULT_MASKED_GPS
-    row_us: dict[str, dict[str, float]] = field(default_factory=dict)
-    score_mod_gps: float = DEFAULT_SCORE_MOD_GPS
-
-    def rate(self, backend: str, direction: str, dtype: torch.dtype) -> float | None:
-        by_key = self.gflops.get(backend)
-        if by_key is None:
-            return None
-        return by_key.get(f"{direction} {precision(dtype)}")
-
-    def row_seconds(self, backend: str, dtype: torch.dtype, requires_grad: bool) -> float:
-        """Seconds per query row and head of ``backend`` in ``dtype`` beside its pairs, forward (and backward)."""
-        by_key = self.row_us.get(backend, {})
-        directions = ("forward", "backward") if requires_grad else ("forward",)
-        return sum(by_key.get(f"{direction} {precision(dtype)}", 0.0) for direction in directions) * 1e-6
-
-
-# Measured by multihead.backend_rates.calibrate_kernels (what `multihead bench --calibrate` runs) on this project's
-# machine, the median of 3 calibrations on 2026-11-24 (5 interleaved rounds each; every rate within 11% of its
-# median) with the machine otherwise idle: AMD EPYC, 2 cores, AVX2 (no AVX-512, no bf16/AMX
-# units), torch 2.13.0 CPU, 2 threads; b = 1, h = 8, d = 64, n = 1024 and 2048 in float32 and bfloat16 ("half"),
-# each kernel in its own precision ("sdpa" and "sdpa masked" are torch's kernel itself). The rates of 2026-11-23,
-# at n = 1024 alone and in a slower spell of the machine, put SDPA at 110 GFLOP/s forward and tiled at 60; tiled
-# ran at 0.63-0.65x their estimate and SDPA at 0.78-0.84x at n = 16384
-DEFAULT_RATES = KernelRates(
-    gflops={
-        "sdpa": {
-            "forward float32": 145.0,
-            "backward float32": 134.9,
-            "forward half": 135.5,
-            "backward half": 17.9,
-        },
-        "sdpa masked": {
-            "forward float32": 115.8,
-            "backward float32": 136.0,
-            "forward half": 116.5,
-            "backward half": 17.7,
-        },
-        "tiled": {
-            "forward float32": 99.1,
-            "backward float32": 149.1,
-            "forward half": 96.1,
-            "backward half": 120.1,
-        },
-        "materialized": {
-            "forward float32": 114.0,
-            "backward float32": 89.4,
-            "forward half": 61.4,
-            "backward half": 89.0,
-        },
-        "flex": {
-            "forward float32": 92.9,
-            "forward half": 46.4,
-        },
-    },
-    mask_gbs=1.69,  # BoundMask.additive since it builds ALiBi in chunks: the median of 5 runs, 1.66-1.69
-    source="defaults: the median of 3 calibrations on an AMD EPYC (AVX2), 2 threads, torch 2.13.0",
-    fresh_gbs=DEFAULT_FRESH_GBS,
-    masked_gps=DEFAULT_MASKED_GPS,
-    score_mod_gps=DEFAULT_SCORE_MOD_GPS,
-    row_us={
-        "sdpa": {"forward float32": 0.09, "backward float32": 0.27, "forward half": 0.1, "backward half": 0.0},
-        "sdpa masked": {"forward float32": 0.0, "backward float32": 0.41, "forward half": 0.0, "backward half": 0.29},
-        "tiled": {"forward float32": 0.3, "backward float32": 2.1, "forward half": 0.18, "backward half": 0.33},
-        "materialized": {"forward float32": 0.48, "backward float32": 1.24, "forward half": 0.0, "backward half": 3.68},
-        "flex": {"forward float32": 0.63, "forward half": 0.47},
-    },
-)
-
-_installed: KernelRates | None = None
-_loader: Callable[[], KernelRates | None] | None = None  # reads this machine's calibration (set by the package)
-_loaded = False
-
-
-def set_kernel_rates(rates: KernelRates | None) -> None:
-    """Use ``rates`` for ``auto``'s estimates from now on; None: this machine's calibration if there is one (read
-    again on next use), else :data:`DEFAULT_RATES`."""
-    global _installed, _loaded
-    _installed, _loaded = rates, rates is not None
-
-
-def set_rates_loader(loader: Callable[[], KernelRates | None] | None) -> None:
-    """``loader()`` gives this machine's calibrated rates or None; it runs once, when auto first estimates.
-    (``multihead`` installs :func:`multihead.machine.cached_kernel_rates`: the backends cannot import it.)"""
-    global _loader, _loaded
-    _loader = loader
-    if _installed is None:
-        _loaded = False
-
-
-def kernel_rates() -> KernelRates:
-    """The rates ``auto`` estimates with: installed ones, else this machine's calibration (``multihead bench
-    --calibrate``), else :data:`DEFAULT_RATES`."""
-    global _installed, _loaded
-    if not _loaded:
-        _loaded = True
-        if _loader is not None:
-            _installed = _loader()
-    return _installed if _installed is not None else DEFAULT_RATES
-
-
-def precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float64:
-        return "float64"
-    return "half" if dtype in (torch.bfloat16, torch.float16) else "float32"
-
-
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def call_kind(call: AttentionCall) -> DeviceKind:
+    """The device kind ``call`` is planned for: its own, else the current policy's kind of its device."""
+    return call.kind if call.kind is not None else current_policy().kind_of(call.device)
+
+
+def kernel_rates(kind: DeviceKind) -> KernelRates:
+    """The rates ``auto`` estimates calls on ``kind`` with: the current policy's table for it
+    (:mod:`multihead.backends.policy`)."""
+    return current_policy().rates_for(kind)
 
 
 _native_precision = False  # set while calibrating: every kernel runs in its call's dtype
@@ -257,25 +121,27 @@ def cast_bytes(
 def faster_compute_dtype(
     backend: str,
     dtype: torch.dtype,
-    device: torch.device,
+    kind: DeviceKind,
     requires_grad: bool,
     *,
     flops: float,
     cast_bytes: int,
     rows: int = 0,
 ) -> torch.dtype:
-    """The dtype ``backend``'s kernel runs a ``dtype`` call in: float32 for a half-precision CPU call where this
-    machine's rates say its ``flops`` (the forward's, for the pairs it computes; the backward's 2.5 times that when
-    gradients are needed) and ``rows`` (query rows x heads, at the cost per row) take less time in float32, casts
-    included (``cast_bytes`` written at ``fresh_gbs``: they decide short calls, where SDPA's float32 gain of 7-10% is
-    smaller than the casts), else ``dtype``. The rates are the CPU's, so other devices keep their dtype."""
-    if dtype not in HALF_DTYPES or device.type != "cpu" or _native_precision:
+    """The dtype ``backend``'s kernel runs a ``dtype`` call in on a device of ``kind``: float32 for a half-precision
+    CPU call where the kind's rates say its ``flops`` (the forward's, for the pairs it computes; the backward's 2.5
+    times that when gradients are needed) and ``rows`` (query rows x heads, at the cost per row) take less time in
+    float32, casts included (``cast_bytes`` written at ``fresh_gbs``: they decide short calls, where SDPA's float32
+    gain of 7-10% is smaller than the casts), else ``dtype``. Only CPUs: a GPU runs half precision on its tensor
+    cores, and a half call there keeps its dtype (the policy's rule)."""
+    if dtype not in HALF_DTYPES or kind.type != "cpu" or _native_precision:
         return dtype
-    half = kernel_seconds(backend, dtype, requires_grad, flops, rows)
-    single = kernel_seconds(backend, torch.float32, requires_grad, flops, rows)
+    rates = kernel_rates(kind)
+    half = kernel_seconds(backend, dtype, requires_grad, flops, rows, rates)
+    single = kernel_seconds(backend, torch.float32, requires_grad, flops, rows, rates)
     if half is None or single is None:
         return dtype
-    return torch.float32 if single + cast_bytes / (kernel_rates().fresh_gbs * 1e9) < half else dtype
+    return torch.float32 if single + cast_bytes / (rates.fresh_gbs * 1e9) < half else dtype
 
 
 def call_compute_dtype(backend: str, call: AttentionCall, fraction: Callable[[], float] | None = None) -> torch.dtype:
@@ -283,7 +149,7 @@ def call_compute_dtype(backend: str, call: AttentionCall, fraction: Callable[[],
     its kernel computes, asked only for a half call on the CPU) the casts count; without it the rates alone decide
     (a kernel that casts to float32 blocks either way, or one compiled for every length: see
     :func:`block_kernel_estimate`), as they do under torch.compile, whose sizes are symbols a size would pin."""
-    return _sized_compute_dtype(backend, call.dtype, call.device, call.requires_grad, _sizes(call), fraction)
+    return _sized_compute_dtype(backend, call.dtype, call_kind(call), call.requires_grad, _sizes(call), fraction)
 
 
 def inputs_in_faster_dtype(
@@ -298,28 +164,31 @@ def inputs_in_faster_dtype(
     back to the inputs' dtype, and autograd casts the gradients."""
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     sizes = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3])
-    work = _sized_compute_dtype(backend, q.dtype, q.device, requires_grad, sizes, fraction)
+    if q.dtype not in HALF_DTYPES:  # the hot path of every float32 call: nothing to decide
+        return q, k, v
+    kind = current_policy().kind_of(q.device)
+    work = _sized_compute_dtype(backend, q.dtype, kind, requires_grad, sizes, fraction)
     return q.to(work), k.to(work), v.to(work)
 
 
 def _sized_compute_dtype(
     backend: str,
     dtype: torch.dtype,
-    device: torch.device,
+    kind: DeviceKind,
     requires_grad: bool,
     sizes: CallSizes,
     fraction: Callable[[], float] | None,
 ) -> torch.dtype:
     """The choice behind :func:`call_compute_dtype` and :func:`inputs_in_faster_dtype`, for a call of ``sizes``
     (b, h, g, i, j, d, e): nothing is computed from them unless the call is half on the CPU and ``fraction`` given."""
-    if dtype not in HALF_DTYPES or device.type != "cpu" or _native_precision:
+    if dtype not in HALF_DTYPES or kind.type != "cpu" or _native_precision:
         return dtype
     if fraction is None or torch.compiler.is_compiling():  # the rates alone: the work's size cancels out
-        return faster_compute_dtype(backend, dtype, device, requires_grad, flops=1.0, cast_bytes=0)
+        return faster_compute_dtype(backend, dtype, kind, requires_grad, flops=1.0, cast_bytes=0)
     b, h, g, i, j, d, e = sizes
     flops = 2.0 * (d + e) * b * h * fraction() * i * j
     written = cast_bytes(b, h, g, i, j, d, e, requires_grad)
-    return faster_compute_dtype(backend, dtype, device, requires_grad, flops=flops, cast_bytes=written, rows=b * h * i)
+    return faster_compute_dtype(backend, dtype, kind, requires_grad, flops=flops, cast_bytes=written, rows=b * h * i)
 
 
 def _sizes(call: AttentionCall) -> CallSizes:
@@ -393,11 +262,12 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.0f} us"
 
 
-def kernel_seconds(backend: str, dtype: torch.dtype, requires_grad: bool, flops: float, rows: int) -> float | None:
+def kernel_seconds(
+    backend: str, dtype: torch.dtype, requires_grad: bool, flops: float, rows: int, rates: KernelRates
+) -> float | None:
     """Seconds of ``backend``'s kernel computing in ``dtype``: ``flops`` forward FLOPs at its forward rate (and the
     backward's 2.5 times that at its backward rate, with gradients), plus ``rows`` query rows x heads at its cost
     per row. None when a rate it needs is unmeasured (a forward-only call needs no backward rate)."""
-    rates = kernel_rates()
     forward, backward = rates.rate(backend, "forward", dtype), rates.rate(backend, "backward", dtype)
     if forward is None or (requires_grad and backward is None):
         return None
@@ -452,13 +322,14 @@ def block_kernel_estimate(
         work = call_compute_dtype(backend, call, (lambda: fraction) if half == "per call" else None)
     masking = 0.0
     pairs = call.batch * call.heads * call.q_len * call.k_len
+    rates = kernel_rates(call_kind(call))
     if masks_blocks:
         passes = 2 if call.requires_grad and remasks_in_backward else 1
-        masking = passes * masked * pairs / (kernel_rates().masked_gps * 1e9)
+        masking = passes * masked * pairs / (rates.masked_gps * 1e9)
     if scores_modded:
         terms = len(call.mask.bias_terms) + (call.mask.softcap is not None)
-        masking += terms * fraction * pairs / (kernel_rates().score_mod_gps * 1e9)
-    writing = fresh_bytes / (kernel_rates().fresh_gbs * 1e9)
+        masking += terms * fraction * pairs / (rates.score_mod_gps * 1e9)
+    writing = fresh_bytes / (rates.fresh_gbs * 1e9)
     casts = True if half == "float32 blocks" else None  # tiled casts a half call whatever dtype it takes
     return dense_kernel_estimate(
         call, backend, fraction=fraction, compute_dtype=work, casts=casts, extra_seconds=masking + writing
@@ -485,7 +356,7 @@ def dense_mask_seconds(call: AttentionCall) -> float:
     bfloat16 ALiBi bias is computed in float32 and rounded, and took as long as a float32 one here (0.87 against
     1.89 GB/s of the bytes kept). Measured against torch SDPA given the same mask prebuilt, our sdpa's extra time
     for causal & ALiBi was one build forward and forward+backward alike (n = 1024, 4096)."""
-    return _dense_mask_entries(call) * 4 / (kernel_rates().mask_gbs * 1e9)
+    return _dense_mask_entries(call) * 4 / (kernel_rates(call_kind(call)).mask_gbs * 1e9)
 
 
 def dense_kernel_estimate(
@@ -506,13 +377,15 @@ def dense_kernel_estimate(
     dtype = call.dtype if compute_dtype is None else compute_dtype
     flops = _flops_per_pair(call) * (fraction * call.q_len * call.k_len)
     rows = call.batch * call.heads * call.q_len  # every block of queries is walked, whatever the mask skips
-    seconds = kernel_seconds(backend, dtype, call.requires_grad, flops, rows)
+    kind = call_kind(call)
+    rates = kernel_rates(kind)
+    seconds = kernel_seconds(backend, dtype, call.requires_grad, flops, rows, rates)
     if seconds is None:
         return None
     seconds += extra_seconds
     if mask_bytes:
         seconds += dense_mask_seconds(call)
-    half_on_cpu = call.dtype in HALF_DTYPES and call.device.type == "cpu"
+    half_on_cpu = call.dtype in HALF_DTYPES and kind.type == "cpu"
     if half_on_cpu and (dtype != call.dtype if casts is None else casts):
-        seconds += cast_bytes(*_sizes(call), call.requires_grad) / (kernel_rates().fresh_gbs * 1e9)
+        seconds += cast_bytes(*_sizes(call), call.requires_grad) / (rates.fresh_gbs * 1e9)
     return Estimate(seconds, fraction, mask_bytes, computes_in=None if dtype == call.dtype else dtype)

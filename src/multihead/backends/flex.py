@@ -558,6 +558,7 @@ CAPABILITIES = Capabilities(
     compiles_dynamic=False,  # its BlockMask is built by a Python loop over blocks, which would pin a length
     check=_flex_limits,
     auto_skip=_cold,
+    fused=True,  # once compiled (auto skips it until then)
     softcap=True,
     # the live blocks of its BlockMask, in the dtype it computes in
     estimate=lambda call: block_kernel_estimate(call, "flex", BLOCK, BLOCK, half="by rates", scores_modded=True),

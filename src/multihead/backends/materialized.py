@@ -300,6 +300,7 @@ CAPABILITIES = Capabilities(
     backward=True,
     bias_grad=False,
     compiles_dynamic=False,
+    python_block_loop=True,  # a few small kernels per block: passed over on CUDA where a fused kernel serves
     softcap=True,
     # each row block's live key span, masked apart; weights written once, into a new (b, h, i, j) tensor; its
     # backward masks again only when it recomputes half-precision weights in float32

@@ -19,7 +19,8 @@ from typing import NamedTuple
 import torch
 
 from multihead._errors import bad_argument
-from multihead.backends.costs import Estimate
+from multihead.backends.costs import Estimate, call_kind
+from multihead.backends.policy import DeviceKind, current_policy
 from multihead.masks import BoundMask
 
 
@@ -47,6 +48,9 @@ class AttentionCall:
     weights: str  # "none", "all" or "subset"
     need_lse: bool
     requires_grad: bool
+    # the kind of device auto plans the call for; None: the current policy's kind of ``device`` (set it to ask what
+    # auto would pick on another kind, e.g. a CUDA call described on a CPU-only machine)
+    kind: DeviceKind | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,12 @@ class Capabilities:
     # its predicted time for a call it serves (backends.costs): auto runs the cheapest of the serving backends that
     # estimate; a backend without one is chosen by priority alone
     estimate: Callable[[AttentionCall], Estimate | None] | None = None
+    # runs as a Python loop over blocks (a handful of small kernels per block): on devices where launching a kernel
+    # costs more than a block's work (the policy's ``fused_first``: CUDA), auto passes it over wherever a fused
+    # backend serves the call
+    python_block_loop: bool = False
+    # runs the call as one fused kernel (torch's SDPA, compiled FlexAttention)
+    fused: bool = False
 
     def reasons(self, call: AttentionCall, *, for_auto: bool = False) -> list[str]:
         missing = []
@@ -120,6 +130,8 @@ class Explanation:
     chosen: str | None
     rejected: dict[str, list[str]] = field(default_factory=dict)
     estimates: dict[str, Estimate] = field(default_factory=dict)
+    policy: str = ""  # the policy, the device kind and where its rates come from (auto only)
+    notes: list[str] = field(default_factory=list)  # what the user should know of the choice (a slow path)
 
     def __str__(self) -> str:
         chosen = f"chosen: {self.chosen}"
@@ -128,6 +140,9 @@ class Explanation:
         lines = [chosen]
         for name, why in self.rejected.items():
             lines.append(f"  {name}: " + "; ".join(why))
+        lines.extend(f"note: {note}" for note in self.notes)
+        if self.policy:
+            lines.append(self.policy)
         return "\n".join(lines)
 
 
@@ -137,7 +152,8 @@ ESTIMATE_MIN_PAIRS = 256 * 256
 
 
 def _serving(call: AttentionCall, for_auto: bool) -> tuple[list[Backend], dict[str, list[str]]]:
-    """The backends that serve ``call`` in auto's order, and what each other one lacks."""
+    """The backends that serve ``call`` in auto's order, and what each other one lacks; for auto, after the
+    policy's rules (:func:`_fused_first`)."""
     serving, missing = [], {}
     for candidate in _auto_order(call):
         reasons = candidate.capabilities.reasons(call, for_auto=for_auto)
@@ -145,7 +161,33 @@ def _serving(call: AttentionCall, for_auto: bool) -> tuple[list[Backend], dict[s
             missing[candidate.name] = reasons
         else:
             serving.append(candidate)
+    if for_auto:
+        serving = _fused_first(call, serving, missing)
     return serving, missing
+
+
+def _fused_first(call: AttentionCall, serving: list[Backend], missing: dict[str, list[str]]) -> list[Backend]:
+    """The policy's rule: on its ``fused_first`` device types, a backend looping over blocks in Python is passed
+    over (its reason added to ``missing``) wherever a fused one serves the call."""
+    policy, kind = current_policy(), call_kind(call)
+    fused = [backend for backend in serving if backend.capabilities.fused]
+    if kind.type not in policy.fused_first or not fused:
+        return serving
+    kept = []
+    for backend in serving:
+        if backend.capabilities.python_block_loop:
+            missing[backend.name] = [
+                f"a Python loop over blocks (several small kernels per block), and {fused[0].name!r} serves this call "
+                f"as a fused kernel on {kind.type} (rule of policy {policy.name})"
+            ]
+        else:
+            kept.append(backend)
+    return kept
+
+
+def serving_for_auto(call: AttentionCall) -> list[Backend]:
+    """The backends auto may run for ``call``, in its order (after capabilities and the policy's rules)."""
+    return _serving(call, for_auto=True)[0]
 
 
 def _compares(call: AttentionCall, first: Backend) -> bool:
@@ -248,10 +290,18 @@ def explain_call(call: AttentionCall, backend: str) -> Explanation:
         lacks = named.capabilities.reasons(call)
         return Explanation(None if lacks else named.name, {named.name: lacks} if lacks else {})
     serving, missing = _serving(call, for_auto=True)
+    policy = current_policy().describe(call_kind(call))
     if not serving:
-        return Explanation(None, missing)
+        return Explanation(None, missing, policy=policy)
     chosen, estimates = _cheapest(call, serving)
-    explanation = Explanation(chosen.name, {}, estimates)
+    explanation = Explanation(chosen.name, {}, estimates, policy)
+    kind = call_kind(call)
+    if chosen.capabilities.python_block_loop and kind.type in current_policy().fused_first:
+        explanation.notes.append(
+            f"no fused kernel serves this call on {kind.type}, so {chosen.name!r} runs it as a Python loop over "
+            "blocks (several small kernels per block: far slower than a fused kernel); the reasons of the others "
+            "say what to drop to reach one"
+        )
     for candidate in _auto_order(call):
         name = candidate.name
         if name in missing:
@@ -277,7 +327,11 @@ def choose(call: AttentionCall, backend: str) -> Backend:
     Under auto, the cheapest serving backend by their estimates (:func:`_cheapest`); the full explanation is built
     only to report failure.
     """
-    if backend == "auto":
+    if backend == "auto" and call_kind(call).type in current_policy().fused_first:
+        serving = _serving(call, for_auto=True)[0]
+        if serving:
+            return _cheapest(call, serving)[0]
+    elif backend == "auto":  # no rule to apply: the first that serves, unless estimates are compared
         order = _auto_order(call)
         for index, candidate in enumerate(order):
             if candidate.capabilities.reasons(call, for_auto=True):

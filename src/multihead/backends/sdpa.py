@@ -121,6 +121,7 @@ def _estimate(call: AttentionCall) -> Estimate | None:
 
 
 CAPABILITIES = Capabilities(
+    fused=True,
     lse=False,
     weights=False,
     dropout=True,

@@ -359,3 +359,4 @@ CAPABILITIES = Capabilities(
         call, "tiled", BLOCK_Q, BLOCK_K, half="float32 blocks", masks_blocks=True
     ),
 )
+    python_block_loop=True,  # a few small kernels per block: passed over on CUDA where a fused kernel serves
