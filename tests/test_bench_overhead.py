@@ -17,7 +17,7 @@ import host_overhead as bench  # noqa: E402
 
 
 def test_the_spread_and_the_ratio_are_per_round():
-    assert bench.spread([4.0, 1.0, 3.0, 2.0]) == {"median": 2.5, "q1": 1.25, "q3": 3.75, "min": 1.0, "max": 4.0, "n": 4}
+    assert bench.spread([4.0, 1.0, 3.0, 2.0]) == {"median": 2.5, "q1": 1.75, "q3": 3.25, "min": 1.0, "max": 4.0, "n": 4}
     assert bench.spread([2.0])["q1"] == bench.spread([2.0])["q3"] == 2.0
     comparison = bench.compare([2e-6, 3e-6, 9e-6], [1e-6, 3e-6, 3e-6])  # per round: 2, 1, 3
     assert comparison["difference_us"] == pytest.approx(0.0)  # medians 3 µs and 3 µs
