@@ -253,14 +253,21 @@ def test_may_empty_rows_builds_no_i_by_j_tensor():
     with patch.object(masks._BoundAlibi, "evaluate", side_effect=AssertionError("ALiBi evaluated")):
         assert not bind_mask(masks.alibi(masks.alibi_slopes(heads)), True, shape).may_empty_rows()
     # a window narrower than a key block keeps no block whole: every row block is evaluated, over its live keys
-    narrow = masks.causal() & masks.window(8) & masks.padding([n // 2])
+    # (padding given as a (b, j) bool: key lengths are settled without any block, below)
+    half = (torch.arange(n) < n // 2)[None]  # (1, j): the first half of the keys real
+    narrow = masks.causal() & masks.window(8) & masks.padding(half)
     with recording_blocks() as built:
         assert bind_mask(narrow, False, shape).may_empty_rows()  # the rows past the padding see no key
         assert built and max(built) <= masks.EMPTY_ROW_BLOCK * 2 * masks.EMPTY_ROW_BLOCK
         built.clear()
         # causal & padding: every row block past the first keeps key block 0 whole, settled by its state alone
-        assert not bind_mask(masks.causal() & masks.padding([n // 2]), False, shape).may_empty_rows()
+        assert not bind_mask(masks.causal() & masks.padding(half), False, shape).may_empty_rows()
         assert built == [masks.EMPTY_ROW_BLOCK**2]
+        built.clear()
+        # bands and key lengths known on the host: the same answers by arithmetic on the first and last rows
+        assert bind_mask(masks.causal() & masks.window(8) & masks.padding([n // 2]), False, shape).may_empty_rows()
+        assert not bind_mask(masks.causal() & masks.padding([n // 2]), False, shape).may_empty_rows()
+        assert built == []
 
 
 def test_may_empty_rows_bounds_blocks_that_broadcast_batch_and_heads():

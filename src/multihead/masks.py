@@ -189,7 +189,9 @@ def window(left: int | None, right: int | None = 0, *, align: str = "bottom_righ
 
 class _Padding(Mask):
     def __init__(self, keys: torch.Tensor | Sequence[int]):
+        given = None  # the Python values, when keys is not a tensor
         if not isinstance(keys, torch.Tensor):
+            given = keys
             try:
                 keys = torch.as_tensor(keys)
             except (TypeError, ValueError, RuntimeError):
@@ -225,48 +227,55 @@ class _Padding(Mask):
                 kind=TypeError,
             )
         self.keys = keys
+        # lengths given as Python ints stay known on the host: bound masks answer from them, never from a tensor
+        self.lengths = tuple(int(n) for n in given) if given is not None and keys.dtype != torch.bool else None
 
     def __repr__(self) -> str:
         return f"padding({'valid' if self.keys.dtype == torch.bool else 'lengths'}={tuple(self.keys.shape)})"
 
     def _bind(self, shape: AttentionShape) -> _BoundTerm:
-        keys = _moved("padding(keys)", self.keys, shape.device)
-        if keys.dtype == torch.bool:
-            if tuple(keys.shape) != (shape.batch, shape.k_len):
+        if self.keys.dtype == torch.bool:
+            if tuple(self.keys.shape) != (shape.batch, shape.k_len):
                 raise bad_argument(
                     "padding(valid)",
                     f"shape (b, j) = ({shape.batch}, {shape.k_len})",
-                    tuple(keys.shape),
+                    tuple(self.keys.shape),
                     "give one row per batch element and one column per key",
                 )
-            valid = keys
-        else:
-            if keys.shape[0] != shape.batch:
-                raise bad_argument(
-                    "padding(lengths)",
-                    f"shape (b,) = ({shape.batch},)",
-                    tuple(keys.shape),
-                    "give one key length per batch element",
-                )
-            if _has_values(keys):
-                lo, hi = torch.stack((keys.min(), keys.max())).tolist()  # one device sync
-                if lo < 0 or hi > shape.k_len:
-                    raise bad_argument(
-                        "padding(lengths)",
-                        f"lengths in [0, {shape.k_len}] (the key length j)",
-                        f"values from {lo} to {hi}",
-                        "clip the lengths to the number of keys",
-                    )
-            valid = torch.arange(shape.k_len, device=shape.device) < keys[:, None]
-        return _BoundPadding(valid, shape)
+            host = self.keys if host_readable(self.keys) else None
+            return _BoundPadding(_moved("padding(keys)", self.keys, shape.device), shape, host_valid=host)
+        if self.keys.shape[0] != shape.batch:
+            raise bad_argument(
+                "padding(lengths)",
+                f"shape (b,) = ({shape.batch},)",
+                tuple(self.keys.shape),
+                "give one key length per batch element",
+            )
+        lengths = self.lengths
+        if lengths is None and host_readable(self.keys):
+            lengths = tuple(self.keys.tolist())  # a CPU tensor: read without waiting on any device
+        if lengths and (min(lengths) < 0 or max(lengths) > shape.k_len):
+            raise bad_argument(
+                "padding(lengths)",
+                f"lengths in [0, {shape.k_len}] (the key length j)",
+                f"values from {min(lengths)} to {max(lengths)}",
+                "clip the lengths to the number of keys",
+            )
+        keys = _moved("padding(keys)", self.keys, shape.device)
+        valid = torch.arange(shape.k_len, device=shape.device) < keys[:, None]  # (b, j), built on the device
+        # not under torch.compile: block states from Python ints would make the graph depend on each batch's lengths
+        return _BoundPadding(valid, shape, lengths=None if torch.compiler.is_compiling() else lengths or None)
 
 
 def padding(keys: torch.Tensor | Sequence[int]) -> Mask:
     """Mask padded keys: ``keys`` is a (b,) tensor of key lengths, or a (b, j) bool tensor, True = real.
 
-    Lengths outside [0, j] are refused when the mask is bound, except where their values cannot be
-    read: on the meta device, and while torch.compile traces (reading a value would break the graph);
-    there a length above j keeps every key and one below 0 masks the whole row.
+    Lengths given as Python ints or in a CPU tensor are known on the host: out of [0, j] they are
+    refused when the mask is bound, and kernels skip the blocks of keys they rule out. Lengths in a
+    device tensor (CUDA) are never read on the host, since reading one waits for the device: they are
+    used as they are (a length above j keeps every key, one below 0 masks the whole row), and blocks
+    are masked key by key. The same holds for a (b, j) bool tensor, and wherever values cannot be read
+    at all (meta or fake tensors, torch.compile's tracing).
     """
     return _Padding(keys)
 
@@ -513,13 +522,38 @@ def _moved(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
             f"one on {t.device}",
             f"build it on {device}, or call attention on meta tensors throughout",
         )
+    return to_device(t, device)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t.to(device)`` without a blocking copy from the host: a CPU tensor goes to a CUDA device through pinned
+    memory, non-blocking. A plain ``.to("cuda")`` of a CPU tensor waits for the device (cudaMemcpy, then a stream
+    sync), and so does a non-blocking one from pageable memory; from pinned memory the copy is queued on the stream
+    like any kernel, and torch's pinned-memory cache keeps the buffer until the copy has run. A tensor that needs
+    its gradient takes the plain copy (pinning is not recorded by autograd on every torch)."""
+    if t.device.type == "cpu" and device.type == "cuda" and not t.requires_grad and host_readable(t):
+        return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
 
-def _has_values(t: torch.Tensor) -> bool:
-    """Whether t's values can be read now: not on the meta device (shapes only) and not under torch.compile's
-    tracing, where reading a value would break the graph."""
-    return t.device.type != "meta" and not torch.compiler.is_compiling()
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether t is a fake tensor (FakeTensorMode, torch.export): shapes and no values to read."""
+    return _is_fake is not None and bool(_is_fake(t))
+
+
+try:  # private, but the one way to tell a fake tensor from a real one
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+except ImportError:  # pragma: no cover - another torch
+    _is_fake = None  # type: ignore[assignment]
+
+
+def host_readable(t: torch.Tensor) -> bool:
+    """Whether t's values can be read on the host without waiting for a device: a real CPU tensor, outside
+    torch.compile's tracing. A CUDA tensor is never read (``.tolist()`` and ``bool(...)`` wait for every kernel
+    queued before them: a device sync on the hot path); neither is one of the meta device or a fake tensor
+    (FakeTensorMode, torch.export: shapes without values), nor any while torch.compile traces (reading a value
+    would break the graph). Code that cannot read a value answers conservatively instead."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(t)
 
 
 Span = range | slice  # consecutive positions start .. stop - 1 (a slice here has step 1 and int bounds)
@@ -584,7 +618,17 @@ class _BoundTerm:
         return part if dtype is None else part.to(dtype)
 
     def may_empty_rows(self) -> bool:
+        """Whether some query row may have every key masked by this term; answered without waiting for a device."""
         return False
+
+    def host_term(self) -> _BoundTerm | None:
+        """This term evaluated on the CPU from values known on the host (for :meth:`BoundMask.may_empty_rows`),
+        or None where its values live only on a device."""
+        return None
+
+
+def _on_cpu(shape: AttentionShape) -> AttentionShape:
+    return AttentionShape(shape.batch, shape.heads, shape.q_len, shape.k_len, torch.device("cpu"))
 
 
 class _BoundDiagonal(_BoundTerm):
@@ -637,30 +681,55 @@ class _BoundDiagonal(_BoundTerm):
         ends_in_time = self.spec.left is None or _surely(last - self.spec.left <= self.shape.k_len - 1)
         return not (starts_in_time and ends_in_time)
 
+    def host_term(self) -> _BoundTerm | None:
+        return _BoundDiagonal(self.spec, self.offset, _on_cpu(self.shape))
+
+    def key_bounds(self, position: int) -> tuple[float, float]:
+        """[lo, hi]: the keys this band lets query row ``position`` (0-based) see, before clipping to [0, j)."""
+        p = position + self.offset  # its aligned position
+        lo = -math.inf if self.spec.left is None else p - self.spec.left
+        hi = math.inf if self.spec.right is None else p + self.spec.right
+        return lo, hi
+
 
 class _BoundPadding(_BoundTerm):
-    def __init__(self, valid: torch.Tensor, shape: AttentionShape):
-        self.valid = valid[:, None, None, :]  # (b, 1, 1, j)
+    """Keys j < lengths[b] (or valid[b, j]) for batch row b. Block states and empty rows are answered from
+    values known on the host (``lengths``: Python ints; ``host_valid``: a CPU (b, j) bool) and never from a
+    device tensor: with neither, every block is PARTIAL and any row may be empty (conservative, sync-free)."""
+
+    def __init__(
+        self,
+        valid: torch.Tensor,
+        shape: AttentionShape,
+        *,
+        lengths: tuple[int, ...] | None = None,
+        host_valid: torch.Tensor | None = None,
+    ):
+        self.valid = valid[:, None, None, :]  # (b, 1, 1, j) on the call's device
+        self.shape = shape
+        self.lengths = lengths  # key lengths known on the host, or None
+        self.host_valid = host_valid  # (b, j) bool on the CPU, or None
         self._key_counts: tuple[torch.Tensor, torch.Tensor] | None = None  # built on the first block query
 
     def _cumulative_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per key column, whether some / every batch row has it real, cumulated: two (j + 1,) CPU tensors.
-
-        Computed once, on the first block state asked for (kernels that never skip blocks never pay
-        the device sync), so a block's state is two lookups.
-        """
+        """Per key column, whether some / every batch row has it real, cumulated: two (j + 1,) CPU tensors from
+        ``host_valid``, built on the first block state asked for, so a block's state is two lookups."""
         if self._key_counts is None:
-            valid = self.valid[:, 0, 0, :]  # (b, j)
+            assert self.host_valid is not None
             zero = torch.zeros(1, dtype=torch.long, device="cpu")
             self._key_counts = (
-                torch.cat([zero, valid.any(0).cpu().long().cumsum(0)]),
-                torch.cat([zero, valid.all(0).cpu().long().cumsum(0)]),
+                torch.cat([zero, self.host_valid.any(0).long().cumsum(0)]),
+                torch.cat([zero, self.host_valid.all(0).long().cumsum(0)]),
             )
         return self._key_counts
 
     def span_state(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> BlockState:
-        if not _has_values(self.valid):
-            return BlockState.PARTIAL
+        if self.lengths is not None:  # keys below the shortest length are real in every row, from the longest none
+            if col_start >= max(self.lengths):
+                return BlockState.EMPTY
+            return BlockState.FULL if col_stop <= min(self.lengths) else BlockState.PARTIAL
+        if self.host_valid is None:
+            return BlockState.PARTIAL  # the values are on the device: not read
         any_cum, all_cum = self._cumulative_counts()
         if any_cum[col_stop] == any_cum[col_start]:
             return BlockState.EMPTY
@@ -669,15 +738,28 @@ class _BoundPadding(_BoundTerm):
         return BlockState.PARTIAL
 
     def surely_full(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> bool:
-        return _has_values(self.valid) and self.span_state(row_start, row_stop, col_start, col_stop) is BlockState.FULL
+        if self.lengths is None and self.host_valid is None:
+            return False
+        return self.span_state(row_start, row_stop, col_start, col_stop) is BlockState.FULL
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
         return _select(self.valid, 3, cols)
 
     def may_empty_rows(self) -> bool:
-        if not _has_values(self.valid):
-            return True  # nothing to look at (meta tensors, or tracing): assume the worst
-        return bool((~self.valid.any(-1)).any())
+        if self.lengths is not None:
+            return min(self.lengths) <= 0
+        if self.host_valid is None:
+            return True  # nothing read on the host: assume the worst (kernels then guard every row)
+        return bool((~self.host_valid.any(-1)).any())  # a CPU tensor: no device waited for
+
+    def host_term(self) -> _BoundTerm | None:
+        if self.host_valid is not None:
+            return _BoundPadding(self.host_valid, _on_cpu(self.shape), host_valid=self.host_valid)
+        if self.lengths is None:
+            return None
+        lengths = torch.tensor(self.lengths, dtype=torch.long, device="cpu")
+        valid = torch.arange(self.shape.k_len, device="cpu") < lengths[:, None]  # (b, j)
+        return _BoundPadding(valid, _on_cpu(self.shape), lengths=self.lengths)
 
 
 class _BoundAlibi(_BoundTerm):
@@ -742,10 +824,13 @@ class _BoundDense(_BoundTerm):
         return _select(_select(_select(self.tensor, 1, heads), 2, rows), 3, cols)
 
     def may_empty_rows(self) -> bool:
-        if not _has_values(self.tensor):
-            return True
+        if not host_readable(self.tensor):
+            return True  # a device tensor is not read (a sync), nor a fake one: assume the worst
         keep = self.tensor > -math.inf if self.is_bias else self.tensor
-        return bool((~keep.any(-1)).any())
+        return bool((~keep.any(-1)).any())  # a CPU tensor: no device waited for
+
+    def host_term(self) -> _BoundTerm | None:
+        return self if host_readable(self.tensor) else None
 
 
 # --------------------------------------------------------------------------- the bound mask
@@ -834,6 +919,12 @@ class BoundMask:
     def has_bias(self) -> bool:
         return bool(self.bias_terms)
 
+    def signature(self) -> tuple:
+        """The mask's structure without its data, hashable: each term's kind and numbers (a band's sides and
+        alignment offset, a tensor's shape and dtype) and the soft-cap. What auto's measured choices are kept for
+        (``multihead.backends.policy.autotune``)."""
+        return tuple(_term_signature(term) for term in self.terms), self.softcap
+
     @property
     def bias_requires_grad(self) -> bool:
         return any(t.requires_grad for t in self.bias_terms)
@@ -849,17 +940,46 @@ class BoundMask:
         )
 
     def may_empty_rows(self) -> bool:
-        """Whether some query row may have every key masked: exact wherever the values can be read, and without
-        an i x j tensor (see :meth:`_some_row_empty`)."""
+        """Whether some query row may have every key masked, answered on the host without waiting for a device.
+
+        Exact wherever the values are known on the host (sizes, bands, lengths given as ints, CPU tensors), and
+        without an i x j tensor (see :meth:`_some_row_empty`); True (assume the worst) where a term's values
+        live only on a device, or cannot be read at all (meta or fake tensors, torch.compile's tracing).
+        """
         if any(t.may_empty_rows() for t in self.terms):
             return True
         # a finite bias (ALiBi, a bias without -inf) masks no pair: only the other terms can empty a row, together
         masking = [t for t in self.terms if not t.is_bias or t.may_hold_minus_inf]
         if len(masking) < 2:
             return False
-        if self.shape.device.type == "meta" or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return True  # symbolic sizes: comparing them would pin the lengths (kernels then guard every row)
+        if all(isinstance(t, _BoundDiagonal) or (isinstance(t, _BoundPadding) and t.lengths) for t in masking):
+            return self._bands_empty_a_row(masking)  # the common case, settled by arithmetic on ints
+        # the rest is looked at on the CPU, from values known there: a CUDA tensor's are not read (a device sync)
+        host = [t.host_term() for t in masking]
+        if any(t is None for t in host):
             return True  # no values to look at: assume the worst (kernels then guard every row)
-        return BoundMask(masking, self.shape)._some_row_empty()
+        return BoundMask([t for t in host if t is not None], _on_cpu(self.shape))._some_row_empty()
+
+    def _bands_empty_a_row(self, terms: list[_BoundTerm]) -> bool:
+        """Whether diagonal bands and key lengths known on the host leave some query row no key, without a tensor.
+
+        Row p may see keys max(lower bounds) ... min(upper bounds), the bounds being each band's p + offset - left
+        and p + offset + right, 0, and j - 1 and min(lengths) - 1 (the shortest row is the worst). A maximum of
+        lines is convex in p and a minimum of lines concave, so their difference is largest at the first or the
+        last row: the row is empty where lo > hi, and checking those two rows settles every row.
+        """
+        shortest = min((min(t.lengths) for t in terms if isinstance(t, _BoundPadding) and t.lengths), default=None)
+        top = self.shape.k_len - 1 if shortest is None else min(self.shape.k_len, shortest) - 1
+        bands = [t for t in terms if isinstance(t, _BoundDiagonal)]
+        for row in {0, self.shape.q_len - 1}:
+            bounds = [band.key_bounds(row) for band in bands]
+            lo = max([0, *(b[0] for b in bounds)])
+            hi = min([top, *(b[1] for b in bounds)])
+            if lo > hi:
+                return True
+        return False
 
     def _some_row_empty(self) -> bool:
         """Whether terms that each leave every row a key jointly leave some row none, a block of rows at a time.
@@ -919,12 +1039,6 @@ class BoundMask:
 
     def block(
         self,
-    def signature(self) -> tuple:
-        """The mask's structure without its data, hashable: each term's kind and numbers (a band's sides and
-        alignment offset, a tensor's shape and dtype) and the soft-cap. What auto's measured choices are kept for
-        (``multihead.backends.policy.autotune``)."""
-        return tuple(_term_signature(term) for term in self.terms), self.softcap
-
         rows: Index,
         cols: Index,
         heads: torch.Tensor | None = None,
