@@ -528,7 +528,7 @@ class MultiHeadAttention(nn.Module):
                     "a key tensor",
                     "build the layer without rotary for cross-attention",
                 )
-            where = self._positions(positions, b, i, cache, query.device)
+            where = self._positions(positions, b, i, cache)
             # tables grow only once the call has succeeded (below): a failed call leaves them as they were
             q, k = self.rotary.rotate(q, where, grow=False), self.rotary.rotate(k, where, grow=False)
             rotary_end = where + i if isinstance(where, int) else None
@@ -560,9 +560,7 @@ class MultiHeadAttention(nn.Module):
             pending.commit()
         return out, weights
 
-    def _positions(
-        self, positions: torch.Tensor | None, b: int, i: int, cache: KVCache | None, device: torch.device
-    ) -> int | torch.Tensor:
+    def _positions(self, positions: torch.Tensor | None, b: int, i: int, cache: KVCache | None) -> int | torch.Tensor:
         start = 0 if cache is None else cache.seen
         if positions is None:
             return start
@@ -581,4 +579,6 @@ class MultiHeadAttention(nn.Module):
                 tuple(positions.shape),
                 "give one position per new token",
             )
-        return positions.to(device)
+        # left where it is: rotate reads a CPU tensor's values (to check them and size its tables) before moving it
+        # to the device itself without waiting; a tensor already on the device is never read
+        return positions

@@ -30,6 +30,7 @@ from torch import nn
 
 from multihead._errors import bad_argument, describe, floating_dtype, usable_device
 from multihead._limits import check_fits
+from multihead.masks import host_readable, to_device
 
 __all__ = ["RotaryEmbedding", "SinusoidalPositions", "LearnedPositions"]
 
@@ -101,9 +102,12 @@ def _table_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _inverse_frequencies(dim: int, base: float) -> torch.Tensor:
-    """base^(-2m/dim) for m = 0 .. dim/2 - 1, float64 on the CPU: shape (dim/2,)."""
-    return base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+def _inverse_frequencies(dim: int, base: float, device: torch.device | None = None) -> torch.Tensor:
+    """base^(-2m/dim) for m = 0 .. dim/2 - 1, float64 on ``device`` (the CPU by default): shape (dim/2,).
+
+    Computed where it is used: built on the CPU and moved, it would cost every call a copy from the host,
+    which waits for the device."""
+    return base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
 
 
 def _grown(current: int, needed: int, same_place: bool, cap: int | None = None) -> int:
@@ -151,7 +155,7 @@ def _table_for(
             check_fits(name, (size, row_size), torch.float64, None, fix, what="the position table")
         except ValueError:
             size = length
-        table = build(size).to(device=device, dtype=dtype)
+        table = to_device(build(size).to(dtype), device)  # built on the CPU: queued on the device, not waited for
         setattr(module, buffer, table)
         return table
 
@@ -254,8 +258,11 @@ class RotaryEmbedding(nn.Module):
             x: (b, h, n, d), or unbatched (h, n, d).
             positions: an int offset (rows at offset .. offset + n - 1), or an integer tensor
                 of non-negative positions, (n,) shared by the batch or (b, n) one row per
-                batch element (e.g. left-padded batches). A tensor costs one device sync
-                (its maximum sizes the cache).
+                batch element (e.g. left-padded batches). A CPU tensor is read on the host: a
+                negative position is refused and the cached tables cover the largest. A tensor
+                on a device (CUDA) is never read, as reading it would wait for the device: its
+                angles are computed on the device for this call, without the tables, and a
+                negative position there rotates by a negative angle (no check).
             grow: grow the cached tables when they are too short. With False, positions past
                 them are computed for this call only (the layer grows the tables with
                 :meth:`reserve` once its whole call has succeeded, so a failed call changes nothing).
@@ -295,13 +302,14 @@ class RotaryEmbedding(nn.Module):
                 f"shape {tuple(positions.shape)}",
                 "pass one position per row of x (x.shape[-2])",
             )
-        positions = positions.to(device=x.device, dtype=torch.long)
         if n == 0:
             return x.clone()
-        if torch.compiler.is_compiling():  # no table, no device sync: angles computed in the graph
-            cos, sin = self._cos_sin_of(positions, x)
+        if not host_readable(positions):
+            # on a device, traced by torch.compile, or fake: no value read (a device sync, or none to read), so no
+            # table to size: the angles are computed in float64 for these positions, on x's device
+            cos, sin = self._cos_sin_of(positions.to(device=x.device, dtype=torch.long), x)
         else:
-            lowest, highest = torch.stack((positions.min(), positions.max())).tolist()  # the one device sync
+            lowest, highest = torch.stack((positions.min(), positions.max())).tolist()  # a CPU tensor: no sync
             if lowest < 0:
                 raise bad_argument(
                     "positions",
@@ -309,6 +317,7 @@ class RotaryEmbedding(nn.Module):
                     f"a minimum of {lowest}",
                     "count positions from 0, the first token of the sequence",
                 )
+            positions = to_device(positions.long(), x.device)
             if grow or self._covers(highest + 1, x):
                 cos, sin = self._tables(highest + 1, x, "positions")
                 cos, sin = cos[positions], sin[positions]  # (n, d/2) or (b, n, d/2)
@@ -346,7 +355,7 @@ class RotaryEmbedding(nn.Module):
     def _cos_sin_of(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the angles of ``positions`` (any shape (...)), each (..., d/2) in x's table dtype:
         computed in float64 like the tables, without caching them (torch.compile's graphs, rotate(grow=False))."""
-        inverse = _inverse_frequencies(self.head_dim, self.base).to(x.device)  # (d/2,)
+        inverse = _inverse_frequencies(self.head_dim, self.base, x.device)  # (d/2,)
         angles = positions.to(torch.float64)[..., None] * inverse  # (..., d/2)
         dtype = _table_dtype(x.dtype)
         return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -392,7 +401,7 @@ def _check_length(name: str, n: int, offset: int, max_len: int | None, owner: st
 
 def _sinusoid(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
     """PE rows of ``positions`` (n,), in float64 on their device: (n, dim), sin and cos interleaved per pair."""
-    inverse = _inverse_frequencies(dim, base).to(positions.device)  # (dim/2,)
+    inverse = _inverse_frequencies(dim, base, positions.device)  # (dim/2,)
     angles = positions.to(torch.float64)[:, None] * inverse[None, :]  # (n, dim/2)
     return torch.stack((angles.sin(), angles.cos()), dim=-1).reshape(len(positions), dim)
 
