@@ -111,8 +111,10 @@ def ablate_outputs(
     "uniform" attends again from all-zero queries.
     """
     num_heads = out.shape[1]
+    # head by head: indexing with a Python list would copy it to the device first, a copy that waits for the device
     ablated = torch.zeros(num_heads, dtype=torch.bool, device=out.device)
-    ablated[list(ablation.heads)] = True
+    for head in ablation.heads:
+        ablated[head] = True
     if ablation.how == "zero":
         replacement = torch.zeros((), dtype=out.dtype, device=out.device)
     elif ablation.how == "uniform":
@@ -122,7 +124,9 @@ def ablate_outputs(
     else:
         assert ablation.mean_outputs is not None  # make_ablation requires them for how="mean"
         replacement = torch.zeros(num_heads, out.shape[-1], dtype=out.dtype, device=out.device)
-        replacement[list(ablation.heads)] = ablation.mean_outputs.to(out.dtype)
+        mean_outputs = ablation.mean_outputs.to(out.dtype)  # (len(heads), e)
+        for row, head in enumerate(ablation.heads):
+            replacement[head] = mean_outputs[row]
         replacement = replacement[None, :, None, :]  # (1, h, 1, e)
     return torch.where(ablated[None, :, None, None], replacement, out)
 
