@@ -447,11 +447,13 @@ def flex_attention_backend(
 ) -> BackendOutput:
     """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e) [, lse (b, h, i), natural log].
 
-    Both in q's dtype; under torch.autocast, in the autocast dtype (float64 excepted), as the other backends.
+    The output in q's dtype; under torch.autocast, in the autocast dtype (float64 excepted), as the other backends.
+    The LSE in float32 (float64 for float64 inputs).
     """
     q, k, v = autocast_inputs(q, k, v)
     out, lse = _run(q, k, v, mask=mask, scale=scale, need_lse=need_lse)
-    return BackendOutput(out, None, None if lse is None else lse.to(q.dtype))
+    # the LSE in float32 at least (float64 for float64 inputs), as every backend returns it, never rounded to half
+    return BackendOutput(out, None, None if lse is None else lse.to(torch.promote_types(q.dtype, torch.float32)))
 
 
 def warm_up(
@@ -556,9 +558,9 @@ CAPABILITIES = Capabilities(
     backward=True,  # on CUDA; the CPU refusal is in check, with its reason
     bias_grad=False,
     compiles_dynamic=False,  # its BlockMask is built by a Python loop over blocks, which would pin a length
+    fused=True,  # once compiled (auto skips it until then)
     check=_flex_limits,
     auto_skip=_cold,
-    fused=True,  # once compiled (auto skips it until then)
     softcap=True,
     # the live blocks of its BlockMask, in the dtype it computes in
     estimate=lambda call: block_kernel_estimate(call, "flex", BLOCK, BLOCK, half="by rates", scores_modded=True),

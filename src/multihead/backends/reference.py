@@ -80,9 +80,9 @@ def _reference(
     if dropout > 0:
         weights = F.dropout(weights, p=dropout, training=True)
     output = weights @ v  # (b, h, i, e)
-    return BackendOutput(
-        output.to(q.dtype), weights.to(q.dtype) if need_weights else None, lse.to(q.dtype) if need_lse else None
-    )
+    # the LSE stays in the compute dtype (float32 for half inputs), as every backend returns it: rounded to half
+    # precision it would lose what merging partial results by their LSEs needs
+    return BackendOutput(output.to(q.dtype), weights.to(q.dtype) if need_weights else None, lse if need_lse else None)
 
 
 CAPABILITIES = Capabilities(lse=True, weights=True, dropout=True, backward=True, bias_grad=True, softcap=True)

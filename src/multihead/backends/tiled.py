@@ -54,7 +54,7 @@ from multihead.backends._blocks import (
 )
 from multihead.backends.costs import block_kernel_estimate, inputs_in_faster_dtype
 from multihead.backends.registry import BackendOutput, Capabilities
-from multihead.masks import BlockState, BoundMask
+from multihead.masks import BlockState, BoundMask, is_fake
 
 BLOCK_Q = 256  # query positions per block
 BLOCK_K = 256  # key positions per block (256 x 256 measured fastest here, see BENCHMARKS.md)
@@ -217,8 +217,14 @@ def _dropout_dense(q: torch.Tensor, k: torch.Tensor, dropout: float, seed: int) 
 
 
 def _seed(seed: torch.Tensor | None) -> int:
-    """The dropout seed travels as a tensor, so vmap's randomness modes can batch it; kernels read it here."""
-    return 0 if seed is None else int(seed.item())
+    """The dropout seed travels as a tensor, so vmap's randomness modes can batch it; kernels read it here.
+
+    It is drawn on the CPU (:func:`tiled_attention`), so reading it waits for no device. A fake seed
+    (FakeTensorMode: shapes without values) has nothing to read, and its call draws no real mask either.
+    """
+    if seed is None or is_fake(seed):
+        return 0
+    return int(seed.item())
 
 
 class _TiledAttention(KernelFunction):
@@ -332,18 +338,22 @@ def tiled_attention(
 ) -> BackendOutput:
     """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), lse (b, h, i).
 
-    Both in q's dtype; under torch.autocast, in the autocast dtype (float64 excepted), as torch's SDPA. A half
-    call's blocks are float32 either way; where the rates say so (this project's AVX2 CPU: bf16 forward 96 GFLOP/s,
-    backward 120, against 99 and 149 given float32) q, k and v are cast once before the Function, so that its
-    backward reads float32 instead of casting every saved input again.
+    The output in q's dtype; under torch.autocast, in the autocast dtype (float64 excepted), as torch's SDPA. The
+    LSE in the dtype the blocks are computed in: float32 for half inputs (rounded to bfloat16 it would be off by up
+    to 0.4% of its value, 0.06 at an LSE of 16, which merging partial results (ring attention) turns into weights
+    off by a factor exp(0.06)), float64 for float64. A half call's blocks are float32 either way; where the rates
+    say so (this project's AVX2 CPU: bf16 forward 96 GFLOP/s, backward 120, against 99 and 149 given float32) q, k
+    and v are cast once before the Function, so that its backward reads float32 instead of casting every saved
+    input again.
     """
     q, k, v = autocast_inputs(q, k, v)
     given = q.dtype
     q, k, v = inputs_in_faster_dtype("tiled", q, k, v)  # the rates alone: the Function casts to float32 either way
     seed = torch.randint(0, 2**62, (1,), device="cpu") if dropout > 0 else None  # read on the host (_seed)
-    # the Function returns the compute dtype (float32 for half inputs), which backward reads; cast after
+    # the Function returns the compute dtype (float32 for half inputs), which backward reads; the output is cast
+    # after, the LSE stays in it
     output, lse = _TiledAttention.call(q, k, v, mask, scale, dropout, seed)
-    return BackendOutput(output.to(given), None, lse.to(given) if need_lse else None)
+    return BackendOutput(output.to(given), None, lse if need_lse else None)
 
 
 CAPABILITIES = Capabilities(
@@ -353,10 +363,10 @@ CAPABILITIES = Capabilities(
     backward=True,
     bias_grad=False,
     compiles_dynamic=False,
+    python_block_loop=True,  # a few small kernels per block: passed over on CUDA where a fused kernel serves
     softcap=True,
     # skips the masked-out blocks, masks the partial (or biased) ones apart; in the dtype it computes in
     estimate=lambda call: block_kernel_estimate(
         call, "tiled", BLOCK_Q, BLOCK_K, half="float32 blocks", masks_blocks=True
     ),
 )
-    python_block_loop=True,  # a few small kernels per block: passed over on CUDA where a fused kernel serves
