@@ -163,13 +163,14 @@ EOF
     } 2>&1
 }
 
-# Test files to leave out: on an image whose transformers is outside the integration's tested range (TRANSFORMERS_
-# TESTED in multihead.integrations.transformers_versions), the files that import transformers at the top, directly
-# or through another test module, would fail at collection (the integration refuses that version, by design), so
-# they are ignored and named in tests.txt. Within the range nothing is left out.
+# Test files to leave out, as they would fail at collection: on an image whose transformers is outside the
+# integration's tested range (TRANSFORMERS_TESTED in multihead.integrations.transformers_versions) the files that
+# import transformers at the top, directly or through another test module (the integration refuses that version, by
+# design); and files importing a package the image lacks (matplotlib, playwright, ...: it installs nothing). Each
+# is named with its reason in tests-ignored.txt. With everything installed and in range nothing is left out.
 transformers_ignores() {
     "$PY" - <<'EOF'
-import ast, re, sys
+import ast, importlib.util, re, sys
 from importlib import metadata
 from pathlib import Path
 
@@ -182,10 +183,10 @@ try:
     installed = metadata.version("transformers")
 except metadata.PackageNotFoundError:
     installed = None
-if installed is not None and key(TRANSFORMERS_TESTED[0]) <= key(installed) <= key(TRANSFORMERS_TESTED[1]):
-    sys.exit(0)
-print(f"transformers {installed} is outside the tested range {TRANSFORMERS_TESTED[0]} to {TRANSFORMERS_TESTED[1]}",
-      file=sys.stderr)
+in_range = installed is not None and key(TRANSFORMERS_TESTED[0]) <= key(installed) <= key(TRANSFORMERS_TESTED[1])
+if not in_range:
+    print(f"# transformers {installed} is outside the tested range {TRANSFORMERS_TESTED[0]} to "
+          f"{TRANSFORMERS_TESTED[1]}: the files importing it are left out", file=sys.stderr)
 SAFE = "multihead.integrations.transformers_versions"  # free of transformers by design
 
 def imports_transformers(module):
@@ -193,7 +194,9 @@ def imports_transformers(module):
     return top in ("transformers", "sentence_transformers") or (
         module.startswith("multihead.integrations.transformers") and not (module + ".").startswith(SAFE + ".")
     )
+
 modules = {path.stem: path for path in Path("tests").glob("*.py")}
+local = {*modules, *(path.stem for path in Path("benchmarks").glob("*.py")), "harness"}  # on PYTHONPATH or sys.path
 imports = {}
 for name, path in modules.items():
     tree = ast.parse(path.read_text())
@@ -201,19 +204,34 @@ for name, path in modules.items():
     for node in tree.body:  # top-level imports only: those run at collection
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)  # from package import module
     imports[name] = found
-needs = {}
-def needs_transformers(name, seen=()):
-    if name not in needs:
-        direct = any(imports_transformers(m) for m in imports[name])
-        local = [m for m in imports[name] if m in modules and m not in seen and m != name]
-        needs[name] = direct or any(needs_transformers(m, (*seen, name)) for m in local)
-    return needs[name]
+
+def missing(module):
+    """A package this image lacks (it installs nothing: a file importing it cannot be collected)."""
+    top = module.split(".")[0]
+    return top not in local and top not in ("multihead", "__future__") and importlib.util.find_spec(top) is None
+
+reasons = {}
+def why(name, seen=()):
+    if name not in reasons:
+        reasons[name] = None
+        for m in sorted(imports[name]):
+            if not in_range and imports_transformers(m):
+                reasons[name] = f"imports {m}"
+            elif missing(m):
+                reasons[name] = f"imports {m}, not installed"
+            elif m in modules and m not in seen and m != name and why(m, (*seen, name)):
+                reasons[name] = f"imports {m} ({why(m)})"
+            if reasons[name]:
+                break
+    return reasons[name]
+
 for name in sorted(modules):
-    if name.startswith("test_") and needs_transformers(name):
+    if name.startswith("test_") and why(name):
+        print(f"# {modules[name]}: {why(name)}", file=sys.stderr)
         print(f"--ignore={modules[name]}")
 EOF
 }
@@ -226,10 +244,10 @@ portable_tests() {
         return 2
     }
     if [ -n "$ignores" ]; then
-        echo "# left out (their transformers is outside the tested range):" >>"$OUT_DIR/tests-ignored.txt"
         echo "$ignores" >>"$OUT_DIR/tests-ignored.txt"
     else
-        echo "# nothing left out: transformers is within the integration's tested range" >>"$OUT_DIR/tests-ignored.txt"
+        echo "# nothing left out: transformers is within the tested range and every import is installed" \
+            >>"$OUT_DIR/tests-ignored.txt"
     fi
     cat "$OUT_DIR/tests-ignored.txt"
     local selection=(tests)
