@@ -48,7 +48,7 @@ class AttentionResult(NamedTuple):
 
     output: torch.Tensor  # (b, h, i, e)
     weights: torch.Tensor | None  # (b, h, i, j), or (b, len(heads), len(queries), j) for a selection
-    lse: torch.Tensor | None  # (b, h, i); -inf on rows with every key masked
+    lse: torch.Tensor | None  # (b, h, i), float32 for half inputs; -inf on rows with every key masked
 
 
 @dataclass(frozen=True)
