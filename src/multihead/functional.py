@@ -38,7 +38,7 @@ from multihead.backends._blocks import (
     softmax_rows_,
 )
 from multihead.backends.reference import masked_softmax
-from multihead.masks import AttentionShape, BoundMask, Mask, bind_mask
+from multihead.masks import AttentionShape, BoundMask, Mask, bind_mask, to_device
 
 __all__ = ["attention", "explain", "AttentionResult", "WeightSelection"]
 
@@ -339,7 +339,8 @@ def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return
 
 
 def _index_tensor(selected: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(list(selected), dtype=torch.long, device=device)
+    """The selected indices on ``device``, copied there without waiting for it (``masks.to_device``)."""
+    return to_device(torch.as_tensor(list(selected), dtype=torch.long), device)
 
 
 def _index(selected: Sequence[int] | slice | None, device: torch.device) -> torch.Tensor | slice:
