@@ -49,7 +49,7 @@ def described(
 
 
 def test_the_cpu_kind_follows_the_instruction_set_torch_runs_and_the_bf16_units(monkeypatch):
-    detect = policy._cpu_kind.__wrapped__  # the cached detection, run afresh
+    detect = policy._detect_cpu_kind  # the detection device_kind runs once per device
     monkeypatch.setattr(policy, "cpu_flags", lambda: ("A CPU", frozenset({"avx2", "avx512f", "avx512_bf16"})))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert detect() == DeviceKind("cpu", "cpu-avx512-bf16", "A CPU")

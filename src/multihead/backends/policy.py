@@ -90,8 +90,7 @@ def cpu_flags() -> tuple[str, frozenset[str]]:
 BF16_UNIT_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
-@functools.cache
-def _cpu_kind() -> DeviceKind:
+def _detect_cpu_kind() -> DeviceKind:
     # the instruction set ATen's kernels run (ATEN_CPU_CAPABILITY can lower it): what the kernels' speed follows
     isa = torch.backends.cpu.get_cpu_capability().lower()
     model, flags = cpu_flags()
@@ -99,19 +98,35 @@ def _cpu_kind() -> DeviceKind:
     return DeviceKind("cpu", name, model)
 
 
-@functools.cache
-def _cuda_kind(index: int) -> DeviceKind:
+def _detect_cuda_kind(index: int) -> DeviceKind:
     major, minor = torch.cuda.get_device_capability(index)  # cached by torch: no device sync
     return DeviceKind("cuda", f"cuda-sm{major}{minor}", torch.cuda.get_device_name(index))
 
 
+_KINDS: dict[tuple[str, int | None], DeviceKind] = {}  # detected once per device, read by every eager call
+# what a traced graph plans a device as: its type alone (the type's nearest table), built here so that tracing
+# neither reads files or the driver nor guards on what eager calls have detected (each would cost a recompile)
+_TRACED_KINDS = {name: DeviceKind(name, name) for name in ("cpu", "cuda", "meta", "mps", "xpu")}
+
+
 def device_kind(device: torch.device) -> DeviceKind:
-    """The kind of ``device`` (read once per device: the CPU's instruction set and flags, a GPU's capability)."""
+    """The kind of ``device``, detected once per device (the CPU's instruction set and flags, a GPU's capability).
+    Inside a graph torch.compile traces, the device's type alone (see ``_TRACED_KINDS``): under tracing auto compares
+    no estimates, and a half call's CPU precision follows the type's table."""
+    if torch.compiler.is_compiling():
+        return _TRACED_KINDS.get(device.type) or DeviceKind(device.type, device.type)
+    key = (device.type, device.index)
+    known = _KINDS.get(key)
+    if known is not None:
+        return known
     if device.type == "cpu":
-        return _cpu_kind()
-    if device.type == "cuda":
-        return _cuda_kind(torch.cuda.current_device() if device.index is None else device.index)
-    return DeviceKind(device.type, device.type)
+        kind = _detect_cpu_kind()
+    elif device.type == "cuda":
+        kind = _detect_cuda_kind(torch.cuda.current_device() if device.index is None else device.index)
+    else:
+        kind = DeviceKind(device.type, device.type)
+    _KINDS[key] = kind
+    return kind
 
 
 # The table a kind without one of its own uses: the nearest measured or published kind of its device type
@@ -196,7 +211,10 @@ def _checked(policy: object) -> DispatchPolicy:
 
 
 def current_policy() -> DispatchPolicy:
-    """The policy auto decides with here: the innermost :func:`use_policy`, else the process's (:func:`set_policy`)."""
+    """The policy auto decides with here: the innermost :func:`use_policy`, else the process's (:func:`set_policy`).
+    Inside a graph torch.compile traces, the process's: reading a context variable breaks the graph."""
+    if torch.compiler.is_compiling():
+        return _process_policy
     scoped = _scoped_policy.get()
     return _process_policy if scoped is None else scoped
 

@@ -327,7 +327,7 @@ def choose(call: AttentionCall, backend: str) -> Backend:
     Under auto, the cheapest serving backend by their estimates (:func:`_cheapest`); the full explanation is built
     only to report failure.
     """
-    if backend == "auto" and call_kind(call).type in current_policy().fused_first:
+    if backend == "auto" and call.device.type in current_policy().fused_first:
         serving = _serving(call, for_auto=True)[0]
         if serving:
             return _cheapest(call, serving)[0]
