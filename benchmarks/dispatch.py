@@ -43,11 +43,9 @@ import statistics
 import subprocess
 import sys
 import time
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from harness import common
@@ -493,34 +491,14 @@ class FlexPeer:
         self.compiled: dict[tuple[str, torch.dtype], Callable] = {}
         self.slopes = masks.alibi_slopes(HEADS).to(torch.float32)
         self.length = torch.tensor([0] * BATCH)
-        slopes, length = self.slopes, self.length
-
-        def causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return q >= kv
-
-        def window(b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return (q >= kv) & (q - kv <= WINDOW)
-
-        def padding(b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return kv < length[b]
-
-        def alibi(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return score + slopes[h] * (kv - q)
-
-        self.mask_mods = {"causal": causal, "window": window, "alibi": causal, "padding": padding, "none": None}
-        self.score_mods = {"alibi": alibi}
+        self.mask_mods, self.score_mods = common.flex_peer_mods(self.slopes, self.length, WINDOW)
 
     def kernel(self, kind: str, dtype: torch.dtype) -> Callable:
         """torch.compile of a fresh copy of flex_attention per mask kind and dtype: dynamo's recompile limit (8)
         is per code object, and past it dynamo silently runs flex_attention unfused (eager, dense scores)."""
         key = (kind, dtype)
         if key not in self.compiled:
-            source = self.flex_attention
-            fresh = types.FunctionType(
-                source.__code__.replace(), source.__globals__, f"flex_peer_{len(self.compiled)}", source.__defaults__
-            )
-            fresh.__kwdefaults__ = source.__kwdefaults__
-            self.compiled[key] = torch.compile(fresh, dynamic=True)
+            self.compiled[key] = common.fresh_compiled(self.flex_attention, f"flex_peer_{len(self.compiled)}")
         return self.compiled[key]
 
     def prepare(self, kind: str, n: int, dtype: torch.dtype) -> tuple[Callable, float]:

@@ -43,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import time
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from harness import common
 
 import multihead
 from multihead import masks
@@ -321,33 +321,14 @@ class FlexPeer:
         self.flex_attention, self.device, self.compile = flex_attention, device, compile
         self.compiled: dict[str, Callable] = {}
         slopes = masks.alibi_slopes(HEADS).to(device=device, dtype=torch.float32)
-        length = self.length = torch.zeros(BATCH, dtype=torch.long, device=device)
-
-        def causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return q >= kv
-
-        def window(b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return (q >= kv) & (q - kv <= WINDOW)
-
-        def padding(b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return kv < length[b]
-
-        def alibi(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return score + slopes[h] * (kv - q)
-
-        self.mask_mods = {"causal": causal, "window": window, "alibi": causal, "padding": padding}
-        self.score_mods = {"alibi": alibi}
+        self.length = torch.zeros(BATCH, dtype=torch.long, device=device)
+        self.mask_mods, self.score_mods = common.flex_peer_mods(slopes, self.length, WINDOW)
 
     def kernel(self, kind: str) -> Callable:
         if not self.compile:
             return self.flex_attention
         if kind not in self.compiled:
-            source = self.flex_attention
-            fresh = types.FunctionType(
-                source.__code__.replace(), source.__globals__, f"flex_peer_{kind}", source.__defaults__
-            )
-            fresh.__kwdefaults__ = source.__kwdefaults__
-            self.compiled[kind] = torch.compile(fresh, dynamic=True)
+            self.compiled[kind] = common.fresh_compiled(self.flex_attention, f"flex_peer_{kind}")
         return self.compiled[kind]
 
     def call(self, kind: str, n: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:

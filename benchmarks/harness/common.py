@@ -587,3 +587,37 @@ def bench_main(
     print(report, flush=True)
     print(f"wrote {config.out_dir / config.stem}.json, .md, .png ({results['elapsed_s']:.0f} s)", flush=True)
     return 0
+
+
+# ------------------------------------------------------------------------------------ the FlexAttention peer
+def flex_peer_mods(
+    slopes: torch.Tensor, length: torch.Tensor, window: int
+) -> tuple[dict[str, Callable | None], dict[str, Callable]]:
+    """(mask_mods, score_mods) by mask kind, as a FlexAttention user writes them by hand: causal, causal & a
+    ``window`` of keys back, padding of each batch row to ``length[b]`` keys (a tensor the caller updates in place),
+    and causal ALiBi with ``slopes`` (h,); "none" has no mask_mod."""
+
+    def causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return q >= kv
+
+    def windowed(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return (q >= kv) & (q - kv <= window)
+
+    def padding(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return kv < length[b]
+
+    def alibi(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return score + slopes[h] * (kv - q)
+
+    mask_mods = {"causal": causal, "window": windowed, "alibi": causal, "padding": padding, "none": None}
+    return mask_mods, {"alibi": alibi}
+
+
+def fresh_compiled(function: Callable, name: str) -> Callable:
+    """torch.compile(dynamic=True) of a fresh copy of ``function`` named ``name``: dynamo's recompile limit (8) is
+    per code object, and past it dynamo silently runs flex_attention unfused (eager, dense scores)."""
+    import types
+
+    fresh = types.FunctionType(function.__code__.replace(), function.__globals__, name, function.__defaults__)
+    fresh.__kwdefaults__ = function.__kwdefaults__
+    return torch.compile(fresh, dynamic=True)
