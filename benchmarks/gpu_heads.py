@@ -38,7 +38,6 @@ from gpu_kernels import (
     DTYPES,
     RESULTS,
     Timer,
-    device_or_exit,
     first_line,
     free_memory,
     int_tuple,
@@ -48,6 +47,7 @@ from gpu_kernels import (
     machine_line,
     positive_int,
     ratio_spread,
+    run_from_flags,
     spread,
     write_reports,
 )
@@ -289,17 +289,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    overrides: dict[str, Any] = {"out_dir": args.out}
-    for name in ("device", "dtype", "sizes", "rounds"):
-        if getattr(args, name) is not None:
-            overrides[name] = getattr(args, name)
-    config = Config.smoke_config(**overrides) if args.smoke else Config(**overrides)
-    device_or_exit(config.device)
-    results = run(config)
-    report = write_reports(results, config.out_dir, "gpu_heads", markdown)
-    print(report, flush=True)
-    print(f"wrote {config.out_dir / 'gpu_heads'}.json, .md ({results['elapsed_s']:.0f} s)", flush=True)
-    return 0
+    return run_from_flags(args, Config, ("device", "dtype", "sizes", "rounds"), run, markdown, "gpu_heads")
 
 
 if __name__ == "__main__":

@@ -608,30 +608,31 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def run_from_flags(
+    args: argparse.Namespace,
+    config_type: Any,
+    fields: Sequence[str],
+    run: Callable[[Any], dict],
+    markdown: Callable[[dict], str],
+    stem: str,
+) -> int:
+    """A GPU benchmark's main: its ``config_type`` from the flags given among ``fields`` (on the smoke sizes with
+    --smoke), the device checked, the run, and its reports written as ``stem``.json and .md."""
     overrides: dict[str, Any] = {"out_dir": args.out}
-    for name in (
-        "device",
-        "dtype",
-        "rounds",
-        "head_dims",
-        "sizes",
-        "masks",
-        "modes",
-        "backends",
-        "call_budget_s",
-        "max_run_s",
-    ):
-        if getattr(args, name) is not None:
-            overrides[name] = getattr(args, name)
-    config = Config.smoke_config(**overrides) if args.smoke else Config(**overrides)
+    overrides.update({name: getattr(args, name) for name in fields if getattr(args, name) is not None})
+    config = config_type.smoke_config(**overrides) if args.smoke else config_type(**overrides)
     device_or_exit(config.device)
     results = run(config)
-    report = write_reports(results, config.out_dir, "gpu_kernels", markdown)
-    print(report, flush=True)
-    print(f"wrote {config.out_dir / 'gpu_kernels'}.json, .md ({results['elapsed_s']:.0f} s)", flush=True)
+    print(write_reports(results, config.out_dir, stem, markdown), flush=True)
+    print(f"wrote {config.out_dir / stem}.json, .md ({results['elapsed_s']:.0f} s)", flush=True)
     return 0
+
+
+FLAGS = ("device", "dtype", "rounds", "head_dims", "sizes", "masks", "modes", "backends", "call_budget_s", "max_run_s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_from_flags(parser().parse_args(argv), Config, FLAGS, run, markdown, "gpu_kernels")
 
 
 if __name__ == "__main__":
