@@ -23,7 +23,7 @@ from torch import nn
 
 from multihead._errors import bad_argument, describe
 from multihead.functional import attention
-from multihead.masks import Mask
+from multihead.masks import Mask, to_device
 
 if TYPE_CHECKING:  # annotations only: the layer imports this module, not the other way round
     from multihead.layer import MultiHeadAttention
@@ -111,10 +111,10 @@ def ablate_outputs(
     "uniform" attends again from all-zero queries.
     """
     num_heads = out.shape[1]
-    # head by head: indexing with a Python list would copy it to the device first, a copy that waits for the device
+    # the indices go to the device without waiting for it (a Python list as an index is a blocking copy)
+    heads = to_device(torch.as_tensor(list(ablation.heads), dtype=torch.long), out.device)
     ablated = torch.zeros(num_heads, dtype=torch.bool, device=out.device)
-    for head in ablation.heads:
-        ablated[head] = True
+    ablated[heads] = True
     if ablation.how == "zero":
         replacement = torch.zeros((), dtype=out.dtype, device=out.device)
     elif ablation.how == "uniform":
@@ -124,9 +124,7 @@ def ablate_outputs(
     else:
         assert ablation.mean_outputs is not None  # make_ablation requires them for how="mean"
         replacement = torch.zeros(num_heads, out.shape[-1], dtype=out.dtype, device=out.device)
-        mean_outputs = ablation.mean_outputs.to(out.dtype)  # (len(heads), e)
-        for row, head in enumerate(ablation.heads):
-            replacement[head] = mean_outputs[row]
+        replacement[heads] = ablation.mean_outputs.to(out.dtype)  # (len(heads), e) rows
         replacement = replacement[None, :, None, :]  # (1, h, 1, e)
     return torch.where(ablated[None, :, None, None], replacement, out)
 
