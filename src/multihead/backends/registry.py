@@ -169,16 +169,16 @@ def _serving(call: AttentionCall, for_auto: bool) -> tuple[list[Backend], dict[s
 def _fused_first(call: AttentionCall, serving: list[Backend], missing: dict[str, list[str]]) -> list[Backend]:
     """The policy's rule: on its ``fused_first`` device types, a backend looping over blocks in Python is passed
     over (its reason added to ``missing``) wherever a fused one serves the call."""
-    policy, kind = current_policy(), call_kind(call)
+    policy, device_type = current_policy(), call.device.type
     fused = [backend for backend in serving if backend.capabilities.fused]
-    if kind.type not in policy.fused_first or not fused:
+    if device_type not in policy.fused_first or not fused:
         return serving
     kept = []
     for backend in serving:
         if backend.capabilities.python_block_loop:
             missing[backend.name] = [
                 f"a Python loop over blocks (several small kernels per block), and {fused[0].name!r} serves this call "
-                f"as a fused kernel on {kind.type} (rule of policy {policy.name})"
+                f"as a fused kernel on {device_type} (rule of policy {policy.name})"
             ]
         else:
             kept.append(backend)
@@ -295,10 +295,9 @@ def explain_call(call: AttentionCall, backend: str) -> Explanation:
         return Explanation(None, missing, policy=policy)
     chosen, estimates = _cheapest(call, serving)
     explanation = Explanation(chosen.name, {}, estimates, policy)
-    kind = call_kind(call)
-    if chosen.capabilities.python_block_loop and kind.type in current_policy().fused_first:
+    if chosen.capabilities.python_block_loop and call.device.type in current_policy().fused_first:
         explanation.notes.append(
-            f"no fused kernel serves this call on {kind.type}, so {chosen.name!r} runs it as a Python loop over "
+            f"no fused kernel serves this call on {call.device.type}, so {chosen.name!r} runs it as a Python loop over "
             "blocks (several small kernels per block: far slower than a fused kernel); the reasons of the others "
             "say what to drop to reach one"
         )
