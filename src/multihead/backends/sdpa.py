@@ -91,7 +91,7 @@ def sdpa_attention(
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return BackendOutput(output.to(given))
+    return BackendOutput(output if output.dtype == given else output.to(given))  # .to costs a call even as a no-op
 
 
 def _sdpa_limits(call: AttentionCall) -> list[str]:
