@@ -21,8 +21,8 @@ and weight; dQ, dK from dS, and dV, dP from dO), except that the first projectio
 input gradient when the layer's input does not require one.
 
 Bytes are the tensors the layer allocates (see :class:`Bytes`); ``peak`` models multihead's own
-layer on the CPU (fused QKV projection, torch SDPA, the materialized kernel when every weight is
-asked for; what each kernel adds is :data:`KERNEL_BUFFERS`) and is checked within 10% of the
+layer on the CPU (fused QKV projection from FUSED_QKV_MIN_ROWS rows, torch SDPA, the materialized
+kernel when every weight is asked for; what each kernel adds is :data:`KERNEL_BUFFERS`) and is checked within 10% of the
 measured peak in the tests. How this machine is measured (the rates a roofline needs, a step's
 measured peak) is :mod:`multihead.machine`.
 
@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from multihead._errors import bad_argument, describe, positive_int
+from multihead.layer import FUSED_QKV_MIN_ROWS
 
 __all__ = [
     "LayerShape",
@@ -472,11 +473,11 @@ def _layer_bytes(
     weights_bytes = sizes.weights if need_weights else 0
     activations = q_bytes + kv_bytes + head_out + out + weights_bytes
     cache = b * g * j * (d + e) * size if mode == "decode" else 0
-    # The fused QKV matmul stacks W^Q, W^K, W^V for the call
+    # The fused QKV matmul stacks W^Q, W^K, W^V for the call (self-attention from FUSED_QKV_MIN_ROWS rows on)
     per_projection = params.per_projection
     stacked = (
         (per_projection["W^Q"] + per_projection["W^K"] + per_projection["W^V"]) * size
-        if s.self_attention_only and not cross
+        if s.self_attention_only and not cross and b * i >= FUSED_QKV_MIN_ROWS
         else 0
     )
     forward_peak = max(stacked + q_bytes + kv_bytes, activations + kernel.forward)
