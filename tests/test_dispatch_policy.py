@@ -223,3 +223,56 @@ def test_the_signature_autotune_keys_on_is_the_calls_structure():
     capped = bind_mask(masks.softcap(30.0), False, shape)
     assert capped.signature() != bind_mask(masks.softcap(20.0), False, shape).signature()
     hash(window.signature())  # a dict key
+
+
+def test_a_repeated_call_reuses_its_plan_until_what_it_rests_on_changes(monkeypatch):
+    """A call with no mask keeps its plan (bound mask, description, backend) per signature: the next identical call
+    neither validates nor dispatches again; registering a backend, another policy, other options or sizes decide
+    afresh."""
+    from multihead import functional
+
+    chosen: list[str] = []
+    real_choose = registry.choose
+
+    def counting_choose(call, backend):
+        picked = real_choose(call, backend)
+        chosen.append(picked.name)
+        return picked
+
+    monkeypatch.setattr(registry, "choose", counting_choose)
+    functional._PLANS.clear()
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    first = multihead.attention(q, k, v, causal=True)
+    torch.testing.assert_close(multihead.attention(q, k, v, causal=True), first)
+    assert chosen == ["sdpa"]  # decided once
+    multihead.attention(q, k, v)  # causal=False: another signature
+    multihead.attention(q[:, :, :3], k, v, causal=True)  # other sizes
+    assert len(chosen) == 3
+    # a backend registered in front is seen by the next call
+    reference = registry.get_backend("reference")
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return reference.fn(*args, **kwargs)
+
+    registry.register("front", spy, reference.capabilities, priority=0)
+    try:
+        torch.testing.assert_close(multihead.attention(q, k, v, causal=True), first)
+        assert chosen[-1] == "front" and calls == [1]
+    finally:
+        registry.unregister("front")
+    multihead.attention(q, k, v, causal=True)
+    assert chosen[-1] == "sdpa"
+    # another policy decides afresh, and so does a plain option given as another type (never the plan of 1.0)
+    count = len(chosen)
+    with policy.use_policy(policy.current_policy().assuming(AVX512_BF16)):
+        multihead.attention(q, k, v, causal=True)
+    assert len(chosen) == count + 1
+    multihead.attention(q, k, v, causal=True, scale=1.0)
+    with pytest.raises(TypeError, match="scale: expected a real number"):
+        multihead.attention(q, k, v, causal=True, scale=True)
+    # an unbatched call keeps its own plan and its shape
+    assert multihead.attention(q[0], k[0], v[0], causal=True).shape == (2, 5, 8)
+    assert multihead.attention(q[0], k[0], v[0], causal=True).shape == (2, 5, 8)
+    functional._PLANS.clear()

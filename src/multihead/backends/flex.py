@@ -47,7 +47,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from multihead._errors import bad_argument
 from multihead.backends._blocks import autocast_inputs
 from multihead.backends.costs import block_kernel_estimate, call_compute_dtype, inputs_in_faster_dtype
-from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities
+from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities, changed
 from multihead.masks import (
     AttentionShape,
     BlockState,
@@ -416,6 +416,7 @@ def _run(
                         result = kernel(*args)
                     except Exception as error:  # torch's compiler failed (e.g. inductor's C++ for some structures)
                         _FAILED[key] = _first_line(error)
+                        changed()  # auto now passes flex over for this kind of call
                         raise bad_argument(
                             "backend",
                             "a mask FlexAttention's compiler handles here",
@@ -424,6 +425,7 @@ def _run(
                         ) from None
                     _COMPILE_SECONDS[key] = time.perf_counter() - start
                     _WARM.add(key)
+                    changed()  # auto may now choose flex for this kind of call
     out, lse = result if need_lse else (result, None)
     if lse is not None:
         dead = (lse == -math.inf) | lse.isnan()  # rows with every key masked: output 0, lse -inf

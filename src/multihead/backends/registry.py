@@ -218,6 +218,20 @@ def _cheapest(call: AttentionCall, serving: list[Backend]) -> tuple[Backend, dic
 
 
 _REGISTRY: dict[str, Backend] = {}
+_changes = 0  # how many times what a backend answers auto has changed (registered, removed, compiled, failed)
+
+
+def changed() -> None:
+    """Say that a backend's answers to a call may have changed (a kernel compiled or failed to): what auto decided
+    for earlier calls is decided again (:func:`epoch`)."""
+    global _changes
+    _changes += 1
+
+
+def epoch() -> tuple[int, int]:
+    """What auto's decisions were made under: the registry itself and how often its backends' answers changed.
+    A decision kept under another epoch is not used (``multihead.functional``'s plans)."""
+    return id(_REGISTRY), _changes
 
 
 def register(
@@ -252,11 +266,13 @@ def register(
             kind=TypeError,
         )
     _REGISTRY[name] = Backend(name, fn, capabilities, priority)
+    changed()
 
 
 def unregister(name: str) -> None:
     """Remove a backend added with :func:`register`."""
     _REGISTRY.pop(get_backend(name).name)
+    changed()
 
 
 def available_backends() -> list[str]:
