@@ -141,7 +141,7 @@ class DispatchPolicy:
     one uses ``nearest[device type]``'s (or none: the priority order decides). ``assume``: device type -> the kind to
     plan for instead of the one detected (to see what auto would pick on another machine, and in tests, which must
     choose alike on every CPU). ``fused_first``: device types on which a backend with ``python_block_loop`` is
-    passed over wherever a backend without serves. ``autotune``: time the serving backends once per call signature
+    passed over wherever a ``fused`` one serves. ``autotune``: time the serving backends once per call signature
     and device and keep the fastest (:func:`autotune`).
     """
 
@@ -176,7 +176,8 @@ class DispatchPolicy:
         return f"policy {self.name}: device kind {kind}; rates{borrowed}: {rates.source}{tuned}"
 
     def with_rates(self, rates: KernelRates, *, kind: str | None = None, name: str | None = None) -> DispatchPolicy:
-        """This policy with ``rates`` as ``kind``'s table (None: every kind's)."""
+        """This policy with ``rates`` as ``kind``'s table (None: the table of every kind that has one or borrows
+        its device type's nearest; a device type with neither keeps no rates)."""
         if not isinstance(rates, KernelRates):
             raise bad_argument(
                 "rates", "a multihead.backends.rates.KernelRates", describe(rates), "build one", kind=TypeError
