@@ -16,7 +16,7 @@ import multihead
 from multihead import masks
 from multihead.backends import Capabilities, registry
 from multihead.functional import WeightSelection, attention
-from support import assert_within_rule, is_input_error, make_qkv
+from support import assert_within_rule, is_input_error, make_qkv, randn
 
 CAP = 2.0  # small enough that the scaled scores below (|s| up to ~10) reach tanh's flat part
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)  # ALiBi, one per query head
@@ -26,26 +26,27 @@ MASK_KINDS = ["alone", "causal", "padding", "window", "alibi", "combo"]
 SIZES = dict(b=3, h=4, g=2, i=5, j=7, d=6, e=9)
 
 
-def make_inputs(i: int = 5, j: int = 7, *, dtype=torch.float64, seed: int = 0):
-    """q, k, v with scores large enough that the cap bends them (q scaled up 4x)."""
-    q, k, v = make_qkv(**{**SIZES, "i": i, "j": j}, seed=seed)
+def make_inputs(i: int = 5, j: int = 7, *, dtype=torch.float64, seed: int = 0, device: torch.device | str = "cpu"):
+    """q, k, v on ``device`` with scores large enough that the cap bends them (q scaled up 4x)."""
+    q, k, v = make_qkv(**{**SIZES, "i": i, "j": j}, seed=seed, device=device)
     return [t.to(dtype) for t in (q * 4.0, k, v)]
 
 
 # --------------------------------------------------------------------------- the oracle: plain math, no multihead
 
 
-def plain_mask(kind: str, b: int, h: int, i: int, j: int):
-    """(our typed mask, the oracle's keep (b|1, h|1, i, j) bool or None, the oracle's bias or None).
+def plain_mask(kind: str, b: int, h: int, i: int, j: int, device: torch.device | str = "cpu"):
+    """(our typed mask, the oracle's keep (b|1, h|1, i, j) bool or None, the oracle's bias or None), on ``device``.
 
     Causal, window and ALiBi are aligned bottom-right: query n sits at key position n + (j - i).
     """
-    p = torch.arange(i)[:, None] + (j - i)  # (i, 1) aligned query positions
-    key = torch.arange(j)[None, :]  # (1, j)
-    lengths = torch.tensor([j, 3, 0])[:b]  # batch row 2 has no key at all
+    p = torch.arange(i, device=device)[:, None] + (j - i)  # (i, 1) aligned query positions
+    key = torch.arange(j, device=device)[None, :]  # (1, j)
+    lengths = torch.tensor([j, 3, 0], device=device)[:b]  # batch row 2 has no key at all
+    slopes = SLOPES.to(device)
     causal_keep = (key <= p)[None, None]
     padding_keep = (key[None] < lengths[:, None, None])[:, None]  # (b, 1, 1, j)
-    alibi_bias = -SLOPES[:h, None, None] * (key - p).abs().double()  # (h, i, j)
+    alibi_bias = -slopes[:h, None, None] * (key - p).abs().double()  # (h, i, j)
     cap = masks.softcap(CAP)
     if kind == "alone":
         return cap, None, None
@@ -56,9 +57,9 @@ def plain_mask(kind: str, b: int, h: int, i: int, j: int):
     if kind == "window":
         return masks.window(2, 1) & cap, ((key >= p - 2) & (key <= p + 1))[None, None], None
     if kind == "alibi":
-        return masks.alibi(SLOPES[:h].float()) & cap, None, alibi_bias[None]
+        return masks.alibi(slopes[:h].float()) & cap, None, alibi_bias[None]
     if kind == "combo":
-        mask = masks.causal() & masks.padding(lengths) & masks.alibi(SLOPES[:h].float()) & cap
+        mask = masks.causal() & masks.padding(lengths) & masks.alibi(slopes[:h].float()) & cap
         return mask, causal_keep & padding_keep, alibi_bias[None]
     raise ValueError(kind)
 
@@ -89,13 +90,14 @@ def oracle(q, k, v, *, cap=CAP, keep=None, bias=None, scale=None, dtype=torch.fl
 # --------------------------------------------------------------------------- forward
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("lengths", [(5, 7), (7, 5)], ids=["i<j", "i>j"])
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_forward_matches_the_plain_oracle(backend, kind, lengths, small_blocks):
+def test_forward_matches_the_plain_oracle(backend, kind, lengths, small_blocks, device):
     i, j = lengths
-    q, k, v = make_inputs(i, j)
-    mask, keep, bias = plain_mask(kind, SIZES["b"], SIZES["h"], i, j)
+    q, k, v = make_inputs(i, j, device=device)
+    mask, keep, bias = plain_mask(kind, SIZES["b"], SIZES["h"], i, j, device=device)
     want_out, want_weights, want_lse = oracle(q, k, v, keep=keep, bias=bias)
     lse_too = backend != "materialized"  # materialized returns no LSE
     got = attention(q, k, v, mask=mask, backend=backend, return_weights=True, return_lse=lse_too)
@@ -106,22 +108,24 @@ def test_forward_matches_the_plain_oracle(backend, kind, lengths, small_blocks):
         torch.testing.assert_close(got.lse, want_lse, rtol=0, atol=1e-12)
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_small_cap_changes_the_output_and_a_huge_one_does_not(backend, small_blocks):
+def test_a_small_cap_changes_the_output_and_a_huge_one_does_not(backend, small_blocks, device):
     """Sanity: the tests above can fail. cap = 0.5 moves the output far; cap = 1e6 is no cap to tolerance."""
-    q, k, v = make_inputs()
+    q, k, v = make_inputs(device=device)
     plain = attention(q, k, v, causal=True, backend=backend)
     capped = attention(q, k, v, mask=masks.causal() & masks.softcap(0.5), backend=backend)
     assert (capped - plain).abs().max() > 0.1
-    torch.testing.assert_close(capped, oracle(q, k, v, cap=0.5, keep=plain_mask("causal", 3, 4, 5, 7)[1])[0])
+    torch.testing.assert_close(capped, oracle(q, k, v, cap=0.5, keep=plain_mask("causal", 3, 4, 5, 7, device)[1])[0])
     huge = attention(q, k, v, mask=masks.causal() & masks.softcap(1e6), backend=backend)
     torch.testing.assert_close(huge, plain, rtol=0, atol=1e-9)
 
 
-def test_the_cap_applies_before_the_bias(small_blocks):
+@pytest.mark.portable
+def test_the_cap_applies_before_the_bias(small_blocks, device):
     """cap * tanh((s + bias) / cap) would differ: with a bias far below -cap the two orders part."""
-    q, k, v = make_inputs()
-    bias = torch.linspace(-20.0, 5.0, 7, dtype=torch.float64).expand(5, 7)  # (i, j)
+    q, k, v = make_inputs(device=device)
+    bias = torch.linspace(-20.0, 5.0, 7, dtype=torch.float64, device=device).expand(5, 7)  # (i, j)
     got = attention(q, k, v, mask=masks.softcap(CAP) & masks.bias(bias), backend="tiled")
     torch.testing.assert_close(got, oracle(q, k, v, bias=bias)[0], rtol=0, atol=1e-12)
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
@@ -129,13 +133,14 @@ def test_the_cap_applies_before_the_bias(small_blocks):
     assert (got - torch.softmax(capped_after_bias, -1) @ vv).abs().max() > 0.1
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("needs_grad", [False, True], ids=["no-grad", "grad"])
 @pytest.mark.parametrize("backend", ["tiled", "materialized", "reference"])
-def test_weight_selection_matches_the_oracle(backend, needs_grad, small_blocks):
+def test_weight_selection_matches_the_oracle(backend, needs_grad, small_blocks, device):
     """Selected heads and rows (computed apart from the kernel for tiled: both its in-place and its
     differentiable paths), and the gradient through them."""
-    q, k, v = make_inputs()
-    mask, keep, bias = plain_mask("combo", 3, 4, 5, 7)
+    q, k, v = make_inputs(device=device)
+    mask, keep, bias = plain_mask("combo", 3, 4, 5, 7, device)
     heads, queries = [3, 0], [4, 1, 2]
     leaves = [t.clone().requires_grad_(needs_grad) for t in (q, k, v)]
     got = attention(*leaves, mask=mask, backend=backend, return_weights=WeightSelection(heads, queries)).weights
@@ -143,17 +148,18 @@ def test_weight_selection_matches_the_oracle(backend, needs_grad, small_blocks):
     want = oracle(*oracle_leaves, keep=keep, bias=bias)[1][:, heads][:, :, queries]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     if needs_grad:
-        cotangent = torch.randn(want.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        cotangent = randn(*want.shape, seed=3, device=device)
         grads = torch.autograd.grad((got * cotangent).sum(), leaves[:2])
         want_grads = torch.autograd.grad((want * cotangent).sum(), oracle_leaves[:2])
         for a, b in zip(grads, want_grads, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bfloat16_forward_within_the_tolerance_rule(backend, small_blocks):
-    q, k, v = make_inputs()
-    mask, keep, bias = plain_mask("combo", 3, 4, 5, 7)
+def test_bfloat16_forward_within_the_tolerance_rule(backend, small_blocks, device):
+    q, k, v = make_inputs(device=device)
+    mask, keep, bias = plain_mask("combo", 3, 4, 5, 7, device)
     ref64 = oracle(q, k, v, keep=keep, bias=bias)[0]
     low = [t.to(torch.bfloat16) for t in (q, k, v)]
     ref_lowp = oracle(*low, keep=keep, bias=bias, dtype=torch.bfloat16)[0]
@@ -179,27 +185,30 @@ def differentiable(backend: str, mask):
     return lambda q, k, v: with_finite_lse(attention(q, k, v, mask=mask, backend=backend, return_lse=True))
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("kind", ["alone", "combo"])
 @pytest.mark.parametrize("backend", ["tiled", "materialized", "reference"])
-def test_gradcheck(backend, kind, small_blocks):
-    q, k, v = (t.detach().requires_grad_(True) for t in make_inputs(7, 5))  # i > j: rows with no key
-    mask = plain_mask(kind, 3, 4, 7, 5)[0]
+def test_gradcheck(backend, kind, small_blocks, device):
+    q, k, v = (t.detach().requires_grad_(True) for t in make_inputs(7, 5, device=device))  # i > j: rows with no key
+    mask = plain_mask(kind, 3, 4, 7, 5, device)[0]
     assert torch.autograd.gradcheck(differentiable(backend, mask), (q, k, v), fast_mode=True)
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("backend", ["tiled", "materialized"])
-def test_gradgradcheck(backend, small_blocks):
+def test_gradgradcheck(backend, small_blocks, device):
     """Double backward differentiates the dense closed form, which carries the cap's derivative too."""
-    q, k, v = (t.detach().requires_grad_(True) for t in make_inputs(7, 5))
-    mask = plain_mask("combo", 3, 4, 7, 5)[0]
+    q, k, v = (t.detach().requires_grad_(True) for t in make_inputs(7, 5, device=device))
+    mask = plain_mask("combo", 3, 4, 7, 5, device)[0]
     assert torch.autograd.gradgradcheck(differentiable(backend, mask), (q, k, v), fast_mode=True)
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("backend", ["tiled", "materialized", "reference"])
-def test_gradients_match_the_oracle(backend, small_blocks):
-    q, k, v = make_inputs()
-    mask, keep, bias = plain_mask("combo", 3, 4, 5, 7)
-    dout = torch.randn(3, 4, 5, 9, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+def test_gradients_match_the_oracle(backend, small_blocks, device):
+    q, k, v = make_inputs(device=device)
+    mask, keep, bias = plain_mask("combo", 3, 4, 5, 7, device)
+    dout = randn(3, 4, 5, 9, seed=5, device=device)
     got_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     want_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     got = torch.autograd.grad((attention(*got_leaves, mask=mask, backend=backend) * dout).sum(), got_leaves)
@@ -208,12 +217,13 @@ def test_gradients_match_the_oracle(backend, small_blocks):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=f"d{name}")
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("backend", ["tiled", "materialized", "reference"])
-def test_bfloat16_gradients_within_the_tolerance_rule(backend, small_blocks):
+def test_bfloat16_gradients_within_the_tolerance_rule(backend, small_blocks, device):
     """Half types: materialized recomputes the float32 weights (and the cap's derivative) per row block."""
-    q, k, v = make_inputs()
-    mask, keep, bias = plain_mask("combo", 3, 4, 5, 7)
-    dout = torch.randn(3, 4, 5, 9, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    q, k, v = make_inputs(device=device)
+    mask, keep, bias = plain_mask("combo", 3, 4, 5, 7, device)
+    dout = randn(3, 4, 5, 9, seed=5, device=device)
 
     def grads(fn, dtype):
         leaves = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
@@ -226,10 +236,11 @@ def test_bfloat16_gradients_within_the_tolerance_rule(backend, small_blocks):
         assert_within_rule(f, r64, rlp, what=f"{backend} bf16 d{name}")
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fully_masked_rows_give_zero_output_and_zero_gradient(backend, small_blocks):
-    q, k, v = (t.detach().requires_grad_(True) for t in make_inputs(7, 5))
-    mask = masks.causal() & masks.padding(torch.tensor([5, 3, 0])) & masks.softcap(CAP)
+def test_fully_masked_rows_give_zero_output_and_zero_gradient(backend, small_blocks, device):
+    q, k, v = (t.detach().requires_grad_(True) for t in make_inputs(7, 5, device=device))
+    mask = masks.causal() & masks.padding(torch.tensor([5, 3, 0], device=device)) & masks.softcap(CAP)
     out = attention(q, k, v, mask=mask, backend=backend)
     out.backward(torch.ones_like(out))
     dead_rows = out[:, :, :2], out[2]  # i > j: rows 0-1 see no key (bottom-right); batch row 2 has none
@@ -239,22 +250,24 @@ def test_fully_masked_rows_give_zero_output_and_zero_gradient(backend, small_blo
         assert not t.isnan().any()
 
 
-def test_batched_gradients_take_the_dense_closed_form(small_blocks):
+@pytest.mark.portable
+def test_batched_gradients_take_the_dense_closed_form(small_blocks, device):
     """is_grads_batched runs the backward as dense_input_grads, which carries the cap's derivative."""
-    q, k, v = (t.detach().requires_grad_(True) for t in make_inputs())
-    mask = plain_mask("combo", 3, 4, 5, 7)[0]
+    q, k, v = (t.detach().requires_grad_(True) for t in make_inputs(device=device))
+    mask = plain_mask("combo", 3, 4, 5, 7, device)[0]
     out = attention(q, k, v, mask=mask, backend="tiled")
-    cotangents = torch.randn(2, *out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    cotangents = randn(2, *out.shape, seed=4, device=device)
     batched = torch.autograd.grad(out, q, cotangents, is_grads_batched=True, retain_graph=True)[0]
     looped = torch.stack([torch.autograd.grad(out, q, c, retain_graph=True)[0] for c in cotangents])
     torch.testing.assert_close(batched, looped, rtol=0, atol=1e-12)
 
 
-def test_vmap_over_a_batch_equals_the_loop_for_tiled(small_blocks):
+@pytest.mark.portable
+def test_vmap_over_a_batch_equals_the_loop_for_tiled(small_blocks, device):
     """Forward and vjp under torch.func.vmap: the folded mask keeps the cap."""
-    q, k, v = make_inputs()
+    q, k, v = make_inputs(device=device)
     qs = torch.stack([q, q.flip(2) * 0.5])  # (2, b, h, i, d)
-    mask = plain_mask("combo", 3, 4, 5, 7)[0]
+    mask = plain_mask("combo", 3, 4, 5, 7, device)[0]
 
     def fn(x):
         return attention(x, k, v, mask=mask, backend="tiled")
@@ -262,7 +275,7 @@ def test_vmap_over_a_batch_equals_the_loop_for_tiled(small_blocks):
     torch.testing.assert_close(torch.func.vmap(fn)(qs), torch.stack([fn(x) for x in qs]), rtol=0, atol=1e-12)
     grad = torch.func.grad(lambda x: fn(x).square().sum())
     torch.testing.assert_close(torch.func.vmap(grad)(qs), torch.stack([grad(x) for x in qs]), rtol=0, atol=1e-12)
-    keep, bias = plain_mask("combo", 3, 4, 5, 7)[1:]
+    keep, bias = plain_mask("combo", 3, 4, 5, 7, device)[1:]
     want = torch.stack([oracle(x, k, v, keep=keep, bias=bias)[0] for x in qs])
     torch.testing.assert_close(torch.func.vmap(fn)(qs), want, rtol=0, atol=1e-12)
 
@@ -280,8 +293,9 @@ def test_sdpa_is_passed_over_with_its_reason():
     assert not any("soft-capping" in why for why in without.rejected.get("sdpa", []))
 
 
-def test_naming_sdpa_is_refused_clearly():
-    q, k, v = make_inputs()
+@pytest.mark.portable
+def test_naming_sdpa_is_refused_clearly(device):
+    q, k, v = make_inputs(device=device)
     with pytest.raises(ValueError, match=r"'sdpa' requested.*sdpa lacks logit soft-capping.*Fix: use backend='auto'"):
         attention(q, k, v, mask=masks.softcap(50.0), backend="sdpa")
 
@@ -333,8 +347,9 @@ def test_two_caps_in_one_mask_are_refused_naming_both():
         attention(*make_inputs(), mask=masks.softcap(50.0) & masks.causal() & masks.softcap(30))
 
 
-def test_the_bound_mask_exposes_the_cap_and_lists_it():
-    shape = masks.AttentionShape(3, 4, 5, 7, torch.device("cpu"))
+@pytest.mark.portable
+def test_the_bound_mask_exposes_the_cap_and_lists_it(device):
+    shape = masks.AttentionShape(3, 4, 5, 7, device)
     mask = masks.causal("top_left") & masks.softcap(50)
     assert repr(mask) == "causal(align='top_left') & softcap(cap=50.0)"
     bound = masks.bind_mask(mask, False, shape)
