@@ -58,6 +58,7 @@ from multihead.masks import (
     _BoundDiagonal,
     _BoundPadding,
     bind_mask,
+    to_device,
 )
 
 __all__ = ["CAPABILITIES", "flex_attention_backend", "flex_is_warm", "warm_up", "compile_seconds"]
@@ -112,6 +113,12 @@ def _index(t: torch.Tensor, b, h, q, k):
     ]
 
 
+def _scalar(value: float, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A 0-d tensor of ``value`` on ``device``, sent there without waiting for it (``masks.to_device``): a
+    ``torch.tensor(value, device="cuda")`` is a blocking copy from the host on every call."""
+    return to_device(torch.tensor(value, dtype=dtype), device)
+
+
 def _diagonal_mod(term: _BoundDiagonal, device: torch.device) -> tuple[tuple, Callable]:
     """Keys within [p - left, p + right] of the aligned position p = q_idx + offset.
 
@@ -119,9 +126,9 @@ def _diagonal_mod(term: _BoundDiagonal, device: torch.device) -> tuple[tuple, Ca
     they share one compiled kernel; the bounds and the offset are tensors, so no length is compiled in.
     """
     unbounded = term.shape.q_len + term.shape.k_len  # farther than any key from any aligned position
-    offset = torch.tensor(term.offset, device=device)
-    lo = torch.tensor(unbounded if term.spec.left is None else term.spec.left, device=device)
-    hi = torch.tensor(unbounded if term.spec.right is None else term.spec.right, device=device)
+    offset = _scalar(term.offset, device)
+    lo = _scalar(unbounded if term.spec.left is None else term.spec.left, device)
+    hi = _scalar(unbounded if term.spec.right is None else term.spec.right, device)
 
     def mod(b, h, q, k):
         p = q + offset
@@ -171,7 +178,7 @@ def _lower(mask: BoundMask, work: torch.dtype, ratio: float = 1.0) -> _Lowered:
             keeps.append(padding_mod)
         elif isinstance(term, _BoundAlibi):
             slopes = term.slopes.to(work)  # (h,)
-            offset = torch.tensor(term.offset, device=device)
+            offset = _scalar(term.offset, device)
 
             def alibi_mod(b, h, q, k, slopes=slopes, offset=offset):
                 return -slopes[h] * (k - (q + offset)).abs().to(slopes.dtype)
@@ -198,11 +205,11 @@ def _lower(mask: BoundMask, work: torch.dtype, ratio: float = 1.0) -> _Lowered:
                 keeps.append(mod)
         else:  # refused by the capability check first
             raise TypeError(f"flex: no lowering for mask term {type(term).__name__}")
-    cap = None if mask.softcap is None else torch.tensor(mask.softcap, dtype=work, device=device)
+    cap = None if mask.softcap is None else _scalar(mask.softcap, device, work)
     if cap is not None:
         structure.append(("softcap",))
 
-    rescale = torch.tensor(ratio, dtype=work, device=device)
+    rescale = _scalar(ratio, device, work)
     mask_mod = None
     if keeps:
         keep_mods = tuple(keeps)
@@ -252,7 +259,8 @@ def _block_mask(mask: BoundMask, mask_mod: Callable | None) -> BlockMask:
         counts = hit.sum(-1, dtype=torch.int32)  # (q_blocks,)
         # the live block indices first, in order: a stable sort of "not hit"
         order = torch.sort((~hit).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-        return counts[None, None].to(device), order[None, None].contiguous().to(device)  # (1, 1, q_blocks[, k])
+        # built on the host, sent without waiting for the device: (1, 1, q_blocks[, k_blocks])
+        return to_device(counts[None, None], device), to_device(order[None, None].contiguous(), device)
 
     kv_num, kv_idx = table(1)
     full_num, full_idx = table(2)
