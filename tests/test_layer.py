@@ -10,7 +10,7 @@ import torch
 
 from multihead import KVCache, MultiHeadAttention, masks
 from multihead.positional import RotaryEmbedding
-from support import is_input_error
+from support import is_input_error, randn
 
 torch.manual_seed(0)
 
@@ -52,19 +52,20 @@ CONFIGS = {
 }
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_layer_equals_the_per_head_formula(name):
-    layer = MultiHeadAttention(**CONFIGS[name], dtype=torch.float64)
+def test_layer_equals_the_per_head_formula(name, device):
+    layer = MultiHeadAttention(**CONFIGS[name], dtype=torch.float64, device=device)
     b, i, j = 2, 5, 7
-    query = torch.randn(b, i, 24, dtype=torch.float64)
-    key = torch.randn(b, j, layer.kdim, dtype=torch.float64)
-    value = torch.randn(b, j, layer.vdim, dtype=torch.float64)
+    query = randn(b, i, 24, seed=1, device=device)
+    key = randn(b, j, layer.kdim, seed=2, device=device)
+    value = randn(b, j, layer.vdim, seed=3, device=device)
     out, weights = layer(query, key, value)
     assert weights is None and out.shape == (b, i, layer.out_dim)
     torch.testing.assert_close(out, per_head_formula(layer, query, key, value), rtol=0, atol=1e-12)
     if layer.kdim == layer.vdim == 24:  # self-attention: the fused QKV path
         self_out, _ = layer(query, causal=True)
-        keep = torch.ones(i, i, dtype=torch.bool).tril()
+        keep = torch.ones(i, i, dtype=torch.bool, device=device).tril()
         torch.testing.assert_close(self_out, per_head_formula(layer, query, query, query, keep), rtol=0, atol=1e-12)
 
 
@@ -82,30 +83,33 @@ def test_grouped_heads_store_fewer_key_value_weights():
     assert layer.k_proj.weight.shape == (2 * 8, 64) and layer.v_proj.weight.shape == (2 * 8, 64)
 
 
-def test_need_weights_never_changes_the_output_and_average_is_the_head_mean():
-    layer = MultiHeadAttention(24, 6, num_kv_heads=3)
-    x = torch.randn(2, 5, 24)
+@pytest.mark.portable
+def test_need_weights_never_changes_the_output_and_average_is_the_head_mean(device):
+    layer = MultiHeadAttention(24, 6, num_kv_heads=3, device=device)
+    x = randn(2, 5, 24, dtype=torch.float32, device=device)
     plain, _ = layer(x, causal=True)
     out, weights = layer(x, causal=True, need_weights=True)
     torch.testing.assert_close(out, plain, rtol=1e-6, atol=1e-6)
     assert weights.shape == (2, 6, 5, 5)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 6, 5))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 6, 5, device=device))
     _, averaged = layer(x, causal=True, need_weights=True, average_weights=True)
     torch.testing.assert_close(averaged, weights.mean(1))
 
 
-def test_value_defaults_to_key_and_self_attention_equals_cross_attention_on_itself():
-    layer = MultiHeadAttention(24, 4, dtype=torch.float64)
-    x = torch.randn(2, 5, 24, dtype=torch.float64)
-    memory = torch.randn(2, 7, 24, dtype=torch.float64)
+@pytest.mark.portable
+def test_value_defaults_to_key_and_self_attention_equals_cross_attention_on_itself(device):
+    layer = MultiHeadAttention(24, 4, dtype=torch.float64, device=device)
+    x = randn(2, 5, 24, seed=1, device=device)
+    memory = randn(2, 7, 24, seed=2, device=device)
     torch.testing.assert_close(layer(x, memory)[0], layer(x, memory, memory)[0], rtol=0, atol=0)
     # the fused QKV path and three separate projections agree; nothing depends on `query is key`
     torch.testing.assert_close(layer(x)[0], layer(x, x.clone(), x.clone())[0], rtol=0, atol=1e-12)
 
 
-def test_dropout_only_in_training():
-    layer = MultiHeadAttention(24, 4, dropout=0.5)
-    x = torch.randn(2, 5, 24)
+@pytest.mark.portable
+def test_dropout_only_in_training(device):
+    layer = MultiHeadAttention(24, 4, dropout=0.5, device=device)
+    x = randn(2, 5, 24, dtype=torch.float32, device=device)
     layer.eval()
     torch.testing.assert_close(layer(x)[0], layer(x)[0], rtol=0, atol=0)
     layer.train()
@@ -114,12 +118,13 @@ def test_dropout_only_in_training():
     assert not torch.allclose(first, layer(x)[0])
     # weights returned under dropout are the ones applied: rows no longer sum to 1
     _, weights = layer(x, need_weights=True)
-    assert not torch.allclose(weights.sum(-1), torch.ones(2, 4, 5))
+    assert not torch.allclose(weights.sum(-1), torch.ones(2, 4, 5, device=device))
 
 
-def test_gradients_flow_to_every_projection():
-    layer = MultiHeadAttention(24, 6, num_kv_heads=2, rotary=True)
-    layer(torch.randn(2, 5, 24), causal=True)[0].square().sum().backward()
+@pytest.mark.portable
+def test_gradients_flow_to_every_projection(device):
+    layer = MultiHeadAttention(24, 6, num_kv_heads=2, rotary=True, device=device)
+    layer(randn(2, 5, 24, dtype=torch.float32, device=device), causal=True)[0].square().sum().backward()
     for name, p in layer.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
@@ -136,24 +141,27 @@ def decode_in_steps(layer, x, steps, cache):
     return torch.cat(outputs, dim=1)
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
 @pytest.mark.parametrize("kv_heads", [6, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_decoding_with_a_cache_equals_the_full_causal_forward(rotary, kv_heads):
-    layer = MultiHeadAttention(24, 6, num_kv_heads=kv_heads, rotary=rotary, dtype=torch.float64)
-    x = torch.randn(3, 11, 24, dtype=torch.float64)
+def test_decoding_with_a_cache_equals_the_full_causal_forward(rotary, kv_heads, device):
+    layer = MultiHeadAttention(24, 6, num_kv_heads=kv_heads, rotary=rotary, dtype=torch.float64, device=device)
+    x = randn(3, 11, 24, device=device)
     full, _ = layer(x, causal=True)
     cache = layer.new_cache(batch_size=3, max_len=16)
     assert cache.keys.shape == (3, kv_heads, 16, 4)  # g heads cached, not h
+    assert cache.keys.device == device
     stepped = decode_in_steps(layer, x, [5, 1, 1, 3, 1], cache)  # prefill, then one or more per step
     torch.testing.assert_close(stepped, full, rtol=0, atol=1e-12)
     assert len(cache) == 11 and cache.seen == 11
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
-def test_window_cache_keeps_only_the_last_keys_and_matches_the_windowed_forward(rotary):
+def test_window_cache_keeps_only_the_last_keys_and_matches_the_windowed_forward(rotary, device):
     w = 4
-    layer = MultiHeadAttention(24, 6, num_kv_heads=3, rotary=rotary, dtype=torch.float64)
-    x = torch.randn(2, 13, 24, dtype=torch.float64)
+    layer = MultiHeadAttention(24, 6, num_kv_heads=3, rotary=rotary, dtype=torch.float64, device=device)
+    x = randn(2, 13, 24, device=device)
     full, _ = layer(x, causal=True, mask=masks.window(w - 1, 0))
     cache = layer.new_cache(batch_size=2, max_len=32, window=w)
     assert cache.keys.shape == (2, 3, w, 4)  # storage bounded by the window
@@ -162,9 +170,10 @@ def test_window_cache_keeps_only_the_last_keys_and_matches_the_windowed_forward(
     assert len(cache) == w and cache.seen == 13
 
 
-def test_cache_reset_and_reuse():
-    layer = MultiHeadAttention(24, 4, dtype=torch.float64)
-    x = torch.randn(2, 6, 24, dtype=torch.float64)
+@pytest.mark.portable
+def test_cache_reset_and_reuse(device):
+    layer = MultiHeadAttention(24, 4, dtype=torch.float64, device=device)
+    x = randn(2, 6, 24, device=device)
     cache = layer.new_cache(2, 8)
     first = decode_in_steps(layer, x, [3, 3], cache)
     cache.reset()
@@ -172,26 +181,28 @@ def test_cache_reset_and_reuse():
     torch.testing.assert_close(decode_in_steps(layer, x, [2, 4], cache), first, rtol=0, atol=1e-12)
 
 
-def test_explicit_rotary_positions_match_the_default_offsets():
-    layer = MultiHeadAttention(24, 4, rotary=True, dtype=torch.float64)
-    x = torch.randn(2, 6, 24, dtype=torch.float64)
+@pytest.mark.portable
+def test_explicit_rotary_positions_match_the_default_offsets(device):
+    layer = MultiHeadAttention(24, 4, rotary=True, dtype=torch.float64, device=device)
+    x = randn(2, 6, 24, device=device)
     cache = layer.new_cache(2, 8)
     layer(x[:, :4], causal=True, cache=cache)
     default, _ = layer(x[:, 4:], causal=True, cache=cache)
     cache.reset()
-    layer(x[:, :4], causal=True, cache=cache, positions=torch.arange(4))
-    explicit, _ = layer(x[:, 4:], causal=True, cache=cache, positions=torch.arange(4, 6).expand(2, 2))
+    layer(x[:, :4], causal=True, cache=cache, positions=torch.arange(4, device=device))
+    explicit, _ = layer(x[:, 4:], causal=True, cache=cache, positions=torch.arange(4, 6, device=device).expand(2, 2))
     torch.testing.assert_close(explicit, default, rtol=0, atol=0)
 
 
-def test_rotary_makes_scores_depend_on_relative_position_only():
+@pytest.mark.portable
+def test_rotary_makes_scores_depend_on_relative_position_only(device):
     """Shifting every position by the same amount leaves a rotary layer's output unchanged."""
-    layer = MultiHeadAttention(24, 4, rotary=RotaryEmbedding(6), dtype=torch.float64)
-    x = torch.randn(1, 5, 24, dtype=torch.float64)
+    layer = MultiHeadAttention(24, 4, rotary=RotaryEmbedding(6), dtype=torch.float64, device=device)
+    x = randn(1, 5, 24, device=device)
     at_zero, _ = layer(x, causal=True)
-    shifted, _ = layer(x, causal=True, positions=torch.arange(100, 105))
+    shifted, _ = layer(x, causal=True, positions=torch.arange(100, 105, device=device))
     torch.testing.assert_close(shifted, at_zero, rtol=0, atol=1e-10)
-    moved, _ = layer(x, causal=True, positions=torch.tensor([0, 1, 2, 3, 9]))
+    moved, _ = layer(x, causal=True, positions=torch.tensor([0, 1, 2, 3, 9], device=device))
     assert not torch.allclose(moved, at_zero)
 
 
@@ -224,31 +235,40 @@ def test_bad_construction_raises_clearly(kwargs, kind, fragment):
     assert is_input_error(excinfo.value, kind) and fragment in str(excinfo.value) and "Fix:" in str(excinfo.value)
 
 
-def bad_calls():
-    layer = MultiHeadAttention(12, 2, num_kv_heads=1)
-    cross = MultiHeadAttention(12, 2, kdim=5, vdim=5)
-    rotary = MultiHeadAttention(12, 2, rotary=True)
-    x = torch.randn(2, 5, 12)
-    other_layer_cache = MultiHeadAttention(12, 3).new_cache(2, 8)
+def bad_calls(device: torch.device | str = "cpu"):
+    """(call, error type, message fragment) for layers, tensors and caches on ``device``."""
+    layer = MultiHeadAttention(12, 2, num_kv_heads=1, device=device)
+    cross = MultiHeadAttention(12, 2, kdim=5, vdim=5, device=device)
+    rotary = MultiHeadAttention(12, 2, rotary=True, device=device)
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.randn(*shape, dtype=dtype).to(device)
+
+    x = rand(2, 5, 12)
+    other_layer_cache = MultiHeadAttention(12, 3, device=device).new_cache(2, 8)
     full_cache = layer.new_cache(2, 6)
     layer(x, causal=True, cache=full_cache)
     return [
-        (lambda: layer(torch.randn(5, 12)), ValueError, "query: expected shape (b, seq, 12)"),
-        (lambda: layer(torch.randn(2, 5, 11)), ValueError, "query: expected shape (b, seq, 12)"),
+        (lambda: layer(rand(5, 12)), ValueError, "query: expected shape (b, seq, 12)"),
+        (lambda: layer(rand(2, 5, 11)), ValueError, "query: expected shape (b, seq, 12)"),
         (lambda: layer([1.0]), TypeError, "query: expected a torch.Tensor"),
-        (lambda: layer(x, torch.randn(3, 5, 12)), ValueError, "key: expected batch size 2"),
-        (lambda: layer(x, torch.randn(2, 5, 12), torch.randn(2, 4, 12)), ValueError, "value: expected length j = 5"),
+        (lambda: layer(x, rand(3, 5, 12)), ValueError, "key: expected batch size 2"),
+        (lambda: layer(x, rand(2, 5, 12), rand(2, 4, 12)), ValueError, "value: expected length j = 5"),
         (lambda: layer(x, None, x), ValueError, "key: expected a key tensor when value is given"),
         (lambda: cross(x), ValueError, "key: expected a key tensor (b, j, 5)"),
         (lambda: rotary(x, x), ValueError, "key: expected None: rotary positions are defined for self-attention"),
-        (lambda: layer(x, positions=torch.arange(5)), ValueError, "positions: expected None"),
-        (lambda: rotary(x, positions=torch.arange(4)), ValueError, "positions: expected shape (i,)"),
-        (lambda: rotary(x, positions=torch.arange(5.0)), TypeError, "positions: expected an integer tensor"),
+        (lambda: layer(x, positions=torch.arange(5, device=device)), ValueError, "positions: expected None"),
+        (lambda: rotary(x, positions=torch.arange(4, device=device)), ValueError, "positions: expected shape (i,)"),
+        (
+            lambda: rotary(x, positions=torch.arange(5.0, device=device)),
+            TypeError,
+            "positions: expected an integer tensor",
+        ),
         (lambda: layer(x, need_weights=1), TypeError, "need_weights: expected True or False"),
         (lambda: layer(x, cache={}), TypeError, "cache: expected a multihead.KVCache"),
         (lambda: layer(x, causal=True, cache=other_layer_cache), ValueError, "cache: expected a cache for key/value"),
         (
-            lambda: layer(torch.randn(3, 1, 12), causal=True, cache=layer.new_cache(2, 8)),
+            lambda: layer(rand(3, 1, 12), causal=True, cache=layer.new_cache(2, 8)),
             ValueError,
             "cache: expected a cache for batch size = 3",
         ),
@@ -257,43 +277,49 @@ def bad_calls():
             ValueError,
             "cache: expected room for 2 more token(s) (max_len = 6)",
         ),
-        (lambda: layer(x, mask=torch.ones(5, 6, dtype=torch.bool)), ValueError, "mask: expected a shape broadcastable"),
-        (lambda: KVCache(0, 4, 1, 8), ValueError, "batch_size: expected a positive int"),
+        (
+            lambda: layer(x, mask=torch.ones(5, 6, dtype=torch.bool, device=device)),
+            ValueError,
+            "mask: expected a shape broadcastable",
+        ),
+        (lambda: KVCache(0, 4, 1, 8, device=device), ValueError, "batch_size: expected a positive int"),
         (lambda: layer.new_cache(2, 8, window=0), ValueError, "window: expected a positive int"),
         # dtypes and devices: checked against the layer's parameters, then the query's
         (lambda: layer(x.double()), TypeError, "query: expected dtype torch.float32 (the layer's parameters)"),
         (lambda: layer(x.half()), TypeError, "query: expected dtype torch.float32 (the layer's parameters)"),
         (lambda: layer(x.long()), TypeError, "query: expected a floating tensor"),
         (lambda: layer(x.to(torch.complex64)), TypeError, "query: expected a floating tensor"),
-        (lambda: layer(torch.randn(2, 5, 12, device="meta")), ValueError, "query: expected a tensor on cpu"),
+        (lambda: layer(torch.randn(2, 5, 12, device="meta")), ValueError, f"query: expected a tensor on {device}"),
         (lambda: layer(x, x.double()), TypeError, "key: expected dtype torch.float32 (the query's)"),
         (
-            lambda: cross(x, torch.randn(2, 5, 5), torch.randn(2, 5, 5, dtype=torch.float64)),
+            lambda: cross(x, rand(2, 5, 5), rand(2, 5, 5, dtype=torch.float64)),
             TypeError,
             "value: expected dtype torch.float32 (the query's)",
         ),
-        (lambda: layer(torch.randn(0, 5, 12)), ValueError, "query: expected at least one batch row and one position"),
+        (lambda: layer(rand(0, 5, 12)), ValueError, "query: expected at least one batch row and one position"),
         (
-            lambda: MultiHeadAttention(12, 2, kdim=5, vdim=7)(x, torch.randn(2, 5, 5)),
+            lambda: MultiHeadAttention(12, 2, kdim=5, vdim=7, device=device)(x, rand(2, 5, 5)),
             ValueError,
             "value: expected a value tensor (b, j, 7)",
         ),
     ]
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("index", range(len(bad_calls())))
-def test_bad_calls_raise_clearly(index):
-    call, kind, fragment = bad_calls()[index]
+def test_bad_calls_raise_clearly(index, device):
+    call, kind, fragment = bad_calls(device)[index]
     with pytest.raises(kind) as excinfo:
         call()
     message = str(excinfo.value)
     assert is_input_error(excinfo.value, kind) and fragment in message and "Fix:" in message, message
 
 
-def test_fused_qkv_follows_every_weight_update_without_grad():
+@pytest.mark.portable
+def test_fused_qkv_follows_every_weight_update_without_grad(device):
     """The fused self-attention matmul must see every change of a weight, through .data too."""
-    layer = MultiHeadAttention(24, 4, dtype=torch.float64)
-    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    layer = MultiHeadAttention(24, 4, dtype=torch.float64, device=device)
+    x = randn(2, 5, 24, device=device)
     with torch.no_grad():
         before = layer(x)[0]
         layer.k_proj.weight.mul_(2.0)  # as an optimizer step would
@@ -302,7 +328,7 @@ def test_fused_qkv_follows_every_weight_update_without_grad():
         assert not torch.allclose(after, before)
         layer.q_proj.weight.data.mul_(0.5)  # EMA-style update: does not bump the version counter
         torch.testing.assert_close(layer(x)[0], per_head_formula(layer, x, x, x), rtol=0, atol=1e-12)
-        layer.load_state_dict(MultiHeadAttention(24, 4, dtype=torch.float64).state_dict())
+        layer.load_state_dict(MultiHeadAttention(24, 4, dtype=torch.float64, device=device).state_dict())
         torch.testing.assert_close(layer(x)[0], per_head_formula(layer, x, x, x), rtol=0, atol=1e-12)
     # with gradients the stack is rebuilt per call and gradients reach the separate weights
     layer(x)[0].sum().backward()
@@ -310,11 +336,14 @@ def test_fused_qkv_follows_every_weight_update_without_grad():
 
 
 def _failing_steps(layer, x):
-    """Cached calls of the token x[:, 3:4] that must raise, each for a different reason: {reason: (call, fragment)}."""
-    token = x[:, 3:4]
+    """Cached calls of the token x[:, 3:4] that must raise, each for a different reason: {reason: (call, fragment)}.
+    Every tensor is made on x's device."""
+    token, device = x[:, 3:4], x.device
     return {
         "mask of the wrong shape": (
-            lambda cache: layer(token, causal=True, cache=cache, mask=torch.ones(5, 5, dtype=torch.bool)),
+            lambda cache: layer(
+                token, causal=True, cache=cache, mask=torch.ones(5, 5, dtype=torch.bool, device=device)
+            ),
             "mask: expected a shape broadcastable",
         ),
         "mask of a bad type": (
@@ -322,7 +351,9 @@ def _failing_steps(layer, x):
             "mask: expected a multihead.masks mask",
         ),
         "integer mask": (
-            lambda cache: layer(token, causal=True, cache=cache, mask=torch.ones(1, 4, dtype=torch.int32)),
+            lambda cache: layer(
+                token, causal=True, cache=cache, mask=torch.ones(1, 4, dtype=torch.int32, device=device)
+            ),
             "mask: expected a bool tensor",
         ),
         "a backend that cannot serve it": (
@@ -333,7 +364,7 @@ def _failing_steps(layer, x):
                     token,
                     causal=True,
                     cache=cache,
-                    mask=masks.bias(torch.zeros(4, dtype=torch.float64, requires_grad=True)),
+                    mask=masks.bias(torch.zeros(4, dtype=torch.float64, device=device, requires_grad=True)),
                 ),
             ),
             "gradient with respect to an additive bias",
@@ -366,17 +397,20 @@ def _with_capture(layer, call):
 
 
 def _with_gate(layer, call):
-    layer.attend.head_gate = torch.ones(5)  # wrong length, set past the layer's check: fails after the attention ran
+    layer.attend.head_gate = torch.ones(
+        5, device=layer.out_proj.weight.device
+    )  # wrong length, set past the layer's check: fails after the attention ran
     try:
         return call()
     finally:
         layer.attend.head_gate = None
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("window", [None, 3], ids=["plain", "window"])
-def test_a_failed_cached_call_leaves_the_cache_as_it_was(window):
-    layer = MultiHeadAttention(12, 3, num_kv_heads=1, rotary=True, dtype=torch.float64)
-    x = torch.randn(2, 6, 12, dtype=torch.float64)
+def test_a_failed_cached_call_leaves_the_cache_as_it_was(window, device):
+    layer = MultiHeadAttention(12, 3, num_kv_heads=1, rotary=True, dtype=torch.float64, device=device)
+    x = randn(2, 6, 12, device=device)
     cache, uninterrupted = layer.new_cache(2, 8, window=window), layer.new_cache(2, 8, window=window)
     layer(x[:, :3], causal=True, cache=cache)
     layer(x[:, :3], causal=True, cache=uninterrupted)
@@ -398,12 +432,13 @@ def test_a_failed_cached_call_leaves_the_cache_as_it_was(window):
         )
 
 
-def test_rotary_positions_past_any_table_are_rotated_per_call():
+@pytest.mark.portable
+def test_rotary_positions_past_any_table_are_rotated_per_call(device):
     """A position of 2**40 needs no 2**40-row table: the layer computes those angles for the call."""
-    layer = MultiHeadAttention(24, 4, rotary=True, dtype=torch.float64)
-    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    layer = MultiHeadAttention(24, 4, rotary=True, dtype=torch.float64, device=device)
+    x = randn(2, 5, 24, device=device)
     near, _ = layer(x, causal=True)
     table = layer.rotary._cos_sin.clone()
-    far, _ = layer(x, causal=True, positions=torch.arange(5) + 2**40)
+    far, _ = layer(x, causal=True, positions=torch.arange(5, device=device) + 2**40)
     assert torch.equal(layer.rotary._cos_sin, table)
     torch.testing.assert_close(far, near, rtol=0, atol=1e-3)  # relative positions; float64 angles lose ~2^-12 there
