@@ -605,3 +605,30 @@ def test_in_place_softmax_is_right_on_a_column_range_of_a_wider_tensor(rows_may_
     softmax_rows_(wide[:, 2:7], rows_may_be_empty=rows_may_be_empty)
     torch.testing.assert_close(wide[:, 2:7], expected)
     assert torch.equal(wide[:, :2], before[:, :2]) and torch.equal(wide[:, 7:], before[:, 7:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_repeats_kv_heads_where_enable_gqa_would_fall_to_the_math_kernel(monkeypatch, dtype, masked):
+    """On CUDA torch's fused kernels take enable_gqa only without a mask and in half precision; elsewhere the sdpa
+    backend hands SDPA k and v repeated to h heads. The CPU is made to follow CUDA's rule here, so both paths run
+    and each must equal the reference (query head n reads kv head n // (h / g))."""
+    from multihead.backends import costs, sdpa
+
+    monkeypatch.setattr(sdpa, "GQA_NEEDS_REPEAT_DEVICES", frozenset({"cpu"}))
+    seen: list[tuple[int, bool]] = []
+    real = sdpa.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((k.shape[1], kwargs["enable_gqa"]))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    q, k, v = (t.to(dtype) for t in make_qkv(b=2, h=6, g=2, i=9, j=9, d=8, e=5))  # i = j: SDPA's own causal
+    mask = masks.window(3) if masked else None
+    with costs.native_precision():  # the kernel in the call's dtype (the CPU tables would run bf16 in float32)
+        out = attention(q, k, v, mask=mask, causal=True, backend="sdpa")
+    repeated = masked or dtype == torch.float32
+    assert seen == [(6, False)] if repeated else seen == [(2, True)]
+    reference = attention(q.double(), k.double(), v.double(), mask=mask, causal=True, backend="reference")
+    assert_within_rule(out, reference, textbook_lowp(q, k, v, mask=mask, causal=True)[0])

@@ -81,6 +81,7 @@ def sdpa_attention(
         # Only where a row may be empty: the copy of q would cost every other call a few percent.
         masked_out = attn_mask.logical_not() if attn_mask.dtype == torch.bool else attn_mask == -math.inf
         q = q.masked_fill(masked_out.all(dim=-1, keepdim=True), 0.0)  # rows (.., i, 1) broadcast over d
+    k, v, enable_gqa = kv_heads_for_kernel(q, k, v, attn_mask)
     output = F.scaled_dot_product_attention(
         q,
         k,
@@ -89,9 +90,31 @@ def sdpa_attention(
         dropout_p=dropout,
         is_causal=is_causal,
         scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        enable_gqa=enable_gqa,
     )
     return BackendOutput(output if output.dtype == given else output.to(given))  # .to costs a call even as a no-op
+
+
+# Devices whose fused kernels take torch's enable_gqa only without a mask and in half precision (flash, cuDNN): with
+# a mask, or in float32, enable_gqa sends the call to the math kernel, which builds the i x j scores (reported with
+# CUDA in ComfyUI #15135 and #15190, sapiens2 #3, and transformers #39412's review). The memory-efficient kernel
+# takes the call with k and v repeated to h heads: (h / g - 1) copies of k and v, O(j) memory, not O(i j).
+GQA_NEEDS_REPEAT_DEVICES = frozenset({"cuda"})
+
+
+def kv_heads_for_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(k, v, enable_gqa) for torch's SDPA: k (b, g, j, d), v (b, g, j, e) as given with enable_gqa where g < h and
+    a fused kernel takes it, else repeated to (b, h, j, d), (b, h, j, e) (query head n reads kv head n // (h / g))."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads == kv_heads:
+        return k, v, False
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if q.device.type in GQA_NEEDS_REPEAT_DEVICES and (attn_mask is not None or not half):
+        group = heads // kv_heads
+        return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
+    return k, v, True
 
 
 def _sdpa_limits(call: AttentionCall) -> list[str]:
