@@ -19,27 +19,23 @@ from hypothesis import strategies as st
 
 from multihead import positional
 from multihead.positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions
-from support import is_input_error
+from support import is_input_error, randn
 
 # sizes by axis: b, h, g, i (Q_LEN: query positions), j, d
 B, H, G, Q_LEN, J, D = 2, 6, 3, 5, 7, 8
 N, DIM, MAX_LEN = 5, 6, 11
 
 
-def randn(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
-
-
 def complex_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """An independent RoPE: the pair (x[m], x[m + d/2]) as the complex number x[m] + i x[m + d/2],
-    multiplied by exp(i * pos * base^(-2m/d)). x (..., n, d) float64, positions (n,) or broadcastable."""
+    multiplied by exp(i * pos * base^(-2m/d)). x (..., n, d) float64, positions (n,) or broadcastable, on x's
+    device or the CPU (moved)."""
     d = x.shape[-1]
     half = d // 2
     pairs = torch.stack((x[..., :half], x[..., half:]), dim=-1).contiguous()  # (..., n, d/2, 2)
     z = torch.view_as_complex(pairs)  # (..., n, d/2)
-    theta = torch.tensor([base ** (-2.0 * m / d) for m in range(half)], dtype=torch.float64)  # (d/2,)
-    angles = positions.double()[..., None] * theta  # (..., n, d/2)
+    theta = torch.tensor([base ** (-2.0 * m / d) for m in range(half)], dtype=torch.float64, device=x.device)  # (d/2,)
+    angles = positions.to(x.device).double()[..., None] * theta  # (..., n, d/2)
     rotated = torch.view_as_real(z * torch.polar(torch.ones_like(angles), angles))  # (..., n, d/2, 2)
     return torch.cat((rotated[..., 0], rotated[..., 1]), dim=-1)  # (..., n, d): back to the halves layout
 
@@ -47,13 +43,14 @@ def complex_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0
 # =========================================================================== rotary
 
 
-def test_rotary_scores_depend_only_on_relative_position():
+@pytest.mark.portable
+def test_rotary_scores_depend_only_on_relative_position(device):
     rope = RotaryEmbedding(D)
-    q, k = randn(D, seed=1), randn(D, seed=2)
+    q, k = randn(D, seed=1, device=device), randn(D, seed=2, device=device)
     differences = [-4, 0, 3, 11]
     query_positions = [11, 20, 137, 1000]
-    m = torch.tensor([p for _ in differences for p in query_positions])  # (16,)
-    n = torch.tensor([p - diff for diff in differences for p in query_positions])
+    m = torch.tensor([p for _ in differences for p in query_positions], device=device)  # (16,)
+    n = torch.tensor([p - diff for diff in differences for p in query_positions], device=device)
     rq = rope.rotate(q.expand(1, 1, len(m), D), m)  # (1, 1, 16, d): q at positions m
     rk = rope.rotate(k.expand(1, 1, len(n), D), n)  # k at positions n
     scores = (rq * rk).sum(-1).reshape(len(differences), len(query_positions))  # (difference, m)
@@ -67,12 +64,13 @@ def test_rotary_scores_depend_only_on_relative_position():
     # difference 0 leaves the score untouched; other differences change it (the rotation is not the identity)
     assert abs(scores[1, 0].item() - torch.dot(q, k).item()) < 1e-10
     firsts = scores[:, 0]
-    assert (firsts[:, None] - firsts[None, :]).abs().add(torch.eye(len(differences))).min().item() > 1e-3
+    assert (firsts[:, None] - firsts[None, :]).abs().add(torch.eye(len(differences), device=device)).min().item() > 1e-3
 
 
-def test_rotary_preserves_the_norm_of_every_rotated_pair():
+@pytest.mark.portable
+def test_rotary_preserves_the_norm_of_every_rotated_pair(device):
     rope = RotaryEmbedding(D)
-    x = randn(B, H, Q_LEN, D)
+    x = randn(B, H, Q_LEN, D, device=device)
     out = rope.rotate(x, 9)
     half = D // 2
     pair_norms = lambda t: t[..., :half] ** 2 + t[..., half:] ** 2  # noqa: E731  (b, h, i, d/2)
@@ -81,32 +79,38 @@ def test_rotary_preserves_the_norm_of_every_rotated_pair():
     assert (out - x).abs().max() > 0.1  # it did rotate
 
 
-def test_rotary_position_zero_is_the_identity():
+@pytest.mark.portable
+def test_rotary_position_zero_is_the_identity(device):
     rope = RotaryEmbedding(D)
-    x = randn(B, H, Q_LEN, D)
+    x = randn(B, H, Q_LEN, D, device=device)
     assert torch.equal(rope.rotate(x[:, :, :1], 0), x[:, :, :1])
-    assert torch.equal(rope.rotate(x, torch.zeros(Q_LEN, dtype=torch.long)), x)
+    assert torch.equal(rope.rotate(x, torch.zeros(Q_LEN, dtype=torch.long, device=device)), x)
     assert not torch.equal(rope.rotate(x, 0)[:, :, 1:], x[:, :, 1:])
 
 
-def test_rotary_uses_the_rotate_half_layout():
+@pytest.mark.portable
+def test_rotary_uses_the_rotate_half_layout(device):
     # head_dim 4, base 100: pair 0 = (x[0], x[2]) turns 1 rad per position, pair 1 = (x[1], x[3]) 0.1 rad
     rope = RotaryEmbedding(4, base=100.0)
-    eye = torch.eye(4, dtype=torch.float64)[None]  # (1, 4, 4): unit vectors as 4 rows at one head
-    at_one = rope.rotate(eye, torch.ones(4, dtype=torch.long))[0]  # every row at position 1
+    eye = torch.eye(4, dtype=torch.float64, device=device)[None]  # (1, 4, 4): unit vectors as 4 rows at one head
+    at_one = rope.rotate(eye, torch.ones(4, dtype=torch.long, device=device))[0]  # every row at position 1
     c0, s0, c1, s1 = math.cos(1.0), math.sin(1.0), math.cos(0.1), math.sin(0.1)
-    expected = torch.tensor([[c0, 0, s0, 0], [0, c1, 0, s1], [-s0, 0, c0, 0], [0, -s1, 0, c1]], dtype=torch.float64)
+    expected = torch.tensor(
+        [[c0, 0, s0, 0], [0, c1, 0, s1], [-s0, 0, c0, 0], [0, -s1, 0, c1]], dtype=torch.float64, device=device
+    )
     torch.testing.assert_close(at_one, expected, rtol=0, atol=1e-14)
 
 
-def test_rotary_matches_the_complex_formulation():
+@pytest.mark.portable
+def test_rotary_matches_the_complex_formulation(device):
     rope = RotaryEmbedding(D)
-    x = randn(B, H, Q_LEN, D)
+    x = randn(B, H, Q_LEN, D, device=device)
     torch.testing.assert_close(rope.rotate(x, 13), complex_rope(x, torch.arange(13, 13 + Q_LEN)), rtol=0, atol=1e-10)
-    scattered = torch.tensor([3, 0, 9, 9, 250])  # any order, repeats allowed
+    scattered = torch.tensor([3, 0, 9, 9, 250], device=device)  # any order, repeats allowed
     torch.testing.assert_close(rope.rotate(x, scattered), complex_rope(x, scattered), rtol=0, atol=1e-10)
 
 
+@pytest.mark.portable
 @settings(max_examples=40, deadline=None)
 @given(
     half=st.integers(1, 8),
@@ -117,38 +121,45 @@ def test_rotary_matches_the_complex_formulation():
     base=st.sampled_from([10000.0, 500000.0, 10.0]),
     seed=st.integers(0, 2**16),
 )
-def test_rotary_property_offsets_lengths_and_head_dims(half, n, offset, b, h, base, seed):
+def test_rotary_property_offsets_lengths_and_head_dims(half, n, offset, b, h, base, seed, device):
     d = 2 * half
     rope = RotaryEmbedding(d, base=base)
-    x = randn(b, h, n, d, seed=seed)
-    positions = torch.arange(offset, offset + n)
+    x = randn(b, h, n, d, seed=seed, device=device)
+    positions = torch.arange(offset, offset + n, device=device)
     expected = complex_rope(x, positions, base)
     torch.testing.assert_close(rope.rotate(x, offset), expected, rtol=0, atol=1e-10)
     torch.testing.assert_close(rope.rotate(x, positions), expected, rtol=0, atol=1e-10)
-    per_row = positions + 3 * torch.arange(b)[:, None]  # (b, n): each batch row shifted differently
+    per_row = positions + 3 * torch.arange(b, device=device)[:, None]  # (b, n): each batch row shifted differently
     torch.testing.assert_close(rope.rotate(x, per_row), complex_rope(x, per_row[:, None], base), rtol=0, atol=1e-10)
     torch.testing.assert_close(rope.rotate(x[0], offset), expected[0], rtol=0, atol=1e-10)  # unbatched (h, n, d)
 
 
-def test_rotary_offset_equals_explicit_positions_and_per_row_positions():
+@pytest.mark.portable
+def test_rotary_offset_equals_explicit_positions_and_per_row_positions(device):
     rope = RotaryEmbedding(D)
-    x = randn(B, H, Q_LEN, D)
+    x = randn(B, H, Q_LEN, D, device=device)
+    # positions in a CPU tensor are read on the host and index the same tables as an offset: equal, on any device
     assert torch.equal(rope.rotate(x, 4), rope.rotate(x, torch.arange(4, 4 + Q_LEN)))
     assert torch.equal(rope.rotate(x, 4), rope.rotate(x, torch.arange(4, 4 + Q_LEN, dtype=torch.int32)))
     per_row = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])  # (b, n): e.g. a left-padded second row
     out = rope.rotate(x, per_row)
     assert torch.equal(out[0], rope.rotate(x[0], 0))
     assert torch.equal(out[1], rope.rotate(x[1], 7))
+    # positions on x's device are never read: their angles are computed for the call, to float64 rounding
+    on_device = rope.rotate(x, torch.arange(4, 4 + Q_LEN, device=device))
+    torch.testing.assert_close(on_device, rope.rotate(x, 4), rtol=0, atol=1e-13)
+    torch.testing.assert_close(rope.rotate(x, per_row.to(device)), out, rtol=0, atol=1e-13)
 
 
-def test_rotary_whole_sequence_equals_pieces_at_their_offsets():
-    x = randn(B, H, J, D)
+@pytest.mark.portable
+def test_rotary_whole_sequence_equals_pieces_at_their_offsets(device):
+    x = randn(B, H, J, D, device=device)
     whole = RotaryEmbedding(D).rotate(x, 0)
     rope = RotaryEmbedding(D)  # fresh cache: grows from 4 positions to 7
     pieces = torch.cat([rope.rotate(x[:, :, :4], 0), rope.rotate(x[:, :, 4:], 4)], dim=2)
     torch.testing.assert_close(pieces, whole, rtol=0, atol=1e-13)
     # cache-style through forward: prefill 4 tokens, then 3 new tokens at offset 4
-    q = randn(B, H, J, D, seed=3)
+    q = randn(B, H, J, D, seed=3, device=device)
     rope_steps = RotaryEmbedding(D)
     q_a, k_a = rope_steps(q[:, :, :4], x[:, :, :4])
     q_b, k_b = rope_steps(q[:, :, 4:], x[:, :, 4:], offset=4)
@@ -161,9 +172,13 @@ def test_rotary_whole_sequence_equals_pieces_at_their_offsets():
     torch.testing.assert_close(rope_far.rotate(x, 0), whole, rtol=0, atol=1e-13)
 
 
-def test_rotary_forward_aligns_queries_bottom_right_with_grouped_keys():
+@pytest.mark.portable
+def test_rotary_forward_aligns_queries_bottom_right_with_grouped_keys(device):
     rope = RotaryEmbedding(D)
-    q, k = randn(B, H, 2, D, seed=4), randn(B, G, J, D, seed=5)  # 2 new queries, 7 keys, h=6, g=3
+    q, k = (
+        randn(B, H, 2, D, seed=4, device=device),
+        randn(B, G, J, D, seed=5, device=device),
+    )  # 2 new queries, 7 keys, h=6, g=3
     q_rot, k_rot = rope(q, k, offset=3)
     # keys at 3 .. 9; the queries at the last two key positions, 8 and 9
     torch.testing.assert_close(k_rot, complex_rope(k, torch.arange(3, 3 + J)), rtol=0, atol=1e-10)
@@ -176,10 +191,11 @@ def test_rotary_forward_aligns_queries_bottom_right_with_grouped_keys():
     assert torch.equal(q0, q_rot[1]) and torch.equal(k0, k_rot[1])
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("offset", [0, 100_000])
-def test_rotary_float32_and_bfloat16_are_close_to_float64(offset):
+def test_rotary_float32_and_bfloat16_are_close_to_float64(offset, device):
     rope = RotaryEmbedding(D)
-    x64 = randn(B, H, Q_LEN, D, seed=6) * 3
+    x64 = randn(B, H, Q_LEN, D, seed=6, device=device) * 3
     for dtype in (torch.float32, torch.bfloat16):
         x = x64.to(dtype)
         out = rope.rotate(x, offset)
@@ -197,9 +213,10 @@ def test_rotary_float32_and_bfloat16_are_close_to_float64(offset):
     )
 
 
-def test_rotary_tables_are_buffers_outside_the_state_dict_and_survive_module_casts():
+@pytest.mark.portable
+def test_rotary_tables_are_buffers_outside_the_state_dict_and_survive_module_casts(device):
     rope = RotaryEmbedding(D)
-    x = randn(B, H, Q_LEN, D, seed=7).float()
+    x = randn(B, H, Q_LEN, D, seed=7, device=device).float()
     reference = complex_rope(x.double(), torch.arange(40, 40 + Q_LEN))
     rope.rotate(x, 40)
     assert rope.state_dict() == {} and list(rope.parameters()) == []
@@ -214,74 +231,84 @@ def test_rotary_tables_are_buffers_outside_the_state_dict_and_survive_module_cas
 # =========================================================================== sinusoidal
 
 
-def test_sinusoidal_values_follow_the_paper():
+@pytest.mark.portable
+def test_sinusoidal_values_follow_the_paper(device):
     pe = SinusoidalPositions(DIM)
-    table = pe.table(1001, dtype=torch.float64)  # (1001, 6)
+    table = pe.table(1001, dtype=torch.float64, device=device).cpu()  # (1001, 6), read back once
     for pos, m in [(0, 0), (1, 0), (3, 1), (7, 2), (50, 1), (1000, 2), (999, 0)]:
         angle = pos / 10000.0 ** (2 * m / DIM)
         assert abs(table[pos, 2 * m].item() - math.sin(angle)) < 1e-12, (pos, m)
         assert abs(table[pos, 2 * m + 1].item() - math.cos(angle)) < 1e-12, (pos, m)
-    base_100 = SinusoidalPositions(4, base=100.0).table(8, dtype=torch.float64)
+    base_100 = SinusoidalPositions(4, base=100.0).table(8, dtype=torch.float64, device=device).cpu()
     assert abs(base_100[5, 2].item() - math.sin(5 / 100.0 ** (2 / 4))) < 1e-12
     assert abs(base_100[5, 3].item() - math.cos(5 / 100.0 ** (2 / 4))) < 1e-12
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("shift", [1, 5, 17])
-def test_sinusoidal_shift_is_a_fixed_rotation_of_each_pair(shift):
+def test_sinusoidal_shift_is_a_fixed_rotation_of_each_pair(shift, device):
     dim, length = 8, 60
-    table = SinusoidalPositions(dim).table(length + shift, dtype=torch.float64)  # (length + shift, dim)
+    table = SinusoidalPositions(dim).table(length + shift, dtype=torch.float64, device=device)  # (length + shift, dim)
     for m in range(dim // 2):
         omega = 10000.0 ** (-2 * m / dim)
         c, s = math.cos(shift * omega), math.sin(shift * omega)
-        rotation = torch.tensor([[c, s], [-s, c]], dtype=torch.float64)  # (sin, cos)(p) -> (sin, cos)(p + shift)
+        rotation = torch.tensor(
+            [[c, s], [-s, c]], dtype=torch.float64, device=device
+        )  # (sin, cos)(p) -> (sin, cos)(p + shift)
         pairs = table[:, 2 * m : 2 * m + 2]  # (length + shift, 2): (sin, cos) of pair m at each position
         torch.testing.assert_close(pairs[:length] @ rotation.T, pairs[shift:], rtol=0, atol=1e-10)
 
 
-def test_sinusoidal_forward_adds_the_table_at_the_offset():
+@pytest.mark.portable
+def test_sinusoidal_forward_adds_the_table_at_the_offset(device):
     pe = SinusoidalPositions(DIM)
-    x = randn(B, N + 4, DIM)
+    x = randn(B, N + 4, DIM, device=device)
     full = pe(x)
-    torch.testing.assert_close(full, x + pe.table(N + 4, dtype=torch.float64)[None], rtol=0, atol=1e-15)
+    torch.testing.assert_close(full, x + pe.table(N + 4, dtype=torch.float64, device=device)[None], rtol=0, atol=1e-15)
     # cache style: the last N rows alone, at offset 4, are the same rows of the full call
     torch.testing.assert_close(pe(x[:, 4:], offset=4), full[:, 4:], rtol=0, atol=1e-15)
-    torch.testing.assert_close(pe.table(N, offset=4), pe.table(N + 4)[4:], rtol=0, atol=0)
+    torch.testing.assert_close(pe.table(N, offset=4, device=device), pe.table(N + 4, device=device)[4:], rtol=0, atol=0)
     assert torch.equal(pe(x[1]), full[1])  # unbatched (n, dim)
     assert not torch.allclose(pe(x, offset=1), full)  # the offset matters
 
 
-def test_sinusoidal_max_len_bounds_and_lengths_up_to_it_work():
+@pytest.mark.portable
+def test_sinusoidal_max_len_bounds_and_lengths_up_to_it_work(device):
     pe = SinusoidalPositions(DIM, max_len=MAX_LEN)
-    x = randn(B, N, DIM)
+    x = randn(B, N, DIM, device=device)
     out = pe(x, offset=MAX_LEN - N)  # the last allowed positions
-    torch.testing.assert_close(
-        out, x + SinusoidalPositions(DIM).table(MAX_LEN, dtype=torch.float64)[MAX_LEN - N :], rtol=0, atol=1e-15
-    )
+    table = SinusoidalPositions(DIM).table(MAX_LEN, dtype=torch.float64, device=device)
+    torch.testing.assert_close(out, x + table[MAX_LEN - N :], rtol=0, atol=1e-15)
     with pytest.raises(ValueError, match=r"offset \+ length <= max_len = 11, got offset 7 \+ length 5 = 12"):
         pe(x, offset=MAX_LEN - N + 1)
 
 
-def test_sinusoidal_has_no_state_keeps_dtype_and_precision():
+@pytest.mark.portable
+def test_sinusoidal_has_no_state_keeps_dtype_and_precision(device):
     pe = SinusoidalPositions(DIM)
     assert list(pe.parameters()) == [] and pe.state_dict() == {}
-    x64 = randn(B, N, DIM, seed=8)
-    ref = x64 + SinusoidalPositions(DIM).table(N, offset=3000, dtype=torch.float64)
+    x64 = randn(B, N, DIM, seed=8, device=device)
+    ref = x64 + SinusoidalPositions(DIM).table(N, offset=3000, dtype=torch.float64, device=device)
     for dtype in (torch.float32, torch.bfloat16):
         out = pe(x64.to(dtype), offset=3000)
         assert out.dtype == dtype
-        exact = x64.to(dtype).double() + SinusoidalPositions(DIM).table(N, offset=3000, dtype=torch.float64)
+        exact = x64.to(dtype).double() + SinusoidalPositions(DIM).table(
+            N, offset=3000, dtype=torch.float64, device=device
+        )
         eps = torch.finfo(dtype).eps
         assert ((out.double() - exact).abs() <= eps * exact.abs() + 1e-7).all(), dtype
     pe.half()  # a module cast does not leave a half-precision table behind
     assert (pe(x64.float(), offset=3000).double() - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.portable
 @settings(max_examples=30, deadline=None)
 @given(half=st.integers(1, 6), n=st.integers(0, 7), offset=st.integers(0, 400))
-def test_sinusoidal_property_against_math(half, n, offset):
+def test_sinusoidal_property_against_math(half, n, offset, device):
     dim = 2 * half
-    got = SinusoidalPositions(dim).table(n, offset=offset, dtype=torch.float64)
-    assert got.shape == (n, dim)
+    got = SinusoidalPositions(dim).table(n, offset=offset, dtype=torch.float64, device=device)
+    assert got.shape == (n, dim) and got.device == device
+    got = got.cpu()  # read back once
     for row in range(n):
         for m in range(half):
             angle = (offset + row) / 10000.0 ** (2 * m / dim)
@@ -292,18 +319,20 @@ def test_sinusoidal_property_against_math(half, n, offset):
 # =========================================================================== learned
 
 
-def test_learned_forward_adds_the_rows_at_the_offset():
-    pos = LearnedPositions(MAX_LEN, DIM)
-    x = randn(B, N, DIM).float()
+@pytest.mark.portable
+def test_learned_forward_adds_the_rows_at_the_offset(device):
+    pos = LearnedPositions(MAX_LEN, DIM, device=device)
+    x = randn(B, N, DIM, device=device).float()
     assert torch.equal(pos(x, offset=3), x + pos.weight[3 : 3 + N])
     assert torch.equal(pos(x[0], offset=6), x[0] + pos.weight[6 : 6 + N])  # unbatched, last allowed offset
     assert not torch.equal(pos(x, offset=3), pos(x, offset=2))
 
 
-def test_learned_gradient_reaches_only_the_used_rows():
-    pos = LearnedPositions(MAX_LEN, DIM, dtype=torch.float64)
-    x = randn(B, N, DIM).requires_grad_()
-    upstream = randn(B, N, DIM, seed=9)
+@pytest.mark.portable
+def test_learned_gradient_reaches_only_the_used_rows(device):
+    pos = LearnedPositions(MAX_LEN, DIM, dtype=torch.float64, device=device)
+    x = randn(B, N, DIM, device=device).requires_grad_()
+    upstream = randn(B, N, DIM, seed=9, device=device)
     (pos(x, offset=4) * upstream).sum().backward()
     grad = pos.weight.grad  # (max_len, dim)
     torch.testing.assert_close(grad[4 : 4 + N], upstream.sum(0), rtol=0, atol=1e-14)
@@ -311,23 +340,25 @@ def test_learned_gradient_reaches_only_the_used_rows():
     torch.testing.assert_close(x.grad, upstream, rtol=0, atol=0)
 
 
-def test_learned_table_is_state_and_initialised_like_bert():
+@pytest.mark.portable
+def test_learned_table_is_state_and_initialised_like_bert(device):
     torch.manual_seed(0)
-    pos = LearnedPositions(MAX_LEN, DIM)
+    pos = LearnedPositions(MAX_LEN, DIM, device=device)
     state = pos.state_dict()
     assert list(state) == ["weight"] and state["weight"].shape == (MAX_LEN, DIM)
-    other = LearnedPositions(MAX_LEN, DIM)
-    x = randn(B, N, DIM).float()
+    other = LearnedPositions(MAX_LEN, DIM, device=device)
+    x = randn(B, N, DIM, device=device).float()
     assert not torch.equal(other(x), pos(x))
     other.load_state_dict(state)
     assert torch.equal(other(x), pos(x))
-    big = LearnedPositions(64, 48).weight.detach()  # 3072 draws of N(0, 0.02^2)
+    big = LearnedPositions(64, 48, device=device).weight.detach()  # 3072 draws of N(0, 0.02^2)
     assert 0.018 < big.std().item() < 0.022 and abs(big.mean().item()) < 0.002
 
 
-def test_learned_keeps_the_input_dtype():
-    pos = LearnedPositions(MAX_LEN, DIM)
-    x = randn(B, N, DIM).bfloat16()
+@pytest.mark.portable
+def test_learned_keeps_the_input_dtype(device):
+    pos = LearnedPositions(MAX_LEN, DIM, device=device)
+    x = randn(B, N, DIM, device=device).bfloat16()
     out = pos(x, offset=1)
     assert out.dtype == torch.bfloat16
     exact = x.double() + pos.weight[1 : 1 + N].double()
@@ -693,19 +724,20 @@ def test_bad_inputs_raise_the_right_error_with_a_fix(thunk, kind, fragment):
 # --------------------------------------------------------------------------- shared tables: threads and failures
 
 
-def test_a_rotary_layer_shared_by_four_threads_gives_the_single_threaded_outputs():
+@pytest.mark.portable
+def test_a_rotary_layer_shared_by_four_threads_gives_the_single_threaded_outputs(device):
     """Threads growing the cos/sin tables at once (2500 then 7 positions...) must never read a mixed table."""
     import threading
 
     from multihead import MultiHeadAttention
 
-    layer = MultiHeadAttention(16, 4, rotary=True)
+    layer = MultiHeadAttention(16, 4, rotary=True, device=device)
     gen = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(1, n, 16, generator=gen) for n in (7, 300, 2500, 40, 1200, 9, 3000, 5)]
+    inputs = [torch.randn(1, n, 16, generator=gen).to(device) for n in (7, 300, 2500, 40, 1200, 9, 3000, 5)]
     with torch.no_grad():
         expected = [layer(x)[0] for x in inputs]
         for _ in range(3):
-            layer.rotary._cos_sin = torch.empty(2, 0, 2)  # start empty, so the threads race to grow it
+            layer.rotary._cos_sin = torch.empty(2, 0, 2, device=device)  # start empty, so the threads race to grow it
             errors, mismatches = [], []
 
             def work(first: int, errors: list[str], mismatches: list[int]) -> None:
@@ -724,9 +756,10 @@ def test_a_rotary_layer_shared_by_four_threads_gives_the_single_threaded_outputs
             assert not errors and not mismatches, (errors, mismatches)
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("module", [RotaryEmbedding(6), SinusoidalPositions(6)], ids=["rotary", "sinusoidal"])
-def test_an_allocation_failing_while_a_table_grows_leaves_the_old_table_working(module, monkeypatch):
-    x = torch.randn(2, 3, 5, 6)
+def test_an_allocation_failing_while_a_table_grows_leaves_the_old_table_working(module, monkeypatch, device):
+    x = randn(2, 3, 5, 6, dtype=torch.float32, device=device)
     run = (
         (lambda n, offset: module.rotate(x[:, :, :n], offset))
         if isinstance(module, RotaryEmbedding)
@@ -749,11 +782,13 @@ def test_an_allocation_failing_while_a_table_grows_leaves_the_old_table_working(
     assert run(5, 1000).shape == small.shape  # and growing works once memory is back
 
 
-def test_positions_whose_table_cannot_fit_are_refused_before_allocating():
+@pytest.mark.portable
+def test_positions_whose_table_cannot_fit_are_refused_before_allocating(device):
     with pytest.raises(ValueError, match="positions: expected the position table to fit") as info:
-        RotaryEmbedding(8).rotate(torch.randn(1, 1, 2, 8), 2**40)
+        RotaryEmbedding(8).rotate(torch.randn(1, 1, 2, 8, device=device), 2**40)
     assert is_input_error(info.value, ValueError)
     with pytest.raises(ValueError, match="offset: expected the position table to fit"):
-        SinusoidalPositions(8)(torch.randn(1, 2, 8), offset=2**40)
+        SinusoidalPositions(8)(torch.randn(1, 2, 8, device=device), offset=2**40)
     with pytest.raises(ValueError, match="offset: expected the position table to fit"):
-        RotaryEmbedding(8)(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8), offset=2**40)
+        x = torch.randn(1, 1, 2, 8, device=device)
+        RotaryEmbedding(8)(x, x, offset=2**40)
