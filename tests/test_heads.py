@@ -7,13 +7,14 @@ import torch
 
 from multihead import MultiHeadAttention
 from multihead.masks import padding
+from support import randn
 
 B, N, E = 3, 7, 30
 
 
-def make_layer(**options) -> MultiHeadAttention:
+def make_layer(device: torch.device | str = "cpu", **options) -> MultiHeadAttention:
     torch.manual_seed(11)
-    return MultiHeadAttention(E, options.pop("num_heads", 6), dtype=torch.float64, **options)
+    return MultiHeadAttention(E, options.pop("num_heads", 6), dtype=torch.float64, device=device, **options)
 
 
 def per_head(layer, x, **kwargs):
@@ -31,11 +32,12 @@ def from_heads(layer, heads_out):
 
 
 @pytest.fixture
-def x():
-    torch.manual_seed(4)
-    return torch.randn(B, N, E, dtype=torch.float64)
+def x(device):
+    """The layer's input (b, n, E) on the device portable tests run on: a test taking it must be portable."""
+    return randn(B, N, E, seed=4, device=device)
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize(
     "options, heads",
     [
@@ -45,8 +47,8 @@ def x():
         (dict(num_kv_heads=1), [2]),  # multi-query
     ],
 )
-def test_pruning_equals_zero_ablation_and_survives_save_and_load(options, heads, x):
-    layer = make_layer(**options)
+def test_pruning_equals_zero_ablation_and_survives_save_and_load(options, heads, x, device):
+    layer = make_layer(device, **options)
     layer.ablate_heads(heads, how="zero")
     ablated, _ = layer(x, causal=True)
     layer.restore_heads()
@@ -57,14 +59,15 @@ def test_pruning_equals_zero_ablation_and_survives_save_and_load(options, heads,
     assert layer.num_heads == 6 - len(heads)
     assert layer.q_proj.weight.shape == (layer.num_heads * 5, E)
     assert layer.out_proj.weight.shape == (E, layer.num_heads * 5)
-    rebuilt = MultiHeadAttention(**layer.config(), dtype=torch.float64)
+    rebuilt = MultiHeadAttention(**layer.config(), dtype=torch.float64, device=device)
     rebuilt.load_state_dict(layer.state_dict())
     torch.testing.assert_close(rebuilt(x, causal=True)[0], pruned, atol=0, rtol=0)
 
 
-def test_uniform_ablation_attends_evenly_over_the_allowed_keys(x):
-    layer = make_layer()
-    lengths = torch.tensor([7, 4, 2])
+@pytest.mark.portable
+def test_uniform_ablation_attends_evenly_over_the_allowed_keys(x, device):
+    layer = make_layer(device)
+    lengths = torch.tensor([7, 4, 2], device=device)
     mask = padding(lengths)
     plain, _ = per_head(layer, x, mask=mask, causal=True)
     layer.ablate_heads([2], how="uniform")
@@ -78,10 +81,11 @@ def test_uniform_ablation_attends_evenly_over_the_allowed_keys(x):
     torch.testing.assert_close(out, from_heads(layer, expected), atol=1e-12, rtol=0)
 
 
-def test_mean_ablation_outputs_the_given_vectors(x):
-    layer = make_layer()
+@pytest.mark.portable
+def test_mean_ablation_outputs_the_given_vectors(x, device):
+    layer = make_layer(device)
     plain, _ = per_head(layer, x)
-    means = torch.randn(2, 5, dtype=torch.float64)
+    means = randn(2, 5, seed=5, device=device)
     layer.ablate_heads([0, 5], how="mean", mean_outputs=means)
     expected = plain.clone()
     expected[:, 0] = means[0]
@@ -89,12 +93,13 @@ def test_mean_ablation_outputs_the_given_vectors(x):
     torch.testing.assert_close(layer(x)[0], from_heads(layer, expected), atol=1e-12, rtol=0)
 
 
-def test_gate_scales_heads_and_its_gradient_is_the_head_output_times_its_gradient(x):
-    layer = make_layer()
+@pytest.mark.portable
+def test_gate_scales_heads_and_its_gradient_is_the_head_output_times_its_gradient(x, device):
+    layer = make_layer(device)
     plain, _ = layer(x)
-    layer.head_gate = torch.ones(6, dtype=torch.float64)
+    layer.head_gate = torch.ones(6, dtype=torch.float64, device=device)
     assert torch.equal(layer(x)[0], plain)  # a gate of ones changes nothing
-    gate = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    gate = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64, device=device)
     layer.head_gate = gate
     gated, _ = layer(x)
     layer.head_gate = None
@@ -102,9 +107,9 @@ def test_gate_scales_heads_and_its_gradient_is_the_head_output_times_its_gradien
     torch.testing.assert_close(gated, layer(x)[0], atol=1e-12, rtol=0)
     layer.restore_heads()
     # d loss / d gate_h = sum over positions of (head h's output) . (d loss / d head h's output)
-    gate = torch.ones(6, dtype=torch.float64, requires_grad=True)
+    gate = torch.ones(6, dtype=torch.float64, device=device, requires_grad=True)
     layer.head_gate = gate
-    target = torch.randn(B, N, E, dtype=torch.float64)
+    target = randn(B, N, E, seed=6, device=device)
     ((layer(x)[0] - target) ** 2).sum().backward()
     layer.head_gate = None
     heads_out, _ = per_head(layer, x)
@@ -113,16 +118,18 @@ def test_gate_scales_heads_and_its_gradient_is_the_head_output_times_its_gradien
     torch.testing.assert_close(gate.grad, (heads_out * heads_out.grad).sum(dim=(0, 2, 3)), atol=1e-9, rtol=0)
 
 
-def test_restore_brings_back_the_exact_ungated_output(x):
-    layer = make_layer(num_kv_heads=3)
+@pytest.mark.portable
+def test_restore_brings_back_the_exact_ungated_output(x, device):
+    layer = make_layer(device, num_kv_heads=3)
     plain, _ = layer(x, causal=True)
     layer.ablate_heads([1], how="uniform")
-    layer.head_gate = torch.full((6,), 0.5, dtype=torch.float64)
+    layer.head_gate = torch.full((6,), 0.5, dtype=torch.float64, device=device)
     assert not torch.equal(layer(x, causal=True)[0], plain)
     layer.restore_heads()
     assert torch.equal(layer(x, causal=True)[0], plain)
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize(
     "call, error, message",
     [
@@ -137,7 +144,7 @@ def test_restore_brings_back_the_exact_ungated_output(x):
             r"\(len\(heads\), e\) = \(1, 5\)",
         ),
         (
-            lambda layer: layer.ablate_heads([1], mean_outputs=torch.zeros(1, 5)),
+            lambda layer: layer.ablate_heads([1], mean_outputs=torch.zeros(1, 5, device=layer.q_proj.weight.device)),
             ValueError,
             "mean_outputs: expected None",
         ),
@@ -148,13 +155,14 @@ def test_restore_brings_back_the_exact_ungated_output(x):
         ),
     ],
 )
-def test_bad_head_arguments(call, error, message):
+def test_bad_head_arguments(call, error, message, device):
     with pytest.raises(error, match=message):
-        call(make_layer())
+        call(make_layer(device))
 
 
-def test_pruning_must_keep_grouped_heads_even():
-    layer = make_layer(num_kv_heads=2)  # groups {0, 1, 2} and {3, 4, 5}
+@pytest.mark.portable
+def test_pruning_must_keep_grouped_heads_even(device):
+    layer = make_layer(device, num_kv_heads=2)  # groups {0, 1, 2} and {3, 4, 5}
     with pytest.raises(
         ValueError,
         match=r"heads: expected the same number of query heads removed from every "
@@ -166,25 +174,27 @@ def test_pruning_must_keep_grouped_heads_even():
     assert layer.prune_heads([0, 4]) == [1, 2, 3, 5] and layer.num_kv_heads == 2
 
 
-def test_a_gate_of_the_wrong_shape_is_refused_when_set_and_the_old_gate_stays(x):
-    layer = make_layer()
-    gate = torch.full((6,), 0.5, dtype=torch.float64)
+@pytest.mark.portable
+def test_a_gate_of_the_wrong_shape_is_refused_when_set_and_the_old_gate_stays(device):
+    layer = make_layer(device)
+    gate = torch.full((6,), 0.5, dtype=torch.float64, device=device)
     layer.head_gate = gate
-    for bad in (torch.ones(5), torch.ones(6, 1), [1.0] * 6):
+    for bad in (torch.ones(5, device=device), torch.ones(6, 1, device=device), [1.0] * 6):
         with pytest.raises((ValueError, TypeError), match=r"head_gate: expected a tensor of shape \(h,\) = \(6,\)"):
             layer.head_gate = bad
         assert layer.head_gate is gate
 
 
-def test_surgery_lives_on_the_attention_step_and_hooks_there_see_the_gated_outputs(x):
+@pytest.mark.portable
+def test_surgery_lives_on_the_attention_step_and_hooks_there_see_the_gated_outputs(x, device):
     # the layer's forward knows nothing of surgery: the gate is the attend module's, and a forward hook on
     # layer.attend (what capture uses) sees the per-head outputs the layer concatenates
-    layer = make_layer()
+    layer = make_layer(device)
     seen = []
     handle = layer.attend.register_forward_hook(lambda module, args, output: seen.append(output))
     try:
         plain, _ = layer(x)
-        layer.head_gate = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+        layer.head_gate = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64, device=device)
         assert layer.attend.head_gate is layer.head_gate
         gated, _ = layer(x)
     finally:
