@@ -1,7 +1,8 @@
 """The backend registry on its own: registering, looking up, capabilities, and how auto chooses and explains.
 
 Calls are described with hand-built :class:`AttentionCall` values, so every rule of
-:meth:`Capabilities.reasons` and of auto's order is checked without running a kernel.
+:meth:`Capabilities.reasons` and of auto's order is checked without running a kernel. The portable tests describe
+calls on the --device (their masks bound there); the real registry's choices are the CPU's.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from multihead.masks import AttentionShape, bias, bind_mask
 CPU = torch.device("cpu")
 
 
-def make_call(**changes) -> AttentionCall:
-    """A plain float32 self-attention call (b=2, h=g=4, i=j=8, d=e=16) with ``changes`` applied."""
+def make_call(device: torch.device = CPU, **changes) -> AttentionCall:
+    """A plain float32 self-attention call (b=2, h=g=4, i=j=8, d=e=16) on ``device`` with ``changes`` applied."""
     mask = changes.pop("mask", None)
-    shape = AttentionShape(batch=2, heads=4, q_len=8, k_len=8, device=CPU)
+    shape = AttentionShape(batch=2, heads=4, q_len=8, k_len=8, device=device)
     call = AttentionCall(
         batch=2,
         heads=4,
@@ -31,7 +32,7 @@ def make_call(**changes) -> AttentionCall:
         qk_dim=16,
         v_dim=16,
         dtype=torch.float32,
-        device=CPU,
+        device=device,
         mask=bind_mask(mask, False, shape),
         dropout=0.0,
         weights="none",
@@ -48,6 +49,11 @@ def never_called(q, k, v, *, mask, scale, dropout, need_weights, need_lse) -> Ba
 EVERYTHING = Capabilities(lse=True, weights=True, dropout=True, backward=True, bias_grad=True)
 
 
+def bias_needing_grad(device: torch.device):
+    """An additive bias (i, j) = (8, 8) on ``device`` that requires grad."""
+    return bias(torch.zeros(8, 8, device=device, requires_grad=True))
+
+
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """An empty registry for the test (the real backends come back afterwards)."""
@@ -58,38 +64,42 @@ def scratch_registry(monkeypatch):
 # --------------------------------------------------------------------------- capabilities
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize(
     "capabilities, change, expected",
     [
         (Capabilities(dtypes=frozenset({torch.float32})), {"dtype": torch.float16}, "dtype torch.float16"),
-        (Capabilities(device_types=frozenset({"cuda"})), {}, "device cpu (supports ['cuda'])"),
+        (Capabilities(device_types=frozenset({"meta"})), {}, "device {device} (supports ['meta'])"),
         (Capabilities(), {"need_lse": True}, "return_lse"),
         (Capabilities(lse=True), {"dropout": 0.1}, "dropout"),
         (Capabilities(dropout=True), {"dropout": 0.1, "weights": "all"}, "returning the weights it applied"),
         (Capabilities(backward=False), {"requires_grad": True}, "backward (inputs require grad)"),
         (
             Capabilities(),
-            {"requires_grad": True, "mask": bias(torch.zeros(8, 8, requires_grad=True))},
+            {"requires_grad": True, "mask": bias_needing_grad},
             "gradient with respect to an additive bias",
         ),
     ],
     ids=["dtype", "device", "lse", "dropout", "weights-under-dropout", "backward", "bias-grad"],
 )
-def test_each_capability_a_call_needs_is_named_when_missing(capabilities, change, expected):
-    reasons = capabilities.reasons(make_call(**change))
+def test_each_capability_a_call_needs_is_named_when_missing(capabilities, change, expected, device):
+    change = {name: value(device) if callable(value) else value for name, value in change.items()}
+    expected = expected.format(device=device.type)
+    reasons = capabilities.reasons(make_call(device, **change))
     assert len(reasons) == 1 and expected in reasons[0], reasons
     # a backend with every capability and no dtype or device limit serves the same call
-    assert EVERYTHING.reasons(make_call(**change)) == []
+    assert EVERYTHING.reasons(make_call(device, **change)) == []
 
 
-def test_a_backend_check_adds_its_limits_and_auto_skip_counts_for_auto_only():
+@pytest.mark.portable
+def test_a_backend_check_adds_its_limits_and_auto_skip_counts_for_auto_only(device):
     capabilities = Capabilities(
         check=lambda call: ["q_len over 4"] if call.q_len > 4 else [],
         auto_skip=lambda call: ["slower here"],
     )
-    assert capabilities.reasons(make_call()) == ["q_len over 4"]
-    assert capabilities.reasons(make_call(), for_auto=True) == ["q_len over 4", "slower here"]
-    assert capabilities.reasons(make_call(q_len=4)) == []
+    assert capabilities.reasons(make_call(device)) == ["q_len over 4"]
+    assert capabilities.reasons(make_call(device), for_auto=True) == ["q_len over 4", "slower here"]
+    assert capabilities.reasons(make_call(device, q_len=4)) == []
 
 
 # --------------------------------------------------------------------------- register / lookup
@@ -140,12 +150,13 @@ def test_an_unknown_name_lists_the_registered_ones():
 # --------------------------------------------------------------------------- auto: choose and explain
 
 
-def test_auto_takes_the_first_that_serves_and_explains_the_others(scratch_registry):
+@pytest.mark.portable
+def test_auto_takes_the_first_that_serves_and_explains_the_others(scratch_registry, device):
     scratch_registry.register("fast", never_called, Capabilities(), priority=1)
     scratch_registry.register("lse", never_called, Capabilities(lse=True), priority=2)
     scratch_registry.register("spare", never_called, Capabilities(lse=True), priority=3)
-    assert scratch_registry.choose(make_call(), "auto").name == "fast"
-    call = make_call(need_lse=True)
+    assert scratch_registry.choose(make_call(device), "auto").name == "fast"
+    call = make_call(device, need_lse=True)
     assert scratch_registry.choose(call, "auto").name == "lse"
     explanation = scratch_registry.explain_call(call, "auto")
     assert explanation.chosen == "lse"
@@ -154,18 +165,20 @@ def test_auto_takes_the_first_that_serves_and_explains_the_others(scratch_regist
     assert str(explanation).splitlines()[0] == "chosen: lse"
 
 
-def test_with_every_weight_asked_a_backend_that_writes_them_goes_first(scratch_registry):
+@pytest.mark.portable
+def test_with_every_weight_asked_a_backend_that_writes_them_goes_first(scratch_registry, device):
     scratch_registry.register("fused", never_called, Capabilities(), priority=1)
     scratch_registry.register("materialized", never_called, Capabilities(weights=True), priority=9)
-    assert scratch_registry.choose(make_call(weights="subset"), "auto").name == "fused"
-    call = make_call(weights="all")
+    assert scratch_registry.choose(make_call(device, weights="subset"), "auto").name == "fused"
+    call = make_call(device, weights="all")
     assert scratch_registry.choose(call, "auto").name == "materialized"
     assert "writes all of them in one pass" in scratch_registry.explain_call(call, "auto").rejected["fused"][0]
 
 
-def test_a_named_backend_that_cannot_serve_says_what_it_lacks(scratch_registry):
+@pytest.mark.portable
+def test_a_named_backend_that_cannot_serve_says_what_it_lacks(scratch_registry, device):
     scratch_registry.register("plain", never_called, Capabilities(), priority=1)
-    call = make_call(need_lse=True)
+    call = make_call(device, need_lse=True)
     explanation = scratch_registry.explain_call(call, "plain")
     assert explanation.chosen is None and "return_lse" in explanation.rejected["plain"][0]
     with pytest.raises(ValueError, match=r"backend: .*'plain' requested.*plain lacks return_lse.*use backend='auto'"):
