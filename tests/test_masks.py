@@ -15,43 +15,48 @@ from hypothesis import strategies as st
 from multihead import masks
 from multihead.machine import measure_peak_bytes
 from multihead.masks import AttentionShape, BlockState, bind_mask
+from support import randn
 
 CPU = torch.device("cpu")
 
 
-def dense_keep(mask, b=2, h=3, i=5, j=7):
-    """(b, h, i, j) bool of the pairs a mask allows."""
-    bound = bind_mask(mask, False, AttentionShape(b, h, i, j, CPU))
+def dense_keep(mask, b=2, h=3, i=5, j=7, device=CPU):
+    """(b, h, i, j) bool of the pairs a mask allows, bound for a call on ``device`` (and on it)."""
+    bound = bind_mask(mask, False, AttentionShape(b, h, i, j, device))
     keep, bias = bound.dense(torch.float64)
-    keep = torch.ones(b, h, i, j, dtype=torch.bool) if keep is None else keep.expand(b, h, i, j)
+    keep = torch.ones(b, h, i, j, dtype=torch.bool, device=device) if keep is None else keep.expand(b, h, i, j)
     if bias is not None:
         keep = keep & (bias.expand(b, h, i, j) > -math.inf)
     return keep
 
 
-def test_causal_and_window_values_for_unequal_lengths():
+@pytest.mark.portable
+def test_causal_and_window_values_for_unequal_lengths(device):
     # i = 3, j = 5, as drawn in the module docstring
-    assert dense_keep(masks.causal(), 1, 1, 3, 5)[0, 0].int().tolist() == [
+    assert dense_keep(masks.causal(), 1, 1, 3, 5, device)[0, 0].int().tolist() == [
         [1, 1, 1, 0, 0],
         [1, 1, 1, 1, 0],
         [1, 1, 1, 1, 1],
     ]
-    assert dense_keep(masks.causal("top_left"), 1, 1, 3, 5)[0, 0].int().tolist() == [
+    assert dense_keep(masks.causal("top_left"), 1, 1, 3, 5, device)[0, 0].int().tolist() == [
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],
         [1, 1, 1, 0, 0],
     ]
     # window(1, 0): own key and one before; window(0, 1): own key and one after (square)
-    assert dense_keep(masks.window(1, 0), 1, 1, 3, 3)[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
-    assert dense_keep(masks.window(0, 1), 1, 1, 3, 3)[0, 0].int().tolist() == [[1, 1, 0], [0, 1, 1], [0, 0, 1]]
-    assert dense_keep(masks.window(None, None), 1, 1, 3, 3).all()
+    assert dense_keep(masks.window(1, 0), 1, 1, 3, 3, device)[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    assert dense_keep(masks.window(0, 1), 1, 1, 3, 3, device)[0, 0].int().tolist() == [[1, 1, 0], [0, 1, 1], [0, 0, 1]]
+    assert dense_keep(masks.window(None, None), 1, 1, 3, 3, device).all()
 
 
-def test_padding_from_lengths_equals_padding_from_valid():
-    lengths = torch.tensor([7, 2])
-    valid = torch.arange(7) < lengths[:, None]
-    assert torch.equal(dense_keep(masks.padding(lengths)), dense_keep(masks.padding(valid)))
-    assert dense_keep(masks.padding([7, 2]))[1, :, :, 2:].any().item() is False
+@pytest.mark.portable
+def test_padding_from_lengths_equals_padding_from_valid(device):
+    lengths = torch.tensor([7, 2], device=device)
+    valid = torch.arange(7, device=device) < lengths[:, None]
+    from_lengths = dense_keep(masks.padding(lengths), device=device)
+    assert torch.equal(from_lengths, dense_keep(masks.padding(valid), device=device))
+    assert torch.equal(from_lengths, dense_keep(masks.padding([7, 2]), device=device))  # host lengths, same pairs
+    assert dense_keep(masks.padding([7, 2]), device=device)[1, :, :, 2:].any().item() is False
 
 
 def test_alibi_slopes_follow_press_et_al():
@@ -61,38 +66,43 @@ def test_alibi_slopes_follow_press_et_al():
     torch.testing.assert_close(masks.alibi_slopes(12), torch.tensor(expected), rtol=1e-6, atol=0)
 
 
-def test_alibi_bias_is_minus_slope_times_distance_to_the_aligned_query():
-    bound = bind_mask(masks.alibi([0.5, 0.25]), False, AttentionShape(1, 2, 2, 4, CPU))
+@pytest.mark.portable
+def test_alibi_bias_is_minus_slope_times_distance_to_the_aligned_query(device):
+    bound = bind_mask(masks.alibi([0.5, 0.25]), False, AttentionShape(1, 2, 2, 4, device))
     _, bias = bound.dense(torch.float64)
     # query 0 sits at key position 2 (bottom-right), query 1 at key position 3
     assert bias[0, 0].tolist() == [[-1.0, -0.5, 0.0, -0.5], [-1.5, -1.0, -0.5, 0.0]]
     assert bias[0, 1].tolist() == [[-0.5, -0.25, 0.0, -0.25], [-0.75, -0.5, -0.25, 0.0]]
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("slopes_dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_alibi_bias_built_a_head_at_a_time_is_the_slopes_dtype_product_rounded_once(slopes_dtype, monkeypatch):
+def test_alibi_bias_built_a_head_at_a_time_is_the_slopes_dtype_product_rounded_once(slopes_dtype, monkeypatch, device):
     h, i, j = 5, 33, 40
-    slopes = masks.alibi_slopes(h).to(slopes_dtype)
-    distance = (torch.arange(j)[None] - (torch.arange(i)[:, None] + j - i)).abs().to(slopes_dtype)
+    slopes = masks.alibi_slopes(h).to(device=device, dtype=slopes_dtype)
+    keys, queries = torch.arange(j, device=device), torch.arange(i, device=device)
+    distance = (keys[None] - (queries[:, None] + j - i)).abs().to(slopes_dtype)
     product = -slopes[:, None, None] * distance  # (h, i, j), in the slopes' dtype
     monkeypatch.setattr(masks, "ALIBI_CHUNK_ELEMENTS", 2 * i * j)  # two heads a chunk: 3 chunks, the last short
-    bound = bind_mask(masks.alibi(slopes), False, AttentionShape(1, h, i, j, CPU))
+    bound = bind_mask(masks.alibi(slopes), False, AttentionShape(1, h, i, j, device))
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
         _, bias = bound.dense(dtype)
         assert bias.shape == (1, h, i, j) and bias.dtype == dtype
         assert torch.equal(bias[0], product.to(dtype))
-    heads = torch.tensor([3, 0])
+    heads = torch.tensor([3, 0], device=device)
     _, some = bound.block(slice(4, 9), slice(None), heads, dtype=torch.bfloat16)
     assert torch.equal(some[0], product[heads, 4:9].to(torch.bfloat16))
 
 
-def test_learned_alibi_slopes_get_their_gradient_through_the_bias():
+@pytest.mark.portable
+def test_learned_alibi_slopes_get_their_gradient_through_the_bias(device):
     h, i, j = 3, 4, 6
-    slopes = masks.alibi_slopes(h).requires_grad_()
-    bound = bind_mask(masks.alibi(slopes), False, AttentionShape(1, h, i, j, CPU))
+    slopes = masks.alibi_slopes(h).to(device).requires_grad_()
+    bound = bind_mask(masks.alibi(slopes), False, AttentionShape(1, h, i, j, device))
     _, bias = bound.dense(torch.float64)
     bias.sum().backward()
-    distance = (torch.arange(j)[None] - (torch.arange(i)[:, None] + j - i)).abs().sum()
+    keys, queries = torch.arange(j, device=device), torch.arange(i, device=device)
+    distance = (keys[None] - (queries[:, None] + j - i)).abs().sum()
     assert torch.equal(slopes.grad, -distance.float().expand(h))
     with torch.no_grad():  # no graph wanted: built a few heads at a time, the same values
         assert torch.equal(bound.dense(torch.float64)[1], bias.detach())
@@ -116,40 +126,48 @@ def test_causal_alibi_as_one_additive_mask_peaks_at_one_bias(dtype, monkeypatch)
     assert torch.equal(additive, bias.masked_fill(upper, -math.inf))
 
 
-def test_additive_mask_never_writes_the_callers_bias():
-    bias = torch.randn(1, 1, 6, 6)
+@pytest.mark.portable
+def test_additive_mask_never_writes_the_callers_bias(device):
+    bias = randn(1, 1, 6, 6, seed=1, dtype=torch.float32, device=device)
     given_bias = bias.clone()
-    bound = bind_mask(masks.bias(bias), True, AttentionShape(1, 2, 6, 6, CPU))
+    bound = bind_mask(masks.bias(bias), True, AttentionShape(1, 2, 6, 6, device))
     additive = bound.additive(torch.float32)
     assert torch.equal(bias, given_bias)
-    upper = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    upper = torch.ones(6, 6, dtype=torch.bool, device=device).triu(1)
     assert torch.equal(additive, given_bias.masked_fill(upper, -math.inf))
     # a bias built for the call (cast from float64) that broadcasts over rows cannot take the causal -inf in
     # place: a new (.., i, j) tensor
-    row_bias = torch.randn(1, 1, 1, 6, dtype=torch.float64)
-    bound = bind_mask(masks.bias(row_bias), True, AttentionShape(1, 2, 6, 6, CPU))
+    row_bias = randn(1, 1, 1, 6, seed=2, device=device)
+    bound = bind_mask(masks.bias(row_bias), True, AttentionShape(1, 2, 6, 6, device))
     additive = bound.additive(torch.float32)
     assert torch.equal(additive, row_bias.float().expand(1, 1, 6, 6).masked_fill(upper, -math.inf))
     # no bias: the keep-mask itself
-    assert bind_mask(masks.causal(), False, AttentionShape(1, 2, 6, 6, CPU)).additive(torch.float32).dtype == torch.bool
+    assert (
+        bind_mask(masks.causal(), False, AttentionShape(1, 2, 6, 6, device)).additive(torch.float32).dtype == torch.bool
+    )
 
 
-def test_masks_combine_with_and_and_biases_add():
-    bias_a, bias_b = torch.randn(5, 7, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64)
+@pytest.mark.portable
+def test_masks_combine_with_and_and_biases_add(device):
+    bias_a, bias_b = randn(5, 7, seed=1, device=device), randn(5, 7, seed=2, device=device)
     combined = masks.bias(bias_a) & masks.causal() & bias_b
-    bound = bind_mask(combined, False, AttentionShape(2, 3, 5, 7, CPU))
+    bound = bind_mask(combined, False, AttentionShape(2, 3, 5, 7, device))
     keep, bias = bound.dense(torch.float64)
     torch.testing.assert_close(bias[0, 0], bias_a + bias_b)
-    assert torch.equal(keep[0, 0], torch.ones(5, 7, dtype=torch.bool).tril(2))
+    assert torch.equal(keep[0, 0], torch.ones(5, 7, dtype=torch.bool, device=device).tril(2))
     # a plain tensor on the left works too
-    assert torch.equal(dense_keep(torch.ones(5, 7, dtype=torch.bool) & masks.causal()), dense_keep(masks.causal()))
+    everything = torch.ones(5, 7, dtype=torch.bool, device=device)
+    assert torch.equal(
+        dense_keep(everything & masks.causal(), device=device), dense_keep(masks.causal(), device=device)
+    )
     assert "causal" in repr(combined) and "bias" in repr(combined)
 
 
-def test_causal_flag_adds_bottom_right_causal():
-    bound = bind_mask(masks.padding([7, 3]), True, AttentionShape(2, 3, 5, 7, CPU))
+@pytest.mark.portable
+def test_causal_flag_adds_bottom_right_causal(device):
+    bound = bind_mask(masks.padding([7, 3]), True, AttentionShape(2, 3, 5, 7, device))
     keep, _ = bound.dense(torch.float64)
-    expected = dense_keep(masks.causal() & masks.padding([7, 3]))
+    expected = dense_keep(masks.causal() & masks.padding([7, 3]), device=device)
     assert torch.equal(keep.expand(2, 3, 5, 7), expected)
 
 
@@ -175,13 +193,15 @@ def masks_and_blocks(draw):
     return (b, h, i, j), mask, rows, cols
 
 
+@pytest.mark.portable
 @settings(max_examples=300, deadline=None)
 @given(masks_and_blocks())
-def test_block_state_never_contradicts_the_dense_mask(case):
-    """EMPTY blocks are skipped by kernels and FULL blocks get no mask: both must be exact."""
+def test_block_state_never_contradicts_the_dense_mask(device, case):
+    """EMPTY blocks are skipped by kernels and FULL blocks get no mask: both must be exact. The padding lengths are
+    in a CPU tensor (known on the host), so the states and may_empty_rows are exact for a call on any device."""
     (b, h, i, j), mask, rows, cols = case
-    keep = dense_keep(mask, b, h, i, j)[:, :, rows.start : rows.stop, cols.start : cols.stop]
-    bound = bind_mask(mask, False, AttentionShape(b, h, i, j, CPU))
+    keep = dense_keep(mask, b, h, i, j, device)[:, :, rows.start : rows.stop, cols.start : cols.stop]
+    bound = bind_mask(mask, False, AttentionShape(b, h, i, j, device))
     state = bound.state(rows, cols)
     if state is BlockState.EMPTY:
         assert not keep.any()
@@ -192,7 +212,7 @@ def test_block_state_never_contradicts_the_dense_mask(case):
     block_keep = torch.ones_like(keep) if block_keep is None else block_keep.expand_as(keep)
     assert torch.equal(block_keep, keep)
     # may_empty_rows is exact: True iff some row has no allowed key
-    assert bound.may_empty_rows() == bool((~dense_keep(mask, b, h, i, j).any(-1)).any())
+    assert bound.may_empty_rows() == bool((~dense_keep(mask, b, h, i, j, device).any(-1)).any())
 
 
 @st.composite
@@ -245,11 +265,13 @@ def recording_blocks() -> Iterator[list[int]]:
         yield built
 
 
-def test_may_empty_rows_builds_no_i_by_j_tensor():
+@pytest.mark.portable
+def test_may_empty_rows_builds_no_i_by_j_tensor(device):
     """It runs on every kernel call: causal & ALiBi at n = 16384 with 16 heads once built a 17 GiB dense bias here.
-    A finite bias is not evaluated at all, and other combinations a bounded block of rows at a time."""
+    A finite bias is not evaluated at all, and other combinations a bounded block of rows at a time (from the
+    values known on the host: the padding below is a CPU tensor, for a call on any device)."""
     n, heads = 16384, 16
-    shape = AttentionShape(1, heads, n, n, CPU)
+    shape = AttentionShape(1, heads, n, n, device)
     with patch.object(masks._BoundAlibi, "evaluate", side_effect=AssertionError("ALiBi evaluated")):
         assert not bind_mask(masks.alibi(masks.alibi_slopes(heads)), True, shape).may_empty_rows()
     # a window narrower than a key block keeps no block whole: every row block is evaluated, over its live keys
@@ -286,6 +308,7 @@ def test_may_empty_rows_bounds_blocks_that_broadcast_batch_and_heads():
     assert bound.dense_extent() == (b, h, n)
 
 
+@pytest.mark.portable
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
@@ -300,44 +323,47 @@ def test_may_empty_rows_bounds_blocks_that_broadcast_batch_and_heads():
     st.integers(1, 9),
     st.integers(1, 9),
 )
-def test_diagonals_of_one_alignment_bind_as_one_band(windows, i, j):
+def test_diagonals_of_one_alignment_bind_as_one_band(device, windows, i, j):
     """causal & window(...) & window(...) of one alignment keep what each keeps, as one band per alignment."""
     parts = [masks.window(left, right, align=align) for left, right, align in windows]
     combined = parts[0]
     for part in parts[1:]:
         combined = combined & part
-    bound = bind_mask(combined, False, AttentionShape(1, 1, i, j, CPU))
-    expected = torch.ones(1, 1, i, j, dtype=torch.bool)
+    bound = bind_mask(combined, False, AttentionShape(1, 1, i, j, device))
+    expected = torch.ones(1, 1, i, j, dtype=torch.bool, device=device)
     for part in parts:
-        expected &= dense_keep(part, 1, 1, i, j)
-    assert torch.equal(dense_keep(combined, 1, 1, i, j), expected)
+        expected &= dense_keep(part, 1, 1, i, j, device)
+    assert torch.equal(dense_keep(combined, 1, 1, i, j, device), expected)
     assert len(bound.terms) <= len({align for _, _, align in windows})
     assert bound.may_empty_rows() == bool((~expected.any(-1)).any())
 
 
-def test_causal_and_a_window_are_one_band():
-    bound = bind_mask(masks.causal() & masks.window(256), False, AttentionShape(1, 1, 1024, 1024, CPU))
+@pytest.mark.portable
+def test_causal_and_a_window_are_one_band(device):
+    bound = bind_mask(masks.causal() & masks.window(256), False, AttentionShape(1, 1, 1024, 1024, device))
     assert bound.kinds() == ["diagonal"] and not bound.is_plain_causal
-    assert bind_mask(masks.causal() & masks.causal(), False, AttentionShape(1, 1, 8, 8, CPU)).is_plain_causal
-    mixed = bind_mask(masks.causal() & masks.causal("top_left"), False, AttentionShape(1, 1, 4, 8, CPU))
+    assert bind_mask(masks.causal() & masks.causal(), False, AttentionShape(1, 1, 8, 8, device)).is_plain_causal
+    mixed = bind_mask(masks.causal() & masks.causal("top_left"), False, AttentionShape(1, 1, 4, 8, device))
     assert mixed.kinds() == ["diagonal", "diagonal"]  # two alignments: two bands
 
 
-def test_causal_blocks_above_the_diagonal_are_empty_and_below_full():
-    bound = bind_mask(masks.causal(), False, AttentionShape(1, 1, 8, 8, CPU))
+@pytest.mark.portable
+def test_causal_blocks_above_the_diagonal_are_empty_and_below_full(device):
+    bound = bind_mask(masks.causal(), False, AttentionShape(1, 1, 8, 8, device))
     assert bound.state(range(0, 4), range(4, 8)) is BlockState.EMPTY
     assert bound.state(range(4, 8), range(0, 4)) is BlockState.FULL
     assert bound.state(range(0, 4), range(0, 4)) is BlockState.PARTIAL
     assert bound.is_plain_causal
-    assert not bind_mask(masks.causal(), False, AttentionShape(1, 1, 4, 8, CPU)).is_plain_causal
+    assert not bind_mask(masks.causal(), False, AttentionShape(1, 1, 4, 8, device)).is_plain_causal
 
 
-def test_rows_and_heads_selection_of_a_bound_mask():
-    slopes = torch.tensor([0.5, 0.25, 0.125])
-    mask = masks.alibi(slopes) & masks.causal() & torch.randn(2, 3, 5, 7)
-    bound = bind_mask(mask, False, AttentionShape(2, 3, 5, 7, CPU))
+@pytest.mark.portable
+def test_rows_and_heads_selection_of_a_bound_mask(device):
+    slopes = torch.tensor([0.5, 0.25, 0.125], device=device)
+    mask = masks.alibi(slopes) & masks.causal() & randn(2, 3, 5, 7, dtype=torch.float32, device=device)
+    bound = bind_mask(mask, False, AttentionShape(2, 3, 5, 7, device))
     keep, bias = bound.dense(torch.float32)
-    rows, heads = torch.tensor([4, 0]), torch.tensor([2])
+    rows, heads = torch.tensor([4, 0], device=device), torch.tensor([2], device=device)
     sub_keep, sub_bias = bound.block(rows, slice(None), heads, dtype=torch.float32)
     torch.testing.assert_close(sub_bias, bias[:, [2]][:, :, [4, 0]])
     assert torch.equal(sub_keep.expand(2, 1, 2, 7), keep.expand(2, 3, 5, 7)[:, [2]][:, :, [4, 0]])
