@@ -2,7 +2,8 @@
 
 gradcheck and gradgradcheck, double backward against the reference's, batched gradients
 (``is_grads_batched``), torch.func (vmap, grad, vjp, jacrev) and autocast. The backend functions are
-called directly, with a bound mask; a few calls go through ``multihead.attention``.
+called directly, with a bound mask; a few calls go through ``multihead.attention``. Every test is portable: its
+inputs, masks and cotangents are drawn on the CPU and moved to the --device.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from multihead.functional import attention
 from multihead.masks import AttentionShape, bind_mask
 from support import make_qkv
 
+pytestmark = pytest.mark.portable
+
 # b, h, g, i, j, d, e: grouped heads (g < h), d != e, i > j so bottom-right causal leaves rows 0-1 with no key
 SIZES = dict(b=2, h=6, g=3, i=7, j=5, d=4, e=8)
 KERNELS = {
@@ -27,23 +30,24 @@ KERNELS = {
 }
 
 
-def make_mask(b: int, h: int, i: int, j: int, *, seed: int = 3) -> masks.Mask:
-    """Every kind of term, some per batch row (so a vmap fold must tile them): fully masked rows included."""
+def make_mask(b: int, h: int, i: int, j: int, *, seed: int = 3, device: torch.device | str = "cpu") -> masks.Mask:
+    """Every kind of term, some per batch row (so a vmap fold must tile them): fully masked rows included.
+    Its tensors on ``device`` (the random one drawn on the CPU and moved)."""
     keep = torch.rand(b, 1, i, j, generator=torch.Generator().manual_seed(seed)) < 0.8
     keep[-1, :, min(4, i - 1)] = False  # one more row with no key, through a boolean term alone
     return (
         masks.causal()
-        & masks.padding(torch.tensor([j, 3] + [2] * (b - 2))[:b])
-        & masks.alibi(masks.alibi_slopes(h))
-        & masks.allowed(keep)
+        & masks.padding(torch.tensor([j, 3] + [2] * (b - 2), device=device)[:b])
+        & masks.alibi(masks.alibi_slopes(h).to(device))
+        & masks.allowed(keep.to(device))
     )
 
 
 def bound(q: torch.Tensor, k: torch.Tensor, mask: masks.Mask | None = None):
     b, h, i, _ = q.shape
-    return bind_mask(
-        make_mask(b, h, i, k.shape[2]) if mask is None else mask, False, AttentionShape(b, h, i, k.shape[2], q.device)
-    )
+    if mask is None:
+        mask = make_mask(b, h, i, k.shape[2], device=q.device)
+    return bind_mask(mask, False, AttentionShape(b, h, i, k.shape[2], q.device))
 
 
 def call(backend: str, q, k, v, mask, *, like: str | None = None, dropout: float = 0.0, finite: bool = False):
@@ -69,16 +73,17 @@ def weighted_loss(outputs, weights) -> torch.Tensor:
 
 
 def random_like(outputs, seed: int, batch: tuple[int, ...] = ()):
+    """Seeded cotangents (batch..., *o.shape) in each output's dtype, drawn on the CPU, on its device."""
     gen = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(*batch, *o.shape, generator=gen, dtype=o.dtype) for o in outputs)
+    return tuple(torch.randn(*batch, *o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outputs)
 
 
 # --------------------------------------------------------------------------- gradcheck, double backward
 
 
 @pytest.mark.parametrize("backend", ["tiled", "materialized"])
-def test_gradcheck_through_output_and_lse_or_weights(backend, small_blocks):
-    q, k, v = make_qkv(**SIZES, requires_grad=True)
+def test_gradcheck_through_output_and_lse_or_weights(backend, small_blocks, device):
+    q, k, v = make_qkv(**SIZES, requires_grad=True, device=device)
     mask = bound(q, k)
     assert torch.autograd.gradcheck(
         lambda q, k, v: call(backend, q, k, v, mask, finite=True), (q, k, v), fast_mode=True
@@ -86,10 +91,10 @@ def test_gradcheck_through_output_and_lse_or_weights(backend, small_blocks):
 
 
 @pytest.mark.parametrize("backend,dropout", [("tiled", 0.0), ("tiled", 0.3), ("materialized", 0.0)])
-def test_gradgradcheck(backend, dropout, small_blocks):
+def test_gradgradcheck(backend, dropout, small_blocks, device):
     """Double backward through the output and the LSE (tiled) or the weights (materialized); under dropout
     the double backward rebuilds the keep-masks the blocks drew."""
-    q, k, v = make_qkv(**SIZES, requires_grad=True)
+    q, k, v = make_qkv(**SIZES, requires_grad=True, device=device)
     mask = bound(q, k)
 
     def fn(q, k, v):
@@ -100,10 +105,10 @@ def test_gradgradcheck(backend, dropout, small_blocks):
 
 
 @pytest.mark.parametrize("backend", ["tiled", "materialized"])
-def test_double_backward_equals_the_reference(backend, small_blocks):
+def test_double_backward_equals_the_reference(backend, small_blocks, device):
     """create_graph=True: the first-order gradients are the plain ones, bit for bit, and the gradients of
     a loss on them equal the reference's (whose double backward is torch's own)."""
-    q, k, v = make_qkv(**SIZES, seed=1)
+    q, k, v = make_qkv(**SIZES, seed=1, device=device)
     mask = bound(q, k)
     got, want, plain = {}, {}, {}
     for name, fn, store in (
@@ -125,9 +130,9 @@ def test_double_backward_equals_the_reference(backend, small_blocks):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"{what}-order d{name}")
 
 
-def test_third_order_equals_the_reference(small_blocks):
+def test_third_order_equals_the_reference(small_blocks, device):
     """The double backward is itself differentiable (torch.func.vjp, no detached leaves)."""
-    q, k, v = make_qkv(b=1, h=4, g=2, i=5, j=3, d=2, e=6, seed=2)
+    q, k, v = make_qkv(b=1, h=4, g=2, i=5, j=3, d=2, e=6, seed=2, device=device)
     results = []
     for fn in (
         lambda *a: call("tiled", *a, bound(q, k), finite=True)[0],
@@ -145,8 +150,8 @@ def test_third_order_equals_the_reference(small_blocks):
 
 
 @pytest.mark.parametrize("backend", ["tiled", "materialized"])
-def test_is_grads_batched_equals_a_loop_over_grad_outputs(backend, small_blocks):
-    q, k, v = make_qkv(**SIZES, requires_grad=True)
+def test_is_grads_batched_equals_a_loop_over_grad_outputs(backend, small_blocks, device):
+    q, k, v = make_qkv(**SIZES, requires_grad=True, device=device)
     outputs = call(backend, q, k, v, bound(q, k))
     grad_outputs = random_like(outputs, seed=4, batch=(3,))
     batched = torch.autograd.grad(outputs, (q, k, v), grad_outputs, retain_graph=True, is_grads_batched=True)
@@ -156,10 +161,10 @@ def test_is_grads_batched_equals_a_loop_over_grad_outputs(backend, small_blocks)
             torch.testing.assert_close(a[n], b, rtol=0, atol=1e-12, msg=f"d{name}, grad output {n}")
 
 
-def test_batched_grads_under_dropout_go_through_torch_func(small_blocks):
+def test_batched_grads_under_dropout_go_through_torch_func(small_blocks, device):
     """is_grads_batched refuses random ops, which a dropout backward needs: a clear error naming the
     way that works, vmap over vjp, which draws each element's masks as the forward did."""
-    q, k, v = make_qkv(**SIZES, requires_grad=True)
+    q, k, v = make_qkv(**SIZES, requires_grad=True, device=device)
     mask = bound(q, k)
     torch.manual_seed(0)
     outputs = call("tiled", q, k, v, mask, dropout=0.3)
@@ -185,15 +190,17 @@ def stacked(rows):
 
 @pytest.mark.parametrize("in_dims", [(0, 0, 0), (0, None, None), (None, 2, 2)], ids=["all", "q_only", "kv_dim2"])
 @pytest.mark.parametrize("backend", ["tiled", "materialized"])
-def test_vmap_equals_the_loop(backend, in_dims, small_blocks):
+def test_vmap_equals_the_loop(backend, in_dims, small_blocks, device):
     """The mask is bound to the unbatched sizes and shared by every vmapped element, per-batch terms
     (padding, a (b, 1, i, j) boolean) included."""
     batch = 3
-    q, k, v = make_qkv(**SIZES)
+    q, k, v = make_qkv(**SIZES, device=device)
     mask = bound(q, k)
     gen = torch.Generator().manual_seed(8)
     args = [
-        t if dim is None else torch.randn(*t.shape[:dim], batch, *t.shape[dim:], generator=gen, dtype=t.dtype)
+        t
+        if dim is None
+        else torch.randn(*t.shape[:dim], batch, *t.shape[dim:], generator=gen, dtype=t.dtype).to(device)
         for t, dim in zip((q, k, v), in_dims, strict=True)
     ]
     got = torch.func.vmap(lambda *a: call(backend, *a, mask), in_dims=in_dims)(*args)
@@ -210,10 +217,10 @@ def test_vmap_equals_the_loop(backend, in_dims, small_blocks):
     [dict(backend="tiled"), dict(backend="materialized"), dict(return_weights=True), dict(return_lse=True)],
     ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()),
 )
-def test_vmap_through_attention_equals_the_loop(kwargs, small_blocks):
-    q, k, v = make_qkv(**SIZES)
+def test_vmap_through_attention_equals_the_loop(kwargs, small_blocks, device):
+    q, k, v = make_qkv(**SIZES, device=device)
     qs = torch.stack([q, 2 * q, -q])  # (3, b, h, i, d)
-    mask = make_mask(SIZES["b"], SIZES["h"], SIZES["i"], SIZES["j"])
+    mask = make_mask(SIZES["b"], SIZES["h"], SIZES["i"], SIZES["j"], device=device)
 
     def fn(q):
         res = attention(q, k, v, mask=mask, **kwargs)
@@ -224,8 +231,8 @@ def test_vmap_through_attention_equals_the_loop(kwargs, small_blocks):
 
 
 @pytest.mark.parametrize("backend", ["tiled", "materialized"])
-def test_vmap_of_grad_and_of_vjp_equal_the_loop(backend, small_blocks):
-    q, k, v = make_qkv(**SIZES)
+def test_vmap_of_grad_and_of_vjp_equal_the_loop(backend, small_blocks, device):
+    q, k, v = make_qkv(**SIZES, device=device)
     mask = bound(q, k)
     qs = torch.stack([q, 2 * q, -q])
 
@@ -245,9 +252,9 @@ def test_vmap_of_grad_and_of_vjp_equal_the_loop(backend, small_blocks):
 
 
 @pytest.mark.parametrize("backend", ["tiled", "materialized"])
-def test_jacrev_of_grad_is_the_reference_hessian(backend, small_blocks):
+def test_jacrev_of_grad_is_the_reference_hessian(backend, small_blocks, device):
     """torch.func's Hessian: vmap over the double backward."""
-    q, k, v = make_qkv(b=1, h=4, g=2, i=5, j=3, d=2, e=6, seed=4)
+    q, k, v = make_qkv(b=1, h=4, g=2, i=5, j=3, d=2, e=6, seed=4, device=device)
     mask = bound(q, k)
 
     def hessian(fn):
@@ -260,9 +267,11 @@ def test_jacrev_of_grad_is_the_reference_hessian(backend, small_blocks):
     torch.testing.assert_close(*hessians, rtol=0, atol=1e-10)
 
 
-def test_vmap_dropout_follows_the_randomness_flag(small_blocks):
-    q, k, _ = make_qkv(**SIZES)
-    v = torch.eye(5, dtype=torch.float64).expand(2, 3, 5, 5)  # one-hot values: the output is the applied weights
+def test_vmap_dropout_follows_the_randomness_flag(small_blocks, device):
+    q, k, _ = make_qkv(**SIZES, device=device)
+    v = torch.eye(5, dtype=torch.float64, device=device).expand(
+        2, 3, 5, 5
+    )  # one-hot values: the output is the applied weights
     mask = bound(q, k)
     qs = torch.stack([q, q, q])
 
@@ -297,12 +306,12 @@ def test_vmap_dropout_follows_the_randomness_flag(small_blocks):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("backend", ["tiled", "materialized"])
-def test_autocast_casts_the_inputs_and_keeps_out_of_the_kernels(backend, dtype, small_blocks):
+def test_autocast_casts_the_inputs_and_keeps_out_of_the_kernels(backend, dtype, small_blocks, device):
     """Under autocast the kernels run in the autocast dtype, as torch's SDPA does (float64 is left alone),
     forward and backward; the result is the kernel's own result for inputs of that dtype."""
-    q, k, v = (t.to(dtype).requires_grad_(True) for t in make_qkv(**SIZES))
+    q, k, v = (t.to(dtype).requires_grad_(True) for t in make_qkv(**SIZES, device=device))
     mask = bound(q, k)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         outputs = call(backend, q, k, v, mask)
         weighted_loss(outputs, random_like(outputs, seed=2)).backward()  # backward inside autocast too
     run_dtype = torch.float64 if dtype == torch.float64 else torch.bfloat16
