@@ -632,3 +632,47 @@ def test_sdpa_repeats_kv_heads_where_enable_gqa_would_fall_to_the_math_kernel(mo
     assert seen == [(6, False)] if repeated else seen == [(2, True)]
     reference = attention(q.double(), k.double(), v.double(), mask=mask, causal=True, backend="reference")
     assert_within_rule(out, reference, textbook_lowp(q, k, v, mask=mask, causal=True)[0])
+
+
+@pytest.mark.parametrize("i, j", [(3, 9), (9, 9), (9, 4)])
+def test_sdpa_hands_a_bottom_right_causal_to_torch_where_its_kernels_compute_it(monkeypatch, i, j):
+    """On CUDA a bottom-right causal with i <= j (a chunk of queries after a cache) goes to SDPA as torch's
+    causal_lower_right, no dense mask; the CPU is made to follow that rule here (torch builds the mask itself on
+    the CPU), and the result and gradients must equal the reference. i > j (rows with no key) keeps our own mask."""
+    from torch.nn.attention.bias import CausalBias
+
+    from multihead.backends import sdpa
+
+    monkeypatch.setattr(sdpa, "LOWER_RIGHT_DEVICES", frozenset({"cpu"}))
+    handed: list[object] = []
+    real = sdpa.sdpa_mask
+
+    def spy(mask, dtype):  # what the backend hands SDPA (torch's own function is left alone: its CausalBias
+        handed.append(real(mask, dtype)[0])  # dispatch checks that it is called)
+        return real(mask, dtype)
+
+    monkeypatch.setattr(sdpa, "sdpa_mask", spy)
+    q, k, v = make_qkv(b=2, h=4, g=2, i=i, j=j, d=8, e=5, dtype=torch.float32, requires_grad=True)
+    out = attention(q, k, v, causal=True, backend="sdpa")
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    expected = attention(*leaves, causal=True, backend="reference")
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    got, want = torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, leaves, grad)
+    for name, ours, reference in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(ours, reference, msg=lambda text, name=name: f"d{name}: {text}")
+    if i < j:  # handed over as torch's own, and estimated as SDPA computing it (no dense mask to build)
+        assert isinstance(handed[-1], CausalBias)
+        call = registry_call(q, k, v)
+        estimate = sdpa._estimate(call)
+        assert estimate is not None and estimate.dense_mask_bytes == 0 and sdpa.rates_label(call.mask) == "sdpa"
+    else:  # equal lengths: its is_causal; i > j: our own mask (rows with no key)
+        assert not isinstance(handed[-1], CausalBias)
+
+
+def registry_call(q, k, v):
+    """The AttentionCall of a causal call on q, k, v, as attention describes it."""
+    from multihead.functional import _prepare
+
+    options = dict(scale=None, dropout=0.0, training=False, backend="auto", return_weights=False, return_lse=False)
+    return _prepare(q, k, v, mask=None, causal=True, **options).call

@@ -640,6 +640,13 @@ class _BoundDiagonal(_BoundTerm):
         """Equal to SDPA's is_causal=True (top-left lower triangle)."""
         return self.spec.left is None and self.spec.right == 0 and _surely(self.offset == 0)
 
+    @property
+    def is_lower_right_causal(self) -> bool:
+        """Equal to torch's ``causal_lower_right(i, j)`` with i <= j: the last query sees the last key."""
+        i, j = self.shape.q_len, self.shape.k_len
+        at_bottom = _surely(self.offset == j - i) and _surely(i <= j)
+        return self.spec.left is None and self.spec.right == 0 and at_bottom
+
     def _relative_range(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> tuple[int, int]:
         """[lo, hi]: the relative positions r = j - (i + offset) of the block's pairs."""
         return col_start - (row_stop - 1 + self.offset), col_stop - 1 - (row_start + self.offset)
@@ -938,6 +945,12 @@ class BoundMask:
             and isinstance(self.terms[0], _BoundDiagonal)
             and self.terms[0].is_plain_causal
         )
+
+    @property
+    def is_lower_right_causal(self) -> bool:
+        """Exactly a bottom-right-aligned causal mask with i <= j, nothing else (torch's ``causal_lower_right``)."""
+        only = self.terms[0] if len(self.terms) == 1 else None
+        return self.softcap is None and isinstance(only, _BoundDiagonal) and only.is_lower_right_causal
 
     def may_empty_rows(self) -> bool:
         """Whether some query row may have every key masked, answered on the host without waiting for a device.

@@ -3,7 +3,9 @@
 What differs from ours, and how this backend bridges it:
 - SDPA's ``is_causal`` is top-left aligned; ours is bottom-right. is_causal is
   passed only when the two coincide (equal lengths or an explicit top-left
-  causal mask); every other mask is handed over as a dense tensor.
+  causal mask); on CUDA a bottom-right causal with i < j goes as torch's
+  ``causal_lower_right``, which its fused kernels compute themselves; every
+  other mask is handed over as a dense tensor.
 - Fully masked rows give 0 (not NaN) in torch's CPU kernels, verified by the
   tests, as long as their scores are finite: their queries are zeroed first, so
   scores that would overflow (q, k ~ 1e20) cannot turn them into inf - inf = NaN.
@@ -25,6 +27,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from multihead.backends.costs import (
     Estimate,
@@ -40,12 +43,28 @@ from multihead.masks import BoundMask
 VERIFIED_EMPTY_ROW_DEVICES = frozenset({"cpu"})
 
 
+# Devices whose fused kernels compute a bottom-right causal mask themselves, given torch's causal_lower_right (the
+# flash and memory-efficient kernels on CUDA); elsewhere torch would build it as a dense mask, as we do
+LOWER_RIGHT_DEVICES = frozenset({"cuda"})
+
+
+def sdpa_computes_mask(mask: BoundMask) -> bool:
+    """Whether torch's kernel computes ``mask`` itself, with no dense tensor: none, its own is_causal (top-left),
+    or on LOWER_RIGHT_DEVICES a bottom-right causal with i <= j (the KV-cache case)."""
+    if mask.is_empty or mask.is_plain_causal:
+        return True
+    return mask.shape.device.type in LOWER_RIGHT_DEVICES and mask.is_lower_right_causal
+
+
 def sdpa_mask(mask: BoundMask, dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
-    """Our mask as SDPA's (attn_mask, is_causal): bool keep-mask, or float with -inf where masked."""
+    """Our mask as SDPA's (attn_mask, is_causal): none, its own causal (top-left, or torch's causal_lower_right
+    where its kernels compute it: :func:`sdpa_computes_mask`), bool keep-mask, or float with -inf where masked."""
     if mask.is_empty:
         return None, False
     if mask.is_plain_causal:
         return None, True
+    if sdpa_computes_mask(mask):
+        return causal_lower_right(mask.shape.q_len, mask.shape.k_len), False
     return mask.additive(dtype), False
 
 
@@ -54,7 +73,7 @@ def rates_label(mask: BoundMask) -> str:
     measured with an (i, j) mask). A mask with one row for every query (padding: (b, 1, 1, j)) runs at SDPA's
     unmasked speed: 0.95-1.06x its time without a mask here, where an (i, j) mask took 1.05-1.20x (medians of
     interleaved rounds, n = 1024 and 4096, h = 16, float32, forward and forward+backward)."""
-    if mask.is_empty or mask.is_plain_causal:
+    if sdpa_computes_mask(mask):
         return "sdpa"
     _, _, rows = mask.dense_extent()
     return "sdpa" if rows == 1 else "sdpa masked"
@@ -111,7 +130,9 @@ def kv_heads_for_kernel(
     if heads == kv_heads:
         return k, v, False
     half = q.dtype in (torch.float16, torch.bfloat16)
-    if q.device.type in GQA_NEEDS_REPEAT_DEVICES and (attn_mask is not None or not half):
+    # torch's causal_lower_right calls its kernels without enable_gqa: it takes h heads of k and v on every device
+    repeat = isinstance(attn_mask, CausalBias)
+    if repeat or (q.device.type in GQA_NEEDS_REPEAT_DEVICES and (attn_mask is not None or not half)):
         group = heads // kv_heads
         return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
     return k, v, True
@@ -127,9 +148,9 @@ SDPA_CAUSAL_BLOCK = 128  # about the query/key blocks torch's CPU flash kernel s
 
 
 def computed_fraction(mask: BoundMask) -> float:
-    """The share of pairs torch's kernel computes: its own causal skips the blocks above the diagonal; given a
-    dense mask it computes every pair."""
-    if mask.is_plain_causal:
+    """The share of pairs torch's kernel computes: its own causal (either corner) skips the blocks past the diagonal;
+    given a dense mask it computes every pair."""
+    if not mask.is_empty and sdpa_computes_mask(mask):
         return live_fraction(mask, mask.shape.q_len, mask.shape.k_len, SDPA_CAUSAL_BLOCK, SDPA_CAUSAL_BLOCK)
     return 1.0
 
@@ -139,7 +160,7 @@ def _estimate(call: AttentionCall) -> Estimate | None:
     mask = call.mask
     label, fraction = rates_label(mask), computed_fraction(mask)
     work = call_compute_dtype(label, call, lambda: fraction)
-    mask_bytes = 0 if mask.is_empty or mask.is_plain_causal else dense_mask_bytes(call, work)
+    mask_bytes = 0 if sdpa_computes_mask(mask) else dense_mask_bytes(call, work)
     return dense_kernel_estimate(call, label, fraction=fraction, mask_bytes=mask_bytes, compute_dtype=work)
 
 
