@@ -1,4 +1,7 @@
-"""multihead.inspect.capture: hooks that record per-head tensors without changing the model's results."""
+"""multihead.inspect.capture: hooks that record per-head tensors without changing the model's results.
+
+Every test is portable: the model, its inputs and what capture records live on the --device.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +11,19 @@ from torch import nn
 
 from multihead import MultiHeadAttention
 from multihead.inspect import attention_layers, capture
+from support import randn
+
+pytestmark = pytest.mark.portable
 
 
 class TwoLayers(nn.Module):
     """Self-attention (GQA, rotary) then cross-attention: the kinds of layer capture must handle."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | str = "cpu"):
         super().__init__()
         torch.manual_seed(3)
-        self.first = MultiHeadAttention(24, 6, num_kv_heads=2, rotary=True, dtype=torch.float64)
-        self.second = MultiHeadAttention(24, 4, kdim=10, vdim=10, value_head_dim=5, dtype=torch.float64)
+        self.first = MultiHeadAttention(24, 6, num_kv_heads=2, rotary=True, dtype=torch.float64, device=device)
+        self.second = MultiHeadAttention(24, 4, kdim=10, vdim=10, value_head_dim=5, dtype=torch.float64, device=device)
 
     def forward(self, x, memory, mask=None):
         x = x + self.first(x, causal=True)[0]
@@ -25,11 +31,11 @@ class TwoLayers(nn.Module):
 
 
 @pytest.fixture
-def model_and_inputs():
-    torch.manual_seed(5)
-    x = torch.randn(2, 9, 24, dtype=torch.float64)
-    memory = torch.randn(2, 11, 10, dtype=torch.float64)
-    return TwoLayers(), x, memory
+def model_and_inputs(device):
+    """TwoLayers, x (b, i, 24) and memory (b, j, 10), all on the device."""
+    x = randn(2, 9, 24, seed=5, device=device)
+    memory = randn(2, 11, 10, seed=6, device=device)
+    return TwoLayers(device), x, memory
 
 
 def expected_weights(layer, query, key=None, **kwargs):
@@ -37,7 +43,7 @@ def expected_weights(layer, query, key=None, **kwargs):
     return weights  # (b, h, i, j)
 
 
-def test_weights_of_chosen_layers_heads_and_queries_equal_the_layers_own(model_and_inputs):
+def test_weights_of_chosen_layers_heads_and_queries_equal_the_layers_own(model_and_inputs, device):
     model, x, memory = model_and_inputs
     with torch.no_grad():
         plain = model(x, memory)
@@ -54,7 +60,7 @@ def test_weights_of_chosen_layers_heads_and_queries_equal_the_layers_own(model_a
     assert rec.weights(1).shape == (2, 2, 3, 11)  # cross-attention: j = memory length
 
 
-def test_qkv_and_outputs_are_each_heads_own(model_and_inputs):
+def test_qkv_and_outputs_are_each_heads_own(model_and_inputs, device):
     model, x, memory = model_and_inputs
     with torch.no_grad(), capture(model, layers=[0], heads=[5], qkv=True, outputs=True) as rec:
         model(x, memory)
@@ -65,12 +71,12 @@ def test_qkv_and_outputs_are_each_heads_own(model_and_inputs):
     keys = layer.rotary.rotate((x @ layer.k_proj.weight.T + layer.k_proj.bias).view(2, 9, 2, 4).transpose(1, 2), 0)
     torch.testing.assert_close(k, keys[:, 1], atol=1e-12, rtol=0)
     torch.testing.assert_close(out, w @ v, atol=1e-12, rtol=0)  # the output is the weights applied to v
-    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    causal = torch.ones(9, 9, dtype=torch.bool, device=device).tril()
     scores = (q @ k.transpose(-1, -2) / 2.0).masked_fill(~causal, float("-inf"))  # scale 1/sqrt(4)
     torch.testing.assert_close(w, scores.softmax(-1), atol=1e-12, rtol=0)
 
 
-def test_only_recorded_layers_ask_the_kernel_for_weights(model_and_inputs):
+def test_only_recorded_layers_ask_the_kernel_for_weights(model_and_inputs, device):
     """Layers not recorded run exactly as without the recorder (no weights asked, same backend choice)."""
     model, x, memory = model_and_inputs
     asked = {}
@@ -96,7 +102,7 @@ def test_only_recorded_layers_ask_the_kernel_for_weights(model_and_inputs):
         handle.remove()
 
 
-def test_caller_asking_for_weights_gets_them_unchanged(model_and_inputs):
+def test_caller_asking_for_weights_gets_them_unchanged(model_and_inputs, device):
     model, x, _ = model_and_inputs
     with torch.no_grad():
         out_plain, weights_plain = model.first(x, need_weights=True)
@@ -106,10 +112,10 @@ def test_caller_asking_for_weights_gets_them_unchanged(model_and_inputs):
     torch.testing.assert_close(rec.weights(0, 4), weights_plain[:, 4], atol=0, rtol=0)
 
 
-def test_every_call_is_kept_and_the_cache_decode_is_recorded():
+def test_every_call_is_kept_and_the_cache_decode_is_recorded(device):
     torch.manual_seed(2)
-    layer = MultiHeadAttention(16, 4, num_kv_heads=2, dtype=torch.float64)
-    prompt, steps = torch.randn(1, 5, 16, dtype=torch.float64), torch.randn(1, 3, 16, dtype=torch.float64)
+    layer = MultiHeadAttention(16, 4, num_kv_heads=2, dtype=torch.float64, device=device)
+    prompt, steps = randn(1, 5, 16, seed=3, device=device), randn(1, 3, 16, seed=4, device=device)
     cache = layer.new_cache(1, 8)
     with torch.no_grad(), capture(layer) as rec:
         layer(prompt, cache=cache, causal=True)
@@ -124,7 +130,7 @@ def test_every_call_is_kept_and_the_cache_decode_is_recorded():
     assert rec.calls(0) == 0
 
 
-def test_training_backward_works_and_recorded_tensors_are_detached(model_and_inputs):
+def test_training_backward_works_and_recorded_tensors_are_detached(model_and_inputs, device):
     model, x, memory = model_and_inputs
     x.requires_grad_(True)
     with capture(model, outputs=True) as rec:
@@ -135,7 +141,7 @@ def test_training_backward_works_and_recorded_tensors_are_detached(model_and_inp
     torch.testing.assert_close(x.grad, grad_plain, atol=1e-12, rtol=0)  # gradients unchanged by recording
 
 
-def test_layer_order_and_bad_arguments(model_and_inputs):
+def test_layer_order_and_bad_arguments(model_and_inputs, device):
     model, x, memory = model_and_inputs
     assert attention_layers(model) == [model.first, model.second]
     assert attention_layers(model.first) == [model.first]
@@ -148,7 +154,7 @@ def test_layer_order_and_bad_arguments(model_and_inputs):
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
         capture("model")
     with pytest.raises(ValueError, match="model: expected a model built with multihead.MultiHeadAttention, or a"):
-        capture(nn.Linear(2, 3))
+        capture(nn.Linear(2, 3, device=device))
     with pytest.raises(ValueError, match=r"part: expected one of the model's parts \['self'\], got 'cross'"):
         capture(model, part="cross")
     with pytest.raises(TypeError, match="queries: expected a slice or a list"):
