@@ -9,6 +9,9 @@ bias=False, kdim/vdim layouts, empty sizes, the functional form (static_k/static
 inputs, TorchScript's refusal, and a table of bad inputs whose errors read in the caller's terms, carry
 torch's wording and are catchable the torch way (AssertionError) as well as ours (ValueError/TypeError).
 
+The tests that run a module are portable: both modules, their inputs, masks and cotangents live on the --device
+(random values drawn on the CPU and moved); the error tables and TorchScript stay on the CPU.
+
 Sizes are pairwise distinct within a case (batch N, query length L, key length S, heads, head dim,
 embed_dim, kdim, vdim) so that a swapped axis cannot pass.
 """
@@ -49,10 +52,13 @@ def randomize_(module: nn.Module, seed: int) -> nn.Module:
     return module
 
 
-def torch_and_compat(seed: int, *args, **kwargs) -> tuple[nn.MultiheadAttention, compat.MultiheadAttention]:
-    """torch's module (random float64 parameters) and the drop-in holding its state_dict, both in eval mode."""
-    theirs = randomize_(nn.MultiheadAttention(*args, **kwargs, dtype=F64), seed)
-    ours = compat.MultiheadAttention(*args, **kwargs, dtype=F64)
+def torch_and_compat(
+    seed: int, *args, device: torch.device | str = "cpu", **kwargs
+) -> tuple[nn.MultiheadAttention, compat.MultiheadAttention]:
+    """torch's module (random float64 parameters) and the drop-in holding its state_dict, both in eval mode, on
+    ``device``."""
+    theirs = randomize_(nn.MultiheadAttention(*args, **kwargs, dtype=F64, device=device), seed)
+    ours = compat.MultiheadAttention(*args, **kwargs, dtype=F64, device=device)
     assert set(ours.state_dict()) == set(theirs.state_dict())
     report = ours.load_state_dict(theirs.state_dict())
     assert not report.missing_keys and not report.unexpected_keys, report
@@ -61,11 +67,11 @@ def torch_and_compat(seed: int, *args, **kwargs) -> tuple[nn.MultiheadAttention,
 
 
 def loss_of(out: torch.Tensor, weights: torch.Tensor | None, seed: int) -> torch.Tensor:
-    """A random linear function of the output (and of the weights when returned)."""
+    """A random linear function of the output (and of the weights when returned); coefficients drawn on the CPU."""
     gen = torch.Generator().manual_seed(seed)
-    loss = (out * torch.randn(out.shape, generator=gen, dtype=F64)).sum()
+    loss = (out * torch.randn(out.shape, generator=gen, dtype=F64).to(out.device)).sum()
     if weights is not None:
-        loss = loss + (weights * torch.randn(weights.shape, generator=gen, dtype=F64)).sum()
+        loss = loss + (weights * torch.randn(weights.shape, generator=gen, dtype=F64).to(weights.device)).sum()
     return loss
 
 
@@ -186,8 +192,11 @@ def make_cases(n_cases: int = N_CASES, seed: int = 20240608) -> list[Case]:
 CASES = make_cases()
 
 
-def case_masks(case: Case, gen: torch.Generator) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(key_padding_mask, attn_mask) in torch's convention (bool True = masked out, float added).
+def case_masks(
+    case: Case, gen: torch.Generator, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(key_padding_mask, attn_mask) in torch's convention (bool True = masked out, float added), drawn on the CPU
+    and moved to ``device``.
 
     One key (key 0 under a causal mask, where the first query sees only it) is never masked, so no
     query row is fully masked; fully masked rows have their own tests.
@@ -223,11 +232,12 @@ def case_masks(case: Case, gen: torch.Generator) -> tuple[torch.Tensor | None, t
         "causal_bool": lambda: causal,
         "causal_float": lambda: torch.zeros(L, S, dtype=F64).masked_fill(causal, -math.inf),
     }[case.attn]()
-    return key_padding, attn_mask
+    return tuple(None if t is None else t.to(device) for t in (key_padding, attn_mask))
 
 
-def case_inputs(case: Case, gen: torch.Generator) -> list[torch.Tensor]:
-    """The distinct leaf tensors: [x] for self-attention, [query, key, value] otherwise."""
+def case_inputs(case: Case, gen: torch.Generator, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """The distinct leaf tensors: [x] for self-attention, [query, key, value] otherwise (drawn on the CPU, on
+    ``device``)."""
 
     def seq(length, features):
         if not case.batched:
@@ -236,7 +246,7 @@ def case_inputs(case: Case, gen: torch.Generator) -> list[torch.Tensor]:
             shape = (case.batch, length, features)
         else:
             shape = (length, case.batch, features)
-        return torch.randn(shape, generator=gen, dtype=F64)
+        return torch.randn(shape, generator=gen, dtype=F64).to(device)
 
     if case.self_attention:
         return [seq(case.q_len, case.embed_dim)]
@@ -302,9 +312,10 @@ def test_grid_covers_every_option():
     assert any(c.is_causal and c.q_len != c.k_len for c in CASES)
 
 
+@pytest.mark.portable
 @pytest.mark.filterwarnings(MISMATCHED_MASKS)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_matches_torch_forward_and_backward(case: Case):
+def test_matches_torch_forward_and_backward(case: Case, device):
     theirs, ours = torch_and_compat(
         case.index,
         case.embed_dim,
@@ -316,10 +327,11 @@ def test_matches_torch_forward_and_backward(case: Case):
         kdim=case.kdim,
         vdim=case.vdim,
         batch_first=case.batch_first,
+        device=device,
     )
     gen = torch.Generator().manual_seed(10_000 + case.index)
-    inputs = case_inputs(case, gen)
-    key_padding, attn_mask = case_masks(case, gen)
+    inputs = case_inputs(case, gen, device)
+    key_padding, attn_mask = case_masks(case, gen, device)
 
     torch_causal = case.is_causal and not torch_drops_the_extra_keys(case)
     out_t, w_t, grads_t = run_case(theirs, case, inputs, key_padding, attn_mask, torch_causal)
@@ -346,14 +358,15 @@ def _fully_masked_pair(seed=7, **kwargs):
     return torch_and_compat(seed, E, H, **kwargs)
 
 
-def _qkv(seed, *, batch=N, q_len=L, k_len=S):
+def _qkv(seed, *, batch=N, q_len=L, k_len=S, device="cpu"):
+    """query (q_len, batch, E), key and value (k_len, batch, E): seq first, drawn on the CPU, on ``device``."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(length, batch, E, generator=gen, dtype=F64) for length in (q_len, k_len, k_len)]
+    return [torch.randn(length, batch, E, generator=gen, dtype=F64).to(device) for length in (q_len, k_len, k_len)]
 
 
-def _cotangents(seed, out_shape, weights_shape):
+def _cotangents(seed, out_shape, weights_shape, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(out_shape, generator=gen, dtype=F64), torch.randn(weights_shape, generator=gen, dtype=F64))
+    return tuple(torch.randn(shape, generator=gen, dtype=F64).to(device) for shape in (out_shape, weights_shape))
 
 
 def _forward_and_grads(module, qkv, cotangents, **kwargs):
@@ -369,22 +382,27 @@ def _forward_and_grads(module, qkv, cotangents, **kwargs):
     return out, weights, dict(zip(names, grads, strict=True))
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("padding_dtype", [torch.bool, F64], ids=["bool", "float-inf"])
 @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "noweights"])
-def test_padding_every_key_of_a_batch_element(padding_dtype, need_weights):
+def test_padding_every_key_of_a_batch_element(padding_dtype, need_weights, device):
     """Batch element 1 has every key padded: torch gives NaN; ours gives out_proj(0) = out_proj.bias,
     weights 0 and gradient 0 there, and elsewhere exactly what torch computes without that element."""
-    theirs, ours = _fully_masked_pair()
-    qkv = _qkv(1)
-    padded = torch.zeros(N, S, dtype=torch.bool)
+    theirs, ours = _fully_masked_pair(device=device)
+    qkv = _qkv(1, device=device)
+    padded = torch.zeros(N, S, dtype=torch.bool, device=device)
     padded[0, 2] = padded[2, 4:] = True
     padded[1] = True  # every key of batch element 1
-    key_padding = padded if padding_dtype == torch.bool else torch.zeros(N, S, dtype=F64).masked_fill(padded, -math.inf)
+    key_padding = (
+        padded
+        if padding_dtype == torch.bool
+        else torch.zeros(N, S, dtype=F64, device=device).masked_fill(padded, -math.inf)
+    )
     kwargs = dict(key_padding_mask=key_padding, need_weights=need_weights, average_attn_weights=False)
     torch_out, _ = theirs(*qkv, **kwargs)
     assert not torch_out[:, [0, 2]].isnan().any()
 
-    cot = _cotangents(3, (L, N, E), (N, H, L, S))
+    cot = _cotangents(3, (L, N, E), (N, H, L, S), device)
     out, weights, grads = _forward_and_grads(ours, qkv, cot, **kwargs)
     assert out.isfinite().all()
     if need_weights:  # torch's explicit-softmax path: NaN
@@ -400,11 +418,13 @@ def test_padding_every_key_of_a_batch_element(padding_dtype, need_weights):
     assert_close(out[:, keep], expected, OUT_ATOL, "output of the other batch elements")
     if need_weights:
         assert weights.isfinite().all()
-        assert_close(weights[1], torch.zeros(H, L, S, dtype=F64), 0.0, "weights of the fully masked rows")
+        assert_close(
+            weights[1], torch.zeros(H, L, S, dtype=F64, device=device), 0.0, "weights of the fully masked rows"
+        )
         assert_close(weights[keep], expected_w, OUT_ATOL, "weights of the other batch elements")
     for name in ("query", "key", "value"):
         assert grads[name].isfinite().all(), name
-        assert_close(grads[name][:, 1], torch.zeros(grads[name][:, 1].shape, dtype=F64), 0.0, f"grad {name} at 1")
+        assert_close(grads[name][:, 1], torch.zeros_like(grads[name][:, 1]), 0.0, f"grad {name} at 1")
         assert_close(grads[name][:, keep], expected_grads[name], GRAD_ATOL, f"grad {name}")
     # the parameters see the other elements' gradient, plus d loss / d out_proj.bias from the masked rows
     masked_rows_cotangent = cot[0][:, 1].sum(0)  # (E,): d loss / d out_proj.bias from batch element 1
@@ -414,21 +434,26 @@ def test_padding_every_key_of_a_batch_element(padding_dtype, need_weights):
         assert_close(grads[name], want, GRAD_ATOL, f"grad {name}")
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("mask_dtype", [torch.bool, F64], ids=["bool", "float-inf"])
 @pytest.mark.parametrize("average", [True, False], ids=["avg", "perhead"])
-def test_attn_mask_row_with_every_key_masked(mask_dtype, average):
+def test_attn_mask_row_with_every_key_masked(mask_dtype, average, device):
     """Query 2 may attend no key: out_proj.bias and weights 0 there for every batch element; the other
     queries equal torch run on them alone."""
-    theirs, ours = _fully_masked_pair(seed=8, batch_first=True)
-    qkv = [t.transpose(0, 1).contiguous() for t in _qkv(2)]  # (N, seq, E)
-    masked = torch.zeros(L, S, dtype=torch.bool)
+    theirs, ours = _fully_masked_pair(seed=8, batch_first=True, device=device)
+    qkv = [t.transpose(0, 1).contiguous() for t in _qkv(2, device=device)]  # (N, seq, E)
+    masked = torch.zeros(L, S, dtype=torch.bool, device=device)
     masked[0, :3] = masked[4, 5] = True
     masked[2] = True
-    attn_mask = masked if mask_dtype == torch.bool else torch.zeros(L, S, dtype=F64).masked_fill(masked, -math.inf)
+    attn_mask = (
+        masked
+        if mask_dtype == torch.bool
+        else torch.zeros(L, S, dtype=F64, device=device).masked_fill(masked, -math.inf)
+    )
     kwargs = dict(attn_mask=attn_mask, average_attn_weights=average)
     assert theirs(*qkv, **kwargs)[0][:, 2].isnan().all()
 
-    cot = _cotangents(3, (N, L, E), (N, L, S) if average else (N, H, L, S))
+    cot = _cotangents(3, (N, L, E), (N, L, S) if average else (N, H, L, S), device)
     out, weights, grads = _forward_and_grads(ours, qkv, cot, **kwargs)
     assert out.isfinite().all() and weights.isfinite().all()
     assert_close(out[:, 2], ours.out_proj.bias.expand(N, E), OUT_ATOL, "fully masked rows = out_proj(0)")
@@ -440,7 +465,7 @@ def test_attn_mask_row_with_every_key_masked(mask_dtype, average):
     )
     assert_close(out[:, rows], expected, OUT_ATOL, "output of the other rows")
     assert_close(weights[..., rows, :], expected_w, OUT_ATOL, "weights of the other rows")
-    assert_close(grads["query"][:, 2], torch.zeros(N, E, dtype=F64), 0.0, "grad query at the masked row")
+    assert_close(grads["query"][:, 2], torch.zeros(N, E, dtype=F64, device=device), 0.0, "grad query at the masked row")
     assert_close(grads["query"][:, rows], expected_grads["query"], GRAD_ATOL, "grad query")
     masked_rows_cotangent = cot[0][:, 2].sum(0)  # (E,): d loss / d out_proj.bias from query 2
     for name in ["key", "value"] + [n for n, _ in ours.named_parameters()]:
@@ -449,17 +474,22 @@ def test_attn_mask_row_with_every_key_masked(mask_dtype, average):
         assert_close(grads[name], want, GRAD_ATOL, f"grad {name}")
 
 
-def test_one_head_fully_masked_through_a_3d_attn_mask():
+@pytest.mark.portable
+def test_one_head_fully_masked_through_a_3d_attn_mask(device):
     """A (N * num_heads, L, S) mask that masks every key of one (batch, head, query): that head
     contributes 0 before out_proj; torch's whole output row is NaN. Ours equals the head-by-head
     formula from torch's per-head weights with the NaN head taken as 0."""
-    theirs, ours = _fully_masked_pair(seed=9)
-    query, key, value = _qkv(4)
-    masked = torch.zeros(N * H, L, S, dtype=torch.bool)
+    theirs, ours = _fully_masked_pair(seed=9, device=device)
+    query, key, value = _qkv(4, device=device)
+    masked = torch.zeros(N * H, L, S, dtype=torch.bool, device=device)
     masked[1 * H + 2, 3] = True  # batch element 1, head 2, query 3: every key
     masked[0, 1, :4] = True
     out, weights, grads = _forward_and_grads(
-        ours, [query, key, value], _cotangents(3, (L, N, E), (N, H, L, S)), attn_mask=masked, average_attn_weights=False
+        ours,
+        [query, key, value],
+        _cotangents(3, (L, N, E), (N, H, L, S), device),
+        attn_mask=masked,
+        average_attn_weights=False,
     )
     with torch.no_grad():
         torch_out, torch_w = theirs(query, key, value, attn_mask=masked, average_attn_weights=False)
@@ -479,13 +509,14 @@ def test_one_head_fully_masked_through_a_3d_attn_mask():
     assert_close(averaged, nan_free.mean(1), OUT_ATOL, "averaged weights")
 
 
-def test_unbatched_fully_masked_padding():
-    theirs, ours = _fully_masked_pair(seed=10)
-    query, key, value = (t[:, 0] for t in _qkv(5))  # (seq, E)
-    key_padding = torch.ones(S, dtype=torch.bool)
+@pytest.mark.portable
+def test_unbatched_fully_masked_padding(device):
+    theirs, ours = _fully_masked_pair(seed=10, device=device)
+    query, key, value = (t[:, 0] for t in _qkv(5, device=device))  # (seq, E)
+    key_padding = torch.ones(S, dtype=torch.bool, device=device)
     assert theirs(query, key, value, key_padding_mask=key_padding)[0].isnan().all()
     out, weights, grads = _forward_and_grads(
-        ours, [query, key, value], _cotangents(3, (L, E), (L, S)), key_padding_mask=key_padding
+        ours, [query, key, value], _cotangents(3, (L, E), (L, S), device), key_padding_mask=key_padding
     )
     assert_close(out, ours.out_proj.bias.expand(L, E), OUT_ATOL, "out_proj(0)")
     assert (weights == 0).all() and weights.shape == (L, S)
@@ -495,12 +526,13 @@ def test_unbatched_fully_masked_padding():
             assert (grad == 0).all(), name
 
 
-def test_bias_kv_and_zero_attn_rescue_fully_padded_rows_like_torch():
+@pytest.mark.portable
+def test_bias_kv_and_zero_attn_rescue_fully_padded_rows_like_torch(device):
     """With add_bias_kv / add_zero_attn the extra key is never padded, so no row is empty: torch is finite."""
     for kwargs in (dict(add_bias_kv=True), dict(add_zero_attn=True)):
-        theirs, ours = _fully_masked_pair(seed=11, **kwargs)
-        qkv = _qkv(6)
-        key_padding = torch.zeros(N, S, dtype=torch.bool)
+        theirs, ours = _fully_masked_pair(seed=11, device=device, **kwargs)
+        qkv = _qkv(6, device=device)
+        key_padding = torch.zeros(N, S, dtype=torch.bool, device=device)
         key_padding[2] = True
         expected, expected_w = theirs(*qkv, key_padding_mask=key_padding)
         assert expected.isfinite().all()
@@ -509,14 +541,15 @@ def test_bias_kv_and_zero_attn_rescue_fully_padded_rows_like_torch():
         assert_close(weights, expected_w, OUT_ATOL, f"weights {kwargs}")
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("options", [dict(add_bias_kv=True), dict(add_zero_attn=True)], ids=["bias_kv", "zero_attn"])
-def test_is_causal_hint_never_drops_the_extra_keys(options):
+def test_is_causal_hint_never_drops_the_extra_keys(options, device):
     """is_causal=True with a causal attn_mask: the output does not depend on need_weights, and equals torch's
     result where torch honours the mask (need_weights=True). torch's need_weights=False path drops the mask,
     so its extra bias_k / zero key is hidden from earlier queries (see torch_drops_the_extra_keys)."""
-    theirs, ours = torch_and_compat(19, E, H, batch_first=True, **options)
-    x = _qkv(19, batch=2, q_len=L, k_len=L)[0].transpose(0, 1)  # (2, L, E)
-    causal = nn.Transformer.generate_square_subsequent_mask(L, dtype=F64)
+    theirs, ours = torch_and_compat(19, E, H, batch_first=True, device=device, **options)
+    x = _qkv(19, batch=2, q_len=L, k_len=L, device=device)[0].transpose(0, 1)  # (2, L, E)
+    causal = nn.Transformer.generate_square_subsequent_mask(L, dtype=F64, device=device)
     with torch.no_grad():
         expected, _ = theirs(x, x, x, attn_mask=causal, is_causal=True, need_weights=True)
         for need_weights in (True, False):
@@ -527,12 +560,14 @@ def test_is_causal_hint_never_drops_the_extra_keys(options):
 # --------------------------------------------------------------------------- dropout
 
 
-def test_dropout_train_versus_eval():
+@pytest.mark.portable
+def test_dropout_train_versus_eval(device):
     p = 0.4
-    theirs, ours = torch_and_compat(12, E, 3, dropout=p, kdim=7, vdim=9)
+    theirs, ours = torch_and_compat(12, E, 3, dropout=p, kdim=7, vdim=9, device=device)
     gen = torch.Generator().manual_seed(12)
-    query = torch.randn(L, N, E, generator=gen, dtype=F64)
-    key, value = torch.randn(S, N, 7, generator=gen, dtype=F64), torch.randn(S, N, 9, generator=gen, dtype=F64)
+    query, key, value = (
+        torch.randn(shape, generator=gen, dtype=F64).to(device) for shape in ((L, N, E), (S, N, 7), (S, N, 9))
+    )
     eval_out, eval_w = ours(query, key, value, average_attn_weights=False)
     again, _ = ours(query, key, value, average_attn_weights=False)
     assert torch.equal(eval_out, again)
@@ -548,7 +583,7 @@ def test_dropout_train_versus_eval():
         name = type(module).__module__
         assert not torch.allclose(first, second), name
         # the weights returned are the ones applied, after dropout: rows no longer sum to 1 ...
-        assert not torch.allclose(weights.sum(-1), torch.ones(N, 3, L, dtype=F64)), name
+        assert not torch.allclose(weights.sum(-1), torch.ones(N, 3, L, dtype=F64, device=device)), name
         # ... each is 0 or the eval weight / (1 - p) ...
         scaled = eval_w / (1 - p)
         assert ((weights == 0) | ((weights - scaled).abs() <= 1e-12)).all(), name
@@ -560,13 +595,14 @@ def test_dropout_train_versus_eval():
         module.eval()
 
 
-def test_dropout_weights_average_to_the_eval_weights():
+@pytest.mark.portable
+def test_dropout_weights_average_to_the_eval_weights(device):
     """Over many independent draws (one batch of copies), the mean post-dropout weight approaches the eval
     weight: each is w / (1 - p) with probability 1 - p, so the mean of n has std w sqrt(p / ((1 - p) n))."""
     p, copies = 0.3, 4000
-    theirs, ours = torch_and_compat(13, E, 3, dropout=p, batch_first=True)
+    theirs, ours = torch_and_compat(13, E, 3, dropout=p, batch_first=True, device=device)
     gen = torch.Generator().manual_seed(13)
-    x = torch.randn(2, L, E, generator=gen, dtype=F64)
+    x = torch.randn(2, L, E, generator=gen, dtype=F64).to(device)
     with torch.no_grad():
         _, eval_w = ours(x, x, x, average_attn_weights=False)  # (2, 3, L, L)
         ours.train()
@@ -587,11 +623,12 @@ def test_dropout_weights_average_to_the_eval_weights():
 class TinyBlock(nn.Module):
     """Pre-norm attention + feed-forward, written against an ``mha_cls`` with torch's interface."""
 
-    def __init__(self, mha_cls, embed_dim: int = 12, num_heads: int = 4):
+    def __init__(self, mha_cls, embed_dim: int = 12, num_heads: int = 4, device: torch.device | str = "cpu"):
         super().__init__()
-        self.norm = nn.LayerNorm(embed_dim, dtype=F64)
-        self.attn = mha_cls(embed_dim, num_heads, batch_first=True, dtype=F64)
-        self.ff = nn.Sequential(nn.Linear(embed_dim, 20, dtype=F64), nn.GELU(), nn.Linear(20, embed_dim, dtype=F64))
+        like = dict(dtype=F64, device=device)
+        self.norm = nn.LayerNorm(embed_dim, **like)
+        self.attn = mha_cls(embed_dim, num_heads, batch_first=True, **like)
+        self.ff = nn.Sequential(nn.Linear(embed_dim, 20, **like), nn.GELU(), nn.Linear(20, embed_dim, **like))
 
     def forward(self, x, padding=None):
         h = self.norm(x)
@@ -600,14 +637,15 @@ class TinyBlock(nn.Module):
         return x + self.ff(x)
 
 
-def test_swapping_the_class_in_a_user_module():
-    theirs = randomize_(TinyBlock(nn.MultiheadAttention), 14).eval()
-    ours = TinyBlock(compat.MultiheadAttention).eval()
+@pytest.mark.portable
+def test_swapping_the_class_in_a_user_module(device):
+    theirs = randomize_(TinyBlock(nn.MultiheadAttention, device=device), 14).eval()
+    ours = TinyBlock(compat.MultiheadAttention, device=device).eval()
     report = ours.load_state_dict(theirs.state_dict())
     assert not report.missing_keys and not report.unexpected_keys
     gen = torch.Generator().manual_seed(14)
-    x = torch.randn(3, 7, 12, generator=gen, dtype=F64)
-    padding = torch.zeros(3, 7, dtype=torch.bool)
+    x = torch.randn(3, 7, 12, generator=gen, dtype=F64).to(device)
+    padding = torch.zeros(3, 7, dtype=torch.bool, device=device)
     padding[1, 5:] = padding[2, 0] = True
     for pad in (None, padding):
         xs = [x.clone().requires_grad_(True) for _ in range(2)]
@@ -623,16 +661,19 @@ def test_swapping_the_class_in_a_user_module():
             assert_close(ours(x, pad), theirs(x, pad), OUT_ATOL, "block output without grad")
 
 
-def test_swapping_self_attn_inside_torch_transformer_encoder_layer():
-    layer = nn.TransformerEncoderLayer(12, 4, dim_feedforward=20, dropout=0.0, batch_first=True, dtype=F64)
+@pytest.mark.portable
+def test_swapping_self_attn_inside_torch_transformer_encoder_layer(device):
+    layer = nn.TransformerEncoderLayer(
+        12, 4, dim_feedforward=20, dropout=0.0, batch_first=True, dtype=F64, device=device
+    )
     randomize_(layer, 15).eval()
     swapped = copy.deepcopy(layer)
-    swapped.self_attn = compat.MultiheadAttention(12, 4, batch_first=True, dtype=F64)
+    swapped.self_attn = compat.MultiheadAttention(12, 4, batch_first=True, dtype=F64, device=device)
     swapped.self_attn.load_state_dict(layer.self_attn.state_dict())
     gen = torch.Generator().manual_seed(15)
-    x = torch.randn(2, 7, 12, generator=gen, dtype=F64)
-    causal = nn.Transformer.generate_square_subsequent_mask(7, dtype=F64)
-    padding = torch.zeros(2, 7, dtype=torch.bool)
+    x = torch.randn(2, 7, 12, generator=gen, dtype=F64).to(device)
+    causal = nn.Transformer.generate_square_subsequent_mask(7, dtype=F64, device=device)
+    padding = torch.zeros(2, 7, dtype=torch.bool, device=device)
     padding[0, 6] = True
     for kwargs in (dict(), dict(src_mask=causal, is_causal=True), dict(src_key_padding_mask=padding)):
         assert_close(swapped(x, **kwargs), layer(x, **kwargs), OUT_ATOL, f"encoder layer {list(kwargs)}")
@@ -649,18 +690,21 @@ CONVERTER_CONFIGS = {
 }
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("name", list(CONVERTER_CONFIGS))
-def test_from_torch_matches_torch_on_batch_first_inputs(name):
+def test_from_torch_matches_torch_on_batch_first_inputs(name, device):
     config = dict(CONVERTER_CONFIGS[name])
     batch_first = config.pop("batch_first", True)
-    module = randomize_(nn.MultiheadAttention(E, 3, batch_first=batch_first, **config, dtype=F64), 16).eval()
+    module = nn.MultiheadAttention(E, 3, batch_first=batch_first, **config, dtype=F64, device=device)
+    module = randomize_(module, 16).eval()
     layer = MultiHeadAttention.from_torch(module).eval()
     assert isinstance(layer, MultiHeadAttention) and layer.out_proj.weight.dtype == F64
+    assert layer.out_proj.weight.device == device
     gen = torch.Generator().manual_seed(16)
-    query = torch.randn(N, L, E, generator=gen, dtype=F64)  # (N, L, E): the layer is batch first
-    key = torch.randn(N, S, module.kdim, generator=gen, dtype=F64)
-    value = torch.randn(N, S, module.vdim, generator=gen, dtype=F64)
-    padding = torch.zeros(N, S, dtype=torch.bool)
+    query = torch.randn(N, L, E, generator=gen, dtype=F64).to(device)  # (N, L, E): the layer is batch first
+    key = torch.randn(N, S, module.kdim, generator=gen, dtype=F64).to(device)
+    value = torch.randn(N, S, module.vdim, generator=gen, dtype=F64).to(device)
+    padding = torch.zeros(N, S, dtype=torch.bool, device=device)
     padding[0, 4:] = padding[2, 1] = True
 
     def torch_call(q, k, v, **kwargs):
@@ -681,13 +725,16 @@ def test_from_torch_matches_torch_on_batch_first_inputs(name):
         assert_close(layer(query)[0], torch_call(query, query, query)[0], OUT_ATOL, "self-attention")
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("name", list(CONVERTER_CONFIGS))
-def test_to_torch_round_trip_gives_back_the_same_state(name):
+def test_to_torch_round_trip_gives_back_the_same_state(name, device):
     config = dict(CONVERTER_CONFIGS[name])
     batch_first = config.pop("batch_first", True)
-    module = randomize_(nn.MultiheadAttention(E, 3, dropout=0.25, batch_first=batch_first, **config, dtype=F64), 17)
+    module = nn.MultiheadAttention(E, 3, dropout=0.25, batch_first=batch_first, **config, dtype=F64, device=device)
+    module = randomize_(module, 17)
     back = MultiHeadAttention.from_torch(module).to_torch()
     assert isinstance(back, nn.MultiheadAttention) and back.batch_first
+    assert back.out_proj.weight.device == device
     assert (back.embed_dim, back.num_heads, back.kdim, back.vdim, back.dropout) == (
         E,
         3,
@@ -700,7 +747,7 @@ def test_to_torch_round_trip_gives_back_the_same_state(name):
     for key, value in original.items():
         assert returned[key].dtype == F64 and torch.equal(returned[key], value), key
     # and the other way round: layer -> torch -> layer
-    layer = MultiHeadAttention(E, 3, **config, dtype=F64)
+    layer = MultiHeadAttention(E, 3, **config, dtype=F64, device=device)
     again = to_torch(layer)
     assert all(
         torch.equal(a, b)
@@ -709,11 +756,12 @@ def test_to_torch_round_trip_gives_back_the_same_state(name):
     assert set(from_torch(again).state_dict()) == set(layer.state_dict())
 
 
-def test_from_torch_accepts_the_compat_module():
-    _, ours = torch_and_compat(18, E, 3, kdim=7, vdim=9, batch_first=True)
+@pytest.mark.portable
+def test_from_torch_accepts_the_compat_module(device):
+    _, ours = torch_and_compat(18, E, 3, kdim=7, vdim=9, batch_first=True, device=device)
     layer = from_torch(ours)
     gen = torch.Generator().manual_seed(18)
-    q, k, v = (torch.randn(N, n, d, generator=gen, dtype=F64) for n, d in ((L, E), (S, 7), (S, 9)))
+    q, k, v = (torch.randn(N, n, d, generator=gen, dtype=F64).to(device) for n, d in ((L, E), (S, 7), (S, 9)))
     assert_close(layer(q, k, v)[0], ours(q, k, v)[0], OUT_ATOL, "output")
 
 
@@ -759,17 +807,21 @@ def test_to_torch_rejects_what_torch_cannot_express(options, fragment):
 # --------------------------------------------------------------------------- torch's contracts, re-derived
 
 
-def test_3d_attn_mask_equals_each_batch_element_with_its_own_2d_mask():
+@pytest.mark.portable
+def test_3d_attn_mask_equals_each_batch_element_with_its_own_2d_mask(device):
     """A (N * num_heads, L, S) mask built by repeating one (L, S) mask per batch element over the heads
     gives, for element n, exactly what element n alone gives with its (L, S) mask."""
-    _, ours = torch_and_compat(30, E, H, batch_first=True)
+    _, ours = torch_and_compat(30, E, H, batch_first=True, device=device)
     gen = torch.Generator().manual_seed(30)
-    query = torch.randn(N, L, E, generator=gen, dtype=F64)
-    key = torch.randn(N, S, E, generator=gen, dtype=F64)
+    query = torch.randn(N, L, E, generator=gen, dtype=F64).to(device)
+    key = torch.randn(N, S, E, generator=gen, dtype=F64).to(device)
     for kind in ("bool", "float"):
         masked = torch.rand(N, L, S, generator=gen) < 0.4
         masked[..., 3] = False  # key 3 stays visible: no row is fully masked
-        per_element = masked if kind == "bool" else torch.zeros(N, L, S, dtype=F64).masked_fill(masked, -math.inf)
+        masked = masked.to(device)
+        per_element = (
+            masked if kind == "bool" else torch.zeros(N, L, S, dtype=F64, device=device).masked_fill(masked, -math.inf)
+        )
         stacked = per_element.repeat_interleave(H, dim=0)  # (N * H, L, S), n-major as torch orders it
         out, weights = ours(query, key, key, attn_mask=stacked)
         for n in range(N):
@@ -786,13 +838,14 @@ def test_bias_false_removes_every_bias_like_torch():
     assert "in_proj_bias" not in ours.state_dict() and "out_proj.bias" not in ours.state_dict()
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize(
     "dims",
     [dict(kdim=7, vdim=9), dict(kdim=7), dict(vdim=9), dict(kdim=E, vdim=E)],
     ids=["both", "kdim", "vdim", "equal"],
 )
-def test_kdim_vdim_choose_the_weight_layout_like_torch(dims):
-    theirs, ours = torch_and_compat(32, E, H, **dims)
+def test_kdim_vdim_choose_the_weight_layout_like_torch(dims, device):
+    theirs, ours = torch_and_compat(32, E, H, device=device, **dims)
     same = dims.get("kdim", E) == E and dims.get("vdim", E) == E
     assert ours._qkv_same_embed_dim is same is theirs._qkv_same_embed_dim
     assert (ours.kdim, ours.vdim) == (theirs.kdim, theirs.vdim)
@@ -800,9 +853,9 @@ def test_kdim_vdim_choose_the_weight_layout_like_torch(dims):
         assert dict(ours.named_parameters())[name].shape == p.shape, name
     assert (ours.in_proj_weight is None) is (not same)
     gen = torch.Generator().manual_seed(32)
-    q = torch.randn(L, N, E, generator=gen, dtype=F64)
-    k = torch.randn(S, N, ours.kdim, generator=gen, dtype=F64)
-    v = torch.randn(S, N, ours.vdim, generator=gen, dtype=F64)
+    q = torch.randn(L, N, E, generator=gen, dtype=F64).to(device)
+    k = torch.randn(S, N, ours.kdim, generator=gen, dtype=F64).to(device)
+    v = torch.randn(S, N, ours.vdim, generator=gen, dtype=F64).to(device)
     assert_close(ours(q, k, v)[0], theirs(q, k, v)[0], OUT_ATOL, "output")
 
 
@@ -824,19 +877,20 @@ def test_module_looks_like_torchs():
         assert getattr(ours, attribute) == getattr(theirs, attribute), attribute
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("sizes", [(0, N, L), (S, 0, L), (S, N, 0), (0, 0, 0)], ids=["S0", "N0", "L0", "all0"])
 @pytest.mark.parametrize(
     "options", [dict(), dict(add_bias_kv=True), dict(add_zero_attn=True)], ids=["plain", "bias_kv", "zero_attn"]
 )
-def test_empty_sizes_match_torch(sizes, options):
+def test_empty_sizes_match_torch(sizes, options, device):
     """No keys, no batch or no queries: torch answers (a sum over no keys is 0, so the output is out_proj's
     bias); so does the drop-in, with the same shapes and gradients, instead of an error from its kernels."""
-    theirs, ours = torch_and_compat(34, E, H, **options)
+    theirs, ours = torch_and_compat(34, E, H, device=device, **options)
     k_len, batch, q_len = sizes
     gen = torch.Generator().manual_seed(34)
-    query = torch.randn(q_len, batch, E, generator=gen, dtype=F64)
-    key = torch.randn(k_len, batch, E, generator=gen, dtype=F64)
-    padding = torch.zeros(batch, k_len, dtype=torch.bool)
+    query = torch.randn(q_len, batch, E, generator=gen, dtype=F64).to(device)
+    key = torch.randn(k_len, batch, E, generator=gen, dtype=F64).to(device)
+    padding = torch.zeros(batch, k_len, dtype=torch.bool, device=device)
     for kwargs in (dict(), dict(key_padding_mask=padding, average_attn_weights=False), dict(need_weights=False)):
         (out_t, w_t, g_t), (out_o, w_o, g_o) = (run_empty(module, query, key, kwargs) for module in (theirs, ours))
         assert_close(out_o, out_t, OUT_ATOL, f"output {kwargs}")
@@ -850,7 +904,7 @@ def test_empty_sizes_match_torch(sizes, options):
 def run_empty(module, query, key, kwargs):
     leaves = [query.clone().requires_grad_(True), key.clone().requires_grad_(True)]
     out, weights = module(leaves[0], leaves[1], leaves[1], **kwargs)
-    loss = (out * torch.arange(out.numel(), dtype=F64).view(out.shape)).sum()
+    loss = (out * torch.arange(out.numel(), dtype=F64, device=out.device).view(out.shape)).sum()
     params = dict(module.named_parameters())
     grads = torch.autograd.grad(loss, leaves + list(params.values()), allow_unused=True)
     names = ["query", "key"] + list(params)
@@ -898,31 +952,34 @@ def _functional_args(module, use_static: bool, gen):
             v_proj_weight=module.v_proj_weight,
         )
     if use_static:
+        device = module.out_proj.weight.device
         args.update(
-            static_k=torch.randn(N * H, S, E // H, generator=gen, dtype=F64),
-            static_v=torch.randn(N * H, S, E // H, generator=gen, dtype=F64),
+            static_k=torch.randn(N * H, S, E // H, generator=gen, dtype=F64).to(device),
+            static_v=torch.randn(N * H, S, E // H, generator=gen, dtype=F64).to(device),
         )
     return args
 
 
+@pytest.mark.portable
 @pytest.mark.filterwarnings(MISMATCHED_MASKS)
 @pytest.mark.parametrize("static", [False, True], ids=["projected", "static_kv"])
 @pytest.mark.parametrize("name", list(FUNCTIONAL_CASES))
-def test_functional_matches_torch_functional(name, static):
+def test_functional_matches_torch_functional(name, static, device):
     options = FUNCTIONAL_CASES[name]
     if static:  # torch refuses static keys/values with bias_k (see the next test); the zero key comes after them
         options = {k: v for k, v in options.items() if k != "add_bias_kv"}
-    theirs, _ = torch_and_compat(35, E, H, **options)
+    theirs, _ = torch_and_compat(35, E, H, device=device, **options)
     gen = torch.Generator().manual_seed(35)
-    query = torch.randn(L, N, E, generator=gen, dtype=F64)
-    key = torch.randn(S, N, theirs.kdim, generator=gen, dtype=F64)
-    value = torch.randn(S, N, theirs.vdim, generator=gen, dtype=F64)
+    query = torch.randn(L, N, E, generator=gen, dtype=F64).to(device)
+    key = torch.randn(S, N, theirs.kdim, generator=gen, dtype=F64).to(device)
+    value = torch.randn(S, N, theirs.vdim, generator=gen, dtype=F64).to(device)
     args = _functional_args(theirs, static, gen)
     padding = torch.zeros(N, S, dtype=torch.bool)
     padding[0, 2] = padding[2, 5:] = True
     attn = torch.zeros(L, S, dtype=F64).masked_fill(torch.rand(L, S, generator=gen) < 0.3, -math.inf)
     attn[:, 1] = 0.0  # key 1 visible to every query
     padding[:, 1] = False
+    padding, attn = padding.to(device), attn.to(device)
     for kwargs in (
         dict(),
         dict(key_padding_mask=padding, attn_mask=attn, average_attn_weights=False),
@@ -947,10 +1004,11 @@ def test_functional_matches_torch_functional(name, static):
                 assert_close(a, b, GRAD_ATOL, f"grad {n}")
 
 
-def test_functional_refuses_static_kv_with_bias_kv():
-    theirs, _ = torch_and_compat(36, E, H, add_bias_kv=True)
+@pytest.mark.portable
+def test_functional_refuses_static_kv_with_bias_kv(device):
+    theirs, _ = torch_and_compat(36, E, H, add_bias_kv=True, device=device)
     gen = torch.Generator().manual_seed(36)
-    x = torch.randn(L, N, E, generator=gen, dtype=F64)
+    x = torch.randn(L, N, E, generator=gen, dtype=F64).to(device)
     args = _functional_args(theirs, True, gen)
     for fn in (F.multi_head_attention_forward, compat.multi_head_attention_forward):
         with pytest.raises(AssertionError, match="bias cannot be added to static key."):
@@ -960,12 +1018,14 @@ def test_functional_refuses_static_kv_with_bias_kv():
 # --------------------------------------------------------------------------- nested (jagged) inputs
 
 
-def _nested(lengths, features, gen, layout=torch.jagged):
+def _nested(lengths, features, gen, layout=torch.jagged, device="cpu"):
+    """A nested (N, *, features) float64 tensor on ``device``, its sequences drawn on the CPU."""
     return torch.nested.nested_tensor(
-        [torch.randn(n, features, generator=gen, dtype=F64) for n in lengths], layout=layout
+        [torch.randn(n, features, generator=gen, dtype=F64) for n in lengths], layout=layout, device=device
     )
 
 
+@pytest.mark.portable
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
 @pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
 @pytest.mark.parametrize(
@@ -973,22 +1033,22 @@ def _nested(lengths, features, gen, layout=torch.jagged):
     [dict(), dict(kdim=7, vdim=9, add_bias_kv=True), dict(add_zero_attn=True)],
     ids=["self", "cross_bias_kv", "zero_attn"],
 )
-def test_nested_inputs_equal_each_sequence_alone(options, layout):
+def test_nested_inputs_equal_each_sequence_alone(options, layout, device):
     """Nested (N, *, E) inputs: each sequence's output equals that sequence run alone (and torch's result for
     it); the output is nested like the query; the weights come back padded (N, L_max, S_max), 0 past each
     sequence's lengths; gradients reach the nested inputs and equal the per-sequence ones."""
-    theirs, ours = torch_and_compat(37, E, H, batch_first=True, **options)
+    theirs, ours = torch_and_compat(37, E, H, batch_first=True, device=device, **options)
     gen = torch.Generator().manual_seed(37)
     q_lens, k_lens = [4, 6, 2], [7, 3, 5]
-    query = _nested(q_lens, E, gen, layout).requires_grad_(True)
-    key = _nested(k_lens, ours.kdim, gen, layout).requires_grad_(True)
-    value = _nested(k_lens, ours.vdim, gen, layout).requires_grad_(True)
+    query = _nested(q_lens, E, gen, layout, device).requires_grad_(True)
+    key = _nested(k_lens, ours.kdim, gen, layout, device).requires_grad_(True)
+    value = _nested(k_lens, ours.vdim, gen, layout, device).requires_grad_(True)
     out, weights = ours(query, key, value, average_attn_weights=False)
     assert out.is_nested and out.layout == layout
     extra = int(bool(options.get("add_bias_kv"))) + int(bool(options.get("add_zero_attn")))
     assert weights.shape == (3, H, max(q_lens), max(k_lens) + extra)
     flat = torch.cat(out.unbind())  # (sum L, E)
-    cotangent = torch.randn(flat.shape, generator=gen, dtype=F64)
+    cotangent = torch.randn(flat.shape, generator=gen, dtype=F64).to(device)
     grads = torch.autograd.grad((flat * cotangent).sum(), [query, key, value])
     offsets = [0, 4, 10, 12]
     for n, (q, k, v) in enumerate(zip(query.unbind(), key.unbind(), value.unbind(), strict=True)):
@@ -1019,27 +1079,28 @@ def test_nested_inputs_equal_each_sequence_alone(options, layout):
 # --------------------------------------------------------------------------- inside torch's transformer modules
 
 
-def _encoder_layers(seed):
-    """torch's TransformerEncoderLayer (random parameters) and a copy whose self_attn is the drop-in."""
-    theirs = nn.TransformerEncoderLayer(E, H, dim_feedforward=20, dropout=0.0, batch_first=True)
+def _encoder_layers(seed, device="cpu"):
+    """torch's TransformerEncoderLayer (random parameters) and a copy whose self_attn is the drop-in, on ``device``."""
+    theirs = nn.TransformerEncoderLayer(E, H, dim_feedforward=20, dropout=0.0, batch_first=True, device=device)
     randomize_(theirs, seed).eval()
     ours = copy.deepcopy(theirs)
-    ours.self_attn = compat.MultiheadAttention(E, H, batch_first=True)
+    ours.self_attn = compat.MultiheadAttention(E, H, batch_first=True, device=device)
     ours.self_attn.load_state_dict(theirs.self_attn.state_dict())
     return theirs.float(), ours.float()
 
 
-def test_torch_encoder_layer_runs_the_drop_in_even_on_its_fast_path(monkeypatch):
+@pytest.mark.portable
+def test_torch_encoder_layer_runs_the_drop_in_even_on_its_fast_path(monkeypatch, device):
     """In eval mode without grad, torch's encoder layer takes a fused fast path (its own kernel, with the
     self_attn's weights) unless a submodule has hooks: the drop-in's no-op pre-hook keeps its forward in
     charge, so a fully padded batch element gives finite numbers where torch's path gives NaN."""
-    theirs, ours = _encoder_layers(38)
+    theirs, ours = _encoder_layers(38, device)
     calls = []
     attend = compat._attend
     monkeypatch.setattr(compat, "_attend", lambda *args, **kwargs: calls.append(1) or attend(*args, **kwargs))
     gen = torch.Generator().manual_seed(38)
-    x = torch.randn(N, L, E, generator=gen)
-    padding = torch.zeros(N, L, dtype=torch.bool)
+    x = torch.randn(N, L, E, generator=gen).to(device)
+    padding = torch.zeros(N, L, dtype=torch.bool, device=device)
     padding[0, 3:] = True
     padding[2] = True  # every key of element 2
     with torch.no_grad():
@@ -1049,15 +1110,16 @@ def test_torch_encoder_layer_runs_the_drop_in_even_on_its_fast_path(monkeypatch)
     torch.testing.assert_close(got[:2], expected[:2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.portable
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
-def test_torch_encoder_stack_with_its_nested_fast_path():
+def test_torch_encoder_stack_with_its_nested_fast_path(device):
     """torch's TransformerEncoder turns padded input into a (strided) nested tensor in eval mode without grad
     and hands it to each layer: the drop-in takes it, and the result equals torch's own fast path."""
-    theirs, ours = _encoder_layers(39)
+    theirs, ours = _encoder_layers(39, device)
     stacks = [nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval() for layer in (theirs, ours)]
     gen = torch.Generator().manual_seed(39)
-    x = torch.randn(N, L, E, generator=gen)
-    padding = torch.zeros(N, L, dtype=torch.bool)
+    x = torch.randn(N, L, E, generator=gen).to(device)
+    padding = torch.zeros(N, L, dtype=torch.bool, device=device)
     padding[0, 3:] = padding[1, 4:] = True
     with torch.no_grad():
         expected, got = (stack(x, src_key_padding_mask=padding) for stack in stacks)
