@@ -76,6 +76,54 @@ class BlockState(enum.Enum):
     PARTIAL = "partial"  # must be evaluated element by element
 
 
+# A grid of block states as one tensor (BoundMask.block_states): ordered so that combining keep terms is a minimum
+STATE_EMPTY, STATE_PARTIAL, STATE_FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class BlockGrid:
+    """The block x block tiles of an i x j call, as tensors on ``device``: row_start/row_stop (q_blocks, 1) and
+    col_start/col_stop (1, k_blocks), the last tile of each side cut at i or j."""
+
+    block: int
+    q_len: int
+    k_len: int
+    device: torch.device
+
+    @property
+    def q_blocks(self) -> int:
+        return -(-self.q_len // self.block)
+
+    @property
+    def k_blocks(self) -> int:
+        return -(-self.k_len // self.block)
+
+    def starts_stops(self, blocks: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = torch.arange(blocks, device=self.device) * self.block
+        return start, (start + self.block).clamp(max=length)
+
+    def filled(self, state: int) -> torch.Tensor:
+        return torch.full((self.q_blocks, self.k_blocks), state, dtype=torch.int8, device=self.device)
+
+
+def _states(empty: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """STATE_EMPTY where ``empty``, STATE_FULL where ``full``, else STATE_PARTIAL: int8, broadcast."""
+    return torch.where(empty, STATE_EMPTY, torch.where(full, STATE_FULL, STATE_PARTIAL)).to(torch.int8)
+
+
+def _per_block(values: torch.Tensor, blocks: int, block: int, fill: bool, reduce: str) -> torch.Tensor:
+    """``values`` (..., n) bool reduced ("any" or "all") over each block of ``block`` along its last axis:
+    (..., blocks); a last axis of size 1 (broadcast) gives its value to every block. ``fill`` pads the last block."""
+    n = values.shape[-1]
+    if n == 1:
+        return values.expand(*values.shape[:-1], blocks)
+    padding = blocks * block - n
+    if padding:
+        values = torch.cat([values, values.new_full((*values.shape[:-1], padding), fill)], dim=-1)
+    tiles = values.reshape(*values.shape[:-1], blocks, block)
+    return tiles.any(-1) if reduce == "any" else tiles.all(-1)
+
+
 @dataclass(frozen=True)
 class AttentionShape:
     """The sizes a mask is bound to: batch b, query heads h, query length i, key length j."""
@@ -621,6 +669,12 @@ class _BoundTerm:
         """Whether some query row may have every key masked by this term; answered without waiting for a device."""
         return False
 
+    def block_states(self, grid: BlockGrid) -> torch.Tensor:
+        """What this keep term does to each tile of ``grid``: (q_blocks, k_blocks) int8 on the grid's device
+        (STATE_EMPTY / STATE_PARTIAL / STATE_FULL), from whole-tensor operations: no loop over tiles, no host read.
+        By default every tile is evaluated."""
+        return grid.filled(STATE_PARTIAL)
+
     def host_term(self) -> _BoundTerm | None:
         """This term evaluated on the CPU from values known on the host (for :meth:`BoundMask.may_empty_rows`),
         or None where its values live only on a device."""
@@ -690,6 +744,19 @@ class _BoundDiagonal(_BoundTerm):
 
     def host_term(self) -> _BoundTerm | None:
         return _BoundDiagonal(self.spec, self.offset, _on_cpu(self.shape))
+
+    def block_states(self, grid: BlockGrid) -> torch.Tensor:
+        # the relative positions r = j - (i + offset) a tile spans, as span_state computes them for one tile
+        row_start, row_stop = grid.starts_stops(grid.q_blocks, grid.q_len)
+        col_start, col_stop = grid.starts_stops(grid.k_blocks, grid.k_len)
+        lo = col_start[None, :] - (row_stop[:, None] - 1 + self.offset)  # (q_blocks, k_blocks)
+        hi = col_stop[None, :] - 1 - (row_start[:, None] + self.offset)
+        empty, full = torch.zeros_like(lo, dtype=torch.bool), torch.ones_like(lo, dtype=torch.bool)
+        if self.spec.left is not None:
+            empty, full = empty | (hi < -self.spec.left), full & (lo >= -self.spec.left)
+        if self.spec.right is not None:
+            empty, full = empty | (lo > self.spec.right), full & (hi <= self.spec.right)
+        return _states(empty, full)
 
     def key_bounds(self, position: int) -> tuple[float, float]:
         """[lo, hi]: the keys this band lets query row ``position`` (0-based) see, before clipping to [0, j)."""
@@ -768,6 +835,12 @@ class _BoundPadding(_BoundTerm):
         valid = torch.arange(self.shape.k_len, device="cpu") < lengths[:, None]  # (b, j)
         return _BoundPadding(valid, _on_cpu(self.shape), lengths=self.lengths)
 
+    def block_states(self, grid: BlockGrid) -> torch.Tensor:
+        valid = self.valid[:, 0, 0, :]  # (b, j) on the device: reduced there, never read
+        some = _per_block(valid, grid.k_blocks, grid.block, False, "any").any(0)  # (k_blocks,): a row has a key
+        every = _per_block(valid, grid.k_blocks, grid.block, True, "all").all(0)  # every row has every key
+        return _states(~some, every)[None, :].expand(grid.q_blocks, grid.k_blocks)
+
 
 class _BoundAlibi(_BoundTerm):
     is_bias = True
@@ -838,6 +911,18 @@ class _BoundDense(_BoundTerm):
 
     def host_term(self) -> _BoundTerm | None:
         return self if host_readable(self.tensor) else None
+
+    def block_states(self, grid: BlockGrid) -> torch.Tensor:
+        # a keep tensor (b|1, h|1, i|1, j|1): a tile is empty where no batch row or head keeps a pair of it, full
+        # where all keep all; reduced over batch and heads first, then over each tile's rows and columns
+        some, every = self.tensor.any(0).any(0), self.tensor.all(0).all(0)  # (i|1, j|1)
+        some = _per_block(
+            _per_block(some, grid.k_blocks, grid.block, False, "any").mT, grid.q_blocks, grid.block, False, "any"
+        ).mT
+        every = _per_block(
+            _per_block(every, grid.k_blocks, grid.block, True, "all").mT, grid.q_blocks, grid.block, True, "all"
+        ).mT
+        return _states(~some, every).expand(grid.q_blocks, grid.k_blocks)
 
 
 # --------------------------------------------------------------------------- the bound mask
@@ -1041,6 +1126,18 @@ class BoundMask:
                 if isinstance(term, _BoundAlibi):
                     heads = self.shape.heads
         return batch, heads, rows
+
+    def block_states(self, block: int) -> torch.Tensor:
+        """Every block x block tile's state at once: (ceil(i / block), ceil(j / block)) int8 on the mask's device,
+        STATE_EMPTY / STATE_PARTIAL / STATE_FULL as :meth:`state` would say tile by tile (for a dense keep tensor
+        exact where :meth:`state` says partial), from whole-tensor operations on the device: no host loop over
+        tiles and no read of a device tensor. The keep terms combine by their minimum (any empty: empty; all
+        full: full); bias terms do not enter (their -inf entries are the caller's to account for)."""
+        grid = BlockGrid(block, self.shape.q_len, self.shape.k_len, self.shape.device)
+        states = grid.filled(STATE_FULL)
+        for term in self.keep_terms:
+            states = torch.minimum(states, term.block_states(grid))
+        return states
 
     def state(self, rows: Span, cols: Span) -> BlockState:
         states = [t.state(rows, cols) for t in self.keep_terms]

@@ -49,8 +49,10 @@ from multihead.backends._blocks import autocast_inputs
 from multihead.backends.costs import block_kernel_estimate, call_compute_dtype, inputs_in_faster_dtype
 from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities, changed
 from multihead.masks import (
+    STATE_EMPTY,
+    STATE_FULL,
+    STATE_PARTIAL,
     AttentionShape,
-    BlockState,
     BoundMask,
     Mask,
     _BoundAlibi,
@@ -234,33 +236,28 @@ def _lower(mask: BoundMask, work: torch.dtype, ratio: float = 1.0) -> _Lowered:
 
 
 def _block_mask(mask: BoundMask, mask_mod: Callable | None) -> BlockMask:
-    """A BlockMask of BLOCK x BLOCK blocks from the mask's own block states: no i x j tensor is built.
+    """A BlockMask of BLOCK x BLOCK blocks from the mask's own block states: no i x j tensor is built, and the
+    states come from whole-tensor operations on the call's device (``BoundMask.block_states``): no host loop over
+    blocks, no read of a device tensor.
 
     One (q_blocks, k_blocks) table for every batch row and head (a block is empty or full only where it is
     for all of them); the mask_mod decides pairs inside partial blocks.
     """
     i, j = mask.shape.q_len, mask.shape.k_len
-    device = mask.shape.device
-    q_blocks, k_blocks = -(-i // BLOCK), -(-j // BLOCK)
-    partial = torch.zeros(q_blocks, k_blocks, dtype=torch.int8)  # 1 partial, 2 full, 0 empty
+    states = mask.block_states(BLOCK)  # (q_blocks, k_blocks) int8: 0 empty, 1 partial, 2 full
     # a bias's -inf entries are masked by the mask_mod, which full blocks skip: no block is full then
     full_allowed = mask_mod is not None and not any(t.may_hold_minus_inf for t in mask.bias_terms)
-    for qb in range(q_blocks):
-        rows = range(qb * BLOCK, min((qb + 1) * BLOCK, i))
-        for kb in range(k_blocks):
-            state = mask.state(rows, range(kb * BLOCK, min((kb + 1) * BLOCK, j)))
-            if state is not BlockState.EMPTY:
-                partial[qb, kb] = 2 if state is BlockState.FULL and full_allowed else 1
-    if mask_mod is None:
-        partial = torch.where(partial > 0, 2, 0).to(torch.int8)  # nothing to evaluate: every live block is full
+    if mask_mod is None:  # nothing to evaluate: every live block is full
+        states = torch.where(states > STATE_EMPTY, STATE_FULL, STATE_EMPTY).to(torch.int8)
+    elif not full_allowed:
+        states = torch.where(states == STATE_FULL, STATE_PARTIAL, states).to(torch.int8)
 
     def table(kind: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hit = partial == kind  # (q_blocks, k_blocks)
+        hit = states == kind  # (q_blocks, k_blocks)
         counts = hit.sum(-1, dtype=torch.int32)  # (q_blocks,)
         # the live block indices first, in order: a stable sort of "not hit"
         order = torch.sort((~hit).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-        # built on the host, sent without waiting for the device: (1, 1, q_blocks[, k_blocks])
-        return to_device(counts[None, None], device), to_device(order[None, None].contiguous(), device)
+        return counts[None, None], order[None, None].contiguous()  # (1, 1, q_blocks[, k_blocks])
 
     kv_num, kv_idx = table(1)
     full_num, full_idx = table(2)

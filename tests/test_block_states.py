@@ -1,0 +1,104 @@
+"""BoundMask.block_states: every tile's state at once, on the mask's device, from whole-tensor operations. For one
+term it says what the pairs say (a tile is empty where no batch row or head keeps a pair, full where all keep all);
+terms combine tile by tile, so a combination is never wrong but may leave to the pairs what only they settle (a
+tile each batch row loses to another term). It agrees with the tile-by-tile state() wherever that one is exact,
+and reads no device tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead import masks
+from multihead.masks import (
+    STATE_EMPTY,
+    STATE_FULL,
+    STATE_PARTIAL,
+    AttentionShape,
+    BlockState,
+    bind_mask,
+)
+
+pytestmark = pytest.mark.portable
+
+B, H = 3, 2
+
+
+def true_states(bound, block: int) -> torch.Tensor:
+    """The states from the keep mask itself, pair by pair: (q_blocks, k_blocks) int8 on the CPU."""
+    i, j = bound.shape.q_len, bound.shape.k_len
+    keep, _ = bound.dense(torch.float32)
+    keep = torch.ones(1, 1, i, j, dtype=torch.bool) if keep is None else keep.cpu().expand(B, H, i, j)
+    rows, cols = -(-i // block), -(-j // block)
+    states = torch.empty(rows, cols, dtype=torch.int8)
+    for r in range(rows):
+        for c in range(cols):
+            tile = keep[..., r * block : (r + 1) * block, c * block : (c + 1) * block]
+            states[r, c] = STATE_EMPTY if not tile.any() else STATE_FULL if tile.all() else STATE_PARTIAL
+    return states
+
+
+def cases(device: torch.device):
+    """(name, mask, causal, i, j): every keep term alone and combined, unequal lengths both ways."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([9, 0, 13])
+    valid = torch.rand(B, 13, generator=generator) < 0.6
+    valid[:, :4] = False  # a tile of keys no row has
+    keep = torch.rand(B, 1, 11, 13, generator=generator) < 0.7
+    keep[..., :4, :] = True  # full tiles
+    keep[..., 8:, 4:8] = False  # empty tiles
+    return [
+        ("causal", None, True, 11, 13),
+        ("causal i > j", None, True, 13, 7),
+        ("window", masks.window(3), False, 11, 13),
+        ("window both sides", masks.window(2, 5), False, 12, 9),
+        ("top-left causal", masks.causal(align="top_left"), False, 9, 13),
+        ("padding lengths", masks.padding(lengths.to(device)), False, 11, 13),
+        ("padding ints", masks.padding([13, 5, 9]), True, 11, 13),
+        ("padding valid", masks.padding(valid.to(device)), False, 11, 13),
+        ("dense keep", keep.to(device), False, 11, 13),
+        ("everything", masks.window(6) & masks.padding(lengths.to(device)) & keep.to(device), True, 11, 13),
+        ("alibi only", masks.alibi(masks.alibi_slopes(H)), False, 11, 13),
+    ]
+
+
+@pytest.mark.parametrize("block", [1, 2, 4, 5, 16])
+@pytest.mark.parametrize("case", range(11))
+def test_every_tile_says_what_its_pairs_say(device, case, block):
+    name, mask, causal, i, j = cases(device)[case]
+    bound = bind_mask(mask, causal, AttentionShape(B, H, i, j, device))
+    states = bound.block_states(block)
+    assert states.device == device and states.dtype == torch.int8, name
+    truth = true_states(bound, block)
+    if len(bound.keep_terms) <= 1:  # one term: exact
+        assert torch.equal(states.cpu(), truth), name
+    else:  # terms combine tile by tile, each over every batch row: never wrong, partial where only the pairs tell
+        said = states.cpu()
+        assert torch.equal(truth[said != STATE_PARTIAL], said[said != STATE_PARTIAL]), name
+        if block <= 4:  # the band and the lengths still settle tiles
+            assert (said == STATE_PARTIAL).sum() < said.numel(), name
+
+
+@pytest.mark.parametrize("case", range(8))  # the terms whose tile-by-tile state is exact (no dense keep tensor)
+def test_the_tiles_agree_with_state_tile_by_tile(case):
+    name, mask, causal, i, j = cases(torch.device("cpu"))[case]
+    bound = bind_mask(mask, causal, AttentionShape(B, H, i, j, torch.device("cpu")))
+    code = {BlockState.EMPTY: STATE_EMPTY, BlockState.PARTIAL: STATE_PARTIAL, BlockState.FULL: STATE_FULL}
+    block = 4
+    states = bound.block_states(block)
+    for r in range(states.shape[0]):
+        for c in range(states.shape[1]):
+            rows, cols = range(r * block, min((r + 1) * block, i)), range(c * block, min((c + 1) * block, j))
+            assert states[r, c] == code[bound.state(rows, cols)], (name, r, c)
+
+
+def test_no_value_is_read_on_the_host():
+    """Under FakeTensorMode a host read raises: the tiles come from tensor operations alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        lengths = torch.tensor([9, 0, 13])
+        keep = torch.ones(B, 1, 11, 13, dtype=torch.bool)
+        mask = masks.window(6) & masks.padding(lengths) & keep
+        states = bind_mask(mask, True, AttentionShape(B, H, 11, 13, torch.device("cpu"))).block_states(4)
+        assert states.shape == (3, 4)
