@@ -4,6 +4,9 @@ Tiny randomly initialised models, built in memory from their configs (nothing is
 GPT-2's eager attention computes in the model's dtype, so in float64 it is the oracle; Llama's and
 Mistral's eager softmax runs in float32 whatever the dtype, so in float64 they are compared with
 transformers' "sdpa" (float64 throughout) and in float32 with "eager".
+
+The tests that run a model are portable: both models and their inputs live on the --device; the checks of
+transformers' internals and versions, and the real MiniLM checkpoint, stay on the CPU.
 """
 
 from __future__ import annotations
@@ -64,27 +67,37 @@ def build(name: str) -> torch.nn.Module:
 ORACLE = {"bert": "eager", "gpt2": "eager", "llama": "sdpa", "mistral": "sdpa"}
 
 
-def twins(model: torch.nn.Module, dtype: torch.dtype, reference: str = "eager") -> tuple[torch.nn.Module, ...]:
+def twins(
+    model: torch.nn.Module, dtype: torch.dtype, reference: str = "eager", device: torch.device | str = "cpu"
+) -> tuple[torch.nn.Module, ...]:
     """(``model`` on transformers' ``reference`` implementation, a copy with the same weights on ours), in eval
-    mode and ``dtype``."""
-    theirs = model.to(dtype).eval()
+    mode, ``dtype`` and on ``device``."""
+    theirs = model.to(device=device, dtype=dtype).eval()
     theirs.set_attn_implementation(reference)
     ours = copy.deepcopy(theirs)
     ours.set_attn_implementation(integration.IMPLEMENTATION)
     return theirs, ours
 
 
-def pair(name: str, dtype: torch.dtype, reference: str) -> tuple[torch.nn.Module, ...]:
-    return twins(build(name), dtype, reference)
+def pair(
+    name: str, dtype: torch.dtype, reference: str, device: torch.device | str = "cpu"
+) -> tuple[torch.nn.Module, ...]:
+    return twins(build(name), dtype, reference, device)
 
 
-def inputs(padded: bool) -> dict[str, torch.Tensor]:
+def inputs(padded: bool, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """input_ids and attention_mask (BATCH, LENGTH), drawn on the CPU, on ``device``."""
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (BATCH, LENGTH), generator=generator)
     mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
     if padded:
         mask[1, 6:] = 0  # right padding on the second row
-    return {"input_ids": ids, "attention_mask": mask}
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+def target_ids(seed: int, device: torch.device | str) -> torch.Tensor:
+    """Decoder input ids or labels (BATCH, 5), drawn on the CPU, on ``device``."""
+    return torch.randint(3, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def first_output(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -92,13 +105,14 @@ def first_output(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torc
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("name", list(ORACLE))
-def test_forward_matches_transformers_own_attention(name, dtype, padded):
+def test_forward_matches_transformers_own_attention(name, dtype, padded, device):
     reference = ORACLE[name] if dtype == torch.float64 else "eager"
-    theirs, ours = pair(name, dtype, reference)
-    batch = inputs(padded)
+    theirs, ours = pair(name, dtype, reference, device)
+    batch = inputs(padded, device)
     with torch.no_grad():
         expected, got = first_output(theirs, batch), first_output(ours, batch)
     real = batch["attention_mask"].bool()  # positions of padding tokens are not compared (their rows are arbitrary)
@@ -119,32 +133,35 @@ def kernel_calls(monkeypatch) -> list[tuple[torch.Size, torch.Size]]:
     return calls
 
 
-def test_the_kernel_really_runs(monkeypatch):
+@pytest.mark.portable
+def test_the_kernel_really_runs(monkeypatch, device):
     calls = kernel_calls(monkeypatch)
-    _, ours = pair("llama", torch.float32, "eager")
+    _, ours = pair("llama", torch.float32, "eager", device)
     with torch.no_grad():
-        first_output(ours, inputs(padded=True))
+        first_output(ours, inputs(padded=True, device=device))
     # two layers, query (b, h, i, d) with the 4 query heads; keys went in as 2 heads, never repeated
     assert calls == [(torch.Size([BATCH, 4, LENGTH, 8]), torch.Size([BATCH, 2, LENGTH, 8]))] * 2
 
 
-def test_training_gradients_match_eager():
-    theirs, ours = pair("gpt2", torch.float64, "eager")
+@pytest.mark.portable
+def test_training_gradients_match_eager(device):
+    theirs, ours = pair("gpt2", torch.float64, "eager", device)
     theirs.train(), ours.train()
     for model in (theirs, ours):  # dropout off: the same function, in training mode
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-    batch = inputs(padded=True)
+    batch = inputs(padded=True, device=device)
     for model in (theirs, ours):
         model(**batch, labels=batch["input_ids"]).loss.backward()
     for (name, expected), got in zip(theirs.named_parameters(), ours.parameters(), strict=True):
         torch.testing.assert_close(got.grad, expected.grad, atol=1e-10, rtol=1e-8, msg=name)
 
 
-def test_weights_asked_for_are_the_kernels_and_match_eager():
-    theirs, ours = pair("bert", torch.float64, "eager")
-    batch = inputs(padded=True)
+@pytest.mark.portable
+def test_weights_asked_for_are_the_kernels_and_match_eager(device):
+    theirs, ours = pair("bert", torch.float64, "eager", device)
+    batch = inputs(padded=True, device=device)
     with torch.no_grad():
         expected = theirs(**batch, output_attentions=True).attentions
         got = ours(**batch, output_attentions=True).attentions
@@ -153,10 +170,11 @@ def test_weights_asked_for_are_the_kernels_and_match_eager():
         torch.testing.assert_close(layer_got, layer_expected, atol=1e-12, rtol=0)
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_generate_with_the_models_own_cache_gives_the_same_tokens(name):
-    theirs, ours = pair(name, torch.float64, ORACLE[name])
-    prompt = inputs(padded=False)["input_ids"][:1, :5]
+def test_generate_with_the_models_own_cache_gives_the_same_tokens(name, device):
+    theirs, ours = pair(name, torch.float64, ORACLE[name], device)
+    prompt = inputs(padded=False, device=device)["input_ids"][:1, :5]
     settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     expected = theirs.generate(prompt, **settings)
     got = ours.generate(prompt, **settings)
@@ -164,15 +182,17 @@ def test_generate_with_the_models_own_cache_gives_the_same_tokens(name):
     assert got.shape[1] == 13
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize(
     "option, value, what",
     [
         ("s_aux", torch.zeros(4), "attention sinks"),
     ],
 )
-def test_what_the_kernel_cannot_serve_is_refused_not_dropped(option, value, what):
-    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
-    module = torch.nn.Linear(1, 1)  # stands for the model's attention module: its class is named
+def test_what_the_kernel_cannot_serve_is_refused_not_dropped(option, value, what, device):
+    q, k, v = (torch.randn(1, h, 3, 8).to(device) for h in (4, 2, 2))
+    module = torch.nn.Linear(1, 1, device=device)  # stands for the model's attention module: its class is named
+    value = value.to(device)
     with pytest.raises(ValueError, match=rf"attn_implementation='multihead': .*Linear asks for {what}.*Fix: load"):
         integration.attention_forward(module, q, k, v, None, **{option: value})
 
@@ -320,11 +340,12 @@ def build_bart() -> torch.nn.Module:
     return transformers.BartForConditionalGeneration(config)
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-def test_an_encoder_decoder_with_cross_attention_matches_eager(dtype, monkeypatch):
-    theirs, ours = twins(build_bart(), dtype)
-    batch = inputs(padded=True)  # padded source: the cross-attention's keys are masked on the second row
-    target = torch.randint(3, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(2))
+def test_an_encoder_decoder_with_cross_attention_matches_eager(dtype, monkeypatch, device):
+    theirs, ours = twins(build_bart(), dtype, device=device)
+    batch = inputs(padded=True, device=device)  # padded source: the cross-attention's keys are masked on row 2
+    target = target_ids(2, device)
     calls = kernel_calls(monkeypatch)
     with torch.no_grad():
         expected = theirs(**batch, decoder_input_ids=target).logits
@@ -360,12 +381,13 @@ def build_t5() -> torch.nn.Module:
     return model
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-def test_t5_relative_position_bias_matches_eager(dtype, padded, monkeypatch):
-    theirs, ours = twins(build_t5(), dtype)
-    batch = inputs(padded)
-    target = torch.randint(3, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(2))
+def test_t5_relative_position_bias_matches_eager(dtype, padded, monkeypatch, device):
+    theirs, ours = twins(build_t5(), dtype, device=device)
+    batch = inputs(padded, device)
+    target = target_ids(2, device)
     calls = kernel_calls(monkeypatch)
     with torch.no_grad():
         expected = theirs(**batch, decoder_input_ids=target).logits
@@ -375,10 +397,11 @@ def test_t5_relative_position_bias_matches_eager(dtype, padded, monkeypatch):
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
-def test_t5_training_gradients_reach_the_bias_table_and_generate_matches_eager():
-    theirs, ours = twins(build_t5(), torch.float64)  # put in training mode below
-    batch = inputs(padded=True)
-    labels = torch.randint(3, VOCAB, (BATCH, 5), generator=torch.Generator().manual_seed(3))
+@pytest.mark.portable
+def test_t5_training_gradients_reach_the_bias_table_and_generate_matches_eager(device):
+    theirs, ours = twins(build_t5(), torch.float64, device=device)  # put in training mode below
+    batch = inputs(padded=True, device=device)
+    labels = target_ids(3, device)
     for model in (theirs, ours):  # dropout_rate 0: training mode computes the same function
         model.train()
         model(**batch, labels=labels).loss.backward()
@@ -387,7 +410,7 @@ def test_t5_training_gradients_reach_the_bias_table_and_generate_matches_eager()
     bias_grads = [p.grad for n, p in ours.named_parameters() if "relative_attention_bias" in n]
     assert len(bias_grads) == 2 and all(g.abs().sum() > 0 for g in bias_grads)
     settings = {"max_new_tokens": 6, "do_sample": False}
-    prompt = inputs(padded=False)["input_ids"][:1]
+    prompt = inputs(padded=False, device=device)["input_ids"][:1]
     assert torch.equal(ours.eval().generate(prompt, **settings), theirs.eval().generate(prompt, **settings))
 
 
@@ -419,14 +442,15 @@ def build_gemma2(softcap: float | None = 2.0) -> torch.nn.Module:
 
 # In float64 with padding, Gemma 2's eager attention (like Mistral's) turns a padded row whose window holds only
 # padding into NaN, which the next layer spreads through the text: padding is compared in float32, where it does not
+@pytest.mark.portable
 @pytest.mark.parametrize(
     "dtype, padded",
     [(torch.float64, False), (torch.float32, False), (torch.float32, True)],
     ids=["float64-full", "float32-full", "float32-padded"],
 )
-def test_gemma2_soft_capping_and_window_match_eager(dtype, padded, monkeypatch):
-    theirs, ours = twins(build_gemma2(), dtype)
-    batch = inputs(padded)
+def test_gemma2_soft_capping_and_window_match_eager(dtype, padded, monkeypatch, device):
+    theirs, ours = twins(build_gemma2(), dtype, device=device)
+    batch = inputs(padded, device)
     calls = kernel_calls(monkeypatch)
     with torch.no_grad():
         expected, got = theirs(**batch).logits, ours(**batch).logits
@@ -443,14 +467,15 @@ def test_gemma2_soft_capping_and_window_match_eager(dtype, padded, monkeypatch):
         assert (uncapped(**batch).logits - got)[real].abs().max() > 1e-3  # the cap really changes the result
 
 
-def test_gemma2_training_gradients_and_generate_match_eager():
-    theirs, ours = twins(build_gemma2(), torch.float64)  # put in training mode below
-    batch = inputs(padded=False)  # float64 with padding is NaN on eager's side (see above)
+@pytest.mark.portable
+def test_gemma2_training_gradients_and_generate_match_eager(device):
+    theirs, ours = twins(build_gemma2(), torch.float64, device=device)  # put in training mode below
+    batch = inputs(padded=False, device=device)  # float64 with padding is NaN on eager's side (see above)
     for model in (theirs, ours):
         model.train()
         model(**batch, labels=batch["input_ids"]).loss.backward()
     for (name, expected), got in zip(theirs.named_parameters(), ours.parameters(), strict=True):
         torch.testing.assert_close(got.grad, expected.grad, atol=1e-6, rtol=1e-5, msg=name)
-    prompt = inputs(padded=False)["input_ids"][:1, :5]
+    prompt = inputs(padded=False, device=device)["input_ids"][:1, :5]
     settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(ours.eval().generate(prompt, **settings), theirs.eval().generate(prompt, **settings))
