@@ -102,3 +102,20 @@ def test_no_value_is_read_on_the_host():
         mask = masks.window(6) & masks.padding(lengths) & keep
         states = bind_mask(mask, True, AttentionShape(B, H, 11, 13, torch.device("cpu"))).block_states(4)
         assert states.shape == (3, 4)
+
+
+def test_auto_counts_live_blocks_from_what_the_host_knows():
+    """The estimates' block counts come from the mask's host side (BoundMask.on_host): lengths known on the host
+    settle tiles exactly; lengths in a tensor the host cannot read (here on the meta device, as a CUDA tensor is
+    never read) count every tile of theirs partial, and nothing is read from them."""
+    from multihead.backends import costs
+
+    n = 512
+    cpu, meta = (AttentionShape(1, H, n, n, torch.device(name)) for name in ("cpu", "meta"))
+    known = bind_mask(masks.padding([128]), False, cpu)
+    assert costs.live_fraction(known, n, n, 64, 64) == 128 / n
+    assert costs.masked_fraction(known, n, n, 64, 64) == 0.0  # whole tiles of real keys, then none
+    unread = bind_mask(masks.padding(torch.tensor([128], device="meta")), True, meta)
+    causal_alone = costs.live_fraction(bind_mask(None, True, cpu), n, n, 64, 64)
+    assert costs.live_fraction(unread, n, n, 64, 64) == causal_alone  # the band still settles its tiles
+    assert costs.masked_fraction(unread, n, n, 64, 64) == causal_alone  # every live tile evaluated pair by pair

@@ -82,28 +82,41 @@ STATE_EMPTY, STATE_PARTIAL, STATE_FULL = 0, 1, 2
 
 @dataclass(frozen=True)
 class BlockGrid:
-    """The block x block tiles of an i x j call, as tensors on ``device``: row_start/row_stop (q_blocks, 1) and
-    col_start/col_stop (1, k_blocks), the last tile of each side cut at i or j."""
+    """The block_q x block_k tiles of an i x j call, on ``device``: q_blocks rows of tiles and k_blocks columns, the
+    last tile of each side cut at i or j."""
 
-    block: int
+    block_q: int
+    block_k: int
     q_len: int
     k_len: int
     device: torch.device
 
     @property
     def q_blocks(self) -> int:
-        return -(-self.q_len // self.block)
+        return -(-self.q_len // self.block_q)
 
     @property
     def k_blocks(self) -> int:
-        return -(-self.k_len // self.block)
+        return -(-self.k_len // self.block_k)
 
-    def starts_stops(self, blocks: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = torch.arange(blocks, device=self.device) * self.block
-        return start, (start + self.block).clamp(max=length)
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(start, stop) of each row of tiles: two (q_blocks,) tensors."""
+        start = torch.arange(self.q_blocks, device=self.device) * self.block_q
+        return start, (start + self.block_q).clamp(max=self.q_len)
+
+    def cols(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(start, stop) of each column of tiles: two (k_blocks,) tensors."""
+        start = torch.arange(self.k_blocks, device=self.device) * self.block_k
+        return start, (start + self.block_k).clamp(max=self.k_len)
 
     def filled(self, state: int) -> torch.Tensor:
         return torch.full((self.q_blocks, self.k_blocks), state, dtype=torch.int8, device=self.device)
+
+
+def _tiled(values: torch.Tensor, grid: BlockGrid, fill: bool, reduce: str) -> torch.Tensor:
+    """``values`` (i|1, j|1) bool reduced ("any" or "all") over each tile of ``grid``: (q_blocks, k_blocks)."""
+    by_cols = _per_block(values, grid.k_blocks, grid.block_k, fill, reduce)  # (i|1, k_blocks)
+    return _per_block(by_cols.mT, grid.q_blocks, grid.block_q, fill, reduce).mT
 
 
 def _states(empty: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -747,8 +760,7 @@ class _BoundDiagonal(_BoundTerm):
 
     def block_states(self, grid: BlockGrid) -> torch.Tensor:
         # the relative positions r = j - (i + offset) a tile spans, as span_state computes them for one tile
-        row_start, row_stop = grid.starts_stops(grid.q_blocks, grid.q_len)
-        col_start, col_stop = grid.starts_stops(grid.k_blocks, grid.k_len)
+        (row_start, row_stop), (col_start, col_stop) = grid.rows(), grid.cols()
         lo = col_start[None, :] - (row_stop[:, None] - 1 + self.offset)  # (q_blocks, k_blocks)
         hi = col_stop[None, :] - 1 - (row_start[:, None] + self.offset)
         empty, full = torch.zeros_like(lo, dtype=torch.bool), torch.ones_like(lo, dtype=torch.bool)
@@ -837,8 +849,8 @@ class _BoundPadding(_BoundTerm):
 
     def block_states(self, grid: BlockGrid) -> torch.Tensor:
         valid = self.valid[:, 0, 0, :]  # (b, j) on the device: reduced there, never read
-        some = _per_block(valid, grid.k_blocks, grid.block, False, "any").any(0)  # (k_blocks,): a row has a key
-        every = _per_block(valid, grid.k_blocks, grid.block, True, "all").all(0)  # every row has every key
+        some = _per_block(valid, grid.k_blocks, grid.block_k, False, "any").any(0)  # (k_blocks,): a row has a key
+        every = _per_block(valid, grid.k_blocks, grid.block_k, True, "all").all(0)  # every row has every key
         return _states(~some, every)[None, :].expand(grid.q_blocks, grid.k_blocks)
 
 
@@ -916,13 +928,7 @@ class _BoundDense(_BoundTerm):
         # a keep tensor (b|1, h|1, i|1, j|1): a tile is empty where no batch row or head keeps a pair of it, full
         # where all keep all; reduced over batch and heads first, then over each tile's rows and columns
         some, every = self.tensor.any(0).any(0), self.tensor.all(0).all(0)  # (i|1, j|1)
-        some = _per_block(
-            _per_block(some, grid.k_blocks, grid.block, False, "any").mT, grid.q_blocks, grid.block, False, "any"
-        ).mT
-        every = _per_block(
-            _per_block(every, grid.k_blocks, grid.block, True, "all").mT, grid.q_blocks, grid.block, True, "all"
-        ).mT
-        return _states(~some, every).expand(grid.q_blocks, grid.k_blocks)
+        return _states(~_tiled(some, grid, False, "any"), _tiled(every, grid, True, "all"))
 
 
 # --------------------------------------------------------------------------- the bound mask
@@ -1127,17 +1133,25 @@ class BoundMask:
                     heads = self.shape.heads
         return batch, heads, rows
 
-    def block_states(self, block: int) -> torch.Tensor:
-        """Every block x block tile's state at once: (ceil(i / block), ceil(j / block)) int8 on the mask's device,
-        STATE_EMPTY / STATE_PARTIAL / STATE_FULL as :meth:`state` would say tile by tile (for a dense keep tensor
-        exact where :meth:`state` says partial), from whole-tensor operations on the device: no host loop over
-        tiles and no read of a device tensor. The keep terms combine by their minimum (any empty: empty; all
-        full: full); bias terms do not enter (their -inf entries are the caller's to account for)."""
-        grid = BlockGrid(block, self.shape.q_len, self.shape.k_len, self.shape.device)
+    def block_states(self, block_q: int, block_k: int | None = None) -> torch.Tensor:
+        """Every block_q x block_k tile's state at once (block_k: block_q by default): (ceil(i / block_q),
+        ceil(j / block_k)) int8 on the mask's device, STATE_EMPTY / STATE_PARTIAL / STATE_FULL as :meth:`state`
+        would say tile by tile (for a dense keep tensor exact where :meth:`state` says partial), from whole-tensor
+        operations on the device: no host loop over tiles and no read of a device tensor. The keep terms combine
+        by their minimum (any empty: empty; all full: full); bias terms do not enter (their -inf entries are the
+        caller's to account for)."""
+        grid = BlockGrid(block_q, block_k or block_q, self.shape.q_len, self.shape.k_len, self.shape.device)
         states = grid.filled(STATE_FULL)
         for term in self.keep_terms:
             states = torch.minimum(states, term.block_states(grid))
         return states
+
+    def on_host(self) -> BoundMask:
+        """This mask's keep terms on the CPU, from the values known on the host (:meth:`_BoundTerm.host_term`); a
+        term whose values live only on a device stands as one that keeps every tile partial. Its
+        :meth:`block_states` can be read without waiting for any device (auto's estimates)."""
+        unknown = _BoundTerm()  # every tile partial
+        return BoundMask([t.host_term() or unknown for t in self.keep_terms], _on_cpu(self.shape))
 
     def state(self, rows: Span, cols: Span) -> BlockState:
         states = [t.state(rows, cols) for t in self.keep_terms]

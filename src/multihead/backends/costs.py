@@ -49,7 +49,7 @@ import torch
 
 from multihead.backends.policy import DeviceKind, current_policy
 from multihead.backends.rates import KernelRates
-from multihead.masks import BlockState, BoundMask
+from multihead.masks import STATE_EMPTY, STATE_PARTIAL, BlockGrid, BoundMask
 
 if TYPE_CHECKING:
     from multihead.backends.registry import AttentionCall
@@ -219,22 +219,20 @@ def _block_fractions(mask: BoundMask, q_len: int, k_len: int, block_q: int, bloc
 
 
 def _count_blocks(mask: BoundMask, q_len: int, k_len: int, block_q: int, block_k: int) -> tuple[float, float]:
+    """(live, masked) shares from the tiles' states, computed on the CPU from what the host knows of the mask
+    (``BoundMask.on_host``: a term whose values live on a device counts every tile partial), so that estimating
+    waits for no device and loops over no tile in Python."""
     every_live_block_masked = bool(mask.bias_terms) or mask.softcap is not None
     if not mask.keep_terms:
         return 1.0, 1.0 if every_live_block_masked else 0.0
     rows = max(block_q, math.ceil(q_len / MAX_GRID / block_q) * block_q)
     cols = max(block_k, math.ceil(k_len / MAX_GRID / block_k) * block_k)
-    alive = masked = 0
-    for row_start in range(0, q_len, rows):
-        row_span = range(row_start, min(row_start + rows, q_len))
-        for col_start in range(0, k_len, cols):
-            col_span = range(col_start, min(col_start + cols, k_len))
-            state = mask.state(row_span, col_span)
-            if state is not BlockState.EMPTY:
-                pairs = len(row_span) * len(col_span)
-                alive += pairs
-                if state is BlockState.PARTIAL or every_live_block_masked:
-                    masked += pairs
+    states = mask.on_host().block_states(rows, cols)  # (cells down, cells across) int8 on the CPU
+    grid = BlockGrid(rows, cols, q_len, k_len, states.device)
+    (row_start, row_stop), (col_start, col_stop) = grid.rows(), grid.cols()
+    pairs = (row_stop - row_start)[:, None] * (col_stop - col_start)[None, :]  # each cell's (query, key) pairs
+    alive = int((pairs * (states != STATE_EMPTY)).sum())
+    masked = alive if every_live_block_masked else int((pairs * (states == STATE_PARTIAL)).sum())
     return alive / (q_len * k_len), masked / (q_len * k_len)
 
 
