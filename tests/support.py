@@ -93,25 +93,3 @@ def textbook_lowp(
     scores = q @ keys.transpose(-2, -1) * scale  # (b, h, i, j), rounded to q's dtype
     weights, lse = masked_softmax(apply_mask(scores, keep, bias))
     return weights @ values, weights, lse
-
-
-def refused_on_this_device(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call) -> bool:
-    """Whether ``backend`` refuses this call for a reason q's device alone gives: sdpa's zero for fully masked rows
-    is verified on the CPU only, so off it sdpa refuses calls whose mask may empty a row. Then the refusal is
-    checked to be the clear error (naming the device), and the caller's test has nothing more to compare.
-
-    False on the CPU, where every backend serves every call these tests make.
-    """
-    import pytest
-
-    from multihead import attention, explain
-
-    if backend in ("auto", "reference", "textbook_lowp"):
-        return False
-    reasons = explain(q, k, v, **call).rejected.get(backend, [])
-    fragment = f"fully masked rows on {q.device.type}"
-    if not any(fragment in reason for reason in reasons):
-        return False
-    with pytest.raises(ValueError, match=f"{backend} lacks {fragment}"):
-        attention(q, k, v, backend=backend, **call)
-    return True

@@ -9,9 +9,11 @@ What differs from ours, and how this backend bridges it:
 - Fully masked rows give 0 (not NaN) in torch's CPU kernels, verified by the
   tests, as long as their scores are finite: their queries are zeroed first, so
   scores that would overflow (q, k ~ 1e20) cannot turn them into inf - inf = NaN.
-  On other devices this is not verified here, so calls whose mask may empty a
-  row are left to other backends there.
-- Dropout is passed only when it applies (training); GQA uses enable_gqa.
+  On other devices (not verified here) such a call's mask goes with the dtype's
+  lowest finite value in place of -inf (:func:`finite_mask`): an empty row's
+  weights are then uniform and finite, and its output is set to 0.
+- Dropout is passed only when it applies (training); GQA uses enable_gqa where a
+  fused kernel takes it (:func:`kv_heads_for_kernel`).
 - Logit soft-capping (masks.softcap) is not served: SDPA takes no score transform
   (its Capabilities leave ``softcap`` False, so auto picks another backend).
 - Half-precision calls on the CPU run in float32 where this machine's rates say torch's kernel is faster there,
@@ -40,6 +42,8 @@ from multihead.backends.costs import (
 from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities
 from multihead.masks import BoundMask
 
+# Devices whose kernels are verified (by the tests) to give 0 for a row with every key masked once its query is 0;
+# on others such rows are made finite and zeroed after the kernel (finite_mask)
 VERIFIED_EMPTY_ROW_DEVICES = frozenset({"cpu"})
 
 
@@ -94,12 +98,16 @@ def sdpa_attention(
     given = q.dtype
     q, k, v = inputs_in_faster_dtype(rates_label(mask), q, k, v, lambda: computed_fraction(mask))
     attn_mask, is_causal = sdpa_mask(mask, q.dtype)
+    empty_rows = None  # (.., i, 1): rows with every key masked, where the mask may leave some
     if attn_mask is not None and mask.may_empty_rows():
         # SDPA adds the mask to q k^T: a fully masked row whose scores overflow to +inf gets inf - inf = NaN.
         # Zero queries score 0 everywhere, so such rows give 0 (output and gradient) like every other backend.
         # Only where a row may be empty: the copy of q would cost every other call a few percent.
         masked_out = attn_mask.logical_not() if attn_mask.dtype == torch.bool else attn_mask == -math.inf
-        q = q.masked_fill(masked_out.all(dim=-1, keepdim=True), 0.0)  # rows (.., i, 1) broadcast over d
+        empty_rows = masked_out.all(dim=-1, keepdim=True)  # computed on the device: nothing read
+        q = q.masked_fill(empty_rows, 0.0)  # rows (.., i, 1) broadcast over d
+        if q.device.type not in VERIFIED_EMPTY_ROW_DEVICES:
+            attn_mask = finite_mask(attn_mask, q.dtype)
     k, v, enable_gqa = kv_heads_for_kernel(q, k, v, attn_mask)
     output = F.scaled_dot_product_attention(
         q,
@@ -111,7 +119,19 @@ def sdpa_attention(
         scale=scale,
         enable_gqa=enable_gqa,
     )
+    if empty_rows is not None and q.device.type not in VERIFIED_EMPTY_ROW_DEVICES:
+        output = output.masked_fill(empty_rows, 0.0)  # their uniform weights' output: 0, as every backend gives
     return BackendOutput(output if output.dtype == given else output.to(given))  # .to costs a call even as a no-op
+
+
+def finite_mask(attn_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``attn_mask`` (a bool keep-mask or an additive one with -inf) as an additive mask in ``dtype`` whose masked
+    entries are the dtype's lowest finite value: beside any real score it weighs nothing, as -inf would (its exp
+    underflows to 0), and a row with every key masked gets uniform, finite weights instead of NaN (inf - inf)."""
+    lowest = torch.finfo(dtype).min
+    if attn_mask.dtype == torch.bool:
+        return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(~attn_mask, lowest)
+    return attn_mask.to(dtype).clamp(min=lowest)
 
 
 # Devices whose fused kernels take torch's enable_gqa only without a mask and in half precision (flash, cuDNN): with
@@ -136,12 +156,6 @@ def kv_heads_for_kernel(
         group = heads // kv_heads
         return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
     return k, v, True
-
-
-def _sdpa_limits(call: AttentionCall) -> list[str]:
-    if call.device.type not in VERIFIED_EMPTY_ROW_DEVICES and call.mask.may_empty_rows():
-        return [f"fully masked rows on {call.device.type} (0 output not verified there)"]
-    return []
 
 
 SDPA_CAUSAL_BLOCK = 128  # about the query/key blocks torch's CPU flash kernel skips under is_causal
@@ -171,6 +185,5 @@ CAPABILITIES = Capabilities(
     dropout=True,
     backward=True,
     bias_grad=False,
-    check=_sdpa_limits,
     estimate=_estimate,
 )
