@@ -313,3 +313,25 @@ def test_a_compiler_failure_is_a_clear_error_and_flex_is_passed_over_after(monke
     reasons = multihead.explain(q, q, q, mask=mask).rejected["flex"]
     assert any("torch's compiler failed for it here: RuntimeError: CppCompileError" in r for r in reasons)
     assert multihead.explain(q, q, q, mask=mask, backend="flex").chosen is None
+
+
+@pytest.mark.portable
+def test_warm_up_compiles_the_backward_where_flex_has_one(device):
+    """With requires_grad, warm_up compiles the kernel of calls that need gradients, forward and backward: on CUDA
+    it is warm afterwards (auto may choose flex for training calls); on the CPU, where FlexAttention has no
+    backward, the refusal names what is missing."""
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match="warm_up: .*backward on CPU"):
+            flex.warm_up(heads=2, qk_dim=16, causal=True, device=device, requires_grad=True)
+    else:
+        flex.warm_up(heads=2, qk_dim=16, causal=True, device=device, requires_grad=True)
+        q, k, v = (torch.randn(1, 2, 300, 16, device=device, requires_grad=True) for _ in range(3))
+        assert multihead.explain(q, k, v, causal=True, backend="flex").chosen == "flex"
+        shape = masks.AttentionShape(1, 2, 300, 300, device)
+        bound = masks.bind_mask(None, True, shape)
+        call = multihead.backends.AttentionCall(
+            1, 2, 2, 300, 300, 16, 16, q.dtype, device, bound, 0.0, "none", False, True
+        )
+        assert flex.flex_is_warm(call)
+    with pytest.raises(TypeError, match="requires_grad: expected True or False"):
+        flex.warm_up(heads=2, qk_dim=16, device=device, requires_grad="yes")

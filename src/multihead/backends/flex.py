@@ -44,7 +44,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention, noop_mask
 
-from multihead._errors import bad_argument
+from multihead._errors import bad_argument, describe
 from multihead.backends._blocks import autocast_inputs
 from multihead.backends.costs import block_kernel_estimate, call_compute_dtype, inputs_in_faster_dtype
 from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities, changed
@@ -476,6 +476,7 @@ def warm_up(
     return_lse: bool = False,
     batch: int = 1,
     length: int = 256,
+    requires_grad: bool = False,
 ) -> float:
     """Compile the FlexAttention kernel for calls of this kind ahead of time; returns the seconds it took.
 
@@ -483,8 +484,9 @@ def warm_up(
     v (batch, kv_heads, length, v_dim) with ``mask`` (a typed mask bound to that call: a padding mask
     needs ``batch`` lengths) and ``causal``. Afterwards calls with the same heads, head dims, dtype,
     device, mask kinds and LSE use the compiled kernel at any length (one query or key aside), and
-    ``backend="auto"`` may choose flex for them. Forward kernels only (no inputs requiring grad).
-    0.0 when the kernel was compiled already.
+    ``backend="auto"`` may choose flex for them. With ``requires_grad`` the kernel of calls whose inputs
+    require grad is compiled, forward and backward (CUDA: FlexAttention has no CPU backward). 0.0 when the
+    kernel was compiled already.
     """
     kv_heads = heads if kv_heads is None else kv_heads
     v_dim = qk_dim if v_dim is None else v_dim
@@ -498,8 +500,25 @@ def warm_up(
     k = torch.randn(batch, kv_heads, length, qk_dim, device=device, dtype=dtype, generator=gen)
     v = torch.randn(batch, kv_heads, length, v_dim, device=device, dtype=dtype, generator=gen)
     bound = bind_mask(mask, causal, AttentionShape(batch, heads, length, length, device))
+    if not isinstance(requires_grad, bool):
+        raise bad_argument(
+            "requires_grad", "True or False", describe(requires_grad), "pass requires_grad=True", kind=TypeError
+        )
     call = AttentionCall(
-        batch, heads, kv_heads, length, length, qk_dim, v_dim, dtype, device, bound, 0.0, "none", return_lse, False
+        batch,
+        heads,
+        kv_heads,
+        length,
+        length,
+        qk_dim,
+        v_dim,
+        dtype,
+        device,
+        bound,
+        0.0,
+        "none",
+        return_lse,
+        requires_grad,
     )
     missing = CAPABILITIES.reasons(call)
     if missing:
@@ -509,8 +528,11 @@ def warm_up(
     if flex_is_warm(call):
         return 0.0
     start = time.perf_counter()
-    with torch.no_grad():
-        _run(q, k, v, mask=bound, scale=1.0 / math.sqrt(qk_dim), need_lse=return_lse)
+    with torch.set_grad_enabled(requires_grad):
+        leaves = [t.requires_grad_(requires_grad) for t in (q, k, v)]
+        out, _ = _run(*leaves, mask=bound, scale=1.0 / math.sqrt(qk_dim), need_lse=return_lse)
+        if requires_grad:
+            out.sum().backward()  # compiles the backward kernel too
     return time.perf_counter() - start
 
 
