@@ -5,7 +5,9 @@ estimates use (:mod:`multihead.backends.costs`). The static tables below are key
 (:class:`multihead.backends.policy.DeviceKind`): the same call on the same kind of device is estimated with the same
 numbers on every machine. Each names where its numbers come from:
 
-- ``cpu-avx2``: measured by ``multihead.backend_rates.calibrate_kernels`` on this project's machine.
+- ``cpu-avx2`` and ``cpu-avx512-bf16``: measured by ``multihead.backend_rates.calibrate_kernels`` on this
+  project's machines of those kinds (a CPU of another kind, AVX-512 without bf16 units among them, uses the
+  avx2 table, and ``explain`` says so).
 - ``cuda-sm80`` and ``cuda-sm90``: published figures (not measured by this project, which has not yet run on a
   GPU), scaled to our counting; ``scripts/gpu_check.sh`` measures the kernels on a GPU window. On CUDA the choice
   rests mostly on the policy's rules (fused kernels first) and on the work each backend does, which the relative
@@ -23,6 +25,7 @@ import torch
 __all__ = [
     "KernelRates",
     "CPU_AVX2_RATES",
+    "CPU_AVX512_BF16_RATES",
     "CUDA_SM80_RATES",
     "CUDA_SM90_RATES",
     "RATES_BY_KIND",
@@ -148,6 +151,58 @@ CPU_AVX2_RATES = KernelRates(
 )
 
 
+# Measured the same way on an AMD EPYC with AVX-512 and AVX512-BF16 (lscpu: avx512f/bw/vl, avx512_bf16, avx512_vnni),
+# 2 cores, torch 2.13.0 CPU running its AVX512 kernels, 2 threads: the median of 3 calibrations on 2026-11-28, the
+# machine otherwise idle (every GFLOP/s within 15% of its median but materialized's float32 forward, 135-188). Its
+# bf16 units change what auto should do: SDPA's bf16 backward ran at 307 GFLOP/s against 185 in float32 (18 against
+# 135 on the AVX2 machine), so a half call stays in bf16 here
+CPU_AVX512_BF16_RATES = KernelRates(
+    gflops={
+        "sdpa": {
+            "forward float32": 184.2,
+            "backward float32": 185.3,
+            "forward half": 182.2,
+            "backward half": 306.6,
+        },
+        "sdpa masked": {
+            "forward float32": 154.7,
+            "backward float32": 175.9,
+            "forward half": 158.1,
+            "backward half": 282.3,
+        },
+        "tiled": {
+            "forward float32": 133.6,
+            "backward float32": 160.6,
+            "forward half": 139.2,
+            "backward half": 160.9,
+        },
+        "materialized": {
+            "forward float32": 142.4,
+            "backward float32": 110.8,
+            "forward half": 137.5,
+            "backward half": 82.7,
+        },
+        "flex": {
+            "forward float32": 185.7,
+            "forward half": 113.5,
+        },
+    },
+    mask_gbs=2.58,
+    source="measured: the median of 3 calibrations on an AMD EPYC (AVX-512, AVX512-BF16), 2 threads, torch 2.13.0, "
+    "2026-11-28",
+    fresh_gbs=3.58,
+    masked_gps=0.85,
+    score_mod_gps=9.82,
+    row_us={
+        "sdpa": {"forward float32": 0.04, "backward float32": 0.16, "forward half": 0.08, "backward half": 0.2},
+        "sdpa masked": {"forward float32": 0.0, "backward float32": 0.07, "forward half": 0.0, "backward half": 0.04},
+        "tiled": {"forward float32": 0.13, "backward float32": 0.44, "forward half": 0.23, "backward half": 0.42},
+        "materialized": {"forward float32": 0.07, "backward float32": 0.36, "forward half": 0.0, "backward half": 0.26},
+        "flex": {"forward float32": 0.39, "forward half": 0.4},
+    },
+)
+
+
 # ---------------------------------------------------------------------------------------------------------- CUDA
 # Published figures, counted as ours (2 (d + e) FLOPs per computed pair forward, 2.5 times that backward, which is
 # how FlashAttention's papers count): torch SDPA's forward on an H100 SXM at d = 128, bf16, reached 287-304 TFLOP/s
@@ -212,6 +267,7 @@ CUDA_SM80_RATES = _cuda_rates(
 # The static tables, by device kind (multihead.backends.policy.DeviceKind.name)
 RATES_BY_KIND: dict[str, KernelRates] = {
     "cpu-avx2": CPU_AVX2_RATES,
+    "cpu-avx512-bf16": CPU_AVX512_BF16_RATES,
     "cuda-sm80": CUDA_SM80_RATES,
     "cuda-sm90": CUDA_SM90_RATES,
 }
