@@ -89,6 +89,9 @@ class Config(common.BenchConfig):
     reference: bool = False
     threads: int | None = None  # torch threads (None: torch's default)
     backends: tuple[str, ...] = field(default=OWN)
+    # CPU kinds whose static tables also pick a backend for each case (multihead.explain under a policy assuming
+    # that kind): their picks are read against the same measured times, so one run compares the tables
+    compare_kinds: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- pure parts (tested)
@@ -162,7 +165,12 @@ def summarize(record: dict) -> dict:
         for name, seconds in estimates.items()
         if name in stats and seconds and seconds > 0
     }
+    picks = record.get("picks") or {}
     record.update(
+        pick_over_best={
+            label: common.ratio(own.get(pick), own.get(winner)) if winner and pick in own else None
+            for label, pick in picks.items()
+        },
         stats=stats,
         winner=winner,
         best_with_peers=best_all,
@@ -187,7 +195,21 @@ def overall(records: Sequence[dict]) -> dict:
         for name, value in r["measured_over_estimated"].items():
             per_backend.setdefault(name, []).append(value)
     predicted = [r for r in measured if r.get("prediction_right") is not None]
+    by_table: dict[str, list[float]] = {}
+    for r in measured:
+        for label, value in (r.get("pick_over_best") or {}).items():
+            if value is not None:
+                by_table.setdefault(label, []).append(value)
     return {
+        "picks_over_best": {
+            label: {
+                "cases": len(values),
+                "median": statistics.median(values),
+                "worst": max(values),
+                "within_10pct": sum(value <= AUTO_SLACK for value in values),
+            }
+            for label, values in by_table.items()
+        },
         "cases": len(measured),
         "auto_picked_winner": sum(bool(r["auto_picked_winner"]) for r in measured),
         "predicted": len(predicted),
@@ -386,6 +408,18 @@ def markdown_report(results: dict) -> str:
     ]
     for name, r in verdict["measured_over_estimated"].items():
         lines.append(f"| {name} | {r['cases']} | {r['median']:.2f} | {r['min']:.2f} | {r['max']:.2f} |")
+    if verdict.get("picks_over_best"):
+        lines += [
+            "",
+            "Each table's pick against the fastest of multihead's backends, read from the same measured times (the "
+            "pick's median / the winner's; auto's own call overhead not included):",
+            "",
+            "| rate table | cases | median pick / best | worst | within 10% |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for label, r in verdict["picks_over_best"].items():
+            within = f"{r['within_10pct']} of {r['cases']}"
+            lines.append(f"| {label} | {r['cases']} | {r['median']:.3f} | {r['worst']:.2f} | {within} |")
     half_rows = half_against_float32(records)
     if half_rows:
         at_least_as_fast = sum(row["ratio"] <= HALF_SLACK for row in half_rows)
@@ -607,6 +641,20 @@ def explain(
     return e.chosen, seconds, {name: est.dense_mask_bytes for name, est in e.estimates.items()}
 
 
+def table_picks(
+    config: Config, kind: str, n: int, dtype: torch.dtype, backward: bool, chosen: str | None
+) -> dict[str, str | None]:
+    """auto's pick under this machine's kind's table, and under each of ``config.compare_kinds``' tables."""
+    from multihead.backends import policy
+
+    here = policy.current_policy().kind_of(torch.device("cpu")).name
+    picks = {f"{here} (this machine's kind)": chosen}
+    for name in config.compare_kinds:
+        with policy.use_policy(policy.current_policy().assuming(policy.DeviceKind("cpu", name))):
+            picks[f"{name} (assumed)"] = explain(kind, n, dtype, backward)[0]
+    return picks
+
+
 def run_case(
     config: Config, kind: str, n: int, dtype_name: str, mode: str, history: dict, flex_peer: FlexPeer | None, results
 ) -> dict:
@@ -689,7 +737,7 @@ def run_case(
     }
     outputs.clear()
     chosen, estimates, _ = explain(kind, n, dtype, backward)
-    record.update(chosen=chosen, estimates=estimates)
+    record.update(chosen=chosen, estimates=estimates, picks=table_picks(config, kind, n, dtype, backward, chosen))
     round_s = sum(s if s is not None else (predictions.get(name, {}).get("seconds") or 0.0) for name, s in warm.items())
     rounds = repeats_for(round_s, config.case_budget_s, config.repeats)
     order = list(calls)
@@ -789,6 +837,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--reference", action="store_true", help="also time the reference (oracle) backend")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--compare-kinds",
+        help="comma-separated CPU kinds (e.g. cpu-avx2) whose rate tables also pick a backend per case, read "
+        "against the same measured times",
+    )
     return parser
 
 
@@ -814,6 +867,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     config.reference = args.reference
     config.threads = args.threads
+    config.compare_kinds = tuple(name for name in (args.compare_kinds or "").split(",") if name)
     common.ensure_malloc_env()
     results = run(config)
     report = common.write_json_and_markdown(results, config.out_dir, config.stem, markdown_report)

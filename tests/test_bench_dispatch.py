@@ -255,3 +255,21 @@ def test_bfloat16_auto_is_compared_with_float32_auto_case_by_case():
     assert "| 0.50 |" in table
     slower_twin = bench.summarize(record(n=4096, dtype="float32", times={"auto": [0.25] * 3, "tiled": [0.25] * 3}))
     assert "**2.00**" in "\n".join(bench.half_table(bench.half_against_float32([slower, slower_twin])))
+
+
+def test_each_rate_tables_pick_is_read_against_the_same_measured_times():
+    """--compare-kinds: the pick of another kind's table in each case, as a ratio to the measured winner, and the
+    run's summary per table (and in the report)."""
+    picks = {"cpu-avx512-bf16 (this machine's kind)": "flex", "cpu-avx2 (assumed)": "tiled", "x (assumed)": "gone"}
+    r = bench.summarize({**record(), "picks": picks})
+    assert r["pick_over_best"] == pytest.approx(
+        {"cpu-avx512-bf16 (this machine's kind)": 1.0, "cpu-avx2 (assumed)": 0.11 / 0.06, "x (assumed)": None}
+    )
+    verdict = bench.overall([r])
+    assert verdict["picks_over_best"]["cpu-avx2 (assumed)"] == {
+        "cases": 1,
+        "median": pytest.approx(0.11 / 0.06),
+        "worst": pytest.approx(0.11 / 0.06),
+        "within_10pct": 0,
+    }
+    assert "x (assumed)" not in verdict["picks_over_best"]  # a pick that was not measured is not a ratio
