@@ -335,3 +335,25 @@ def test_warm_up_compiles_the_backward_where_flex_has_one(device):
         assert flex.flex_is_warm(call)
     with pytest.raises(TypeError, match="requires_grad: expected True or False"):
         flex.warm_up(heads=2, qk_dim=16, device=device, requires_grad="yes")
+
+
+def test_a_block_mask_of_bands_is_built_once_per_structure_and_length():
+    """A mask whose keep terms hold no data (causal, windows) keeps its BlockMask by structure, lengths and device:
+    a loop calling with the same ones builds its table once. Padding (data that may change each call) never."""
+    flex._BLOCK_MASKS.clear()
+
+    def built(mask, causal, i, j, b=1):
+        bound = bind_mask(mask, causal, AttentionShape(b, H, i, j, torch.device("cpu")))
+        return flex._block_mask(bound, lambda b, h, q, k: q >= k)
+
+    first = built(None, True, 300, 300)
+    assert built(None, True, 300, 300) is first
+    assert built(None, True, 300, 400) is not first  # other lengths
+    assert built(masks.window(64), True, 300, 300) is not built(masks.window(65), True, 300, 300)
+    padded = built(masks.padding([200]), True, 300, 300)
+    assert built(masks.padding([200]), True, 300, 300) is not padded
+    # the kept table is the one a fresh build gives
+    flex._BLOCK_MASKS.clear()
+    again = built(None, True, 300, 300)
+    assert torch.equal(again.kv_num_blocks, first.kv_num_blocks) and torch.equal(again.kv_indices, first.kv_indices)
+    flex._BLOCK_MASKS.clear()

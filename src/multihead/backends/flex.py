@@ -78,6 +78,10 @@ _WARM: set[tuple] = set()
 _COMPILE_SECONDS: dict[tuple, float] = {}
 _FAILED: dict[tuple, str] = {}  # cache key -> the first line of the compiler's error: refused from then on
 _LOCK = threading.Lock()
+# BlockMasks of masks whose keep terms hold no data (bands: causal, windows), by the mask's structure, its lengths
+# and device: a training or decode loop calls with the same ones every step, and builds its table once
+_BLOCK_MASKS: dict[tuple, BlockMask] = {}
+BLOCK_MASK_LIMIT = 64  # kept; past it the cache starts again
 
 
 # --------------------------------------------------------------------------- lowering
@@ -243,6 +247,10 @@ def _block_mask(mask: BoundMask, mask_mod: Callable | None) -> BlockMask:
     One (q_blocks, k_blocks) table for every batch row and head (a block is empty or full only where it is
     for all of them); the mask_mod decides pairs inside partial blocks.
     """
+    key = _block_mask_key(mask, mask_mod)
+    cached = None if key is None else _BLOCK_MASKS.get(key)
+    if cached is not None:
+        return cached
     i, j = mask.shape.q_len, mask.shape.k_len
     states = mask.block_states(BLOCK)  # (q_blocks, k_blocks) int8: 0 empty, 1 partial, 2 full
     # a bias's -inf entries are masked by the mask_mod, which full blocks skip: no block is full then
@@ -261,7 +269,7 @@ def _block_mask(mask: BoundMask, mask_mod: Callable | None) -> BlockMask:
 
     kv_num, kv_idx = table(1)
     full_num, full_idx = table(2)
-    return BlockMask.from_kv_blocks(
+    block_mask = BlockMask.from_kv_blocks(
         kv_num,
         kv_idx,
         full_num,
@@ -270,6 +278,22 @@ def _block_mask(mask: BoundMask, mask_mod: Callable | None) -> BlockMask:
         mask_mod=noop_mask if mask_mod is None else mask_mod,
         seq_lengths=(i, j),
     )
+    if key is not None:
+        if len(_BLOCK_MASKS) >= BLOCK_MASK_LIMIT:
+            _BLOCK_MASKS.clear()
+        _BLOCK_MASKS[key] = block_mask
+    return block_mask
+
+
+def _block_mask_key(mask: BoundMask, mask_mod: Callable | None) -> tuple | None:
+    """What a BlockMask is kept under: the mask's structure (a band's sides and offset), whether a mask_mod
+    decides partial blocks, the lengths and the device; None where a keep term holds data whose values may change
+    from call to call (padding, a keep tensor, a bias's -inf), and while tracing (sizes are symbols)."""
+    if torch.compiler.is_compiling() or any(t.may_hold_minus_inf for t in mask.bias_terms):
+        return None
+    if not all(isinstance(t, _BoundDiagonal) for t in mask.keep_terms):
+        return None
+    return mask.signature(), mask_mod is None, mask.shape.q_len, mask.shape.k_len, mask.shape.device
 
 
 # --------------------------------------------------------------------------- compiled kernels
