@@ -89,8 +89,8 @@ class Config(common.BenchConfig):
     reference: bool = False
     threads: int | None = None  # torch threads (None: torch's default)
     backends: tuple[str, ...] = field(default=OWN)
-    # CPU kinds whose static tables also pick a backend for each case (multihead.explain under a policy assuming
-    # that kind): their picks are read against the same measured times, so one run compares the tables
+    # CPU kinds whose static tables also run auto in each case ("auto as <kind>": attention under a policy that
+    # plans the CPU as that kind), timed in the same interleaved rounds, so one run compares the tables
     compare_kinds: tuple[str, ...] = ()
 
 
@@ -154,7 +154,7 @@ def summarize(record: dict) -> dict:
     "estimates" (backend -> seconds)."""
     stats = {name: spread(times) for name, times in record["times"].items() if times}
     own = {name: s["median_s"] for name, s in stats.items() if name in OWN}
-    everyone = {name: s["median_s"] for name, s in stats.items() if name != AUTO}
+    everyone = {name: s["median_s"] for name, s in stats.items() if not name.startswith(AUTO)}
     winner = min(own, key=own.__getitem__) if own else None
     best_all = min(everyone, key=everyone.__getitem__) if everyone else None
     estimates = record.get("estimates") or {}
@@ -165,11 +165,10 @@ def summarize(record: dict) -> dict:
         for name, seconds in estimates.items()
         if name in stats and seconds and seconds > 0
     }
-    picks = record.get("picks") or {}
+    tables = {name: s["median_s"] for name, s in stats.items() if name.startswith(AUTO)}  # auto, auto as <kind>
     record.update(
-        pick_over_best={
-            label: common.ratio(own.get(pick), own.get(winner)) if winner and pick in own else None
-            for label, pick in picks.items()
+        tables_over_best={
+            name: common.ratio(seconds, own.get(winner)) if winner else None for name, seconds in tables.items()
         },
         stats=stats,
         winner=winner,
@@ -197,11 +196,11 @@ def overall(records: Sequence[dict]) -> dict:
     predicted = [r for r in measured if r.get("prediction_right") is not None]
     by_table: dict[str, list[float]] = {}
     for r in measured:
-        for label, value in (r.get("pick_over_best") or {}).items():
+        for label, value in (r.get("tables_over_best") or {}).items():
             if value is not None:
                 by_table.setdefault(label, []).append(value)
     return {
-        "picks_over_best": {
+        "tables_over_best": {
             label: {
                 "cases": len(values),
                 "median": statistics.median(values),
@@ -408,16 +407,17 @@ def markdown_report(results: dict) -> str:
     ]
     for name, r in verdict["measured_over_estimated"].items():
         lines.append(f"| {name} | {r['cases']} | {r['median']:.2f} | {r['min']:.2f} | {r['max']:.2f} |")
-    if verdict.get("picks_over_best"):
+    if len(verdict.get("tables_over_best") or {}) > 1:
         lines += [
             "",
-            "Each table's pick against the fastest of multihead's backends, read from the same measured times (the "
-            "pick's median / the winner's; auto's own call overhead not included):",
+            "auto under each rate table against the fastest of multihead's backends, all timed in the same "
+            "interleaved rounds ('auto' plans this machine as its own kind; 'auto as <kind>' as that kind, "
+            "choosing both the backend and the precision it computes in by that kind's table):",
             "",
-            "| rate table | cases | median pick / best | worst | within 10% |",
+            "| auto | cases | median / best | worst | within 10% |",
             "|---|---:|---:|---:|---:|",
         ]
-        for label, r in verdict["picks_over_best"].items():
+        for label, r in verdict["tables_over_best"].items():
             within = f"{r['within_10pct']} of {r['cases']}"
             lines.append(f"| {label} | {r['cases']} | {r['median']:.3f} | {r['worst']:.2f} | {within} |")
     half_rows = half_against_float32(records)
@@ -594,9 +594,16 @@ def _probes(n: int, dtype: torch.dtype, backward: bool) -> list[torch.Tensor]:
 
 
 def contestants(
-    kind: str, n: int, dtype: torch.dtype, backward: bool, names: Sequence[str], flex_peer: FlexPeer | None
+    kind: str,
+    n: int,
+    dtype: torch.dtype,
+    backward: bool,
+    names: Sequence[str],
+    flex_peer: FlexPeer | None,
+    compare_kinds: Sequence[str] = (),
 ) -> dict[str, Callable]:
-    """name -> fn(q, k, v) -> output, for each contestant that serves the call (peers included)."""
+    """name -> fn(q, k, v) -> output, for each contestant that serves the call (peers included), and auto planning
+    the CPU as each of ``compare_kinds`` ("auto as <kind>")."""
     import multihead
 
     arguments = mask_arguments(kind, n)
@@ -606,14 +613,21 @@ def contestants(
         if multihead.explain(probe_q, probe_k, probe_v, backend=name, **arguments).chosen is not None:
             out[name] = _bound_call(name, arguments)
     out[AUTO] = _bound_call(AUTO, arguments)
+    for cpu_kind in compare_kinds:
+        out[f"{AUTO} as {cpu_kind}"] = _bound_call(AUTO, arguments, cpu_kind)
     return out
 
 
-def _bound_call(name: str, arguments: dict) -> Callable:
+def _bound_call(name: str, arguments: dict, cpu_kind: str | None = None) -> Callable:
+    """attention with ``backend=name``; with ``cpu_kind``, under a policy that plans the CPU as that kind."""
     import multihead
+    from multihead.backends import policy
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return multihead.attention(q, k, v, backend=name, **arguments)
+        if cpu_kind is None:
+            return multihead.attention(q, k, v, backend=name, **arguments)
+        with policy.use_policy(policy.current_policy().assuming(policy.DeviceKind("cpu", cpu_kind))):
+            return multihead.attention(q, k, v, backend=name, **arguments)
 
     return call
 
@@ -641,27 +655,13 @@ def explain(
     return e.chosen, seconds, {name: est.dense_mask_bytes for name, est in e.estimates.items()}
 
 
-def table_picks(
-    config: Config, kind: str, n: int, dtype: torch.dtype, backward: bool, chosen: str | None
-) -> dict[str, str | None]:
-    """auto's pick under this machine's kind's table, and under each of ``config.compare_kinds``' tables."""
-    from multihead.backends import policy
-
-    here = policy.current_policy().kind_of(torch.device("cpu")).name
-    picks = {f"{here} (this machine's kind)": chosen}
-    for name in config.compare_kinds:
-        with policy.use_policy(policy.current_policy().assuming(policy.DeviceKind("cpu", name))):
-            picks[f"{name} (assumed)"] = explain(kind, n, dtype, backward)[0]
-    return picks
-
-
 def run_case(
     config: Config, kind: str, n: int, dtype_name: str, mode: str, history: dict, flex_peer: FlexPeer | None, results
 ) -> dict:
     dtype, backward = common.DTYPES[dtype_name], mode == "forward+backward"
     record: dict = {"mask": kind, "n": n, "dtype": dtype_name, "mode": mode, "load_start": os.getloadavg()[0]}
     names = [name for name in config.backends if name != "reference" or config.reference]
-    calls = contestants(kind, n, dtype, backward, names, flex_peer)
+    calls = contestants(kind, n, dtype, backward, names, flex_peer, config.compare_kinds)
     chosen_before, estimates_before, own_dense = explain(kind, n, dtype, backward)
     ram = common.ram_bytes()
     own_dense[AUTO] = own_dense.get(chosen_before or "", 0)
@@ -737,7 +737,7 @@ def run_case(
     }
     outputs.clear()
     chosen, estimates, _ = explain(kind, n, dtype, backward)
-    record.update(chosen=chosen, estimates=estimates, picks=table_picks(config, kind, n, dtype, backward, chosen))
+    record.update(chosen=chosen, estimates=estimates)
     round_s = sum(s if s is not None else (predictions.get(name, {}).get("seconds") or 0.0) for name, s in warm.items())
     rounds = repeats_for(round_s, config.case_budget_s, config.repeats)
     order = list(calls)
@@ -839,8 +839,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument(
         "--compare-kinds",
-        help="comma-separated CPU kinds (e.g. cpu-avx2) whose rate tables also pick a backend per case, read "
-        "against the same measured times",
+        help="comma-separated CPU kinds (e.g. cpu-avx2): auto also runs planning the CPU as each ('auto as <kind>'), "
+        "timed in the same rounds",
     )
     return parser
 

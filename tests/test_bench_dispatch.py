@@ -257,19 +257,27 @@ def test_bfloat16_auto_is_compared_with_float32_auto_case_by_case():
     assert "**2.00**" in "\n".join(bench.half_table(bench.half_against_float32([slower, slower_twin])))
 
 
-def test_each_rate_tables_pick_is_read_against_the_same_measured_times():
-    """--compare-kinds: the pick of another kind's table in each case, as a ratio to the measured winner, and the
-    run's summary per table (and in the report)."""
-    picks = {"cpu-avx512-bf16 (this machine's kind)": "flex", "cpu-avx2 (assumed)": "tiled", "x (assumed)": "gone"}
-    r = bench.summarize({**record(), "picks": picks})
-    assert r["pick_over_best"] == pytest.approx(
-        {"cpu-avx512-bf16 (this machine's kind)": 1.0, "cpu-avx2 (assumed)": 0.11 / 0.06, "x (assumed)": None}
-    )
+def test_auto_under_each_rate_table_is_timed_against_the_same_best():
+    """--compare-kinds: "auto as <kind>" runs beside auto in the same rounds; each is a ratio to the measured
+    winner among multihead's backends (never a peer nor the best itself), and the run sums them up per table."""
+    times = {**record()["times"], "auto as cpu-avx2": [0.30, 0.20, 0.25]}
+    r = bench.summarize({**record(), "times": times})
+    assert r["winner"] == "flex" and r["best_with_peers"] == bench.FLEX_PEER  # auto as <kind> is no contestant
+    assert r["tables_over_best"] == pytest.approx({"auto": 0.11 / 0.06, "auto as cpu-avx2": 0.25 / 0.06})
     verdict = bench.overall([r])
-    assert verdict["picks_over_best"]["cpu-avx2 (assumed)"] == {
+    assert verdict["tables_over_best"]["auto as cpu-avx2"] == {
         "cases": 1,
-        "median": pytest.approx(0.11 / 0.06),
-        "worst": pytest.approx(0.11 / 0.06),
+        "median": pytest.approx(0.25 / 0.06),
+        "worst": pytest.approx(0.25 / 0.06),
         "within_10pct": 0,
     }
-    assert "x (assumed)" not in verdict["picks_over_best"]  # a pick that was not measured is not a ratio
+    results = {
+        "config": {"quick": True, "dtypes": ["float32"], "modes": ["forward"]},
+        "machine_line": "AMD EPYC (2 CPUs; fma avx avx2)",
+        "load": {"start": "load average: 1.0", "end": "load average: 1.0"},
+        "elapsed_s": 1.0,
+        "compile_s": {},
+        "records": [r],
+        "overall": verdict,
+    }
+    assert "| auto as cpu-avx2 | 1 | 4.167 | 4.17 | 0 of 1 |" in bench.markdown_report(results)
