@@ -40,12 +40,11 @@ from gpu_kernels import (
     Timer,
     first_line,
     free_memory,
-    int_tuple,
+    gpu_parser,
     interleaved,
     is_out_of_memory,
     machine,
     machine_line,
-    positive_int,
     ratio_spread,
     run_from_flags,
     spread,
@@ -277,14 +276,7 @@ def markdown(results: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", help="cuda (default), cuda:N; cpu with --smoke")
-    p.add_argument("--dtype", choices=list(DTYPES), help="default bfloat16")
-    p.add_argument("--sizes", type=int_tuple, help="comma-separated n (default 1024,2048,4096,8192)")
-    p.add_argument("--rounds", type=positive_int, help="interleaved rounds (default 5)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="output folder (default benchmarks/results)")
-    p.add_argument("--smoke", action="store_true", help="the CPU, tiny sizes: checks the script, measures nothing")
-    return p
+    return gpu_parser(__doc__, "1024,2048,4096,8192")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

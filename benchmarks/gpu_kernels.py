@@ -591,20 +591,27 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def gpu_parser(doc: str, sizes: str) -> argparse.ArgumentParser:
+    """The flags every GPU benchmark takes (device, dtype, sizes, rounds, out, smoke); ``sizes`` is the default
+    of --sizes, as its help says it."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--device", help="cuda (default), cuda:N; cpu with --smoke")
     p.add_argument("--dtype", choices=list(DTYPES), help="default bfloat16")
+    p.add_argument("--sizes", type=int_tuple, help=f"comma-separated n (default {sizes})")
+    p.add_argument("--rounds", type=positive_int, help="interleaved rounds (default 5)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="output folder (default benchmarks/results)")
+    p.add_argument("--smoke", action="store_true", help="the CPU, tiny sizes: checks the script, measures nothing")
+    return p
+
+
+def parser() -> argparse.ArgumentParser:
+    p = gpu_parser(__doc__, "1024,4096,16384")
     p.add_argument("--head-dims", type=int_tuple, help="comma-separated d (default 128,64)")
-    p.add_argument("--sizes", type=int_tuple, help="comma-separated n (default 1024,4096,16384)")
     p.add_argument("--masks", type=names_tuple(MASKS), help=f"default {','.join(MASKS)}")
     p.add_argument("--modes", type=names_tuple(MODES), help=f"default {','.join(MODES)}")
     p.add_argument("--backends", type=names_tuple(OWN), help=f"multihead's backends timed (default {','.join(OWN)})")
-    p.add_argument("--rounds", type=positive_int, help="interleaved rounds (default 5)")
     p.add_argument("--call-budget-s", type=float, help="skip a contestant predicted past this a call (default 1)")
     p.add_argument("--max-run-s", type=float, help="start no case after this many seconds (default 420)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="output folder (default benchmarks/results)")
-    p.add_argument("--smoke", action="store_true", help="the CPU, tiny sizes: checks the script, measures nothing")
     return p
 
 
