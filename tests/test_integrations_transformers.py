@@ -479,3 +479,27 @@ def test_gemma2_training_gradients_and_generate_match_eager(device):
     prompt = inputs(padded=False, device=device)["input_ids"][:1, :5]
     settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(ours.eval().generate(prompt, **settings), theirs.eval().generate(prompt, **settings))
+
+
+@pytest.mark.portable
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_weights_asked_for_through_the_config_come_back(name, device):
+    """A config built with output_attentions=True asks every call for the weights, as eager answers it: one tensor
+    per layer, the kernel's, equal to eager's (issue 31: they came back empty, and GPT-2's assisted decoding then
+    raised IndexError)."""
+    model = build(name)
+    # a config made with output_attentions=True, as a user writes LlamaConfig(..., output_attentions=True)
+    # (transformers refuses to set it on a config whose implementation is already another than eager)
+    config = type(model.config).from_dict({**model.config.to_dict(), "output_attentions": True})
+    models = []
+    for implementation in ("eager", integration.IMPLEMENTATION):
+        twin = type(model)._from_config(config, attn_implementation=implementation, dtype=torch.float64)
+        twin.load_state_dict(model.state_dict())
+        models.append(twin.to(device).eval())
+    theirs, ours = models
+    batch = inputs(padded=True, device=device)
+    with torch.no_grad():
+        expected, got = theirs(**batch).attentions, ours(**batch).attentions
+    assert got is not None and len(got) == len(expected) == 2
+    for layer_got, layer_expected in zip(got, expected, strict=True):
+        torch.testing.assert_close(layer_got, layer_expected, atol=1e-12, rtol=0)

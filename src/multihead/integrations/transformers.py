@@ -103,10 +103,19 @@ def attention_forward(
         scale=scaling,
         dropout=dropout,
         training=module.training,
-        return_weights=bool(kwargs.get("output_attentions", False)),  # the weights of this very call
+        return_weights=_weights_asked(module, kwargs),
     )
     output, weights = (result.output, result.weights) if isinstance(result, AttentionResult) else (result, None)
     return output.transpose(1, 2).contiguous(), weights
+
+
+def _weights_asked(module: nn.Module, kwargs: dict) -> bool:
+    """Whether this call asks for the weights: its own ``output_attentions`` where the model passed one, else its
+    config's (a model built with ``output_attentions=True`` asks every call, and eager answers every call)."""
+    asked = kwargs.get("output_attentions")
+    if asked is None:
+        asked = getattr(getattr(module, "config", None), "output_attentions", False)
+    return bool(asked)
 
 
 # The attention step of every transformers module that calls attention_forward: kept beside the module rather
