@@ -503,3 +503,22 @@ def test_weights_asked_for_through_the_config_come_back(name, device):
     assert got is not None and len(got) == len(expected) == 2
     for layer_got, layer_expected in zip(got, expected, strict=True):
         torch.testing.assert_close(layer_got, layer_expected, atol=1e-12, rtol=0)
+
+
+def test_a_compiled_model_does_not_recompile_when_another_model_runs_or_is_freed():
+    """Each attention module's seam lives on the module, so a compiled model's graph guards on nothing another
+    model changes (issue 31: a module-level weak dictionary was looked up inside the compiled code, and running or
+    freeing any other model recompiled it)."""
+    import gc
+
+    first = pair("llama", torch.float32, "sdpa")[1]
+    compiled = torch.compile(first, backend="eager")
+    ids = inputs(padded=False)["input_ids"]
+    with torch.no_grad():
+        expected = compiled(ids).logits
+        other = pair("llama", torch.float32, "sdpa")[1]
+        other(ids)
+        del other
+        gc.collect()
+        with torch.compiler.set_stance("fail_on_recompile"):
+            torch.testing.assert_close(compiled(ids).logits, expected)

@@ -27,8 +27,6 @@ the installed version and the tested range.
 
 from __future__ import annotations
 
-from weakref import WeakKeyDictionary
-
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -118,15 +116,18 @@ def _weights_asked(module: nn.Module, kwargs: dict) -> bool:
     return bool(asked)
 
 
-# The attention step of every transformers module that calls attention_forward: kept beside the module rather
-# than in it, so the model's modules, state dict and repr stay transformers' own.
-_SEAMS: WeakKeyDictionary[nn.Module, Attend] = WeakKeyDictionary()
+# The attention step of every transformers module that calls attention_forward, kept in the module's own __dict__
+# (not as a submodule: the model's modules, state dict and repr stay transformers' own). Looked up there, a compiled
+# model's graph guards on that module alone; a module-level dictionary was guarded as a whole, so running or
+# freeing any other model recompiled it
+SEAM_ATTRIBUTE = "_multihead_attend"
 
 
 def _seam(module: nn.Module) -> Attend:
-    seam = _SEAMS.get(module)
+    seam = module.__dict__.get(SEAM_ATTRIBUTE)
     if seam is None:
-        seam = _SEAMS[module] = Attend()
+        seam = Attend()
+        object.__setattr__(module, SEAM_ATTRIBUTE, seam)  # past nn.Module.__setattr__, which would register it
     return seam
 
 
