@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.resources
+import json
 import re
 import shutil
 import subprocess
@@ -85,3 +86,32 @@ def test_model_help_names_our_encoder_and_transformers(command, capsys, monkeypa
     assert "saved by `multihead heads prune`" in text and "multihead's own encoder" in text
     assert "any other Hugging Face model_type" in text and "pip install 'multihead[hf]'" in text
     assert "default: the bundled all-MiniLM-L6-v2" in text
+
+
+# --------------------------------------------------------------------------- a reader that stops reading
+
+
+def _with_stdout_closed(argv: list[str]) -> subprocess.CompletedProcess:
+    """Run ``multihead argv`` with stdout a pipe whose reader has gone before anything is printed (`| head` that
+    read its lines, `less` quit): every write to stdout fails with EPIPE."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "multihead.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # the read end: the child has not printed yet (starting Python takes longer)
+    stderr = process.stderr.read().decode()
+    return subprocess.CompletedProcess(process.args, process.wait(timeout=120), None, stderr)
+
+
+def test_inspect_writes_its_reports_when_stdout_is_closed(tmp_path):
+    out = tmp_path / "report"
+    result = _with_stdout_closed(["inspect", "--format", "terminal,html,json", "--layers", "0", "--out", str(out)])
+    assert result.stderr == ""  # no traceback, no message: the reader chose to stop
+    assert result.returncode == 0
+    assert json.loads((out / "inspect.json").read_text())["layers"] == [0]
+    assert (out / "report.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_a_plain_print_to_a_closed_stdout_ends_quietly():
+    result = _with_stdout_closed(["cost", "--embed-dim", "64", "--heads", "4", "--seq", "8", "--json"])
+    assert (result.returncode, result.stderr) == (0, "")

@@ -17,7 +17,7 @@ from pathlib import Path
 from multihead._errors import InputError, bad_argument
 from multihead._figures import print_written, skipped_note  # "wrote <path>"; one line for a figure left out
 from multihead._userfiles import from_option, output_file, output_folder
-from multihead.inspect.terminal import make_console
+from multihead.inspect.terminal import discard_stdout, make_console
 
 DEFAULT_TEXT = "The bank was full of money."
 BUNDLED = "bundled"
@@ -1125,6 +1125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     A mistake in the user's input (an :class:`~multihead._errors.InputError`: a bad option, a file
     that cannot be used) is one line on stderr and exit status 2. Any other exception is a bug in
     multihead and propagates with its traceback.
+
+    A reader of stdout that stops reading (``multihead inspect | head``, quitting ``less``) ends the command
+    quietly, with exit status 0 and no message: the reports on stdout went where the reader wanted them, the
+    files are written (the consoles go quiet and the command carries on; a plain ``print`` that meets the
+    closed pipe ends it here, with stdout sent to the null device so nothing fails again at exit).
     """
     parser = build_parser()
     try:
@@ -1138,6 +1143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader of stdout has gone: not an error (see above)
+        discard_stdout()
+        return 0
 
 
 def one_line(message: str) -> str:

@@ -36,6 +36,7 @@ from multihead.inspect.stats import PRUNED, Role
 
 __all__ = [
     "make_console",
+    "discard_stdout",
     "report_width",
     "role_grid",
     "role_grids",
@@ -112,9 +113,34 @@ def report_width(
     return max(width, MIN_WIDTH)
 
 
+def discard_stdout() -> None:
+    """Send the rest of stdout to the null device: its reader has gone (``multihead inspect | head``, ``less``
+    quit), so what is still to print, and what is buffered, goes nowhere instead of failing (EPIPE) again, at
+    the next print or at exit."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor: nothing to redirect
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, descriptor)
+    finally:
+        os.close(devnull)
+
+
+class _PipeConsole(Console):
+    """rich's console, but a reader that stops reading (a closed pipe) silences it instead of exiting the program:
+    rich's own answer is ``SystemExit(1)`` mid-command, which left ``inspect | head`` without its report files."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more is drawn; the command goes on and writes its files
+        discard_stdout()
+
+
 def make_console() -> Console:
-    """A console for reports on stdout, :func:`report_width` columns wide."""
-    return Console(width=report_width())
+    """A console for reports on stdout, :func:`report_width` columns wide; a closed pipe silences it (the command
+    carries on: see :func:`discard_stdout`)."""
+    return _PipeConsole(width=report_width())
 
 
 # --------------------------------------------------------------------------- fitting tables to the width

@@ -84,7 +84,8 @@ def write_reports(
     *,
     argument: str = "out_dir",
 ) -> Written:
-    """Write (or print) ``inspection`` in each of ``formats``; returns {format: path} for the files written.
+    """Write (or print) ``inspection`` in each of ``formats``, the files before the terminal view; returns {format:
+    path} for the files written.
 
     "png" without matplotlib installed is left out, the other formats written: the result's ``skipped`` holds
     {"png": path} (:func:`multihead._figures.skipped_note` is the line the CLI prints for it).
@@ -99,9 +100,8 @@ def write_reports(
     directory = Path(out_dir)
     if any(name in FILES for name in chosen):
         directory = output_folder(argument, out_dir)
-    for name in chosen:
+    for name in chosen:  # the files first: a reader that stops reading stdout (`| head`) cannot cost them
         if name == "terminal":
-            print_inspection(inspection, console)
             continue
         path = directory / FILES[name]
         if name == "png":
@@ -114,6 +114,8 @@ def write_reports(
             text = json.dumps(inspection.to_dict(), indent=1, allow_nan=False)
         with writing(argument, path):
             path.write_text(text, encoding="utf-8")
+    if "terminal" in chosen:
+        print_inspection(inspection, console)
     return paths
 
 
