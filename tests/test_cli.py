@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from multihead.cli import main, parse_indices, parse_token
+from multihead._userfiles import cli_spelling
+from multihead.cli import COST_OPTIONS, main, parse_dtype, parse_indices, parse_token
 from multihead.inspect import capture
 from multihead.inspect.report import pick_token
 from multihead.models import load_minilm
@@ -348,12 +349,15 @@ def test_cost_tables_and_plot(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--embed-dim", "0", "--heads", "8", "--seq", "4"], "embed_dim: expected a positive int, got 0"),
-        (["--embed-dim", "512", "--heads", "-8", "--seq", "4"], "num_heads: expected a positive int, got -8"),
-        (["--embed-dim", "512", "--heads", "7", "--seq", "4"], "num_heads: expected a divisor of embed_dim = 512"),
-        (["--embed-dim", "512", "--heads", "8", "--kv-heads", "3", "--seq", "4"], "num_kv_heads: expected a divisor"),
-        (["--embed-dim", "512", "--heads", "8", "--seq", "0"], "seq: expected a positive int, got 0"),
-        (["--embed-dim", "512", "--heads", "8", "--seq", "4", "--dtype", "int4"], "dtype: expected one of float32"),
+        (
+            ["--embed-dim", "0", "--heads", "8", "--seq", "4"],
+            "--embed-dim: expected a positive int, got 0. Fix: pass --embed-dim >= 1",
+        ),
+        (["--embed-dim", "512", "--heads", "-8", "--seq", "4"], "--heads: expected a positive int, got -8"),
+        (["--embed-dim", "512", "--heads", "7", "--seq", "4"], "--heads: expected a divisor of --embed-dim = 512"),
+        (["--embed-dim", "512", "--heads", "8", "--kv-heads", "3", "--seq", "4"], "--kv-heads: expected a divisor"),
+        (["--embed-dim", "512", "--heads", "8", "--seq", "0"], "--seq: expected a positive int, got 0"),
+        (["--embed-dim", "512", "--heads", "8", "--seq", "4", "--dtype", "int4"], "--dtype: expected one of float32"),
         (
             ["--embed-dim", "512", "--heads", "8", "--seq", "4", "--backward", "--decode-cache", "3"],
             "--decode-cache: expected no --backward",
@@ -371,6 +375,47 @@ def test_cost_mistakes_get_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    assert not re.search(r"\b[a-z_]+=", err), err  # the options as typed, not the library's keyword arguments
+
+
+@pytest.mark.parametrize(
+    "spelled, name",
+    [
+        ("fp16", "float16"),
+        ("bf16", "bfloat16"),
+        ("BF16", "bfloat16"),
+        ("half", "float16"),
+        ("fp32", "float32"),
+        ("float", "float32"),
+        ("torch.float64", "float64"),
+        ("float16", "float16"),
+    ],
+)
+def test_cost_takes_the_usual_dtype_names(spelled, name, capsys):
+    assert main(["cost", "--embed-dim", "64", "--heads", "4", "--seq", "8", "--dtype", spelled, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == name
+
+
+def test_every_dtype_option_goes_through_one_parser(capsys):
+    assert parse_dtype("bf16") == "bfloat16" and parse_dtype(" Half ") == "float16"
+    with pytest.raises(ValueError, match=r"^--dtype: expected one of float32, .*got 'int8'\. Fix: pass e.g\. --dtype"):
+        parse_dtype("int8")
+    assert main(["bench", "--calibrate", "--dtype", "fp8"]) == 2  # refused before any measuring
+    assert "--dtype: expected one of float32" in capsys.readouterr().err
+
+
+def test_library_errors_reach_the_command_line_in_its_spelling(tmp_path, capsys):
+    assert main(["inspect", "--part", "encoder", "--format", "json", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "multihead inspect: error: --part: expected one of the model's parts ['self'], got 'encoder'. "
+        "Fix: pass e.g. --part self\n"
+    )
+    respelled = cli_spelling(
+        "heads: expected x, got y. Fix: pass e.g. heads=[0, 1]; or dtype='float32' for embed_dim", COST_OPTIONS
+    )
+    assert respelled == "heads: expected x, got y. Fix: pass e.g. heads=[0, 1]; or --dtype float32 for --embed-dim"
+    assert cli_spelling('part: a. Fix: pass part="cross"', {"part": "--part"}) == "--part: a. Fix: pass --part cross"
 
 
 # --------------------------------------------------------------------------- multihead heads

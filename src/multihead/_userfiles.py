@@ -26,8 +26,9 @@ import contextlib
 import json
 import math
 import os
+import re
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ __all__ = [
     "path_kind",
     "existing_folder",
     "from_option",
+    "from_options",
+    "cli_spelling",
     "Rule",
     "OptionalKey",
     "ListOf",
@@ -272,9 +275,48 @@ def from_option(option: str, *, names: tuple[str, ...] | None = None) -> Iterato
             subject = next((name for name in names if message.startswith(f"{name}:")), None)
             if subject is None:
                 raise
-            raise type(error)(f"{option}:{message[len(subject) + 1 :]}") from None
+            raise type(error)(cli_spelling(message, {subject: option})) from None
         renamed = f"{option}:{message[len(bare) + 1 :]}" if message.startswith(f"{bare}:") else f"{option} {message}"
         raise type(error)(renamed) from None
+
+
+@contextlib.contextmanager
+def from_options(options: Mapping[str, str]) -> Iterator[None]:
+    """Within the block, an InputError about a library argument in ``options`` ({"embed_dim": "--embed-dim"}) is
+    said in the command line's spelling (see :func:`cli_spelling`); others pass through as they are."""
+    try:
+        yield
+    except InputError as error:
+        message = str(error)
+        if not any(message.startswith(f"{name}:") for name in options):
+            raise
+        raise type(error)(cli_spelling(message, options)) from None
+
+
+# name="encoder", name='float32', name=[0, 1], name=3: a library argument's value as Python spells it
+_PYTHON_VALUE = r"""=(?:"(?P<double>[^"]*)"|'(?P<single>[^']*)'|\[(?P<items>[0-9,\s]*)\]|(?P<number>-?[0-9.]+))"""
+
+
+def cli_spelling(message: str, options: Mapping[str, str]) -> str:
+    """``message`` (an error about library arguments) with the arguments spelled as the command line's options:
+    {"part": "--part"} turns 'part: expected ... Fix: pass e.g. part="encoder"' into '--part: expected ... Fix:
+    pass e.g. --part encoder' (and heads=[0, 1] into --heads 0,1, seq >= 1 into --seq >= 1). A name with an
+    underscore (embed_dim) cannot be a plain word, so it is respelled wherever it stands; a plain word (part,
+    heads) only where it is clearly the argument: the subject, name=value and a comparison."""
+    for name, option in options.items():
+        if message.startswith(f"{name}:"):
+            message = f"{option}:{message[len(name) + 1 :]}"
+
+        def value(match: re.Match[str], option: str = option) -> str:
+            items = match["items"]
+            given = ",".join(items.replace(" ", "").split(",")) if items is not None else None
+            spelled = (match["double"], match["single"], given, match["number"])
+            return f"{option} {next(v for v in spelled if v is not None)}"
+
+        word = rf"(?<![\w.\-]){re.escape(name)}"
+        message = re.sub(word + _PYTHON_VALUE, value, message)
+        message = re.sub(word + (r"(?![\w=(])" if "_" in name else r"(?= ?[<>]=? )"), option, message)
+    return message
 
 
 # ------------------------------------------------------------------------------------ reading

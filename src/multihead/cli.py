@@ -16,7 +16,7 @@ from pathlib import Path
 # (a usage mistake is answered without them). These imports point down the layers like any other.
 from multihead._errors import InputError, bad_argument
 from multihead._figures import print_written, skipped_note  # "wrote <path>"; one line for a figure left out
-from multihead._userfiles import from_option, output_file, output_folder
+from multihead._userfiles import from_option, from_options, output_file, output_folder
 from multihead.inspect.terminal import discard_stdout, make_console
 
 DEFAULT_TEXT = "The bank was full of money."
@@ -127,6 +127,39 @@ def _token_number(digits: str, spec: str) -> int:
     if len(digits.lstrip("0")) > 9:
         raise bad_argument("--token", f"{_TOKEN_FORMS}, within the text", repr(spec), "pick a token of the text")
     return int(digits)
+
+
+# The short names of dtypes people type (PyTorch's own aliases and the usual fp/bf ones), for every --dtype.
+DTYPE_ALIASES = {
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp64": "float64",
+    "f64": "float64",
+    "double": "float64",
+}
+DTYPE_HELP = "float32, bfloat16, float16 or float64 (or fp32, bf16, fp16, fp64, half, float, double)"
+
+
+def parse_dtype(spec: str, option: str = "--dtype") -> str:
+    """A --dtype value as the name multihead.cost.DTYPES uses: 'fp16', 'half', 'torch.float16', 'Float16' ->
+    'float16'. The one parser of every command that takes a dtype; anything else is refused naming ``option``."""
+    from multihead.cost import DTYPES
+
+    key = spec.strip().lower().removeprefix("torch.")
+    name = DTYPE_ALIASES.get(key, key)
+    if name not in DTYPES:
+        raise bad_argument(
+            option,
+            f"one of {', '.join(DTYPES)} (or {', '.join(DTYPE_ALIASES)})",
+            repr(spec),
+            f"pass e.g. {option} float32 or {option} bf16",
+        )
+    return name
 
 
 def _inspect_parser(subparsers) -> None:
@@ -327,7 +360,7 @@ def _cost_parser(subparsers) -> None:
     parser.add_argument("--out-dim", type=int, help="output size (default: embed dim)")
     parser.add_argument("--no-bias", action="store_true", help="projections without biases")
     parser.add_argument("--batch", type=int, default=1, help="b (default 1)")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64")
+    parser.add_argument("--dtype", default="float32", help=DTYPE_HELP + " (default float32)")
     parser.add_argument("--causal", action="store_true", help="causal mask")
     parser.add_argument("--backward", action="store_true", help="a training step: forward and backward")
     parser.add_argument("--decode-cache", type=int, metavar="L", help="one decode step with L cached tokens")
@@ -355,7 +388,32 @@ def _cost_parser(subparsers) -> None:
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")  # formats matplotlib writes everywhere, named by --plot's suffix
 
 
+# multihead.cost's arguments as `multihead cost` spells them: its errors name the options the user typed.
+COST_OPTIONS = {
+    "embed_dim": "--embed-dim",
+    "num_heads": "--heads",
+    "num_kv_heads": "--kv-heads",
+    "kdim": "--kdim",
+    "vdim": "--vdim",
+    "head_dim": "--head-dim",
+    "value_head_dim": "--value-head-dim",
+    "out_dim": "--out-dim",
+    "seq": "--seq",
+    "kv_seq": "--kv-seq",
+    "batch": "--batch",
+    "dtype": "--dtype",
+    "cache_len": "--decode-cache",
+    "tp": "--tp",
+    "cp": "--cp",
+}
+
+
 def run_cost(args: argparse.Namespace) -> int:
+    with from_options(COST_OPTIONS):
+        return _run_cost(args)
+
+
+def _run_cost(args: argparse.Namespace) -> int:
     import json
 
     from multihead._figures import Written, draw_figure
@@ -363,6 +421,7 @@ def run_cost(args: argparse.Namespace) -> int:
     from multihead.cost_report import cost_json, parallel_json, plot_cost, print_cost, print_parallel
     from multihead.machine import read_calibration
 
+    args.dtype = parse_dtype(args.dtype)
     if args.backward and args.decode_cache is not None:
         raise bad_argument(
             "--decode-cache",
@@ -582,8 +641,7 @@ def _bench_parser(subparsers) -> None:
     parser.add_argument(
         "--dtype",
         action="append",
-        help="float32 (default), bfloat16, float16 or float64: the comparison's dtype and the one calibrated "
-        "(repeatable)",
+        help=DTYPE_HELP + "; default float32: the comparison's dtype and the one calibrated (repeatable)",
     )
     parser.add_argument(
         "--out", metavar="DIR", default="multihead-bench", help="where bench.json goes (default %(default)s)"
@@ -595,14 +653,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from multihead import bench
     from multihead._userfiles import writing
     from multihead.bench_report import print_report
-    from multihead.cost import DTYPES
     from multihead.machine import calibrate, calibration_path, identity, save_calibration
 
     console = make_console()
-    dtypes = list(dict.fromkeys(args.dtype or ["float32"]))
-    for dtype in dtypes:
-        if dtype not in DTYPES:
-            raise bad_argument("--dtype", f"one of {', '.join(DTYPES)}", repr(dtype), "pass e.g. --dtype float32")
+    dtypes = list(dict.fromkeys(parse_dtype(spec) for spec in args.dtype or ["float32"]))
     if args.calibrate and not args.quick:
         cache = calibration_path()
         fix = "set MULTIHEAD_CACHE to a folder you can write to"
