@@ -364,7 +364,7 @@ MODEL_CASES = {
         "hf",
         lambda d: (d / "tokenizer.json").write_text('{"model": 1'),
         "tokenizer.json",
-        "cannot load",
+        "cannot be read",
     ),
     "tokenizer.json missing": ("hf", lambda d: (d / "tokenizer.json").unlink(), "model:", "without tokenizer.json"),
     "saved config a list": (

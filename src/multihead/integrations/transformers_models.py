@@ -24,11 +24,12 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel, 
 from transformers.utils import logging as hf_logging
 
 from multihead._errors import bad_argument, describe, floating_dtype
-from multihead._userfiles import existing_folder, path_kind
+from multihead._userfiles import path_kind
 from multihead.attend import AttentionSite, register_site_finder
 from multihead.integrations.transformers import IMPLEMENTATION, attention_sites
 from multihead.layer import MultiHeadAttention
 from multihead.models.contract import TextEncoder
+from multihead.models.files import model_folder, reading
 from multihead.models.tokenizer import TextTokenizer, TokenBatch
 
 __all__ = ["TransformersModel", "TransformersTokenizer", "load_model"]
@@ -38,6 +39,25 @@ _FIX = "point --model at a transformers checkpoint folder (config.json, weights,
 _UNREAD = ("pooler.",)
 # the files a tokenizer is read from (fast tokenizers, BPE and WordPiece vocabularies, SentencePiece models)
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
+# every file a tokenizer may be read from, in the order a damaged one is looked for
+_TOKENIZER_READ = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+)
+# the weights files transformers reads (one file, or an index and its shards)
+_WEIGHTS_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 # the position limit of a tokenizer that declares none (transformers' placeholder is about 1e30)
 _NO_LIMIT = 1 << 30
 
@@ -170,6 +190,14 @@ def _position_limit(config, tokenizer: PreTrainedTokenizerBase) -> int:
     return min(known) if known else _NO_LIMIT
 
 
+def _weights_files(folder: Path) -> list[str]:
+    """The weights files of ``folder`` transformers may read: the single files and indexes, then any shards."""
+    shards = sorted(
+        {path.name for pattern in ("*.safetensors", "pytorch_model-*.bin") for path in folder.glob(pattern)}
+    )
+    return list(dict.fromkeys([*_WEIGHTS_FILES, *shards]))
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> TransformersModel:
     """The transformers checkpoint in folder ``path`` on multihead's kernel, with its tokenizer (eval mode).
 
@@ -177,7 +205,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Trans
     unknown ``model_type``), or has no tokenizer files, is one error saying what is needed.
     """
     floating_dtype("dtype", dtype, allow_none=False)
-    folder = existing_folder("model", path, what="a model folder", fix=_FIX)
+    folder = model_folder("model", path, what="a model folder", fix=_FIX)
     if path_kind(folder / "config.json") != "file":
         raise bad_argument("model", "a checkpoint folder with a config.json", f"{folder} without one", _FIX)
     try:
@@ -201,31 +229,21 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Trans
             f"{folder} without any",
             "save the tokenizer into the folder (tokenizer.save_pretrained(folder))",
         )
-    try:
+    with reading(folder, _TOKENIZER_READ, what="a tokenizer file transformers can read"):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (ValueError, OSError, TypeError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise bad_argument(
-            "model",
-            "a checkpoint folder with its tokenizer files (tokenizer.json, or vocab files)",
-            f"{folder}, whose tokenizer does not load ({reason[:160]})",
-            "save the tokenizer into the folder (tokenizer.save_pretrained(folder))",
-        ) from None
     bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()  # the caller's output is a report: no loading bars or notes in it
     hf_logging.set_verbosity_error()
     try:
-        model, loading = AutoModel.from_pretrained(
-            folder,
-            config=config,
-            attn_implementation=IMPLEMENTATION,
-            local_files_only=True,
-            dtype=dtype,
-            output_loading_info=True,
-        )
-    except (ValueError, OSError, RuntimeError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise bad_argument("model", "a checkpoint whose weights load", f"{folder} ({reason[:200]})", _FIX) from None
+        with reading(folder, _weights_files(folder), what="a weights file transformers can read"):
+            model, loading = AutoModel.from_pretrained(
+                folder,
+                config=config,
+                attn_implementation=IMPLEMENTATION,
+                local_files_only=True,
+                dtype=dtype,
+                output_loading_info=True,
+            )
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:

@@ -47,6 +47,7 @@ from multihead._userfiles import (
 from multihead.cache import KVCache
 from multihead.layer import MultiHeadAttention
 from multihead.models.contract import evaluating
+from multihead.models.files import reading
 from multihead.positional import LearnedPositions
 
 __all__ = ["DecoderConfig", "DecoderBlock", "DecoderCache", "Decoder", "load_decoder", "DECODER_CONFIG"]
@@ -613,14 +614,11 @@ def _read_weights(
     """The tensors of ``folder/model.safetensors``, checked against the parameter names and shapes of ``build()``
     (built on the meta device: nothing is allocated). An unreadable file, missing or unexpected names, or a
     wrong shape raise an InputError naming the file; ``what`` is the model ``config_file`` describes."""
-    from safetensors import SafetensorError, safe_open  # imported here: only loading needs them
+    from safetensors import safe_open  # imported here: only loading needs it
 
-    try:
+    with reading(folder, [_WEIGHTS], what="a safetensors file of the weights", fix=fix):
         with safe_open(str(folder / _WEIGHTS), framework="pt") as weights:
             state = {name: weights.get_tensor(name) for name in weights.keys()}
-    except (SafetensorError, OSError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise bad_argument(_WEIGHTS, "a safetensors file of the weights", reason, fix) from None
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in build().state_dict().items()}
     missing = [name for name in expected if name not in state]

@@ -26,14 +26,14 @@ from multihead._userfiles import (
     MissingFileError,
     OptionalKey,
     Rule,
-    existing_folder,
     nullable,
     one_of,
     path_kind,
     read_json,
 )
 from multihead.models.bert import SAVED_CONFIG, Encoder, EncoderBlock, EncoderConfig
-from multihead.models.tokenizer import FIX_MODEL_FOLDER, TokenBatch, Tokenizer
+from multihead.models.files import FIX_MODEL_FOLDER, model_folder, reading
+from multihead.models.tokenizer import TokenBatch, Tokenizer
 
 __all__ = ["MODEL_PACKAGE", "TokenBatch", "Tokenizer", "find_model_dir", "load_encoder", "load_minilm"]
 
@@ -65,7 +65,7 @@ def find_model_dir(path: str | Path | None = None) -> Path:
                 "pass the folder that holds config.json, model.safetensors, tokenizer.json",
                 kind=TypeError,
             )
-        directory = existing_folder(
+        directory = model_folder(
             "model",
             path,
             what="an existing model directory",
@@ -320,20 +320,11 @@ def _check_config_sizes(config: EncoderConfig, name: str) -> None:
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of model.safetensors; an empty, truncated or garbage file says so (one InputError)."""
-    from safetensors import SafetensorError, safe_open  # imported here: only loading needs them
+    from safetensors import safe_open  # imported here: only loading needs it
 
-    path = directory / "model.safetensors"
-    try:
-        with safe_open(str(path), framework="pt") as weights:
+    with reading(directory, ["model.safetensors"], what="a safetensors file of the weights"):
+        with safe_open(str(directory / "model.safetensors"), framework="pt") as weights:
             return {name: weights.get_tensor(name) for name in weights.keys()}
-    except (SafetensorError, OSError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise bad_argument(
-            "model.safetensors",
-            "a safetensors file of the weights",
-            f"{str(path)!r}, which cannot be read ({reason})",
-            FIX_MODEL_FOLDER,
-        ) from None
 
 
 def _check_weights(

@@ -11,11 +11,9 @@ import torch
 
 from multihead._errors import bad_argument
 from multihead._userfiles import read_text
+from multihead.models.files import FIX_MODEL_FOLDER, reading
 
 __all__ = ["TokenBatch", "TextTokenizer", "Tokenizer", "FIX_MODEL_FOLDER"]
-
-# The fix for every damaged file of a model folder (the tokenizer's and the loader's errors alike).
-FIX_MODEL_FOLDER = "point --model at an intact checkpoint folder (download or save it again)"
 
 
 @dataclass
@@ -167,15 +165,5 @@ def _read_wordpiece(path: Path):
     from tokenizers import Tokenizer as WordPiece  # imported here: only reading a tokenizer needs it
 
     text = read_text("tokenizer.json", path, what="a tokenizers JSON file", fix=FIX_MODEL_FOLDER)
-    try:
+    with reading(path.parent, [path.name], what="a tokenizer file of the tokenizers library"):
         return WordPiece.from_str(text)
-    except Exception as error:  # tokenizers reports a bad file as a plain Exception; anything else is not ours
-        if type(error) is not Exception:
-            raise
-        reason = str(error).splitlines()[0] if str(error) else "unreadable"
-        raise bad_argument(
-            "tokenizer.json",
-            "a tokenizer file of the tokenizers library",
-            f"{str(path)!r}, which it cannot load ({reason})",
-            FIX_MODEL_FOLDER,
-        ) from None
