@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from hf_checkpoints import save
 from multihead._errors import InputError
 from multihead.cli import main
 from multihead.integrations import load_text_model
+from multihead.integrations.transformers_models import TransformersModel
+from multihead.models import Encoder, load_encoder
 
 FIX = "Fix: point --model at an intact checkpoint folder (download or save it again)"
 
@@ -76,6 +81,70 @@ def test_other_damaged_files_of_a_transformers_checkpoint_are_named(folders, tmp
     (pickled / "pytorch_model.bin").write_bytes(b"not a pickle" * 100)
     line = one_line_error(capsys, pickled)
     assert "--model pytorch_model.bin: expected a weights file" in line and line.endswith(FIX)
+
+
+# --------------------------------------------------------------- row 7: BERT in the formats transformers reads
+
+
+def bert_with_bin(source: Path, target: Path) -> Path:
+    """The BERT checkpoint with pytorch_model.bin instead of model.safetensors (as older checkpoints are)."""
+    folder = copy(source, target)
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
+def bert_with_vocab(source: Path, target: Path) -> Path:
+    """The BERT checkpoint with vocab.txt instead of tokenizer.json."""
+    import transformers
+
+    folder = copy(source, target)
+    vocab = transformers.AutoTokenizer.from_pretrained(folder).get_vocab()
+    (folder / "vocab.txt").write_text("".join(f"{piece}\n" for piece in sorted(vocab, key=vocab.__getitem__)))
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").write_text('{"do_lower_case": true}')
+    return folder
+
+
+@pytest.mark.parametrize("make", [bert_with_bin, bert_with_vocab])
+def test_a_bert_folder_in_another_format_loads_through_transformers(make, folders, tmp_path, capsys):
+    folder = make(folders["bert"], tmp_path / "bert")
+    model = load_text_model(folder)
+    assert isinstance(model, TransformersModel)
+    assert model.tokenizer.tokenize("The bank was full of money.")[:3] == ["[CLS]", "the", "bank"]
+    assert main(["inspect", "The bank was full of money.", "--model", str(folder), "--format", "terminal"]) == 0
+    assert "bank" in capsys.readouterr().out
+
+
+def hide_transformers(monkeypatch) -> None:
+    monkeypatch.delitem(sys.modules, "multihead.integrations.transformers_models")  # imported again: it fails
+    monkeypatch.setitem(sys.modules, "transformers", None)
+
+
+def run_fix(line: str) -> None:
+    """Run the `python -c "..."` commands the error's fix gives (in this process: they need no transformers)."""
+    commands = line.partition("convert once: ")[2].split(" && ")
+    assert commands and all(command.startswith('python -c "') for command in commands), line
+    for command in commands:
+        exec(command.removeprefix('python -c "').removesuffix('"'), {})
+
+
+def test_without_transformers_a_bert_folder_in_another_format_says_how_to_convert(
+    folders, tmp_path, capsys, monkeypatch
+):
+    folder = bert_with_vocab(bert_with_bin(folders["bert"], tmp_path / "bin"), tmp_path / "both")
+    hide_transformers(monkeypatch)
+    line = one_line_error(capsys, folder)
+    assert "(safetensors format)" not in line
+    assert "pytorch_model.bin instead of model.safetensors, vocab.txt instead of tokenizer.json" in line, line
+    assert "Fix: install transformers (pip install 'multihead[hf]' reads pytorch_model.bin and vocab.txt)" in line
+    # the Python API's own encoder says the same fix, naming the function that goes through transformers
+    with pytest.raises(FileNotFoundError, match=r"Fix: load it with multihead\.integrations\.load_text_model"):
+        load_encoder(folder)
+    run_fix(line)  # the exact fix: after it, multihead's own encoder reads the folder
+    model = load_text_model(folder)
+    assert isinstance(model, Encoder)
+    assert model.tokenizer.tokenize("The bank was full of money.")[:3] == ["[CLS]", "the", "bank"]
 
 
 # ------------------------------------------------------------------------------- row 10: a Hub id as --model

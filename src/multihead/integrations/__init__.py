@@ -19,7 +19,7 @@ from multihead.integrations.transformers_versions import TRANSFORMERS_TESTED, Un
 from multihead.models.bert import SAVED_CONFIG
 from multihead.models.contract import TextEncoder
 from multihead.models.decoder import DECODER_CONFIG
-from multihead.models.loading import SERVED_MODEL_TYPES, load_encoder
+from multihead.models.loading import SERVED_MODEL_TYPES, conversion_fix, load_encoder, other_formats
 from multihead.models.seq2seq import SEQ2SEQ_CONFIG
 from multihead.models.seq2seq_reader import load_seq2seq_reader
 from multihead.models.symbols import load_decoder_reader
@@ -46,7 +46,8 @@ def load_text_model(path: str | Path | None = None, *, dtype: torch.dtype = torc
     ``multihead train``'s checkpoints) as a :class:`~multihead.models.DecoderReader`, one written by
     :meth:`multihead.models.Seq2Seq.save` as a :class:`~multihead.models.Seq2SeqReader`; any other
     model_type through transformers (:func:`multihead.integrations.transformers_models.load_model`), which must
-    then be installed.
+    then be installed; so does a BERT folder whose weights are pytorch_model.bin or whose tokenizer is vocab.txt
+    (without transformers, the error gives the commands that convert them to the files our encoder reads).
     """
     if path is None:
         return load_encoder(None, dtype=dtype)
@@ -55,13 +56,22 @@ def load_text_model(path: str | Path | None = None, *, dtype: torch.dtype = torc
     if isinstance(path, (str, Path)) and path_kind(Path(path) / SEQ2SEQ_CONFIG) == "file":
         return load_seq2seq_reader(path, dtype=dtype)  # a Seq2Seq.save (multihead train reverse)
     kind = _model_type(Path(path))
-    if kind is None or kind in SERVED_MODEL_TYPES:
+    convertible = other_formats(Path(path)) if kind in SERVED_MODEL_TYPES else {}
+    if kind is None or (kind in SERVED_MODEL_TYPES and not convertible):
         return load_encoder(path, dtype=dtype)
     try:
         from multihead.integrations.transformers_models import load_model
     except ModuleNotFoundError as error:
         if error.name is None or not error.name.startswith("transformers"):
             raise
+        if convertible:  # a BERT folder in the formats transformers reads: install it, or convert the files
+            stand_ins = ", ".join(f"{other} instead of {name}" for name, other in convertible.items())
+            raise bad_argument(
+                "model",
+                "a BERT folder with model.safetensors and tokenizer.json, or transformers installed to read it",
+                f"{str(path)!r} with {stand_ins}, without transformers",
+                conversion_fix(Path(path), convertible),
+            ) from None
         raise bad_argument(
             "model",
             f"a checkpoint multihead reads itself (model_type {' or '.join(map(repr, SERVED_MODEL_TYPES))}), or "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -74,14 +75,72 @@ def find_model_dir(path: str | Path | None = None) -> Path:
     config_name = SAVED_CONFIG if path_kind(directory / SAVED_CONFIG) == "file" else "config.json"
     missing = [name for name in (config_name, *REQUIRED_FILES[1:]) if path_kind(directory / name) != "file"]
     if missing:
+        convertible = other_formats(directory)
         raise bad_argument(
             "model",
             f"a directory with {', '.join(REQUIRED_FILES)}",
             f"{str(directory)!r} without {', '.join(missing)}",
-            "point at a Hugging Face BERT checkpoint folder (safetensors format)",
+            conversion_fix(directory, convertible, api=True)
+            if convertible
+            else "point at a Hugging Face BERT checkpoint folder (safetensors format)",
             kind=MissingFileError,
         )
     return directory
+
+
+# What a BERT folder may hold instead of the files our encoder reads: transformers reads these too.
+_OTHER_FORMATS = {
+    "model.safetensors": ("pytorch_model.bin",),
+    "tokenizer.json": ("vocab.txt",),
+}
+
+
+def other_formats(directory: Path) -> dict[str, str]:
+    """The files our encoder reads that ``directory`` holds only in another format transformers reads, as
+    {missing: present} (pytorch_model.bin for model.safetensors, vocab.txt for tokenizer.json); empty unless
+    config.json is there and every missing file has such a stand-in."""
+    if path_kind(directory / "config.json") != "file" or path_kind(directory / SAVED_CONFIG) != "missing":
+        return {}
+    found = {}
+    for name in REQUIRED_FILES[1:]:
+        if path_kind(directory / name) == "file":
+            continue
+        other = next((o for o in _OTHER_FORMATS[name] if path_kind(directory / o) == "file"), None)
+        if other is None:
+            return {}
+        found[name] = other
+    return found
+
+
+def conversion_fix(directory: Path, convertible: dict[str, str], *, api: bool = False) -> str:
+    """The fix for a BERT folder in the formats of :func:`other_formats`: transformers, or the commands that write
+    the files our encoder reads (``api``: also name the function that loads it through transformers)."""
+    commands = []
+    if "model.safetensors" in convertible:
+        source, target = repr(str(directory / "pytorch_model.bin")), repr(str(directory / "model.safetensors"))
+        commands.append(
+            'python -c "import torch; from safetensors.torch import save_file; '
+            f"save_file({{k: v.contiguous().clone() for k, v in torch.load({source}, weights_only=True).items()}}, "
+            f'{target})"'
+        )
+    if "tokenizer.json" in convertible:
+        settings = directory / "tokenizer_config.json"
+        lowercase = True  # BERT's default (bert-base-uncased); a cased checkpoint says do_lower_case false
+        if path_kind(settings) == "file":
+            try:
+                lowercase = json.loads(settings.read_text(encoding="utf-8")).get("do_lower_case", True) is not False
+            except (OSError, ValueError, AttributeError):
+                pass
+        source, target = repr(str(directory / "vocab.txt")), repr(str(directory / "tokenizer.json"))
+        commands.append(
+            'python -c "from tokenizers import BertWordPieceTokenizer as T; '
+            f'T({source}, lowercase={lowercase}).save({target})"'
+        )
+    through = "load it with multihead.integrations.load_text_model" if api else "install transformers"
+    return (
+        f"{through} (pip install 'multihead[hf]' reads {' and '.join(convertible.values())}), "
+        f"or convert once: {' && '.join(commands)}"
+    )
 
 
 # Hugging Face BertModel parameter names -> ours (layer number kept in group 1 where there is one).
