@@ -89,3 +89,24 @@ def test_relations_from_syntax_scores_are_weighed_into_the_roles(minilm, inspect
         "direction": "dependent_to_head",
     }
     assert inspection.role_stats.roles()[2][8].relation is None  # the plain inspection is untouched
+
+
+def test_one_layer_and_one_head_are_counted_in_the_singular(minilm):
+    import io
+
+    from rich.console import Console
+
+    from multihead.inspect.terminal import print_inspection
+
+    single = inspect_text(minilm, TEXT, layers=[0], heads=[2], token="bank")
+    assert "1 layer x 1 head, token" in repr(single) and "1 layers" not in repr(single)
+    console = Console(width=100, file=io.StringIO(), color_system=None)
+    print_inspection(single, console)
+    assert console.file.getvalue().startswith("all-MiniLM-L6-v2: 1 layer x 1 head on 9 tokens")  # type: ignore[attr-defined]
+
+
+def test_grids_set_their_own_alignment_whatever_the_notebook_stylesheet(minilm, importance):
+    for page in (head_stats(minilm, [TEXT])._repr_html_(), importance._repr_html_()):
+        cells = re.findall(r"<t[dh] style=\"([^\"]*)\"", page)
+        assert cells and all("text-align:left" in style for style in cells)  # JupyterLab right-aligns cells
+        assert page.startswith('<table style="border-collapse:collapse;margin:4px auto 4px 0">')  # and centres tables

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from multihead._errors import bad_argument, describe
+from multihead._words import counted
 from multihead.heads import make_ablation
 from multihead.inspect.capture import attention_layers, capture, part_sites
 from multihead.inspect.notebook import head_grid_html
@@ -154,7 +155,10 @@ class HeadImportance:
         """One line: the metric, the grid, the texts and the three most important heads."""
         top = ", ".join(f"L{layer}H{head} {score:.3g}" for layer, head, score in self.ranking()[:3])
         layers, heads = self.scores.shape
-        return f"HeadImportance({self.metric}, {layers} layers x {heads} heads on {self.texts} texts; top: {top})"
+        return (
+            f"HeadImportance({self.metric}, {counted(layers, 'layer')} x {counted(heads, 'head')} on "
+            f"{counted(self.texts, 'text')}; top: {top})"
+        )
 
     def _repr_html_(self) -> str:
         """A notebook's view: every head's score, shaded by its share of the largest."""

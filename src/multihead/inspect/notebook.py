@@ -17,7 +17,9 @@ from multihead.inspect.colours import weight_rgb
 
 __all__ = ["head_grid_html", "shorten"]
 
-_CELL = "padding:2px 6px;border:1px solid #e1e4e8;font:12px/1.3 ui-monospace,Menlo,Consolas,monospace;"
+# Alignment and the table's margins are set here, not left to the notebook's stylesheet: JupyterLab's right-aligns
+# table cells (and centres tables), which scattered the role labels of a HeadStats grid.
+_CELL = "padding:2px 6px;border:1px solid #e1e4e8;font:12px/1.3 ui-monospace,Menlo,Consolas,monospace;text-align:left;"
 
 
 def shorten(text: str, limit: int = 60) -> str:
@@ -38,7 +40,7 @@ def head_grid_html(
     (None: a pruned head, shown "pruned"), ``shade(row, col)`` a value in [0, 1] colouring the cell (None: white).
     ``title`` and ``note`` are text (escaped)."""
     lines = [
-        '<table style="border-collapse:collapse;margin:4px 0">',
+        '<table style="border-collapse:collapse;margin:4px auto 4px 0">',
         f'<caption style="text-align:left;font-weight:600;padding:2px 0">{html.escape(title)}</caption>',
         "<thead><tr>"
         + f'<th style="{_CELL}"></th>'

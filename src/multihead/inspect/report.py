@@ -25,6 +25,7 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead._userfiles import read_text
+from multihead._words import counted
 from multihead.inspect.notebook import shorten
 from multihead.inspect.roles import HeadRelation, word_groups
 from multihead.inspect.similarity import HeadSimilarity
@@ -209,8 +210,9 @@ class Inspection:
         roles come from."""
         part = "" if self.part == "self" else f", part={self.part!r}"
         return (
-            f"Inspection(model={self.model_name!r}{part}, text={shorten(self.text)!r}, {len(self.tokens)} tokens, "
-            f"{len(self.layers)} layers x {len(self.heads)} heads, token {self.token} "
+            f"Inspection(model={self.model_name!r}{part}, text={shorten(self.text)!r}, "
+            f"{counted(len(self.tokens), 'token')}, "
+            f"{counted(len(self.layers), 'layer')} x {counted(len(self.heads), 'head')}, token {self.token} "
             f"{self.tokens[self.token]!r}, roles from {self.role_stats.roles_source})"
         )
 

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from multihead._errors import bad_argument, describe
+from multihead._words import counted
 from multihead.inspect.capture import Recorder, _indices, capture, part_sites
 from multihead.inspect.notebook import head_grid_html
 from multihead.inspect.roles import BEHAVIOUR_STATISTICS, HeadRelation, Role, label_head, rarest_word_pieces
@@ -532,8 +533,8 @@ class HeadStats:
         count = 0 if self.similarity is None else len(self.similarity.near_duplicates())
         pairs = "" if self.similarity is None else f"; {count} near-duplicate pair{'' if count == 1 else 's'}"
         return (
-            f"HeadStats({len(self.layers)} layers x {len(self.heads)} heads on {self.source} "
-            f"({self.tokens} tokens); roles: {labels}{pairs})"
+            f"HeadStats({counted(len(self.layers), 'layer')} x {counted(len(self.heads), 'head')} on {self.source} "
+            f"({counted(self.tokens, 'token')}); roles: {labels}{pairs})"
         )
 
     def _repr_html_(self) -> str:

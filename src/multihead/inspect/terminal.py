@@ -31,6 +31,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from multihead._words import counted
 from multihead.inspect.report import SPECIAL_TOKENS, Inspection
 from multihead.inspect.stats import PRUNED, Role
 
@@ -335,12 +336,14 @@ def print_inspection(inspection: Inspection, console: Console | None = None) -> 
     same = inspection.same_axes
     console.print(
         Text(
-            f"{inspection.model_name}: {len(inspection.layers)} layers x {len(inspection.heads)} heads "
+            f"{inspection.model_name}: {counted(len(inspection.layers), 'layer')} x "
+            f"{counted(len(inspection.heads), 'head')} "
             + (f"({pruned} pruned) " if pruned else "")
             + (
-                f"on {len(inspection.tokens)} tokens"
+                f"on {counted(len(inspection.tokens), 'token')}"
                 if same
-                else f"from {len(inspection.tokens)} query tokens to {len(inspection.key_tokens)} key tokens"
+                else f"from {counted(len(inspection.tokens), 'query token')} "
+                f"to {counted(len(inspection.key_tokens), 'key token')}"
             ),
             style="bold",
             overflow="fold",
