@@ -115,3 +115,23 @@ def test_inspect_writes_its_reports_when_stdout_is_closed(tmp_path):
 def test_a_plain_print_to_a_closed_stdout_ends_quietly():
     result = _with_stdout_closed(["cost", "--embed-dim", "64", "--heads", "4", "--seq", "8", "--json"])
     assert (result.returncode, result.stderr) == (0, "")
+
+
+# --------------------------------------------------------------------------- help that is true
+
+
+def test_heads_help_names_no_model_and_bench_help_names_the_quick_files(capsys):
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    heads = " ".join(commands["heads"].format_help().split())
+    assert "MiniLM's" not in heads and "Score a model's heads by ablation" in heads  # --model's default aside
+    bench = " ".join(commands["bench"].format_help().split())
+    assert "bench_quick.json and bench_quick.png with --quick" in bench
+
+
+def test_the_license_file_is_the_mit_license_pyproject_declares():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License\n\nCopyright (c) 2026 The multihead authors\n")
+    assert "Permission is hereby granted, free of charge" in text
+    declared = re.search(r"^license = (.+)$", (ROOT / "pyproject.toml").read_text(), flags=re.MULTILINE)
+    assert declared is not None and declared[1] == '"MIT"'

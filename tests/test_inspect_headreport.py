@@ -46,6 +46,22 @@ def syntax_scores():
 # --------------------------------------------------------------------------- importance
 
 
+def test_importance_reads_at_one_scale_in_the_table_the_ranking_and_the_png():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    scores = importance()
+    assert cells(headreport.importance_table(scores.scores, "title"))[1][4] == "[bold red]6.0[/bold red]"
+    assert headreport.ranked_line(scores, 2) == "L1H3 6.0, L0H1 4.0 (scores x 1000)"  # the table's numbers
+    figure = headreport.importance_figure(scores)
+    try:
+        axis, bar = figure.axes
+        assert float(axis.images[0].get_array().max()) == pytest.approx(6.0)  # not 0.006: the table's scale
+        assert bar.get_ylabel() == "score x 1000"
+    finally:
+        plt.close(figure)
+
+
 def test_importance_table_marks_the_five_most_important_and_shows_nan_as_a_dash():
     table = headreport.importance_table(importance().scores, "title")
     assert [column.header for column in table.columns] == ["L", "h0", "h1", "h2", "h3"]

@@ -625,7 +625,8 @@ def _bench_parser(subparsers) -> None:
         description="Time multihead (the attention function and the layer) against torch SDPA, "
         "torch.nn.MultiheadAttention and the textbook code on this machine, interleaved with "
         "torch.utils.benchmark; print each time with its spread, our time over each peer's, and the share "
-        "of this machine's roofline bound reached; write bench.json (and a PNG with matplotlib).",
+        "of this machine's roofline bound reached; write bench.json (bench_quick.json with --quick; and a PNG "
+        "beside it with matplotlib).",
     )
     parser.add_argument(
         "--quick",
@@ -644,7 +645,11 @@ def _bench_parser(subparsers) -> None:
         help=DTYPE_HELP + "; default float32: the comparison's dtype and the one calibrated (repeatable)",
     )
     parser.add_argument(
-        "--out", metavar="DIR", default="multihead-bench", help="where bench.json goes (default %(default)s)"
+        "--out",
+        metavar="DIR",
+        default="multihead-bench",
+        help="where bench.json and bench.png go (bench_quick.json and bench_quick.png with --quick; "
+        "default %(default)s)",
     )
     parser.set_defaults(run=run_bench)
 
@@ -700,8 +705,9 @@ def _heads_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "heads",
         help="which heads matter: importance, pruning, syntactic heads",
-        description="Score MiniLM's heads by ablation (embedding fidelity over a corpus), prune the least "
-        "important ones and measure fidelity and speed, or find syntactic heads on UD English EWT.",
+        description="Score a model's heads by ablation (embedding fidelity over a corpus; for a `multihead train` "
+        "checkpoint, its task's loss), prune the least important ones and measure fidelity and speed, or find "
+        "syntactic heads on UD English EWT.",
     )
     parser.add_argument("mode", choices=("importance", "prune", "syntax"))
     parser.add_argument(
@@ -845,12 +851,12 @@ def run_heads(args: argparse.Namespace) -> int:
             console.print(
                 headreport.importance_table(
                     scores,
-                    f"Ablation importance over {source}: (1 - mean cosine) x 1000 when the head is {args.how}-ablated",
+                    f"Ablation importance over {source}: (1 - mean cosine) {headreport.IMPORTANCE_UNIT} when the "
+                    f"head is {args.how}-ablated",
                     kept=numbers,
                 )
             )
-            ranked = ", ".join(f"L{layer}H{head} {score * 1000:.1f}" for layer, head, score in importance.ranking()[:8])
-            console.print(f"most important: {ranked}", soft_wrap=True)
+            console.print(f"most important: {headreport.ranked_line(importance)}", soft_wrap=True)
             headreport.print_written(console, paths)
             return 0
     fractions = sorted({0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, round(args.fraction, 4)})
@@ -897,9 +903,8 @@ def _task_importance(args: argparse.Namespace, console, out_dir: Path, task: str
     paths = headreport.write_importance(importance, out_dir, source=f"the {task} probe of {args.model}")
     where = "" if part == "self" else f" ({part}-attention layers)"
     console.print(f"Ablation importance{where}: {importance.metric}", soft_wrap=True, markup=False)
-    console.print(headreport.importance_table(importance.scores, "loss increase x 1000"))
-    ranked = ", ".join(f"L{layer}H{head} {score:+.3f}" for layer, head, score in importance.ranking()[:8])
-    console.print(f"most important: {ranked}", soft_wrap=True)
+    console.print(headreport.importance_table(importance.scores, f"loss increase {headreport.IMPORTANCE_UNIT}"))
+    console.print(f"most important: {headreport.ranked_line(importance)}", soft_wrap=True)
     headreport.print_written(console, paths)
     return 0
 

@@ -31,6 +31,7 @@ from multihead._userfiles import (
     read_json,
     writing,
 )
+from multihead._words import counted
 from multihead.inspect.importance import HeadImportance
 from multihead.inspect.roles import HeadRelation
 from multihead.inspect.syntax import (
@@ -46,6 +47,10 @@ from multihead.integrations import load_text_model
 
 __all__ = [
     "importance_table",
+    "importance_figure",
+    "ranked_line",
+    "IMPORTANCE_SCALE",
+    "IMPORTANCE_UNIT",
     "write_importance",
     "load_importance",
     "curve_table",
@@ -64,11 +69,39 @@ CURVE_FILE = "pruning.json"
 SYNTAX_FILE = "syntax.json"
 
 
+# Importance scores are small ((1 - cosine) of a few thousandths): every view a person reads (the terminal table,
+# the "most important" line, importance.png, the HTML report's column) shows them x IMPORTANCE_SCALE and says so;
+# importance.json keeps the raw scores.
+IMPORTANCE_SCALE = 1000.0
+IMPORTANCE_UNIT = "x 1000"
+
+
+def ranked_line(importance: HeadImportance, count: int = 8) -> str:
+    """The ``count`` most important heads in one line, at the table's scale: "L3H2 4.1, L0H5 2.0 (scores x 1000)"."""
+    top = ", ".join(
+        f"L{layer}H{head} {score * IMPORTANCE_SCALE:.1f}" for layer, head, score in importance.ranking()[:count]
+    )
+    return f"{top} (scores {IMPORTANCE_UNIT})"
+
+
+def importance_figure(importance: HeadImportance) -> Any:
+    """The matplotlib Figure of importance.png: the layer x head grid of the scores x IMPORTANCE_SCALE (as the
+    terminal table shows them), its colour bar labelled so."""
+    plt = pyplot("importance.png")
+    figure, axis = plt.subplots(figsize=(8, 4))
+    image = axis.imshow(importance.scores.numpy() * IMPORTANCE_SCALE, cmap="magma", aspect="auto")
+    axis.set(xlabel="head", ylabel="layer", title=f"head importance: {importance.metric}")
+    axis.set_xticks(range(importance.scores.shape[1]))
+    axis.set_yticks(range(importance.scores.shape[0]))
+    figure.colorbar(image, ax=axis, label=f"score {IMPORTANCE_UNIT}")
+    return figure
+
+
 def importance_table(
-    scores: torch.Tensor, title: str, scale: float = 1000.0, *, kept: list[list[int]] | None = None
+    scores: torch.Tensor, title: str, scale: float = IMPORTANCE_SCALE, *, kept: list[list[int]] | None = None
 ) -> Table:
-    """Rows layers, columns heads (the checkpoint's numbers): scores x ``scale`` (1 - cosine x 1000 for
-    ablation importance); "-" where not measured. ``kept``: each layer's heads (a pruned model's
+    """Rows layers, columns heads (the checkpoint's numbers): scores x ``scale`` (IMPORTANCE_SCALE, which
+    ``title`` should say); "-" where not measured. ``kept``: each layer's heads (a pruned model's
     ``head_ids``); the others read "pruned"."""
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
     table.add_column("L", justify="right", style="bold")
@@ -96,16 +129,7 @@ def write_importance(importance: HeadImportance, out_dir: Path, *, source: str) 
         "ranking": [{"layer": layer, "head": head, "score": score} for layer, head, score in importance.ranking()],
     }
 
-    def draw(plt: Any) -> Any:
-        figure, axis = plt.subplots(figsize=(8, 4))
-        image = axis.imshow(importance.scores.numpy(), cmap="magma", aspect="auto")
-        axis.set(xlabel="head", ylabel="layer", title=f"head importance: {importance.metric}")
-        axis.set_xticks(range(importance.scores.shape[1]))
-        axis.set_yticks(range(importance.scores.shape[0]))
-        figure.colorbar(image, ax=axis)
-        return figure
-
-    return _write_files(out_dir, IMPORTANCE_FILE, data, draw, allow_nan=False)
+    return _write_files(out_dir, IMPORTANCE_FILE, data, lambda plt: importance_figure(importance), allow_nan=False)
 
 
 def _write_files(
@@ -160,7 +184,7 @@ def _check_grid_shape(argument: str, source: Path, grid: list[list], shape: tupl
     if shape is not None and (len(grid), len(grid[0])) != shape:
         raise bad_argument(
             argument,
-            f"scores of a model with {shape[0]} layers x {shape[1]} heads",
+            f"scores of a model with {counted(shape[0], 'layer')} x {counted(shape[1], 'head')}",
             f"{len(grid)} x {len(grid[0])} in {str(source)!r}",
             fix,
         )
@@ -262,8 +286,8 @@ def report_columns(
     importance = directory / IMPORTANCE_FILE
     if path_kind(importance) == "file":
         scores = load_importance(importance, argument=argument, shape=shape).tolist()
-        columns["importance (1 - cos) x 1000"] = [
-            [None if v != v else round(v * 1000, 3) for v in row] for row in scores
+        columns[f"importance (1 - cos) {IMPORTANCE_UNIT}"] = [
+            [None if v != v else round(v * IMPORTANCE_SCALE, 3) for v in row] for row in scores
         ]
     syntax = directory / SYNTAX_FILE
     if path_kind(syntax) == "file":
