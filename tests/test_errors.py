@@ -680,3 +680,12 @@ def test_valid_counterparts_of_constructor_and_registry_rows():
     registry.register("mine", _noop_backend, Capabilities())
     registry.register("sdpa", _noop_backend, Capabilities(), replace=True)
     assert attention(Q, K, V, backend="mine").shape == (B, H, Q_LEN, E)
+
+
+def test_another_librarys_message_is_kept_in_whole_sentences():
+    from multihead._errors import whole_sentences
+
+    text = "First sentence here.\n\nSecond one,\nbroken across lines. Third sentence that is rather long."
+    assert whole_sentences(text, limit=60) == "First sentence here. Second one, broken across lines."
+    assert whole_sentences(text, limit=10) == "First ..."  # a first sentence past the limit: cut at a word
+    assert whole_sentences("no full stop at all") == "no full stop at all"

@@ -65,8 +65,13 @@ def test_a_folder_that_is_not_a_checkpoint_we_can_serve_is_one_clear_error(folde
     unknown = tmp_path / "unknown"
     unknown.mkdir()
     (unknown / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
-    with pytest.raises(ValueError, match=r"config.json: expected a model_type this transformers knows .*'no-such"):
+    with pytest.raises(
+        ValueError, match=r"config.json: expected a model_type this transformers knows .*'no-such"
+    ) as info:
         load_model(unknown)
+    # transformers' own reason in whole sentences (it was cut mid-sentence at a line break and at 160 characters)
+    assert "does not recognize this architecture. This could be because" in str(info.value)
+    assert "or because your version of Transformers is out of date.)" in str(info.value)
     no_tokenizer = tmp_path / "no-tokenizer"
     no_tokenizer.mkdir()
     for file in ("config.json", "model.safetensors"):

@@ -7,6 +7,7 @@ command line tells a user's mistake (one line, no traceback) from a bug in multi
 
 from __future__ import annotations
 
+import re
 from typing import Literal, overload
 
 import torch
@@ -42,6 +43,21 @@ def bad_argument(name: str, expected: str, got: object, fix: str, *, kind: type[
     (one that derives from :class:`InputError`, such as compat's torch-style errors) is used as given.
     """
     return _INPUT_KINDS.get(kind, kind)(f"{name}: expected {expected}, got {got}. Fix: {fix}")
+
+
+def whole_sentences(text: str, limit: int = 240) -> str:
+    """Another library's message for one line of ours: its white space folded, and as many whole sentences as fit
+    in ``limit`` characters (a first sentence longer than that is cut at a word, with "..."): never mid-sentence."""
+    folded = " ".join(text.split())
+    kept = ""
+    for sentence in re.split(r"(?<=[.!?])\s+", folded):
+        candidate = f"{kept} {sentence}".strip()
+        if len(candidate) > limit:
+            break
+        kept = candidate
+    if kept:
+        return kept
+    return folded[:limit].rsplit(" ", 1)[0] + " ..." if len(folded) > limit else folded
 
 
 def describe(value: object) -> str:

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from multihead._errors import bad_argument, describe, floating_dtype
+from multihead._errors import bad_argument, describe, floating_dtype, whole_sentences
 from multihead._userfiles import path_kind
 from multihead.attend import AttentionSite, register_site_finder
 from multihead.integrations.transformers import IMPLEMENTATION, attention_sites
@@ -215,11 +215,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Trans
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, KeyError, OSError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        reason = whole_sentences(str(error)) if str(error).strip() else type(error).__name__
         raise bad_argument(
             "config.json",
             "a model_type this transformers knows (bert, gpt2, llama, mistral, bart, ...)",
-            f"model_type {model_type!r} ({reason[:160]})",
+            f"model_type {model_type!r} ({reason})",
             "upgrade transformers, or point --model at a supported checkpoint",
         ) from None
     if not any(path_kind(folder / name) == "file" for name in _TOKENIZER_FILES):  # transformers would make an empty one
