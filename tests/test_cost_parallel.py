@@ -172,7 +172,7 @@ def test_cli_json_has_the_parallel_part(capsys):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--tp", "3"], "tp: expected a group size P that divides num_heads = 8 and num_kv_heads = 2"),
+        (["--tp", "3"], "--tp: expected a group size P that divides --heads = 8 and --kv-heads = 2"),  # CLI spelling
         (["--cp", "2", "--cp-method", "ulysses", "--kv-heads", "1", "--heads", "3", "--embed-dim", "513"], "cp:"),
         (["--link-gbs", "10"], "--link-gbs: expected --tp or --cp above 1"),
         (["--cp", "2", "--tp-link-gbs", "10"], "--tp-link-gbs: expected --link-gbs as well"),

@@ -68,7 +68,7 @@ def test_inspect_writes_the_other_reports(no_matplotlib, tmp_path, capsys):
     assert main([*argv, str(out)]) == 0
     printed = capsys.readouterr()
     assert printed.err == ""
-    assert printed.out.startswith("all-MiniLM-L6-v2: 1 layers x 2 heads") and "Head roles" in printed.out  # terminal
+    assert printed.out.startswith("all-MiniLM-L6-v2: 1 layer x 2 heads") and "Head roles" in printed.out  # terminal
     assert f"html report: {(out / 'report.html').resolve()}" in printed.out
     assert f"json report: {(out / 'inspect.json').resolve()}" in printed.out
     assert skipped_lines(printed.out) == [note("heads.png")]
