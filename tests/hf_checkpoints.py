@@ -6,6 +6,7 @@ few sentences, and both saved with ``save_pretrained`` the way a user's checkpoi
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -60,6 +61,65 @@ def _byte_bpe(bos: str, eos: str, pad: str, *, wrap: bool) -> transformers.PreTr
             special_tokens=[(bos, tokenizer.token_to_id(bos)), (eos, tokenizer.token_to_id(eos))],
         )
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos, pad_token=pad)
+
+
+def _sentencepiece_bpe() -> transformers.PreTrainedTokenizerFast:
+    """A Llama-2-style SentencePiece BPE: spaces become "\u2581" in the normalizer, no pre-tokenizer (the
+    whole text is one pre-token), bytes the vocabulary lacks fall back to <0xNN> pieces."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    # trained on words (as SentencePiece merges within words), then read whole, as Llama's tokenizer.json does
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    tokenizer.train_from_iterator(SENTENCES * 4, trainers.BpeTrainer(vocab_size=200, special_tokens=specials))
+    spec = json.loads(tokenizer.to_str())
+    spec["pre_tokenizer"] = None
+    for byte in range(256):
+        spec["model"]["vocab"].setdefault(f"<0x{byte:02X}>", len(spec["model"]["vocab"]))
+    spec["model"].update(byte_fallback=True, fuse_unk=True)
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def _unigram() -> transformers.PreTrainedTokenizerFast:
+    """A T5-style SentencePiece Unigram: a "\u2581"-prefixed piece begins each white-space word; </s> closes."""
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(vocab_size=100, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>")
+    tokenizer.train_from_iterator(SENTENCES * 4, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", tokenizer.token_to_id("</s>"))]
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+# one tokenizer of each family, as its checkpoints' tokenizer.json builds it
+TOKENIZER_FAMILIES = ("wordpiece", "byte_bpe", "sentencepiece_bpe", "unigram")
+
+
+def tokenizer(family: str) -> transformers.PreTrainedTokenizerFast:
+    """A tokenizer of ``family`` (one of TOKENIZER_FAMILIES): BERT's WordPiece, GPT-2's byte-level BPE,
+    Llama-2's SentencePiece BPE with byte fallback, T5's SentencePiece Unigram."""
+    if family == "wordpiece":
+        return _wordpiece()
+    if family == "byte_bpe":
+        return _byte_bpe("<|endoftext|>", "<|endoftext|>", "<|endoftext|>", wrap=False)
+    if family == "sentencepiece_bpe":
+        return _sentencepiece_bpe()
+    if family == "unigram":
+        return _unigram()
+    raise AssertionError(family)
 
 
 def build(name: str) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerFast]:

@@ -43,6 +43,8 @@ def test_an_inspection_is_frozen_data():
         "part",
         "key_tokens",
         "causal",
+        "pieces",
+        "key_pieces",
     ]
 
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 import wordfreq
 
-from multihead.inspect.roles import rarest_word_pieces, word_frequency, word_index
+from multihead.inspect.roles import rarest_word_pieces, word_frequency
 from multihead.inspect.stats import _Accumulator, token_info
 from multihead.inspect.syntax import MIN_RELATION_COUNT, head_relations
+from multihead.models import Pieces
 
 TEXT = ["[CLS]", "the", "aardvark", "sat", "on", "the", "mat", ".", "[SEP]"]
 
@@ -23,8 +24,8 @@ TEXT = ["[CLS]", "the", "aardvark", "sat", "on", "the", "mat", ".", "[SEP]"]
         (["[CLS]", "##odd", "start", "[SEP]"], [None, 0, 1, None]),  # a continuation with nothing to continue
     ],
 )
-def test_word_index_joins_the_pieces_of_a_word(tokens, expected):
-    assert word_index(tokens) == expected
+def test_bare_pieces_join_words_by_their_markers(tokens, expected):
+    assert Pieces.from_markers(tokens).word_ids == expected
 
 
 def test_frequencies_come_from_wordfreq():

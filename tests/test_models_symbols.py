@@ -53,7 +53,7 @@ def test_tokenizer_puts_bos_first_pads_right_and_maps_ids():
     assert batch.tokens == [["<bos>", "a", "b", "c"], ["<bos>", "f", "e"], ["<bos>", "d"]]
     assert batch.input_ids.tolist() == [[0, 1, 2, 3], [0, 6, 5, 0], [0, 4, 0, 0]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]
-    assert batch.word_ids[0] == [None, 1, 2, 3]
+    assert batch.word_ids[0] == [None, 0, 1, 2] and batch.pieces[0].words == ["a", "b", "c"]  # a word each
     assert tokenizer.text([0, 3, 2]) == "<bos> c b"
     assert tokenizer.tokenize("  a\tb\n") == ["<bos>", "a", "b"]
 

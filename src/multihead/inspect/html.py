@@ -65,8 +65,9 @@ Clicking a thumbnail or a table row selects the head and brings the bars and hea
 too, which the page receives as data (``view["scale"]``: its stops, ticks, label and the grey of masked
 cells); the legend shows the label (``#legend-label``) and the ticks (``#legend-ticks``).
 
-**Word-level view.** Word pieces merge into words as :func:`~multihead.inspect.roles.word_groups` joins them
-("##" continues the previous word; GPT-2's and SentencePiece's markers begin one). Attention TO a word is the
+**Word-level view.** Word pieces merge into the words the tokenizer made of the text
+(:attr:`Inspection.pieces <multihead.inspect.report.Inspection>`, :class:`multihead.models.Pieces`: its
+pre-tokenizer's words, split at white space; a word is labelled as it stands in the text). Attention TO a word is the
 sum over its pieces and FROM a word the mean over its pieces, the definition of
 :func:`multihead.inspect.syntax.word_attention`; the page computes it from the piece weights and the per-piece
 word index it receives (``view["words"]``). Special pieces ([CLS], [SEP]) stay entries of their own, so the word
@@ -110,6 +111,7 @@ from multihead.inspect.colours import MASKED_RGB, WEIGHT_SCALE_LABEL, WEIGHT_STO
 from multihead.inspect.report import SPECIAL_TOKENS, Inspection, set_html_renderer
 from multihead.inspect.roles import word_groups
 from multihead.inspect.stats import STAT_NAMES
+from multihead.models.tokenizer import Pieces
 
 __all__ = ["render_html", "render_fragment", "word_groups", "TEMPLATE", "FRAGMENT", "BARS_SHOWN", "LINE_THRESHOLD"]
 
@@ -146,8 +148,8 @@ def render_fragment(inspection: Inspection, extra_columns: ExtraColumns | None =
     return _environment().get_template(FRAGMENT).render(**_fragment_context(data))
 
 
-def _words_view(pieces: Sequence[str]) -> dict:
-    index, labels, special = word_groups(pieces)
+def _words_view(pieces: Pieces) -> dict:
+    index, labels, special = pieces.groups()
     return {"index": index, "labels": labels, "special": special}
 
 
@@ -160,7 +162,7 @@ def _data(inspection: Inspection, extra_columns: ExtraColumns | None) -> dict:
         "key_special": [piece in SPECIAL_TOKENS for piece in inspection.key_tokens],
         "stat_names": STAT_NAMES,
         "extra_columns": dict(extra_columns or {}),
-        "words": {"query": _words_view(inspection.tokens), "key": _words_view(inspection.key_tokens)},
+        "words": {"query": _words_view(inspection.words[0]), "key": _words_view(inspection.words[1])},
         "bars_shown": BARS_SHOWN,
         "line_threshold": LINE_THRESHOLD,
         "scale": {

@@ -8,8 +8,9 @@
 An inspection covers one part of the model's attention (see
 :func:`~multihead.inspect.capture.attention_sites`): "self" in a one-stack model (BERT, GPT-2, Llama),
 "encoder", "decoder" or "cross" in an encoder-decoder (BART). Its ``tokens`` are the query pieces and its
-``key_tokens`` the key pieces (:meth:`~multihead.models.TextEncoder.part_tokens`): the same in
-self-attention; in cross-attention the decoder's input and the source text.
+``key_tokens`` the key pieces (:meth:`~multihead.models.TextEncoder.part_pieces`): the same in
+self-attention; in cross-attention the decoder's input and the source text. ``pieces`` and ``key_pieces``
+group them into words as the tokenizer split the text.
 
 The renderers take an Inspection: :mod:`~multihead.inspect.terminal`, :mod:`~multihead.inspect.html`,
 :mod:`~multihead.inspect.plots`; :mod:`~multihead.inspect.write` writes them all (``report()``).
@@ -17,6 +18,7 @@ The renderers take an Inspection: :mod:`~multihead.inspect.terminal`, :mod:`~mul
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,7 @@ from multihead._errors import bad_argument, describe
 from multihead._userfiles import read_text
 from multihead._words import counted
 from multihead.inspect.notebook import shorten
-from multihead.inspect.roles import HeadRelation, word_groups
+from multihead.inspect.roles import HeadRelation
 from multihead.inspect.similarity import HeadSimilarity
 from multihead.inspect.stats import (
     DECIMALS,
@@ -39,6 +41,7 @@ from multihead.inspect.stats import (
     weight_stats,
 )
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
+from multihead.models.tokenizer import Pieces
 
 __all__ = [
     "Inspection",
@@ -109,32 +112,34 @@ def bundled_corpus() -> list[str]:
     return read_corpus(BUNDLED_CORPUS)
 
 
-def _words(tokens: Sequence[str]) -> list[tuple[str, int]]:
-    """Whole words re-joined from word pieces (:func:`~multihead.inspect.roles.word_groups`), each with the index
-    of its first piece."""
-    index, words, _ = word_groups(tokens)
-    first = {word: piece for piece, word in reversed(list(enumerate(index)))}
-    return [(text, first[word]) for word, text in enumerate(words)]
+def _folded(word: str) -> str:
+    """``word`` as uncased tokenizers read it: case folded, accents dropped ("Café" -> "cafe")."""
+    decomposed = unicodedata.normalize("NFKD", word.strip())
+    return "".join(ch for ch in decomposed if not unicodedata.combining(ch)).casefold()
 
 
-def _occurrences(tokens: Sequence[str], word: str) -> list[int]:
-    """The indices where ``word`` occurs (case-insensitive): as a word piece, else as a whole word re-joined
-    from its "##" pieces (the index of its first piece)."""
-    wanted = word.strip().lower()
-    found = [index for index, piece in enumerate(tokens) if piece.lower() == wanted]
-    return found or [index for whole, index in _words(tokens) if whole.lower() == wanted]
+def _occurrences(pieces: Pieces, word: str) -> list[int]:
+    """The indices where ``word`` occurs: as a piece (case-insensitive), else as a word of the text, the
+    index of its first piece; either match is made as the tokenizer folds text (case, accents)."""
+    wanted = _folded(word)
+    found = [index for index, piece in enumerate(pieces.tokens) if _folded(piece) == wanted]
+    return found or [index for whole, index in pieces.word_starts() if _folded(whole) == wanted]
 
 
-def pick_token(tokens: Sequence[str], token: str | int | tuple[str, int] | None) -> int:
+def pick_token(tokens: Pieces | Sequence[str], token: str | int | tuple[str, int] | None) -> int:
     """The index of the query token to show.
 
-    ``token``: a word piece or whole word of the text (case-insensitive; its first occurrence), ``(word, n)``
-    for its n-th occurrence counted from 1, an int index, or None for the first content word (not special,
-    punctuation or a function word).
+    ``tokens``: the query pieces, a :class:`~multihead.models.Pieces` with their words (or bare pieces,
+    grouped by their markers). ``token``: a piece or a word of the text, matched as the tokenizer folds text
+    (case, accents: "café" finds "Café" and an uncased tokenizer's "cafe"; its first occurrence),
+    ``(word, n)`` for its n-th occurrence counted from 1, an int index, or None for the first content word
+    (not special, punctuation or a function word).
     """
+    pieces = Pieces.of(tokens)
+    tokens = pieces.tokens
     if token is None:
-        for first_word, index in _words(tokens):
-            if first_word.isalnum() and first_word.lower() not in _FUNCTION_WORDS and not tokens[index].startswith("["):
+        for first_word, index in pieces.word_starts():
+            if first_word.isalnum() and first_word.lower() not in _FUNCTION_WORDS:
                 return index
         return 1 if len(tokens) > 2 else 0
     if isinstance(token, int) and not isinstance(token, bool):
@@ -155,7 +160,7 @@ def pick_token(tokens: Sequence[str], token: str | int | tuple[str, int] | None)
             "pass e.g. token='bank', token=('bank', 2) or token=3",
             kind=TypeError,
         )
-    found = _occurrences(tokens, word)
+    found = _occurrences(pieces, word)
     if not found:
         shown = " ".join(tokens if len(tokens) <= 40 else list(tokens[:40]) + ["..."])
         raise bad_argument("token", "a word of the text", repr(word), f"pick one of its tokens: {shown}")
@@ -185,6 +190,8 @@ class Inspection:
     text); ``corpus``: corpus statistics or None; ``token``: the index of the selected query token.
     ``part``: the model's part ("self", "encoder", "decoder" or "cross"); ``causal``: True when query i sees
     keys 0..i only (a decoder: the weights above the diagonal are 0 because they are masked).
+    ``pieces``, ``key_pieces``: the words of each axis as the tokenizer made them
+    (:class:`~multihead.models.Pieces`); left out, they are read from the pieces' markers.
     """
 
     model_name: str
@@ -200,10 +207,26 @@ class Inspection:
     part: str = "self"
     key_tokens: list[str] = field(default_factory=list)
     causal: bool = False
+    pieces: Pieces | None = None
+    key_pieces: Pieces | None = None
 
     def __post_init__(self) -> None:
         if not self.key_tokens:  # self-attention: the queries' pieces on both axes
             object.__setattr__(self, "key_tokens", list(self.tokens))
+        # the words of each axis: as the tokenizer made them, else read from the pieces' markers
+        for name, tokens, default in (
+            ("pieces", self.tokens, None),
+            ("key_pieces", self.key_tokens, self.pieces if self.key_tokens == self.tokens else None),
+        ):
+            pieces = getattr(self, name) or default or Pieces.from_markers(tokens)
+            if pieces.tokens != list(tokens):
+                raise bad_argument(
+                    name,
+                    f"the words of the {len(tokens)} pieces of {'tokens' if name == 'pieces' else 'key_tokens'}",
+                    f"those of {len(pieces.tokens)} other pieces",
+                    "pass the Pieces the tokenizer made for this text (model.part_pieces)",
+                )
+            object.__setattr__(self, name, pieces)
 
     def __repr__(self) -> str:
         """One line (the weights are in ``.weights``): model, part, text, sizes, the selected token, where the
@@ -232,6 +255,12 @@ class Inspection:
         one-stack model's "self", and :data:`CAUSAL_NOTE` for a causal part (none for a BERT-like encoder)."""
         lines = [] if self.part == "self" else [PART_TITLES.get(self.part, f"{self.part} attention")]
         return lines + ([CAUSAL_NOTE] if self.causal else [])
+
+    @property
+    def words(self) -> tuple[Pieces, Pieces]:
+        """The pieces of the query and of the key axis with their words (``pieces``, ``key_pieces``)."""
+        assert self.pieces is not None and self.key_pieces is not None  # both set on construction
+        return self.pieces, self.key_pieces
 
     @property
     def same_axes(self) -> bool:
@@ -300,6 +329,11 @@ class Inspection:
             "causal": self.causal,
             "tokens": self.tokens,
             "key_tokens": self.key_tokens,
+            # the words: each piece's word (null for a special token) and each word as it stands in the text
+            "word_ids": self.words[0].word_ids,
+            "words": self.words[0].words,
+            "key_word_ids": self.words[1].word_ids,
+            "key_words": self.words[1].words,
             "layers": self.layers,
             "heads": self.heads,
         }
@@ -389,22 +423,23 @@ def inspect_text(
     chosen = grid.part or "self"
     causal = is_causal_part(model, chosen)
     batch = tokenizer.batch([text], truncate=truncate)
-    queries, keys = model.part_tokens(batch, chosen)
-    tokens, key_tokens = list(queries[0]), list(keys[0])
-    selected = pick_token(tokens, token)
+    queries, keys = model.part_pieces(batch, chosen)
+    pieces, key_pieces = queries[0], keys[0]
+    tokens, key_tokens = list(pieces.tokens), list(key_pieces.tokens)
+    selected = pick_token(pieces, token)
     with evaluating(model), record_grid(model, grid) as rec:
         model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
     recorded = rec.weights()  # per layer (1, its heads, i, j); None for a layer with none of the heads
     weights = grid.pad([None if w is None else w[0].float() for w in recorded])  # (layers, heads, i, j)
     stats = weight_stats(
         [torch.zeros(1, 0, len(tokens), len(key_tokens)) if w is None else w for w in recorded],
-        [tokens],
+        [pieces],
         layers=grid.layers,
         heads=grid.heads,
         layer_heads=grid.layer_heads if grid.ragged else None,
         max_offset=tokenizer.max_length,
         source="this text",
-        key_tokens=[key_tokens],
+        key_tokens=[key_pieces],
         causal=causal,
     )
     corpus_stats = None
@@ -456,4 +491,6 @@ def inspect_text(
         part=chosen,
         key_tokens=key_tokens,
         causal=causal,
+        pieces=pieces,
+        key_pieces=key_pieces,
     )

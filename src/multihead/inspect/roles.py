@@ -77,6 +77,8 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from multihead.models.tokenizer import Pieces
+
 __all__ = [
     "Role",
     "Signal",
@@ -88,9 +90,7 @@ __all__ = [
     "MEDIUM_EVIDENCE",
     "CONFIDENCES",
     "label_head",
-    "word_index",
     "word_groups",
-    "piece_text",
     "rarest_word_pieces",
     "word_frequency",
 ]
@@ -349,67 +349,18 @@ def label_head(stat: dict[str, float], pattern_shares: dict[str, float], relatio
 
 # ------------------------------------------------------------------ words and their frequencies
 
-_WORD_MARKERS = ("\u0120", "\u2581")  # GPT-2's byte-level "Ġ" and SentencePiece's "▁" begin a word
 
+def word_groups(pieces: Pieces | Sequence[str]) -> tuple[list[int], list[str], list[bool]]:
+    """The words of ``pieces`` as groups: (each piece's group, each group's label, whether it is special).
 
-def _is_special(piece: str) -> bool:
-    return len(piece) > 2 and piece[0] in "[<" and piece[-1] in "]>"  # [CLS], [SEP], <s>, </s>, <pad> ...
-
-
-def word_index(tokens: Sequence[str]) -> list[int | None]:
-    """The word each piece belongs to: a word index, or None for a special piece ([CLS], <s>, ...).
-
-    Pieces join the previous word when they continue it: WordPiece's "##" prefix, or, in a text whose pieces
-    mark word starts (GPT-2's "Ġ", SentencePiece's "▁"), a piece without the marker.
-    """
-    marked = any(piece.startswith(_WORD_MARKERS) for piece in tokens)
-    indices: list[int | None] = []
-    words = -1
-    previous_special = True
-    for piece in tokens:
-        if _is_special(piece):
-            indices.append(None)
-            previous_special = True
-            continue
-        continues = (piece.startswith("##") and len(piece) > 2) if not marked else not piece.startswith(_WORD_MARKERS)
-        if not continues or previous_special or words < 0:
-            words += 1
-        indices.append(words)
-        previous_special = False
-    return indices
-
-
-def piece_text(piece: str, *, continues: bool = True) -> str:
-    """A piece's characters without its word-start marker ("\u0120", "\u2581") and, when it ``continues`` a
-    word, its "##"."""
-    if continues and piece.startswith("##") and len(piece) > 2:
-        return piece[2:]
-    return piece.lstrip("".join(_WORD_MARKERS)) or piece
-
-
-def word_groups(pieces: Sequence[str]) -> tuple[list[int], list[str], list[bool]]:
-    """The words of word pieces: (each piece's word index, each word's text, whether each word is special).
-
-    Pieces join words as :func:`word_index` joins them (WordPiece's "##" continues
-    a word; GPT-2's and SentencePiece's word-start markers begin one), and a word's text drops the markers.
-    A special piece ([CLS], [SEP], <s>, ...) is a word of its own.
+    ``pieces``: a :class:`~multihead.models.Pieces` (the words its tokenizer made, as every batch carries), or
+    bare pieces, grouped by their markers (:meth:`~multihead.models.Pieces.from_markers`). A special piece
+    ([CLS], <s>, ...) is a group of its own.
 
         >>> word_groups(["[CLS]", "una", "##ff", "##ord", "##able", "flat", "[SEP]"])
         ([0, 1, 1, 1, 1, 2, 3], ['[CLS]', 'unaffordable', 'flat', '[SEP]'], [True, False, False, True])
     """
-    index: list[int] = []
-    words: list[str] = []
-    special: list[bool] = []
-    previous: int | None = None
-    for piece, word in zip(pieces, word_index(pieces), strict=True):
-        if word is None or word != previous:
-            words.append(piece if word is None else piece_text(piece, continues=False))
-            special.append(word is None)
-        else:
-            words[-1] += piece_text(piece)
-        previous = word
-        index.append(len(words) - 1)
-    return index, words, special
+    return Pieces.of(pieces).groups()
 
 
 @functools.lru_cache(maxsize=65536)
@@ -421,22 +372,20 @@ def word_frequency(word: str) -> float:
     return float(wordfreq.zipf_frequency(word.lower(), "en"))
 
 
-def rarest_word_pieces(tokens: Sequence[str]) -> list[bool]:
+def rarest_word_pieces(pieces: Pieces | Sequence[str]) -> list[bool]:
     """Per piece: True when it belongs to the text's rarest word (the lowest :func:`word_frequency` among
     words with a letter; every word tied at that frequency counts). Special pieces, punctuation and numbers
-    are never rare words."""
-    index = word_index(tokens)
-    texts: dict[int, str] = {}
-    for piece, word in zip(tokens, index, strict=True):
-        if word is not None:
-            texts[word] = texts.get(word, "") + piece_text(piece)
+    are never rare words. ``pieces``: as :func:`word_groups` takes them."""
+    text = Pieces.of(pieces)
     candidates = {
-        word: word_frequency(text)
-        for word, text in texts.items()
-        if any(ch.isalpha() for ch in text) and not all(ch in string.punctuation for ch in text)
+        word: word_frequency(spelled)
+        for word, spelled in enumerate(text.words)
+        if word in text.word_ids
+        and any(ch.isalpha() for ch in spelled)
+        and not all(ch in string.punctuation for ch in spelled)
     }
     if not candidates:
-        return [False] * len(tokens)
+        return [False] * len(text.tokens)
     lowest = min(candidates.values())
     rarest = {word for word, frequency in candidates.items() if frequency == lowest}
-    return [word in rarest for word in index]
+    return [word in rarest for word in text.word_ids]

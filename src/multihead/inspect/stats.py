@@ -64,6 +64,7 @@ from multihead.inspect.notebook import head_grid_html
 from multihead.inspect.roles import BEHAVIOUR_STATISTICS, HeadRelation, Role, label_head, rarest_word_pieces
 from multihead.inspect.similarity import DivergenceAccumulator, HeadSimilarity
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
+from multihead.models.tokenizer import Pieces
 
 __all__ = [
     "HeadGrid",
@@ -319,14 +320,16 @@ class TokenInfo:
         return self.cls | self.sep
 
 
-def token_info(tokens: Sequence[Sequence[str]], length: int) -> TokenInfo:
-    """:class:`TokenInfo` for word pieces ``tokens`` (one list per text) padded to ``length``."""
+def token_info(tokens: Sequence[Pieces | Sequence[str]], length: int) -> TokenInfo:
+    """:class:`TokenInfo` for word pieces ``tokens`` (one :class:`~multihead.models.Pieces`, or one list of
+    pieces, per text) padded to ``length``."""
     b = len(tokens)
     flags = {name: torch.zeros(b, length, dtype=torch.bool) for name in ("real", "cls", "sep", "punct", "rare")}
     segment = torch.zeros(b, length, dtype=torch.long)
-    for row, pieces in enumerate(tokens):
+    for row, text in enumerate(tokens):
         sentence = 0
-        flags["rare"][row, : len(pieces)] = torch.tensor(rarest_word_pieces(pieces), dtype=torch.bool)
+        pieces = Pieces.of(text).tokens
+        flags["rare"][row, : len(pieces)] = torch.tensor(rarest_word_pieces(text), dtype=torch.bool)
         for col, piece in enumerate(pieces):
             flags["real"][row, col] = True
             flags["cls"][row, col] = piece == "[CLS]"
@@ -755,7 +758,7 @@ def head_stats(
         for start in range(0, len(batch_texts), batch_size):
             batch = tokenizer.batch(list(batch_texts[start : start + batch_size]), truncate=truncate)
             model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-            queries, keys = model.part_tokens(batch, part)
+            queries, keys = model.part_pieces(batch, part)
             recorded = rec.weights()
             nq, nk = next(w for w in recorded if w is not None).shape[-2:]
             query_info, key_info = token_info(queries, nq), token_info(keys, nk)
@@ -765,7 +768,7 @@ def head_stats(
             divergence.add(
                 torch.cat([w for w in recorded if w is not None], dim=1), query_info.real[:, :nq], key_info.real[:, :nk]
             )
-            tokens_seen += sum(len(pieces) for pieces in queries)
+            tokens_seen += sum(len(text.tokens) for text in queries)
             rec.clear()
             if progress is not None:
                 progress(min(start + batch_size, len(batch_texts)))
@@ -781,24 +784,24 @@ def head_stats(
 
 def weight_stats(
     weights: Sequence[torch.Tensor],
-    tokens: Sequence[Sequence[str]],
+    tokens: Sequence[Pieces | Sequence[str]],
     *,
     layers: Sequence[int],
     heads: Sequence[int],
     layer_heads: Sequence[Sequence[int]] | None = None,
     max_offset: int = 512,
     source: str = "this text",
-    key_tokens: Sequence[Sequence[str]] | None = None,
+    key_tokens: Sequence[Pieces | Sequence[str]] | None = None,
     causal: bool = False,
 ) -> HeadStats:
     """:class:`HeadStats` of weights already recorded, without running the model again.
 
     ``weights[k]``: (b, len(heads), i, j) of model layer ``layers[k]``, from the query pieces ``tokens``
-    (one list per text, padded to i in the weights) to the key pieces ``key_tokens`` (padded to j; default
-    ``tokens``: self-attention). For a pruned model, ``layer_heads[k]`` are the heads of ``heads`` that layer
-    has, and ``weights[k]`` is (b, len(layer_heads[k]), i, j). ``causal``: query i sees keys 0..i only (see
-    the module docstring). ``max_offset``: the largest relative position counted apart (the model's
-    positions).
+    (one :class:`~multihead.models.Pieces` or list per text, padded to i in the weights) to the key pieces
+    ``key_tokens`` (padded to j; default ``tokens``: self-attention). For a pruned model, ``layer_heads[k]``
+    are the heads of ``heads`` that layer has, and ``weights[k]`` is (b, len(layer_heads[k]), i, j).
+    ``causal``: query i sees keys 0..i only (see the module docstring). ``max_offset``: the largest relative
+    position counted apart (the model's positions).
     """
     kept = [list(heads) for _ in layers] if layer_heads is None else [list(row) for row in layer_heads]
     grid = HeadGrid(list(layers), list(heads), kept)
@@ -813,7 +816,7 @@ def weight_stats(
             accumulators[row].add(layer_weights, info, keys, causal=causal)
     recorded = [w for row_heads, w in zip(grid.layer_heads, weights, strict=True) if row_heads]
     divergence.add(torch.cat(recorded, dim=1), info.real[:, :nq], keys.real[:, :nk])
-    texts, count = len(tokens), sum(len(pieces) for pieces in tokens)
+    texts, count = len(tokens), sum(len(Pieces.of(text).tokens) for text in tokens)
     return _finish(accumulators, divergence, grid, texts=texts, tokens=count, source=source)
 
 

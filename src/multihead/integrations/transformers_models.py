@@ -30,7 +30,7 @@ from multihead.integrations.transformers import IMPLEMENTATION, attention_sites
 from multihead.layer import MultiHeadAttention
 from multihead.models.contract import TextEncoder
 from multihead.models.files import model_folder, reading
-from multihead.models.tokenizer import TextTokenizer, TokenBatch
+from multihead.models.tokenizer import Pieces, TextTokenizer, TokenBatch
 
 __all__ = ["TransformersModel", "TransformersTokenizer", "load_model"]
 
@@ -86,26 +86,45 @@ class TransformersTokenizer(TextTokenizer):
         ``truncate`` (then it is cut, keeping the tokenizer's closing special token)."""
         limit = self.max_length if max_length is None else max_length
         pretokenized = bool(texts) and not isinstance(texts[0], str)
-        encoded = self.hf(list(texts), is_split_into_words=pretokenized, add_special_tokens=True)
+        # a fast tokenizer says where each piece sits in the text: the words as the tokenizer splits them
+        offsets_known = bool(self.hf.is_fast) and not pretokenized
+        encoded = self.hf(
+            list(texts),
+            is_split_into_words=pretokenized,
+            add_special_tokens=True,
+            return_offsets_mapping=offsets_known,
+            return_special_tokens_mask=True,
+        )
         rows: list[list[int]] = [list(ids) for ids in encoded["input_ids"]]
         types = encoded.get("token_type_ids")
         type_rows: list[list[int]] = [list(t) for t in types] if types is not None else [[0] * len(r) for r in rows]
-        words: list[list[int | None]] = [
-            list(encoded.word_ids(index)) if encoded.is_fast else [None] * len(ids) for index, ids in enumerate(rows)
-        ]
+        pieces: list[Pieces] = []
         for index, ids in enumerate(rows):
-            closing = 1 if len(ids) > limit and ids[-1] in self.hf.all_special_ids else 0  # keep a closing special
-            rows[index], type_rows[index], words[index] = self._fit(
-                texts, index, [ids, type_rows[index], words[index]], limit, truncate=truncate, closing=closing
+            special = [bool(flag) for flag in encoded["special_tokens_mask"][index]]
+            tokenizer_words = (
+                list(encoded.word_ids(index)) if encoded.is_fast else [None if flag else 0 for flag in special]
             )
-        tokens = [
-            [
-                self.piece(token_id, piece)
-                for token_id, piece in zip(ids, self.hf.convert_ids_to_tokens(ids), strict=True)
-            ]
-            for ids in rows
-        ]
-        return self._padded(rows, type_rows, tokens, words)
+            offsets = list(encoded["offset_mapping"][index]) if offsets_known else [(0, 0)] * len(ids)
+            closing = 1 if len(ids) > limit and ids[-1] in self.hf.all_special_ids else 0  # keep a closing special
+            rows[index], type_rows[index], special, tokenizer_words, offsets = self._fit(
+                texts,
+                index,
+                [ids, type_rows[index], special, tokenizer_words, offsets],
+                limit,
+                truncate=truncate,
+                closing=closing,
+            )
+            raw = [str(piece) for piece in self.hf.convert_ids_to_tokens(rows[index])]
+            shown = [self.piece(token_id, piece) for token_id, piece in zip(rows[index], raw, strict=True)]
+            text = texts[index]
+            if offsets_known:
+                pieces.append(Pieces.from_offsets(shown, str(text), tokenizer_words, offsets))
+            elif pretokenized and encoded.is_fast:  # the words given
+                pieces.append(Pieces(shown, tokenizer_words, [str(word) for word in text]))
+            else:  # a slow tokenizer: the raw pieces' word markers are all there is
+                by_markers = Pieces.from_markers(raw, special=special)
+                pieces.append(Pieces(shown, by_markers.word_ids, by_markers.words))
+        return self._padded(rows, type_rows, pieces)
 
 
 class TransformersModel(TextEncoder):
@@ -166,15 +185,15 @@ class TransformersModel(TextEncoder):
         shifted[:, 1:] = input_ids[:, :-1]
         return shifted
 
-    def part_tokens(self, batch: TokenBatch, part: str) -> tuple[list[list[str]], list[list[str]]]:
+    def part_pieces(self, batch: TokenBatch, part: str) -> tuple[list[Pieces], list[Pieces]]:
         """For an encoder-decoder, the decoder reads the text shifted right after its start token: "decoder"
         goes from those pieces to themselves, "cross" from them to the text's; otherwise the text's."""
         if not self.is_encoder_decoder or part == "encoder":
-            return batch.tokens, batch.tokens
+            return batch.pieces, batch.pieces
         assert isinstance(self.tokenizer, TransformersTokenizer)
         start = self.tokenizer.piece(self._start_id())
-        target = [[start, *pieces[:-1]] for pieces in batch.tokens]
-        return (target, target) if part == "decoder" else (target, batch.tokens)
+        target = [text.shifted_right(start) for text in batch.pieces]
+        return (target, target) if part == "decoder" else (target, batch.pieces)
 
 
 def _sites(model: object) -> list[AttentionSite] | None:

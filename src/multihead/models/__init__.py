@@ -16,7 +16,7 @@ from multihead.models.loading import MODEL_PACKAGE, find_model_dir, load_encoder
 from multihead.models.seq2seq import SEQ2SEQ_CONFIG, Seq2Seq, Seq2SeqConfig, load_seq2seq
 from multihead.models.seq2seq_reader import Seq2SeqReader, SourceTokenizer, load_seq2seq_reader
 from multihead.models.symbols import DecoderReader, SymbolTokenizer, load_decoder_reader, task_symbols
-from multihead.models.tokenizer import TextTokenizer, TokenBatch, Tokenizer
+from multihead.models.tokenizer import Pieces, TextTokenizer, TokenBatch, Tokenizer
 
 __all__ = [
     "DecoderReader",
@@ -39,6 +39,7 @@ __all__ = [
     "Seq2Seq",
     "Seq2SeqConfig",
     "TextEncoder",
+    "Pieces",
     "TextTokenizer",
     "TokenBatch",
     "Tokenizer",

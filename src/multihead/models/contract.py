@@ -25,7 +25,7 @@ from torch import nn
 
 from multihead._errors import bad_argument, describe
 from multihead.layer import MultiHeadAttention
-from multihead.models.tokenizer import TextTokenizer, TokenBatch
+from multihead.models.tokenizer import Pieces, TextTokenizer, TokenBatch
 
 __all__ = ["TextEncoder", "text_tokenizer", "evaluating"]
 
@@ -69,13 +69,18 @@ class TextEncoder(nn.Module, ABC):
         weights = attention_mask.to(states.dtype).unsqueeze(-1)  # (b, n, 1)
         return (states * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
 
-    def part_tokens(self, batch: TokenBatch, part: str) -> tuple[list[list[str]], list[list[str]]]:
-        """The pieces along the query and the key axis of ``part``'s attention (see
-        :func:`multihead.inspect.attention_sites`), one list per text of ``batch``. A one-stack model reads
-        the text itself on both; an encoder-decoder's decoder reads its own input, and its cross-attention
-        goes from the decoder's input to the text.
+    def part_pieces(self, batch: TokenBatch, part: str) -> tuple[list[Pieces], list[Pieces]]:
+        """The pieces, with their words, along the query and the key axis of ``part``'s attention (see
+        :func:`multihead.inspect.attention_sites`), one :class:`~multihead.models.Pieces` per text of
+        ``batch``. A one-stack model reads the text itself on both; an encoder-decoder's decoder reads its own
+        input, and its cross-attention goes from the decoder's input to the text.
         """
-        return batch.tokens, batch.tokens
+        return batch.pieces, batch.pieces
+
+    def part_tokens(self, batch: TokenBatch, part: str) -> tuple[list[list[str]], list[list[str]]]:
+        """The pieces of :meth:`part_pieces` as strings: (queries, keys), one list per text of ``batch``."""
+        queries, keys = self.part_pieces(batch, part)
+        return [text.tokens for text in queries], [text.tokens for text in keys]
 
     def encode(
         self, texts: str | list[str], *, batch_size: int = 32, normalize: bool = True, truncate: bool = False

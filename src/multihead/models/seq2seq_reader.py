@@ -29,7 +29,7 @@ from multihead.layer import MultiHeadAttention
 from multihead.models.contract import TextEncoder, evaluating
 from multihead.models.seq2seq import Seq2Seq, load_seq2seq
 from multihead.models.symbols import BOS_SYMBOL, SymbolTokenizer, read_symbols
-from multihead.models.tokenizer import TokenBatch
+from multihead.models.tokenizer import Pieces, TokenBatch
 
 __all__ = ["SourceTokenizer", "Seq2SeqReader", "load_seq2seq_reader"]
 
@@ -156,21 +156,24 @@ class Seq2SeqReader(TextEncoder):
             handle.remove()
         return states[-1]  # (b, n, hidden)
 
-    def part_tokens(self, batch: TokenBatch, part: str) -> tuple[list[list[str]], list[list[str]]]:
+    def part_pieces(self, batch: TokenBatch, part: str) -> tuple[list[Pieces], list[Pieces]]:
         """ "encoder": the source on both axes; "decoder": the decoder input (the start token, then the greedy
-        output so far) on both; "cross": the decoder input as queries, the source as keys."""
+        output so far, each symbol a word) on both; "cross": the decoder input as queries, the source as keys."""
         if part == "encoder":
-            return batch.tokens, batch.tokens
+            return batch.pieces, batch.pieces
         if part not in ("decoder", "cross"):
             raise bad_argument(
                 "part", 'one of the model\'s parts ["encoder", "decoder", "cross"]', repr(part), 'pass part="cross"'
             )
         target = self.decoder_input(batch.input_ids, batch.attention_mask)  # (b, n)
         pieces = [
-            [self._piece(int(token)) for token in row[: len(tokens)]]
+            Pieces.each_own_word(
+                [self._piece(int(token)) for token in row[: len(tokens)]],
+                [int(token) == self.start_id for token in row[: len(tokens)]],
+            )
             for row, tokens in zip(target.tolist(), batch.tokens, strict=True)
         ]
-        return (pieces, pieces) if part == "decoder" else (pieces, batch.tokens)
+        return (pieces, pieces) if part == "decoder" else (pieces, batch.pieces)
 
     def _piece(self, token_id: int) -> str:
         if isinstance(self.tokenizer, SymbolTokenizer):

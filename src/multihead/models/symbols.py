@@ -24,7 +24,7 @@ from multihead._userfiles import STRING, ListOf, path_kind, read_json
 from multihead.layer import MultiHeadAttention
 from multihead.models.contract import TextEncoder
 from multihead.models.decoder import Decoder, load_decoder
-from multihead.models.tokenizer import TextTokenizer, TokenBatch
+from multihead.models.tokenizer import Pieces, TextTokenizer, TokenBatch
 
 __all__ = ["BOS_SYMBOL", "SYMBOLS_FILE", "task_symbols", "SymbolTokenizer", "DecoderReader", "load_decoder_reader"]
 
@@ -88,7 +88,7 @@ class SymbolTokenizer(TextTokenizer):
         """Tokenize and pad ``texts`` (strings of symbols, or lists of symbols); see :meth:`TextTokenizer.batch`.
         A symbol outside the vocabulary raises, naming it and the text."""
         limit = self.max_length if max_length is None else max_length
-        ids, tokens, words = [], [], []
+        ids, pieces_of_text = [], []
         for index, text in enumerate(texts):
             pieces = text.split() if isinstance(text, str) else list(text)
             if self.bos_id is not None and (not pieces or pieces[0] != BOS_SYMBOL):
@@ -102,15 +102,12 @@ class SymbolTokenizer(TextTokenizer):
                     f"{unknown[0]!r}",
                     f"write the text in the model's {len(self.symbols)} symbols, e.g. {' '.join(self.symbols[1:4])!r}",
                 )
-            piece_ids = [self.ids[piece] for piece in pieces]
-            piece_words: list[int | None] = [None if piece == BOS_SYMBOL else n for n, piece in enumerate(pieces)]
-            piece_ids, pieces, piece_words = self._fit(
-                texts, index, [piece_ids, pieces, piece_words], limit, truncate=truncate, closing=0
+            piece_ids, kept = self._fit(
+                texts, index, [[self.ids[piece] for piece in pieces], pieces], limit, truncate=truncate, closing=0
             )
             ids.append(piece_ids)
-            tokens.append(pieces)
-            words.append(piece_words)
-        return self._padded(ids, [[0] * len(row) for row in ids], tokens, words)
+            pieces_of_text.append(Pieces.each_own_word(kept, [piece == BOS_SYMBOL for piece in kept]))
+        return self._padded(ids, [[0] * len(row) for row in ids], pieces_of_text)
 
     def save(self, folder: str | Path) -> Path:
         """Write ``symbols.json`` (the symbols, id by id) into ``folder``; returns its path."""

@@ -1,9 +1,18 @@
 """What the readers need of a tokenizer (:class:`TextTokenizer`), and the WordPiece tokenizer of a BERT
-checkpoint (its ``tokenizer.json``, read with ``tokenizers``), with its batches."""
+checkpoint (its ``tokenizer.json``, read with ``tokenizers``), with its batches.
+
+Every batch says how its pieces group into words (:class:`Pieces`), as the tokenizer itself splits the text:
+its pre-tokenizer's words (``word_ids``), split again where the text has white space between two pieces
+(a SentencePiece tokenizer such as Llama's has no pre-tokenizer: for it the whole text is one "word"). A
+piece that is only white space (GPT-2's lone "\u0120", SentencePiece's lone "\u2581" before a number or an
+emoji) belongs to the word it precedes. Each word's text is the text's own characters (accents and case as
+typed), read through the tokenizer's character offsets.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +22,187 @@ from multihead._errors import bad_argument
 from multihead._userfiles import read_text
 from multihead.models.files import FIX_MODEL_FOLDER, reading
 
-__all__ = ["TokenBatch", "TextTokenizer", "Tokenizer", "FIX_MODEL_FOLDER"]
+__all__ = ["Pieces", "TokenBatch", "TextTokenizer", "Tokenizer", "FIX_MODEL_FOLDER", "WORD_MARKERS"]
+
+# GPT-2's byte-level "\u0120" and SentencePiece's "\u2581" begin a word: the only word boundaries a list of
+# raw pieces shows when the tokenizer's own words are not known
+WORD_MARKERS = ("\u0120", "\u2581")
+
+
+def _is_special_piece(piece: str) -> bool:
+    return len(piece) > 2 and piece[0] in "[<" and piece[-1] in "]>"  # [CLS], [SEP], <s>, </s>, <pad> ...
+
+
+def _white_space_between(text: str, before: tuple[int, int], after: tuple[int, int]) -> bool:
+    """True when white space lies between the last character of the piece at ``before`` and the first of the
+    piece at ``after`` (their offsets): "bank" " paid", GPT-2's "Ġpaid", a SentencePiece merge ending in
+    "▁". Pieces of one character (the bytes of an emoji) overlap: nothing lies between them."""
+    last = before[0] + len(text[before[0] : before[1]].rstrip())
+    first = after[0] + len(text[after[0] : after[1]]) - len(text[after[0] : after[1]].lstrip())
+    return any(ch.isspace() for ch in text[last:first])
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """One text's pieces along an attention axis, and the words they make.
+
+    ``tokens[k]``: piece k as reports show it; ``word_ids[k]``: the word it belongs to (0, 1, ... in text
+    order), None for a special token ([CLS], <s>, ...); ``words[w]``: word w as it stands in the text.
+
+        >>> Pieces.from_markers(["[CLS]", "una", "##ff", "##able", "flat", "[SEP]"])
+        Pieces(tokens=['[CLS]', 'una', '##ff', '##able', 'flat', '[SEP]'], word_ids=[None, 0, 0, 0, 1, None], \
+words=['unaffable', 'flat'])
+    """
+
+    tokens: list[str]
+    word_ids: list[int | None]
+    words: list[str]
+
+    def __post_init__(self) -> None:
+        if len(self.word_ids) != len(self.tokens):
+            raise bad_argument(
+                "word_ids", f"one entry per piece ({len(self.tokens)})", f"{len(self.word_ids)}", "pass one per piece"
+            )
+
+    @classmethod
+    def of(cls, pieces: Pieces | Sequence[str]) -> Pieces:
+        """``pieces`` as they are, or a list of raw pieces grouped by their markers (:meth:`from_markers`)."""
+        return pieces if isinstance(pieces, Pieces) else cls.from_markers(pieces)
+
+    @classmethod
+    def from_markers(cls, tokens: Sequence[str], *, special: Sequence[bool] | None = None) -> Pieces:
+        """Words read from raw pieces alone, for a tokenizer that cannot say (a slow tokenizer, a bare list).
+
+        A piece continues the previous word when it carries WordPiece's "##", or, in a text whose pieces mark
+        word starts (GPT-2's "\u0120", SentencePiece's "\u2581"), when it lacks the marker. ``special[k]``:
+        piece k is a special token (default: a piece like "[CLS]" or "<s>"). Words are the pieces' characters
+        without the markers.
+        """
+        tokens = list(tokens)
+        special = [_is_special_piece(piece) for piece in tokens] if special is None else list(special)
+        marked = any(piece.startswith(WORD_MARKERS) for piece in tokens)
+        word_ids: list[int | None] = []
+        words: list[str] = []
+        previous_special = True
+        for piece, is_special in zip(tokens, special, strict=True):
+            if is_special:
+                word_ids.append(None)
+                previous_special = True
+                continue
+            if marked:
+                continues, text = not piece.startswith(WORD_MARKERS), piece.lstrip("".join(WORD_MARKERS))
+            else:  # a "##" piece starting a word (first, after a special) keeps its "##"
+                continues = piece.startswith("##") and len(piece) > 2
+                text = piece[2:] if continues and not previous_special and words else piece
+            if continues and not previous_special and words:
+                words[-1] += text
+            else:
+                words.append(text)
+            word_ids.append(len(words) - 1)
+            previous_special = False
+        return cls(tokens, word_ids, [word or "\u2423" for word in words])  # a blank word shows as "\u2423"
+
+    @classmethod
+    def each_own_word(cls, tokens: Sequence[str], special: Sequence[bool]) -> Pieces:
+        """Every piece a word of its own (symbols), except the ``special`` ones."""
+        word_ids: list[int | None] = []
+        words: list[str] = []
+        for piece, is_special in zip(tokens, special, strict=True):
+            word_ids.append(None if is_special else len(words))
+            if not is_special:
+                words.append(piece)
+        return cls(list(tokens), word_ids, words)
+
+    @classmethod
+    def from_offsets(
+        cls,
+        tokens: Sequence[str],
+        text: str,
+        tokenizer_words: Sequence[int | None],
+        offsets: Sequence[tuple[int, int]],
+    ) -> Pieces:
+        """The words of ``text`` as its tokenizer split it (see the module docstring).
+
+        ``tokenizer_words[k]``: the pre-tokenizer's word of piece k (None for a special token);
+        ``offsets[k]``: piece k's characters in ``text``, (start, end).
+        """
+        word_ids: list[int | None] = [None] * len(tokens)
+        spans: list[list[int]] = []  # each word's characters, [start, end)
+        previous: int | None = None  # the last piece with characters, in the current run of non-special pieces
+        blank: list[int] = []  # white-space pieces waiting for the word they precede
+
+        def close_run() -> None:  # trailing white-space pieces join the word before them, else stand alone
+            nonlocal previous
+            for piece in blank:
+                if previous is None:
+                    spans.append(list(offsets[piece]))
+                    previous = piece
+                word_ids[piece] = len(spans) - 1
+            blank.clear()
+            previous = None
+
+        for k, tokenizer_word in enumerate(tokenizer_words):
+            if tokenizer_word is None:
+                close_run()
+                continue
+            start, end = offsets[k]
+            characters = text[start:end]
+            if not characters.strip():
+                blank.append(k)
+                continue
+            if (
+                previous is None
+                or tokenizer_word != tokenizer_words[previous]
+                or _white_space_between(text, offsets[previous], (start, end))
+            ):
+                spans.append([start, end])
+            else:
+                spans[-1][1] = max(spans[-1][1], end)
+            for piece in [*blank, k]:
+                word_ids[piece] = len(spans) - 1
+            blank.clear()
+            previous = k
+        close_run()
+        words = [text[start:end].strip() or "\u2423" for start, end in spans]
+        return cls(list(tokens), word_ids, words)
+
+    def shifted_right(self, start: str) -> Pieces:
+        """These pieces after a special ``start`` piece, the last dropped (a decoder's input: the text shifted
+        right); words keep their texts and are numbered again from 0."""
+        kept = [None, *self.word_ids[:-1]]
+        order = {word: index for index, word in enumerate(dict.fromkeys(w for w in kept if w is not None))}
+        return Pieces(
+            [start, *self.tokens[:-1]],
+            [None if word is None else order[word] for word in kept],
+            [self.words[word] for word in order],
+        )
+
+    def groups(self) -> tuple[list[int], list[str], list[bool]]:
+        """The words as groups of pieces, a special piece a group of its own: (each piece's group, each group's
+        label, whether each group is special).
+
+            >>> Pieces.from_markers(["[CLS]", "una", "##ff", "flat", "[SEP]"]).groups()
+            ([0, 1, 1, 2, 3], ['[CLS]', 'unaff', 'flat', '[SEP]'], [True, False, False, True])
+        """
+        index: list[int] = []
+        labels: list[str] = []
+        special: list[bool] = []
+        previous: int | None = None
+        for piece, word in zip(self.tokens, self.word_ids, strict=True):
+            if word is None or word != previous:
+                labels.append(piece if word is None else self.words[word])
+                special.append(word is None)
+            index.append(len(labels) - 1)
+            previous = word
+        return index, labels, special
+
+    def word_starts(self) -> list[tuple[str, int]]:
+        """Each word with the index of its first piece, in text order."""
+        first: dict[int, int] = {}
+        for position, word in enumerate(self.word_ids):
+            if word is not None:
+                first.setdefault(word, position)
+        return [(self.words[word], position) for word, position in first.items()]
 
 
 @dataclass
@@ -21,16 +210,24 @@ class TokenBatch:
     """Tokenized texts, padded to the longest.
 
     input_ids, attention_mask (1 = real token), token_type_ids: (b, n) int64;
-    tokens: the word pieces of each text, without padding;
-    word_ids: for each piece, the index of the word it came from (None for [CLS]/[SEP]); words are the
-    pre-tokenized words when the texts were given as word lists, else the tokenizer's own words.
+    pieces: each text's :class:`Pieces` (without padding): its pieces and their words, the words given when
+    the texts were lists of words, else the tokenizer's own.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     token_type_ids: torch.Tensor
-    tokens: list[list[str]]
-    word_ids: list[list[int | None]]
+    pieces: list[Pieces]
+
+    @property
+    def tokens(self) -> list[list[str]]:
+        """The pieces of each text, without padding."""
+        return [text.tokens for text in self.pieces]
+
+    @property
+    def word_ids(self) -> list[list[int | None]]:
+        """For each piece of each text, the index of its word (None for [CLS]/[SEP] and the like)."""
+        return [text.word_ids for text in self.pieces]
 
 
 class TextTokenizer(ABC):
@@ -68,9 +265,7 @@ class TextTokenizer(ABC):
             )
         return [column[: limit - closing] + column[length - closing :] for column in columns]
 
-    def _padded(
-        self, ids: list[list[int]], types: list[list[int]], tokens: list[list[str]], words: list[list[int | None]]
-    ) -> TokenBatch:
+    def _padded(self, ids: list[list[int]], types: list[list[int]], pieces: list[Pieces]) -> TokenBatch:
         """The batch of the texts' ids and segment ids padded to the longest with ``pad_id``, and its mask."""
         longest = max(len(row) for row in ids)
         input_ids = torch.full((len(ids), longest), self.pad_id, dtype=torch.long)  # (b, n)
@@ -80,7 +275,7 @@ class TextTokenizer(ABC):
             input_ids[row, : len(piece_ids)] = torch.tensor(piece_ids, dtype=torch.long)
             token_type_ids[row, : len(piece_types)] = torch.tensor(piece_types, dtype=torch.long)
             attention_mask[row, : len(piece_ids)] = 1
-        return TokenBatch(input_ids, attention_mask, token_type_ids, tokens, words)
+        return TokenBatch(input_ids, attention_mask, token_type_ids, pieces)
 
     def tokenize(self, text: str) -> list[str]:
         """The pieces of ``text`` as the model reads them, special tokens included."""
@@ -145,19 +340,26 @@ class Tokenizer(TextTokenizer):
             raise bad_argument(
                 "tokenizer.json", "a tokenizer that can encode text", f"one that fails ({reason})", FIX_MODEL_FOLDER
             ) from None
-        ids, types, tokens, words = [], [], [], []
+        ids, types, pieces = [], [], []
         for index, encoding in enumerate(encodings):
-            piece_ids, piece_types, pieces = list(encoding.ids), list(encoding.type_ids), list(encoding.tokens)
-            piece_words = list(encoding.word_ids)
             # over the limit: keep the first limit - 1 pieces and the final [SEP]
-            piece_ids, piece_types, pieces, piece_words = self._fit(
-                texts, index, [piece_ids, piece_types, pieces, piece_words], limit, truncate=truncate, closing=1
+            piece_ids, piece_types, tokens, piece_words, offsets = self._fit(
+                texts,
+                index,
+                [list(encoding.ids), list(encoding.type_ids), list(encoding.tokens)]
+                + [list(encoding.word_ids), list(encoding.offsets)],
+                limit,
+                truncate=truncate,
+                closing=1,
             )
             ids.append(piece_ids)
             types.append(piece_types)
-            tokens.append(pieces)
-            words.append(piece_words)
-        return self._padded(ids, types, tokens, words)
+            text = texts[index]
+            if isinstance(text, str):
+                pieces.append(Pieces.from_offsets(tokens, text, piece_words, offsets))
+            else:  # the words given
+                pieces.append(Pieces(tokens, piece_words, [str(word) for word in text]))
+        return self._padded(ids, types, pieces)
 
 
 def _read_wordpiece(path: Path):
