@@ -90,11 +90,12 @@ def report_state(report) -> dict:
 def test_a_fragment_is_one_scoped_element():
     inspection = synthetic_inspection()
     fragment = render_fragment(inspection)
-    assert re.match(r'<div class="mh-report" id="mh-[0-9a-f]{16}"><template>', fragment)
+    assert re.match(r'<div class="mh-report" id="mh-[0-9a-f]{16}"><div class="mh-static">', fragment)
+    assert '<div class="mh-markup" hidden><template>' in fragment  # the interactive markup, hidden without script
     assert fragment.rstrip().endswith("</div>") and fragment.isascii()
     for tag in ("<html", "<head>", "<body", "<!DOCTYPE", "<title", "<link"):
         assert tag not in fragment, tag
-    # the stylesheet and the data are inside the inert template; outside it only a line and the script
+    # the stylesheet and the data are inside the inert template; outside it only the static view and the script
     inside = fragment[fragment.index("<template>") : fragment.index("</template>")]
     outside = fragment.replace(inside, "")
     assert "<style>" in inside and "<style" not in outside

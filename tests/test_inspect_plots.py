@@ -247,7 +247,13 @@ def test_cross_attention_labels_queries_and_keys_on_their_own_axes(tmp_path):
     weights = synthetic_weights(len(keys), 0)[:, :, : len(queries)]
     weights = weights / weights.sum(-1, keepdim=True)
     inspection = dataclasses.replace(
-        synthetic_inspection(), tokens=queries, key_tokens=keys, weights=weights, part="cross"
+        synthetic_inspection(),
+        tokens=queries,
+        key_tokens=keys,
+        weights=weights,
+        part="cross",
+        pieces=None,
+        key_pieces=None,
     )
     figure, pixels = rendered(inspection, tmp_path)
     grid = heatmaps(figure, inspection)

@@ -16,8 +16,10 @@ holding the script, or the first of its id not yet drawn) and draws the report t
 stylesheet applies inside it only (no rule reaches the host page's ``body``, ``h1`` or anything else, and the
 host's rules do not restyle the report), and its ids (``#layer-select``, ``#report-data``, ...) are unique
 within its own shadow tree: a second report never reads the first one's data or draws into its elements, and
-the host page may use the same ids and classes. Without JavaScript (an untrusted notebook), the root shows one
-line saying so.
+the host page may use the same ids and classes. Without JavaScript (an untrusted notebook, whose sanitizer
+also drops ``<style>`` and ``<template>``), the root shows the static view of :mod:`multihead.inspect.static`
+(the heads grid as inline images, the roles, a line on how to get the interactive report); the markup of the
+interactive report sits in a ``hidden`` element, so a sanitized page shows no empty skeleton.
 
 Inside a report (the ids below are those of its shadow tree):
 
@@ -110,6 +112,7 @@ from markupsafe import Markup, escape
 from multihead.inspect.colours import MASKED_RGB, WEIGHT_SCALE_LABEL, WEIGHT_STOPS, WEIGHT_TICKS
 from multihead.inspect.report import SPECIAL_TOKENS, Inspection, set_html_renderer
 from multihead.inspect.roles import word_groups
+from multihead.inspect.static import static_view
 from multihead.inspect.stats import STAT_NAMES
 from multihead.models.tokenizer import Pieces
 
@@ -135,7 +138,7 @@ def render_html(inspection: Inspection, extra_columns: ExtraColumns | None = Non
     """
     data = _data(inspection, extra_columns)
     template = _environment().get_template(TEMPLATE)
-    return template.render(title=data["view"]["title"], **_fragment_context(data))
+    return template.render(title=data["view"]["title"], **_fragment_context(data, inspection))
 
 
 def render_fragment(inspection: Inspection, extra_columns: ExtraColumns | None = None) -> str:
@@ -145,7 +148,7 @@ def render_fragment(inspection: Inspection, extra_columns: ExtraColumns | None =
     the page. ``extra_columns`` as in :func:`render_html`.
     """
     data = _data(inspection, extra_columns)
-    return _environment().get_template(FRAGMENT).render(**_fragment_context(data))
+    return _environment().get_template(FRAGMENT).render(**_fragment_context(data, inspection))
 
 
 def _words_view(pieces: Pieces) -> dict:
@@ -175,11 +178,18 @@ def _data(inspection: Inspection, extra_columns: ExtraColumns | None) -> dict:
     return {"report": inspection.to_dict(), "view": view}
 
 
-def _fragment_context(data: dict) -> dict:
+def _fragment_context(data: dict, inspection: Inspection) -> dict:
     """The fragment template's variables; its root id is a hash of the data (the same report renders the
     same bytes; two copies of one report in a page are told apart by the script)."""
     digest = hashlib.sha256(json.dumps(data, **_JSON_OPTIONS).encode("ascii")).hexdigest()  # type: ignore[arg-type]
-    return {"uid": f"mh-{digest[:16]}", "css": _asset("report.css"), "js": _asset("report.js"), "data": data}
+    return {
+        "uid": f"mh-{digest[:16]}",
+        "css": _asset("report.css"),
+        "js": _asset("report.js"),
+        "data": data,
+        # escaped text and data: URIs; the page stays ASCII (every other character a character reference)
+        "static": Markup(static_view(inspection).encode("ascii", "xmlcharrefreplace").decode("ascii")),
+    }
 
 
 # An Inspection shows in a notebook as its report's fragment (Inspection._repr_html_).

@@ -35,9 +35,11 @@ def head_grid_html(
     cell: Callable[[int, int], str | None],
     shade: Callable[[int, int], float | None] | None = None,
     note: str = "",
+    images: Callable[[int, int], str] | None = None,
 ) -> str:
     """An HTML table: rows ``heads``, columns ``layers``; ``cell(row, col)`` is the text of layers[row], heads[col]
-    (None: a pruned head, shown "pruned"), ``shade(row, col)`` a value in [0, 1] colouring the cell (None: white).
+    (None: a pruned head, shown "pruned"), ``shade(row, col)`` a value in [0, 1] colouring the cell (None: white),
+    ``images(row, col)`` the address of an image shown above the text (a ``data:`` URI; none for a pruned head).
     ``title`` and ``note`` are text (escaped)."""
     lines = [
         '<table style="border-collapse:collapse;margin:4px auto 4px 0">',
@@ -56,8 +58,12 @@ def head_grid_html(
             if value is not None and value == value:  # not NaN
                 r, g, b = weight_rgb(value)
                 style += f"background:rgb({r},{g},{b});" + ("color:#fff;" if value > 0.3 else "")
-            shown = "pruned" if text is None else text
-            cells.append(f'<td style="{style}">{html.escape(shown)}</td>')
+            shown = html.escape("pruned" if text is None else text)
+            if images is not None and text is not None:
+                source = html.escape(images(row, col))
+                label = f"layer {layers[row]} head {head}: {text}"
+                shown = f'<img src="{source}" alt="{html.escape(label)}" style="display:block">' + shown
+            cells.append(f'<td style="{style}">{shown}</td>')
         lines.append(f'<tr><th style="{_CELL}">h{head}</th>' + "".join(cells) + "</tr>")
     lines.append("</tbody></table>")
     if note:

@@ -199,12 +199,9 @@ def _title_lines(inspection: Inspection, width: float, thinned: str = "") -> lis
 
 
 def _masked(inspection: Inspection) -> numpy.ndarray | None:
-    """(i, j) bool, True where a causal part masks the key (j after the query, aligned bottom-right); None
-    when nothing is masked."""
-    if not inspection.causal:
-        return None
-    i, j = len(inspection.tokens), len(inspection.key_tokens)
-    return numpy.triu(numpy.ones((i, j), dtype=bool), k=1 + j - i)
+    """:attr:`Inspection.masked` as a numpy array (None when nothing is masked)."""
+    masked = inspection.masked
+    return None if masked is None else masked.numpy()
 
 
 def _clip(text: str, limit: int = 60) -> str:

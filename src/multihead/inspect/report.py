@@ -224,7 +224,8 @@ class Inspection:
                     name,
                     f"the words of the {len(tokens)} pieces of {'tokens' if name == 'pieces' else 'key_tokens'}",
                     f"those of {len(pieces.tokens)} other pieces",
-                    "pass the Pieces the tokenizer made for this text (model.part_pieces)",
+                    "pass the Pieces the tokenizer made for these pieces (model.part_pieces), or None to read the "
+                    "words from the pieces' markers",
                 )
             object.__setattr__(self, name, pieces)
 
@@ -261,6 +262,15 @@ class Inspection:
         """The pieces of the query and of the key axis with their words (``pieces``, ``key_pieces``)."""
         assert self.pieces is not None and self.key_pieces is not None  # both set on construction
         return self.pieces, self.key_pieces
+
+    @property
+    def masked(self) -> torch.Tensor | None:
+        """(i, j) bool: True where a causal part masks the key (a key after the query, aligned bottom-right
+        when the axes differ in length); None when nothing is masked."""
+        if not self.causal:
+            return None
+        i, j = len(self.tokens), len(self.key_tokens)
+        return torch.ones(i, j, dtype=torch.bool).triu(diagonal=1 + j - i)
 
     @property
     def same_axes(self) -> bool:

@@ -16,7 +16,7 @@
     root.id = rootId + "-" + copy;
   }
   var shadow = root.attachShadow({ mode: "open" });
-  shadow.appendChild(root.querySelector(":scope > template").content.cloneNode(true));
+  shadow.appendChild(root.querySelector(":scope > .mh-markup > template").content.cloneNode(true));
   function byId(id) { return shadow.getElementById(id); }
 
   /* report: Inspection.to_dict(), as in inspect.json; view: what only the page needs. */

@@ -1,0 +1,111 @@
+"""The report without JavaScript: what an untrusted notebook, or a browser with JavaScript off, still shows.
+
+A notebook run by ``nbconvert --execute``, or received from someone, is not trusted: Jupyter runs none of its
+scripts and passes its HTML outputs through a sanitizer that drops ``<script>``, ``<style>`` and
+``<template>`` (keeping the template's markup as bare elements) and keeps inline ``style`` attributes, the
+``hidden`` attribute and ``<img>`` with a ``data:`` source. So every report fragment opens with this static
+view, built only from those: one line on top saying how to get the interactive report, one line of facts,
+and the heads grid, each head a thumbnail of its weights (an inline PNG, every query row by every key
+column, on the reports' one colour scale) over its role. The interactive markup sits in a ``hidden``
+element, so a sanitized page does not show it as an empty skeleton; with JavaScript the report draws into a
+shadow root, which hides this view.
+
+    static_view(inspection)      # the HTML (a str); html.render_fragment puts it first in every fragment
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import struct
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+from multihead._words import counted
+from multihead.inspect.colours import MASKED_RGB, WEIGHT_STOPS
+from multihead.inspect.notebook import head_grid_html
+from multihead.inspect.report import Inspection
+from multihead.inspect.stats import PRUNED
+
+__all__ = ["static_view", "thumbnail_png", "NO_SCRIPT_NOTE", "THUMBNAIL_PIXELS"]
+
+THUMBNAIL_PIXELS = 40  # a thumbnail's longer side, at most (a short text's cells are blown up to near it)
+NO_SCRIPT_NOTE = (
+    "Static view: the interactive report needs JavaScript, which this page does not run. In Jupyter, trust the "
+    "notebook (File > Trust Notebook, or jupyter trust NOTEBOOK.ipynb) and run the cell again; or open the "
+    "report.html that multihead inspect --out writes in a browser."
+)
+_LINE = "margin:2px 0;font:13px/1.4 system-ui,sans-serif;text-align:left;"
+
+
+def _png(pixels: torch.Tensor) -> bytes:
+    """(h, w, 3) uint8 RGB -> a PNG file's bytes (8-bit truecolour, no filter: the rows compress well)."""
+    height, width, _ = pixels.shape
+    rows = torch.cat([torch.zeros(height, 1, dtype=torch.uint8), pixels.reshape(height, width * 3)], dim=1)
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(rows.contiguous().numpy().tobytes(), 9))
+        + chunk(b"IEND", b"")
+    )
+
+
+def _colours(weights: torch.Tensor) -> torch.Tensor:
+    """(...) weights -> (..., 3) uint8 on the square-root ramp of :data:`WEIGHT_STOPS` (as ``weight_rgb``)."""
+    stops = torch.tensor(WEIGHT_STOPS, dtype=torch.float32)  # (s, 3)
+    position = weights.float().clamp(0, 1).sqrt() * (len(WEIGHT_STOPS) - 1)
+    index = position.floor().clamp(max=len(WEIGHT_STOPS) - 2).long()
+    fraction = (position - index).unsqueeze(-1)
+    return (stops[index] + fraction * (stops[index + 1] - stops[index])).round().to(torch.uint8)
+
+
+def thumbnail_png(weights: torch.Tensor, masked: torch.Tensor | None = None) -> bytes:
+    """A PNG of one head's (i, j) weights, queries down and keys across, at most :data:`THUMBNAIL_PIXELS` a
+    side: a long text's cells are averaged into blocks, a short one's drawn as squares of several pixels.
+    ``masked``: (i, j) bool, keys a causal query cannot see (drawn grey where a whole block is masked)."""
+    i, j = weights.shape
+    size = (min(i, THUMBNAIL_PIXELS), min(j, THUMBNAIL_PIXELS))
+    pooled = F.adaptive_avg_pool2d(weights.float()[None, None], size)[0, 0]  # (h, w)
+    pixels = _colours(pooled)
+    if masked is not None:
+        hidden = F.adaptive_avg_pool2d(masked.float()[None, None], size)[0, 0] == 1.0
+        pixels[hidden] = torch.tensor(MASKED_RGB, dtype=torch.uint8)
+    scale = max(1, THUMBNAIL_PIXELS // max(size))
+    return _png(pixels.repeat_interleave(scale, dim=0).repeat_interleave(scale, dim=1))
+
+
+def static_view(inspection: Inspection) -> str:
+    """The report as HTML that needs no script and no stylesheet (see the module docstring)."""
+    roles = inspection.role_stats.roles()
+    masked = inspection.masked
+    facts = [
+        f"multihead inspect: {inspection.model_name}",
+        *inspection.notes,
+        counted(len(inspection.tokens), "token"),
+        f"{counted(len(inspection.layers), 'layer')} x {counted(len(inspection.heads), 'head')}",
+        f"roles from {inspection.role_stats.roles_source}",
+    ]
+
+    def image(row: int, col: int) -> str:
+        png = thumbnail_png(inspection.weights[row, col], masked)
+        return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+    grid = head_grid_html(
+        "Heads: each one's weights (rows = queries, columns = keys) and its role",
+        inspection.layers,
+        inspection.heads,
+        lambda row, col: None if roles[row][col].label == PRUNED else roles[row][col].text,
+        images=image,
+        note="role: the strongest signal (multihead.inspect.roles); darker = more attention (square-root scale)",
+    )
+    return (
+        f'<p style="{_LINE}font-weight:600">{html.escape(NO_SCRIPT_NOTE)}</p>\n'
+        f'<p style="{_LINE}color:#656d76">{html.escape(" · ".join(facts))}</p>\n{grid}'
+    )
