@@ -45,6 +45,7 @@ def test_an_inspection_is_frozen_data():
         "causal",
         "pieces",
         "key_pieces",
+        "truncated_from",
     ]
 
 

@@ -16,10 +16,13 @@ from pathlib import Path
 # (a usage mistake is answered without them). These imports point down the layers like any other.
 from multihead._errors import InputError, bad_argument
 from multihead._figures import print_written, skipped_note  # "wrote <path>"; one line for a figure left out
+from multihead._limits import format_bytes
 from multihead._userfiles import from_option, from_options, output_file, output_folder
 from multihead.inspect.terminal import discard_stdout, make_console
 
 DEFAULT_TEXT = "The bank was full of money."
+# Past this size, inspect notes that report.html may be slow to open (a 512-token MiniLM report is about 4 MB)
+HTML_SIZE_NOTE = 20 << 20
 BUNDLED = "bundled"
 # Without a model to check against, index lists may name up to this many layers or heads: more than any
 # model has, and few enough that expanding a range costs nothing.
@@ -296,7 +299,16 @@ def run_inspect(args: argparse.Namespace) -> int:
         }
     paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns, argument="--out")
     for name, path in paths.items():
-        console.print(f"{name} report: {path.resolve()}", soft_wrap=True, markup=False)
+        size = path.stat().st_size
+        console.print(f"{name} report: {path.resolve()} ({format_bytes(size)})", soft_wrap=True, markup=False)
+        if name == "html" and size > HTML_SIZE_NOTE:  # a browser or a notebook cell slows down past it
+            console.print(
+                f"note: report.html is {format_bytes(size)}, over {format_bytes(HTML_SIZE_NOTE)}: a browser may be "
+                "slow to open it. Record fewer heads (--layers, --heads) or a shorter text",
+                soft_wrap=True,
+                markup=False,
+                highlight=False,
+            )
     note = skipped_note(paths.skipped.values())  # png without matplotlib: the other reports, and this line
     if note is not None:
         console.print(note, soft_wrap=True, markup=False, highlight=False)

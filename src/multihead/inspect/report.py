@@ -18,7 +18,9 @@ The renderers take an Inspection: :mod:`~multihead.inspect.terminal`, :mod:`~mul
 
 from __future__ import annotations
 
+import base64
 import unicodedata
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,10 @@ __all__ = [
     "bundled_corpus",
     "read_corpus",
     "pick_token",
+    "compact_weights",
+    "weights_from_dict",
+    "DENSE_WEIGHTS_LIMIT",
+    "COMPACT_WEIGHTS",
     "BUNDLED_CORPUS",
     "SPECIAL_TOKENS",
     "PART_TITLES",
@@ -66,6 +72,13 @@ PART_TITLES = {
     "cross": "cross-attention: decoder input -> source text",
 }
 CAUSAL_NOTE = "causal: each token attends only to itself and earlier tokens"
+# Up to this many weights in all (6 x 12 heads at 120 tokens), to_dict() writes them as nested lists of numbers;
+# past it, compactly (COMPACT_WEIGHTS): a 512-token report of MiniLM's 72 heads is 3 MB, not 150 MB of text.
+DENSE_WEIGHTS_LIMIT = 1 << 20
+# The compact form: every weight as round(255 w), one byte (so to within 1/510 = 0.002), in (layers, heads, i,
+# j) order, compressed with zlib (deflate) and written in base64. The page inflates it with the browser's
+# DecompressionStream("deflate"); weights_from_dict() reads either form.
+COMPACT_WEIGHTS = "uint8 of 255*w, zlib, base64"
 # Words that are rarely what a user means by "the token to look at": the default --token skips them.
 _FUNCTION_WORDS = frozenset(
     "a an the this that these those of to in on at by for from with into onto about as and or but nor so if "
@@ -192,6 +205,8 @@ class Inspection:
     keys 0..i only (a decoder: the weights above the diagonal are 0 because they are masked).
     ``pieces``, ``key_pieces``: the words of each axis as the tokenizer made them
     (:class:`~multihead.models.Pieces`); left out, they are read from the pieces' markers.
+    ``truncated_from``: the text's piece count before truncation cut it (None when it was read whole; ``text``
+    is then the part analysed).
     """
 
     model_name: str
@@ -209,6 +224,7 @@ class Inspection:
     causal: bool = False
     pieces: Pieces | None = None
     key_pieces: Pieces | None = None
+    truncated_from: int | None = None
 
     def __post_init__(self) -> None:
         if not self.key_tokens:  # self-attention: the queries' pieces on both axes
@@ -253,8 +269,12 @@ class Inspection:
     @property
     def notes(self) -> list[str]:
         """What the reports' headers say about the attention shown: the part's title unless it is a
-        one-stack model's "self", and :data:`CAUSAL_NOTE` for a causal part (none for a BERT-like encoder)."""
+        one-stack model's "self", :data:`CAUSAL_NOTE` for a causal part (none for a BERT-like encoder), and
+        what truncation cut off."""
         lines = [] if self.part == "self" else [PART_TITLES.get(self.part, f"{self.part} attention")]
+        if self.truncated_from is not None:
+            kept = counted(len(self.key_tokens if self.part == "cross" else self.tokens), "token")
+            lines.append(f"truncated to {kept} of {self.truncated_from}: the text shown is the part analysed")
         return lines + ([CAUSAL_NOTE] if self.causal else [])
 
     @property
@@ -320,7 +340,8 @@ class Inspection:
 
         "part", "causal" and "key_tokens" are always there (for a BERT-like encoder: "self", false, and the
         same pieces as "tokens"). "weights" is (layers, heads, i, j) and "most_attended" (layers, heads, i),
-        indices into "key_tokens".
+        indices into "key_tokens". Past :data:`DENSE_WEIGHTS_LIMIT` weights in all, "weights" is their compact
+        form (:func:`compact_weights`: a byte each, compressed); :func:`weights_from_dict` reads either.
 
         Of a pruned model, "layer_heads" lists each layer's heads, and a head pruned from a layer has empty
         lists for its weights, top_attended and most_attended, null statistics and the role "pruned".
@@ -337,6 +358,7 @@ class Inspection:
             "text": self.text,
             "part": self.part,
             "causal": self.causal,
+            "truncated_from": self.truncated_from,
             "tokens": self.tokens,
             "key_tokens": self.key_tokens,
             # the words: each piece's word (null for a special token) and each word as it stands in the text
@@ -353,7 +375,11 @@ class Inspection:
         data.update(
             {
                 "token": self.token,
-                "weights": cells(self.weights.to(torch.float64).round(decimals=DECIMALS).tolist()),
+                "weights": (
+                    cells(self.weights.to(torch.float64).round(decimals=DECIMALS).tolist())
+                    if self.weights.numel() <= DENSE_WEIGHTS_LIMIT
+                    else compact_weights(self.weights, self.present)
+                ),
                 "text_stats": self.stats.as_dict(),
                 "roles_from": self.role_stats.source,
                 "roles": roles["roles"],
@@ -377,6 +403,42 @@ class Inspection:
             }
         )
         return data
+
+
+def compact_weights(weights: torch.Tensor, present: torch.Tensor) -> dict:
+    """(layers, heads, i, j) weights in [0, 1] and their (layers, heads) bool presence -> the compact form of
+    ``to_dict()["weights"]`` (see :data:`COMPACT_WEIGHTS`)."""
+    quantized = (weights.float().clamp(0, 1) * 255).round().to(torch.uint8).contiguous()
+    return {
+        "encoding": COMPACT_WEIGHTS,
+        "shape": list(weights.shape),
+        "present": present.tolist(),
+        "data": base64.b64encode(zlib.compress(quantized.numpy().tobytes(), 6)).decode("ascii"),
+    }
+
+
+def weights_from_dict(weights: list | dict) -> torch.Tensor:
+    """``to_dict()["weights"]`` (of inspect.json, or the page's data) as a (layers, heads, i, j) float32 tensor,
+    whichever form it is in: nested lists (a pruned head's cell empty: zeros) or :data:`COMPACT_WEIGHTS`."""
+    if isinstance(weights, dict):
+        if weights.get("encoding") != COMPACT_WEIGHTS:
+            raise bad_argument(
+                "weights",
+                f"nested lists or the encoding {COMPACT_WEIGHTS!r}",
+                repr(weights.get("encoding")),
+                "pass to_dict()['weights'] of this version of multihead",
+            )
+        raw = bytearray(zlib.decompress(base64.b64decode(weights["data"])))
+        return torch.frombuffer(raw, dtype=torch.uint8).reshape(weights["shape"]).float() / 255
+    rows, cols = len(weights), len(weights[0]) if weights else 0
+    cells = [cell for row in weights for cell in row if cell]
+    i, j = (len(cells[0]), len(cells[0][0])) if cells else (0, 0)
+    dense = torch.zeros(rows, cols, i, j)
+    for r, row in enumerate(weights):
+        for c, cell in enumerate(row):
+            if cell:
+                dense[r, c] = torch.tensor(cell)
+    return dense
 
 
 def inspect_text(
@@ -489,7 +551,7 @@ def inspect_text(
         role_stats = role_stats.with_behaviours(chosen_behaviours)
     return Inspection(
         model_name=model.name,
-        text=text,
+        text=batch.analysed[0],
         tokens=tokens,
         layers=grid.layers,
         heads=grid.heads,
@@ -503,4 +565,5 @@ def inspect_text(
         causal=causal,
         pieces=pieces,
         key_pieces=key_pieces,
+        truncated_from=batch.full_lengths[0] if batch.truncated[0] else None,
     )

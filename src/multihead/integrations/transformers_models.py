@@ -99,6 +99,8 @@ class TransformersTokenizer(TextTokenizer):
         types = encoded.get("token_type_ids")
         type_rows: list[list[int]] = [list(t) for t in types] if types is not None else [[0] * len(r) for r in rows]
         pieces: list[Pieces] = []
+        analysed: list[str] = []
+        full_lengths = [len(ids) for ids in rows]
         for index, ids in enumerate(rows):
             special = [bool(flag) for flag in encoded["special_tokens_mask"][index]]
             tokenizer_words = (
@@ -124,7 +126,11 @@ class TransformersTokenizer(TextTokenizer):
             else:  # a slow tokenizer: the raw pieces' word markers are all there is
                 by_markers = Pieces.from_markers(raw, special=special)
                 pieces.append(Pieces(shown, by_markers.word_ids, by_markers.words))
-        return self._padded(rows, type_rows, pieces)
+            kept_offsets = (
+                [span for span, flag in zip(offsets, special, strict=True) if not flag] if offsets_known else None
+            )
+            analysed.append(self._analysed(text, kept_offsets, len(rows[index]), full_lengths[index]))
+        return self._padded(rows, type_rows, pieces, analysed, full_lengths)
 
 
 class TransformersModel(TextEncoder):

@@ -88,7 +88,7 @@ class SymbolTokenizer(TextTokenizer):
         """Tokenize and pad ``texts`` (strings of symbols, or lists of symbols); see :meth:`TextTokenizer.batch`.
         A symbol outside the vocabulary raises, naming it and the text."""
         limit = self.max_length if max_length is None else max_length
-        ids, pieces_of_text = [], []
+        ids, pieces_of_text, analysed, full_lengths = [], [], [], []
         for index, text in enumerate(texts):
             pieces = text.split() if isinstance(text, str) else list(text)
             if self.bos_id is not None and (not pieces or pieces[0] != BOS_SYMBOL):
@@ -107,7 +107,10 @@ class SymbolTokenizer(TextTokenizer):
             )
             ids.append(piece_ids)
             pieces_of_text.append(Pieces.each_own_word(kept, [piece == BOS_SYMBOL for piece in kept]))
-        return self._padded(ids, [[0] * len(row) for row in ids], pieces_of_text)
+            full_lengths.append(len(pieces))
+            whole = text if isinstance(text, str) else " ".join(text)
+            analysed.append(" ".join(kept) if len(kept) < len(pieces) else whole)
+        return self._padded(ids, [[0] * len(row) for row in ids], pieces_of_text, analysed, full_lengths)
 
     def save(self, folder: str | Path) -> Path:
         """Write ``symbols.json`` (the symbols, id by id) into ``folder``; returns its path."""

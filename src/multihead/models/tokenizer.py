@@ -211,13 +211,24 @@ class TokenBatch:
 
     input_ids, attention_mask (1 = real token), token_type_ids: (b, n) int64;
     pieces: each text's :class:`Pieces` (without padding): its pieces and their words, the words given when
-    the texts were lists of words, else the tokenizer's own.
+    the texts were lists of words, else the tokenizer's own;
+    analysed: each text as far as its kept pieces reach (cut where truncation cut it);
+    full_lengths: each text's piece count before truncation.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     token_type_ids: torch.Tensor
     pieces: list[Pieces]
+    # each text as far as its kept pieces reach (the whole text unless truncated), and how many pieces it had
+    # before truncation (its piece count when whole)
+    analysed: list[str]
+    full_lengths: list[int]
+
+    @property
+    def truncated(self) -> list[bool]:
+        """For each text, True when truncation cut pieces off it."""
+        return [len(text.tokens) < full for text, full in zip(self.pieces, self.full_lengths, strict=True)]
 
     @property
     def tokens(self) -> list[list[str]]:
@@ -247,6 +258,16 @@ class TextTokenizer(ABC):
     ) -> TokenBatch:
         """Tokenize and pad ``texts`` (strings, or lists of words already split); see :meth:`Tokenizer.batch`."""
 
+    @staticmethod
+    def _analysed(text: str | list[str], offsets: Sequence[tuple[int, int]] | None, kept: int, full: int) -> str:
+        """``text`` as far as its kept pieces reach: whole when nothing was cut; else cut after the last kept
+        character (``offsets``: the kept pieces'), or, for words given as a list, the kept words joined."""
+        if kept >= full:
+            return text if isinstance(text, str) else " ".join(text)
+        if isinstance(text, str) and offsets:
+            return text[: max(end for _, end in offsets)]
+        return text if isinstance(text, str) else " ".join(text)
+
     def _fit(
         self, texts: list, index: int, columns: list[list], limit: int, *, truncate: bool, closing: int
     ) -> list[list]:
@@ -265,7 +286,14 @@ class TextTokenizer(ABC):
             )
         return [column[: limit - closing] + column[length - closing :] for column in columns]
 
-    def _padded(self, ids: list[list[int]], types: list[list[int]], pieces: list[Pieces]) -> TokenBatch:
+    def _padded(
+        self,
+        ids: list[list[int]],
+        types: list[list[int]],
+        pieces: list[Pieces],
+        analysed: list[str],
+        full_lengths: list[int],
+    ) -> TokenBatch:
         """The batch of the texts' ids and segment ids padded to the longest with ``pad_id``, and its mask."""
         longest = max(len(row) for row in ids)
         input_ids = torch.full((len(ids), longest), self.pad_id, dtype=torch.long)  # (b, n)
@@ -275,7 +303,7 @@ class TextTokenizer(ABC):
             input_ids[row, : len(piece_ids)] = torch.tensor(piece_ids, dtype=torch.long)
             token_type_ids[row, : len(piece_types)] = torch.tensor(piece_types, dtype=torch.long)
             attention_mask[row, : len(piece_ids)] = 1
-        return TokenBatch(input_ids, attention_mask, token_type_ids, pieces)
+        return TokenBatch(input_ids, attention_mask, token_type_ids, pieces, analysed, full_lengths)
 
     def tokenize(self, text: str) -> list[str]:
         """The pieces of ``text`` as the model reads them, special tokens included."""
@@ -340,7 +368,7 @@ class Tokenizer(TextTokenizer):
             raise bad_argument(
                 "tokenizer.json", "a tokenizer that can encode text", f"one that fails ({reason})", FIX_MODEL_FOLDER
             ) from None
-        ids, types, pieces = [], [], []
+        ids, types, pieces, analysed, full_lengths = [], [], [], [], []
         for index, encoding in enumerate(encodings):
             # over the limit: keep the first limit - 1 pieces and the final [SEP]
             piece_ids, piece_types, tokens, piece_words, offsets = self._fit(
@@ -359,7 +387,9 @@ class Tokenizer(TextTokenizer):
                 pieces.append(Pieces.from_offsets(tokens, text, piece_words, offsets))
             else:  # the words given
                 pieces.append(Pieces(tokens, piece_words, [str(word) for word in text]))
-        return self._padded(ids, types, pieces)
+            full_lengths.append(len(encoding.ids))
+            analysed.append(self._analysed(text, offsets, len(piece_ids), len(encoding.ids)))
+        return self._padded(ids, types, pieces, analysed, full_lengths)
 
 
 def _read_wordpiece(path: Path):

@@ -1,6 +1,6 @@
 /* The script of one report (see fragment.html.j2, which calls this function with the report's root id and
    the script element running it). It draws inside that report's shadow root only. */
-(function (rootId, script) {
+(function draw(rootId, script, decoded) {
   "use strict";
   /* This report's root: the element holding this script, else the first element of that id not drawn yet. */
   function withId(id) { return document.querySelectorAll('[id="' + id + '"]'); }
@@ -10,17 +10,41 @@
     Array.prototype.forEach.call(withId(rootId), function (node) { if (!root && !node.shadowRoot) root = node; });
   }
   if (!root || !root.attachShadow) return;
+  var markup = root.querySelector(":scope > .mh-markup > template").content;
+  /* report: Inspection.to_dict(), as in inspect.json; view: what only the page needs. */
+  var payload = decoded || JSON.parse(markup.getElementById("report-data").textContent);
+  /* A long report's weights come compact (report.py's COMPACT_WEIGHTS: a byte each, zlib, base64): inflated
+     first, then drawn as if they had come as lists, a pruned head's cell empty. */
+  if (!Array.isArray(payload.report.weights)) {
+    var packed = payload.report.weights, shape = packed.shape;
+    var bytes = Uint8Array.from(atob(packed.data), function (c) { return c.charCodeAt(0); });
+    var inflating = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
+    new Response(inflating).arrayBuffer().then(function (buffer) {
+      var all = new Uint8Array(buffer), i = shape[2], j = shape[3];
+      payload.report.weights = packed.present.map(function (row, li) {
+        return row.map(function (present, hi) {
+          if (!present) return [];
+          var rows = [];
+          for (var q = 0; q < i; q++) {
+            var start = ((li * shape[1] + hi) * i + q) * j, values = new Float32Array(j);
+            for (var k = 0; k < j; k++) values[k] = all[start + k] / 255;
+            rows.push(values);
+          }
+          return rows;
+        });
+      });
+      draw(rootId, root.querySelector(":scope > script") || script, payload);
+    });
+    return;
+  }
   /* The same report shown twice in one page: the later copies get ids of their own (mh-...-2, -3, ...). */
   if (withId(rootId).length > 1 && withId(rootId)[0] !== root) {
     for (var copy = 2; withId(rootId + "-" + copy).length > 0; copy++) continue;
     root.id = rootId + "-" + copy;
   }
   var shadow = root.attachShadow({ mode: "open" });
-  shadow.appendChild(root.querySelector(":scope > .mh-markup > template").content.cloneNode(true));
+  shadow.appendChild(markup.cloneNode(true));
   function byId(id) { return shadow.getElementById(id); }
-
-  /* report: Inspection.to_dict(), as in inspect.json; view: what only the page needs. */
-  var payload = JSON.parse(byId("report-data").textContent);
   var report = payload.report, view = payload.view, corpus = report.corpus_stats;
   /* Rows are the query pieces (tokens), columns the key pieces (key_tokens): the same in self-attention,
      the source text in cross-attention. */
@@ -419,7 +443,7 @@
     title.appendChild(el("code", "", ax.rows[r]));
     title.appendChild(document.createTextNode(" (#" + r + ") attends" + (sameAxes ? "" : " in the source text") +
       " in layer " + report.layers[state.li] + ", head " + report.heads[state.hi]));
-    var order = row.map(function (w, c) { return c; });
+    var order = Array.prototype.map.call(row, function (w, c) { return c; });  /* row may be a Float32Array */
     order.sort(function (a, b) {
       var ma = ax.masked(r, a), mb = ax.masked(r, b);
       if (ma !== mb) return ma ? 1 : -1;
