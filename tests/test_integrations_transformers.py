@@ -182,6 +182,56 @@ def test_generate_with_the_models_own_cache_gives_the_same_tokens(name, device):
     assert got.shape[1] == 13
 
 
+def generating_model(name: str) -> torch.nn.Module:
+    """A tiny model of ``name`` that generates: build()'s decoders, GPT-NeoX, and BART (its decoder generates)."""
+    torch.manual_seed(0)
+    common = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    if name == "gpt_neox":
+        config = transformers.GPTNeoXConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, **common
+        )
+        return transformers.GPTNeoXForCausalLM(config)
+    if name == "bart":
+        config = transformers.BartConfig(
+            d_model=24,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            max_position_embeddings=64,
+            decoder_start_token_id=2,
+            **common,
+        )
+        return transformers.BartForConditionalGeneration(config)
+    return build(name)
+
+
+@pytest.mark.portable
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "gpt_neox", "bart"])
+def test_static_cache_generation_matches_transformers_own_attention(name, device):
+    """generate builds a static cache's mask once and hands it back to the model as its attention_mask; ours
+    is a typed mask, which transformers' mask code used to refuse (AttributeError: no attribute 'ndim')."""
+    theirs, ours = twins(generating_model(name), torch.float64, "sdpa", device)
+    prompt = inputs(padded=False, device=device)
+    ids, mask = prompt["input_ids"][:, :6], prompt["attention_mask"][:, :6].clone()
+    if name != "bart":  # left padding for the decoders, as generate wants it
+        mask[1, :2] = 0
+    settings = {
+        "attention_mask": mask,
+        "max_new_tokens": 4,
+        "do_sample": False,
+        "pad_token_id": 0,
+        "cache_implementation": "static",
+        "output_scores": True,
+        "return_dict_in_generate": True,
+    }
+    expected, got = theirs.generate(ids, **settings), ours.generate(ids, **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores), atol=1e-10, rtol=0)
+
+
 @pytest.mark.portable
 @pytest.mark.parametrize(
     "option, value, what",

@@ -67,6 +67,19 @@ class TransformersMask(Mask):
     def terms(self) -> tuple[Mask, ...]:
         return tuple(term for part in self.parts for term in part.terms())
 
+    # transformers' generate builds a compileable cache's mask once and hands it back to the model as its
+    # attention_mask, whose mask code asks a prepared mask for its rank: this one reads as the (b, 1, i, j) mask
+    # it stands for, and typed_mask passes it through as transformers passes a prepared 4-D mask through
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(b, 1, i, j): the shape of the dense mask this stands for."""
+        return (self.batch, 1, self.q_length, self.kv_length)
+
+    @property
+    def ndim(self) -> int:
+        """4, the rank of the dense mask this stands for."""
+        return 4
+
     def dense(self) -> torch.Tensor:
         """The mask as transformers' ``sdpa_mask`` would have built it: bool (b, 1, i, j), True = may attend."""
         shape = AttentionShape(self.batch, 1, self.q_length, self.kv_length, self.device)
@@ -151,10 +164,12 @@ def typed_mask(
 
     Sizes: batch b = ``batch_size``, queries i = ``q_length``, keys j = ``kv_length``; ``attention_mask`` the 2-D
     (b, n) bool padding mask of every position so far, True = real token (shorter than kv_offset + j: padded
-    with False, as ``sdpa_mask`` does). Returns a :class:`TransformersMask` (typed terms, bound to the call's
-    sizes by the kernel); None for full attention without padding when ``allow_is_bidirectional_skip`` (what
-    ``sdpa_mask`` returns there); otherwise, for what is not recognised, ``sdpa_mask``'s own result with the
-    same arguments: a (b, 1, i, j) bool tensor or None (see the module docstring for what goes which way).
+    with False, as ``sdpa_mask`` does), or a :class:`TransformersMask` already prepared for the step (generate
+    builds one for a static cache), returned as it is. Returns a :class:`TransformersMask` (typed terms, bound
+    to the call's sizes by the kernel); None for full attention without padding when
+    ``allow_is_bidirectional_skip`` (what ``sdpa_mask`` returns there); otherwise, for what is not recognised,
+    ``sdpa_mask``'s own result with the same arguments: a (b, 1, i, j) bool tensor or None (see the module
+    docstring for what goes which way).
     """
 
     def dense() -> torch.Tensor | None:
@@ -174,6 +189,8 @@ def typed_mask(
             **kwargs,
         )
 
+    if isinstance(attention_mask, TransformersMask):
+        return attention_mask  # already prepared (by generate, for a static cache): as transformers returns a 4-D one
     if not (allow_is_causal_skip or allow_is_bidirectional_skip):
         return dense()  # the caller wants a tensor to work on
     sizes = (batch_size, q_length, kv_length, q_offset, kv_offset)
