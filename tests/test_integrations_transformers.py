@@ -532,6 +532,26 @@ def test_gemma2_training_gradients_and_generate_match_eager(device):
 
 
 @pytest.mark.portable
+@pytest.mark.parametrize("name", ["t5", "gemma2"])
+def test_fullgraph_compiled_generation_matches_eager(name, device):
+    """Static-cache generate under CompileConfig(fullgraph=True): T5's bias and Gemma 2's soft-cap join the mask
+    with masks.all_of (dynamo refuses `mask & tensor`), and auto reads its policy from plain dicts (dynamo
+    refuses a mappingproxy once the model's forward has mutated a dict)."""
+    theirs, ours = twins(build_t5() if name == "t5" else build_gemma2(), torch.float64, device=device)
+    compiled = transformers.CompileConfig(fullgraph=True, backend="eager")  # dynamo's whole-graph trace, no codegen
+    compiled._compile_all_devices = True  # transformers compiles on accelerators only unless told so
+    prompt = inputs(padded=False, device=device)["input_ids"][:, :5]
+    settings = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0, "output_scores": True}
+    settings["return_dict_in_generate"] = True
+    torch._dynamo.reset()
+    got = ours.generate(prompt, cache_implementation="static", compile_config=compiled, **settings)
+    expected = theirs.generate(prompt, **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    tolerance = 1e-10 if name == "t5" else 1e-6  # Gemma 2's eager softmax runs in float32
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores), atol=tolerance, rtol=0)
+
+
+@pytest.mark.portable
 @pytest.mark.parametrize("name", ["bert", "llama"])
 def test_weights_asked_for_through_the_config_come_back(name, device):
     """A config built with output_attentions=True asks every call for the weights, as eager answers it: one tensor

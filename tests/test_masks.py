@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import multihead
 from multihead import masks
 from multihead.machine import measure_peak_bytes
 from multihead.masks import AttentionShape, BlockState, bind_mask
@@ -367,3 +368,23 @@ def test_rows_and_heads_selection_of_a_bound_mask(device):
     sub_keep, sub_bias = bound.block(rows, slice(None), heads, dtype=torch.float32)
     torch.testing.assert_close(sub_bias, bias[:, [2]][:, :, [4, 0]])
     assert torch.equal(sub_keep.expand(2, 1, 2, 7), keep.expand(2, 3, 5, 7)[:, [2]][:, :, [4, 0]])
+
+
+@pytest.mark.portable
+def test_all_of_is_what_and_builds_and_traces_whole_with_a_tensor_part(device):
+    """``mask & tensor`` cannot be traced by torch.compile(fullgraph=True) (dynamo takes it for a tensor
+    operation); all_of builds the same mask as a call, which it traces."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, device=device) for _ in range(3))
+    position_bias = torch.randn(1, 2, 4, 4, device=device)
+    keep = torch.ones(1, 1, 4, 4, dtype=torch.bool, device=device)
+    keep[..., -1] = False
+    combined = masks.all_of(masks.bias(position_bias), masks.softcap(5.0), keep)
+    assert repr(combined) == repr(masks.bias(position_bias) & masks.softcap(5.0) & keep)
+
+    def attend(q, k, v, position_bias, keep):
+        return multihead.attention(q, k, v, mask=masks.all_of(masks.bias(position_bias), masks.softcap(5.0), keep))
+
+    torch._dynamo.reset()
+    traced = torch.compile(attend, fullgraph=True, backend="eager")(q, k, v, position_bias, keep)
+    torch.testing.assert_close(traced, multihead.attention(q, k, v, mask=combined))

@@ -52,6 +52,7 @@ from multihead._limits import check_fits
 
 __all__ = [
     "Mask",
+    "all_of",
     "BoundMask",
     "BlockState",
     "causal",
@@ -158,10 +159,10 @@ class Mask:
         return (self,)
 
     def __and__(self, other: Mask | torch.Tensor) -> Mask:
-        return Combined(self.terms() + as_mask(other, name="mask").terms())
+        return all_of(self, other)
 
     def __rand__(self, other: torch.Tensor) -> Mask:
-        return Combined(as_mask(other, name="mask").terms() + self.terms())
+        return all_of(other, self)
 
     def bind(self, shape: AttentionShape) -> BoundMask:
         """Validate against the call's sizes and return a mask kernels can evaluate."""
@@ -547,6 +548,17 @@ def softcap(cap: float) -> Mask:
     Backends that apply no transform to the scores (torch's SDPA) do not serve it; ``auto`` picks another.
     """
     return _Softcap(cap)
+
+
+def all_of(*parts: Mask | torch.Tensor) -> Mask:
+    """Every one of ``parts`` at once (typed masks, or tensors as :func:`as_mask` reads them): what
+    ``a & b & ...`` builds, as a call. Code that torch.compile traces with ``fullgraph=True`` needs the call
+    when a part is a tensor: dynamo takes ``mask & tensor`` for a tensor operation and refuses it.
+
+        >>> all_of(causal(), softcap(50.0), torch.ones(1, 1, 4, 4, dtype=torch.bool))
+        causal(align='bottom_right') & softcap(cap=50.0) & allowed(shape=(1, 1, 4, 4))
+    """
+    return Combined(tuple(term for part in parts for term in as_mask(part, name="mask").terms()))
 
 
 def as_mask(value: Mask | torch.Tensor, *, name: str = "mask") -> Mask:

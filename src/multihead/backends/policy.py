@@ -151,18 +151,32 @@ class DispatchPolicy:
     assume: Mapping[str, DeviceKind] = field(default_factory=lambda: MappingProxyType({}))
     fused_first: frozenset[str] = frozenset({"cuda"})
     autotune: bool = False
+    # plain-dict copies that auto reads: torch.compile cannot read a mappingproxy in a graph that has mutated any
+    # dict before it (a transformers model's forward does), and auto runs inside such graphs
+    _lookup: dict[str, dict] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        tables: dict[str, dict] = {
+            "rates": dict(self.rates),
+            "nearest": dict(self.nearest),
+            "assume": dict(self.assume),
+        }
+        for name, table in tables.items():  # read-only views of copies: a caller's later edits do not leak in
+            object.__setattr__(self, name, MappingProxyType(table))
+        object.__setattr__(self, "_lookup", tables)
 
     def kind_of(self, device: torch.device) -> DeviceKind:
         """The kind auto plans ``device`` as: the assumed one for its type, else the detected one."""
-        return self.assume.get(device.type) or device_kind(device)
+        return self._lookup["assume"].get(device.type) or device_kind(device)
 
     def table_for(self, kind: DeviceKind) -> tuple[str, KernelRates]:
         """(the table's kind name, the table) ``kind``'s estimates use."""
-        if kind.name in self.rates:
-            return kind.name, self.rates[kind.name]
-        nearest = self.nearest.get(kind.type)
-        if nearest is not None and nearest in self.rates:
-            return nearest, self.rates[nearest]
+        rates = self._lookup["rates"]
+        if kind.name in rates:
+            return kind.name, rates[kind.name]
+        nearest = self._lookup["nearest"].get(kind.type)
+        if nearest is not None and nearest in rates:
+            return nearest, rates[nearest]
         return "none", unmeasured(kind.name)
 
     def rates_for(self, kind: DeviceKind) -> KernelRates:

@@ -87,11 +87,11 @@ def attention_forward(
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:  # T5: a learned (1 or b, h, i, j) bias on the scores, differentiable
         added = masks.bias(position_bias[..., : key.shape[-2]])
-        mask = added if mask is None else added & mask
+        mask = added if mask is None else masks.all_of(added, mask)  # a call, not &: fullgraph compile traces it
     softcap = kwargs.get("softcap")
     if softcap is not None:  # Gemma 2: cap * tanh(s / cap) on the scaled scores, before the mask
         capped = masks.softcap(float(softcap))
-        mask = capped if mask is None else capped & mask
+        mask = capped if mask is None else masks.all_of(capped, mask)
     result = _seam(module)(
         query,
         key,
