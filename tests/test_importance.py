@@ -106,6 +106,28 @@ def test_pruning_curve_measures_the_pruned_copies(minilm):
         pruning_curve(minilm, TEXTS, importance, fractions=(1.0,))
 
 
+def test_speed_ups_come_from_paired_runs_in_alternating_order(minilm, monkeypatch):
+    """The original and the pruned copy are timed back to back, the order alternating, and the speed-up is the
+    median pair's with the range over pairs (it was one timing of each, minutes apart, on a loaded machine)."""
+    from multihead.inspect import importance as module
+
+    calls = []
+    times = iter([(4.0, 2.0), (2.0, 1.0), (2.0, 0.5), (4.0, 2.0), (4.0, 2.0), (1.0, 2.5)])  # base, pruned, ...
+
+    def once(timer):
+        calls.append("base" if timer.model is minilm else "pruned")
+        return next(times)
+
+    monkeypatch.setattr(module._EncodeTimer, "once", once)
+    importance = torch.arange(72, dtype=torch.float32).view(6, 12)
+    row = pruning_curve(minilm, TEXTS, importance, fractions=(0.1,), repeats=3)[0]
+    assert calls == ["base", "pruned", "pruned", "base", "base", "pruned"]
+    # pairs (base / pruned): whole 4/2, 4/2, 4/1 -> median 2; attention 2/1, 2/0.5, 2/2.5 -> median 2
+    assert row["speedup"] == 2.0 and row["speedup_range"] == [2.0, 4.0]
+    assert row["attention_speedup"] == 2.0 and row["attention_speedup_range"] == [0.8, 4.0]
+    assert row["repeats"] == 3 and row["seconds"] == 2.0
+
+
 # --------------------------------------------------------------------------- gradient importance, trained
 
 

@@ -105,17 +105,30 @@ def test_load_importance_refuses_another_models_scores_and_missing_files(tmp_pat
 
 CURVE = [
     {"fraction": f, "heads_removed": r, "cosine": c, "min_cosine": c - 0.01, "nn_agreement": a, "seconds": 0.02,
-     "attention_seconds": 0.01, "speedup": s, "attention_speedup": s + 0.1, "removed": []}
+     "attention_seconds": 0.01, "speedup": s, "attention_speedup": s + 0.1, "removed": [],
+     "speedup_range": [s - 0.05, s + 0.05], "attention_speedup_range": [s - 0.02, s + 0.2], "repeats": 3}
     for f, r, c, a, s in [(0.0, 0, 1.0, 1.0, 1.0), (0.1, 7, 0.995, 1.0, 1.05), (0.2, 14, 0.97, 0.9, 1.1)]
 ]  # fmt: skip
 
 
 def test_curve_table_and_the_most_heads_at_a_fidelity():
     rows = cells(headreport.curve_table(CURVE))
-    assert rows[1] == ["0.10", "7", "0.9950", "0.9850", "1.00", "20", "1.05x", "1.15x"]
+    assert rows[1] == ["7 (0.10)", "0.9950", "0.9850", "1.00", "20", "1.05 1.00-1.10", "1.15 1.03-1.25"]
+    console = Console(width=80, record=True, color_system=None)
+    console.print(headreport.curve_table(CURVE))
+    lines = console.export_text().splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80 and "…" not in "".join(lines)  # nothing cut at 80
     assert headreport.heads_at_fidelity(CURVE)["heads_removed"] == 7
     assert headreport.heads_at_fidelity(CURVE, threshold=0.96)["heads_removed"] == 14
     assert headreport.heads_at_fidelity(CURVE, threshold=1.5) is None
+
+
+def test_a_slower_pruned_model_reads_slower_with_its_spread():
+    """A loaded machine made a pruned model's attention slower: it read "0.79x faster"."""
+    slower = {"attention_speedup": 0.79, "attention_speedup_range": [0.70, 0.85], "repeats": 3}
+    assert headreport.speed_words(slower) == "1.27x slower (speed-up 0.70-0.85x over 3 paired runs)"
+    noisy = {"attention_speedup": 1.04, "attention_speedup_range": [0.93, 1.20], "repeats": 1}
+    assert headreport.speed_words(noisy) == "1.04x faster (speed-up 0.93-1.20x over 1 paired run; within the noise)"
 
 
 def test_write_curve(tmp_path):

@@ -294,15 +294,32 @@ def test_the_cross_attention_page_shows_the_source_as_keys(models, open_report):
             assert weight == expected and pct == f"{100 * expected:.1f}%"
 
 
-def test_a_causal_page_marks_the_masked_keys(models, open_report):  # noqa: F811 (the fixture)
+def test_a_causal_page_lists_only_the_keys_a_query_sees(models, open_report):  # noqa: F811 (the fixture)
+    """An early query's bar list was mostly rows of "masked": the later keys are now one line after the bars."""
     inspection = inspect_text(models["gpt2"], TEXT, token="bank")
     page = open_report(inspection)
     assert page.text_content("#report-notes") == CAUSAL_NOTE and page.is_visible("#legend-masked")
     assert page.is_hidden("#key-strip") and page.is_hidden("#report-part-meta")
-    for q in (0, inspection.token, len(inspection.tokens) - 1):
+    n = len(inspection.tokens)
+    for q in (0, inspection.token, n - 1):
         page.click(f'.token[data-index="{q}"]')
         bars = read_bars(page)
-        assert [pct == "masked" for _, _, _, pct in bars] == [k > q for k in range(len(inspection.tokens))]
+        assert sorted(int(key) for key, _, _, _ in bars) == list(range(q + 1))  # itself and what comes before
+        assert all(pct != "masked" for _, _, _, pct in bars)
+        note = page.locator("#attention-bars .masked-note")
+        if q < n - 1:
+            later = n - 1 - q
+            assert note.text_content().startswith(f"{later} later key{'s are' if later > 1 else ' is'} masked")
+        else:
+            assert note.count() == 0
+
+
+def test_a_causal_inspection_defaults_to_its_last_content_word_and_lists_no_masked_key(models):
+    inspection = inspect_text(models["gpt2"], TEXT)
+    last = max(index for word, index in inspection.words[0].word_starts() if word.isalnum())
+    assert inspection.token == last  # it sees the whole text; the first word sees almost nothing
+    assert [index for _, index, _ in inspection.top_attended(0, 0, token=0, k=3)] == [0]  # query 0 sees key 0
+    assert len(inspection.top_attended(0, 0, token=2, k=5)) == 3
 
 
 def test_a_rectangular_page_draws_its_keys_as_columns(open_report):  # noqa: F811 (the fixture)

@@ -164,6 +164,13 @@ def test_pick_token_reads_words_as_the_roles_and_the_page_do():
     assert pick_token(["[CLS]", "##x", "##y", "[SEP]"], "##xy") == 1  # a "##" piece never joins [CLS]
 
 
+def test_a_causal_default_is_the_last_content_word():
+    """On an induction checkpoint the first content word sees only what comes before it: <bos>."""
+    pieces = ["<bos>", "e", "f", "g", "h", "e", "f", "g"]
+    assert pick_token(pieces, None, causal=True) == 7 and pick_token(pieces, None) == 1
+    assert pick_token(["<bos>", "the", "of"], None, causal=True) == 2  # no content word: the last word's piece
+
+
 def test_pick_token_defaults_to_the_first_content_word():
     assert pick_token(["[CLS]", "the", "of", ",", "bank", "[SEP]"], None) == 4
     assert pick_token(["[CLS]", "the", "[SEP]"], None) == 1  # no content word: the first real token

@@ -183,6 +183,35 @@ def test_saved_run_opens_in_inspect_with_induction_roles(two_layer, tmp_path):
     assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
 
 
+@pytest.mark.parametrize("width", [60, 80, 100])
+def test_the_training_bar_keeps_its_bar_and_time_left_at_any_width(width):
+    """At 80 columns the scores on the bar's line took the bar's and the ETA's room: they go on a line below."""
+    from rich.console import Console, Group
+
+    from multihead.cli import training_progress
+
+    console = Console(width=width, record=True, color_system=None, force_terminal=True)
+    bar = training_progress(console)
+    task = bar.add_task("training (induction)", total=3000, status="")
+    bar.update(task, completed=1200, status="repeated-token loss 1.234 · induction 0.45 · 41,234 tokens/s " * 2)
+    console.print(Group(*bar.get_renderables()))
+    first, second = console.export_text().splitlines()
+    assert first.startswith("training (induction) ") and first.count("\u2501") >= 5  # the bar's filled part
+    assert first.rstrip().endswith("1200/3000 steps -:--:--")  # the time left (unknown yet), whole
+    assert second.startswith("repeated-token loss 1.234") and len(second) <= width
+
+
+def test_the_closing_notes_wrap_between_words(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    out = tmp_path / "run"
+    assert main(["train", "induction", "--steps", "20", "--layers", "1", "--heads", "2", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 80 for line in lines if str(tmp_path) not in line)  # paths stay whole
+    joined = " ".join(line.strip() for line in lines)  # lines broken between words join back into the prose
+    assert "prev: attention from t to t - 1. induction: attention from a repeated token to the token after" in joined
+    assert "ablated: repeated-token loss with the head zeroed (unablated" in joined
+
+
 def test_cli_train_then_inspect(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "induction", "--steps", "20", "--layers", "1", "--heads", "2", "--out", str(out)]) == 0

@@ -882,7 +882,7 @@ def run_heads(args: argparse.Namespace) -> int:
     if best is not None:
         console.print(
             f"at mean cosine >= 0.99: {best['heads_removed']} of {sum(counts)} heads removed "
-            f"(fraction {best['fraction']:.2f}), attention {best['attention_speedup']:.2f}x faster",
+            f"(fraction {best['fraction']:.2f}), attention {headreport.speed_words(best)}",
             soft_wrap=True,
         )
     chosen = next(row for row in curve if row["fraction"] == round(args.fraction, 4))
@@ -1002,9 +1002,31 @@ def _train_settings(task: str, args: argparse.Namespace):
         raise
 
 
-def run_train(args: argparse.Namespace) -> int:
+def training_progress(console):
+    """The training bar: description, bar, steps and time left on one line, the run's latest scores on a line
+    of their own below, cut with "…" at the console's width. On one line, the scores took the bar's and the
+    ETA's room at 80 columns."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.text import Text
 
+    class TwoLines(Progress):
+        def get_renderables(self):
+            yield self.make_tasks_table(self.tasks)
+            for task in self.tasks:
+                yield Text(str(task.fields.get("status", "")), no_wrap=True, overflow="ellipsis")
+
+    return TwoLines(
+        TextColumn("{task.description}"),
+        BarColumn(bar_width=None),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
+
+
+def run_train(args: argparse.Namespace) -> int:
     from multihead.train.induction import run_induction
     from multihead.train.reverse import run_reverse
 
@@ -1015,16 +1037,7 @@ def run_train(args: argparse.Namespace) -> int:
     console = make_console()
     induction = args.task == "induction"
     tokens_per_step = settings.batch * (2 * settings.half_length + 1 if induction else 2 * settings.length)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} steps"),
-        TextColumn("{task.fields[status]}"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-        disable=not console.is_terminal,
-    ) as bar:
+    with training_progress(console) as bar:
         task = bar.add_task(f"training ({args.task})", total=settings.steps, status="")
         started = [time.perf_counter(), 0]
 
@@ -1049,7 +1062,6 @@ def run_train(args: argparse.Namespace) -> int:
             f"trained a {settings.layers}-layer, {settings.heads}-head {kind}decoder for {settings.steps} steps: "
             f"repeated-token loss {final['loss']:.3f} (chance {final['chance']:.3f}), in-context learning score "
             f"{final['in_context_learning']:+.3f} nats",
-            soft_wrap=True,
         )
         note = (
             "prev: attention from t to t - 1. induction: attention from a repeated token to the token after its "
@@ -1062,7 +1074,6 @@ def run_train(args: argparse.Namespace) -> int:
             f"trained a {settings.encoder_layers}+{settings.decoder_layers}-layer, {settings.heads}-head {kind}"
             f"encoder-decoder for {settings.steps} steps: loss {final['loss']:.4f}, held-out sequences reversed "
             f"exactly {final['exact_match']:.0%}",
-            soft_wrap=True,
         )
         note = (
             "aligned: target positions whose largest cross-attention weight falls on the source token they reverse "
@@ -1070,7 +1081,7 @@ def run_train(args: argparse.Namespace) -> int:
             f"{final['loss']:.4f}). role: multihead.inspect.roles on these probes."
         )
     console.print(_probe_table(run, induction))
-    console.print(note, soft_wrap=True, markup=False)
+    console.print(note, markup=False)  # prose: wrapped at the console's width between words
     paths = run.save(out)
     print_written(console, paths)
     console.print(f"inspect it: multihead inspect --model {paths['model']}", soft_wrap=True, markup=False)

@@ -215,33 +215,44 @@ def heads_at_fidelity(curve: list[dict], threshold: float = 0.99) -> dict | None
     return max(good, key=lambda row: row["heads_removed"]) if good else None
 
 
+def speed_words(row: dict, key: str = "attention_speedup") -> str:
+    """A pruning curve row's speed-up as words: "1.27x faster" or, below 1, "1.27x slower" (never "0.79x
+    faster"), with the range over its paired runs and, when that range holds 1, that the change is within the
+    noise."""
+    ratio, (low, high) = row[key], row[f"{key}_range"]
+    words = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+    noise = "; within the noise" if low < 1 < high else ""
+    return f"{words} (speed-up {low:.2f}-{high:.2f}x over {counted(row['repeats'], 'paired run')}{noise})"
+
+
+def _ratio_cell(row: dict, key: str) -> str:
+    low, high = row[f"{key}_range"]
+    return f"{row[key]:.2f} {low:.2f}-{high:.2f}"
+
+
 def curve_table(curve: list[dict]) -> Table:
     table = Table(
-        title="Pruning curve (heads removed least important first; speed measured on the pruned copy)",
+        title="Pruning curve (heads removed least important first; speed-up: the median of paired runs of the "
+        "original and the pruned copy, then the lowest-highest pair)",
         title_justify="left",
         box=box.SIMPLE_HEAD,
+        padding=(0, 1, 0, 0),
+        pad_edge=False,
     )
-    for name in (
-        "fraction",
-        "heads removed",
-        "mean cosine",
-        "min cosine",
-        "NN agreement",
-        "encode (ms)",
-        "speed-up",
-        "attention speed-up",
-    ):
-        table.add_column(name, justify="right")
+    # two-line headers and values never cut: the table fits 80 columns
+    for name in ("heads removed\n(fraction)", "mean\ncosine", "min\ncosine", "NN\nagree", "encode\nms"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for name in ("speed-up\nx, range", "attention\nspeed-up"):
+        table.add_column(name, justify="right", no_wrap=True)
     for row in curve:
         table.add_row(
-            f"{row['fraction']:.2f}",
-            str(row["heads_removed"]),
+            f"{row['heads_removed']} ({row['fraction']:.2f})",
             f"{row['cosine']:.4f}",
             f"{row['min_cosine']:.4f}",
             f"{row['nn_agreement']:.2f}",
             f"{row['seconds'] * 1e3:.0f}",
-            f"{row['speedup']:.2f}x",
-            f"{row['attention_speedup']:.2f}x",
+            _ratio_cell(row, "speedup"),
+            _ratio_cell(row, "attention_speedup"),
         )
     return table
 

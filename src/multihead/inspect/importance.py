@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
@@ -307,29 +308,65 @@ def pruning_order(
     return order
 
 
-def _attention_seconds(model, texts: Sequence[str], batch_size: int, repeats: int) -> tuple[float, float]:
-    """(whole encode, attention layers only) in seconds, each the best of ``repeats``."""
-    layers = attention_layers(model)
-    spent = [0.0]
-    starts: list[float] = []
-    handles = [layer.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter())) for layer in layers]
-    handles += [
-        layer.register_forward_hook(lambda *_: spent.__setitem__(0, spent[0] + time.perf_counter() - starts.pop()))
-        for layer in layers
-    ]
-    best_total, best_attention = float("inf"), float("inf")
-    try:
-        model.encode(list(texts[:batch_size]), batch_size=batch_size, truncate=True)  # warm-up
-        for _ in range(repeats):
-            spent[0] = 0.0
-            start = time.perf_counter()
-            model.encode(list(texts), batch_size=batch_size, truncate=True)
-            best_total = min(best_total, time.perf_counter() - start)
-            best_attention = min(best_attention, spent[0])
-    finally:
-        for handle in handles:
+class _EncodeTimer:
+    """Times ``model.encode`` over texts: the whole call and the time inside its attention layers (hooks)."""
+
+    def __init__(self, model, texts: Sequence[str], batch_size: int):
+        self.model, self.texts, self.batch_size = model, list(texts), batch_size
+        self.spent = 0.0
+        self._starts: list[float] = []
+
+    def __enter__(self) -> _EncodeTimer:
+        layers = attention_layers(self.model)
+        self._handles = [layer.register_forward_pre_hook(self._enter) for layer in layers]
+        self._handles += [layer.register_forward_hook(self._leave) for layer in layers]
+        self.model.encode(self.texts[: self.batch_size], batch_size=self.batch_size, truncate=True)  # warm-up
+        return self
+
+    def _enter(self, *_) -> None:
+        self._starts.append(time.perf_counter())
+
+    def _leave(self, *_) -> None:
+        self.spent += time.perf_counter() - self._starts.pop()
+
+    def __exit__(self, *_) -> None:
+        for handle in self._handles:
             handle.remove()
-    return best_total, best_attention
+
+    def once(self) -> tuple[float, float]:
+        """(whole encode, attention layers only) in seconds, of one encode of every text."""
+        self.spent = 0.0
+        start = time.perf_counter()
+        self.model.encode(self.texts, batch_size=self.batch_size, truncate=True)
+        return time.perf_counter() - start, self.spent
+
+
+def _spread(ratios: list[float]) -> dict:
+    """The median of paired ratios and their range."""
+    ordered = sorted(ratios)
+    return {"median": statistics.median(ordered), "low": ordered[0], "high": ordered[-1]}
+
+
+def _paired_speedups(base, pruned, texts: Sequence[str], batch_size: int, repeats: int) -> dict:
+    """``pruned``'s speed-up over ``base``, measured in pairs: each repeat times one encode of each, the order
+    alternating, so a load that comes and goes falls on both alike. Per pair base / pruned, for the whole
+    encode and its attention layers; the median, and the range over the pairs (the spread of the noise)."""
+    whole, attention, seconds, attention_seconds = [], [], [], []
+    with _EncodeTimer(base, texts, batch_size) as first, _EncodeTimer(pruned, texts, batch_size) as second:
+        for repeat in range(repeats):
+            order = (first, second) if repeat % 2 == 0 else (second, first)
+            timed = {id(timer): timer.once() for timer in order}
+            (base_total, base_attention), (total, attention_s) = timed[id(first)], timed[id(second)]
+            whole.append(base_total / total)
+            attention.append(base_attention / attention_s)
+            seconds.append(total)
+            attention_seconds.append(attention_s)
+    return {
+        "seconds": statistics.median(seconds),
+        "attention_seconds": statistics.median(attention_seconds),
+        "speedup": _spread(whole),
+        "attention_speedup": _spread(attention),
+    }
 
 
 @torch.no_grad()
@@ -348,8 +385,10 @@ def pruning_curve(
 
     ``importance``: (layers, heads) scores, heads by the checkpoint's numbers (as :class:`HeadImportance`).
     Returns one dict per fraction: fraction, heads_removed, removed [(layer, checkpoint head)], cosine,
-    min_cosine, nn_agreement, seconds, attention_seconds, speedup and attention_speedup (against the
-    unpruned model in the same run). A layer always keeps its last head, so the largest fractions
+    min_cosine, nn_agreement, seconds, attention_seconds (medians), speedup and attention_speedup (the
+    median over ``repeats`` pairs of runs, each pair timing the unpruned model and the pruned copy back to
+    back, the order alternating), speedup_range and attention_speedup_range ([lowest, highest] pair: the
+    noise), and repeats. A layer always keeps its last head, so the largest fractions
     may remove fewer heads than asked (heads_removed says how many).
     """
     texts = _check_texts(texts)
@@ -368,7 +407,6 @@ def pruning_curve(
     counts = [len(heads) for heads in numbers]
     order = pruning_order(importance, numbers)
     reference = model.encode(texts, batch_size=batch_size, truncate=True)
-    base_total, base_attention = _attention_seconds(model, texts, batch_size, repeats)
     rows = []
     for step, fraction in enumerate(fractions):
         wanted = round(fraction * sum(counts))
@@ -380,17 +418,20 @@ def pruning_curve(
         if plan:
             pruned.prune_heads(plan)
         result = fidelity(reference, pruned.encode(texts, batch_size=batch_size, truncate=True))
-        total, attention_s = _attention_seconds(pruned, texts, batch_size, repeats)
+        speed = _paired_speedups(model, pruned, texts, batch_size, repeats)
         rows.append(
             {
                 "fraction": fraction,
                 "heads_removed": len(removed),
                 "removed": removed,
                 **result,
-                "seconds": total,
-                "attention_seconds": attention_s,
-                "speedup": base_total / total,
-                "attention_speedup": base_attention / attention_s,
+                "seconds": speed["seconds"],
+                "attention_seconds": speed["attention_seconds"],
+                "speedup": speed["speedup"]["median"],
+                "speedup_range": [speed["speedup"]["low"], speed["speedup"]["high"]],
+                "attention_speedup": speed["attention_speedup"]["median"],
+                "attention_speedup_range": [speed["attention_speedup"]["low"], speed["attention_speedup"]["high"]],
+                "repeats": repeats,
             }
         )
         if progress is not None:

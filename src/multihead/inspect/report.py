@@ -139,21 +139,28 @@ def _occurrences(pieces: Pieces, word: str) -> list[int]:
     return found or [index for whole, index in pieces.word_starts() if _folded(whole) == wanted]
 
 
-def pick_token(tokens: Pieces | Sequence[str], token: str | int | tuple[str, int] | None) -> int:
+def pick_token(
+    tokens: Pieces | Sequence[str], token: str | int | tuple[str, int] | None, *, causal: bool = False
+) -> int:
     """The index of the query token to show.
 
     ``tokens``: the query pieces, a :class:`~multihead.models.Pieces` with their words (or bare pieces,
     grouped by their markers). ``token``: a piece or a word of the text, matched as the tokenizer folds text
     (case, accents: "café" finds "Café" and an uncased tokenizer's "cafe"; its first occurrence),
-    ``(word, n)`` for its n-th occurrence counted from 1, an int index, or None for the first content word
-    (not special, punctuation or a function word).
+    ``(word, n)`` for its n-th occurrence counted from 1, an int index, or None for the default: the first
+    content word (not special, punctuation or a function word), or, when ``causal``, the last one. A causal
+    query sees only what comes before it: the first word sees almost nothing (an induction head there shows
+    only <bos>), the last sees the whole text.
     """
     pieces = Pieces.of(tokens)
     tokens = pieces.tokens
     if token is None:
-        for first_word, index in pieces.word_starts():
+        words = pieces.word_starts()
+        for first_word, index in reversed(words) if causal else words:
             if first_word.isalnum() and first_word.lower() not in _FUNCTION_WORDS:
                 return index
+        if causal:  # no content word: the last piece of a word, else the last piece
+            return next((k for k in reversed(range(len(tokens))) if pieces.word_ids[k] is not None), len(tokens) - 1)
         return 1 if len(tokens) > 2 else 0
     if isinstance(token, int) and not isinstance(token, bool):
         if not 0 <= token < len(tokens):
@@ -319,10 +326,14 @@ class Inspection:
         return self.weights[row, col]
 
     def top_attended(self, layer: int, head: int, token: int | None = None, k: int = 3) -> list[tuple[str, int, float]]:
-        """The ``k`` key pieces query ``token`` (default: the selected one) attends to most: (key piece, its
-        index in ``key_tokens``, weight)."""
-        row = self.head_weights(layer, head)[self.token if token is None else token]  # (j,)
-        values, indices = row.topk(min(k, row.numel()))
+        """The ``k`` key pieces query ``token`` (default: the selected one) attends to most, among those it
+        sees (a causal part's later keys are masked, never listed): (key piece, its index in ``key_tokens``,
+        weight)."""
+        query = self.token if token is None else token
+        row = self.head_weights(layer, head)[query]  # (j,)
+        seen = torch.arange(row.numel()) if self.masked is None else (~self.masked[query]).nonzero()[:, 0]
+        values, picked = row[seen].topk(min(k, seen.numel()))  # a causal query's later keys are never listed
+        indices = seen[picked]
         return [(self.key_tokens[j], j, float(w)) for w, j in zip(values.tolist(), indices.tolist(), strict=True)]
 
     def most_attended(self, layer: int, head: int) -> list[tuple[str, str, float]]:
@@ -498,7 +509,7 @@ def inspect_text(
     queries, keys = model.part_pieces(batch, chosen)
     pieces, key_pieces = queries[0], keys[0]
     tokens, key_tokens = list(pieces.tokens), list(key_pieces.tokens)
-    selected = pick_token(pieces, token)
+    selected = pick_token(pieces, token, causal=causal)
     with evaluating(model), record_grid(model, grid) as rec:
         model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
     recorded = rec.weights()  # per layer (1, its heads, i, j); None for a layer with none of the heads

@@ -427,7 +427,8 @@
           "\u201c" + ax.cols[c] + "\u201d)" : "");
     });
   }
-  /* One row per key, strongest first (masked keys last), the strongest view.bars_shown visible. */
+  /* One row per key the query sees, strongest first, the strongest view.bars_shown visible; the keys a causal
+     query cannot see are one line after them, not rows of "masked". */
   function drawBars() {
     var bars = byId("attention-bars"), title = byId("bars-title"), ax = axes(), r = ax.rowOf(state.q);
     bars.textContent = "";
@@ -443,16 +444,12 @@
     title.appendChild(el("code", "", ax.rows[r]));
     title.appendChild(document.createTextNode(" (#" + r + ") attends" + (sameAxes ? "" : " in the source text") +
       " in layer " + report.layers[state.li] + ", head " + report.heads[state.hi]));
-    var order = Array.prototype.map.call(row, function (w, c) { return c; });  /* row may be a Float32Array */
-    order.sort(function (a, b) {
-      var ma = ax.masked(r, a), mb = ax.masked(r, b);
-      if (ma !== mb) return ma ? 1 : -1;
-      return row[b] - row[a] || a - b;
-    });
+    var order = Array.prototype.map.call(row, function (w, c) { return c; })  /* row may be a Float32Array */
+      .filter(function (c) { return !ax.masked(r, c); });
+    order.sort(function (a, b) { return row[b] - row[a] || a - b; });
     order.forEach(function (c, rank) {
-      var hidden = ax.masked(r, c), w = row[c];
-      var line = el("div", "weight-row" + (sameAxes && c === r ? " is-query" : "") +
-        (w === max ? " is-max" : "") + (hidden ? " masked" : ""));
+      var w = row[c];
+      var line = el("div", "weight-row" + (sameAxes && c === r ? " is-query" : "") + (w === max ? " is-max" : ""));
       line.setAttribute("data-key", String(c));
       line.setAttribute("data-weight", String(w));
       line.appendChild(el("span", "key-index", c));
@@ -461,13 +458,18 @@
       fill.style.width = (100 * w) + "%";
       track.appendChild(fill);
       line.appendChild(track);
-      line.appendChild(el("span", "weight-pct", hidden ? "masked" : pct(w)));
+      line.appendChild(el("span", "weight-pct", pct(w)));
       line.hidden = !state.allBars && rank >= view.bars_shown;
       bars.appendChild(line);
     });
-    barsToggle.hidden = row.length <= view.bars_shown;
+    var later = row.length - order.length, unit = ax.words ? " word" : " key";
+    if (later > 0) {
+      bars.appendChild(el("p", "masked-note", later + " later" + unit + (later === 1 ? " is" : "s are") +
+        " masked: a causal query sees only itself and what comes before it"));
+    }
+    barsToggle.hidden = order.length <= view.bars_shown;
     barsToggle.textContent = state.allBars ? "show the strongest " + view.bars_shown
-      : "show all " + row.length + (ax.words ? " words" : " keys");
+      : "show all " + order.length + (ax.words ? " words" : " keys");
     barsToggle.setAttribute("aria-expanded", String(state.allBars));
     shadeTokens(ax, row, r);
   }
