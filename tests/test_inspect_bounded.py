@@ -82,11 +82,18 @@ def test_the_inspection_runs_under_a_6_gb_address_space(tmp_path):
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
 
-    argv = [sys.executable, "-m", "multihead.cli", "inspect", long_text(), "--truncate", "--format", "json"]
-    result = subprocess.run(
-        [*argv, "--out", str(tmp_path)], preexec_fn=limit, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
+    corpus = tmp_path / "corpus.txt"  # a 5,000-word line among short ones: the batch is padded to 512 pieces
+    corpus.write_text("\n".join([long_text(5000), *report_module.bundled_corpus()[:5]]), encoding="utf-8")
+    command = [sys.executable, "-m", "multihead.cli", "inspect", "--truncate", "--format", "json"]
+    for extra in ([long_text()], ["--corpus", str(corpus)]):
+        result = subprocess.run(
+            [*command, *extra, "--out", str(tmp_path / "out")],
+            preexec_fn=limit,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
 
 
 def test_pairs_in_chunks_give_the_divergence_of_all_pairs_at_once(monkeypatch):

@@ -331,7 +331,9 @@ class Inspection:
         weight)."""
         query = self.token if token is None else token
         row = self.head_weights(layer, head)[query]  # (j,)
-        seen = torch.arange(row.numel()) if self.masked is None else (~self.masked[query]).nonzero()[:, 0]
+        masked = self.masked
+        seen = torch.arange(row.numel()) if masked is None else (~masked[query]).nonzero()[:, 0]
+        seen = seen.to(row.device)
         values, picked = row[seen].topk(min(k, seen.numel()))  # a causal query's later keys are never listed
         indices = seen[picked]
         return [(self.key_tokens[j], j, float(w)) for w, j in zip(values.tolist(), indices.tolist(), strict=True)]
@@ -419,11 +421,11 @@ class Inspection:
 def compact_weights(weights: torch.Tensor, present: torch.Tensor) -> dict:
     """(layers, heads, i, j) weights in [0, 1] and their (layers, heads) bool presence -> the compact form of
     ``to_dict()["weights"]`` (see :data:`COMPACT_WEIGHTS`)."""
-    quantized = (weights.float().clamp(0, 1) * 255).round().to(torch.uint8).contiguous()
+    quantized = (weights.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().contiguous()
     return {
         "encoding": COMPACT_WEIGHTS,
         "shape": list(weights.shape),
-        "present": present.tolist(),
+        "present": present.tolist(),  # (layers, heads) bools
         "data": base64.b64encode(zlib.compress(quantized.numpy().tobytes(), 6)).decode("ascii"),
     }
 

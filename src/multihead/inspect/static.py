@@ -72,10 +72,11 @@ def thumbnail_png(weights: torch.Tensor, masked: torch.Tensor | None = None) -> 
     ``masked``: (i, j) bool, keys a causal query cannot see (drawn grey where a whole block is masked)."""
     i, j = weights.shape
     size = (min(i, THUMBNAIL_PIXELS), min(j, THUMBNAIL_PIXELS))
-    pooled = F.adaptive_avg_pool2d(weights.float()[None, None], size)[0, 0]  # (h, w)
+    weights = weights.detach().float().cpu()  # a PNG is written on the host, whatever device recorded them
+    pooled = F.adaptive_avg_pool2d(weights[None, None], size)[0, 0]  # (h, w)
     pixels = _colours(pooled)
     if masked is not None:
-        hidden = F.adaptive_avg_pool2d(masked.float()[None, None], size)[0, 0] == 1.0
+        hidden = F.adaptive_avg_pool2d(masked.float().cpu()[None, None], size)[0, 0] == 1.0
         pixels[hidden] = torch.tensor(MASKED_RGB, dtype=torch.uint8)
     scale = max(1, THUMBNAIL_PIXELS // max(size))
     return _png(pixels.repeat_interleave(scale, dim=0).repeat_interleave(scale, dim=1))
