@@ -47,6 +47,11 @@ def build(name: str) -> torch.nn.Module:
         return transformers.BertModel(config)
     if name == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=24, n_layer=2, n_head=4, **common))
+    if name == "gpt_neox":
+        config = transformers.GPTNeoXConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, **common
+        )
+        return transformers.GPTNeoXForCausalLM(config)
     # grouped-query attention (4 query heads over 2 key/value heads) and RoPE; Mistral adds a window of 3 keys
     decoder = {
         "hidden_size": 32,
@@ -183,29 +188,8 @@ def test_generate_with_the_models_own_cache_gives_the_same_tokens(name, device):
 
 
 def generating_model(name: str) -> torch.nn.Module:
-    """A tiny model of ``name`` that generates: build()'s decoders, GPT-NeoX, and BART (its decoder generates)."""
-    torch.manual_seed(0)
-    common = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-    if name == "gpt_neox":
-        config = transformers.GPTNeoXConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, **common
-        )
-        return transformers.GPTNeoXForCausalLM(config)
-    if name == "bart":
-        config = transformers.BartConfig(
-            d_model=24,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=32,
-            decoder_ffn_dim=32,
-            max_position_embeddings=64,
-            decoder_start_token_id=2,
-            **common,
-        )
-        return transformers.BartForConditionalGeneration(config)
-    return build(name)
+    """A tiny model of ``name`` that generates: build()'s decoders, and BART (its decoder generates)."""
+    return build_bart() if name == "bart" else build(name)
 
 
 @pytest.mark.portable
