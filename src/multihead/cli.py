@@ -12,13 +12,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from multihead._console import make_console
+
 # Each command imports what it runs inside its own function, so one command does not load the others' modules
 # (a usage mistake is answered without them). These imports point down the layers like any other.
 from multihead._errors import InputError, bad_argument
 from multihead._figures import print_written, skipped_note  # "wrote <path>"; one line for a figure left out
+from multihead._lab import lab_missing_error, lab_module_of
 from multihead._limits import format_bytes
+from multihead._stdout import discard_stdout
 from multihead._userfiles import from_option, from_options, output_file, output_folder
-from multihead.inspect.terminal import discard_stdout, make_console
 
 DEFAULT_TEXT = "The bank was full of money."
 # Past this size, inspect notes that report.html may be slow to open (a 512-token MiniLM report is about 4 MB)
@@ -328,8 +331,8 @@ def _saved_behaviours(folder: str | None, model, part: str | None):
     """The part to show and the behaviour probes saved in the --model folder (``multihead train`` writes them) for
     it, as {name: (layers, heads)} (None when the folder has none for that part). Without --part, a checkpoint
     shows the part its probes measured (an encoder-decoder of ``train reverse``: its cross-attention)."""
+    from multihead.capture import part_sites
     from multihead.inspect.behaviours import read_behaviours
-    from multihead.inspect.capture import part_sites
 
     saved = None
     if folder is not None:
@@ -1222,6 +1225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except InputError as error:  # it says what to do: no traceback
         print(f"multihead {args.command}: error: {one_line(str(error))}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:  # a package of the lab extra, missing: one line naming the extra
+        missing = lab_module_of(error)
+        if missing is None:
+            raise
+        print(f"multihead {args.command}: error: {lab_missing_error('this command', [missing])}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from rich import box
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
-
+from multihead._console import table
 from multihead._figures import pyplot, save_figure
 from multihead._userfiles import output_folder, writing
 from multihead.cost import (
@@ -58,9 +55,10 @@ def describe_config(report: CostReport) -> str:
     return f"embed_dim {s.embed_dim}, heads {s.h}{kv} ({sizes}), batch {report.batch}, {lengths}: " + ", ".join(extra)
 
 
-def print_cost(report: CostReport, rates: MachineRates | None, console: Console) -> None:
-    """The breakdown tables: parameters, FLOPs by term, memory, crossover and roofline."""
-    console.print(Text(describe_config(report), style="bold"), soft_wrap=True)
+def print_cost(report: CostReport, rates: MachineRates | None, console: Any) -> None:
+    """The breakdown tables: parameters, FLOPs by term, memory, crossover and roofline, on ``console``
+    (:func:`multihead._console.make_console`'s: rich's, or plain text without the lab extra)."""
+    console.print(describe_config(report), style="bold", soft_wrap=True, markup=False)
     params = report.params
     console.print(
         f"parameters: {params.total:,} ({params.weights:,} weights + {params.biases:,} biases; "
@@ -69,13 +67,11 @@ def print_cost(report: CostReport, rates: MachineRates | None, console: Console)
         soft_wrap=True,
     )
 
-    flops = Table(box=box.SIMPLE_HEAD, title="FLOPs (a multiply-add is 2)", title_justify="left")
-    flops.add_column("term")
-    flops.add_column("forward", justify="right")
     backward = report.mode == "forward+backward"
-    if backward:
-        flops.add_column("backward", justify="right")
-    flops.add_column("share", justify="right")
+    flops = table(
+        "FLOPs (a multiply-add is 2)",
+        [("term", "left"), ("forward", "right"), *([("backward", "right")] if backward else []), ("share", "right")],
+    )
     total = report.total_flops
     for term in TERMS:
         forward_value, backward_value = report.flops[term], report.backward_flops[term]
@@ -105,9 +101,7 @@ def print_cost(report: CostReport, rates: MachineRates | None, console: Console)
             soft_wrap=True,
         )
 
-    memory = Table(box=box.SIMPLE_HEAD, title="Memory", title_justify="left")
-    memory.add_column("what")
-    memory.add_column("bytes", justify="right")
+    memory = table("Memory", [("what", "left"), ("bytes", "right")])
     allocated = "activations (q, k, v, head outputs, output" + (", weights)" if report.need_weights else ")")
     rows = [("parameters", report.bytes.weights), (allocated, report.bytes.activations)]
     if report.mode == "forward+backward":
@@ -151,34 +145,30 @@ def _split(cost: ParallelCost) -> str:
 
 
 def print_parallel(
-    cost: ParallelCost, timing: ParallelTime | None, console: Console, *, rates_source: str | None = None
+    cost: ParallelCost, timing: ParallelTime | None, console: Any, *, rates_source: str | None = None
 ) -> None:
     """The per-rank table of ``multihead cost --tp/--cp``: FLOPs, memory, bytes sent and collectives against the
     single-process layer; with a link bandwidth, the time with communication and the ring's crossover."""
     report = cost.report
-    table = Table(
-        box=box.SIMPLE_HEAD,
-        title=f"Across {cost.world_size} ranks: {_split(cost)}, per rank",
-        title_justify="left",
+    ranks = table(
+        f"Across {cost.world_size} ranks: {_split(cost)}, per rank",
+        [("what", "left"), ("one process", "right"), ("per rank", "right")],
     )
-    table.add_column("what")
-    table.add_column("one process", justify="right")
-    table.add_column("per rank", justify="right")
-    table.add_row(
+    ranks.add_row(
         "query heads / kv heads",
         f"{report.shape.h} / {report.shape.g}",
         f"{cost.heads_per_rank} / {cost.kv_heads_per_rank}",
     )
-    table.add_row("positions", f"{report.q_len}", f"{cost.positions_per_rank}")
-    table.add_row("needed FLOPs", human_flops(report.needed_flops), human_flops(cost.flops))
-    table.add_row("parameters", human_bytes(report.bytes.weights), human_bytes(cost.weight_bytes))
-    table.add_row("peak allocated (model)", human_bytes(report.bytes.peak), human_bytes(cost.peak_bytes))
-    table.add_row("sent, forward", "-", human_bytes(cost.sent_bytes["forward"]))
+    ranks.add_row("positions", f"{report.q_len}", f"{cost.positions_per_rank}")
+    ranks.add_row("needed FLOPs", human_flops(report.needed_flops), human_flops(cost.flops))
+    ranks.add_row("parameters", human_bytes(report.bytes.weights), human_bytes(cost.weight_bytes))
+    ranks.add_row("peak allocated (model)", human_bytes(report.bytes.peak), human_bytes(cost.peak_bytes))
+    ranks.add_row("sent, forward", "-", human_bytes(cost.sent_bytes["forward"]))
     if report.mode == "forward+backward":
-        table.add_row("sent, backward", "-", human_bytes(cost.sent_bytes["backward"]))
+        ranks.add_row("sent, backward", "-", human_bytes(cost.sent_bytes["backward"]))
     calls = ", ".join(f"{count} {name.replace('_', '-')}" for name, count in cost.collectives.items() if count)
-    table.add_row("collectives per call", "-", calls or "none")
-    console.print(table)
+    ranks.add_row("collectives per call", "-", calls or "none")
+    console.print(ranks)
     if timing is None:
         console.print("time: give --link-gbs (the bandwidth between ranks, GB/s per direction)", style="dim")
         return

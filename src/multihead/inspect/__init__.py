@@ -10,18 +10,28 @@ inspection = multihead.inspect.inspect_text(model, "The bank was full of money."
 multihead.inspect.write_reports(inspection, "report", ["terminal", "html"])
 multihead.inspect.report(model, "The bank was full of money.", out_dir="report")   # both steps at once
 
-The modules, data first: capture (hooks), stats (statistics, roles), report (the Inspection of one text),
+The modules, data first: stats (statistics, roles), report (the Inspection of one text),
 then its renderers terminal, html (a packaged jinja2 template), plots, and write (all of them, to files);
 importance and syntax (per-head scores); headreport (the tables and files of `multihead heads`).
 """
 
-from multihead.inspect.capture import Recorder, attention_layers, attention_sites, capture
-from multihead.inspect.importance import ablation_importance, gradient_importance, pruning_curve
-from multihead.inspect.report import Inspection, bundled_corpus, inspect_text, read_corpus
-from multihead.inspect.roles import ROLE_RULES, Role, label_head
-from multihead.inspect.stats import STAT_NAMES, HeadStats, head_stats
-from multihead.inspect.syntax import SyntaxScores, bundled_treebank, read_conllu, syntax_scores
-from multihead.inspect.write import report, write_reports
+from multihead._lab import require_lab
+
+require_lab("multihead.inspect")  # one line naming the extra, before any lab import fails
+
+import importlib
+
+# the module at the old path (multihead.inspect.capture), loaded first: loaded after the line below, its import
+# would rebind this package's `capture` from the function to the module
+importlib.import_module("multihead.inspect.capture")
+
+from multihead.capture import Recorder, attention_layers, attention_sites, capture  # noqa: E402
+from multihead.inspect.importance import ablation_importance, gradient_importance, pruning_curve  # noqa: E402
+from multihead.inspect.report import Inspection, bundled_corpus, inspect_text, read_corpus  # noqa: E402
+from multihead.inspect.roles import ROLE_RULES, Role, label_head  # noqa: E402
+from multihead.inspect.stats import STAT_NAMES, HeadStats, head_stats  # noqa: E402
+from multihead.inspect.syntax import SyntaxScores, bundled_treebank, read_conllu, syntax_scores  # noqa: E402
+from multihead.inspect.write import report, write_reports  # noqa: E402
 
 __all__ = [
     "capture",

@@ -6,7 +6,7 @@
     inspect_text(bart, text, part="cross")       # an encoder-decoder's cross-attention: decoder input -> text
 
 An inspection covers one part of the model's attention (see
-:func:`~multihead.inspect.capture.attention_sites`): "self" in a one-stack model (BERT, GPT-2, Llama),
+:func:`~multihead.capture.attention_sites`): "self" in a one-stack model (BERT, GPT-2, Llama),
 "encoder", "decoder" or "cross" in an encoder-decoder (BART). Its ``tokens`` are the query pieces and its
 ``key_tokens`` the key pieces (:meth:`~multihead.models.TextEncoder.part_pieces`): the same in
 self-attention; in cross-attention the decoder's input and the source text. ``pieces`` and ``key_pieces``

@@ -19,7 +19,7 @@ counting once), computed from the weights a (i, j) of one head on one text, from
 and, per text, the pattern of Kovaleva et al. (2019) (see :func:`kovaleva_pattern`), whose shares
 over the corpus are reported per head.
 
-A model's attention is grouped in parts (:func:`~multihead.inspect.capture.attention_sites`): "self" in a
+A model's attention is grouped in parts (:func:`~multihead.capture.attention_sites`): "self" in a
 one-stack model, "encoder", "decoder" and "cross" in an encoder-decoder; every reader here takes ``part``
 (default: the model's first). The queries and keys of a part are the pieces
 :meth:`~multihead.models.TextEncoder.part_tokens` names. Self-attention has the same pieces on both axes.
@@ -59,7 +59,7 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead._words import counted
-from multihead.inspect.capture import Recorder, _indices, capture, part_sites
+from multihead.capture import Recorder, _indices, capture, part_sites
 from multihead.inspect.notebook import head_grid_html
 from multihead.inspect.roles import BEHAVIOUR_STATISTICS, HeadRelation, Role, label_head, rarest_word_pieces
 from multihead.inspect.similarity import DivergenceAccumulator, HeadSimilarity
@@ -141,7 +141,7 @@ class HeadGrid:
     heads 0, 1, ...). A layer may then lack some columns: row r has the heads ``layer_heads[r]`` (in
     column order), which are the layer's heads ``positions[r]`` as the layer (and capture) counts them.
     ``part``: the model's part the layers belong to ("self", or "encoder", "decoder", "cross"; see
-    :func:`~multihead.inspect.capture.attention_sites`), None when not taken from a model.
+    :func:`~multihead.capture.attention_sites`), None when not taken from a model.
     """
 
     layers: list[int]
@@ -191,8 +191,8 @@ def head_numbers(model: torch.nn.Module, *, part: str | None = None) -> tuple[li
     them, else 0, 1, ... per layer), and how many heads a layer of the checkpoint had.
 
     The layers are those of ``part`` (default: the model's first part, the layers
-    :func:`~multihead.inspect.capture.capture` numbers by default; see
-    :func:`~multihead.inspect.capture.attention_sites`). An unknown part raises ValueError naming the model's
+    :func:`~multihead.capture.capture` numbers by default; see
+    :func:`~multihead.capture.attention_sites`). An unknown part raises ValueError naming the model's
     parts.
     """
     _, sites = part_sites(model, part)
@@ -257,7 +257,7 @@ def head_grid(
 
 class GridRecorder:
     """Records the attention weights of a :class:`HeadGrid`'s heads while active (use :func:`record_grid`):
-    one :class:`~multihead.inspect.capture.Recorder` per layer of the grid's part, each with that layer's
+    one :class:`~multihead.capture.Recorder` per layer of the grid's part, each with that layer's
     own heads."""
 
     def __init__(self, model: torch.nn.Module, grid: HeadGrid):

@@ -20,9 +20,7 @@ under the query pieces.
 from __future__ import annotations
 
 import io
-import os
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from rich import box
 from rich.cells import cell_len, set_cell_size
@@ -31,6 +29,8 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from multihead._console import MIN_WIDTH, PIPED_WIDTH, make_console, report_width
+from multihead._stdout import discard_stdout
 from multihead._words import counted
 from multihead.inspect.report import SPECIAL_TOKENS, Inspection
 from multihead.inspect.stats import PRUNED, Role
@@ -50,8 +50,6 @@ __all__ = [
     "MIN_WIDTH",
 ]
 
-PIPED_WIDTH = 100  # the width of output that goes to a file or a pipe, unless COLUMNS says otherwise
-MIN_WIDTH = 40  # narrower consoles are drawn at this width (a table column needs some room)
 MIN_TOKEN_CHARS = 5  # a word piece is never shortened below this ("[CLS]" whole): the layers are split instead
 MAX_TOKEN_CHARS = 12  # nor shown longer, however wide the console
 _ROLE_STYLES = {
@@ -73,75 +71,6 @@ LEGEND = (
 
 
 # --------------------------------------------------------------------------- the console
-
-
-def _terminal_columns(stream: object) -> int | None:
-    """The width of the terminal ``stream`` writes to, or None when it is not a terminal."""
-    try:
-        if not stream.isatty():  # type: ignore[attr-defined]
-            return None
-        return os.get_terminal_size(stream.fileno()).columns  # type: ignore[attr-defined]
-    except (AttributeError, OSError, ValueError):  # closed, replaced by an object without a descriptor
-        return None
-
-
-def _columns_variable(environ: Mapping[str, str]) -> int | None:
-    """COLUMNS as a positive whole number, or None when it is unset or not one."""
-    value = environ.get("COLUMNS", "").strip()
-    return int(value) if value.isdigit() and 0 < len(value) <= 5 and int(value) > 0 else None
-
-
-def report_width(
-    stdout: object | None = None, *, environ: Mapping[str, str] | None = None, others: Sequence[object] | None = None
-) -> int:
-    """The width reports are drawn at.
-
-    The terminal's width when ``stdout`` (default ``sys.stdout``) is a terminal. Otherwise (a pipe or a file)
-    ``COLUMNS`` when it is set, else ``PIPED_WIDTH`` (100) — but never wider than the terminal the user sits at
-    when one of ``others`` (default stderr and stdin) is one (``multihead inspect | less``). At least
-    ``MIN_WIDTH``.
-    """
-    stdout = sys.stdout if stdout is None else stdout
-    environ = os.environ if environ is None else environ
-    width = _terminal_columns(stdout)
-    if width is None:
-        width = _columns_variable(environ) or PIPED_WIDTH
-        for stream in (sys.stderr, sys.stdin) if others is None else others:
-            real = _terminal_columns(stream)
-            if real is not None:
-                width = min(width, real)
-                break
-    return max(width, MIN_WIDTH)
-
-
-def discard_stdout() -> None:
-    """Send the rest of stdout to the null device: its reader has gone (``multihead inspect | head``, ``less``
-    quit), so what is still to print, and what is buffered, goes nowhere instead of failing (EPIPE) again, at
-    the next print or at exit."""
-    try:
-        descriptor = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor: nothing to redirect
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, descriptor)
-    finally:
-        os.close(devnull)
-
-
-class _PipeConsole(Console):
-    """rich's console, but a reader that stops reading (a closed pipe) silences it instead of exiting the program:
-    rich's own answer is ``SystemExit(1)`` mid-command, which left ``inspect | head`` without its report files."""
-
-    def on_broken_pipe(self) -> None:
-        self.quiet = True  # nothing more is drawn; the command goes on and writes its files
-        discard_stdout()
-
-
-def make_console() -> Console:
-    """A console for reports on stdout, :func:`report_width` columns wide; a closed pipe silences it (the command
-    carries on: see :func:`discard_stdout`)."""
-    return _PipeConsole(width=report_width())
 
 
 # --------------------------------------------------------------------------- fitting tables to the width

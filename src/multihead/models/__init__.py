@@ -9,6 +9,10 @@ The models of ``multihead train`` read symbols (:class:`SymbolTokenizer`); :clas
 :class:`Seq2SeqReader` present a decoder and an encoder-decoder to the readers as text encoders.
 """
 
+from multihead._lab import require_lab
+
+require_lab("multihead.models")  # one line naming the extra, before any lab import fails
+
 from multihead.models.bert import Encoder, EncoderBlock, EncoderConfig
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 from multihead.models.decoder import DECODER_CONFIG, Decoder, DecoderBlock, DecoderCache, DecoderConfig, load_decoder

@@ -12,6 +12,10 @@ heads_divergence, symmetry_experiment), and the experiments behind ``multihead t
 repeated random segments: run_induction) and reverse (an encoder-decoder's cross-attention alignment: run_reverse).
 """
 
+from multihead._lab import require_lab
+
+require_lab("multihead.train")  # one line naming the extra, before any lab import fails
+
 from multihead.train.induction import InductionRun, InductionSettings, run_induction
 from multihead.train.loop import count_tokens, history_to_json, plot_history, train
 from multihead.train.reverse import ReverseRun, ReverseSettings, run_reverse

@@ -43,8 +43,8 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead._figures import Written, draw_figure
 from multihead._userfiles import output_folder, writing
+from multihead.capture import capture
 from multihead.inspect.behaviours import BEHAVIOURS_FILE, plain_measures, read_behaviours, write_behaviours
-from multihead.inspect.capture import capture
 from multihead.inspect.importance import ablated
 from multihead.models.contract import evaluating
 from multihead.models.decoder import Decoder, DecoderConfig

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from multihead._errors import bad_argument, describe
 from multihead._figures import Written, draw_figure
 from multihead._userfiles import output_folder, writing
+from multihead.capture import capture
 from multihead.inspect.behaviours import plain_measures, write_behaviours
-from multihead.inspect.capture import capture
 from multihead.inspect.importance import ablated
 from multihead.models.contract import evaluating
 from multihead.models.seq2seq import Seq2Seq, Seq2SeqConfig

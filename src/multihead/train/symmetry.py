@@ -42,7 +42,7 @@ from torch import nn
 from multihead._errors import bad_argument, describe, floating_dtype, positive_int
 from multihead._figures import pyplot, save_figure
 from multihead._userfiles import output_file, writing
-from multihead.inspect.capture import attention_layers, capture
+from multihead.capture import attention_layers, capture
 from multihead.inspect.similarity import DivergenceAccumulator
 from multihead.layer import MultiHeadAttention
 from multihead.models.contract import evaluating
