@@ -29,6 +29,7 @@ LAYERS = [
     ("multihead.integrations", "models and their inspection"),
     ("multihead.train", "models and their inspection"),
     ("multihead.parallel", "across processes"),
+    ("multihead.parallel.split", "counting and measuring"),  # the sharding rules the cost model applies too
     ("multihead.cost", "counting and measuring"),
     ("multihead.machine", "counting and measuring"),
     ("multihead.backend_rates", "counting and measuring"),

@@ -52,10 +52,10 @@ from torch import nn
 
 from multihead._errors import bad_argument, describe
 from multihead.cache import KVCache
-from multihead.cost_parallel import check_head_split  # shared with `multihead cost --tp`
 from multihead.layer import MultiHeadAttention
 from multihead.masks import Mask
 from multihead.parallel._group import resolve_group
+from multihead.parallel.split import check_head_split  # shared with `multihead cost --tp`
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -48,10 +48,10 @@ from torch.autograd.function import once_differentiable
 
 from multihead import masks
 from multihead._errors import bad_argument, describe
-from multihead.cost_parallel import ulysses_kv_heads
 from multihead.functional import AttentionResult, attention
 from multihead.layer import MultiHeadAttention
 from multihead.parallel._group import resolve_group
+from multihead.parallel.split import ulysses_kv_heads
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
