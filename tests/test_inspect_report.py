@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from multihead.inspect import capture
+from multihead.inspect import capture, head_stats
 from multihead.inspect.report import Inspection, bundled_corpus, inspect_text, pick_token, read_corpus
 from multihead.inspect.stats import DECIMALS
 from multihead.models import Encoder, EncoderConfig, load_minilm
@@ -189,3 +189,18 @@ def test_read_corpus_skips_comments_and_blank_lines(tmp_path):
     with pytest.raises(FileNotFoundError, match="corpus: expected a text file"):
         read_corpus(tmp_path / "missing.txt")
     assert len(bundled_corpus()) == 178
+
+
+def test_an_inspection_walks_the_model_once(minilm, monkeypatch):
+    """The part's attention sites are resolved once per call and handed on (they were resolved 19 times: the
+    grid, the head numbers, causality, and once per recorded layer, for the text and again for the corpus)."""
+    import multihead.capture as capture_module
+
+    walks = []
+    find = capture_module.attention_sites
+    monkeypatch.setattr(capture_module, "attention_sites", lambda model: walks.append(model) or find(model))
+    inspection = inspect_text(minilm, "The bank was full of money.", corpus=["A second text.", "And a third."])
+    assert len(walks) == 1 and inspection.corpus is not None
+    walks.clear()
+    head_stats(minilm, ["One text.", "Two texts."])  # head_stats alone: one walk too
+    assert len(walks) == 1

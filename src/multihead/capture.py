@@ -154,8 +154,11 @@ class Recorder:
         weights: bool = True,
         qkv: bool = False,
         outputs: bool = False,
+        sites: Sequence[AttentionSite] | None = None,
     ):
-        self.part, sites = part_sites(model, part)
+        # a caller that resolved the part already (a report records many layers of one part) passes its sites:
+        # the model's modules are walked once per report, not once per recorder
+        self.part, sites = part_sites(model, part) if sites is None else (str(part), list(sites))
         self.layers = _indices("layers", layers, len(sites), "layer")
         if queries is not None and not isinstance(queries, slice):
             if isinstance(queries, int) or not all(isinstance(x, int) for x in queries):

@@ -36,9 +36,9 @@ from multihead.inspect.similarity import HeadSimilarity
 from multihead.inspect.stats import (
     DECIMALS,
     HeadStats,
+    _causal,
     head_grid,
     head_stats,
-    is_causal_part,
     record_grid,
     weight_stats,
 )
@@ -504,9 +504,9 @@ def inspect_text(
     if not text.strip():
         raise bad_argument("text", "a non-empty text", repr(text), 'pass e.g. "The bank was full of money."')
     tokenizer = text_tokenizer(model)
-    grid = head_grid(model, layers, heads, part=part)
+    grid = head_grid(model, layers, heads, part=part)  # resolves the part's sites once for the whole call
     chosen = grid.part or "self"
-    causal = is_causal_part(model, chosen)
+    causal = _causal(model, grid.part)
     batch = tokenizer.batch([text], truncate=truncate)
     queries, keys = model.part_pieces(batch, chosen)
     pieces, key_pieces = queries[0], keys[0]
@@ -532,9 +532,7 @@ def inspect_text(
         corpus_stats = head_stats(
             model,
             list(corpus),
-            layers=grid.layers,
-            heads=grid.heads,
-            part=chosen,
+            grid=grid,
             truncate=truncate,
             source=corpus_source or f"{len(corpus)} corpus texts",
             progress=progress,

@@ -59,7 +59,8 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead._words import counted
-from multihead.capture import Recorder, _indices, capture, part_sites
+from multihead.attend import AttentionSite
+from multihead.capture import Recorder, _indices, part_sites
 from multihead.inspect.notebook import head_grid_html
 from multihead.inspect.roles import BEHAVIOUR_STATISTICS, HeadRelation, Role, label_head, rarest_word_pieces
 from multihead.inspect.similarity import DivergenceAccumulator, HeadSimilarity
@@ -149,6 +150,8 @@ class HeadGrid:
     layer_heads: list[list[int]]
     positions: list[list[int]] | None = None  # None: not taken from a model (weights given directly)
     part: str | None = None
+    # the part's attention sites (site l is layer l), resolved once by head_grid: recording reuses them
+    sites: tuple[AttentionSite, ...] | None = field(default=None, compare=False, repr=False)
 
     @property
     def ragged(self) -> bool:
@@ -183,19 +186,27 @@ def is_causal_part(model: torch.nn.Module, part: str | None = None) -> bool:
     unknown part raises ValueError naming the model's parts.
     """
     part, _ = part_sites(model, part)
+    return _causal(model, part)
+
+
+def _causal(model: torch.nn.Module, part: str | None) -> bool:
+    """:func:`is_causal_part` of a part already resolved (its name, as ``part_sites`` gave it)."""
     return part == "decoder" or getattr(model, "is_causal", False) is True
 
 
-def head_numbers(model: torch.nn.Module, *, part: str | None = None) -> tuple[list[list[int]], int]:
+def head_numbers(
+    model: torch.nn.Module, *, part: str | None = None, sites: Sequence[AttentionSite] | None = None
+) -> tuple[list[list[int]], int]:
     """Every attention layer's heads by their checkpoint numbers (``model.head_ids`` when the model keeps
     them, else 0, 1, ... per layer), and how many heads a layer of the checkpoint had.
 
     The layers are those of ``part`` (default: the model's first part, the layers
     :func:`~multihead.capture.capture` numbers by default; see
     :func:`~multihead.capture.attention_sites`). An unknown part raises ValueError naming the model's
-    parts.
+    parts. ``sites``: the part's sites when the caller resolved them already.
     """
-    _, sites = part_sites(model, part)
+    if sites is None:
+        _, sites = part_sites(model, part)
     counts = [site.num_heads for site in sites]
     numbers = getattr(model, "head_ids", None)
     if numbers is None:
@@ -228,8 +239,8 @@ def head_grid(
     pruned) has that cell empty. A head that no chosen layer has, or a part the model lacks, raises
     ValueError.
     """
-    part, _ = part_sites(model, part)
-    numbers, total = head_numbers(model, part=part)
+    part, sites = part_sites(model, part)  # the one walk of the model's modules a report makes
+    numbers, total = head_numbers(model, part=part, sites=sites)
     rows = _indices("layers", layers, len(numbers), "layer")
     if heads is None:
         columns = sorted({head for row in rows for head in numbers[row]})
@@ -252,7 +263,7 @@ def head_grid(
     positions = [
         [numbers[row].index(head) for head in row_heads] for row, row_heads in zip(rows, layer_heads, strict=True)
     ]
-    return HeadGrid(rows, columns, layer_heads, positions, part)
+    return HeadGrid(rows, columns, layer_heads, positions, part, tuple(sites))
 
 
 class GridRecorder:
@@ -267,7 +278,7 @@ class GridRecorder:
             )
         self.grid = grid
         self._recorders: list[Recorder | None] = [
-            capture(model, part=grid.part, layers=[layer], heads=positions) if positions else None
+            Recorder(model, part=grid.part, sites=grid.sites, layers=[layer], heads=positions) if positions else None
             for layer, positions in zip(grid.layers, grid.positions, strict=True)
         ]
         self._stack = ExitStack()
@@ -706,6 +717,7 @@ def head_stats(
     truncate: bool = False,
     source: str | None = None,
     progress: Callable[[int], None] | None = None,
+    grid: HeadGrid | None = None,
 ) -> HeadStats:
     """Per-head statistics of a text model over one text or a corpus (padding masked out).
 
@@ -723,6 +735,8 @@ def head_stats(
         truncate: cut texts over the model's positions instead of raising.
         source: a description stored with the result (default: "N texts").
         progress: called with the number of texts done after each batch (a progress bar's update).
+        grid: the layers and heads as :func:`head_grid` chose them from this model, in place of ``layers``,
+            ``heads`` and ``part`` (a caller that has one saves walking the model again).
 
     Returns:
         :class:`HeadStats` with (layers, heads) tensors; ``.roles()`` labels each head.
@@ -746,9 +760,13 @@ def head_stats(
     if not batch_texts:
         raise bad_argument("texts", "at least one non-empty text", "none", "pass text with words in it")
     tokenizer = text_tokenizer(model)
-    part, _ = part_sites(model, part)
-    grid = head_grid(model, layers, heads, part=part)
-    causal = is_causal_part(model, part)
+    if grid is None:
+        grid = head_grid(model, layers, heads, part=part)  # resolves the part's sites once for the whole call
+    elif grid.sites is None or grid.positions is None:
+        raise bad_argument(
+            "grid", "a HeadGrid of this model (head_grid(model, ...))", "one without sites", "use head_grid"
+        )
+    part, causal = grid.part or "self", _causal(model, grid.part)
     accumulators = {
         row: _Accumulator(len(kept), tokenizer.max_length) for row, kept in enumerate(grid.layer_heads) if kept
     }
