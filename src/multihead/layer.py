@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from multihead._errors import bad_argument, describe, floating_dtype, like_query, positive_int, usable_device
 from multihead._limits import check_fits
+from multihead._symbolic import surely
 from multihead.attend import Attend
 from multihead.backends import registry
 from multihead.cache import KVCache
@@ -421,8 +421,8 @@ class MultiHeadAttention(nn.Module):
     def _project(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None):
         """q (b, i, h*d), k (b, j, g*d), v (b, j, g*e): one fused matmul for self-attention of at least
         FUSED_QKV_MIN_ROWS rows, else three."""
-        # statically_known_true: for a traced length (torch.compile, torch.export) the three matmuls, with no guard
-        if key is None and statically_known_true(query.shape[0] * query.shape[1] >= FUSED_QKV_MIN_ROWS):
+        # surely: for a traced length (torch.compile, torch.export) the three matmuls, with no guard
+        if key is None and surely(query.shape[0] * query.shape[1] >= FUSED_QKV_MIN_ROWS):
             weight, bias = self._fused_qkv()
             return F.linear(query, weight, bias).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1

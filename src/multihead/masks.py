@@ -45,10 +45,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from multihead._errors import bad_argument, describe
 from multihead._limits import check_fits
+from multihead._symbolic import surely
 
 __all__ = [
     "Mask",
@@ -579,12 +579,6 @@ def as_mask(value: Mask | torch.Tensor, *, name: str = "mask") -> Mask:
 # --------------------------------------------------------------------------- bound terms
 
 
-def _surely(condition: bool) -> bool:
-    """The condition, for plain ints; for symbolic sizes (torch.compile, torch.export) True only when it
-    holds for every size, without adding a guard that would pin a sequence length."""
-    return statically_known_true(condition)
-
-
 def _moved(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A mask's small tensor (lengths, slopes) on the call's device: moved for convenience, except from the
     meta device, which has no values to move."""
@@ -717,13 +711,13 @@ class _BoundDiagonal(_BoundTerm):
     @property
     def is_plain_causal(self) -> bool:
         """Equal to SDPA's is_causal=True (top-left lower triangle)."""
-        return self.spec.left is None and self.spec.right == 0 and _surely(self.offset == 0)
+        return self.spec.left is None and self.spec.right == 0 and surely(self.offset == 0)
 
     @property
     def is_lower_right_causal(self) -> bool:
         """Equal to torch's ``causal_lower_right(i, j)`` with i <= j: the last query sees the last key."""
         i, j = self.shape.q_len, self.shape.k_len
-        at_bottom = _surely(self.offset == j - i) and _surely(i <= j)
+        at_bottom = surely(self.offset == j - i) and surely(i <= j)
         return self.spec.left is None and self.spec.right == 0 and at_bottom
 
     def _relative_range(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> tuple[int, int]:
@@ -742,8 +736,8 @@ class _BoundDiagonal(_BoundTerm):
 
     def surely_full(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> bool:
         lo, hi = self._relative_range(row_start, row_stop, col_start, col_stop)
-        return (self.spec.left is None or _surely(lo >= -self.spec.left)) and (
-            self.spec.right is None or _surely(hi <= self.spec.right)
+        return (self.spec.left is None or surely(lo >= -self.spec.left)) and (
+            self.spec.right is None or surely(hi <= self.spec.right)
         )
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
@@ -763,8 +757,8 @@ class _BoundDiagonal(_BoundTerm):
     def may_empty_rows(self) -> bool:
         # aligned positions run from offset to q_len - 1 + offset; keys from 0 to k_len - 1
         first, last = self.offset, self.shape.q_len - 1 + self.offset
-        starts_in_time = self.spec.right is None or _surely(first + self.spec.right >= 0)
-        ends_in_time = self.spec.left is None or _surely(last - self.spec.left <= self.shape.k_len - 1)
+        starts_in_time = self.spec.right is None or surely(first + self.spec.right >= 0)
+        ends_in_time = self.spec.left is None or surely(last - self.spec.left <= self.shape.k_len - 1)
         return not (starts_in_time and ends_in_time)
 
     def host_term(self) -> _BoundTerm | None:

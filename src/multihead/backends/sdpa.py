@@ -26,10 +26,10 @@ What differs from ours, and how this backend bridges it:
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from multihead.backends.costs import (
     Estimate,
@@ -60,6 +60,12 @@ def sdpa_computes_mask(mask: BoundMask) -> bool:
     return mask.shape.device.type in LOWER_RIGHT_DEVICES and mask.is_lower_right_causal
 
 
+def _is_causal_bias(attn_mask: object) -> bool:
+    """True for torch's CausalBias; its module not loaded yet, no such mask exists (sdpa_mask loads it first)."""
+    bias = sys.modules.get("torch.nn.attention.bias")
+    return bias is not None and isinstance(attn_mask, bias.CausalBias)
+
+
 def sdpa_mask(mask: BoundMask, dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
     """Our mask as SDPA's (attn_mask, is_causal): none, its own causal (top-left, or torch's causal_lower_right
     where its kernels compute it: :func:`sdpa_computes_mask`), bool keep-mask, or float with -inf where masked."""
@@ -68,6 +74,9 @@ def sdpa_mask(mask: BoundMask, dtype: torch.dtype) -> tuple[torch.Tensor | None,
     if mask.is_plain_causal:
         return None, True
     if sdpa_computes_mask(mask):
+        # imported here: torch.nn.attention.bias loads dynamo (about 0.5 s), which only this mask needs
+        from torch.nn.attention.bias import causal_lower_right
+
         return causal_lower_right(mask.shape.q_len, mask.shape.k_len), False
     return mask.additive(dtype), False
 
@@ -151,7 +160,7 @@ def kv_heads_for_kernel(
         return k, v, False
     half = q.dtype in (torch.float16, torch.bfloat16)
     # torch's causal_lower_right calls its kernels without enable_gqa: it takes h heads of k and v on every device
-    repeat = isinstance(attn_mask, CausalBias)
+    repeat = _is_causal_bias(attn_mask)
     if repeat or (q.device.type in GQA_NEEDS_REPEAT_DEVICES and (attn_mask is not None or not half)):
         group = heads // kv_heads
         return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
