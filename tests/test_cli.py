@@ -411,11 +411,32 @@ def test_library_errors_reach_the_command_line_in_its_spelling(tmp_path, capsys)
         "multihead inspect: error: --part: expected one of the model's parts ['self'], got 'encoder'. "
         "Fix: pass e.g. --part self\n"
     )
-    respelled = cli_spelling(
-        "heads: expected x, got y. Fix: pass e.g. heads=[0, 1]; or dtype='float32' for embed_dim", COST_OPTIONS
-    )
-    assert respelled == "heads: expected x, got y. Fix: pass e.g. heads=[0, 1]; or --dtype float32 for --embed-dim"
-    assert cli_spelling('part: a. Fix: pass part="cross"', {"part": "--part"}) == "--part: a. Fix: pass --part cross"
+    respelled = cli_spelling("pass e.g. heads=[0, 1]; or dtype='float32' for embed_dim", COST_OPTIONS)
+    assert respelled == "pass e.g. heads=[0, 1]; or --dtype float32 for --embed-dim"  # heads is not a cost option
+    assert cli_spelling('pass part="cross"', {"part": "--part"}) == "pass --part cross"
+
+
+def test_errors_are_renamed_from_their_fields_never_from_their_message():
+    """An error keeps argument, expected, got and fix as fields; the command line builds its own words from them
+    (it used to take the message apart by its prefix, so another library's "heads: ..." was renamed too)."""
+    from multihead._errors import InputError, bad_argument
+    from multihead._userfiles import from_option, from_options
+
+    error = bad_argument("part", "one of ['self']", "'encoder'", 'pass e.g. part="self"')
+    assert (error.argument, error.expected, error.got, error.fix) == ("part", "one of ['self']", "'encoder'", error.fix)
+    with pytest.raises(ValueError) as raised, from_options({"part": "--part"}):
+        raise error
+    assert str(raised.value) == "--part: expected one of ['self'], got 'encoder'. Fix: pass e.g. --part self"
+    assert type(raised.value) is type(error) and raised.value.argument == "--part"
+    elsewhere = InputError("part: a message from another library")  # no fields: not ours to take apart
+    with pytest.raises(InputError) as raised, from_options({"part": "--part"}):
+        raise elsewhere
+    assert raised.value is elsewhere
+    with pytest.raises(ValueError, match=r"^--model config\.json: expected a file"), from_option("--model"):
+        raise bad_argument("config.json", "a file", "a folder", "pass the checkpoint folder")
+    import pickle
+
+    assert pickle.loads(pickle.dumps(error)).fix == 'pass e.g. part="self"'  # the fields cross processes
 
 
 # --------------------------------------------------------------------------- multihead heads

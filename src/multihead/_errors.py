@@ -14,7 +14,49 @@ import torch
 
 
 class InputError(Exception):
-    """Marks an error as the caller's mistake (a bad argument, an unreadable file), not multihead's bug."""
+    """Marks an error as the caller's mistake (a bad argument, an unreadable file), not multihead's bug.
+
+    Built by :func:`bad_argument`, it keeps its parts as fields: ``argument`` (what the caller passed), ``expected``,
+    ``got`` and ``fix``; its message is "<argument>: expected <expected>, got <got>. Fix: <fix>". An error made
+    from a message alone (another library's words) has no fields (all None). Code that says the error in other
+    words (the command line names its options) builds a new one from the fields (:meth:`about`), never by taking
+    the message apart.
+    """
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        argument: str | None = None,
+        expected: str | None = None,
+        got: str | None = None,
+        fix: str | None = None,
+    ):
+        if message is None:
+            message = f"{argument}: expected {expected}, got {got}. Fix: {fix}"
+        super().__init__(message)
+        self.argument, self.expected, self.got, self.fix = argument, expected, got, fix
+
+    def __reduce__(self):  # the fields travel too (an error raised in another process, a pickled result)
+        fields = {"argument": self.argument, "expected": self.expected, "got": self.got, "fix": self.fix}
+        return _rebuilt, (type(self), str(self), fields)
+
+    def about(self, argument: str, *, expected: str | None = None, fix: str | None = None) -> InputError:
+        """The same error, of the same kind, about ``argument`` (``expected`` and ``fix`` replaced when given): the
+        command line's option for the library's argument. An error without fields gets ``argument`` in front of
+        its message."""
+        if self.argument is None:
+            return type(self)(f"{argument} {self}")
+        return type(self)(
+            argument=argument,
+            expected=self.expected if expected is None else expected,
+            got=self.got,
+            fix=self.fix if fix is None else fix,
+        )
+
+
+def _rebuilt(kind: type[InputError], message: str, fields: dict) -> InputError:
+    return kind(message, **fields)
 
 
 class ArgumentValueError(InputError, ValueError):
@@ -42,7 +84,10 @@ def bad_argument(name: str, expected: str, got: object, fix: str, *, kind: type[
     ``kind`` ValueError, TypeError or FileNotFoundError gives the :class:`InputError` subclass of it; any other class
     (one that derives from :class:`InputError`, such as compat's torch-style errors) is used as given.
     """
-    return _INPUT_KINDS.get(kind, kind)(f"{name}: expected {expected}, got {got}. Fix: {fix}")
+    made = _INPUT_KINDS.get(kind, kind)
+    if not issubclass(made, InputError):
+        return made(f"{name}: expected {expected}, got {got}. Fix: {fix}")
+    return made(argument=name, expected=expected, got=str(got), fix=fix)
 
 
 def whole_sentences(text: str, limit: int = 240) -> str:

@@ -268,16 +268,16 @@ def from_option(option: str, *, names: tuple[str, ...] | None = None) -> Iterato
     try:
         yield
     except InputError as error:
-        message, bare = str(error), option.lstrip("-")
-        if message.startswith((f"{option}:", f"{option} ")):
-            raise
+        argument = error.argument
+        if argument is not None and (argument == option or argument.startswith(f"{option} ")):
+            raise  # already said in the command line's words
         if names is not None:
-            subject = next((name for name in names if message.startswith(f"{name}:")), None)
-            if subject is None:
+            if argument not in names:
                 raise
-            raise type(error)(cli_spelling(message, {subject: option})) from None
-        renamed = f"{option}:{message[len(bare) + 1 :]}" if message.startswith(f"{bare}:") else f"{option} {message}"
-        raise type(error)(renamed) from None
+            raise _spelled(error, {argument: option}) from None
+        if argument == option.lstrip("-"):
+            raise error.about(option) from None
+        raise error.about(option if argument is None else f"{option} {argument}") from None
 
 
 @contextlib.contextmanager
@@ -287,10 +287,20 @@ def from_options(options: Mapping[str, str]) -> Iterator[None]:
     try:
         yield
     except InputError as error:
-        message = str(error)
-        if not any(message.startswith(f"{name}:") for name in options):
+        if error.argument not in options:
             raise
-        raise type(error)(cli_spelling(message, options)) from None
+        raise _spelled(error, options) from None
+
+
+def _spelled(error: InputError, options: Mapping[str, str]) -> InputError:
+    """``error`` about the command line's option for its argument, its expectation and fix in the command line's
+    spelling (:func:`cli_spelling`)."""
+    assert error.argument is not None  # the callers chose it among ``options``
+    return error.about(
+        options[error.argument],
+        expected=cli_spelling(error.expected or "", options),
+        fix=cli_spelling(error.fix or "", options),
+    )
 
 
 # name="encoder", name='float32', name=[0, 1], name=3: a library argument's value as Python spells it
@@ -298,14 +308,13 @@ _PYTHON_VALUE = r"""=(?:"(?P<double>[^"]*)"|'(?P<single>[^']*)'|\[(?P<items>[0-9
 
 
 def cli_spelling(message: str, options: Mapping[str, str]) -> str:
-    """``message`` (an error about library arguments) with the arguments spelled as the command line's options:
-    {"part": "--part"} turns 'part: expected ... Fix: pass e.g. part="encoder"' into '--part: expected ... Fix:
-    pass e.g. --part encoder' (and heads=[0, 1] into --heads 0,1, seq >= 1 into --seq >= 1). A name with an
-    underscore (embed_dim) cannot be a plain word, so it is respelled wherever it stands; a plain word (part,
-    heads) only where it is clearly the argument: the subject, name=value and a comparison."""
+    """``message`` (an expectation or a fix, about library arguments) with the arguments spelled as the command
+    line's options: {"part": "--part"} turns 'pass e.g. part="encoder"' into 'pass e.g. --part encoder' (and
+    heads=[0, 1] into --heads 0,1, seq >= 1 into --seq >= 1). A name with an underscore (embed_dim) cannot be a
+    plain word, so it is respelled wherever it stands; a plain word (part, heads) only where it is clearly the
+    argument: name=value and a comparison. The error's own argument is a field of it, renamed by
+    :meth:`~multihead._errors.InputError.about`."""
     for name, option in options.items():
-        if message.startswith(f"{name}:"):
-            message = f"{option}:{message[len(name) + 1 :]}"
 
         def value(match: re.Match[str], option: str = option) -> str:
             items = match["items"]

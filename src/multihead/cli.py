@@ -997,12 +997,10 @@ def _train_settings(task: str, args: argparse.Namespace):
     try:
         return dataclasses.replace(defaults, **chosen)
     except InputError as error:  # the settings name their fields; the user typed the options
-        message = str(error)
-        for option, names in fields.items():
-            for field in names:
-                if message.startswith(f"{field}:"):
-                    raise type(error)(f"--{option.replace('_', '-')}:{message[len(field) + 1 :]}") from None
-        raise
+        option = next((option for option, names in fields.items() if error.argument in names), None)
+        if option is None:
+            raise
+        raise error.about(f"--{option.replace('_', '-')}") from None
 
 
 def training_progress(console):

@@ -46,7 +46,7 @@ def task_importance(model: object, task: str, settings: Mapping[str, Any]) -> tu
     except TypeError as error:  # a settings field the run does not have
         raise bad_argument(BEHAVIOURS_FILE, "the settings of a multihead train run", str(error), _FIX) from None
     except InputError as error:  # a settings value the run refuses
-        if str(error).startswith(BEHAVIOURS_FILE):
+        if error.argument == BEHAVIOURS_FILE:
             raise
         raise bad_argument(BEHAVIOURS_FILE, "valid run settings", describe(str(error)), _FIX) from None
     importance = HeadImportance(
