@@ -470,25 +470,25 @@ ROWS = [
     pytest.param(
         call(Q, K, V, return_weights=WeightSelection(heads=[0, H])),
         ValueError,
-        "WeightSelection.heads: expected indices in [0, 6) (h = 6), got [6]",
+        "WeightSelection.heads: expected head indices in 0..5 (or -6..-1, from the end), got 6",
         id="selection-head-too-big",
     ),
     pytest.param(
-        call(Q, K, V, return_weights=WeightSelection(heads=[-1])),
+        call(Q, K, V, return_weights=WeightSelection(heads=[-7])),
         ValueError,
-        "WeightSelection.heads: expected indices in [0, 6) (h = 6), got [-1]",
+        "WeightSelection.heads: expected head indices in 0..5 (or -6..-1, from the end), got -7",
         id="selection-head-negative",
     ),
     pytest.param(
         call(Q, K, V, return_weights=WeightSelection(queries=[Q_LEN])),
         ValueError,
-        "WeightSelection.queries: expected indices in [0, 5) (i = 5), got [5]",
+        "WeightSelection.queries: expected query indices in 0..4 (or -5..-1, from the end), got 5",
         id="selection-query-too-big",
     ),
     pytest.param(
         call(Q, K, V, return_weights=WeightSelection(heads=[0.5])),
         TypeError,
-        "WeightSelection.heads: expected a sequence of ints",
+        "WeightSelection.heads: expected head indices (int), got float 0.5",
         id="selection-heads-float",
     ),
     pytest.param(
@@ -500,7 +500,7 @@ ROWS = [
     pytest.param(
         call(Q, K, V, return_weights=WeightSelection(heads=[])),
         ValueError,
-        "WeightSelection.heads: expected at least one index",
+        "WeightSelection.heads: expected at least one head index",
         id="selection-heads-empty",
     ),
     pytest.param(

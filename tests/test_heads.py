@@ -133,8 +133,9 @@ def test_restore_brings_back_the_exact_ungated_output(x, device):
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda layer: layer.ablate_heads([6]), ValueError, r"heads: expected head indices in 0\.\.5, got 6"),
-        (lambda layer: layer.ablate_heads([1, 1]), ValueError, "heads: expected distinct head indices"),
+        (lambda layer: layer.ablate_heads([6]), ValueError, r"heads: expected head indices in 0\.\.5 \(or -6\.\.-1"),
+        (lambda layer: layer.ablate_heads([1, 1]), ValueError, "heads: expected each head once, got head 1 twice"),
+        (lambda layer: layer.ablate_heads([5, -1]), ValueError, "heads: expected each head once, got head 5 twice"),
         (lambda layer: layer.ablate_heads(["a"]), TypeError, "heads: expected head indices"),
         (lambda layer: layer.ablate_heads([1], how="noise"), ValueError, "how: expected one of zero, uniform, mean"),
         (

@@ -145,9 +145,9 @@ def test_layer_order_and_bad_arguments(model_and_inputs, device):
     model, x, memory = model_and_inputs
     assert attention_layers(model) == [model.first, model.second]
     assert attention_layers(model.first) == [model.first]
-    with pytest.raises(ValueError, match=r"layers: expected layer indices in 0\.\.1, got 2\. Fix: the model has 2"):
+    with pytest.raises(ValueError, match=r"layers: expected layer indices in 0\.\.1 \(or -2\.\.-1, .*\), got 2"):
         capture(model, layers=[2])
-    with pytest.raises(ValueError, match=r"heads: expected head indices in 0\.\.3, got 5"):
+    with pytest.raises(ValueError, match=r"heads: expected head indices in 0\.\.3 \(or -4\.\.-1, .*\), got 5"):
         capture(model, heads=[5])  # the second layer has 4 heads
     with pytest.raises(TypeError, match="heads: expected head indices"):
         capture(model, heads=["a"])

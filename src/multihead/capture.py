@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from multihead._errors import bad_argument, describe
+from multihead._indices import checked_indices
 from multihead.attend import AttentionSite, find_sites
 from multihead.functional import AttentionResult, WeightSelection, attention
 from multihead.layer import MultiHeadAttention
@@ -93,36 +94,6 @@ def part_sites(model: nn.Module, part: str | None = None) -> tuple[str, list[Att
     return part, sorted((site for site in sites if site.part == part), key=lambda site: site.index)
 
 
-def _indices(name: str, chosen: Sequence[int] | int | None, count: int, what: str) -> list[int]:
-    """Validated indices into range(count); None means all; negative indices count from the end."""
-    if chosen is None:
-        return list(range(count))
-    values = [chosen] if isinstance(chosen, int) else chosen
-    try:
-        values = list(values)
-    except TypeError:
-        raise bad_argument(
-            name, f"an int or a list of {what} indices", describe(chosen), f"pass e.g. {name}=[0, 1]", kind=TypeError
-        ) from None
-    result = []
-    for value in values:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise bad_argument(
-                name, f"{what} indices (int)", describe(value), f"pass e.g. {name}=[0, 1]", kind=TypeError
-            )
-        if not -count <= value < count:
-            raise bad_argument(
-                name,
-                f"{what} indices in 0..{count - 1}",
-                value,
-                f"the model has {count} {what}s; pick indices below {count}",
-            )
-        result.append(value % count)
-    if not result:
-        raise bad_argument(name, f"at least one {what} index", "an empty list", f"pass None for every {what}")
-    return result
-
-
 @dataclass
 class _LayerRecord:
     """What one layer recorded, one list entry per forward call."""
@@ -159,7 +130,7 @@ class Recorder:
         # a caller that resolved the part already (a report records many layers of one part) passes its sites:
         # the model's modules are walked once per report, not once per recorder
         self.part, sites = part_sites(model, part) if sites is None else (str(part), list(sites))
-        self.layers = _indices("layers", layers, len(sites), "layer")
+        self.layers = checked_indices("layers", layers, len(sites), "layer")
         if queries is not None and not isinstance(queries, slice):
             if isinstance(queries, int) or not all(isinstance(x, int) for x in queries):
                 raise bad_argument(
@@ -178,7 +149,7 @@ class Recorder:
         self._sites = {index: sites[index] for index in self.layers}
         self._records: dict[int, _LayerRecord] = {}
         for index, site in self._sites.items():
-            layer_heads = _indices("heads", heads, site.num_heads, "head")
+            layer_heads = checked_indices("heads", heads, site.num_heads, "head")
             per_group = site.num_heads // site.num_kv_heads
             self._records[index] = _LayerRecord(layer_heads, [head // per_group for head in layer_heads])
         self._handles: list = []

@@ -16,17 +16,17 @@ reads key/value head n // (h / g), as torch's ``enable_gqa`` and
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple, overload
 
 import torch
 
 from multihead._errors import bad_argument, describe
+from multihead._indices import checked_indices
 from multihead._limits import check_fits, device_memory
 from multihead.backends import policy, registry
 from multihead.backends._blocks import (
@@ -188,10 +188,13 @@ def _check_options(
         )
 
 
-def _check_selection(selection: WeightSelection, heads: int, q_len: int) -> None:
-    for name, values, limit, axis in (
-        ("heads", selection.heads, heads, "h"),
-        ("queries", selection.queries, q_len, "i"),
+def _check_selection(selection: WeightSelection, heads: int, q_len: int) -> WeightSelection:
+    """``selection`` checked against the call's h query heads and i queries, its index lists as indices into
+    them (a negative one counts from the end, as everywhere: :func:`multihead._indices.checked_indices`)."""
+    chosen: dict[str, list[int]] = {}
+    for name, values, limit, what in (
+        ("heads", selection.heads, heads, "head"),
+        ("queries", selection.queries, q_len, "query"),
     ):
         if values is None:
             continue
@@ -220,11 +223,7 @@ def _check_selection(selection: WeightSelection, heads: int, q_len: int) -> None
                     f"pick rows within [0, {limit})",
                 )
             continue
-        if (
-            isinstance(values, (str, bytes))
-            or not isinstance(values, Sequence)
-            or not all(isinstance(n, int) and not isinstance(n, bool) for n in values)
-        ):
+        if isinstance(values, int):  # one index is a list of one elsewhere; here the field wants a sequence
             raise bad_argument(
                 f"WeightSelection.{name}",
                 "a sequence of ints (or None for all)",
@@ -232,21 +231,10 @@ def _check_selection(selection: WeightSelection, heads: int, q_len: int) -> None
                 f"pass e.g. {name}=[0, 3]",
                 kind=TypeError,
             )
-        if not values:
-            raise bad_argument(
-                f"WeightSelection.{name}",
-                "at least one index (or None for all)",
-                "an empty sequence",
-                f"pass e.g. {name}=[0], or None for all",
-            )
-        out_of_range = [n for n in values if not 0 <= n < limit]
-        if out_of_range:
-            raise bad_argument(
-                f"WeightSelection.{name}",
-                f"indices in [0, {limit}) ({axis} = {limit})",
-                out_of_range,
-                f"pick {name} below {limit}",
-            )
+        chosen[name] = checked_indices(f"WeightSelection.{name}", values, limit, what)
+    if all(chosen.get(name) == getattr(selection, name) for name in chosen):
+        return selection  # already plain indices: the caller's own object goes on
+    return replace(selection, **chosen)
 
 
 def _check_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_weights: object) -> None:
@@ -303,8 +291,7 @@ def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return
     bound = bind_mask(mask, causal, AttentionShape(b, h, i, j, q.device))
     selection = None
     if isinstance(return_weights, WeightSelection):
-        _check_selection(return_weights, h, i)
-        selection = return_weights
+        selection = _check_selection(return_weights, h, i)
     weights = "none" if return_weights is False else ("subset" if selection is not None else "all")
     applied_dropout = float(dropout) if training else 0.0
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -664,7 +651,7 @@ def _timer(p: _Prepared, backend: registry.Backend) -> Callable[[], float]:
                 *leaves, mask=p.mask, scale=p.scale, dropout=0.0, need_weights=native_weights, need_lse=p.call.need_lse
             )
             if p.call.weights != "none" and not native_weights:
-                copies = dataclasses.replace(p, q=leaves[0], k=leaves[1], v=leaves[2])
+                copies = replace(p, q=leaves[0], k=leaves[1], v=leaves[2])
                 _weights_for(copies, p.selection or WeightSelection())
             if p.call.requires_grad:
                 result.output.backward(torch.ones_like(result.output))

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from multihead._errors import bad_argument, describe
+from multihead._indices import checked_indices
 from multihead.functional import attention
 from multihead.masks import Mask, to_device
 
@@ -43,22 +44,11 @@ class HeadAblation:
 
 
 def check_heads(num_heads: int, heads: Sequence[int] | int, name: str = "heads") -> list[int]:
-    """Distinct valid head indices (sorted) of a layer with ``num_heads`` heads."""
-    values = [heads] if isinstance(heads, int) else heads
-    try:
-        values = list(values)
-    except TypeError:
-        raise bad_argument(
-            name, "a list of head indices", describe(heads), f"pass e.g. {name}=[0, 3]", kind=TypeError
-        ) from None
-    for value in values:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise bad_argument(name, "head indices (int)", describe(value), f"pass e.g. {name}=[0, 3]", kind=TypeError)
-        if not 0 <= value < num_heads:
-            raise bad_argument(name, f"head indices in 0..{num_heads - 1}", value, f"the layer has {num_heads} heads")
-    if len(set(values)) != len(values):
-        raise bad_argument(name, "distinct head indices", values, "list each head once")
-    return sorted(values)
+    """Distinct valid head indices (sorted) of a layer with ``num_heads`` heads (a negative one counts from the
+    end: :func:`multihead._indices.checked_indices`)."""
+    if heads is None:  # None means every head elsewhere; here, a head must be named
+        raise bad_argument(name, "a list of head indices", "None", f"pass e.g. {name}=[0, 3]", kind=TypeError)
+    return sorted(checked_indices(name, heads, num_heads, "head", distinct=True))
 
 
 def make_ablation(

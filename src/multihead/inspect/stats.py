@@ -58,9 +58,10 @@ from dataclasses import dataclass, field
 import torch
 
 from multihead._errors import bad_argument, describe
+from multihead._indices import checked_indices
 from multihead._words import counted
 from multihead.attend import AttentionSite
-from multihead.capture import Recorder, _indices, part_sites
+from multihead.capture import Recorder, part_sites
 from multihead.inspect.notebook import head_grid_html
 from multihead.inspect.roles import BEHAVIOUR_STATISTICS, HeadRelation, Role, label_head, rarest_word_pieces
 from multihead.inspect.similarity import DivergenceAccumulator, HeadSimilarity
@@ -241,11 +242,11 @@ def head_grid(
     """
     part, sites = part_sites(model, part)  # the one walk of the model's modules a report makes
     numbers, total = head_numbers(model, part=part, sites=sites)
-    rows = _indices("layers", layers, len(numbers), "layer")
+    rows = checked_indices("layers", layers, len(numbers), "layer")
     if heads is None:
         columns = sorted({head for row in rows for head in numbers[row]})
     else:
-        columns = _indices("heads", heads, total, "head")
+        columns = checked_indices("heads", heads, total, "head")
         if len(set(columns)) != len(columns):
             twice = next(head for head in columns if columns.count(head) > 1)
             raise bad_argument("heads", "each head once", f"head {twice} twice", "list every head once")

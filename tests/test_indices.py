@@ -1,0 +1,46 @@
+"""One meaning for index lists (issue 32): every entry point takes layers, heads and query rows through
+``multihead._indices.checked_indices``, where a negative index counts from the end. ``WeightSelection`` and head
+surgery refused -1 while capture and the reports took it as the last one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multihead
+from multihead import WeightSelection
+from multihead._indices import checked_indices
+from multihead.capture import capture
+
+
+def test_the_validator_counts_negatives_from_the_end_and_names_the_range():
+    assert checked_indices("heads", [-1, 0, -4], 4, "head") == [3, 0, 0]
+    assert checked_indices("heads", 2, 4, "head") == [2] and checked_indices("heads", None, 3, "head") == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"^heads: expected head indices in 0\.\.3 \(or -4\.\.-1, from the end\)"):
+        checked_indices("heads", [-5], 4, "head")
+    with pytest.raises(ValueError, match="heads: expected each head once, got head 3 twice"):
+        checked_indices("heads", [3, -1], 4, "head", distinct=True)
+    for bad in ("01", [1.0], [True], object()):
+        with pytest.raises(TypeError, match="heads: expected"):
+            checked_indices("heads", bad, 4, "head")
+
+
+@pytest.mark.portable
+def test_minus_one_is_the_last_head_and_row_everywhere(device):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 5, 8, device=device) for _ in range(3))
+    full = multihead.attention(q, k, v, return_weights=True).weights  # (1, 4, 5, 5)
+    last = multihead.attention(q, k, v, return_weights=WeightSelection(heads=[-1], queries=[-1])).weights
+    torch.testing.assert_close(last, full[:, 3:, 4:])
+
+    layer = multihead.MultiHeadAttention(16, 4, device=device)
+    x = torch.randn(2, 5, 16, device=device)
+    with capture(layer, heads=[-1]) as recorder:
+        layer(x)
+    assert recorder.weights(0, 3).shape == (2, 5, 5)  # head -1 recorded as head 3
+
+    ablated_last, ablated_three = (multihead.MultiHeadAttention(16, 4, device=device) for _ in range(2))
+    ablated_three.load_state_dict(ablated_last.state_dict())
+    ablated_last.ablate_heads([-1])
+    ablated_three.ablate_heads([3])
+    torch.testing.assert_close(ablated_last(x), ablated_three(x))
