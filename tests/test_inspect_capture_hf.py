@@ -161,7 +161,7 @@ def test_a_model_not_on_our_kernel_is_refused_with_the_fix():
     _, ours = pair(build("gpt2"))
     with pytest.raises(ValueError, match=r"part: expected one of the model's parts \['self'\], got 'cross'"):
         capture(ours, part="cross")
-    with pytest.raises(ValueError, match=r"layers: expected layer indices in 0\.\.1, got 2"):
+    with pytest.raises(ValueError, match=r"layers: expected layer indices in 0\.\.1 \(or -2\.\.-1, .*\), got 2"):
         capture(ours, layers=[2])
 
 

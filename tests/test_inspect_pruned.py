@@ -151,7 +151,7 @@ def test_heads_are_checkpoint_numbers_and_a_head_no_layer_has_is_an_error(pruned
         ValueError, match=r"heads: expected heads that a chosen layer still has .* got 0, pruned from layer 2"
     ):
         inspect_text(pruned, TEXT, layers=[2], heads=[0])
-    with pytest.raises(ValueError, match=r"heads: expected head indices in 0\.\.11, got 12"):
+    with pytest.raises(ValueError, match=r"heads: expected head indices in 0\.\.11 \(or -12\.\.-1, .*\), got 12"):
         inspect_text(pruned, TEXT, heads=[12])
     with pytest.raises(ValueError, match="heads: expected each head once"):
         inspect_text(pruned, TEXT, heads=[1, 1])

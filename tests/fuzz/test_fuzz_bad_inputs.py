@@ -11,8 +11,9 @@ positional modules. Each entry draws a valid baseline and one defect from its ow
 
 Choices where the contract leaves room (see DESIGN.md): a layer's input must have the dtype and device of
 its parameters (a mixed dtype is a TypeError, not a silent cast); ``device="cuda"`` on a machine without
-CUDA is a bad device; negative head or query indices in a WeightSelection are out of range (no
-Python-style wrap-around); an error may come when a WeightSelection is built or when it is used.
+CUDA is a bad device; a negative head or query index in a WeightSelection counts from the end, as everywhere
+in multihead (issue 32: one meaning), so only one below -h (or -i) is out of range; an error may come when a
+WeightSelection is built or when it is used.
 """
 
 from __future__ import annotations
@@ -183,7 +184,11 @@ def _mutations(shape, q, k, v, huge: bool):
             {"mask": later(lambda: masks.causal() & masks.allowed(torch.ones(i + 1, j, dtype=torch.bool)))},
         ),
         (f"WeightSelection heads=[{h}]", (q, k, v), {"return_weights": later(lambda: WeightSelection(heads=[h]))}),
-        ("WeightSelection heads=[-1]", (q, k, v), {"return_weights": later(lambda: WeightSelection(heads=[-1]))}),
+        (
+            f"WeightSelection heads=[{-h - 1}]",
+            (q, k, v),
+            {"return_weights": later(lambda: WeightSelection(heads=[-h - 1]))},
+        ),
         ("WeightSelection heads=[]", (q, k, v), {"return_weights": later(lambda: WeightSelection(heads=[]))}),
         ("WeightSelection heads='0'", (q, k, v), {"return_weights": later(lambda: WeightSelection(heads="0"))}),
         ("WeightSelection heads=[0.0]", (q, k, v), {"return_weights": later(lambda: WeightSelection(heads=[0.0]))}),
@@ -325,7 +330,7 @@ def selection_cases(draw) -> Bad:
         st.sampled_from(
             [
                 (f"heads=[{h}]", {"heads": [h]}),
-                ("heads=[-1]", {"heads": [-1]}),
+                (f"heads=[{-h - 1}]", {"heads": [-h - 1]}),
                 ("heads=[]", {"heads": []}),
                 ("heads='0'", {"heads": "0"}),
                 ("heads=[0.5]", {"heads": [0.5]}),
@@ -333,7 +338,7 @@ def selection_cases(draw) -> Bad:
                 ("heads=[None]", {"heads": [None]}),
                 ("heads=[2**40]", {"heads": [HUGE]}),
                 (f"queries=[{i}]", {"queries": [i]}),
-                ("queries=[-1]", {"queries": [-1]}),
+                (f"queries=[{-i - 1}]", {"queries": [-i - 1]}),
                 ("queries=slice(0, 2.5)", {"queries": slice(0, 2.5)}),
                 ("queries=slice(0.5, 2)", {"queries": slice(0.5, 2)}),
                 ("queries=slice(0, 2, 0)", {"queries": slice(0, 2, 0)}),
