@@ -350,7 +350,7 @@ def _saved_behaviours(folder: str | None, model, part: str | None):
 def _chosen_heads(model, layers_spec: str | None, heads_spec: str | None) -> tuple[list[int] | None, list[int] | None]:
     """--layers and --heads checked against the model's sizes: heads by their checkpoint numbers, which a pruned
     model's heads keep (a head pruned from every chosen layer is refused by inspect_text)."""
-    from multihead.inspect.stats import head_numbers
+    from multihead.inspect.recording import head_numbers
 
     numbers, total = head_numbers(model)
     return parse_indices("layers", layers_spec, len(numbers)), parse_indices("heads", heads_spec, total)
@@ -793,8 +793,8 @@ def run_heads(args: argparse.Namespace) -> int:
 
     from multihead._userfiles import writing
     from multihead.inspect import headreport
+    from multihead.inspect.recording import head_numbers
     from multihead.inspect.report import bundled_corpus, read_corpus
-    from multihead.inspect.stats import head_numbers
     from multihead.integrations import load_text_model
     from multihead.models import Encoder
 
@@ -933,7 +933,7 @@ def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
 def _report_columns(folder: str, model) -> dict[str, list[list[float | None]]]:
     """The --scores folder's per-head columns, (layers, checkpoint heads) of this model's size (null: pruned)."""
     from multihead.inspect.headreport import report_columns
-    from multihead.inspect.stats import head_numbers
+    from multihead.inspect.recording import head_numbers
 
     numbers, total = head_numbers(model)
     return report_columns(folder, argument="--scores", shape=(len(numbers), total))

@@ -30,7 +30,7 @@ from multihead._words import counted
 from multihead.capture import attention_layers, capture, part_sites
 from multihead.heads import make_ablation
 from multihead.inspect.notebook import head_grid_html
-from multihead.inspect.stats import head_numbers
+from multihead.inspect.recording import head_numbers
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [

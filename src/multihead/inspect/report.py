@@ -31,17 +31,10 @@ from multihead._errors import bad_argument, describe
 from multihead._userfiles import read_text
 from multihead._words import counted
 from multihead.inspect.notebook import shorten
+from multihead.inspect.recording import _causal, head_grid, record_grid
 from multihead.inspect.roles import HeadRelation
 from multihead.inspect.similarity import HeadSimilarity
-from multihead.inspect.stats import (
-    DECIMALS,
-    HeadStats,
-    _causal,
-    head_grid,
-    head_stats,
-    record_grid,
-    weight_stats,
-)
+from multihead.inspect.stats import DECIMALS, HeadStats, head_stats, weight_stats
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 from multihead.models.tokenizer import Pieces
 

@@ -43,8 +43,9 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead._userfiles import MissingFileError, read_text
+from multihead.inspect.recording import HeadGrid, head_grid, record_grid
 from multihead.inspect.roles import HeadRelation
-from multihead.inspect.stats import DECIMALS, HeadGrid, head_grid, record_grid
+from multihead.inspect.stats import DECIMALS
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
 
 __all__ = [
