@@ -12,10 +12,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from multihead._console import make_console
-
 # Each command imports what it runs inside its own function, so one command does not load the others' modules
-# (a usage mistake is answered without them). These imports point down the layers like any other.
+# (a usage mistake is answered without them). These imports point down the layers like any other; the ones here
+# are the core's (a command of the lab without its extra is one line, from main).
+from multihead._console import make_console
 from multihead._errors import InputError, bad_argument
 from multihead._figures import print_written, skipped_note  # "wrote <path>"; one line for a figure left out
 from multihead._lab import lab_missing_error, lab_module_of
