@@ -406,7 +406,7 @@ ROWS = [
     pytest.param(
         call(Q, K, V, dropout="0.1", training=True),
         TypeError,
-        "dropout: expected a float in [0, 1), got str",
+        "dropout: expected a probability in [0, 1), got str",
         id="dropout-str",
     ),
     pytest.param(

@@ -1,6 +1,7 @@
-"""One meaning for index lists (issue 32): every entry point takes layers, heads and query rows through
-``multihead._indices.checked_indices``, where a negative index counts from the end. ``WeightSelection`` and head
-surgery refused -1 while capture and the reports took it as the last one."""
+"""One validator for each kind of argument (issue 32): every entry point takes layers, heads and query rows
+through ``multihead._indices.checked_indices``, where a negative index counts from the end (``WeightSelection``
+and head surgery refused -1 while capture and the reports took it as the last one), and a dropout probability
+through ``multihead._errors.checked_probability``."""
 
 from __future__ import annotations
 
@@ -44,3 +45,23 @@ def test_minus_one_is_the_last_head_and_row_everywhere(device):
     ablated_last.ablate_heads([-1])
     ablated_three.ablate_heads([3])
     torch.testing.assert_close(ablated_last(x), ablated_three(x))
+
+
+@pytest.mark.parametrize(
+    "bad, kind",
+    [("0.1", TypeError), (True, TypeError), (1.0, ValueError), (-0.1, ValueError), (float("nan"), ValueError)],
+)
+def test_attention_the_layer_and_compat_check_dropout_alike(bad, kind):
+    """One check of a probability (multihead._errors.checked_probability): the layer refused a string dropout
+    as a ValueError where attention and compat said TypeError, and took a numpy float as no number."""
+    from multihead.compat import MultiheadAttention
+
+    q = torch.randn(1, 2, 3, 4)
+    calls = {
+        "attention": lambda: multihead.attention(q, q, q, dropout=bad, training=True),
+        "layer": lambda: multihead.MultiHeadAttention(8, 2, dropout=bad),
+        "compat": lambda: MultiheadAttention(8, 2, dropout=bad),
+    }
+    for where, call in calls.items():
+        with pytest.raises(kind, match=r"^dropout: expected a probability in \[0, 1\)"):
+            call()  # the same error at every entry point (``where`` names the one that differs)

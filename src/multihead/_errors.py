@@ -7,6 +7,7 @@ command line tells a user's mistake (one line, no traceback) from a bug in multi
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Literal, overload
 
@@ -115,6 +116,23 @@ def describe(value: object) -> str:
     if len(text) > 80:  # a huge list or string would drown the message
         text = text[:77] + "..."
     return f"{type(value).__name__} {text}"
+
+
+def checked_flag(name: str, value: object) -> bool:
+    """Validate a switch: TypeError unless True or False (1, "yes" and None are refused, not read as truth)."""
+    if not isinstance(value, bool):
+        raise bad_argument(name, "True or False", describe(value), f"pass {name}=True or {name}=False", kind=TypeError)
+    return value
+
+
+def checked_probability(name: str, value: object) -> float:
+    """Validate a dropout-like probability: TypeError unless a real number (not bool), ValueError outside [0, 1)
+    (NaN included). The one check of ``attention``, the layer and compat."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise bad_argument(name, "a probability in [0, 1)", describe(value), f"pass e.g. {name}=0.1", kind=TypeError)
+    if value < 0.0 or not value < 1.0:  # NaN fails the second test: rejected too
+        raise bad_argument(name, "a probability in [0, 1)", value, f"pass e.g. {name}=0.1, or 0.0 for none")
+    return float(value)
 
 
 def positive_int(name: str, value: object) -> int:

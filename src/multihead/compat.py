@@ -29,7 +29,6 @@ returned padded; TorchScript is refused with a clear error (use ``torch.compile`
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -43,6 +42,8 @@ from multihead._errors import (
     ArgumentValueError,
     InputError,
     bad_argument,
+    checked_flag,
+    checked_probability,
     describe,
     floating_dtype,
     like_query,
@@ -104,20 +105,6 @@ def _text(value: object) -> str:
 
 def _shape(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}"
-
-
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise bad_argument(name, "True or False", describe(value), f"pass {name}=True or {name}=False", kind=TypeError)
-    return value
-
-
-def _probability(name: str, value: object) -> float:
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise bad_argument(name, "a probability in [0, 1)", describe(value), f"pass e.g. {name}=0.1", kind=TypeError)
-    if value < 0.0 or not value < 1.0:  # NaN fails the second test: rejected too
-        raise bad_argument(name, "a probability in [0, 1)", value, f"pass e.g. {name}=0.1, or 0.0 for none")
-    return float(value)
 
 
 # --------------------------------------------------------------------------- the core
@@ -189,7 +176,7 @@ def _check_arguments(
         ("average_attn_weights", average_attn_weights),
         ("is_causal", is_causal),
     ):
-        _flag(name, flag)
+        checked_flag(name, flag)
     dims = query.dim()
     if dims not in (2, 3):
         raise _error(
@@ -509,8 +496,8 @@ def _attend(
         need_weights,
         add_zero_attn,
     )
-    _probability(dropout_name, dropout)
-    _flag("training", training)
+    checked_probability(dropout_name, dropout)
+    checked_flag("training", training)
     # ---- nothing is computed above this line; nothing is checked below it
     if not call.batched:  # (L, E) -> (L, 1, E), torch's unbatched convention
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
@@ -653,14 +640,14 @@ class MultiheadAttention(nn.Module):
                 "pick num_heads that divides embed_dim",
                 "embed_dim must be divisible by num_heads",
             )
-        dropout = _probability("dropout", dropout)
+        dropout = checked_probability("dropout", dropout)
         for name, flag in (
             ("bias", bias),
             ("add_bias_kv", add_bias_kv),
             ("add_zero_attn", add_zero_attn),
             ("batch_first", batch_first),
         ):
-            _flag(name, flag)
+            checked_flag(name, flag)
         device, dtype = usable_device("device", device), floating_dtype("dtype", dtype)
         largest = max((embed_dim, "embed_dim"), (kdim, "kdim"), (vdim, "vdim"), key=lambda pair: pair[0])[1]
         check_fits(
@@ -918,8 +905,8 @@ def multi_head_attention_forward(
             "pick num_heads that divides the embedding size",
             f"embed_dim {embed_dim} not divisible by num_heads {num_heads}",
         )
-    _flag("use_separate_proj_weight", use_separate_proj_weight)
-    _flag("add_zero_attn", add_zero_attn)
+    checked_flag("use_separate_proj_weight", use_separate_proj_weight)
+    checked_flag("add_zero_attn", add_zero_attn)
 
     def weight(name: str, t: object, rows: int, cols: int | None) -> torch.Tensor:
         """A (rows, cols) tensor (any cols when None)."""

@@ -25,7 +25,7 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
-from multihead._errors import bad_argument, describe
+from multihead._errors import bad_argument, checked_flag, checked_probability, describe
 from multihead._indices import checked_indices
 from multihead._limits import check_fits, device_memory
 from multihead.backends import policy, registry
@@ -165,15 +165,9 @@ def _check_options(
             )
         if not math.isfinite(scale):
             raise bad_argument("scale", "a finite number", scale, "pass e.g. 1/sqrt(d), or None")
-    if not isinstance(dropout, numbers.Real) or isinstance(dropout, bool):
-        raise bad_argument("dropout", "a float in [0, 1)", describe(dropout), "pass e.g. dropout=0.1", kind=TypeError)
-    if dropout < 0.0 or not dropout < 1.0:  # NaN fails the second test: rejected too
-        raise bad_argument("dropout", "a probability in [0, 1)", dropout, "pass e.g. dropout=0.1, or 0.0 for none")
+    checked_probability("dropout", dropout)
     for name, value in (("training", training), ("causal", causal), ("return_lse", return_lse)):
-        if not isinstance(value, bool):
-            raise bad_argument(
-                name, "True or False", describe(value), f"pass {name}=True or {name}=False", kind=TypeError
-            )
+        checked_flag(name, value)
     if not isinstance(backend, str):
         raise bad_argument(
             "backend", "a backend name (str)", describe(backend), "pass e.g. backend='auto'", kind=TypeError

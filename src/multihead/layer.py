@@ -13,7 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multihead._errors import bad_argument, describe, floating_dtype, like_query, positive_int, usable_device
+from multihead._errors import (
+    bad_argument,
+    checked_flag,
+    checked_probability,
+    describe,
+    floating_dtype,
+    like_query,
+    positive_int,
+    usable_device,
+)
 from multihead._limits import check_fits
 from multihead._symbolic import surely
 from multihead.attend import Attend
@@ -119,10 +128,8 @@ class MultiHeadAttention(nn.Module):
         self.kdim = _size("kdim", kdim, default=embed_dim)
         self.vdim = _size("vdim", vdim, default=embed_dim)
         self.out_dim = _size("out_dim", out_dim, default=embed_dim)
-        if not isinstance(bias, bool):
-            raise bad_argument("bias", "True or False", describe(bias), "pass bias=True or bias=False", kind=TypeError)
-        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0:
-            raise bad_argument("dropout", "a probability in [0, 1)", describe(dropout), "pass e.g. dropout=0.1")
+        checked_flag("bias", bias)
+        checked_probability("dropout", dropout)
         if not isinstance(backend, str):
             raise bad_argument(
                 "backend", "a backend name (str)", describe(backend), "pass e.g. backend='auto'", kind=TypeError
@@ -507,9 +514,8 @@ class MultiHeadAttention(nn.Module):
                         value.shape[1],
                         "give key and value the same length",
                     )
-        for name, flag in (("need_weights", need_weights), ("average_weights", average_weights), ("causal", causal)):
-            if not isinstance(flag, bool):
-                raise bad_argument(name, "True or False", describe(flag), f"pass {name}=True or False", kind=TypeError)
+        for name, switch in (("need_weights", need_weights), ("average_weights", average_weights), ("causal", causal)):
+            checked_flag(name, switch)
         if cache is not None and not isinstance(cache, KVCache):
             raise bad_argument(
                 "cache",
