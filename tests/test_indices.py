@@ -47,11 +47,12 @@ def test_minus_one_is_the_last_head_and_row_everywhere(device):
     torch.testing.assert_close(ablated_last(x), ablated_three(x))
 
 
+@pytest.mark.parametrize("where", ["attention", "layer", "compat"])
 @pytest.mark.parametrize(
     "bad, kind",
     [("0.1", TypeError), (True, TypeError), (1.0, ValueError), (-0.1, ValueError), (float("nan"), ValueError)],
 )
-def test_attention_the_layer_and_compat_check_dropout_alike(bad, kind):
+def test_attention_the_layer_and_compat_check_dropout_alike(where, bad, kind):
     """One check of a probability (multihead._errors.checked_probability): the layer refused a string dropout
     as a ValueError where attention and compat said TypeError, and took a numpy float as no number."""
     from multihead.compat import MultiheadAttention
@@ -62,6 +63,5 @@ def test_attention_the_layer_and_compat_check_dropout_alike(bad, kind):
         "layer": lambda: multihead.MultiHeadAttention(8, 2, dropout=bad),
         "compat": lambda: MultiheadAttention(8, 2, dropout=bad),
     }
-    for where, call in calls.items():
-        with pytest.raises(kind, match=r"^dropout: expected a probability in \[0, 1\)"):
-            call()  # the same error at every entry point (``where`` names the one that differs)
+    with pytest.raises(kind, match=r"^dropout: expected a probability in \[0, 1\)"):
+        calls[where]()
