@@ -54,7 +54,7 @@ def test_minus_one_is_the_last_head_and_row_everywhere(device):
 )
 def test_attention_the_layer_and_compat_check_dropout_alike(where, bad, kind):
     """One check of a probability (multihead._errors.checked_probability): the layer refused a string dropout
-    as a ValueError where attention and compat said TypeError, and took a numpy float as no number."""
+    as a ValueError where attention and compat said TypeError, and refused a numpy float32 as no number."""
     from multihead.compat import MultiheadAttention
 
     q = torch.randn(1, 2, 3, 4)
