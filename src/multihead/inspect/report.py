@@ -324,11 +324,9 @@ class Inspection:
         weight)."""
         query = self.token if token is None else token
         row = self.head_weights(layer, head)[query]  # (j,)
-        masked = self.masked
-        seen = torch.arange(row.numel()) if masked is None else (~masked[query]).nonzero()[:, 0]
-        seen = seen.to(row.device)
-        values, picked = row[seen].topk(min(k, seen.numel()))  # a causal query's later keys are never listed
-        indices = seen[picked]
+        if self.causal:  # the keys it sees: 0 .. query + j - i, as :attr:`masked` aligns them (never a later key)
+            row = row[: max(0, min(row.numel(), query + 1 + len(self.key_tokens) - len(self.tokens)))]
+        values, indices = row.topk(min(k, row.numel()))
         return [(self.key_tokens[j], j, float(w)) for w, j in zip(values.tolist(), indices.tolist(), strict=True)]
 
     def most_attended(self, layer: int, head: int) -> list[tuple[str, str, float]]:
