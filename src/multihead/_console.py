@@ -13,6 +13,7 @@ import importlib.util
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -142,20 +143,12 @@ class PlainConsole:
             lines = item.lines() if isinstance(item, PlainTable) else [text]
             for line in lines:
                 try:
-                    print(line if soft_wrap or isinstance(item, PlainTable) else _folded(line, self.width))
+                    print(
+                        line
+                        if soft_wrap or isinstance(item, PlainTable)
+                        else textwrap.fill(line, self.width, break_long_words=False, break_on_hyphens=False)
+                    )
                 except BrokenPipeError:  # the reader has gone: quiet from now on, as rich's console is here
                     self.quiet = True
                     discard_stdout()
                     return
-
-
-def _folded(line: str, width: int) -> str:
-    """``line`` broken between words so that no piece is longer than ``width`` (a longer word stays whole)."""
-    pieces, current = [], ""
-    for word in line.split(" "):
-        if current and len(current) + 1 + len(word) > width:
-            pieces.append(current)
-            current = word
-        else:
-            current = f"{current} {word}" if current else word
-    return "\n".join([*pieces, current])
