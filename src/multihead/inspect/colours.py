@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["WEIGHT_STOPS", "WEIGHT_TICKS", "WEIGHT_SCALE_LABEL", "MASKED_RGB", "weight_rgb"]
+import torch
+
+__all__ = ["WEIGHT_STOPS", "WEIGHT_TICKS", "WEIGHT_SCALE_LABEL", "MASKED_RGB", "weight_rgb", "weight_rgb_pixels"]
 
 # Evenly spaced stops of the ramp along sqrt(weight): 0 -> near white, 1 -> dark blue.
 WEIGHT_STOPS: tuple[tuple[int, int, int], ...] = (
@@ -32,3 +34,12 @@ def weight_rgb(weight: float) -> tuple[int, int, int]:
     low, high = WEIGHT_STOPS[index], WEIGHT_STOPS[index + 1]
     r, g, b = (round(a + fraction * (z - a)) for a, z in zip(low, high, strict=True))
     return r, g, b
+
+
+def weight_rgb_pixels(weights: torch.Tensor) -> torch.Tensor:
+    """:func:`weight_rgb` of every weight at once: (...) weights -> (..., 3) uint8 (the static view's thumbnails)."""
+    stops = torch.tensor(WEIGHT_STOPS, dtype=torch.float32)  # (s, 3)
+    position = weights.float().clamp(0, 1).sqrt() * (len(WEIGHT_STOPS) - 1)
+    index = position.floor().clamp(max=len(WEIGHT_STOPS) - 2).long()
+    fraction = (position - index).unsqueeze(-1)
+    return (stops[index] + fraction * (stops[index + 1] - stops[index])).round().to(torch.uint8)

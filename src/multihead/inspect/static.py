@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from multihead._words import counted
-from multihead.inspect.colours import MASKED_RGB, WEIGHT_STOPS
+from multihead.inspect.colours import MASKED_RGB, weight_rgb_pixels
 from multihead.inspect.notebook import head_grid_html
 from multihead.inspect.report import Inspection
 from multihead.inspect.stats import PRUNED
@@ -57,15 +57,6 @@ def _png(pixels: torch.Tensor) -> bytes:
     )
 
 
-def _colours(weights: torch.Tensor) -> torch.Tensor:
-    """(...) weights -> (..., 3) uint8 on the square-root ramp of :data:`WEIGHT_STOPS` (as ``weight_rgb``)."""
-    stops = torch.tensor(WEIGHT_STOPS, dtype=torch.float32)  # (s, 3)
-    position = weights.float().clamp(0, 1).sqrt() * (len(WEIGHT_STOPS) - 1)
-    index = position.floor().clamp(max=len(WEIGHT_STOPS) - 2).long()
-    fraction = (position - index).unsqueeze(-1)
-    return (stops[index] + fraction * (stops[index + 1] - stops[index])).round().to(torch.uint8)
-
-
 def thumbnail_png(weights: torch.Tensor, masked: torch.Tensor | None = None) -> bytes:
     """A PNG of one head's (i, j) weights, queries down and keys across, at most :data:`THUMBNAIL_PIXELS` a
     side: a long text's cells are averaged into blocks, a short one's drawn as squares of several pixels.
@@ -74,7 +65,7 @@ def thumbnail_png(weights: torch.Tensor, masked: torch.Tensor | None = None) -> 
     size = (min(i, THUMBNAIL_PIXELS), min(j, THUMBNAIL_PIXELS))
     weights = weights.detach().float().cpu()  # a PNG is written on the host, whatever device recorded them
     pooled = F.adaptive_avg_pool2d(weights[None, None], size)[0, 0]  # (h, w)
-    pixels = _colours(pooled)
+    pixels = weight_rgb_pixels(pooled)
     if masked is not None:
         hidden = F.adaptive_avg_pool2d(masked.float().cpu()[None, None], size)[0, 0] == 1.0
         pixels[hidden] = torch.tensor(MASKED_RGB, dtype=torch.uint8)
