@@ -13,6 +13,8 @@ block at a time, and skips blocks they rule out entirely.
     bias(tensor)             any additive float tensor broadcastable to (b, h, i, j)
     allowed(tensor)          any boolean tensor broadcastable to (b, h, i, j), True = may attend
     softcap(cap)             logit soft-capping: score -> cap * tanh(score / cap), before the bias
+    custom(mask_mod, score_mod, block_mod)
+                             your own, as functions of (b, h, q_idx, kv_idx): FlexAttention's model, on every backend
 
 Masks combine with ``&``: keys must be allowed by every boolean term, and the
 bias terms add up. A plain tensor is accepted wherever a mask is: boolean means
@@ -39,14 +41,15 @@ at all; such fully masked rows give output 0 on every backend.
 from __future__ import annotations
 
 import enum
+import inspect
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from multihead._errors import bad_argument, describe
+from multihead._errors import bad_argument, checked_flag, describe
 from multihead._limits import check_fits
 from multihead._symbolic import surely
 
@@ -64,6 +67,7 @@ __all__ = [
     "allowed",
     "softcap",
     "as_mask",
+    "custom",
 ]
 
 ALIGNMENTS = ("bottom_right", "top_left")
@@ -168,7 +172,7 @@ class Mask:
         """Validate against the call's sizes and return a mask kernels can evaluate."""
         return BoundMask([term._bind(shape) for term in self.terms()], shape)
 
-    def _bind(self, shape: AttentionShape) -> _BoundTerm:  # implemented by primitive masks
+    def _bind(self, shape: AttentionShape) -> BoundTerm:  # implemented by primitive masks
         raise TypeError(f"{type(self).__name__} is not a primitive mask")
 
 
@@ -230,7 +234,7 @@ class _Diagonal(Mask):
             return f"causal(align={self.align!r})"
         return f"window(left={self.left}, right={self.right}, align={self.align!r})"
 
-    def _bind(self, shape: AttentionShape) -> _BoundTerm:
+    def _bind(self, shape: AttentionShape) -> BoundTerm:
         offset = shape.k_len - shape.q_len if self.align == "bottom_right" else 0
         return _BoundDiagonal(self, offset, shape)
 
@@ -295,7 +299,7 @@ class _Padding(Mask):
     def __repr__(self) -> str:
         return f"padding({'valid' if self.keys.dtype == torch.bool else 'lengths'}={tuple(self.keys.shape)})"
 
-    def _bind(self, shape: AttentionShape) -> _BoundTerm:
+    def _bind(self, shape: AttentionShape) -> BoundTerm:
         if self.keys.dtype == torch.bool:
             if tuple(self.keys.shape) != (shape.batch, shape.k_len):
                 raise bad_argument(
@@ -377,7 +381,7 @@ class _Alibi(Mask):
     def __repr__(self) -> str:
         return f"alibi(heads={self.slopes.shape[0]})"
 
-    def _bind(self, shape: AttentionShape) -> _BoundTerm:
+    def _bind(self, shape: AttentionShape) -> BoundTerm:
         if self.slopes.shape[0] != shape.heads:
             raise bad_argument(
                 "alibi(slopes)",
@@ -452,7 +456,7 @@ class _Dense(Mask):
     def __repr__(self) -> str:
         return f"{'bias' if self.is_bias else 'allowed'}(shape={tuple(self.tensor.shape)})"
 
-    def _bind(self, shape: AttentionShape) -> _BoundTerm:
+    def _bind(self, shape: AttentionShape) -> BoundTerm:
         target = (shape.batch, shape.heads, shape.q_len, shape.k_len)
         t = self.tensor.reshape((1,) * (4 - self.tensor.ndim) + tuple(self.tensor.shape))
         if any(size not in (1, want) for size, want in zip(t.shape, target, strict=True)):
@@ -469,7 +473,7 @@ class _Dense(Mask):
                 f"one on {t.device}",
                 f"move it with .to({str(shape.device)!r})",
             )
-        return _BoundDense(t)
+        return _BoundDense(t, shape)
 
 
 def bias(tensor: torch.Tensor) -> Mask:
@@ -526,7 +530,7 @@ class _Softcap(Mask):
     def __repr__(self) -> str:
         return f"softcap(cap={self.cap!r})"
 
-    def _bind(self, shape: AttentionShape) -> _BoundTerm:
+    def _bind(self, shape: AttentionShape) -> BoundTerm:
         return _BoundSoftcap(self.cap)
 
 
@@ -548,6 +552,176 @@ def softcap(cap: float) -> Mask:
     Backends that apply no transform to the scores (torch's SDPA) do not serve it; ``auto`` picks another.
     """
     return _Softcap(cap)
+
+
+# --------------------------------------------------------------------------- masks written as functions
+
+ModFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _checked_function(name: str, function: object, fix: str) -> None:
+    """Refuse what is not a function of four positional arguments (b, h, q_idx, kv_idx)."""
+    if not callable(function):
+        raise bad_argument(name, "a function of (b, h, q_idx, kv_idx)", describe(function), fix, kind=TypeError)
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: its first call says
+        return
+    kinds = [p.kind for p in parameters]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    takes = sum(kind in positional for kind in kinds)
+    required = sum(kind in positional and p.default is p.empty for kind, p in zip(kinds, parameters, strict=True))
+    if inspect.Parameter.VAR_POSITIONAL not in kinds and takes < 4 or required > 4:
+        raise bad_argument(
+            name, "a function of four arguments (b, h, q_idx, kv_idx)", _arity(takes, required), fix, kind=TypeError
+        )
+
+
+def _arity(takes: int, required: int) -> str:
+    return (
+        f"one of {required} argument{'s' * (required != 1)}"
+        if takes == required
+        else (f"one of {required} to {takes} arguments")
+    )
+
+
+SCORE_MOD_FIX = (
+    "write the bias alone: score_mod(b, h, q_idx, kv_idx) returns what is added to the score, so FlexAttention's "
+    "`lambda score, b, h, q, kv: score + bias[h, q - kv]` becomes `lambda b, h, q, kv: bias[h, q - kv]`"
+)
+
+
+def custom(
+    mask_mod: ModFunction | None = None,
+    score_mod: ModFunction | None = None,
+    block_mod: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    | None = None,
+    *,
+    monotone: bool = False,
+) -> Mask:
+    """A mask written as functions of positions, FlexAttention's ``mask_mod`` / ``score_mod`` model, run by every
+    backend, forward and backward: combine it with ``&`` like any mask.
+
+    - ``mask_mod(b, h, q_idx, kv_idx) -> bool``: True where the query may attend the key.
+    - ``score_mod(b, h, q_idx, kv_idx) -> float``: a bias added to the scaled (and soft-capped) score, where
+      FlexAttention's own ``score_mod(score, ...)`` returns ``score + bias``. Gradients reach the tensors it
+      reads that require grad (a learned relative-position table, T5-style); auto then picks a backend that
+      differentiates a bias (the reference). ``-inf`` masks the pair.
+    - ``block_mod(q_start, q_stop, kv_start, kv_stop) -> (empty, full)``: optional, what ``mask_mod`` does to
+      blocks of pairs, so kernels skip the empty ones and run full ones without the mask. The arguments are int64
+      block bounds, half-open ([start, stop)), shaped (q_blocks, 1) and (1, kv_blocks); ``empty`` (bool,
+      broadcast to (q_blocks, kv_blocks)) where ``mask_mod`` is False for every pair, batch row and head of the
+      block, ``full`` where it is True for all of them.
+    - ``monotone=True`` instead of a ``block_mod`` says that along every row and every column of each (batch
+      row, head) the mask changes at most once, the same way for all (causal, prefix-LM, padding): the four
+      corners of a block then settle it, and are all that is evaluated. With neither, every block is evaluated
+      pair by pair (correct, without skipping).
+
+    The functions are vectorised: they get int64 tensors that broadcast together, shaped (b, 1, 1, 1),
+    (1, h, 1, 1), (1, 1, rows, 1) and (1, 1, 1, cols) for a block, or 0-d under FlexAttention's vmap. So write
+    them with tensor operations (``&``, ``|``, ``torch.where``, indexing a tensor by them), not ``and`` / ``if``.
+    ``q_idx`` counts the call's queries from 0 and ``kv_idx`` its keys: with a KV cache, a query's position in
+    the sequence is ``q_idx + (kv_len - q_len)``.
+
+        >>> documents = torch.tensor([[0, 0, 0, 1, 1, 2]])  # (b, n): the document of each position
+        >>> same_document = custom(lambda b, h, q, kv: documents[b, q] == documents[b, kv])
+        >>> prefix_lm = custom(lambda b, h, q, kv: (kv <= q) | (kv < 3), monotone=True)
+    """
+    for name, function in (("mask_mod", mask_mod), ("score_mod", score_mod), ("block_mod", block_mod)):
+        if function is not None:
+            fix = SCORE_MOD_FIX if name == "score_mod" else f"pass {name}=lambda b, h, q_idx, kv_idx: ..."
+            if name == "block_mod":
+                fix = "pass block_mod=lambda q_start, q_stop, kv_start, kv_stop: (empty, full)"
+            _checked_function(name, function, fix)
+    monotone = checked_flag("monotone", monotone)
+    if mask_mod is None and score_mod is None:
+        raise bad_argument(
+            "custom",
+            "a mask_mod, a score_mod or both",
+            "neither",
+            "pass mask_mod=... and/or score_mod=...",
+            kind=TypeError,
+        )
+    if mask_mod is None and (block_mod is not None or monotone):
+        raise bad_argument(
+            "block_mod" if block_mod is not None else "monotone",
+            "a mask_mod to classify blocks of",
+            "a score_mod alone",
+            "pass the mask_mod too, or leave block_mod and monotone out (a bias skips no block)",
+        )
+    if block_mod is not None and monotone:
+        raise bad_argument(
+            "monotone",
+            "False when a block_mod is given (the block_mod classifies blocks)",
+            True,
+            "give a block_mod or monotone=True, not both",
+        )
+    parts: list[Mask] = []
+    if mask_mod is not None:
+        parts.append(_CustomMask(mask_mod, block_mod, monotone))
+    if score_mod is not None:
+        parts.append(_CustomScores(score_mod))
+    return parts[0] if len(parts) == 1 else Combined(tuple(parts))
+
+
+def _name(function: Callable) -> str:
+    return getattr(function, "__qualname__", type(function).__name__)
+
+
+def _probed(name: str, function: ModFunction, shape: AttentionShape, floating: bool) -> torch.Tensor:
+    """``function`` called once on a 2 x 2 block of position 0, on the call's device, and its result checked (a
+    bool or a float tensor that broadcasts to the block), so that a wrong function is named when the mask is
+    bound, not deep in a kernel: two rows and two columns make ``and`` / ``if`` on the positions fail here."""
+    zero = torch.zeros((), dtype=torch.long, device=shape.device)
+    rows, cols = zero.expand(1, 1, 2, 1), zero.expand(1, 1, 1, 2)
+    expected = "a floating tensor (the bias)" if floating else "a bool tensor (True = may attend)"
+    try:
+        value = function(zero.expand(1, 1, 1, 1), zero.expand(1, 1, 1, 1), rows, cols)
+    except Exception as error:
+        raise bad_argument(
+            name,
+            "a function of (b, h, q_idx, kv_idx) int64 tensors made of tensor operations",
+            f"{_name(function)}, which raised {type(error).__name__}: {error}",
+            "use &, |, torch.where and tensor indexing on the positions, not and / or / if",
+            kind=TypeError,
+        ) from error
+    good = isinstance(value, torch.Tensor) and (value.is_floating_point() if floating else value.dtype == torch.bool)
+    if not good:
+        fix = "return the bias as a float tensor" if floating else "return a comparison, e.g. kv_idx <= q_idx"
+        got = describe(value) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise bad_argument(name, expected, f"{_name(function)} returning {got}", fix, kind=TypeError)
+    return value
+
+
+class _CustomMask(Mask):
+    def __init__(self, mask_mod: ModFunction, block_mod: Callable | None, monotone: bool):
+        self.mask_mod, self.block_mod, self.monotone = mask_mod, block_mod, monotone
+
+    def __repr__(self) -> str:
+        blocks = f", block_mod={_name(self.block_mod)}" if self.block_mod else ", monotone=True" * self.monotone
+        return f"custom(mask_mod={_name(self.mask_mod)}{blocks})"
+
+    def _bind(self, shape: AttentionShape) -> BoundTerm:
+        _probed("mask_mod", self.mask_mod, shape, floating=False)
+        return _BoundCustomMask(self, shape)
+
+
+class _CustomScores(Mask):
+    def __init__(self, score_mod: ModFunction):
+        self.score_mod = score_mod
+
+    def __repr__(self) -> str:
+        return f"custom(score_mod={_name(self.score_mod)})"
+
+    def _bind(self, shape: AttentionShape) -> BoundTerm:
+        probe = _probed("score_mod", self.score_mod, shape, floating=True)
+        return _BoundCustomScores(self, shape, requires_grad=probe.requires_grad)
+
+
+def _code(function: Callable) -> object:
+    """What a compiled kernel's code depends on in a user's function: its code object (a closure made again with
+    new tensors shares it), or the object itself."""
+    return getattr(function, "__code__", function)
 
 
 def all_of(*parts: Mask | torch.Tensor) -> Mask:
@@ -603,6 +777,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def device_scalar(value: float, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A 0-d tensor of ``value`` on ``device``, sent there without waiting for it (:func:`to_device`): a
+    ``torch.tensor(value, device="cuda")`` is a blocking copy from the host on every call."""
+    return to_device(torch.tensor(value, dtype=dtype), device)
+
+
 def is_fake(t: torch.Tensor) -> bool:
     """Whether t is a fake tensor (FakeTensorMode, torch.export): shapes and no values to read."""
     return _is_fake is not None and bool(_is_fake(t))
@@ -656,10 +836,50 @@ def _select(t: torch.Tensor, dim: int, index: Index | None) -> torch.Tensor:
     return t.index_select(dim, index)
 
 
-class _BoundTerm:
+class BoundTerm:
+    """One mask term bound to a call's sizes, said once: :meth:`mod` is what it means for every (batch row, head,
+    query, key) and :meth:`block_states` how it classifies blocks of pairs. Every backend reads these two: the
+    reference and SDPA densely, tiled and materialized a block at a time (:meth:`evaluate` calls the mod on the
+    block's positions), flex by passing the mod through as FlexAttention's ``mask_mod`` or inside its
+    ``score_mod`` (:meth:`lifted`)."""
+
+    kind = "term"  # its name in BoundMask.kinds()
     is_bias = False
     requires_grad = False
     may_hold_minus_inf = False  # a bias term with -inf entries (pairs it masks)
+    holds_data = True  # its meaning depends on tensor values, not only on sizes (padding, tensors, user functions)
+    reads_pair_tensor = False  # its mod reads a tensor at (query, key) positions (torch 2.13's CPU flex refuses it)
+
+    def rule(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The term's meaning as a function of batch rows ``b``, heads ``h``, query positions ``q`` and key
+        positions ``k`` (int64 tensors that broadcast together: 0-d under FlexAttention's vmap, or shaped
+        (b, 1, 1, 1), (1, h, 1, 1), (1, 1, rows, 1), (1, 1, 1, cols) for a block), giving keep (bool, True = may
+        attend) or the bias added to the score (float). Queries count from 0 at the call's first query, keys from
+        0. A plain function holding its values (as default arguments): flex hands it to torch.compile, whose CPU
+        code generation (torch 2.13) fails on some masks read through a bound method's ``self``."""
+        raise TypeError(f"{type(self).__name__} has no rule")
+
+    def mod(self, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """:meth:`rule` applied to (b, h, q, k)."""
+        return self.rule()(b, h, q, k)
+
+    def lifted(self) -> BoundTerm:
+        """This term with the numbers its mod reads (offsets, bounds) as 0-d tensors on the call's device, for a
+        compiled kernel (FlexAttention) that must serve every length: a Python number would be compiled in."""
+        return self
+
+    def structure(self) -> tuple:
+        """What of this term changes a compiled kernel's code: its kind and how its tensors broadcast, no value."""
+        return (self.kind,)
+
+    def signature(self) -> tuple:
+        """This term's part of :meth:`BoundMask.signature`: its kind and numbers, no tensor values."""
+        return (self.kind,)
+
+    def spans(self) -> tuple[bool, bool, bool]:
+        """Whether its values vary along the batch, the heads and the query rows: the (.., j) tensor it evaluates
+        to has b, h, i there (1 elsewhere). A user's function is taken to vary along all three."""
+        return True, True, True
 
     def state(self, rows: Span, cols: Span) -> BlockState:
         """What this term does to the block of query positions ``rows`` and key positions ``cols``."""
@@ -674,8 +894,9 @@ class _BoundTerm:
         return False
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
-        """A bool (keep) or float (bias) tensor broadcastable to (b, h_sel, rows, cols)."""
-        raise TypeError(type(self).__name__)
+        """A bool (keep) or float (bias) tensor broadcastable to (b, h_sel, rows, cols): the mod on those
+        positions (``heads``: the selected query heads, None for all)."""
+        return _as_4d(self.mod(*_block_indices(self.shape, rows, cols, heads)))
 
     def evaluate_in(
         self, rows: Index, cols: Index, heads: torch.Tensor | None, dtype: torch.dtype | None
@@ -694,19 +915,74 @@ class _BoundTerm:
         By default every tile is evaluated."""
         return grid.filled(STATE_PARTIAL)
 
-    def host_term(self) -> _BoundTerm | None:
+    def host_term(self) -> BoundTerm | None:
         """This term evaluated on the CPU from values known on the host (for :meth:`BoundMask.may_empty_rows`),
         or None where its values live only on a device."""
         return None
+
+    shape: AttentionShape
+
+
+def _block_indices(
+    shape: AttentionShape, rows: Index, cols: Index, heads: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (b, 1, 1, 1), (1, h_sel, 1, 1), (1, 1, rows, 1) and (1, 1, 1, cols) int64 positions a mod is called
+    with for a block."""
+    device = shape.device
+    b = torch.arange(shape.batch, device=device)
+    h = torch.arange(shape.heads, device=device) if heads is None else heads
+    q = _positions(rows, shape.q_len, device)
+    k = _positions(cols, shape.k_len, device)
+    return b[:, None, None, None], h[None, :, None, None], q[None, None, :, None], k[None, None, None, :]
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """A mod's result with leading dims of 1 added up to 4 (it broadcasts to (b, h, rows, cols))."""
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
 
 
 def _on_cpu(shape: AttentionShape) -> AttentionShape:
     return AttentionShape(shape.batch, shape.heads, shape.q_len, shape.k_len, torch.device("cpu"))
 
 
-class _BoundDiagonal(_BoundTerm):
+class _BoundDiagonal(BoundTerm):
+    """Keys within [p - left, p + right] of the aligned query position p = q + offset; a side None is unbounded."""
+
+    kind = "diagonal"
+    holds_data = False
+
     def __init__(self, spec: _Diagonal, offset: int, shape: AttentionShape):
         self.spec, self.offset, self.shape = spec, offset, shape
+        # what the mod reads: ints here, 0-d tensors in the lifted copy
+        self.left: int | torch.Tensor | None = spec.left
+        self.right: int | torch.Tensor | None = spec.right
+        self.shift: int | torch.Tensor = offset
+
+    def rule(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        def band(b, h, q, k, shift=self.shift, left=self.left, right=self.right):
+            p = q + shift
+            keep = torch.ones_like(k, dtype=torch.bool) if right is None else k <= p + right
+            # compared against per-row bounds: the only (rows, cols) tensors built are bool
+            return keep if left is None else keep & (k >= p - left)
+
+        return band
+
+    def lifted(self) -> BoundTerm:
+        """Offset and both bounds as 0-d tensors, an unbounded side as a bound past every key (i + j): causal and
+        every window then share one compiled kernel, and no length is compiled in."""
+        lifted = _BoundDiagonal(self.spec, self.offset, self.shape)
+        unbounded = self.shape.q_len + self.shape.k_len  # farther than any key from any aligned position
+        device = self.shape.device
+        lifted.shift = device_scalar(self.offset, device)
+        lifted.left = device_scalar(unbounded if self.spec.left is None else self.spec.left, device)
+        lifted.right = device_scalar(unbounded if self.spec.right is None else self.spec.right, device)
+        return lifted
+
+    def signature(self) -> tuple:
+        return "band", self.spec.left, self.spec.right, self.offset
+
+    def spans(self) -> tuple[bool, bool, bool]:
+        return False, False, True
 
     @property
     def is_plain_causal(self) -> bool:
@@ -740,20 +1016,6 @@ class _BoundDiagonal(_BoundTerm):
             self.spec.right is None or surely(hi <= self.spec.right)
         )
 
-    def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
-        i = _positions(rows, self.shape.q_len, self.shape.device) + self.offset  # aligned query positions
-        j = _positions(cols, self.shape.k_len, self.shape.device)
-        # compare against per-row bounds: the only (rows, cols) tensor built is the bool result
-        keep = None
-        if self.spec.right is not None:
-            keep = j[None, :] <= (i + self.spec.right)[:, None]
-        if self.spec.left is not None:
-            after_start = j[None, :] >= (i - self.spec.left)[:, None]
-            keep = after_start if keep is None else keep.logical_and_(after_start)
-        if keep is None:  # window(None, None): everything allowed
-            keep = torch.ones(len(i), len(j), dtype=torch.bool, device=j.device)
-        return keep[None, None]
-
     def may_empty_rows(self) -> bool:
         # aligned positions run from offset to q_len - 1 + offset; keys from 0 to k_len - 1
         first, last = self.offset, self.shape.q_len - 1 + self.offset
@@ -761,7 +1023,7 @@ class _BoundDiagonal(_BoundTerm):
         ends_in_time = self.spec.left is None or surely(last - self.spec.left <= self.shape.k_len - 1)
         return not (starts_in_time and ends_in_time)
 
-    def host_term(self) -> _BoundTerm | None:
+    def host_term(self) -> BoundTerm | None:
         return _BoundDiagonal(self.spec, self.offset, _on_cpu(self.shape))
 
     def block_states(self, grid: BlockGrid) -> torch.Tensor:
@@ -784,10 +1046,12 @@ class _BoundDiagonal(_BoundTerm):
         return lo, hi
 
 
-class _BoundPadding(_BoundTerm):
+class _BoundPadding(BoundTerm):
     """Keys j < lengths[b] (or valid[b, j]) for batch row b. Block states and empty rows are answered from
     values known on the host (``lengths``: Python ints; ``host_valid``: a CPU (b, j) bool) and never from a
     device tensor: with neither, every block is PARTIAL and any row may be empty (conservative, sync-free)."""
+
+    kind = "padding"
 
     def __init__(
         self,
@@ -797,7 +1061,8 @@ class _BoundPadding(_BoundTerm):
         lengths: tuple[int, ...] | None = None,
         host_valid: torch.Tensor | None = None,
     ):
-        self.valid = valid[:, None, None, :]  # (b, 1, 1, j) on the call's device
+        self.keys = valid  # (b, j) on the call's device, True = a real key
+        self.valid = valid[:, None, None, :]  # (b, 1, 1, j)
         self.shape = shape
         self.lengths = lengths  # key lengths known on the host, or None
         self.host_valid = host_valid  # (b, j) bool on the CPU, or None
@@ -834,8 +1099,21 @@ class _BoundPadding(_BoundTerm):
             return False
         return self.span_state(row_start, row_stop, col_start, col_stop) is BlockState.FULL
 
+    def rule(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        def real_key(b, h, q, k, keys=self.keys):
+            return keys[b, k]
+
+        return real_key
+
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
+        # the mod's values for every batch row, by slicing: a view, and no gather for torch.compile to specialise
         return _select(self.valid, 3, cols)
+
+    def signature(self) -> tuple:
+        return "padding", tuple(self.valid.shape)
+
+    def spans(self) -> tuple[bool, bool, bool]:
+        return True, False, False
 
     def may_empty_rows(self) -> bool:
         if self.lengths is not None:
@@ -844,7 +1122,7 @@ class _BoundPadding(_BoundTerm):
             return True  # nothing read on the host: assume the worst (kernels then guard every row)
         return bool((~self.host_valid.any(-1)).any())  # a CPU tensor: no device waited for
 
-    def host_term(self) -> _BoundTerm | None:
+    def host_term(self) -> BoundTerm | None:
         if self.host_valid is not None:
             return _BoundPadding(self.host_valid, _on_cpu(self.shape), host_valid=self.host_valid)
         if self.lengths is None:
@@ -860,22 +1138,40 @@ class _BoundPadding(_BoundTerm):
         return _states(~some, every)[None, :].expand(grid.q_blocks, grid.k_blocks)
 
 
-class _BoundAlibi(_BoundTerm):
+class _BoundAlibi(BoundTerm):
+    """-slopes[h] * |k - p|, p = q + offset the aligned query position."""
+
+    kind = "alibi"
     is_bias = True
+    holds_data = False
 
     def __init__(self, slopes: torch.Tensor, offset: int, shape: AttentionShape):
         self.slopes, self.offset, self.shape = slopes, offset, shape
+        self.shift: int | torch.Tensor = offset  # what the mod reads: a 0-d tensor in the lifted copy
         self.requires_grad = slopes.requires_grad
 
+    def rule(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        def linear_bias(b, h, q, k, slopes=self.slopes, shift=self.shift):
+            return -slopes[h] * (k - (q + shift)).abs().to(slopes.dtype)
+
+        return linear_bias
+
+    def lifted(self) -> BoundTerm:
+        lifted = _BoundAlibi(self.slopes, self.offset, self.shape)
+        lifted.shift = device_scalar(self.offset, self.shape.device)
+        return lifted
+
+    def signature(self) -> tuple:
+        return "alibi", tuple(self.slopes.shape), self.offset, self.requires_grad
+
+    def spans(self) -> tuple[bool, bool, bool]:
+        return False, True, True
+
     def _distance(self, rows: Index, cols: Index) -> torch.Tensor:
-        """|j - aligned i| for the block, (rows, cols) float32: positions are integers below 2**24, so exact."""
+        """|j - aligned i| for the block, (rows, cols) float32."""
         i = _positions(rows, self.shape.q_len, self.shape.device) + self.offset
         j = _positions(cols, self.shape.k_len, self.shape.device)
-        return (j.to(torch.float32)[None, :] - i.to(torch.float32)[:, None]).abs_()
-
-    def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
-        slopes = self.slopes if heads is None else self.slopes.index_select(0, heads)
-        return -slopes[None, :, None, None] * self._distance(rows, cols)[None, None].to(slopes.dtype)
+        return _distance(i[:, None], j[None, :])
 
     def evaluate_in(
         self, rows: Index, cols: Index, heads: torch.Tensor | None, dtype: torch.dtype | None
@@ -905,21 +1201,61 @@ class _BoundAlibi(_BoundTerm):
         return out
 
 
-class _BoundSoftcap(_BoundTerm):
+def _distance(p: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """|k - p| in float32 for int64 positions, broadcast: exact below 2**24. Taken in integers first: inductor's
+    CPU code for flex fails to compile the float32 difference of two converted indices (torch 2.13)."""
+    return (k - p).abs().to(torch.float32)
+
+
+class _BoundSoftcap(BoundTerm):
     """Not a mask of pairs: :class:`BoundMask` takes its cap out of the terms (``BoundMask.softcap``)."""
 
     def __init__(self, cap: float):
         self.cap: float = cap
 
 
-class _BoundDense(_BoundTerm):
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor  # 4-D, each dim 1 or full size
+class _BoundDense(BoundTerm):
+    """A caller's tensor, 4-D with each dim 1 or full size: bool (keep) or float (bias)."""
+
+    reads_pair_tensor = True
+
+    def __init__(self, tensor: torch.Tensor, shape: AttentionShape):
+        self.tensor, self.shape = tensor, shape
         self.is_bias = self.may_hold_minus_inf = tensor.is_floating_point()
+        self.kind = "bias" if self.is_bias else "allowed"
         self.requires_grad = tensor.requires_grad
 
+    def rule(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        def entry(b, h, q, k, t=self.tensor):  # a broadcast dim is read at 0
+            sizes = t.shape
+            return t[
+                b if sizes[0] > 1 else 0, h if sizes[1] > 1 else 0, q if sizes[2] > 1 else 0, k if sizes[3] > 1 else 0
+            ]
+
+        return entry
+
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
+        # the mod's values, by slicing: a view of the caller's tensor rather than a gathered copy of it
         return _select(_select(_select(self.tensor, 1, heads), 2, rows), 3, cols)
+
+    def span_state(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> BlockState:
+        """A keep tensor's block read on the host where it can be (a CPU tensor); PARTIAL otherwise."""
+        if self.is_bias or not host_readable(self.tensor):
+            return BlockState.PARTIAL
+        tile = _select(_select(self.tensor, 2, slice(row_start, row_stop)), 3, slice(col_start, col_stop))
+        if not bool(tile.any()):
+            return BlockState.EMPTY
+        return BlockState.FULL if bool(tile.all()) else BlockState.PARTIAL
+
+    def structure(self) -> tuple:
+        return self.kind, tuple(size > 1 for size in self.tensor.shape)
+
+    def signature(self) -> tuple:
+        return "dense", tuple(self.tensor.shape), self.tensor.dtype, self.requires_grad
+
+    def spans(self) -> tuple[bool, bool, bool]:
+        batch, heads, rows, _ = self.tensor.shape
+        return batch != 1, heads != 1, rows != 1
 
     def may_empty_rows(self) -> bool:
         if not host_readable(self.tensor):
@@ -927,7 +1263,7 @@ class _BoundDense(_BoundTerm):
         keep = self.tensor > -math.inf if self.is_bias else self.tensor
         return bool((~keep.any(-1)).any())  # a CPU tensor: no device waited for
 
-    def host_term(self) -> _BoundTerm | None:
+    def host_term(self) -> BoundTerm | None:
         return self if host_readable(self.tensor) else None
 
     def block_states(self, grid: BlockGrid) -> torch.Tensor:
@@ -937,15 +1273,156 @@ class _BoundDense(_BoundTerm):
         return _states(~_tiled(some, grid, False, "any"), _tiled(every, grid, True, "all"))
 
 
+def _user_evaluate(
+    term: BoundTerm, name: str, function: ModFunction, rows: Index, cols: Index, heads: torch.Tensor | None
+) -> torch.Tensor:
+    """A user's mod on a block's positions, checked to broadcast to (b, h_sel, rows, cols)."""
+    indices = _block_indices(term.shape, rows, cols, heads)
+    value = _as_4d(function(*indices))
+    target = tuple(len(index.reshape(-1)) for index in indices)
+    try:
+        fits = torch.broadcast_shapes(value.shape, target) == target
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise bad_argument(
+            name,
+            f"a result that broadcasts to (b, h, rows, cols) = {target} from positions shaped like it",
+            f"{_name(function)} returning shape {tuple(value.shape)}",
+            "combine the positions elementwise (no sums or reshapes over them)",
+        )
+    return value
+
+
+def _user_host_term(term: BoundTerm) -> BoundTerm | None:
+    """A user's term itself on the CPU, where its function reads host tensors; None on a device (reading its
+    values there would wait for the device) and while torch.compile traces."""
+    return term if term.shape.device.type == "cpu" and not torch.compiler.is_compiling() else None
+
+
+class _BoundCustomMask(BoundTerm):
+    """A user's mask_mod, with its blocks classified by the user's block_mod, by the four corners of each block
+    (monotone), or not at all."""
+
+    kind = "mask_mod"
+
+    def __init__(self, spec: _CustomMask, shape: AttentionShape):
+        self.spec, self.shape = spec, shape
+        self._span_states: dict[tuple[int, int, int, int], BlockState] = {}
+
+    def rule(self) -> ModFunction:
+        return self.spec.mask_mod
+
+    def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
+        return _user_evaluate(self, "mask_mod", self.spec.mask_mod, rows, cols, heads)
+
+    def structure(self) -> tuple:
+        return self.kind, _code(self.spec.mask_mod)
+
+    def signature(self) -> tuple:
+        return self.kind, _code(self.spec.mask_mod), self.spec.block_mod is not None, self.spec.monotone
+
+    def may_empty_rows(self) -> bool:
+        """On the CPU, exact where blocks are classified (a row block with a full key block is settled without
+        evaluating a pair); elsewhere, or with no classifier, True: kernels guard every row."""
+        if self.host_term() is None or (self.spec.block_mod is None and not self.spec.monotone):
+            return True
+        return BoundMask([self], self.shape)._some_row_empty()
+
+    def host_term(self) -> BoundTerm | None:
+        return _user_host_term(self)
+
+    def block_states(self, grid: BlockGrid) -> torch.Tensor:
+        (row_start, row_stop), (col_start, col_stop) = grid.rows(), grid.cols()
+        return self._classify(row_start, row_stop, col_start, col_stop)
+
+    def span_state(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> BlockState:
+        """One block's state, on the CPU only: on a device, reading it would wait for the device (the block is
+        then evaluated pair by pair; the vectorised :meth:`block_states` serves flex there)."""
+        if self.spec.block_mod is None and not self.spec.monotone:
+            return BlockState.PARTIAL
+        if self.shape.device.type != "cpu" or torch.compiler.is_compiling():
+            return BlockState.PARTIAL
+        key = (row_start, row_stop, col_start, col_stop)
+        state = self._span_states.get(key)
+        if state is None:
+            bounds = [torch.tensor([value]) for value in key]
+            code = int(self._classify(*bounds)[0, 0])
+            state = self._span_states[key] = (BlockState.EMPTY, BlockState.PARTIAL, BlockState.FULL)[code]
+        return state
+
+    def surely_full(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> bool:
+        return self.span_state(row_start, row_stop, col_start, col_stop) is BlockState.FULL
+
+    def _classify(
+        self, row_start: torch.Tensor, row_stop: torch.Tensor, col_start: torch.Tensor, col_stop: torch.Tensor
+    ) -> torch.Tensor:
+        """The (q_blocks, k_blocks) int8 states of the blocks [row_start, row_stop) x [col_start, col_stop) (1-D
+        bounds, one per block row and column)."""
+        size = (len(row_start), len(col_start))
+        if self.spec.block_mod is not None:
+            result = self.spec.block_mod(row_start[:, None], row_stop[:, None], col_start[None, :], col_stop[None, :])
+            if not (
+                isinstance(result, tuple)
+                and len(result) == 2
+                and all(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in result)
+            ):
+                raise bad_argument(
+                    "block_mod",
+                    "a pair (empty, full) of bool tensors",
+                    f"{_name(self.spec.block_mod)} returning {describe(result)}",
+                    "return (empty, full): bool tensors broadcast to (q_blocks, kv_blocks)",
+                    kind=TypeError,
+                )
+            empty, full = result
+            return _states(empty, full).expand(size)
+        if not self.spec.monotone:
+            return torch.full(size, STATE_PARTIAL, dtype=torch.int8, device=self.shape.device)
+        # monotone along rows and columns: a block's extremes are at its four corners, for each batch row and head
+        corner_rows = torch.stack([row_start, row_stop - 1], -1).reshape(-1)  # (2 q_blocks,)
+        corner_cols = torch.stack([col_start, col_stop - 1], -1).reshape(-1)
+        keep = _user_evaluate(self, "mask_mod", self.spec.mask_mod, corner_rows, corner_cols, None)
+        keep = keep.expand(-1, -1, len(corner_rows), len(corner_cols))
+        some = keep.any(0).any(0).reshape(size[0], 2, size[1], 2).any(3).any(1)
+        every = keep.all(0).all(0).reshape(size[0], 2, size[1], 2).all(3).all(1)
+        return _states(~some, every)
+
+
+class _BoundCustomScores(BoundTerm):
+    """A user's score_mod: the bias it returns is added to the score, -inf masking the pair."""
+
+    kind = "score_mod"
+    is_bias = True
+    may_hold_minus_inf = True  # a user's bias may mask pairs with -inf: kernels take those as masked
+
+    def __init__(self, spec: _CustomScores, shape: AttentionShape, *, requires_grad: bool):
+        self.spec, self.shape, self.requires_grad = spec, shape, requires_grad
+
+    def rule(self) -> ModFunction:
+        return self.spec.score_mod
+
+    def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
+        return _user_evaluate(self, "score_mod", self.spec.score_mod, rows, cols, heads)
+
+    def host_term(self) -> BoundTerm | None:
+        return _user_host_term(self)
+
+    def structure(self) -> tuple:
+        return self.kind, _code(self.spec.score_mod)
+
+    def signature(self) -> tuple:
+        return self.kind, _code(self.spec.score_mod), self.requires_grad
+
+
 # --------------------------------------------------------------------------- the bound mask
 
 
-def _merge_diagonals(terms: list[_BoundTerm]) -> list[_BoundTerm]:
+def _merge_diagonals(terms: list[BoundTerm]) -> list[BoundTerm]:
     """Diagonal terms of one alignment as one band, the tighter bound on each side (causal & window(256) is
     window(256, 0)): kernels then check one band per block instead of several, and a single band settles
     may_empty_rows without looking at any pair. The band takes the place of the first of them."""
     first: dict[str, int] = {}  # alignment -> index of its band in merged
-    merged: list[_BoundTerm] = []
+    merged: list[BoundTerm] = []
     for term in terms:
         if not isinstance(term, _BoundDiagonal):
             merged.append(term)
@@ -984,7 +1461,7 @@ class BoundMask:
     kernels apply all three through ``backends._blocks`` (``mask_scores_``, ``masked_scores``).
     """
 
-    def __init__(self, terms: list[_BoundTerm], shape: AttentionShape):
+    def __init__(self, terms: list[BoundTerm], shape: AttentionShape):
         caps = [t.cap for t in terms if isinstance(t, _BoundSoftcap)]
         if len(caps) > 1:  # Combined refuses this already; a BoundMask built by hand is checked too
             raise bad_argument(
@@ -1027,7 +1504,7 @@ class BoundMask:
         """The mask's structure without its data, hashable: each term's kind and numbers (a band's sides and
         alignment offset, a tensor's shape and dtype) and the soft-cap. What auto's measured choices are kept for
         (``multihead.backends.policy.autotune``)."""
-        return tuple(_term_signature(term) for term in self.terms), self.softcap
+        return tuple(term.signature() for term in self.terms), self.softcap
 
     @property
     def bias_requires_grad(self) -> bool:
@@ -1072,7 +1549,7 @@ class BoundMask:
             return True  # no values to look at: assume the worst (kernels then guard every row)
         return BoundMask([t for t in host if t is not None], _on_cpu(self.shape))._some_row_empty()
 
-    def _bands_empty_a_row(self, terms: list[_BoundTerm]) -> bool:
+    def _bands_empty_a_row(self, terms: list[BoundTerm]) -> bool:
         """Whether diagonal bands and key lengths known on the host leave some query row no key, without a tensor.
 
         Row p may see keys max(lower bounds) ... min(upper bounds), the bounds being each band's p + offset - left
@@ -1126,18 +1603,9 @@ class BoundMask:
         """(b or 1, h or 1, i or 1) of the (.., j) tensor this mask's terms broadcast to, densely or a block at a
         time: a batch dim for padding, a head dim for ALiBi, a row dim for anything but padding, and a tensor
         term's own (b or 1, h or 1, i or 1)."""
-        batch = heads = rows = 1
-        for term in self.terms:
-            if isinstance(term, _BoundDense):
-                shape = term.tensor.shape
-                batch, heads, rows = max(batch, shape[0]), max(heads, shape[1]), max(rows, shape[2])
-            elif isinstance(term, _BoundPadding):
-                batch = self.shape.batch
-            else:  # causal / window diagonals; ALiBi, which is per head too
-                rows = self.shape.q_len
-                if isinstance(term, _BoundAlibi):
-                    heads = self.shape.heads
-        return batch, heads, rows
+        spans = [term.spans() for term in self.terms]
+        batch, heads, rows = (any(spanned[axis] for spanned in spans) for axis in range(3))
+        return self.shape.batch if batch else 1, self.shape.heads if heads else 1, self.shape.q_len if rows else 1
 
     def block_states(self, block_q: int, block_k: int | None = None) -> torch.Tensor:
         """Every block_q x block_k tile's state at once (block_k: block_q by default): (ceil(i / block_q),
@@ -1153,10 +1621,10 @@ class BoundMask:
         return states
 
     def on_host(self) -> BoundMask:
-        """This mask's keep terms on the CPU, from the values known on the host (:meth:`_BoundTerm.host_term`); a
+        """This mask's keep terms on the CPU, from the values known on the host (:meth:`BoundTerm.host_term`); a
         term whose values live only on a device stands as one that keeps every tile partial. Its
         :meth:`block_states` can be read without waiting for any device (auto's estimates)."""
-        unknown = _BoundTerm()  # every tile partial
+        unknown = BoundTerm()  # every tile partial
         return BoundMask([t.host_term() or unknown for t in self.keep_terms], _on_cpu(self.shape))
 
     def state(self, rows: Span, cols: Span) -> BlockState:
@@ -1224,7 +1692,7 @@ class BoundMask:
 
     def kinds(self) -> list[str]:
         """The kinds of its terms, e.g. ``["diagonal", "alibi", "softcap"]`` (a soft-cap last)."""
-        kinds = [type(t).__name__.removeprefix("_Bound").lower() for t in self.terms]
+        kinds = [t.kind for t in self.terms]
         return kinds + (["softcap"] if self.softcap is not None else [])
 
     def __repr__(self) -> str:
@@ -1258,16 +1726,3 @@ def _bind(mask: Mask | torch.Tensor | None, causal_flag: bool, shape: AttentionS
     if causal_flag:
         parts.append(causal())
     return Combined(tuple(parts)).bind(shape) if parts else BoundMask.none(shape)
-
-
-def _term_signature(term: _BoundTerm) -> tuple:
-    """One bound term's part of :meth:`BoundMask.signature`."""
-    if isinstance(term, _BoundDiagonal):
-        return "band", term.spec.left, term.spec.right, term.offset
-    if isinstance(term, _BoundPadding):
-        return "padding", tuple(term.valid.shape)
-    if isinstance(term, _BoundAlibi):
-        return "alibi", tuple(term.slopes.shape), term.offset, term.requires_grad
-    if isinstance(term, _BoundDense):
-        return "dense", tuple(term.tensor.shape), term.tensor.dtype, term.requires_grad
-    return (type(term).__name__,)

@@ -1,12 +1,13 @@
 """torch's FlexAttention (``torch.nn.attention.flex_attention``): typed masks lowered to mask_mod/score_mod.
 
-Each bound mask becomes
+Each bound mask becomes, from its terms' own mods (``BoundTerm.mod``: the one definition every backend reads)
 
-- a ``mask_mod(b, h, q_idx, kv_idx) -> bool``: the boolean terms (causal in either alignment, window,
-  padding, allowed tensors, a bias's -inf entries), and-ed together;
+- a ``mask_mod(b, h, q_idx, kv_idx) -> bool``: the keep terms' mods (causal in either alignment, window,
+  padding, allowed tensors, a user's mask_mod) and a bias's -inf entries, and-ed together;
 - a ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on the scaled score: the soft-cap first, then
-  the bias terms (ALiBi, bias tensors) added, the order :mod:`multihead.backends._blocks` uses;
-- a ``BlockMask`` of 128 x 128 blocks built from our own :meth:`BoundMask.state` (no i x j tensor):
+  the bias terms' mods (ALiBi, bias tensors, a user's score_mod) added, the order
+  :mod:`multihead.backends._blocks` uses;
+- a ``BlockMask`` of 128 x 128 blocks built from our own :meth:`BoundMask.block_states` (no i x j tensor):
   empty blocks are skipped, full blocks skip the mask_mod.
 
 Sizes and offsets enter the mods as tensors, never as Python numbers, so one compiled kernel serves
@@ -55,12 +56,8 @@ from multihead.masks import (
     AttentionShape,
     BoundMask,
     Mask,
-    _BoundAlibi,
-    _BoundDense,
-    _BoundDiagonal,
-    _BoundPadding,
     bind_mask,
-    to_device,
+    device_scalar,
 )
 
 __all__ = ["CAPABILITIES", "flex_attention_backend", "flex_is_warm", "warm_up", "compile_seconds"]
@@ -96,126 +93,66 @@ class _Lowered:
 
 def _unsupported_terms(mask: BoundMask, device: torch.device) -> list[str]:
     """Mask terms this backend cannot lower on ``device`` (empty: it can lower all of them)."""
-    missing = []
-    for term in mask.terms:
-        if not isinstance(term, (_BoundDiagonal, _BoundPadding, _BoundAlibi, _BoundDense)):
-            missing.append(f"mask term {type(term).__name__} (no FlexAttention lowering)")
-        elif isinstance(term, _BoundDense) and device.type == "cpu":
-            kind = "bias" if term.is_bias else "allowed"
-            missing.append(
-                f"a dense {kind} tensor on CPU (torch 2.13's CPU FlexAttention kernel does not compile a mod that "
-                "reads a tensor by query position with dynamic shapes)"
-            )
-    return missing
-
-
-def _index(t: torch.Tensor, b, h, q, k):
-    """t (4-D, each dim 1 or full) at (b, h, q, k), broadcast dims read at 0."""
-    return t[
-        b if t.shape[0] > 1 else 0,
-        h if t.shape[1] > 1 else 0,
-        q if t.shape[2] > 1 else 0,
-        k if t.shape[3] > 1 else 0,
+    if device.type != "cpu":
+        return []
+    return [
+        f"a dense {term.kind} tensor on CPU (torch 2.13's CPU FlexAttention kernel does not compile a mod that "
+        "reads a tensor by query position with dynamic shapes)"
+        for term in mask.terms
+        if term.reads_pair_tensor
     ]
 
 
-def _scalar(value: float, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A 0-d tensor of ``value`` on ``device``, sent there without waiting for it (``masks.to_device``): a
-    ``torch.tensor(value, device="cuda")`` is a blocking copy from the host on every call."""
-    return to_device(torch.tensor(value, dtype=dtype), device)
+def _finite(mod: Callable) -> Callable:
+    """A bias mod's keep part: the pairs where it is not -inf."""
+
+    def keep(b, h, q, k):
+        return mod(b, h, q, k) > -math.inf
+
+    return keep
 
 
-def _diagonal_mod(term: _BoundDiagonal, device: torch.device) -> tuple[tuple, Callable]:
-    """Keys within [p - left, p + right] of the aligned position p = q_idx + offset.
+def _zero_minus_inf(mod: Callable) -> Callable:
+    """A bias mod with its -inf entries as 0: the keep part (:func:`_finite`) masks those pairs."""
 
-    One mod for causal and every window: an unbounded side gets a bound past every key (i + j), so that
-    they share one compiled kernel; the bounds and the offset are tensors, so no length is compiled in.
-    """
-    unbounded = term.shape.q_len + term.shape.k_len  # farther than any key from any aligned position
-    offset = _scalar(term.offset, device)
-    lo = _scalar(unbounded if term.spec.left is None else term.spec.left, device)
-    hi = _scalar(unbounded if term.spec.right is None else term.spec.right, device)
+    def bias(b, h, q, k):
+        value = mod(b, h, q, k)
+        return torch.where(value == -math.inf, torch.zeros_like(value), value)
 
-    def mod(b, h, q, k):
-        p = q + offset
-        return (k <= p + hi) & (k >= p - lo)
-
-    return ("diagonal",), mod
+    return bias
 
 
-def _dense_mod(t: torch.Tensor, kind: str) -> tuple[tuple, Callable]:
-    pattern = tuple(size > 1 for size in t.shape)
-    if kind == "allowed":
-
-        def mod(b, h, q, k):
-            return _index(t, b, h, q, k)
-
-    else:  # the -inf entries of a bias, as a keep-mask
-
-        def mod(b, h, q, k):
-            return _index(t, b, h, q, k) > -math.inf
-
-    return (kind, pattern), mod
+def _structure(mask: BoundMask) -> tuple:
+    """What of the mask changes the compiled code (each term's kind and broadcast pattern, the soft-cap), no
+    value: the structure part of the cache key."""
+    return tuple(term.structure() for term in mask.terms) + ((("softcap",),) if mask.softcap is not None else ())
 
 
 def _lower(mask: BoundMask, work: torch.dtype, ratio: float = 1.0) -> _Lowered:
-    """The mask as FlexAttention mods; ``work`` the dtype of score_mod's scores (float32).
+    """The mask as FlexAttention mods: each term's own mod passed through (``BoundTerm.mod``, lifted so its
+    numbers are tensors and no length is compiled in), keep terms and-ed into the mask_mod, bias terms added
+    in the score_mod; a bias that may hold -inf gives both (its -inf entries masked, its finite part added).
+    ``work`` is the dtype of score_mod's scores (float32).
 
     ``ratio``: the call's scale over the kernel's (1 / sqrt(d)), applied first in the score_mod as a tensor:
     torch.compile specialises FlexAttention's float scale, and a scale compiled in would make a custom scale
     compile a kernel of its own (which auto, not knowing the scale, could not foresee).
     """
     device = mask.shape.device
-    structure: list[tuple] = []
     keeps: list[Callable] = []
     biases: list[Callable] = []
     for term in mask.terms:
-        if isinstance(term, _BoundDiagonal):
-            part, mod = _diagonal_mod(term, device)
-            structure.append(part)
+        mod = term.lifted().rule()
+        if not term.is_bias:
             keeps.append(mod)
-        elif isinstance(term, _BoundPadding):
-            valid = term.valid[:, 0, 0, :].contiguous()  # (b, j), True = real key
+        elif term.may_hold_minus_inf:
+            keeps.append(_finite(mod))
+            biases.append(_zero_minus_inf(mod))
+        else:
+            biases.append(mod)
+    cap = None if mask.softcap is None else device_scalar(mask.softcap, device, work)
 
-            def padding_mod(b, h, q, k, valid=valid):
-                return valid[b, k]
-
-            structure.append(("padding",))
-            keeps.append(padding_mod)
-        elif isinstance(term, _BoundAlibi):
-            slopes = term.slopes.to(work)  # (h,)
-            offset = _scalar(term.offset, device)
-
-            def alibi_mod(b, h, q, k, slopes=slopes, offset=offset):
-                return -slopes[h] * (k - (q + offset)).abs().to(slopes.dtype)
-
-            structure.append(("alibi",))
-            biases.append(alibi_mod)
-        elif isinstance(term, _BoundDense):
-            if term.is_bias:
-                t = term.tensor.to(work)
-                if term.may_hold_minus_inf:
-                    part, mod = _dense_mod(t, "finite")
-                    structure.append(part)
-                    keeps.append(mod)
-                finite = t.masked_fill(t == -math.inf, 0.0) if term.may_hold_minus_inf else t
-
-                def bias_mod(b, h, q, k, t=finite):
-                    return _index(t, b, h, q, k)
-
-                structure.append(("bias", tuple(size > 1 for size in t.shape)))
-                biases.append(bias_mod)
-            else:
-                part, mod = _dense_mod(term.tensor, "allowed")
-                structure.append(part)
-                keeps.append(mod)
-        else:  # refused by the capability check first
-            raise TypeError(f"flex: no lowering for mask term {type(term).__name__}")
-    cap = None if mask.softcap is None else _scalar(mask.softcap, device, work)
-    if cap is not None:
-        structure.append(("softcap",))
-
-    rescale = _scalar(ratio, device, work)
+    rescale = device_scalar(ratio, device, work)
     mask_mod = None
     if keeps:
         keep_mods = tuple(keeps)
@@ -233,10 +170,10 @@ def _lower(mask: BoundMask, work: torch.dtype, ratio: float = 1.0) -> _Lowered:
         if cap is not None:  # soft-cap the scaled score, then add the biases (masks.softcap's order)
             score = torch.tanh(score / cap) * cap
         for mod in bias_mods:
-            score = score + mod(b, h, q, k)
+            score = score + mod(b, h, q, k).to(score.dtype)
         return score
 
-    return _Lowered(tuple(structure), mask_mod, score_mod)
+    return _Lowered(_structure(mask), mask_mod, score_mod)
 
 
 def _block_mask(mask: BoundMask, mask_mod: Callable | None) -> BlockMask:
@@ -291,7 +228,7 @@ def _block_mask_key(mask: BoundMask, mask_mod: Callable | None) -> tuple | None:
     from call to call (padding, a keep tensor, a bias's -inf), and while tracing (sizes are symbols)."""
     if torch.compiler.is_compiling() or any(t.may_hold_minus_inf for t in mask.bias_terms):
         return None
-    if not all(isinstance(t, _BoundDiagonal) for t in mask.keep_terms):
+    if any(t.holds_data for t in mask.keep_terms):
         return None
     return mask.signature(), mask_mod is None, mask.shape.q_len, mask.shape.k_len, mask.shape.device
 
@@ -330,29 +267,6 @@ def _cache_key(call: AttentionCall, structure: tuple) -> tuple:
         call.q_len == 1,
         call.k_len == 1,
     )
-
-
-def _structure(mask: BoundMask) -> tuple:
-    """The structure part of the cache key, without building any mod."""
-    parts: list[tuple] = []
-    for term in mask.terms:
-        if isinstance(term, _BoundDiagonal):
-            parts.append(("diagonal",))
-        elif isinstance(term, _BoundPadding):
-            parts.append(("padding",))
-        elif isinstance(term, _BoundAlibi):
-            parts.append(("alibi",))
-        elif isinstance(term, _BoundDense):
-            pattern = tuple(size > 1 for size in term.tensor.shape)
-            if term.is_bias:
-                if term.may_hold_minus_inf:
-                    parts.append(("finite", pattern))
-                parts.append(("bias", pattern))
-            else:
-                parts.append(("allowed", pattern))
-    if mask.softcap is not None:
-        parts.append(("softcap",))
-    return tuple(parts)
 
 
 def _kernel(key: tuple) -> Callable:

@@ -72,20 +72,17 @@ def _heads(b: int, h: int, group: int) -> list[tuple[int, int, int]]:
 def _key_spans(mask: BoundMask | FoldedMask, rows: slice, j: int) -> tuple[range, range]:
     """(live, partial): the keys some query in ``rows`` may attend (from the first to the last key block of
     KEY_BLOCK the mask does not empty), and within them the keys the mask must be applied to (from the first to
-    the last block it only partly keeps). Outside ``live`` every weight is 0 and no score needs computing: a
+    the last block it does not keep whole: an empty block between live ones is masked too). Outside ``live`` every weight is 0 and no score needs computing: a
     causal mask's first row block of 1024 at n = 2048 attends half the keys, and only its diagonal band of
     1024 keys needs masking."""
-    live, partial = [], []
-    for cols in Blocks(j, KEY_BLOCK):
-        state = mask.state(range(rows.start, rows.stop), cols)
-        if state is not BlockState.EMPTY:
-            live.append(cols)
-        if state is BlockState.PARTIAL:
-            partial.append(cols)
-    return (
-        range(live[0].start, live[-1].stop) if live else range(0),
-        range(partial[0].start, partial[-1].stop) if partial else range(0),
-    )
+    states = [(cols, mask.state(range(rows.start, rows.stop), cols)) for cols in Blocks(j, KEY_BLOCK)]
+    live = [cols for cols, state in states if state is not BlockState.EMPTY]
+    if not live:
+        return range(0), range(0)
+    start, stop = live[0].start, live[-1].stop
+    # within the live keys, a block not kept whole needs the mask: a partial one, or an empty one between live ones
+    masked = [cols for cols, state in states if state is not BlockState.FULL and start <= cols.start < stop]
+    return range(start, stop), range(masked[0].start, masked[-1].stop) if masked else range(0)
 
 
 def _forward(
