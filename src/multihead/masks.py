@@ -1294,6 +1294,17 @@ def _user_evaluate(
     return value
 
 
+def _called(function: ModFunction) -> ModFunction:
+    """A user's function called from one of ours: handed a function that reads a tensor from its closure directly,
+    torch 2.13's inductor writes a CPU FlexAttention kernel that fails to compile (an undeclared split size in its
+    C++), and compiles this one. (Our own rules take their values as default arguments, which it compiles.)"""
+
+    def rule(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, function=function) -> torch.Tensor:
+        return function(b, h, q, k)
+
+    return rule
+
+
 def _user_host_term(term: BoundTerm) -> BoundTerm | None:
     """A user's term itself on the CPU, where its function reads host tensors; None on a device (reading its
     values there would wait for the device) and while torch.compile traces."""
@@ -1311,7 +1322,7 @@ class _BoundCustomMask(BoundTerm):
         self._span_states: dict[tuple[int, int, int, int], BlockState] = {}
 
     def rule(self) -> ModFunction:
-        return self.spec.mask_mod
+        return _called(self.spec.mask_mod)
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
         return _user_evaluate(self, "mask_mod", self.spec.mask_mod, rows, cols, heads)
@@ -1399,7 +1410,7 @@ class _BoundCustomScores(BoundTerm):
         self.spec, self.shape, self.requires_grad = spec, shape, requires_grad
 
     def rule(self) -> ModFunction:
-        return self.spec.score_mod
+        return _called(self.spec.score_mod)
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
         return _user_evaluate(self, "score_mod", self.spec.score_mod, rows, cols, heads)

@@ -72,9 +72,9 @@ def _heads(b: int, h: int, group: int) -> list[tuple[int, int, int]]:
 def _key_spans(mask: BoundMask | FoldedMask, rows: slice, j: int) -> tuple[range, range]:
     """(live, partial): the keys some query in ``rows`` may attend (from the first to the last key block of
     KEY_BLOCK the mask does not empty), and within them the keys the mask must be applied to (from the first to
-    the last block it does not keep whole: an empty block between live ones is masked too). Outside ``live`` every weight is 0 and no score needs computing: a
-    causal mask's first row block of 1024 at n = 2048 attends half the keys, and only its diagonal band of
-    1024 keys needs masking."""
+    the last block it does not keep whole: an empty block between live ones is masked too). Outside ``live``
+    every weight is 0 and no score needs computing: a causal mask's first row block of 1024 at n = 2048 attends
+    half the keys, and only its diagonal band of 1024 keys needs masking."""
     states = [(cols, mask.state(range(rows.start, rows.stop), cols)) for cols in Blocks(j, KEY_BLOCK)]
     live = [cols for cols, state in states if state is not BlockState.EMPTY]
     if not live:
