@@ -56,7 +56,7 @@ def test_py_typed_ships_in_the_wheel(tmp_path):
     wheel = wheels / result.stdout.strip().splitlines()[-1]
     names = zipfile.ZipFile(wheel).namelist()
     assert "multihead/py.typed" in names
-    assert "multihead/cli.py" in names  # the wheel is the package, not an empty shell
+    assert "multihead/cli/__init__.py" in names and "multihead/cli/inspect.py" in names  # the package, not a shell
 
 
 def commands_with_model(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -71,7 +71,7 @@ def test_the_header_shows_the_part_analysed_and_the_cut(long_inspection):
 
 
 def test_a_page_over_the_size_note_says_so(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "HTML_SIZE_NOTE", 1000)
+    monkeypatch.setattr(cli.inspect, "HTML_SIZE_NOTE", 1000)
     assert cli.main(["inspect", "--format", "html", "--layers", "0", "--out", str(tmp_path)]) == 0
     assert "note: report.html is" in capsys.readouterr().out
 

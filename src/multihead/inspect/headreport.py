@@ -9,8 +9,6 @@ from typing import Any
 
 import torch
 from rich import box
-from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from multihead._errors import bad_argument
@@ -25,7 +23,6 @@ from multihead._userfiles import (
     OptionalKey,
     Rule,
     existing_folder,
-    from_option,
     output_folder,
     path_kind,
     read_json,
@@ -36,14 +33,9 @@ from multihead.inspect.importance import HeadImportance
 from multihead.inspect.roles import HeadRelation
 from multihead.inspect.syntax import (
     DIRECTIONS,
-    RELATIONS,
     SyntaxScores,
-    bundled_treebank,
-    read_conllu,
     relations_by_head,
-    syntax_scores,
 )
-from multihead.integrations import load_text_model
 
 __all__ = [
     "importance_table",
@@ -60,7 +52,6 @@ __all__ = [
     "report_relations",
     "syntax_table",
     "write_syntax",
-    "run_syntax_command",
     "print_written",
 ]
 
@@ -392,33 +383,3 @@ def write_syntax(scores: SyntaxScores, out_dir: Path) -> Written:
         return figure
 
     return _write_files(out_dir, SYNTAX_FILE, data, draw)
-
-
-def run_syntax_command(args, console: Console, out_dir: Path) -> int:
-    """``multihead heads syntax``: score every head on the treebank, print the table, write JSON and PNG."""
-    relations = (
-        RELATIONS if args.relations is None else tuple(r.strip() for r in args.relations.split(",") if r.strip())
-    )
-    if args.max_sentences is not None and args.max_sentences < 1:
-        raise bad_argument(
-            "--max-sentences", "a positive number of sentences", args.max_sentences, "pass e.g. --max-sentences 200"
-        )
-    sentences = read_conllu(Path(args.treebank), argument="--treebank") if args.treebank else bundled_treebank()
-    with from_option("--model"):
-        model = load_text_model(args.model)
-    total = len(sentences) if args.max_sentences is None else min(len(sentences), args.max_sentences)
-    source = args.treebank or "UD English EWT dev"
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("sentences", total=total)
-        with from_option("--relations", names=("relations",)), from_option("--treebank", names=("sentences",)):
-            scores = syntax_scores(
-                model,
-                sentences,
-                relations=relations,
-                max_sentences=args.max_sentences,
-                progress=lambda done: bar.update(task, completed=done),
-            )
-    scores.source = source
-    console.print(syntax_table(scores))
-    print_written(console, write_syntax(scores, out_dir))
-    return 0

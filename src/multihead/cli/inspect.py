@@ -1,0 +1,220 @@
+"""`multihead inspect`: a text through a model, its heads' weights, roles and statistics, in reports."""
+
+from __future__ import annotations
+
+import argparse
+
+from multihead._console import make_console
+from multihead._errors import bad_argument
+from multihead._figures import skipped_note  # "wrote <path>"; one line for a figure left out
+from multihead._limits import format_bytes
+from multihead._userfiles import from_option, output_folder
+from multihead.cli._shared import (
+    BUNDLED,
+    MODEL_HELP,
+    parse_indices,
+    parse_token,
+)
+
+DEFAULT_TEXT = "The bank was full of money."
+
+
+# Past this size, inspect notes that report.html may be slow to open (a 512-token MiniLM report is about 4 MB)
+HTML_SIZE_NOTE = 20 << 20
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="see what every attention head of a real model does on a text",
+        description="Load all-MiniLM-L6-v2 (or --model PATH) onto multihead's layer, run TEXT through it, "
+        "label every head's role and show where a token attends.",
+    )
+    parser.add_argument(
+        "text",
+        nargs="?",
+        help=f'the text (default: "{DEFAULT_TEXT}"; for a `multihead train` checkpoint, an input of its task)',
+    )
+    parser.add_argument("--model", metavar="PATH", help=MODEL_HELP)
+    parser.add_argument("--layers", metavar="LIST", help="layers to show, e.g. 0,2-4 (default: all)")
+    parser.add_argument(
+        "--heads",
+        metavar="LIST",
+        help="heads to show, by their numbers in the checkpoint (a pruned model's heads keep theirs), "
+        "e.g. 0,5,11 (default: all)",
+    )
+    parser.add_argument(
+        "--part",
+        metavar="PART",
+        help="which attention to show: self (a one-stack model such as BERT, GPT-2, Llama), or encoder, decoder "
+        "or cross (an encoder-decoder such as BART: cross goes from the decoder input to the source text); "
+        "default: the model's first (for a `multihead train` checkpoint, the part its probes measured)",
+    )
+    parser.add_argument(
+        "--token",
+        metavar="WORD|INDEX|WORD:N",
+        help="the token to follow: a word of the text (its first occurrence; case does not matter), a token index "
+        "counting from 0 (for BERT-style models 0 is [CLS]), or WORD:N for the Nth occurrence of the word, "
+        "counting from 1 (bank:2); a number that is a word of the text is picked with WORD:N (--token 3:1). "
+        "Default: the first content word",
+    )
+    parser.add_argument(
+        "--corpus",
+        nargs="?",
+        const=BUNDLED,
+        metavar="FILE",
+        help="also measure every head over a corpus (one text per line) and label roles from it; "
+        "--corpus alone uses the bundled corpus",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default="multihead-report",
+        help="where the html/png/json reports go (default: multihead-report)",
+    )
+    parser.add_argument(
+        "--format",
+        default="terminal,html",
+        metavar="LIST",
+        help="any of terminal,html,png,json, comma-separated (default: terminal,html)",
+    )
+    parser.add_argument(
+        "--truncate", action="store_true", help="cut texts over the model's position limit (512 for all-MiniLM-L6-v2)"
+    )
+    parser.add_argument(
+        "--scores",
+        metavar="DIR",
+        help="a `multihead heads` output folder: its importance.json "
+        "and syntax.json become per-head columns of the HTML report, and each head's best syntactic relation "
+        "(from syntax.json) is weighed into its role",
+    )
+    parser.set_defaults(run=run_inspect)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from multihead.inspect.report import bundled_corpus, inspect_text, read_corpus
+    from multihead.inspect.write import check_formats, write_reports
+    from multihead.integrations import load_text_model
+
+    with from_option("--format"):
+        formats = check_formats(args.format)
+    parse_indices("layers", args.layers)  # their form now, before the model loads; their range once it has
+    parse_indices("heads", args.heads)
+    token = parse_token(args.token)
+    console = make_console()
+    if args.text is not None and not args.text.strip():
+        raise bad_argument("text", "a non-empty text", repr(args.text), 'pass e.g. "The bank was full of money."')
+    if any(name != "terminal" for name in formats):
+        output_folder("--out", args.out, create=False)  # checked now; made when the reports are written
+    corpus, corpus_source = None, None
+    if args.corpus == BUNDLED:
+        corpus = bundled_corpus()
+        corpus_source = f"bundled corpus ({len(corpus)} sentences)"
+    elif args.corpus is not None:
+        corpus = read_corpus(args.corpus, argument="--corpus")
+        corpus_source = f"{args.corpus} ({len(corpus)} texts)"
+    with from_option("--model"):
+        model = load_text_model(args.model)
+    layers, heads = _chosen_heads(model, args.layers, args.heads)
+    part, behaviours = _saved_behaviours(args.model, model, args.part)
+    text = args.text if args.text is not None else _task_text(args.model) or DEFAULT_TEXT
+    columns, relations = None, None
+    if args.scores:
+        from multihead.inspect.headreport import report_relations
+
+        columns = _report_columns(args.scores, model)
+        relations = report_relations(args.scores, argument="--scores")  # each head's relation, into its role
+    with (
+        Progress(console=console, transient=True, disable=corpus is None or not console.is_terminal) as progress,
+        from_option("--token", names=("token",)),
+        from_option("--heads", names=("heads",)),
+        from_option("--part", names=("part",)),
+    ):
+        task = progress.add_task("corpus statistics", total=len(corpus or ()))
+        inspection = inspect_text(
+            model,
+            text,
+            layers=layers,
+            heads=heads,
+            part=part,
+            token=token,
+            corpus=corpus,
+            corpus_source=corpus_source,
+            truncate=args.truncate,
+            progress=lambda done: progress.update(task, completed=done),
+            relations=relations,
+            behaviours=behaviours,
+        )
+    if behaviours is not None:  # the probes' measures as columns of the HTML report, beside any --scores
+        columns = {**(columns or {}), **{f"{name} (probe)": values.tolist() for name, values in behaviours.items()}}
+    extra_columns = None
+    if columns is not None:  # the scores of the heads shown, by layer and checkpoint head number
+        extra_columns = {
+            name: [[values[layer][head] for head in inspection.heads] for layer in inspection.layers]
+            for name, values in columns.items()
+        }
+    paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns, argument="--out")
+    for name, path in paths.items():
+        size = path.stat().st_size
+        console.print(f"{name} report: {path.resolve()} ({format_bytes(size)})", soft_wrap=True, markup=False)
+        if name == "html" and size > HTML_SIZE_NOTE:  # a browser or a notebook cell slows down past it
+            console.print(
+                f"note: report.html is {format_bytes(size)}, over {format_bytes(HTML_SIZE_NOTE)}: a browser may be "
+                "slow to open it. Record fewer heads (--layers, --heads) or a shorter text",
+                soft_wrap=True,
+                markup=False,
+                highlight=False,
+            )
+    note = skipped_note(paths.skipped.values())  # png without matplotlib: the other reports, and this line
+    if note is not None:
+        console.print(note, soft_wrap=True, markup=False, highlight=False)
+    return 0
+
+
+def _task_text(folder: str | None) -> str | None:
+    """An input of the task a `multihead train` checkpoint in ``folder`` learned (None for any other model)."""
+    from multihead.inspect.behaviours import read_task
+    from multihead.train.tasks import example_text
+
+    saved = None if folder is None else read_task(folder)
+    return None if saved is None else example_text(*saved)
+
+
+def _saved_behaviours(folder: str | None, model, part: str | None):
+    """The part to show and the behaviour probes saved in the --model folder (``multihead train`` writes them) for
+    it, as {name: (layers, heads)} (None when the folder has none for that part). Without --part, a checkpoint
+    shows the part its probes measured (an encoder-decoder of ``train reverse``: its cross-attention)."""
+    from multihead.capture import part_sites
+    from multihead.inspect.behaviours import read_behaviours
+
+    saved = None
+    if folder is not None:
+        with from_option("--model"):
+            saved = read_behaviours(folder)
+    if saved is None:
+        return part, None
+    if part is None and len(saved) == 1:
+        part = next(iter(saved))
+    with from_option("--part", names=("part",)):
+        chosen, _ = part_sites(model, part)
+    return part, saved.get(chosen)
+
+
+def _chosen_heads(model, layers_spec: str | None, heads_spec: str | None) -> tuple[list[int] | None, list[int] | None]:
+    """--layers and --heads checked against the model's sizes: heads by their checkpoint numbers, which a pruned
+    model's heads keep (a head pruned from every chosen layer is refused by inspect_text)."""
+    from multihead.inspect.recording import head_numbers
+
+    numbers, total = head_numbers(model)
+    return parse_indices("layers", layers_spec, len(numbers)), parse_indices("heads", heads_spec, total)
+
+
+def _report_columns(folder: str, model) -> dict[str, list[list[float | None]]]:
+    """The --scores folder's per-head columns, (layers, checkpoint heads) of this model's size (null: pruned)."""
+    from multihead.inspect.headreport import report_columns
+    from multihead.inspect.recording import head_numbers
+
+    numbers, total = head_numbers(model)
+    return report_columns(folder, argument="--scores", shape=(len(numbers), total))

@@ -1,0 +1,258 @@
+"""`multihead train`: small models trained from scratch on a synthetic task, their heads measured."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from multihead._console import make_console
+from multihead._errors import InputError
+from multihead._figures import print_written  # "wrote <path>"; one line for a figure left out
+from multihead._userfiles import output_folder
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a small transformer on a synthetic task and watch its heads specialise",
+        description="Train a small model built from multihead's layer on a synthetic task generated on the fly, "
+        "with a progress bar; measure every head over training and prove what it does by ablation. induction: a "
+        "decoder on repeated random segments (Olsson et al. 2022: a previous-token head, then induction heads); "
+        "reverse: an encoder-decoder that writes its source backwards (its cross-attention heads learn the "
+        "alignment). "
+        "Writes OUT/model (open it with `multihead inspect --model OUT/model`), OUT/log.json and, with "
+        "matplotlib, OUT/curves.png.",
+    )
+    parser.add_argument(
+        "task",
+        choices=("induction", "reverse", "symmetry"),
+        help="the synthetic task; symmetry trains the induction decoder twice from one initialisation, once with "
+        "every head of a layer made identical, and follows how far apart the heads' attention is",
+    )
+    parser.add_argument("--steps", type=int, help="optimizer updates (default: induction 3000, reverse 800)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="blocks (induction: default 2, and 1 is the paper's control; reverse: of each stack, default 1)",
+    )
+    parser.add_argument("--heads", type=int, help="query heads per layer (default 4)")
+    parser.add_argument("--kv-heads", type=int, help="key/value heads per layer (default: --heads; fewer is GQA)")
+    parser.add_argument("--hidden", type=int, help="residual width (default 64)")
+    parser.add_argument("--lr", type=float, help="AdamW learning rate (default: induction 1e-3, reverse 3e-3)")
+    parser.add_argument("--seed", type=int, help="seeds the initialisation and the batches (default 0)")
+    parser.add_argument("--out", metavar="DIR", default="multihead-train", help="where the run goes")
+    parser.set_defaults(run=run_train)
+
+
+def _train_settings(task: str, args: argparse.Namespace):
+    """The task's settings with the options given; an error about a field names the option the user typed."""
+    import dataclasses
+
+    from multihead.train.induction import InductionSettings
+    from multihead.train.reverse import ReverseSettings
+
+    given = {
+        "steps": args.steps,
+        "layers": args.layers,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "hidden": args.hidden,
+        "lr": args.lr,
+        "seed": args.seed,
+    }
+    # the fields each option sets: the encoder-decoder's --layers sets both of its stacks
+    fields: dict[str, tuple[str, ...]] = {name: (name,) for name in given}
+    if task == "reverse":
+        fields["layers"] = ("encoder_layers", "decoder_layers")
+    chosen = {field: value for name, value in given.items() if value is not None for field in fields[name]}
+    defaults = InductionSettings() if task == "induction" else ReverseSettings()
+    try:
+        return dataclasses.replace(defaults, **chosen)
+    except InputError as error:  # the settings name their fields; the user typed the options
+        option = next((option for option, names in fields.items() if error.argument in names), None)
+        if option is None:
+            raise
+        raise error.about(f"--{option.replace('_', '-')}") from None
+
+
+def training_progress(console):
+    """The training bar: description, bar, steps and time left on one line, the run's latest scores on a line
+    of their own below, cut with "…" at the console's width. On one line, the scores took the bar's and the
+    ETA's room at 80 columns."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class TwoLines(Progress):
+        def get_renderables(self):
+            yield self.make_tasks_table(self.tasks)
+            for task in self.tasks:
+                yield Text(str(task.fields.get("status", "")), no_wrap=True, overflow="ellipsis")
+
+    return TwoLines(
+        TextColumn("{task.description}"),
+        BarColumn(bar_width=None),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from multihead.train.induction import run_induction
+    from multihead.train.reverse import run_reverse
+
+    settings = _train_settings("reverse" if args.task == "reverse" else "induction", args)
+    out = output_folder("--out", args.out, create=False)  # checked now; written after training
+    if args.task == "symmetry":
+        return _train_symmetry(settings, out)
+    console = make_console()
+    induction = args.task == "induction"
+    tokens_per_step = settings.batch * (2 * settings.half_length + 1 if induction else 2 * settings.length)
+    with training_progress(console) as bar:
+        task = bar.add_task(f"training ({args.task})", total=settings.steps, status="")
+        started = [time.perf_counter(), 0]
+
+        def show(step: int, scores) -> None:
+            now = time.perf_counter()
+            rate = (step - started[1]) * tokens_per_step / max(now - started[0], 1e-9)
+            started[:] = [now, step]
+            if induction:
+                status = (
+                    f"repeated-token loss {scores['repeated_token_loss']:.3f} · "
+                    f"induction {float(scores['induction'][-1].max()):.2f}"
+                )
+            else:
+                status = f"loss {scores['probe_loss']:.3f} · alignment {float(scores['alignment'].max()):.2f}"
+            bar.update(task, completed=step, status=f"{status} · {rate:,.0f} tokens/s")
+
+        run = run_induction(settings, on_log=show) if induction else run_reverse(settings, on_log=show)
+    final = run.final
+    kind = "attention-only " if not settings.mlp else ""
+    if induction:
+        console.print(
+            f"trained a {settings.layers}-layer, {settings.heads}-head {kind}decoder for {settings.steps} steps: "
+            f"repeated-token loss {final['loss']:.3f} (chance {final['chance']:.3f}), in-context learning score "
+            f"{final['in_context_learning']:+.3f} nats",
+        )
+        note = (
+            "prev: attention from t to t - 1. induction: attention from a repeated token to the token after its "
+            "earlier occurrence (prefix matching, TransformerLens' induction score). copies: predictions at repeated "
+            "tokens the head's own logits get right. ablated: repeated-token loss with the head zeroed "
+            f"(unablated {final['loss']:.3f}). role: multihead.inspect.roles on these probes."
+        )
+    else:
+        console.print(
+            f"trained a {settings.encoder_layers}+{settings.decoder_layers}-layer, {settings.heads}-head {kind}"
+            f"encoder-decoder for {settings.steps} steps: loss {final['loss']:.4f}, held-out sequences reversed "
+            f"exactly {final['exact_match']:.0%}",
+        )
+        note = (
+            "aligned: target positions whose largest cross-attention weight falls on the source token they reverse "
+            f"(chance {1 / settings.length:.0%}). ablated: loss with the head zeroed (unablated "
+            f"{final['loss']:.4f}). role: multihead.inspect.roles on these probes."
+        )
+    console.print(_probe_table(run, induction))
+    console.print(note, markup=False)  # prose: wrapped at the console's width between words
+    paths = run.save(out)
+    print_written(console, paths)
+    console.print(f"inspect it: multihead inspect --model {paths['model']}", soft_wrap=True, markup=False)
+    return 0
+
+
+def _train_symmetry(settings, out: Path) -> int:
+    """`multihead train symmetry`: the induction settings' decoder trained from one initialisation twice, as
+    drawn and with identical heads; the heads' mean pairwise divergence over training, in a table and a PNG."""
+    import json
+
+    from rich import box
+    from rich.status import Status
+    from rich.table import Table
+
+    from multihead._figures import Written, draw_figure
+    from multihead._userfiles import writing
+    from multihead.train.symmetry import plot_symmetry, symmetry_experiment
+
+    console = make_console()
+    with Status("training twice: random heads, then identical heads", console=console):
+        result = symmetry_experiment(
+            settings.model_config(),
+            steps=settings.steps,
+            seed=settings.seed,
+            half_length=settings.half_length,
+            min_half_length=settings.min_half_length,
+            vocab_size=settings.vocab_size,
+            batch=settings.batch,
+            lr=settings.lr,
+            log_every=settings.log_every,
+        )
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="mean pairwise JSD between a layer's heads (bits)")
+    table.add_column("step", justify="right")
+    for name in ("random", "identical"):
+        for layer in range(settings.layers):
+            table.add_column(f"{name} L{layer}", justify="right")
+    table.add_column("loss random / identical", justify="right")
+    random_history, identical_history = result["random"]["history"], result["identical"]["history"]
+    shown = sorted({0, len(random_history) - 1, *range(0, len(random_history), max(1, len(random_history) // 8))})
+    for index in shown:
+        random_entry, identical_entry = random_history[index], identical_history[index]
+        table.add_row(
+            str(random_entry["step"]),
+            *(f"{value:.3f}" for value in random_entry["divergence_mean"]),
+            *(f"{value:.3f}" for value in identical_entry["divergence_mean"]),
+            f"{random_entry['repeated_loss']:.3f} / {identical_entry['repeated_loss']:.3f}",
+        )
+    console.print(table)
+    stayed = "stayed bitwise identical" if result["identical_stayed_identical"] else "drifted apart (rounding)"
+    start, end = (max(entry["divergence_mean"]) for entry in (random_history[0], random_history[-1]))
+    console.print(
+        f"identical heads {stayed} at every log; random heads: {start:.3f} bits apart at step 0 and {end:.3f} at "
+        f"step {random_history[-1]['step']} (the layer furthest apart)",
+        soft_wrap=True,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    written = Written(json=out / "symmetry.json")
+    with writing("--out", written["json"]):
+        written["json"].write_text(json.dumps(result, indent=1))
+    draw_figure(written, "png", out / "symmetry.png", lambda path: plot_symmetry(result, path))
+    print_written(console, written)
+    return 0
+
+
+def _probe_table(run, induction: bool):
+    """One row per head a run measured (an induction run's every head, a reverse run's cross-attention heads):
+    its probe scores, its ablated loss and the role the probes give it."""
+    from rich import box
+    from rich.table import Table
+
+    from multihead.inspect.roles import label_head
+
+    final = run.final
+    columns = ("prev", "induction", "copies") if induction else ("aligned",)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("head", *columns, "ablated", "role"):
+        table.add_column(name, justify="left" if name in ("head", "role") else "right")
+    behaviours = run.behaviours()
+    layers, heads = final["ablated_loss"].shape
+    for layer in range(layers):
+        for head in range(heads):
+            measures = {name: float(values[layer, head]) for name, values in behaviours.items()}
+            # the probe signals alone: without text statistics the role is the probes' verdict
+            role = label_head({"best_offset": -1.0, **measures}, {"probe": 1.0})
+            label = role.short if role.confidence != "low" else "-"
+            if induction:
+                previous = float(final["previous_token"][layer, head])
+                if previous >= 0.4 and role.label not in ("induction", "prefix"):
+                    label = f"prev {previous:.0%}"
+                cells = [previous, measures["prefix_matching"], measures["copying"]]
+            else:
+                cells = [measures["alignment"]]
+            table.add_row(
+                f"L{layer}H{head}",
+                *(f"{value:.0%}" for value in cells),
+                f"{float(final['ablated_loss'][layer, head]):.4f}",
+                label,
+            )
+    return table
