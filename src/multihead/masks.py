@@ -670,8 +670,9 @@ def _name(function: Callable) -> str:
 
 def _probed(name: str, function: ModFunction, shape: AttentionShape, floating: bool) -> torch.Tensor:
     """``function`` called once on a 2 x 2 block of position 0, on the call's device, and its result checked (a
-    bool or a float tensor that broadcasts to the block), so that a wrong function is named when the mask is
-    bound, not deep in a kernel: two rows and two columns make ``and`` / ``if`` on the positions fail here."""
+    bool or a float tensor), so that a wrong function is named when the mask is bound, not deep in a kernel: two
+    rows and two columns make ``and`` / ``if`` on the positions fail here. The result's shape is checked on each
+    block it is evaluated for (:func:`_user_evaluate`)."""
     zero = torch.zeros((), dtype=torch.long, device=shape.device)
     rows, cols = zero.expand(1, 1, 2, 1), zero.expand(1, 1, 1, 2)
     expected = "a floating tensor (the bias)" if floating else "a bool tensor (True = may attend)"
