@@ -168,7 +168,7 @@ def test_the_harness_catches_a_host_read_on_the_kernel_path(backend):
     def reading_state(self, row_start, row_stop, col_start, col_stop):
         return BlockState.EMPTY if not self.valid[..., col_start:col_stop].any().item() else BlockState.PARTIAL
 
-    with fake_tensors(), patch.object(masks._BoundPadding, "span_state", reading_state):
+    with fake_tensors(), patch.object(masks._padding._BoundPadding, "span_state", reading_state):
         q, k, v = qkv(torch.device("cpu"))
         mask = masks.padding(torch.randint(0, J + 1, (B,)))
         with pytest.raises(DataDependentOutputException):

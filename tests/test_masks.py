@@ -84,7 +84,7 @@ def test_alibi_bias_built_a_head_at_a_time_is_the_slopes_dtype_product_rounded_o
     keys, queries = torch.arange(j, device=device), torch.arange(i, device=device)
     distance = (keys[None] - (queries[:, None] + j - i)).abs().to(slopes_dtype)
     product = -slopes[:, None, None] * distance  # (h, i, j), in the slopes' dtype
-    monkeypatch.setattr(masks, "ALIBI_CHUNK_ELEMENTS", 2 * i * j)  # two heads a chunk: 3 chunks, the last short
+    monkeypatch.setattr(masks._alibi, "ALIBI_CHUNK_ELEMENTS", 2 * i * j)  # two heads a chunk: 3 chunks, the last short
     bound = bind_mask(masks.alibi(slopes), False, AttentionShape(1, h, i, j, device))
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
         _, bias = bound.dense(dtype)
@@ -115,7 +115,7 @@ def test_causal_alibi_as_one_additive_mask_peaks_at_one_bias(dtype, monkeypatch)
     written into it in place. Built in float32, cast and then filled, it peaked at 6 bytes an entry for bfloat16
     (24 GiB at i = j = 16384 with 16 heads) where 2 are kept."""
     h, n = 8, 256
-    monkeypatch.setattr(masks, "ALIBI_CHUNK_ELEMENTS", n * n)
+    monkeypatch.setattr(masks._alibi, "ALIBI_CHUNK_ELEMENTS", n * n)
     bound = bind_mask(masks.alibi(masks.alibi_slopes(h)), True, AttentionShape(1, h, n, n, CPU))
     kept = h * n * n * dtype.itemsize
     peak = measure_peak_bytes(lambda: bound.additive(dtype))
@@ -247,7 +247,10 @@ def test_may_empty_rows_is_exact_block_by_block(case):
     True exactly when some row of the dense mask keeps no key."""
     (b, h, i, j), mask = case
     bound = bind_mask(mask, False, AttentionShape(b, h, i, j, CPU))
-    with patch.object(masks, "EMPTY_ROW_BLOCK", 3), patch.object(masks, "EMPTY_ROW_CHECK_ELEMENTS", 2 * b * h * j):
+    with (
+        patch.object(masks._bound_mask, "EMPTY_ROW_BLOCK", 3),
+        patch.object(masks._bound_mask, "EMPTY_ROW_CHECK_ELEMENTS", 2 * b * h * j),
+    ):
         assert bound.may_empty_rows() == bool((~dense_keep(mask, b, h, i, j).any(-1)).any())
 
 
@@ -273,7 +276,7 @@ def test_may_empty_rows_builds_no_i_by_j_tensor(device):
     values known on the host: the padding below is a CPU tensor, for a call on any device)."""
     n, heads = 16384, 16
     shape = AttentionShape(1, heads, n, n, device)
-    with patch.object(masks._BoundAlibi, "evaluate", side_effect=AssertionError("ALiBi evaluated")):
+    with patch.object(masks._alibi._BoundAlibi, "evaluate", side_effect=AssertionError("ALiBi evaluated")):
         assert not bind_mask(masks.alibi(masks.alibi_slopes(heads)), True, shape).may_empty_rows()
     # a window narrower than a key block keeps no block whole: every row block is evaluated, over its live keys
     # (padding given as a (b, j) bool: key lengths are settled without any block, below)
@@ -281,11 +284,11 @@ def test_may_empty_rows_builds_no_i_by_j_tensor(device):
     narrow = masks.causal() & masks.window(8) & masks.padding(half)
     with recording_blocks() as built:
         assert bind_mask(narrow, False, shape).may_empty_rows()  # the rows past the padding see no key
-        assert built and max(built) <= masks.EMPTY_ROW_BLOCK * 2 * masks.EMPTY_ROW_BLOCK
+        assert built and max(built) <= masks._bound_mask.EMPTY_ROW_BLOCK * 2 * masks._bound_mask.EMPTY_ROW_BLOCK
         built.clear()
         # causal & padding: every row block past the first keeps key block 0 whole, settled by its state alone
         assert not bind_mask(masks.causal() & masks.padding(half), False, shape).may_empty_rows()
-        assert built == [masks.EMPTY_ROW_BLOCK**2]
+        assert built == [masks._bound_mask.EMPTY_ROW_BLOCK**2]
         built.clear()
         # bands and key lengths known on the host: the same answers by arithmetic on the first and last rows
         assert bind_mask(masks.causal() & masks.window(8) & masks.padding([n // 2]), False, shape).may_empty_rows()
@@ -303,7 +306,7 @@ def test_may_empty_rows_bounds_blocks_that_broadcast_batch_and_heads():
     bound = bind_mask(mask, False, AttentionShape(b, h, n, n, CPU))
     limit = b * h * n * 2  # two rows of every plane at once
     some_row_empty = bool((~dense_keep(mask, b, h, n, n).any(-1)).any())
-    with recording_blocks() as built, patch.object(masks, "EMPTY_ROW_CHECK_ELEMENTS", limit):
+    with recording_blocks() as built, patch.object(masks._bound_mask, "EMPTY_ROW_CHECK_ELEMENTS", limit):
         assert bound.may_empty_rows() == some_row_empty
     assert built and max(built) <= limit
     assert bound.dense_extent() == (b, h, n)

@@ -180,14 +180,15 @@ def _check_mask(mask: object, causal: bool, function: str) -> _Diagonals:
             kind=TypeError,
         )
     for term in mask.terms():
-        if isinstance(term, masks._Diagonal):
-            left, right = _tighter(left, term.left), _tighter(right, term.right)
-        elif isinstance(term, masks._Softcap):
+        band = term.key_band()
+        if band is not None:
+            left, right = _tighter(left, band[0]), _tighter(right, band[1])
+        elif term.cap is not None:
             extra.append(term)
         else:
             fix = (
                 "pass key_padding=, a (b, n/P) bool shard of this rank's keys (True = real)"
-                if isinstance(term, masks._Padding)
+                if term.kind == "padding"
                 else "use causal, window or softcap; run this mask on one rank with multihead.attention"
             )
             raise bad_argument(

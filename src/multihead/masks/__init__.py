@@ -1,0 +1,82 @@
+"""Typed attention masks.
+
+A mask says which keys each query may attend to, and optionally adds a bias to
+the scores. Typed masks remove the polarity question and never build an
+``i x j`` tensor unless a backend asks for one: a kernel evaluates them one
+block at a time, and skips blocks they rule out entirely.
+
+    causal()                 j <= i (+ offset for unequal lengths, see below)
+    window(left, right)      sliding window around the (aligned) diagonal
+    padding(lengths)         key j is real for batch row b when j < lengths[b]
+    padding(valid)           ... or from a (b, j) boolean of real tokens
+    alibi(slopes)            additive -slope_h * |i - j| (Press et al., 2022)
+    bias(tensor)             any additive float tensor broadcastable to (b, h, i, j)
+    allowed(tensor)          any boolean tensor broadcastable to (b, h, i, j), True = may attend
+    softcap(cap)             logit soft-capping: score -> cap * tanh(score / cap), before the bias
+    custom(mask_mod, score_mod, block_mod)
+                             your own, as functions of (b, h, q_idx, kv_idx): FlexAttention's model, on every backend
+
+Masks combine with ``&``: keys must be allowed by every boolean term, and the
+bias terms add up. A plain tensor is accepted wherever a mask is: boolean means
+True = may attend, floating means additive. Per (query, key) pair the kernels compute
+
+    s = (q . k) * scale;  s = cap * tanh(s / cap) (with a soft-cap);  s = s + bias;  masked -> -inf
+
+Alignment when the query length i differs from the key length j
+----------------------------------------------------------------
+``"bottom_right"`` (the default) aligns the last query with the last key, which
+is what a KV cache needs: query ``i`` sits at key position ``i + (j - i_len)``.
+``"top_left"`` aligns the first query with the first key. For i = 3, j = 5
+(``x`` = may attend)::
+
+    bottom_right          top_left
+    x x x . .             x . . . .
+    x x x x .             x x . . .
+    x x x x x             x x x . .
+
+With i > j, bottom-right alignment leaves the first ``i - j`` rows with no key
+at all; such fully masked rows give output 0 on every backend.
+"""
+
+# One module per kind of term, each holding what the user builds and its bound term (its rule and block states): a
+# new kind is a new module. BoundMask combines bound terms through their attributes alone, never by their class.
+# Past __all__'s user-facing names, the ones kernels and integrations bind masks with are imported here too.
+from multihead.masks._alibi import alibi, alibi_slopes
+from multihead.masks._base import (  # noqa: F401
+    STATE_EMPTY,
+    STATE_FULL,
+    STATE_PARTIAL,
+    AttentionShape,
+    BlockGrid,
+    BlockState,
+    BoundTerm,
+    Index,
+    device_scalar,
+    host_readable,
+    is_fake,
+    to_device,
+)
+from multihead.masks._binding import bind_mask  # noqa: F401
+from multihead.masks._bound_mask import BoundMask
+from multihead.masks._custom import custom
+from multihead.masks._diagonal import causal, window
+from multihead.masks._mask import Combined, Mask, all_of, allowed, as_mask, bias  # noqa: F401
+from multihead.masks._padding import padding
+from multihead.masks._softcap import softcap
+
+__all__ = [
+    "Mask",
+    "all_of",
+    "BoundMask",
+    "BlockState",
+    "causal",
+    "window",
+    "padding",
+    "alibi",
+    "alibi_slopes",
+    "bias",
+    "allowed",
+    "softcap",
+    "as_mask",
+    "custom",
+]
