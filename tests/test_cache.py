@@ -40,12 +40,12 @@ BAD_APPENDS = [
     ((K3[:, :1], V3[:, :1]), ValueError, "keys: expected shape (b, g, n, d)"),  # one head
     ((K3[:, :, :0], V3[:, :, :0]), ValueError, "with n >= 1"),  # no token
     ((K3[0], V3[0]), ValueError, "keys: expected shape (b, g, n, d)"),  # 3-D
-    ((K3.float(), V3.float()), TypeError, "keys: expected dtype torch.float64 (the cache's)"),  # no cast
+    ((K3.float(), V3.float()), TypeError, "keys: expected dtype torch.float64 (the dtype of the cache)"),  # no cast
     ((K3, V3.float()), TypeError, "values: expected dtype torch.float64"),
     ((K3, V3[:, :, :2]), ValueError, "values: expected n = 3 new tokens (from keys)"),  # raised before keys land
     ((K3, V3[..., :4]), ValueError, "values: expected shape (b, g, n, e) = (2, 3, n, 5)"),
-    ((K3.tolist(), V3), TypeError, "keys: expected a tensor"),
-    ((K3, None), TypeError, "values: expected a tensor"),
+    ((K3.tolist(), V3), TypeError, "keys: expected a torch.Tensor"),
+    ((K3, None), TypeError, "values: expected a torch.Tensor"),
     ((K3.to("meta"), V3.to("meta")), ValueError, "keys: expected a tensor on cpu"),
 ]
 

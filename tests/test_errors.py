@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from multihead import WeightSelection, attention, explain, masks
+from multihead._errors import InputError
 from multihead.backends import Capabilities, registry
 from support import is_input_error
 
@@ -689,3 +690,34 @@ def test_another_librarys_message_is_kept_in_whole_sentences():
     assert whole_sentences(text, limit=60) == "First sentence here. Second one, broken across lines."
     assert whole_sentences(text, limit=10) == "First ..."  # a first sentence past the limit: cut at a word
     assert whole_sentences("no full stop at all") == "no full stop at all"
+
+
+def _mismatched_input_errors() -> dict[str, Exception]:
+    """The error each entry point raises for an input of the wrong dtype (float64 where float32 is due)."""
+    from multihead import KVCache, MultiHeadAttention, compat
+
+    x = torch.randn(2, 5, 12)
+    layer, module = MultiHeadAttention(12, 3), compat.MultiheadAttention(12, 3, batch_first=True)
+    cache = KVCache(2, 8, 3, 4, 4, dtype=torch.float32)
+    calls = {
+        "attention": lambda: attention(Q, K.double(), V),
+        "layer": lambda: layer(x, x.double()),
+        "compat": lambda: module(x, x.double(), x),
+        "cache": lambda: cache.append(torch.randn(2, 3, 1, 4, dtype=torch.float64), torch.randn(2, 3, 1, 4)),
+    }
+    errors = {}
+    for name, bad_call in calls.items():
+        with pytest.raises(TypeError) as raised:
+            bad_call()
+        errors[name] = raised.value
+    return errors
+
+
+def test_every_entry_point_says_a_dtype_mismatch_in_the_same_words():
+    # one validator (multihead._inputs.matching) serves attention, the layer, the torch drop-in and the cache
+    errors = _mismatched_input_errors()
+    pattern = re.compile(r"^\w+: expected dtype torch\.float32 \(the dtype of [^)]+\), got torch\.float64\. Fix: ")
+    for name, error in errors.items():
+        assert isinstance(error, InputError), name  # compat's is DtypeError, a TypeError subclass like torch's
+        assert pattern.match(str(error)), (name, str(error))
+    assert {error.argument for error in errors.values()} == {"k", "key", "keys"}

@@ -285,16 +285,16 @@ def bad_calls(device: torch.device | str = "cpu"):
         (lambda: KVCache(0, 4, 1, 8, device=device), ValueError, "batch_size: expected a positive int"),
         (lambda: layer.new_cache(2, 8, window=0), ValueError, "window: expected a positive int"),
         # dtypes and devices: checked against the layer's parameters, then the query's
-        (lambda: layer(x.double()), TypeError, "query: expected dtype torch.float32 (the layer's parameters)"),
-        (lambda: layer(x.half()), TypeError, "query: expected dtype torch.float32 (the layer's parameters)"),
-        (lambda: layer(x.long()), TypeError, "query: expected a floating tensor"),
-        (lambda: layer(x.to(torch.complex64)), TypeError, "query: expected a floating tensor"),
+        (lambda: layer(x.double()), TypeError, "query: expected dtype torch.float32 (the dtype of the layer's parameters)"),
+        (lambda: layer(x.half()), TypeError, "query: expected dtype torch.float32 (the dtype of the layer's parameters)"),
+        (lambda: layer(x.long()), TypeError, "query: expected a floating dtype"),
+        (lambda: layer(x.to(torch.complex64)), TypeError, "query: expected a floating dtype"),
         (lambda: layer(torch.randn(2, 5, 12, device="meta")), ValueError, f"query: expected a tensor on {device}"),
-        (lambda: layer(x, x.double()), TypeError, "key: expected dtype torch.float32 (the query's)"),
+        (lambda: layer(x, x.double()), TypeError, "key: expected dtype torch.float32 (the dtype of the query)"),
         (
             lambda: cross(x, rand(2, 5, 5), rand(2, 5, 5, dtype=torch.float64)),
             TypeError,
-            "value: expected dtype torch.float32 (the query's)",
+            "value: expected dtype torch.float32 (the dtype of the query)",
         ),
         (lambda: layer(rand(0, 5, 12)), ValueError, "query: expected at least one batch row and one position"),
         (

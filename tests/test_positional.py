@@ -453,7 +453,7 @@ BAD = [
         id="rope-k-5d",
     ),
     pytest.param(
-        lambda: _rope(Q.long(), K), TypeError, "q: expected a floating dtype, got torch.int64", id="rope-q-int"
+        lambda: _rope(Q.long(), K), TypeError, "q: expected a floating dtype (float16, bfloat16, float32 or float64), got torch.int64", id="rope-q-int"
     ),
     pytest.param(lambda: _rope(Q.tolist(), K), TypeError, "q: expected a torch.Tensor, got list", id="rope-q-list"),
     pytest.param(
@@ -593,7 +593,7 @@ BAD = [
         "x: expected shape (b, n, dim), or unbatched (n, dim), got shape (2, 6, 5, 8)",
         id="sin-per-head-input",
     ),
-    pytest.param(lambda: _sin(X.int()), TypeError, "x: expected a floating dtype, got torch.int32", id="sin-int-x"),
+    pytest.param(lambda: _sin(X.int()), TypeError, "x: expected a floating dtype (float16, bfloat16, float32 or float64), got torch.int32", id="sin-int-x"),
     pytest.param(
         lambda: _sin(X, offset=-2), ValueError, "offset: expected a non-negative int", id="sin-offset-negative"
     ),

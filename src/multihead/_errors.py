@@ -198,24 +198,3 @@ def usable_device(name: str, value: object, *, allow_none: bool = True) -> torch
             f"pass {name}='cpu', or a device listed by torch",
         ) from None
     return device
-
-
-def like_query(
-    name: str, tensor: torch.Tensor, query: torch.Tensor, *, dtype_kind: type[Exception] = TypeError
-) -> None:
-    """``tensor`` (a key or value) has the query's dtype and device: one check for the layer and compat alike."""
-    if tensor.dtype != query.dtype:
-        raise bad_argument(
-            name,
-            f"dtype {query.dtype} (the query's)",
-            tensor.dtype,
-            "give query, key and value one dtype",
-            kind=dtype_kind,
-        )
-    if tensor.device != query.device:
-        raise bad_argument(
-            name,
-            f"a tensor on {query.device} (the query's device)",
-            f"one on {tensor.device}",
-            "move query, key and value to one device",
-        )

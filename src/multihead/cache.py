@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from multihead._errors import bad_argument, describe, floating_dtype, positive_int, usable_device
+from multihead._errors import bad_argument, floating_dtype, positive_int, usable_device
+from multihead._inputs import matching, tensor_argument
 from multihead._limits import check_fits
 
 
@@ -170,23 +171,10 @@ class KVCache:
     def _check_one(self, name: str, t: object, last_axis: str, last: int) -> torch.Tensor:
         """Validate one of keys (b, g, n, d) or values (b, g, n, e): type, dtype, device and shape."""
         layout = f"(b, g, n, {last_axis}) = ({self.batch_size}, {self.num_kv_heads}, n, {last})"
-        if not isinstance(t, torch.Tensor):
-            raise bad_argument(name, f"a tensor {layout}", describe(t), f"pass {name} as a tensor", kind=TypeError)
-        if t.dtype != self.keys.dtype:
-            raise bad_argument(
-                name,
-                f"dtype {self.keys.dtype} (the cache's)",
-                t.dtype,
-                f"cast with {name}.to({self.keys.dtype}), or build the cache with that dtype",
-                kind=TypeError,
-            )
-        if t.device != self.keys.device:
-            raise bad_argument(
-                name,
-                f"a tensor on {self.keys.device} (the cache's device)",
-                f"one on {t.device}",
-                f"move it with {name}.to({str(self.keys.device)!r})",
-            )
+        t = tensor_argument(name, t, fix=f"pass {name} as a tensor {layout}")
+        matching(
+            name, t, self.keys, "the cache", fix=f"convert with {name}.to(cache.keys), or build the cache to match"
+        )
         if (
             t.ndim != 4
             or tuple(t.shape[:2]) != (self.batch_size, self.num_kv_heads)

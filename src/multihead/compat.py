@@ -46,12 +46,12 @@ from multihead._errors import (
     checked_probability,
     describe,
     floating_dtype,
-    like_query,
     positive_int,
     usable_device,
 )
+from multihead._inputs import like_parameters, matching, tensor_argument
 from multihead._limits import check_fits
-from multihead.functional import AttentionResult, attention
+from multihead.functional import AttentionResult, attention, autocast_on
 from multihead.layer import MultiHeadAttention
 from multihead.masks import Mask, as_mask
 
@@ -164,8 +164,7 @@ def _check_arguments(
 ) -> None:
     """Types, flags and numbers of dims: the checks that hold for dense and nested inputs alike."""
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise bad_argument(name, "a torch.Tensor", describe(t), "pass a tensor", kind=TypeError)
+        tensor_argument(name, t)
     for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
         if m is not None and not isinstance(m, torch.Tensor):
             raise bad_argument(
@@ -382,50 +381,21 @@ def _check_sizes(
 
 
 def _check_dtypes(query, key, value, params: _Params, key_padding_mask, attn_mask, static_k, static_v) -> None:
-    if not query.is_floating_point():
-        raise bad_argument(
-            "query",
-            "a real floating tensor (float16, bfloat16, float32 or float64)",
-            query.dtype,
-            "convert with query.float()",
-            kind=DtypeError,
-        )
-    dtype, device = params.out_w.dtype, params.out_w.device
-    if query.dtype != dtype and not torch.is_autocast_enabled(query.device.type):
-        raise bad_argument(
-            "query",
-            f"dtype {dtype} (the parameters')",
-            query.dtype,
-            f"cast the input with .to({dtype}), or the module with .to({query.dtype})",
-            kind=DtypeError,
-        )
-    if query.device != device:
-        raise bad_argument(
-            "query",
-            f"a tensor on {device} (the parameters' device)",
-            f"one on {query.device}",
-            "move the inputs or the module to one device",
-        )
+    autocast = autocast_on(query.device)
+    like_parameters("query", query, params.out_w, "the parameters", autocast=autocast, dtype_kind=DtypeError)
     for name, p in params.named:
-        if p.dtype != dtype:
-            raise bad_argument(
-                name,
-                f"dtype {dtype}, like the other parameters",
-                p.dtype,
-                f"give every parameter one dtype, e.g. module.to({dtype})",
-                kind=DtypeError,
-            )
-        if p.device != device:
-            raise bad_argument(
-                name,
-                f"a tensor on {device}, like the other parameters",
-                f"one on {p.device}",
-                "move the module with .to(device)",
-            )
+        matching(
+            name,
+            p,
+            params.out_w,
+            "out_proj.weight",
+            fix="give the module one dtype and device with .to(...)",
+            dtype_kind=DtypeError,
+        )
     for name, t in (("key", key), ("value", value), ("static_k", static_k), ("static_v", static_v)):
         if t is None:
             continue
-        like_query(name, t, query, dtype_kind=DtypeError)
+        matching(name, t, query, "the query", fix=f"convert with {name}.to(query)", dtype_kind=DtypeError)
     for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
         if m is None:
             continue
@@ -438,13 +408,7 @@ def _check_dtypes(query, key, value, params: _Params, key_padding_mask, attn_mas
                 "convert with .bool() or .float()",
                 f"only bool and floating types of {name} are supported",
             )
-        if m.device != query.device:
-            raise bad_argument(
-                name,
-                f"a tensor on {query.device} (the query's device)",
-                f"one on {m.device}",
-                f"move {name} to the query's device",
-            )
+        matching(name, m, query, "the query", fix=f"move {name} to the query's device", check_dtype=False)
 
 
 class _Options(TypedDict):

@@ -27,6 +27,7 @@ import torch
 
 from multihead._errors import bad_argument, checked_flag, checked_probability, describe
 from multihead._indices import checked_indices
+from multihead._inputs import floating_argument, matching, tensor_argument
 from multihead._limits import check_fits, device_memory
 from multihead.backends import policy, registry
 from multihead.backends._blocks import (
@@ -76,14 +77,8 @@ class _Prepared:
     call: registry.AttentionCall
 
 
-def _tensor_argument(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise bad_argument(name, "a torch.Tensor", describe(t), "pass a tensor", kind=TypeError)
-    return t
-
-
 def _check_tensors(q_arg: object, k_arg: object, v_arg: object) -> None:
-    q, k, v = _tensor_argument("q", q_arg), _tensor_argument("k", k_arg), _tensor_argument("v", v_arg)
+    q, k, v = tensor_argument("q", q_arg), tensor_argument("k", k_arg), tensor_argument("v", v_arg)
     if q.ndim not in (3, 4):
         raise bad_argument(
             "q",
@@ -100,23 +95,9 @@ def _check_tensors(q_arg: object, k_arg: object, v_arg: object) -> None:
                 f"shape {tuple(t.shape)}",
                 "give q, k and v the same number of dims",
             )
-    if not q.is_floating_point():
-        raise bad_argument(
-            "q",
-            "a floating dtype (float16, bfloat16, float32 or float64)",
-            q.dtype,
-            "convert with q.float()",
-            kind=TypeError,
-        )
+    floating_argument("q", q)
     for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise bad_argument(
-                name, f"dtype {q.dtype} (the dtype of q)", t.dtype, "cast q, k and v to one dtype", kind=TypeError
-            )
-        if t.device != q.device:
-            raise bad_argument(
-                name, f"a tensor on {q.device} (the device of q)", f"one on {t.device}", "move q, k and v to one device"
-            )
+        matching(name, t, q, "q", fix=f"convert with {name}.to(q): q, k and v in one dtype on one device")
 
 
 def _check_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -19,10 +19,10 @@ from multihead._errors import (
     checked_probability,
     describe,
     floating_dtype,
-    like_query,
     positive_int,
     usable_device,
 )
+from multihead._inputs import like_parameters, matching, tensor_argument
 from multihead._limits import check_fits
 from multihead._symbolic import surely
 from multihead.attend import Attend
@@ -374,35 +374,12 @@ class MultiHeadAttention(nn.Module):
     def _check_input(self, name: str, x: object, features: int, like: torch.Tensor | None) -> None:
         """x is (b, seq, features) with b, seq >= 1, on the layer's device, in the dtype the call computes in:
         the layer's (any floating dtype under autocast), and the query's for key and value."""
-        if not isinstance(x, torch.Tensor):
-            raise bad_argument(name, "a torch.Tensor", describe(x), "pass a tensor", kind=TypeError)
-        weight = self.out_proj.weight
+        x = tensor_argument(name, x)
         if like is None:  # the query: checked against the layer's parameters
-            if not x.is_floating_point():
-                raise bad_argument(
-                    name,
-                    f"a floating tensor ({weight.dtype}, the layer's dtype)",
-                    x.dtype,
-                    f"convert with {name}.to({weight.dtype})",
-                    kind=TypeError,
-                )
-            if x.dtype != weight.dtype and not autocast_on(x.device):
-                raise bad_argument(
-                    name,
-                    f"dtype {weight.dtype} (the layer's parameters)",
-                    x.dtype,
-                    f"cast the input with {name}.to({weight.dtype}), or the layer with layer.to({x.dtype})",
-                    kind=TypeError,
-                )
-            if x.device != weight.device:
-                raise bad_argument(
-                    name,
-                    f"a tensor on {weight.device} (the layer's device)",
-                    f"one on {x.device}",
-                    f"move the input with {name}.to({str(weight.device)!r}) or the layer with layer.to(...)",
-                )
+            weight = self.out_proj.weight
+            like_parameters(name, x, weight, "the layer's parameters", autocast=autocast_on(x.device))
         else:
-            like_query(name, x, like)
+            matching(name, x, like, "the query", fix=f"convert with {name}.to(query)")
         if x.ndim != 3 or x.shape[-1] != features:
             raise bad_argument(
                 name,

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from multihead._errors import bad_argument, describe, floating_dtype, usable_device
+from multihead._inputs import floating_argument, tensor_argument
 from multihead._limits import check_fits
 from multihead.masks import host_readable, to_device
 
@@ -77,10 +78,8 @@ def _check_offset(name: str, value: object) -> int:
 
 def _check_tensor(name: str, x: object, layout: str, ranks: tuple[int, ...], size: int, size_name: str) -> None:
     """x is a floating tensor of one of ``ranks`` dims whose last dim is ``size``."""
-    if not isinstance(x, torch.Tensor):
-        raise bad_argument(name, "a torch.Tensor", describe(x), "wrap the values with torch.as_tensor", kind=TypeError)
-    if not x.is_floating_point():
-        raise bad_argument(name, "a floating dtype", x.dtype, f"convert with {name}.float()", kind=TypeError)
+    x = tensor_argument(name, x, fix="wrap the values with torch.as_tensor")
+    floating_argument(name, x)
     if x.ndim not in ranks:
         raise bad_argument(
             name,

@@ -48,6 +48,7 @@ from torch.autograd.function import once_differentiable
 
 from multihead import masks
 from multihead._errors import bad_argument, describe
+from multihead._inputs import tensor_argument
 from multihead.functional import AttentionResult, attention
 from multihead.layer import MultiHeadAttention
 from multihead.parallel._group import resolve_group
@@ -204,8 +205,7 @@ def _check_inputs(
     q: object, k: object, v: object, key_padding: object, layout: object, world: int, function: str
 ) -> tuple[int, int, int, int]:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise bad_argument(name, "a torch.Tensor", describe(t), f"pass {name} as a tensor", kind=TypeError)
+        t = tensor_argument(name, t)
         if t.ndim != 4:
             raise bad_argument(
                 name,
