@@ -102,7 +102,7 @@ def test_pruning_curve_measures_the_pruned_copies(minilm):
     assert rows[1]["cosine"] == pytest.approx(expected["cosine"], abs=1e-6)
     assert all(row["seconds"] > 0 and row["attention_seconds"] > 0 for row in rows)
     assert minilm.attention_layers[0].num_heads == 12  # the model itself is untouched
-    with pytest.raises(ValueError, match=r"fraction: expected a number in \[0, 1\), got float 1.0"):
+    with pytest.raises(ValueError, match=r"fractions: expected fractions of all heads in \[0, 1\), got 1.0"):
         pruning_curve(minilm, TEXTS, importance, fractions=(1.0,))
 
 

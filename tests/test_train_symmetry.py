@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -11,11 +12,14 @@ import torch
 from multihead import MultiHeadAttention
 from multihead.models.decoder import Decoder, DecoderConfig
 from multihead.train import (
+    InductionSettings,
+    SymmetryRun,
     head_parameter_difference,
     heads_divergence,
     induction_batch,
     make_heads_identical,
     per_position_loss,
+    run_symmetry,
     symmetry_experiment,
     train,
 )
@@ -291,3 +295,69 @@ def test_heads_divergence_restores_the_training_mode():
     model = decoder().train()
     heads_divergence(model, ids(), 0)
     assert model.training
+
+
+# --- run_symmetry: the experiment of `multihead train symmetry`, from an induction run's settings ------------------
+
+
+SYMMETRY = InductionSettings(
+    layers=2, heads=2, hidden=16, vocab_size=9, half_length=4, min_half_length=2, batch=3, steps=4, log_every=2, seed=3
+)
+
+
+@pytest.fixture(scope="module")
+def symmetry_run():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run_symmetry(SYMMETRY)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_run_symmetry_trains_the_settings_model_both_ways(symmetry_run):
+    assert isinstance(symmetry_run, SymmetryRun) and symmetry_run.settings is SYMMETRY
+    result = symmetry_run.result
+    assert result["config"] == dataclasses.asdict(SYMMETRY.model_config())
+    assert (result["steps"], result["seed"], result["batch"], result["lr"]) == (4, 3, 3, SYMMETRY.lr)
+    assert (result["half_length"], result["min_half_length"], result["vocab_size"]) == (4, 2, 9)
+    assert result["identical_layers"] == [0, 1] and result["dtype"] == "float32"
+    for name in ("random", "identical"):  # logs at steps 0, 2 and 4, every layer measured
+        assert [entry["step"] for entry in result[name]["history"]] == [0, 2, 4]
+        assert all(len(entry["divergence_mean"]) == 2 for entry in result[name]["history"])
+    assert symmetry_run.stayed_identical is True and result["identical_stayed_identical"] is True
+    assert all(value == 0.0 for entry in result["identical"]["history"] for value in entry["divergence_mean"])
+    assert all(value > 0.0 for entry in result["random"]["history"] for value in entry["divergence_mean"])
+
+
+def test_run_symmetry_is_symmetry_experiment_on_the_settings(symmetry_run):
+    settings = {"half_length": 4, "min_half_length": 2, "vocab_size": 9, "batch": 3, "log_every": 2}
+    direct = symmetry_experiment(SYMMETRY.model_config(), steps=4, seed=3, lr=SYMMETRY.lr, **settings)
+
+    def measured(result):  # everything but the timings
+        return {
+            name: [{k: v for k, v in entry.items() if k != "tokens_per_s"} for entry in result[name]["history"]]
+            for name in ("random", "identical")
+        }
+
+    assert measured(symmetry_run.result) == measured(direct)
+
+
+def test_run_symmetry_saves_its_result(symmetry_run, tmp_path):
+    written = symmetry_run.save(tmp_path / "out")  # the folder is made
+    assert written["json"] == tmp_path / "out" / "symmetry.json"
+    assert json.loads(written["json"].read_text()) == symmetry_run.result
+    if "png" in written:  # matplotlib installed
+        assert written["png"].read_bytes().startswith(b"\x89PNG")
+    else:
+        assert written.skipped == {"png": tmp_path / "out" / "symmetry.png"}
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="^folder: expected a folder multihead can create and write files in"):
+        symmetry_run.save(tmp_path / "file")
+
+
+def test_run_symmetry_refuses_other_settings_before_training():
+    with pytest.raises(TypeError, match="^settings: expected InductionSettings or None, got dict"):
+        run_symmetry({"steps": 4})
+    with pytest.raises(ValueError, match="identical_layers"):
+        run_symmetry(SYMMETRY, identical_layers=[2])

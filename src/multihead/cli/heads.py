@@ -92,6 +92,7 @@ def run_heads(args: argparse.Namespace) -> int:
 
     from multihead._userfiles import writing
     from multihead.inspect import headreport
+    from multihead.inspect.importance import ablation_importance, check_prune_fraction, prune_by_importance
     from multihead.inspect.recording import head_numbers
     from multihead.inspect.report import bundled_corpus, read_corpus
     from multihead.integrations import load_text_model
@@ -104,10 +105,9 @@ def run_heads(args: argparse.Namespace) -> int:
             raise bad_argument(
                 "--fraction", "either --fraction F or --remove L:H,...", "both or neither", "pass e.g. --fraction 0.3"
             )
-        if args.fraction is not None and not 0.0 <= args.fraction < 1.0:
-            raise bad_argument(
-                "--fraction", "a fraction of all heads in [0, 1)", args.fraction, "pass e.g. --fraction 0.3"
-            )
+        if args.fraction is not None:  # checked now, before any measuring
+            with from_options(PRUNE_OPTIONS):
+                check_prune_fraction(args.fraction)
         if args.remove is not None:
             plan = _parse_removal(args.remove)
     out_dir = output_folder("--out", args.out, create=False)  # checked now; made when a file is written
@@ -147,8 +147,6 @@ def run_heads(args: argparse.Namespace) -> int:
         removed = sum(counts) - sum(len(heads) for heads in head_numbers(model)[0])
         console.print(f"pruned {removed} heads; model saved to {path.resolve()} (load it with --model)", soft_wrap=True)
         return 0
-    from multihead.inspect.importance import ablation_importance, pruning_curve
-
     if args.mode == "prune" and args.importance:
         scores = headreport.load_importance(
             args.importance, argument="--importance", shape=(len(counts), checkpoint_heads)
@@ -173,33 +171,31 @@ def run_heads(args: argparse.Namespace) -> int:
             console.print(f"most important: {headreport.ranked_line(importance)}", soft_wrap=True)
             headreport.print_written(console, paths)
             return 0
-    fractions = sorted({0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, round(args.fraction, 4)})
-    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
-        task = bar.add_task("pruning curve", total=len(fractions))
-        curve = pruning_curve(
-            model, texts, scores, fractions=fractions, progress=lambda done, total: bar.update(task, completed=done)
+    assert isinstance(model, Encoder)  # prune on another model was refused before any work
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar, from_options(PRUNE_OPTIONS):
+        task = bar.add_task("pruning curve", total=None)
+        pruned = prune_by_importance(
+            model,
+            texts,
+            scores,
+            args.fraction,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
         )
-    console.print(headreport.curve_table(curve))
-    best = headreport.heads_at_fidelity(curve)
+    console.print(headreport.curve_table(pruned.curve))
+    best = headreport.heads_at_fidelity(pruned.curve)
     if best is not None:
         console.print(
             f"at mean cosine >= 0.99: {best['heads_removed']} of {sum(counts)} heads removed "
             f"(fraction {best['fraction']:.2f}), attention {headreport.speed_words(best)}",
             soft_wrap=True,
         )
-    chosen = next(row for row in curve if row["fraction"] == round(args.fraction, 4))
-    prune_plan: dict[int, list[int]] = {}
-    for layer, head in chosen["removed"]:  # checkpoint head numbers, as Encoder.prune_heads takes them
-        prune_plan.setdefault(layer, []).append(head)
-    assert isinstance(model, Encoder)  # prune on another model was refused before any work
-    model.prune_heads(prune_plan)
     model_dir = output_folder("--out", out_dir / "model")
     with writing("--out", model_dir):
         model_path = model.save(model_dir)
-    paths = headreport.write_curve(curve, out_dir)
+    paths = headreport.write_curve(pruned.curve, out_dir)
     console.print(
-        f"pruned {chosen['heads_removed']} heads (fraction {args.fraction}): mean cosine "
-        f"{chosen['cosine']:.4f}; model saved to {model_path.resolve()}",
+        f"pruned {pruned.chosen['heads_removed']} heads (fraction {args.fraction}): mean cosine "
+        f"{pruned.chosen['cosine']:.4f}; model saved to {model_path.resolve()}",
         soft_wrap=True,
     )
     headreport.print_written(console, paths)
@@ -255,3 +251,7 @@ def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
 
 # syntax_scores' arguments as `multihead heads syntax` spells them
 SYNTAX_OPTIONS = {"relations": "--relations", "sentences": "--treebank", "max_sentences": "--max-sentences"}
+
+
+# prune_by_importance's arguments as `multihead heads prune` spells them
+PRUNE_OPTIONS = {"fraction": "--fraction", "texts": "--corpus", "scores": "--importance"}

@@ -8,7 +8,7 @@ from multihead._console import make_console
 from multihead._errors import bad_argument
 from multihead._figures import skipped_note  # "wrote <path>"; one line for a figure left out
 from multihead._limits import format_bytes
-from multihead._userfiles import from_option, output_folder
+from multihead._userfiles import from_option, from_options, output_folder
 from multihead.cli._shared import (
     BUNDLED,
     MODEL_HELP,
@@ -94,7 +94,11 @@ def add_parser(subparsers) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
+    from multihead.inspect.behaviours import BEHAVIOURS_FILE
+    from multihead.inspect.headreport import read_scores_folder
+    from multihead.inspect.recording import head_numbers
     from multihead.inspect.report import bundled_corpus, inspect_text, read_corpus
+    from multihead.inspect.saved import saved_model_extras
     from multihead.inspect.write import check_formats, write_reports
     from multihead.integrations import load_text_model
 
@@ -117,15 +121,16 @@ def run_inspect(args: argparse.Namespace) -> int:
         corpus_source = f"{args.corpus} ({len(corpus)} texts)"
     with from_option("--model"):
         model = load_text_model(args.model)
-    layers, heads = _chosen_heads(model, args.layers, args.heads)
-    part, behaviours = _saved_behaviours(args.model, model, args.part)
-    text = args.text if args.text is not None else _task_text(args.model) or DEFAULT_TEXT
-    columns, relations = None, None
-    if args.scores:
-        from multihead.inspect.headreport import report_relations
-
-        columns = _report_columns(args.scores, model)
-        relations = report_relations(args.scores, argument="--scores")  # each head's relation, into its role
+    # heads by their checkpoint numbers, which a pruned model's heads keep (a head pruned from every chosen layer
+    # is refused by inspect_text)
+    numbers, checkpoint_heads = head_numbers(model)
+    layers = parse_indices("layers", args.layers, len(numbers))
+    heads = parse_indices("heads", args.heads, checkpoint_heads)
+    # a `multihead train` checkpoint's part, probes and task: its behaviours.json came with --model
+    with from_options({BEHAVIOURS_FILE: f"--model {BEHAVIOURS_FILE}"}), from_options({"part": "--part"}):
+        saved = saved_model_extras(args.model, model, args.part)
+    text = args.text if args.text is not None else saved.task_text or DEFAULT_TEXT
+    scores = read_scores_folder(args.scores, model, argument="--scores") if args.scores else None
     with (
         Progress(console=console, transient=True, disable=corpus is None or not console.is_terminal) as progress,
         from_option("--token", names=("token",)),
@@ -138,23 +143,18 @@ def run_inspect(args: argparse.Namespace) -> int:
             text,
             layers=layers,
             heads=heads,
-            part=part,
+            part=saved.part,
             token=token,
             corpus=corpus,
             corpus_source=corpus_source,
             truncate=args.truncate,
             progress=lambda done: progress.update(task, completed=done),
-            relations=relations,
-            behaviours=behaviours,
+            relations=None if scores is None else scores.relations,  # each head's relation, into its role
+            behaviours=saved.behaviours,
         )
-    if behaviours is not None:  # the probes' measures as columns of the HTML report, beside any --scores
-        columns = {**(columns or {}), **{f"{name} (probe)": values.tolist() for name, values in behaviours.items()}}
-    extra_columns = None
-    if columns is not None:  # the scores of the heads shown, by layer and checkpoint head number
-        extra_columns = {
-            name: [[values[layer][head] for head in inspection.heads] for layer in inspection.layers]
-            for name, values in columns.items()
-        }
+    # the --scores columns and the probes' measures, beside them, as columns of the HTML report
+    columns: dict[str, list[list[float | None]]] = {**(scores.columns if scores else {}), **saved.probe_columns()}
+    extra_columns = inspection.head_columns(columns) if columns else None
     paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns, argument="--out")
     for name, path in paths.items():
         size = path.stat().st_size
@@ -171,50 +171,3 @@ def run_inspect(args: argparse.Namespace) -> int:
     if note is not None:
         console.print(note, soft_wrap=True, markup=False, highlight=False)
     return 0
-
-
-def _task_text(folder: str | None) -> str | None:
-    """An input of the task a `multihead train` checkpoint in ``folder`` learned (None for any other model)."""
-    from multihead.inspect.behaviours import read_task
-    from multihead.train.tasks import example_text
-
-    saved = None if folder is None else read_task(folder)
-    return None if saved is None else example_text(*saved)
-
-
-def _saved_behaviours(folder: str | None, model, part: str | None):
-    """The part to show and the behaviour probes saved in the --model folder (``multihead train`` writes them) for
-    it, as {name: (layers, heads)} (None when the folder has none for that part). Without --part, a checkpoint
-    shows the part its probes measured (an encoder-decoder of ``train reverse``: its cross-attention)."""
-    from multihead.capture import part_sites
-    from multihead.inspect.behaviours import read_behaviours
-
-    saved = None
-    if folder is not None:
-        with from_option("--model"):
-            saved = read_behaviours(folder)
-    if saved is None:
-        return part, None
-    if part is None and len(saved) == 1:
-        part = next(iter(saved))
-    with from_option("--part", names=("part",)):
-        chosen, _ = part_sites(model, part)
-    return part, saved.get(chosen)
-
-
-def _chosen_heads(model, layers_spec: str | None, heads_spec: str | None) -> tuple[list[int] | None, list[int] | None]:
-    """--layers and --heads checked against the model's sizes: heads by their checkpoint numbers, which a pruned
-    model's heads keep (a head pruned from every chosen layer is refused by inspect_text)."""
-    from multihead.inspect.recording import head_numbers
-
-    numbers, total = head_numbers(model)
-    return parse_indices("layers", layers_spec, len(numbers)), parse_indices("heads", heads_spec, total)
-
-
-def _report_columns(folder: str, model) -> dict[str, list[list[float | None]]]:
-    """The --scores folder's per-head columns, (layers, checkpoint heads) of this model's size (null: pruned)."""
-    from multihead.inspect.headreport import report_columns
-    from multihead.inspect.recording import head_numbers
-
-    numbers, total = head_numbers(model)
-    return report_columns(folder, argument="--scores", shape=(len(numbers), total))

@@ -9,7 +9,7 @@ from pathlib import Path
 from multihead._console import make_console
 from multihead._errors import InputError
 from multihead._figures import print_written  # "wrote <path>"; one line for a figure left out
-from multihead._userfiles import output_folder
+from multihead._userfiles import from_options, output_folder
 
 
 def add_parser(subparsers) -> None:
@@ -163,38 +163,24 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _train_symmetry(settings, out: Path) -> int:
-    """`multihead train symmetry`: the induction settings' decoder trained from one initialisation twice, as
-    drawn and with identical heads; the heads' mean pairwise divergence over training, in a table and a PNG."""
-    import json
-
+    """`multihead train symmetry`: :func:`multihead.train.symmetry.run_symmetry`, the heads' mean pairwise
+    divergence over training in a table; symmetry.json and symmetry.png written."""
     from rich import box
     from rich.status import Status
     from rich.table import Table
 
-    from multihead._figures import Written, draw_figure
-    from multihead._userfiles import writing
-    from multihead.train.symmetry import plot_symmetry, symmetry_experiment
+    from multihead.train.symmetry import run_symmetry
 
     console = make_console()
     with Status("training twice: random heads, then identical heads", console=console):
-        result = symmetry_experiment(
-            settings.model_config(),
-            steps=settings.steps,
-            seed=settings.seed,
-            half_length=settings.half_length,
-            min_half_length=settings.min_half_length,
-            vocab_size=settings.vocab_size,
-            batch=settings.batch,
-            lr=settings.lr,
-            log_every=settings.log_every,
-        )
+        run = run_symmetry(settings)
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="mean pairwise JSD between a layer's heads (bits)")
     table.add_column("step", justify="right")
     for name in ("random", "identical"):
         for layer in range(settings.layers):
             table.add_column(f"{name} L{layer}", justify="right")
     table.add_column("loss random / identical", justify="right")
-    random_history, identical_history = result["random"]["history"], result["identical"]["history"]
+    random_history, identical_history = run.result["random"]["history"], run.result["identical"]["history"]
     shown = sorted({0, len(random_history) - 1, *range(0, len(random_history), max(1, len(random_history) // 8))})
     for index in shown:
         random_entry, identical_entry = random_history[index], identical_history[index]
@@ -205,19 +191,15 @@ def _train_symmetry(settings, out: Path) -> int:
             f"{random_entry['repeated_loss']:.3f} / {identical_entry['repeated_loss']:.3f}",
         )
     console.print(table)
-    stayed = "stayed bitwise identical" if result["identical_stayed_identical"] else "drifted apart (rounding)"
+    stayed = "stayed bitwise identical" if run.stayed_identical else "drifted apart (rounding)"
     start, end = (max(entry["divergence_mean"]) for entry in (random_history[0], random_history[-1]))
     console.print(
         f"identical heads {stayed} at every log; random heads: {start:.3f} bits apart at step 0 and {end:.3f} at "
         f"step {random_history[-1]['step']} (the layer furthest apart)",
         soft_wrap=True,
     )
-    out.mkdir(parents=True, exist_ok=True)
-    written = Written(json=out / "symmetry.json")
-    with writing("--out", written["json"]):
-        written["json"].write_text(json.dumps(result, indent=1))
-    draw_figure(written, "png", out / "symmetry.png", lambda path: plot_symmetry(result, path))
-    print_written(console, written)
+    with from_options({"folder": "--out"}):
+        print_written(console, run.save(out))
     return 0
 
 

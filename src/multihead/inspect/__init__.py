@@ -9,10 +9,13 @@ stats.roles()[0][2].label                           # 'prev'
 inspection = multihead.inspect.inspect_text(model, "The bank was full of money.", token="bank")
 multihead.inspect.write_reports(inspection, "report", ["terminal", "html"])
 multihead.inspect.report(model, "The bank was full of money.", out_dir="report")   # both steps at once
+extras = multihead.inspect.saved_model_extras(folder, model)   # a `multihead train` checkpoint's part, probes, text
 
 The modules, data first: stats (statistics, roles), report (the Inspection of one text),
 then its renderers terminal, html (a packaged jinja2 template), plots, and write (all of them, to files);
-importance and syntax (per-head scores); headreport (the tables and files of `multihead heads`).
+importance and syntax (per-head scores; prune_by_importance removes the least important heads);
+saved (what a `multihead train` checkpoint folder adds: its part, probes and task); headreport (the tables and
+files of `multihead heads`).
 """
 
 from multihead._lab import require_lab
@@ -26,9 +29,16 @@ import importlib
 importlib.import_module("multihead.inspect.capture")
 
 from multihead.capture import Recorder, attention_layers, attention_sites, capture  # noqa: E402
-from multihead.inspect.importance import ablation_importance, gradient_importance, pruning_curve  # noqa: E402
+from multihead.inspect.importance import (  # noqa: E402
+    PruneResult,
+    ablation_importance,
+    gradient_importance,
+    prune_by_importance,
+    pruning_curve,
+)
 from multihead.inspect.report import Inspection, bundled_corpus, inspect_text, read_corpus  # noqa: E402
 from multihead.inspect.roles import ROLE_RULES, Role, label_head  # noqa: E402
+from multihead.inspect.saved import SavedModelExtras, saved_model_extras  # noqa: E402
 from multihead.inspect.stats import STAT_NAMES, HeadStats, head_stats  # noqa: E402
 from multihead.inspect.syntax import SyntaxScores, bundled_treebank, read_conllu, syntax_scores  # noqa: E402
 from multihead.inspect.write import report, write_reports  # noqa: E402
@@ -53,6 +63,10 @@ __all__ = [
     "ablation_importance",
     "gradient_importance",
     "pruning_curve",
+    "prune_by_importance",
+    "PruneResult",
+    "saved_model_extras",
+    "SavedModelExtras",
     "syntax_scores",
     "SyntaxScores",
     "bundled_treebank",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from multihead._userfiles import (
 )
 from multihead._words import counted
 from multihead.inspect.importance import HeadImportance
+from multihead.inspect.recording import head_numbers
 from multihead.inspect.roles import HeadRelation
 from multihead.inspect.syntax import (
     DIRECTIONS,
@@ -50,6 +52,8 @@ __all__ = [
     "heads_at_fidelity",
     "report_columns",
     "report_relations",
+    "ScoresFolder",
+    "read_scores_folder",
     "syntax_table",
     "write_syntax",
     "print_written",
@@ -325,6 +329,34 @@ def report_relations(folder: str | Path, *, argument: str = "folder") -> dict[tu
         for direction in DIRECTIONS:
             _check_grid_shape(argument, path, data[direction][relation], shape, fix)
     return relations_by_head(data)
+
+
+@dataclass(frozen=True)
+class ScoresFolder:
+    """What a `multihead heads` output folder adds to inspecting a model (:func:`read_scores_folder`).
+
+    ``columns``: per-head columns for the HTML report, ``{name: (layers, heads)}`` nested lists over the model's
+    layers and the checkpoint's head numbers (None where a head was pruned): see :func:`report_columns`; cut them
+    to the heads shown with :meth:`~multihead.inspect.Inspection.head_columns`. ``relations``: the syntactic
+    relation each head tracks best, by (layer, head), for :func:`~multihead.inspect.inspect_text`'s
+    ``relations`` (None without a syntax.json): see :func:`report_relations`.
+    """
+
+    columns: dict[str, list[list[float | None]]]
+    relations: dict[tuple[int, int], HeadRelation] | None
+
+
+def read_scores_folder(folder: str | Path, model: torch.nn.Module, *, argument: str = "folder") -> ScoresFolder:
+    """Read the scores a `multihead heads importance` or `syntax` run wrote into ``folder``, checked against
+    ``model``: its importance.json and syntax.json must have a row per layer of the model's first part and a column
+    per head of the checkpoint (``model.head_ids`` numbers a pruned model's heads).
+
+    Raises ValueError naming ``argument`` (the command line passes "--scores") when the folder has neither file,
+    or one of them is damaged or of another model's size.
+    """
+    numbers, total = head_numbers(model)  # the first part's layers, and the checkpoint's heads per layer
+    columns = report_columns(folder, argument=argument, shape=(len(numbers), total))
+    return ScoresFolder(columns=columns, relations=report_relations(folder, argument=argument))
 
 
 def syntax_table(scores: SyntaxScores) -> Table:

@@ -3,6 +3,7 @@
     importance = ablation_importance(model, texts)          # (layers, heads): 1 - cosine when one head goes
     scores = gradient_importance(model, loss_fn, batches)   # (layers, heads): |E[A_h^T dL/dA_h]|
     curve = pruning_curve(model, texts, importance.scores)  # fidelity and measured speed as heads go
+    result = prune_by_importance(model, texts, importance, 0.3)  # the curve, then 30% of the heads removed
 
 Embedding fidelity compares the sentence embeddings of the changed model with the original's:
 the mean cosine similarity over the texts, and nearest-neighbour agreement, the share of texts
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from numbers import Real
 
 import torch
 
@@ -42,6 +44,10 @@ __all__ = [
     "gradient_importance",
     "pruning_order",
     "pruning_curve",
+    "PRUNING_FRACTIONS",
+    "check_prune_fraction",
+    "PruneResult",
+    "prune_by_importance",
 ]
 
 
@@ -369,13 +375,28 @@ def _paired_speedups(base, pruned, texts: Sequence[str], batch_size: int, repeat
     }
 
 
+# The fractions of all heads a pruning curve measures by default
+PRUNING_FRACTIONS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def _check_prunable(model: object) -> None:
+    if not callable(getattr(model, "prune_heads", None)):
+        raise bad_argument(
+            "model",
+            "a model whose heads can be removed (one built from multihead.MultiHeadAttention, e.g. load_minilm())",
+            f"a {type(model).__name__}, which has no prune_heads",
+            "measure which heads matter with ablation_importance, which ablates them in place instead",
+            kind=TypeError,
+        )
+
+
 @torch.no_grad()
 def pruning_curve(
     model,
     texts: Sequence[str],
     importance: torch.Tensor,
     *,
-    fractions: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+    fractions: Sequence[float] = PRUNING_FRACTIONS,
     batch_size: int = 32,
     repeats: int = 3,
     progress: Callable[[int, int], None] | None = None,
@@ -392,17 +413,8 @@ def pruning_curve(
     may remove fewer heads than asked (heads_removed says how many).
     """
     texts = _check_texts(texts)
-    if not callable(getattr(model, "prune_heads", None)):
-        raise bad_argument(
-            "model",
-            "a model whose heads can be removed (one built from multihead.MultiHeadAttention, e.g. load_minilm())",
-            f"a {type(model).__name__}, which has no prune_heads",
-            "measure which heads matter with ablation_importance, which ablates them in place instead",
-            kind=TypeError,
-        )
-    for fraction in fractions:
-        if not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
-            raise bad_argument("fraction", "a number in [0, 1)", describe(fraction), "pass e.g. 0.3")
+    _check_prunable(model)
+    fractions = _check_fractions(fractions)
     numbers, _ = head_numbers(model)
     counts = [len(heads) for heads in numbers]
     order = pruning_order(importance, numbers)
@@ -437,3 +449,137 @@ def pruning_curve(
         if progress is not None:
             progress(step + 1, len(fractions))
     return rows
+
+
+def check_prune_fraction(fraction: object) -> float:
+    """``fraction`` of all heads to remove, as a float: TypeError unless a real number (not bool), ValueError
+    outside [0, 1) (NaN included; 1 would empty every layer), both naming ``fraction``. The command line calls it
+    before any work, so a mistake costs no measuring."""
+    if not isinstance(fraction, Real) or isinstance(fraction, bool):
+        expected = "a fraction of all heads in [0, 1)"
+        raise bad_argument("fraction", expected, describe(fraction), "pass e.g. fraction=0.3", kind=TypeError)
+    value = float(fraction)
+    if not 0.0 <= value < 1.0:  # NaN fails it too
+        raise bad_argument("fraction", "a fraction of all heads in [0, 1)", fraction, "pass e.g. fraction=0.3")
+    return value
+
+
+def _check_fractions(fractions: object) -> list[float]:
+    """The curve's fractions, each a real number in [0, 1), or an error naming ``fractions``."""
+    fix = "pass e.g. fractions=[0.1, 0.2, 0.5]"
+    if isinstance(fractions, (str, bytes)) or not isinstance(fractions, Sequence):
+        raise bad_argument("fractions", "a sequence of numbers", describe(fractions), fix, kind=TypeError)
+    for value in fractions:
+        if not isinstance(value, Real) or isinstance(value, bool):
+            raise bad_argument("fractions", "a sequence of numbers", f"an item {describe(value)}", fix, kind=TypeError)
+        if not 0.0 <= float(value) < 1.0:
+            raise bad_argument("fractions", "fractions of all heads in [0, 1)", value, fix)
+    return [float(value) for value in fractions]
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What :func:`prune_by_importance` measured and did.
+
+    ``curve``: the rows of :func:`pruning_curve`, one per fraction (measured on copies of the model).
+    ``chosen``: the row of the fraction asked for, whose heads were removed from the model. ``plan``: those heads,
+    ``{layer: [checkpoint head numbers]}``, least important first, as :meth:`~multihead.models.Encoder.prune_heads`
+    took them (empty for fraction 0).
+    """
+
+    curve: list[dict]
+    chosen: dict
+    plan: dict[int, list[int]]
+
+    @property
+    def heads_removed(self) -> int:
+        """How many heads were removed from the model."""
+        return sum(len(heads) for heads in self.plan.values())
+
+
+def prune_by_importance(
+    model,
+    texts: Sequence[str],
+    scores: torch.Tensor | HeadImportance,
+    fraction: float,
+    *,
+    fractions: Sequence[float] | None = None,
+    batch_size: int = 32,
+    repeats: int = 3,
+    progress: Callable[[int, int], None] | None = None,
+) -> PruneResult:
+    """Measure the pruning curve over ``texts``, then remove from ``model``, in place, the ``fraction`` of its heads
+    that ``scores`` rank least important (never a layer's last head: see :func:`pruning_order`).
+
+    Args:
+        model: a model whose heads can be removed (an :class:`~multihead.models.Encoder`: ``prune_heads``).
+        texts: at least two texts, for the curve's embedding fidelity and speed.
+        scores: (layers, heads) importance, higher = matters more, heads by the checkpoint's numbers (a pruned
+            model's heads keep theirs), or a :class:`HeadImportance` (its ``scores``); NaN for heads already
+            pruned.
+        fraction: the fraction of all heads to remove, in [0, 1); the number removed is
+            ``round(fraction * heads)`` (fewer when layers run down to their last head).
+        fractions: the other fractions the curve measures (default :data:`PRUNING_FRACTIONS`); ``fraction``
+            (rounded to 4 places, as its row says) is always among them.
+        batch_size, repeats: as :func:`pruning_curve`. progress: ``progress(done, total)`` after each fraction.
+
+    Returns:
+        :class:`PruneResult`: the curve, the row of ``fraction`` and the plan applied to ``model``.
+
+    Raises:
+        TypeError or ValueError naming ``fraction``, ``fractions``, ``scores``, ``texts`` or ``model``; every
+        argument is checked, and the curve measured on copies, before ``model`` is touched: a call that raises
+        leaves it as it was.
+    """
+    fraction = round(check_prune_fraction(fraction), 4)  # the curve's row for it carries this value
+    wanted = _check_fractions(PRUNING_FRACTIONS if fractions is None else fractions)
+    texts = _check_texts(texts)
+    _check_prunable(model)
+    importance = _check_scores(model, scores.scores if isinstance(scores, HeadImportance) else scores)
+    curve = pruning_curve(
+        model,
+        texts,
+        importance,
+        fractions=sorted({*wanted, fraction}),
+        batch_size=batch_size,
+        repeats=repeats,
+        progress=progress,
+    )
+    chosen = next(row for row in curve if row["fraction"] == fraction)
+    plan: dict[int, list[int]] = {}
+    for layer, head in chosen["removed"]:  # checkpoint head numbers, as Encoder.prune_heads takes them
+        plan.setdefault(layer, []).append(head)
+    if plan:
+        model.prune_heads(plan)
+    return PruneResult(curve=curve, chosen=chosen, plan=plan)
+
+
+def _check_scores(model, scores: object) -> torch.Tensor:
+    """``scores`` as (layers, heads) over the model's first part and the checkpoint's head numbers, or an error
+    naming ``scores`` (an importance of another model would prune the wrong heads, or index past the grid)."""
+    kept_heads, total = head_numbers(model)
+    shape = (len(kept_heads), total)
+    if not isinstance(scores, torch.Tensor) or scores.ndim != 2 or not scores.is_floating_point():
+        raise bad_argument(
+            "scores",
+            f"a float tensor {shape} (layers, heads) or a HeadImportance",
+            describe(scores),
+            "pass the importance of this model's heads (ablation_importance(model, texts))",
+            kind=TypeError,
+        )
+    if tuple(scores.shape) != shape:
+        raise bad_argument(
+            "scores",
+            f"(layers, heads) = {shape}: the model's layers and its checkpoint's heads",
+            tuple(scores.shape),
+            "measure the importance of this model's heads (ablation_importance(model, texts))",
+        )
+    kept = torch.tensor([[head in heads for head in range(total)] for heads in kept_heads])  # (layers, heads)
+    if torch.isnan(scores[kept]).any():
+        raise bad_argument(
+            "scores",
+            "a number for every head the model still has (NaN only for heads pruned already)",
+            "NaN for a head still there",
+            "measure the importance of every head of this model again (ablation_importance(model, texts))",
+        )
+    return scores

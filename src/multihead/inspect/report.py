@@ -312,6 +312,34 @@ class Inspection:
         """True when some recorded layer lacks one of ``heads`` (a pruned model)."""
         return self.stats.layer_heads is not None
 
+    def head_columns(
+        self, columns: Mapping[str, Sequence[Sequence[float | None]] | torch.Tensor]
+    ) -> dict[str, list[list[float | None]]]:
+        """Per-head scores cut to the heads this inspection shows: the ``extra_columns`` of
+        :func:`~multihead.inspect.write_reports`.
+
+        ``columns``: ``{name: (layers, heads)}`` nested lists or a tensor over every layer of the part and the
+        checkpoint's head numbers (:func:`~multihead.inspect.headreport.report_columns`,
+        :meth:`~multihead.inspect.SavedModelExtras.probe_columns`). Returns ``{name: (len(layers),
+        len(heads))}`` nested lists, rows ``self.layers`` and columns ``self.heads``. A grid too small for them
+        raises ValueError naming ``columns``.
+        """
+        shown = {}
+        for name, values in columns.items():
+            grid = values.tolist() if isinstance(values, torch.Tensor) else values
+            if len(grid) <= max(self.layers, default=-1) or any(
+                len(grid[layer]) <= max(self.heads, default=-1) for layer in self.layers
+            ):
+                raise bad_argument(
+                    "columns",
+                    f"{name!r}: a (layers, heads) grid with rows for layers {self.layers} and columns for heads "
+                    f"{self.heads}",
+                    f"{len(grid)} rows of {sorted({len(row) for row in grid})} columns",
+                    "pass scores over every layer of the part and the checkpoint's head numbers",
+                )
+            shown[name] = [[grid[layer][head] for head in self.heads] for layer in self.layers]
+        return shown
+
     def head_weights(self, layer: int, head: int) -> torch.Tensor:
         """(i, j) weights of layer ``layer``, head ``head`` (its checkpoint number); a head pruned from the
         layer raises ValueError."""

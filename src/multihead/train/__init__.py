@@ -8,8 +8,9 @@
 The modules: tasks (batches generated from a seed), scores (previous-token, induction and alignment scores per
 head; per-position, repeated-half and in-context learning losses), loop (a model-agnostic AdamW loop, its JSON log
 and PNG curves), symmetry (why the heads of a layer do not all learn the same thing: make_heads_identical,
-heads_divergence, symmetry_experiment), and the experiments behind ``multihead train``: induction (a decoder on
-repeated random segments: run_induction) and reverse (an encoder-decoder's cross-attention alignment: run_reverse).
+heads_divergence, symmetry_experiment, and run_symmetry behind ``multihead train symmetry``), and the experiments
+behind ``multihead train``: induction (a decoder on repeated random segments: run_induction) and reverse (an
+encoder-decoder's cross-attention alignment: run_reverse).
 """
 
 from multihead._lab import require_lab
@@ -28,9 +29,11 @@ from multihead.train.scores import (
     repeated_half_loss,
 )
 from multihead.train.symmetry import (
+    SymmetryRun,
     head_parameter_difference,
     heads_divergence,
     make_heads_identical,
+    run_symmetry,
     symmetry_experiment,
 )
 from multihead.train.tasks import BOS, InductionBatch, ReverseBatch, induction_batch, reverse_batch
@@ -61,4 +64,6 @@ __all__ = [
     "head_parameter_difference",
     "heads_divergence",
     "symmetry_experiment",
+    "SymmetryRun",
+    "run_symmetry",
 ]

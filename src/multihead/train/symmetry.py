@@ -5,6 +5,8 @@
     heads_divergence(model, ids, layer=0)        # (h, h) mean JSD in bits between the heads' attention rows
     result = symmetry_experiment(steps=300, seed=0)
     result["identical"]["history"][-1]["divergence_mean"]   # [0.0, 0.0]: still one head, h times over
+    run = run_symmetry(InductionSettings(steps=300))         # the same, with an induction run's settings
+    run.save("multihead-train")                              # symmetry.json (run.result) and symmetry.png
 
 A layer whose heads start identical stays identical under gradient descent: the heads read the same input
 (the layer norm's output), hold the same parameters, and their outputs enter the rest of the network
@@ -32,21 +34,24 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from multihead._errors import bad_argument, describe, floating_dtype, positive_int
-from multihead._figures import pyplot, save_figure
-from multihead._userfiles import output_file, writing
+from multihead._figures import Written, draw_figure, pyplot, save_figure
+from multihead._userfiles import output_file, output_folder, writing
 from multihead.capture import attention_layers, capture
 from multihead.inspect.similarity import DivergenceAccumulator
 from multihead.layer import MultiHeadAttention
 from multihead.models.contract import evaluating
 from multihead.models.decoder import Decoder, DecoderConfig
+from multihead.train.induction import InductionSettings
 from multihead.train.loop import train
 from multihead.train.scores import induction_score, per_position_loss, repeated_half_loss
 from multihead.train.tasks import induction_batch
@@ -57,6 +62,8 @@ __all__ = [
     "heads_divergence",
     "symmetry_experiment",
     "plot_symmetry",
+    "SymmetryRun",
+    "run_symmetry",
 ]
 
 
@@ -411,3 +418,80 @@ def plot_symmetry(result: dict[str, Any], path: str | os.PathLike) -> str:
     with writing("path", target):
         save_figure(figure, target)
     return str(target)
+
+
+@dataclass(frozen=True)
+class SymmetryRun:
+    """A finished :func:`run_symmetry`: its ``settings`` and ``result``, the JSON-ready dict of
+    :func:`symmetry_experiment` (the settings it ran with, and each run's ``history`` of divergences and losses)."""
+
+    settings: InductionSettings
+    result: dict[str, Any]
+
+    @property
+    def stayed_identical(self) -> bool:
+        """Whether the heads that started identical were bitwise equal at every log (see the module's note on
+        floating point)."""
+        return bool(self.result["identical_stayed_identical"])
+
+    def save(self, folder: str | os.PathLike[str]) -> Written:
+        """Write the run into ``folder`` (created if missing): ``symmetry.json`` (:attr:`result`) and
+        ``symmetry.png`` (:func:`plot_symmetry`; left out without matplotlib: in the result's ``skipped``).
+        Returns {what: path}: "json" and "png". A folder that cannot be written raises ValueError naming
+        ``folder``."""
+        out = output_folder("folder", folder)
+        written = Written(json=out / "symmetry.json")
+        with writing("folder", written["json"]):
+            written["json"].write_text(json.dumps(self.result, indent=1))
+        draw_figure(written, "png", out / "symmetry.png", lambda path: plot_symmetry(self.result, path))
+        return written
+
+
+def run_symmetry(
+    settings: InductionSettings | None = None,
+    *,
+    identical_layers: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> SymmetryRun:
+    """:func:`symmetry_experiment` on the decoder and task of an induction run's ``settings`` (what
+    ``multihead train symmetry`` runs).
+
+    The decoder of ``settings.model_config()`` is trained twice from one initialisation, as drawn and with the
+    heads of ``identical_layers`` (default: every layer) made identical, for ``settings.steps`` AdamW updates of
+    ``settings.batch`` sequences of the induction task (``half_length``, ``min_half_length``, ``vocab_size``), at
+    ``settings.lr`` from ``settings.seed``, measured every ``settings.log_every`` updates. The settings' probe
+    size and weight decay are not used.
+
+    Args:
+        settings: the run (None: ``InductionSettings()``: 2 layers of 4 heads, 3000 steps).
+        identical_layers: the layers whose heads start identical in the second run (default: every layer).
+        dtype: the models' parameter dtype (float32 or float64).
+
+    Returns:
+        A :class:`SymmetryRun`: ``result`` (the JSON-ready dict of :func:`symmetry_experiment`), and ``save(folder)``,
+        which writes symmetry.json and symmetry.png.
+
+    Raises:
+        TypeError naming ``settings`` unless it is an :class:`~multihead.train.InductionSettings`, and what
+        :func:`symmetry_experiment` raises for ``identical_layers`` and ``dtype``, before any training.
+    """
+    if settings is None:
+        settings = InductionSettings()
+    if not isinstance(settings, InductionSettings):
+        raise bad_argument(
+            "settings", "InductionSettings or None", describe(settings), "pass InductionSettings(...)", kind=TypeError
+        )
+    result = symmetry_experiment(
+        settings.model_config(),
+        steps=settings.steps,
+        seed=settings.seed,
+        identical_layers=identical_layers,
+        half_length=settings.half_length,
+        min_half_length=settings.min_half_length,
+        vocab_size=settings.vocab_size,
+        batch=settings.batch,
+        lr=settings.lr,
+        log_every=settings.log_every,
+        dtype=dtype,
+    )
+    return SymmetryRun(settings=settings, result=result)
