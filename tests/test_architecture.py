@@ -186,7 +186,7 @@ def test_the_layers_run_in_the_documented_order():
     chain = [
         "multihead.cli",
         "multihead.inspect.write",
-        "multihead.inspect.report",
+        "multihead.inspect.inspection",
         "multihead.cost",
         "multihead.layer",
         "multihead.functional",

@@ -13,7 +13,7 @@ import torch
 from multihead._userfiles import cli_spelling
 from multihead.cli import COST_OPTIONS, main, parse_dtype, parse_indices, parse_token
 from multihead.inspect import capture
-from multihead.inspect.report import pick_token
+from multihead.inspect.inspection import pick_token
 from multihead.models import load_minilm
 
 TEXT = "The bank was full of money."
@@ -262,14 +262,12 @@ def test_token_mistakes_get_one_line(text, spec, message, capsys):
 
 
 def test_a_missing_occurrence_is_refused_before_corpus_statistics(monkeypatch, capsys):
-    import importlib
-
-    report = importlib.import_module("multihead.inspect.report")  # the module (multihead.inspect.report is a function)
+    from multihead.inspect import inspection
 
     def never(*args, **kwargs):
         raise AssertionError("corpus statistics measured before --token was checked")
 
-    monkeypatch.setattr(report, "head_stats", never)
+    monkeypatch.setattr(inspection, "head_stats", never)
     assert main(["inspect", TEXT, "--token", "bank:2", "--corpus", "--format", "terminal"]) == 2
     assert "--token: expected an occurrence 1..1 of 'bank', got 2" in capsys.readouterr().err
 

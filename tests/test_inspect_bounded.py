@@ -4,7 +4,6 @@ space, and its header shows the part analysed and what truncation cut."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 import resource
@@ -16,21 +15,20 @@ import torch
 
 from multihead import cli
 from multihead.inspect import inspect_text, similarity
+from multihead.inspect import inspection as inspection_module
 from multihead.inspect.html import render_fragment
-from multihead.inspect.report import compact_weights, weights_from_dict
+from multihead.inspect.inspection import compact_weights, weights_from_dict
 from multihead.models import load_minilm
 from support_inspect import synthetic_inspection
 from test_inspect_html import browser  # noqa: F401 (the fixture: Debian's chromium, once per module)
 
 MB = 1_000_000
-# the module (multihead.inspect.report is also the name of the report-writing function)
-report_module = importlib.import_module("multihead.inspect.report")
 
 
 def long_text(words: int = 700) -> str:
     """A text of ``words`` words drawn from the bundled corpus: over MiniLM's 512 positions."""
     rng = random.Random(0)
-    vocabulary = " ".join(report_module.bundled_corpus()).split()
+    vocabulary = " ".join(inspection_module.bundled_corpus()).split()
     return " ".join(rng.choice(vocabulary) for _ in range(words))
 
 
@@ -54,7 +52,7 @@ def test_a_512_token_report_is_a_few_mb_with_its_size_printed(tmp_path, capsys, 
     weights = weights_from_dict(report["weights"])
     assert weights.shape == (6, 12, 512, 512)
     assert (weights - long_inspection.weights).abs().max() <= 1 / 510 + 1e-6  # a byte each: to within 1/510
-    assert report["weights"]["encoding"] == report_module.COMPACT_WEIGHTS
+    assert report["weights"]["encoding"] == inspection_module.COMPACT_WEIGHTS
 
 
 def test_the_header_shows_the_part_analysed_and_the_cut(long_inspection):
@@ -83,7 +81,7 @@ def test_the_inspection_runs_under_a_6_gb_address_space(tmp_path):
         resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
 
     corpus = tmp_path / "corpus.txt"  # a 5,000-word line among short ones: the batch is padded to 512 pieces
-    corpus.write_text("\n".join([long_text(5000), *report_module.bundled_corpus()[:5]]), encoding="utf-8")
+    corpus.write_text("\n".join([long_text(5000), *inspection_module.bundled_corpus()[:5]]), encoding="utf-8")
     command = [sys.executable, "-m", "multihead.cli", "inspect", "--truncate", "--format", "json"]
     for extra in ([long_text()], ["--corpus", str(corpus)]):
         result = subprocess.run(
@@ -124,7 +122,7 @@ def test_a_page_of_compact_weights_draws_as_a_page_of_lists(browser, monkeypatch
     inspection = synthetic_inspection()
     drawn = []
     for limit in (1 << 30, 0):  # lists; compact
-        monkeypatch.setattr(report_module, "DENSE_WEIGHTS_LIMIT", limit)
+        monkeypatch.setattr(inspection_module, "DENSE_WEIGHTS_LIMIT", limit)
         fragment = render_fragment(inspection)
         assert ('"encoding"' in fragment) == (limit == 0)
         page = browser.new_page(viewport={"width": 1200, "height": 900})

@@ -332,7 +332,7 @@ def test_hostile_token_is_text_in_the_page(open_report):
 def test_minilm_report_displays_the_captured_weights(open_report):
     """The report of all-MiniLM-L6-v2 on the textbook sentence shows exactly the captured weights."""
     from multihead.inspect import capture
-    from multihead.inspect.report import inspect_text
+    from multihead.inspect.inspection import inspect_text
     from multihead.models import load_minilm
 
     model, _ = load_minilm()

@@ -16,7 +16,7 @@ import torch
 
 from multihead.inspect.colours import MASKED_RGB, WEIGHT_SCALE_LABEL, WEIGHT_STOPS, WEIGHT_TICKS, weight_rgb
 from multihead.inspect.html import LINE_THRESHOLD, render_fragment, render_html, word_groups
-from multihead.inspect.report import Inspection
+from multihead.inspect.inspection import Inspection
 from multihead.inspect.stats import STAT_NAMES, weight_stats
 from multihead.inspect.syntax import word_attention
 from support_inspect import CORPUS_SOURCE, HEADS, LAYERS, TEXT, TOKENS, rectangular_inspection, synthetic_inspection

@@ -20,7 +20,7 @@ import torch
 
 from multihead.cli import main
 from multihead.inspect.colours import MASKED_RGB, weight_rgb
-from multihead.inspect.report import CAUSAL_NOTE, PART_TITLES
+from multihead.inspect.inspection import CAUSAL_NOTE, PART_TITLES
 from multihead.train.induction import InductionSettings, run_induction
 from multihead.train.reverse import ReverseSettings, run_reverse
 from test_inspect_html import browser, open_page, page_data, read_bars  # noqa: F401 (fixtures)

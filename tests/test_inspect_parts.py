@@ -19,7 +19,7 @@ from rich.console import Console
 from hf_checkpoints import SENTENCES, save
 from multihead.cli import main
 from multihead.inspect.html import render_html
-from multihead.inspect.report import CAUSAL_NOTE, PART_TITLES, Inspection, inspect_text
+from multihead.inspect.inspection import CAUSAL_NOTE, PART_TITLES, Inspection, inspect_text
 from multihead.inspect.stats import head_stats, weight_stats
 from multihead.inspect.terminal import print_inspection, strongest_links
 from multihead.inspect.write import write_reports

@@ -19,6 +19,7 @@ import torch
 import multihead.inspect.plots as plots
 from multihead._figures import PNG_DPI, MissingExtraError, save_figure
 from multihead.inspect.colours import MASKED_RGB, WEIGHT_SCALE_LABEL, WEIGHT_TICKS, weight_rgb
+from multihead.inspect.inspection import CAUSAL_NOTE, PART_TITLES, Inspection
 from multihead.inspect.plots import (
     CELL_INCHES,
     HEAD_TITLE_FONT,
@@ -30,7 +31,6 @@ from multihead.inspect.plots import (
     heatmap_grid,
     weight_colours,
 )
-from multihead.inspect.report import CAUSAL_NOTE, PART_TITLES, Inspection
 from multihead.inspect.stats import weight_stats
 from support_inspect import HEADS, LAYERS, TEXT, TOKENS, synthetic_inspection, synthetic_weights
 

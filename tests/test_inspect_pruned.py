@@ -19,7 +19,7 @@ from multihead.cli import main
 from multihead.inspect import capture
 from multihead.inspect.html import render_html
 from multihead.inspect.importance import ablated, ablation_importance, gradient_importance, pruning_order
-from multihead.inspect.report import inspect_text
+from multihead.inspect.inspection import inspect_text
 from multihead.inspect.stats import head_grid, head_stats
 from multihead.inspect.syntax import bundled_treebank, syntax_scores
 from multihead.inspect.terminal import attention_table, role_grid, strongest_links

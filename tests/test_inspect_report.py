@@ -1,4 +1,4 @@
-"""multihead.inspect.report: the Inspection (data only, one to_dict) and inspect_text on the real model."""
+"""multihead.inspect.inspection: the Inspection (data only, one to_dict) and inspect_text on the real model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from multihead.inspect import capture, head_stats
-from multihead.inspect.report import Inspection, bundled_corpus, inspect_text, pick_token, read_corpus
+from multihead.inspect.inspection import Inspection, bundled_corpus, inspect_text, pick_token, read_corpus
 from multihead.inspect.stats import DECIMALS
 from multihead.models import Encoder, EncoderConfig, load_minilm
 from support_inspect import HEADS, LAYERS, TOKENS, synthetic_inspection
@@ -204,3 +204,14 @@ def test_an_inspection_walks_the_model_once(minilm, monkeypatch):
     walks.clear()
     head_stats(minilm, ["One text.", "Two texts."])  # head_stats alone: one walk too
     assert len(walks) == 1
+
+
+def test_the_old_module_path_still_imports_with_a_deprecation_warning():
+    import multihead.inspect
+    from multihead.inspect import inspection
+
+    with pytest.warns(DeprecationWarning, match=r"multihead\.inspect\.report is now multihead\.inspect\.inspection"):
+        from multihead.inspect.report import Inspection, inspect_text
+    assert Inspection is inspection.Inspection and inspect_text is inspection.inspect_text
+    # the package's report is still the function that writes the reports, not the old module
+    assert callable(multihead.inspect.report) and multihead.inspect.report.__name__ == "report"

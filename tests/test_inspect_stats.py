@@ -625,7 +625,7 @@ def test_real_model_layer_and_head_subset(minilm):
 def test_real_model_previous_token_head(minilm):
     """Layer 0, head 2 of all-MiniLM-L6-v2 is a previous-token head on the bundled corpus
     (measured: positional share 1.0 at offset -1, prev 0.94, diagonal in every text)."""
-    from multihead.inspect.report import bundled_corpus
+    from multihead.inspect.inspection import bundled_corpus
 
     stats = head_stats(minilm, bundled_corpus(), layers=[0], heads=[2])
     stat = stats.stat(0, 2)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from multihead.inspect.report import Inspection
+from multihead.inspect.inspection import Inspection
 from multihead.inspect.stats import weight_stats
 from multihead.inspect.terminal import (
     MIN_TOKEN_CHARS,
@@ -194,7 +194,7 @@ def test_minilm_at_80_columns_fits_with_every_layer_and_head(minilm_inspection):
 
 @pytest.fixture(scope="module")
 def minilm_inspection():
-    from multihead.inspect.report import inspect_text
+    from multihead.inspect.inspection import inspect_text
     from multihead.models import load_minilm
 
     model, _ = load_minilm()

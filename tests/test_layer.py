@@ -12,6 +12,8 @@ from multihead import KVCache, MultiHeadAttention, masks
 from multihead.positional import RotaryEmbedding
 from support import is_input_error, randn
 
+OF_THE_PARAMETERS = "(the dtype of the layer's parameters)"  # what a query of another dtype is told
+
 torch.manual_seed(0)
 
 
@@ -285,8 +287,8 @@ def bad_calls(device: torch.device | str = "cpu"):
         (lambda: KVCache(0, 4, 1, 8, device=device), ValueError, "batch_size: expected a positive int"),
         (lambda: layer.new_cache(2, 8, window=0), ValueError, "window: expected a positive int"),
         # dtypes and devices: checked against the layer's parameters, then the query's
-        (lambda: layer(x.double()), TypeError, "query: expected dtype torch.float32 (the dtype of the layer's parameters)"),
-        (lambda: layer(x.half()), TypeError, "query: expected dtype torch.float32 (the dtype of the layer's parameters)"),
+        (lambda: layer(x.double()), TypeError, f"query: expected dtype torch.float32 {OF_THE_PARAMETERS}"),
+        (lambda: layer(x.half()), TypeError, f"query: expected dtype torch.float32 {OF_THE_PARAMETERS}"),
         (lambda: layer(x.long()), TypeError, "query: expected a floating dtype"),
         (lambda: layer(x.to(torch.complex64)), TypeError, "query: expected a floating dtype"),
         (lambda: layer(torch.randn(2, 5, 12, device="meta")), ValueError, f"query: expected a tensor on {device}"),

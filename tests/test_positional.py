@@ -21,6 +21,8 @@ from multihead import positional
 from multihead.positional import LearnedPositions, RotaryEmbedding, SinusoidalPositions
 from support import is_input_error, randn
 
+FLOATING = "a floating dtype (float16, bfloat16, float32 or float64)"  # what an integer input is told
+
 # sizes by axis: b, h, g, i (Q_LEN: query positions), j, d
 B, H, G, Q_LEN, J, D = 2, 6, 3, 5, 7, 8
 N, DIM, MAX_LEN = 5, 6, 11
@@ -452,9 +454,7 @@ BAD = [
         "k: expected shape (b, g, j, d), or unbatched (g, j, d), got shape (1, 2, 3, 7, 8)",
         id="rope-k-5d",
     ),
-    pytest.param(
-        lambda: _rope(Q.long(), K), TypeError, "q: expected a floating dtype (float16, bfloat16, float32 or float64), got torch.int64", id="rope-q-int"
-    ),
+    pytest.param(lambda: _rope(Q.long(), K), TypeError, f"q: expected {FLOATING}, got torch.int64", id="rope-q-int"),
     pytest.param(lambda: _rope(Q.tolist(), K), TypeError, "q: expected a torch.Tensor, got list", id="rope-q-list"),
     pytest.param(
         lambda: _rope(Q, K, offset=-1),
@@ -593,7 +593,7 @@ BAD = [
         "x: expected shape (b, n, dim), or unbatched (n, dim), got shape (2, 6, 5, 8)",
         id="sin-per-head-input",
     ),
-    pytest.param(lambda: _sin(X.int()), TypeError, "x: expected a floating dtype (float16, bfloat16, float32 or float64), got torch.int32", id="sin-int-x"),
+    pytest.param(lambda: _sin(X.int()), TypeError, f"x: expected {FLOATING}, got torch.int32", id="sin-int-x"),
     pytest.param(
         lambda: _sin(X, offset=-2), ValueError, "offset: expected a non-negative int", id="sin-offset-negative"
     ),

@@ -127,8 +127,8 @@ class Recorder:
         outputs: bool = False,
         sites: Sequence[AttentionSite] | None = None,
     ):
-        # a caller that resolved the part already (a report records many layers of one part) passes its sites:
-        # the model's modules are walked once per report, not once per recorder
+        # a caller that resolved the part already (an inspection records many layers of one part) passes its sites:
+        # the model's modules are walked once per inspection, not once per recorder
         self.part, sites = part_sites(model, part) if sites is None else (str(part), list(sites))
         self.layers = checked_indices("layers", layers, len(sites), "layer")
         if queries is not None and not isinstance(queries, slice):

@@ -158,7 +158,7 @@ class Term:
         raise AssertionError(self.kind)
 
     def dense(self, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keep bool, bias float64), each (b, h, i, j), computed from the definitions in the multihead.masks docstring."""
+        """(keep bool, bias float64), each (b, h, i, j), computed from the definitions in multihead.masks' docstring."""
         keep = torch.ones(shape.full, dtype=torch.bool)
         bias = torch.zeros(shape.full, dtype=torch.float64)
         a = self.args

@@ -93,8 +93,8 @@ def run_heads(args: argparse.Namespace) -> int:
     from multihead._userfiles import writing
     from multihead.inspect import headreport
     from multihead.inspect.importance import ablation_importance, check_prune_fraction, prune_by_importance
+    from multihead.inspect.inspection import bundled_corpus, read_corpus
     from multihead.inspect.recording import head_numbers
-    from multihead.inspect.report import bundled_corpus, read_corpus
     from multihead.integrations import load_text_model
     from multihead.models import Encoder
 

@@ -96,8 +96,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     from multihead.inspect.behaviours import BEHAVIOURS_FILE
     from multihead.inspect.headreport import read_scores_folder
+    from multihead.inspect.inspection import bundled_corpus, inspect_text, read_corpus
     from multihead.inspect.recording import head_numbers
-    from multihead.inspect.report import bundled_corpus, inspect_text, read_corpus
     from multihead.inspect.saved import saved_model_extras
     from multihead.inspect.write import check_formats, write_reports
     from multihead.integrations import load_text_model

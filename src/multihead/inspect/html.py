@@ -1,4 +1,4 @@
-"""The HTML report of an :class:`~multihead.inspect.report.Inspection`: one self-contained, interactive page.
+"""The HTML report of an :class:`~multihead.inspect.inspection.Inspection`: one self-contained, interactive page.
 
     render_html(inspection)        # a whole page (str): what `multihead inspect` writes as report.html
     render_fragment(inspection)    # the same report as one <div>, to put in any page or a notebook's output
@@ -68,7 +68,7 @@ too, which the page receives as data (``view["scale"]``: its stops, ticks, label
 cells); the legend shows the label (``#legend-label``) and the ticks (``#legend-ticks``).
 
 **Word-level view.** Word pieces merge into the words the tokenizer made of the text
-(:attr:`Inspection.pieces <multihead.inspect.report.Inspection>`, :class:`multihead.models.Pieces`: its
+(:attr:`Inspection.pieces <multihead.inspect.inspection.Inspection>`, :class:`multihead.models.Pieces`: its
 pre-tokenizer's words, split at white space; a word is labelled as it stands in the text). Attention TO a word is the
 sum over its pieces and FROM a word the mean over its pieces, the definition of
 :func:`multihead.inspect.syntax.word_attention`; the page computes it from the piece weights and the per-piece
@@ -110,7 +110,7 @@ import jinja2
 from markupsafe import Markup, escape
 
 from multihead.inspect.colours import MASKED_RGB, WEIGHT_SCALE_LABEL, WEIGHT_STOPS, WEIGHT_TICKS
-from multihead.inspect.report import SPECIAL_TOKENS, Inspection, set_html_renderer
+from multihead.inspect.inspection import SPECIAL_TOKENS, Inspection, set_html_renderer
 from multihead.inspect.roles import word_groups
 from multihead.inspect.static import static_view
 from multihead.inspect.stats import STAT_NAMES

@@ -5,7 +5,7 @@ and syntax scores are (layers, heads) grids of numbers, so they share :func:`hea
 rows heads and columns layers (the orientation of the terminal report), each cell its text, shaded by an
 optional value in [0, 1] on the reports' colour scale. Every style is inline on the table's own elements:
 nothing restyles the notebook, and any number of grids can sit in one page. The interactive report of an
-:class:`~multihead.inspect.report.Inspection` is its HTML page's scoped fragment (see ``Inspection._repr_html_``).
+:class:`~multihead.inspect.inspection.Inspection` is its HTML page's scoped fragment (see ``Inspection._repr_html_``).
 """
 
 from __future__ import annotations

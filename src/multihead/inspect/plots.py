@@ -24,7 +24,7 @@ import numpy
 
 from multihead._figures import PNG_DPI, pyplot, save_figure
 from multihead.inspect.colours import MASKED_RGB, WEIGHT_SCALE_LABEL, WEIGHT_STOPS, WEIGHT_TICKS
-from multihead.inspect.report import Inspection
+from multihead.inspect.inspection import Inspection
 
 __all__ = ["heatmap_figure", "heatmap_grid", "weight_colours"]
 

@@ -1,4 +1,4 @@
-"""Which heads a report covers and how they are recorded: :class:`HeadGrid` (layers x checkpoint head numbers,
+"""Which heads an inspection covers and how they are recorded: :class:`HeadGrid` (layers x checkpoint head numbers,
 a pruned layer's missing heads left empty), :func:`head_grid` (the grid of a model's part, its attention sites
 resolved once and kept on it), :func:`record_grid` (one recorder per layer, reusing those sites) and
 :func:`is_causal_part`. The statistics (:mod:`multihead.inspect.stats`) and the readers build on them.
@@ -25,7 +25,7 @@ __all__ = ["HeadGrid", "head_grid", "head_numbers", "record_grid", "GridRecorder
 
 @dataclass(frozen=True)
 class HeadGrid:
-    """The heads a report covers: rows ``layers`` (model layer indices), columns ``heads`` (head numbers).
+    """The heads an inspection covers: rows ``layers`` (model layer indices), columns ``heads`` (head numbers).
 
     Head numbers are the checkpoint's. Pruning removes heads from a layer, and a pruned
     :class:`~multihead.models.Encoder` keeps, in ``head_ids``, the original number of every head still
@@ -130,7 +130,7 @@ def head_grid(
     pruned) has that cell empty. A head that no chosen layer has, or a part the model lacks, raises
     ValueError.
     """
-    part, sites = part_sites(model, part)  # the one walk of the model's modules a report makes
+    part, sites = part_sites(model, part)  # the one walk of the model's modules an inspection makes
     numbers, total = head_numbers(model, part=part, sites=sites)
     rows = checked_indices("layers", layers, len(numbers), "layer")
     if heads is None:

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from multihead._words import counted
 from multihead.inspect.colours import MASKED_RGB, weight_rgb_pixels
+from multihead.inspect.inspection import Inspection
 from multihead.inspect.notebook import head_grid_html
-from multihead.inspect.report import Inspection
 from multihead.inspect.stats import PRUNED
 
 __all__ = ["static_view", "thumbnail_png", "NO_SCRIPT_NOTE", "THUMBNAIL_PIXELS"]

@@ -59,7 +59,7 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead._words import counted
 from multihead.inspect.notebook import head_grid_html
-from multihead.inspect.recording import (  # the heads a report covers and their recording (stats re-exports them)
+from multihead.inspect.recording import (  # the heads an inspection covers and their recording (stats re-exports them)
     GridRecorder,
     HeadGrid,
     _causal,

@@ -1,4 +1,4 @@
-"""The terminal view of an :class:`~multihead.inspect.report.Inspection`, drawn with rich to fit the width.
+"""The terminal view of an :class:`~multihead.inspect.inspection.Inspection`, drawn with rich to fit the width.
 
 Two tables in one orientation, rows heads and columns layers: the grid of role labels with their strength
 ("[CLS] 61%", see :class:`~multihead.inspect.roles.Role`), and for the selected token each head's two most
@@ -32,7 +32,7 @@ from rich.text import Text
 from multihead._console import MIN_WIDTH, PIPED_WIDTH, make_console, report_width
 from multihead._stdout import discard_stdout
 from multihead._words import counted
-from multihead.inspect.report import SPECIAL_TOKENS, Inspection
+from multihead.inspect.inspection import SPECIAL_TOKENS, Inspection
 from multihead.inspect.stats import PRUNED, Role
 
 __all__ = [

@@ -3,7 +3,7 @@
     report(model, "The bank was full of money.", out_dir="report")   # report.html, heads.png, inspect.json
     write_reports(inspection, "report", ["terminal", "json"])           # an Inspection already made
 
-This module calls every renderer; the renderers take the :class:`~multihead.inspect.report.Inspection`
+This module calls every renderer; the renderers take the :class:`~multihead.inspect.inspection.Inspection`
 and know nothing of each other, and the Inspection knows none of them.
 """
 
@@ -19,8 +19,8 @@ from multihead._errors import bad_argument
 from multihead._figures import Written, draw_figure
 from multihead._userfiles import output_folder, writing
 from multihead.inspect.html import render_html
+from multihead.inspect.inspection import Inspection, inspect_text
 from multihead.inspect.plots import heatmap_grid
-from multihead.inspect.report import Inspection, inspect_text
 from multihead.inspect.terminal import print_inspection
 from multihead.models.contract import TextEncoder
 
