@@ -346,6 +346,3 @@ class _BoundCustomScores(BoundTerm):
 
     def signature(self) -> tuple:
         return self.kind, _code(self.spec.score_mod), self.requires_grad
-
-
-# --------------------------------------------------------------------------- the bound mask

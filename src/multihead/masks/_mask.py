@@ -74,7 +74,7 @@ class Combined(Mask):
         return " & ".join(repr(p) for p in self.parts)
 
 
-# --------------------------------------------------------------------------- primitives
+# --------------------------------------------------------------------------- a caller's tensor as a mask
 
 
 class _Dense(Mask):
@@ -242,6 +242,3 @@ def as_mask(value: Mask | torch.Tensor, *, name: str = "mask") -> Mask:
         "build one with multihead.masks.causal(), padding(...), window(...) or pass a tensor",
         kind=TypeError,
     )
-
-
-# --------------------------------------------------------------------------- bound terms

@@ -62,7 +62,6 @@ def softcap(cap: float) -> Mask:
     return _Softcap(cap)
 
 
-# --------------------------------------------------------------------------- masks written as functions
 class _BoundSoftcap(BoundTerm):
     """Not a mask of pairs: :class:`BoundMask` takes its cap out of the terms (``BoundMask.softcap``)."""
 
