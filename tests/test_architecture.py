@@ -28,6 +28,7 @@ LAYERS = [
     ("multihead.models", "models and their inspection"),
     ("multihead.integrations", "models and their inspection"),
     ("multihead.train", "models and their inspection"),
+    ("multihead.circuits", "models and their inspection"),
     ("multihead.parallel", "across processes"),
     ("multihead.parallel.split", "counting and measuring"),  # the sharding rules the cost model applies too
     ("multihead.cost", "counting and measuring"),

@@ -309,3 +309,37 @@ def test_cli_symmetry_keeps_identical_heads_identical(tmp_path, capsys):
     assert all(value == 0.0 for entry in result["identical"]["history"] for value in entry["divergence_mean"])
     assert all(value > 0.01 for entry in result["random"]["history"] for value in entry["divergence_mean"])
     assert (out / "symmetry.png").is_file()
+
+
+def test_circuits_find_the_induction_circuit_the_run_grew(two_layer):
+    """The circuits tools on the trained decoder (Olsson et al.): the detectors name the heads the run's own probes
+    name, and patching each head's output from a repeated sequence into one whose first half is scrambled puts
+    the answer back through the layer-1 induction heads, while the layer-0 previous-token head alone moves it to
+    the scrambled token (its clean keys point the induction heads at a position holding the corrupted value)."""
+    from multihead.circuits import (
+        activation_patching,
+        agreement,
+        attribution_patching,
+        detect_heads,
+        repeated_random_tokens,
+    )
+
+    settings, final = two_layer.settings, two_layer.final
+    ids = repeated_random_tokens(settings.vocab_size, settings.half_length, batch=8, seed=5, bos=0, low=1)
+    found = detect_heads(two_layer.model, ids)
+    assert float(found.induction[1].min()) > 0.3 and float(found.induction[0].max()) < 0.1
+    previous_head = int(final["previous_token"][0].argmax())
+    assert int(found.previous_token[0].argmax()) == previous_head and float(found.previous_token[0].max()) > 0.4
+
+    half = settings.half_length
+    clean = ids[:, :-1]  # [BOS] x_1 .. x_L x_1 .. x_{L-1}: the next token is x_L
+    corrupt = clean.clone()
+    corrupt[:, 1 : half + 1] = torch.randint(
+        1, settings.vocab_size, (8, half), generator=torch.Generator().manual_seed(7)
+    )
+    answer, wrong = ids[:, -1], corrupt[:, half]  # x_L, and the token that followed in the scrambled half
+    exact = activation_patching(two_layer.model, clean, corrupt, answer=answer, wrong=wrong)
+    assert float(exact.scores[1].min()) > 0.1 and float(exact.scores[1].sum()) > 0.8
+    assert int(exact.scores[0].abs().argmax()) == previous_head and float(exact.scores[0, previous_head]) < -0.3
+    estimate = attribution_patching(two_layer.model, clean, corrupt, answer=answer, wrong=wrong)
+    assert agreement(exact, estimate).correlation > 0.8

@@ -1,0 +1,42 @@
+"""Circuits on causal language models, on the fast kernel: which heads carry an answer, and what they are.
+
+    exact = multihead.circuits.activation_patching(model, clean_ids, corrupt_ids, answer=12, wrong=40)
+    cheap = multihead.circuits.attribution_patching(model, clean_ids, corrupt_ids, answer=12, wrong=40)
+    found = multihead.circuits.detect_heads(model, multihead.circuits.repeated_random_tokens(50257, 20))
+
+``model`` is any causal LM whose attention runs on our kernel: a :class:`~multihead.models.Decoder`, or a
+transformers ``*ForCausalLM`` loaded with ``attn_implementation="multihead"``. Every tool reaches the heads
+through their :class:`~multihead.attend.Attend` steps' hooks, so only the heads a tool reads or patches do more
+than the model's own kernel call. Modules: patching (activation and attribution patching), detectors
+(previous-token, duplicate-token and induction scores, sinks).
+"""
+
+from multihead.circuits.detectors import (
+    DETECTORS,
+    SINK_THRESHOLD,
+    HeadDetection,
+    detect_heads,
+    detection_patterns,
+    repeated_random_tokens,
+)
+from multihead.circuits.patching import (
+    Agreement,
+    PatchingResult,
+    activation_patching,
+    agreement,
+    attribution_patching,
+)
+
+__all__ = [
+    "activation_patching",
+    "attribution_patching",
+    "agreement",
+    "Agreement",
+    "PatchingResult",
+    "detect_heads",
+    "detection_patterns",
+    "repeated_random_tokens",
+    "HeadDetection",
+    "DETECTORS",
+    "SINK_THRESHOLD",
+]

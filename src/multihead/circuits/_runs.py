@@ -1,0 +1,162 @@
+"""What every circuits tool does to a causal language model: check the prompts and answers, run the model to
+logits, read the logit difference at the last position, and reach each attention step's activations through
+its :class:`~multihead.attend.Attend` hooks.
+
+An activation of a step is one of ``q`` (b, h, i, d), ``k`` (b, g, j, d), ``v`` (b, g, j, e) — the step's inputs,
+after projection and rotary —, ``z`` (b, h, i, e), the per-head outputs before the heads are concatenated and
+projected by W^O, and ``pattern`` (b, h, i, j), the attention weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from multihead._errors import bad_argument, describe
+from multihead.attend import AttentionSite
+from multihead.functional import AttentionResult, attention
+
+WHATS = ("z", "pattern", "q", "k", "v")  # the activations of a step a tool can read or patch
+INPUTS = {"q": 0, "k": 1, "v": 2}  # the step's positional inputs
+
+
+def checked_prompts(clean: object, corrupt: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``clean`` and ``corrupt`` token ids as (b, n) int64 tensors of one shape (a 1-D (n,) is one prompt)."""
+    checked = []
+    for name, ids in (("clean_ids", clean), ("corrupt_ids", corrupt)):
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.ndim not in (1, 2):
+            raise bad_argument(
+                name,
+                "token ids, an int64 tensor (n,) or (b, n)",
+                describe(ids),
+                "tokenise the prompt, e.g. tokenizer(text, return_tensors='pt').input_ids",
+                kind=TypeError,
+            )
+        ids = ids.long().reshape(-1, ids.shape[-1])
+        if ids.numel() == 0:
+            raise bad_argument(name, "at least one token", f"shape {tuple(ids.shape)}", "pass a non-empty prompt")
+        checked.append(ids)
+    clean_ids, corrupt_ids = checked
+    if clean_ids.shape != corrupt_ids.shape:
+        raise bad_argument(
+            "corrupt_ids",
+            f"the shape of clean_ids {tuple(clean_ids.shape)}: patching swaps activations position by position",
+            f"shape {tuple(corrupt_ids.shape)}",
+            "write the corrupted prompt with as many tokens as the clean one",
+        )
+    if clean_ids.device != corrupt_ids.device:
+        raise bad_argument(
+            "corrupt_ids",
+            f"a tensor on {clean_ids.device} (the device of clean_ids)",
+            f"one on {corrupt_ids.device}",
+            "move both to the model's device",
+        )
+    return clean_ids, corrupt_ids
+
+
+def checked_tokens(name: str, token: object, batch: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """``token`` (an int, or a (b,) int tensor with one per prompt) as a (b,) int64 tensor on ``device``."""
+    if isinstance(token, int) and not isinstance(token, bool):
+        token = torch.full((batch,), token, dtype=torch.long)
+    if not isinstance(token, torch.Tensor) or token.dtype not in (torch.int64, torch.int32) or token.ndim != 1:
+        raise bad_argument(
+            name,
+            "a token id (int) or a (b,) int tensor of one per prompt",
+            describe(token),
+            "pass e.g. 42",
+            kind=TypeError,
+        )
+    if token.shape[0] != batch:
+        raise bad_argument(name, f"one token per prompt ({batch},)", tuple(token.shape), f"pass {batch} ids")
+    if bool(((token < 0) | (token >= vocab)).any()):
+        raise bad_argument(name, f"token ids in [0, {vocab}) (the model's vocabulary)", token.tolist(), "check it")
+    return token.long().to(device)
+
+
+def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``model(ids)``'s next-token logits, (b, n, vocab): our decoders return them, a transformers causal LM
+    returns them as ``.logits``."""
+    out = model(ids)
+    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor) or logits.ndim != 3 or logits.shape[:2] != ids.shape:
+        raise bad_argument(
+            "model",
+            "a causal language model whose forward(ids) gives logits (b, n, vocab), or an output with .logits",
+            f"a {type(model).__name__} returning {describe(out)}",
+            "pass a multihead.models.Decoder, or a transformers *ForCausalLM loaded with "
+            'attn_implementation="multihead"',
+            kind=TypeError,
+        )
+    return logits
+
+
+def logit_difference(logits: torch.Tensor, answer: torch.Tensor, wrong: torch.Tensor) -> torch.Tensor:
+    """logit(answer) - logit(wrong) at the last position of each row: (rows,), in float32 or the logits' wider
+    dtype. ``logits`` (rows, n, vocab) holds copies of b prompts one after another (rows a multiple of b); answer
+    and wrong are (b,)."""
+    last = logits[:, -1].to(torch.promote_types(logits.dtype, torch.float32))  # (rows, vocab)
+    copies = last.shape[0] // answer.shape[0]
+    rows = torch.arange(last.shape[0], device=last.device)
+    return last[rows, answer.repeat(copies)] - last[rows, wrong.repeat(copies)]
+
+
+@dataclass
+class Activations:
+    """One run's activations of every step: ``values[layer]`` (b, heads or positions ...) of ``what``."""
+
+    what: str
+    values: dict[int, torch.Tensor]
+
+
+def record(model: nn.Module, sites: Sequence[AttentionSite], ids: torch.Tensor, what: str):
+    """Run ``model`` on ``ids`` recording ``what`` at every step; returns (logits, :class:`Activations`)."""
+    values: dict[int, torch.Tensor] = {}
+    handles = []
+    for layer, site in enumerate(sites):
+        handles.append(site.attend.register_forward_hook(_recorder(what, layer, values), with_kwargs=True))
+    try:
+        logits = logits_of(model, ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits, Activations(what, values)
+
+
+def step_weights(module, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The attention weights (b, h, i, j) of one step's call, from its own inputs and mask: one more kernel call,
+    made only where a pattern is read."""
+    q, k, v = args[:3]
+    weights = attention(
+        q,
+        k,
+        v,
+        mask=kwargs.get("mask"),
+        causal=kwargs.get("causal", False),
+        scale=kwargs.get("scale"),
+        backend=module.backend,
+        return_weights=True,
+    ).weights
+    assert weights is not None  # asked for
+    return weights
+
+
+def step_output(result) -> torch.Tensor:
+    """The per-head outputs (b, h, i, e) of a step's result (an AttentionResult where the caller asked for
+    weights)."""
+    return result.output if isinstance(result, AttentionResult) else result
+
+
+def _recorder(what: str, layer: int, values: dict[int, torch.Tensor]):
+    def hook(module, args, kwargs, result):
+        if what in INPUTS:
+            value = args[INPUTS[what]]
+        elif what == "z":
+            value = step_output(result)
+        else:
+            value = step_weights(module, args, kwargs)
+        values[layer] = value.detach().clone()
+
+    return hook

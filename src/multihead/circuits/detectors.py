@@ -1,0 +1,135 @@
+"""Head detectors on any causal language model on our kernel: how much each head behaves as a previous-token,
+duplicate-token or induction head on repeated random tokens, and how much of its attention sinks into the first
+token.
+
+    ids = repeated_random_tokens(vocab_size=50257, half_length=20, batch=4, bos=50256)
+    found = detect_heads(model, ids)
+    found.induction          # (layers, heads): TransformerLens' induction score
+    found.sink_heads()       # [(layer, head), ...] whose first-token share exceeds Gu et al.'s 0.3
+
+The three patterns are TransformerLens' (``transformer_lens.head_detector``): a previous-token head attends from
+position i to i - 1; a duplicate-token head from i to every earlier j holding the same token; an induction head
+from i to every j whose previous token is token i (the token after an earlier occurrence). A head's score is
+TransformerLens' "mul" measure, the share of its attention that falls on the pattern, sum(A * P) / sum(A), per
+sequence and averaged over the batch. The sink share is Gu et al.'s (2024, "When Attention Sink Emerges in
+Language Models"): the head's weight on the first token averaged over the query positions; a head above 0.3 is
+a sink head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from multihead._errors import bad_argument, describe, positive_int
+from multihead.capture import capture
+from multihead.circuits._runs import logits_of
+from multihead.models.contract import evaluating
+
+__all__ = [
+    "DETECTORS",
+    "SINK_THRESHOLD",
+    "HeadDetection",
+    "detect_heads",
+    "detection_patterns",
+    "repeated_random_tokens",
+]
+
+DETECTORS = ("previous_token", "duplicate_token", "induction")
+SINK_THRESHOLD = 0.3  # Gu et al. (2024): the first-token share above which a head counts as a sink
+
+
+def repeated_random_tokens(
+    vocab_size: int, half_length: int, *, batch: int = 4, seed: int = 0, bos: int | None = None, low: int = 0
+) -> torch.Tensor:
+    """Random tokens repeated once: (batch, [1 +] 2 half_length) int64, each row ``[bos] x_1 .. x_L x_1 .. x_L``
+    with x drawn uniformly from [low, vocab_size) by a generator seeded with ``seed`` (the same ids on every
+    machine). ``bos``: a token put first (a model trained with one expects it), or None."""
+    for name, value in (("vocab_size", vocab_size), ("half_length", half_length), ("batch", batch)):
+        positive_int(name, value)
+    if not isinstance(low, int) or not 0 <= low < vocab_size:
+        raise bad_argument("low", f"an int in [0, {vocab_size})", describe(low), "pass e.g. low=0")
+    if bos is not None and (not isinstance(bos, int) or not 0 <= bos < vocab_size):
+        raise bad_argument("bos", f"None or a token id in [0, {vocab_size})", describe(bos), "pass the BOS token id")
+    generator = torch.Generator().manual_seed(seed)
+    half = torch.randint(low, vocab_size, (batch, half_length), generator=generator)
+    ids = torch.cat([half, half], dim=1)
+    return ids if bos is None else torch.cat([torch.full((batch, 1), bos), ids], dim=1)
+
+
+def detection_patterns(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """TransformerLens' detection patterns of ``ids`` (b, n): {name: (b, n, n) float32}, lower triangular:
+    previous_token 1 at (i, i - 1); duplicate_token 1 at (i, j < i) where token j is token i; induction 1 at
+    (i, j <= i) where token j - 1 is token i."""
+    n = ids.shape[-1]
+    same = ids[:, :, None] == ids[:, None, :]  # (b, i, j)
+    below = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril(-1)
+    previous = torch.zeros(n, n, dtype=torch.bool, device=ids.device)
+    previous[1:, :-1] = torch.eye(n - 1, dtype=torch.bool, device=ids.device)
+    duplicate = same & below
+    induction = torch.zeros_like(duplicate)
+    induction[:, :, 1:] = duplicate[:, :, :-1]  # shifted one key to the right: the token after the duplicate
+    induction &= torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+    return {
+        "previous_token": previous.expand_as(same).float(),
+        "duplicate_token": duplicate.float(),
+        "induction": induction.float(),
+    }
+
+
+@dataclass(frozen=True)
+class HeadDetection:
+    """Each detector's score per head and the sink share, (layers, heads), in float32 (float64 for a float64
+    model)."""
+
+    part: str
+    previous_token: torch.Tensor
+    duplicate_token: torch.Tensor
+    induction: torch.Tensor
+    sink: torch.Tensor
+
+    def sink_heads(self, threshold: float = SINK_THRESHOLD) -> list[tuple[int, int]]:
+        """(layer, head) of every head whose first-token share exceeds ``threshold``."""
+        return [(int(layer), int(head)) for layer, head in (self.sink > threshold).nonzero().tolist()]
+
+    def to_dict(self) -> dict:
+        """JSON-ready: each score as (layers, heads) nested lists."""
+        fields = {name: getattr(self, name) for name in (*DETECTORS, "sink")}
+        return {"part": self.part, **{name: values.tolist() for name, values in fields.items()}}
+
+
+def detect_heads(model: nn.Module, ids: torch.Tensor, *, part: str | None = None) -> HeadDetection:
+    """Score every head of ``model`` (a causal LM on our kernel) on ``ids`` (b, n) (typically
+    :func:`repeated_random_tokens`): the three detectors and the sink share (see the module docstring).
+
+    Records each layer's weights through :func:`~multihead.capture` while the model runs in eval mode without
+    autograd (its mode comes back). Raises TypeError naming ``ids`` for anything but an int tensor (n,) or (b, n)
+    of at least two tokens.
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.ndim not in (1, 2):
+        raise bad_argument(
+            "ids",
+            "token ids, an int tensor (n,) or (b, n)",
+            describe(ids),
+            "pass repeated_random_tokens(...)",
+            kind=TypeError,
+        )
+    ids = ids.long().reshape(-1, ids.shape[-1])
+    if ids.shape[1] < 2:
+        raise bad_argument("ids", "at least two tokens per row", tuple(ids.shape), "pass longer sequences")
+    with evaluating(model), capture(model, part=part) as recorder:
+        logits_of(model, ids)
+    patterns = {name: pattern.to(ids.device) for name, pattern in detection_patterns(ids).items()}
+    scores: dict[str, list[torch.Tensor]] = {name: [] for name in (*DETECTORS, "sink")}
+    for layer in recorder.layers:
+        weights = recorder.weights(layer)  # (b, h, i, j)
+        weights = weights.to(torch.promote_types(weights.dtype, torch.float32))
+        total = weights.sum((-2, -1))  # (b, h): n for rows that each sum to 1
+        for name, pattern in patterns.items():
+            on_pattern = (weights * pattern[:, None].to(weights)).sum((-2, -1))
+            scores[name].append((on_pattern / total).mean(0).cpu())
+        scores["sink"].append(weights[..., 0].mean(-1).mean(0).cpu())
+    stacked = {name: torch.stack(values) for name, values in scores.items()}
+    return HeadDetection(part=recorder.part, **stacked)

@@ -1,0 +1,104 @@
+"""Head detectors (multihead.circuits.detectors) against TransformerLens' definitions, written out here position by
+position, on transformers' own eager attention weights of a tiny random GPT-2 and Llama."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from multihead.circuits import (
+    DETECTORS,
+    SINK_THRESHOLD,
+    HeadDetection,
+    detect_heads,
+    detection_patterns,
+    repeated_random_tokens,
+)
+from multihead.integrations import transformers as integration
+from support import is_input_error
+from test_integrations_transformers import VOCAB, build
+
+
+def patterns_by_hand(tokens: list[int]) -> dict[str, torch.Tensor]:
+    """TransformerLens' head_detector patterns, one entry at a time: previous-token (i, i - 1); duplicate-token
+    (i, j) for j < i with the same token; induction (i, j) for 1 <= j <= i where token j - 1 is token i."""
+    n = len(tokens)
+    found = {name: torch.zeros(n, n) for name in DETECTORS}
+    for i in range(n):
+        for j in range(i + 1):
+            found["previous_token"][i, j] = float(j == i - 1)
+            found["duplicate_token"][i, j] = float(j < i and tokens[j] == tokens[i])
+            found["induction"][i, j] = float(j >= 1 and tokens[j - 1] == tokens[i])
+    return found
+
+
+def test_detection_patterns_are_transformer_lens_definitions():
+    ids = torch.tensor([[7, 3, 9, 3, 7, 3, 9, 9], [1, 2, 3, 4, 1, 2, 3, 4]])
+    patterns = detection_patterns(ids)
+    for row in range(2):
+        expected = patterns_by_hand(ids[row].tolist())
+        for name in DETECTORS:
+            torch.testing.assert_close(patterns[name][row], expected[name], rtol=0, atol=0)
+
+
+def test_repeated_random_tokens_repeat_their_first_half_the_same_everywhere():
+    ids = repeated_random_tokens(50, 6, batch=3, seed=4, bos=0, low=1)
+    assert ids.shape == (3, 13) and ids.dtype == torch.int64
+    assert torch.equal(ids[:, 1:7], ids[:, 7:]) and bool((ids[:, 0] == 0).all()) and int(ids[:, 1:].min()) >= 1
+    assert torch.equal(ids, repeated_random_tokens(50, 6, batch=3, seed=4, bos=0, low=1))  # seeded: reproducible
+    assert repeated_random_tokens(50, 6).shape == (4, 12)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_scores_are_the_share_of_transformers_own_weights_on_each_pattern(name):
+    theirs = build(name).to(torch.float64).eval()
+    theirs.set_attn_implementation("eager")
+    ours = copy.deepcopy(theirs)
+    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    ids = repeated_random_tokens(VOCAB, 5, batch=2, seed=1, low=3)
+    found = detect_heads(ours, ids)
+    assert isinstance(found, HeadDetection) and found.part == "self"
+    with torch.no_grad():
+        weights = theirs(ids, output_attentions=True).attentions  # per layer (b, h, n, n)
+    tolerance = 1e-6 if name == "llama" else 1e-10  # Llama's eager softmax is taken in float32
+    for layer, layer_weights in enumerate(weights):
+        for head in range(layer_weights.shape[1]):
+            for detector in DETECTORS:
+                shares = [
+                    float((layer_weights[row, head] * patterns_by_hand(ids[row].tolist())[detector].double()).sum())
+                    / float(layer_weights[row, head].sum())
+                    for row in range(ids.shape[0])
+                ]
+                expected = sum(shares) / len(shares)
+                assert float(getattr(found, detector)[layer, head]) == pytest.approx(expected, abs=tolerance)
+            sink = float(layer_weights[:, head, :, 0].mean())  # Gu et al.: weight on the first token, per query
+            assert float(found.sink[layer, head]) == pytest.approx(sink, abs=tolerance)
+
+
+def test_sink_heads_are_those_above_the_threshold():
+    sink = torch.tensor([[0.1, 0.35], [0.31, 0.29]])
+    zeros = torch.zeros(2, 2)
+    found = HeadDetection("self", zeros, zeros, zeros, sink)
+    assert SINK_THRESHOLD == 0.3
+    assert found.sink_heads() == [(0, 1), (1, 0)]
+    assert found.sink_heads(0.32) == [(0, 1)]
+    assert found.to_dict()["sink"] == sink.tolist()
+
+
+@pytest.mark.parametrize(
+    "call, kind, fragment",
+    [
+        (lambda model: detect_heads(model, "tokens"), TypeError, "ids: expected token ids"),
+        (lambda model: detect_heads(model, torch.tensor([[3]])), ValueError, "ids: expected at least two tokens"),
+        (lambda model: repeated_random_tokens(0, 5), ValueError, "vocab_size"),
+        (lambda model: repeated_random_tokens(50, 5, bos=50), ValueError, "bos: expected None or a token id"),
+    ],
+)
+def test_bad_arguments_are_named(call, kind, fragment):
+    model = build("gpt2").eval()
+    model.set_attn_implementation(integration.IMPLEMENTATION)
+    with pytest.raises(kind) as raised:
+        call(model)
+    assert is_input_error(raised.value, kind) and fragment in str(raised.value)
