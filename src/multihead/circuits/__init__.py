@@ -3,12 +3,14 @@
     exact = multihead.circuits.activation_patching(model, clean_ids, corrupt_ids, answer=12, wrong=40)
     cheap = multihead.circuits.attribution_patching(model, clean_ids, corrupt_ids, answer=12, wrong=40)
     found = multihead.circuits.detect_heads(model, multihead.circuits.repeated_random_tokens(50257, 20))
+    shares = multihead.circuits.direct_logit_attribution(model, clean_ids, answer=12, wrong=40).heads
+    lens = multihead.circuits.logit_lens(model, clean_ids, answer=12, wrong=40)
 
 ``model`` is any causal LM whose attention runs on our kernel: a :class:`~multihead.models.Decoder`, or a
 transformers ``*ForCausalLM`` loaded with ``attn_implementation="multihead"``. Every tool reaches the heads
 through their :class:`~multihead.attend.Attend` steps' hooks, so only the heads a tool reads or patches do more
 than the model's own kernel call. Modules: patching (activation and attribution patching), detectors
-(previous-token, duplicate-token and induction scores, sinks).
+(previous-token, duplicate-token and induction scores, sinks), lens (direct logit attribution, the logit lens).
 """
 
 from multihead.circuits.detectors import (
@@ -18,6 +20,14 @@ from multihead.circuits.detectors import (
     detect_heads,
     detection_patterns,
     repeated_random_tokens,
+)
+from multihead.circuits.lens import (
+    LensParts,
+    LogitAttribution,
+    LogitLens,
+    direct_logit_attribution,
+    lens_parts,
+    logit_lens,
 )
 from multihead.circuits.patching import (
     Agreement,
@@ -39,4 +49,10 @@ __all__ = [
     "HeadDetection",
     "DETECTORS",
     "SINK_THRESHOLD",
+    "direct_logit_attribution",
+    "LogitAttribution",
+    "logit_lens",
+    "LogitLens",
+    "lens_parts",
+    "LensParts",
 ]
