@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from multihead.circuits import PatchingResult, activation_patching, agreement, attribution_patching
+from multihead.circuits import PatchingResult, activation_patching, agreement, attribution_patching, path_patching
 from multihead.integrations import transformers as integration
 from support import is_input_error
 from test_integrations_transformers import VOCAB, build
@@ -283,3 +283,94 @@ def test_a_corruption_that_changes_nothing_is_refused():
     clean, _ = prompts()
     with pytest.raises(ValueError, match="corrupt_ids: expected a prompt whose logit difference differs"):
         activation_patching(ours, clean, clean.clone(), answer=ANSWER, wrong=WRONG)
+
+
+def reference_path_scores(model, module, clean, corrupt, receivers, what: str) -> torch.Tensor:
+    """Path patching on transformers' eager attention, one sender per pair of forwards: the sender's output from
+    the clean run and every other head's held at its corrupted value, the receivers' ``what`` recorded; then
+    the corrupted run with only those replaced. (layers, heads), NaN where a head cannot send."""
+    recorded: dict[tuple[str, int], torch.Tensor] = {}
+
+    def recorder(run_name):
+        def recording(layer, q, k, v, run):
+            out, weights = run(q, k, v)
+            recorded[run_name, layer] = out.transpose(1, 2)  # (b, h, i, e)
+            return out, weights
+
+        return recording
+
+    def difference(ids):
+        last = model(ids).logits[:, -1]
+        return float((last[:, ANSWER] - last[:, WRONG]).mean())
+
+    with torch.no_grad():
+        with eager_sites(module, recorder("clean")):
+            clean_difference = difference(clean)
+        with eager_sites(module, recorder("corrupt")):
+            corrupt_difference = difference(corrupt)
+    first = min(layer for layer, _ in receivers)
+    heads = recorded["clean", 0].shape[1]
+    layers = len({layer for _, layer in recorded})
+    scores = torch.full((layers, heads), float("nan"), dtype=torch.float64)
+    position = "qkv".index(what)
+    for sender_layer in range(first):
+        for sender in range(heads):
+            seen: dict[int, torch.Tensor] = {}
+
+            def sending(layer, q, k, v, run, seen=seen, sender_layer=sender_layer, sender=sender):
+                seen[layer] = (q, k, v)[position]
+                _, weights = run(q, k, v)
+                z = recorded["corrupt", layer].clone()
+                if layer == sender_layer:
+                    z[:, sender] = recorded["clean", layer][:, sender]
+                return z.transpose(1, 2), weights
+
+            with torch.no_grad(), eager_sites(module, sending):
+                model(corrupt)
+
+            def receiving(layer, q, k, v, run, seen=seen):
+                inputs = [q, k, v]
+                for receiver_layer, head in receivers:
+                    if receiver_layer == layer:
+                        index = head if what == "q" else head // (q.shape[1] // k.shape[1])
+                        inputs[position] = inputs[position].clone()
+                        inputs[position][:, index] = seen[layer][:, index]
+                return run(*inputs)
+
+            with torch.no_grad(), eager_sites(module, receiving):
+                patched = difference(corrupt)
+            scores[sender_layer, sender] = (patched - corrupt_difference) / (clean_difference - corrupt_difference)
+    return scores
+
+
+@pytest.mark.parametrize("what", ["q", "k", "v"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_path_patching_equals_path_patching_transformers_eager_attention(name, what):
+    theirs, ours, module = pair(name)
+    clean, corrupt = prompts()
+    receivers = [(1, 0), (1, 3)]
+    expected = reference_path_scores(theirs, module, clean, corrupt, receivers, what)
+    result = path_patching(
+        ours, clean, corrupt, answer=ANSWER, wrong=WRONG, receivers=receivers, what=what, batch_size=3
+    )
+    assert result.method == "path" and result.what == what and result.scores.shape == expected.shape
+    assert bool(result.scores[1].isnan().all()) and not bool(result.scores[0].isnan().any())
+    torch.testing.assert_close(result.scores, expected, rtol=0, atol=SCORE_TOLERANCE[name], equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "receivers, kind, fragment",
+    [
+        ([], TypeError, "receivers: expected a non-empty list"),
+        ([(1, 9)], ValueError, "receivers: expected heads of the model's 2 layers"),
+        ([(0, 1)], ValueError, "receivers: expected heads after layer 0"),
+        ([(1, 1), (1, 1)], ValueError, "receivers: expected each head once"),
+        ([1], TypeError, "receivers: expected (layer, head) pairs"),
+    ],
+)
+def test_path_patching_names_bad_receivers(receivers, kind, fragment):
+    _, ours, _ = pair("gpt2")
+    clean, corrupt = prompts()
+    with pytest.raises(kind) as raised:
+        path_patching(ours, clean, corrupt, answer=ANSWER, wrong=WRONG, receivers=receivers)
+    assert is_input_error(raised.value, kind) and fragment in str(raised.value)

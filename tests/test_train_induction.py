@@ -315,12 +315,14 @@ def test_circuits_find_the_induction_circuit_the_run_grew(two_layer):
     """The circuits tools on the trained decoder (Olsson et al.): the detectors name the heads the run's own probes
     name, and patching each head's output from a repeated sequence into one whose first half is scrambled puts
     the answer back through the layer-1 induction heads, while the layer-0 previous-token head alone moves it to
-    the scrambled token (its clean keys point the induction heads at a position holding the corrupted value)."""
+    the scrambled token (its clean keys point the induction heads at a position holding the corrupted value): path
+    patching finds that route through the induction heads' keys, not their queries."""
     from multihead.circuits import (
         activation_patching,
         agreement,
         attribution_patching,
         detect_heads,
+        path_patching,
         repeated_random_tokens,
     )
 
@@ -343,3 +345,13 @@ def test_circuits_find_the_induction_circuit_the_run_grew(two_layer):
     assert int(exact.scores[0].abs().argmax()) == previous_head and float(exact.scores[0, previous_head]) < -0.3
     estimate = attribution_patching(two_layer.model, clean, corrupt, answer=answer, wrong=wrong)
     assert agreement(exact, estimate).correlation > 0.8
+    # K-composition: the previous-token head acts through the induction heads' keys, not their queries
+    induction_heads = [(1, head) for head in range(settings.heads)]
+    through = {
+        what: path_patching(
+            two_layer.model, clean, corrupt, answer=answer, wrong=wrong, receivers=induction_heads, what=what
+        )
+        for what in ("k", "q")
+    }
+    assert float(through["k"].scores[0, previous_head]) < -0.3
+    assert abs(float(through["q"].scores[0, previous_head])) < 0.1

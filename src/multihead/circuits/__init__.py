@@ -9,8 +9,9 @@
 ``model`` is any causal LM whose attention runs on our kernel: a :class:`~multihead.models.Decoder`, or a
 transformers ``*ForCausalLM`` loaded with ``attn_implementation="multihead"``. Every tool reaches the heads
 through their :class:`~multihead.attend.Attend` steps' hooks, so only the heads a tool reads or patches do more
-than the model's own kernel call. Modules: patching (activation and attribution patching), detectors
-(previous-token, duplicate-token and induction scores, sinks), lens (direct logit attribution, the logit lens).
+than the model's own kernel call. Modules: patching (activation and attribution patching), paths (path
+patching), detectors (previous-token, duplicate-token and induction scores, sinks), lens (direct logit
+attribution, the logit lens).
 """
 
 from multihead.circuits.detectors import (
@@ -36,10 +37,12 @@ from multihead.circuits.patching import (
     agreement,
     attribution_patching,
 )
+from multihead.circuits.paths import path_patching
 
 __all__ = [
     "activation_patching",
     "attribution_patching",
+    "path_patching",
     "agreement",
     "Agreement",
     "PatchingResult",

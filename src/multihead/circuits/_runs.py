@@ -17,9 +17,11 @@ from torch import nn
 
 from multihead._errors import bad_argument, describe
 from multihead.attend import AttentionSite
+from multihead.capture import part_sites
 from multihead.functional import AttentionResult, attention
 
 WHATS = ("z", "pattern", "q", "k", "v")  # the activations of a step a tool can read or patch
+BYS = ("head", "position")  # what one patch covers: a head at every position, or every head at one position
 INPUTS = {"q": 0, "k": 1, "v": 2}  # the step's positional inputs
 
 
@@ -160,3 +162,53 @@ def _recorder(what: str, layer: int, values: dict[int, torch.Tensor]):
         values[layer] = value.detach().clone()
 
     return hook
+
+
+def checked_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise bad_argument(name, f"one of {list(choices)}", repr(value), f'pass e.g. {name}="{choices[0]}"')
+    return str(value)
+
+
+def checked_batch_size(batch_size: object) -> None:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise bad_argument("batch_size", "a positive int", describe(batch_size), "pass e.g. batch_size=16")
+
+
+@dataclass
+class Prepared:
+    part: str
+    sites: list[AttentionSite]
+    clean_ids: torch.Tensor
+    corrupt_ids: torch.Tensor
+    answer: torch.Tensor
+    wrong: torch.Tensor
+    clean: Activations
+    clean_difference: float
+    corrupt_difference: float
+
+
+def prepare(model, clean_ids, corrupt_ids, answer, wrong, what, by, part) -> Prepared:
+    """Every argument checked, then the clean run recorded and both runs' logit differences measured."""
+    what = checked_choice("what", what, WHATS)
+    checked_choice("by", by, BYS)
+    clean_ids, corrupt_ids = checked_prompts(clean_ids, corrupt_ids)
+    part, sites = part_sites(model, part)
+    clean_logits, clean = record(model, sites, clean_ids, what)
+    vocab, batch, device = clean_logits.shape[-1], clean_ids.shape[0], clean_logits.device
+    answer = checked_tokens("answer", answer, batch, vocab, device)
+    wrong = checked_tokens("wrong", wrong, batch, vocab, device)
+    if bool((answer == wrong).any()):
+        raise bad_argument("wrong", "a token other than the answer", wrong.tolist(), "pass the competing token")
+    clean_difference = float(logit_difference(clean_logits, answer, wrong).mean())
+    corrupt_difference = float(logit_difference(logits_of(model, corrupt_ids), answer, wrong).mean())
+    if not abs(clean_difference - corrupt_difference) > 1e-6 * max(1.0, abs(clean_difference)):
+        raise bad_argument(
+            "corrupt_ids",
+            "a prompt whose logit difference differs from the clean one's (the scores divide by clean - corrupt)",
+            f"both {clean_difference:.6g}",
+            "corrupt the part of the prompt the answer depends on",
+        )
+    return Prepared(
+        part, list(sites), clean_ids, corrupt_ids, answer, wrong, clean, clean_difference, corrupt_difference
+    )

@@ -29,16 +29,14 @@ from torch import nn
 
 from multihead._errors import bad_argument, describe
 from multihead.attend import AttentionSite
-from multihead.capture import part_sites
 from multihead.circuits._runs import (
+    BYS,
     INPUTS,
-    WHATS,
-    Activations,
-    checked_prompts,
-    checked_tokens,
+    Prepared,
+    checked_batch_size,
     logit_difference,
     logits_of,
-    record,
+    prepare,
     step_output,
     step_weights,
 )
@@ -46,8 +44,6 @@ from multihead.functional import AttentionResult
 from multihead.models.contract import evaluating
 
 __all__ = ["PatchingResult", "activation_patching", "attribution_patching", "Agreement", "agreement", "BYS"]
-
-BYS = ("head", "position")
 
 
 @dataclass(frozen=True)
@@ -78,56 +74,11 @@ class PatchingResult:
         }
 
 
-def _checked_choice(name: str, value: object, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise bad_argument(name, f"one of {list(choices)}", repr(value), f'pass e.g. {name}="{choices[0]}"')
-    return str(value)
-
-
 def _counts(sites: Sequence[AttentionSite], what: str, by: str, positions: int) -> list[int]:
     """How many things each layer's sweep patches: its query or key/value heads, or the positions."""
     if by == "position":
         return [positions] * len(sites)
     return [site.num_kv_heads if what in ("k", "v") else site.num_heads for site in sites]
-
-
-@dataclass
-class _Prepared:
-    part: str
-    sites: list[AttentionSite]
-    clean_ids: torch.Tensor
-    corrupt_ids: torch.Tensor
-    answer: torch.Tensor
-    wrong: torch.Tensor
-    clean: Activations
-    clean_difference: float
-    corrupt_difference: float
-
-
-def _prepare(model, clean_ids, corrupt_ids, answer, wrong, what, by, part) -> _Prepared:
-    """Every argument checked, then the clean run recorded and both runs' logit differences measured."""
-    what = _checked_choice("what", what, WHATS)
-    _checked_choice("by", by, BYS)
-    clean_ids, corrupt_ids = checked_prompts(clean_ids, corrupt_ids)
-    part, sites = part_sites(model, part)
-    clean_logits, clean = record(model, sites, clean_ids, what)
-    vocab, batch, device = clean_logits.shape[-1], clean_ids.shape[0], clean_logits.device
-    answer = checked_tokens("answer", answer, batch, vocab, device)
-    wrong = checked_tokens("wrong", wrong, batch, vocab, device)
-    if bool((answer == wrong).any()):
-        raise bad_argument("wrong", "a token other than the answer", wrong.tolist(), "pass the competing token")
-    clean_difference = float(logit_difference(clean_logits, answer, wrong).mean())
-    corrupt_difference = float(logit_difference(logits_of(model, corrupt_ids), answer, wrong).mean())
-    if not abs(clean_difference - corrupt_difference) > 1e-6 * max(1.0, abs(clean_difference)):
-        raise bad_argument(
-            "corrupt_ids",
-            "a prompt whose logit difference differs from the clean one's (the scores divide by clean - corrupt)",
-            f"both {clean_difference:.6g}",
-            "corrupt the part of the prompt the answer depends on",
-        )
-    return _Prepared(
-        part, list(sites), clean_ids, corrupt_ids, answer, wrong, clean, clean_difference, corrupt_difference
-    )
 
 
 def activation_patching(
@@ -161,10 +112,9 @@ def activation_patching(
     naming the argument: prompts of different shapes, a token outside the vocabulary, ``answer == wrong``, or a
     corruption that leaves the logit difference as it was.
     """
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise bad_argument("batch_size", "a positive int", describe(batch_size), "pass e.g. batch_size=16")
+    checked_batch_size(batch_size)
     with evaluating(model):
-        run = _prepare(model, clean_ids, corrupt_ids, answer, wrong, what, by, part)
+        run = prepare(model, clean_ids, corrupt_ids, answer, wrong, what, by, part)
         counts = _counts(run.sites, what, by, run.clean_ids.shape[1])
         targets = [(layer, index) for layer, count in enumerate(counts) for index in range(count)]
         patched = torch.empty(len(targets), dtype=torch.float64)
@@ -181,7 +131,7 @@ def activation_patching(
     return PatchingResult(what, by, run.part, "exact", scores, run.clean_difference, run.corrupt_difference)
 
 
-def _patched_run(model, run: _Prepared, chunk: list[tuple[int, int]], what: str, by: str) -> torch.Tensor:
+def _patched_run(model, run: Prepared, chunk: list[tuple[int, int]], what: str, by: str) -> torch.Tensor:
     """The mean logit difference of each target of ``chunk`` (layer, index), each patched into its own copy of
     the corrupted prompts: one forward of len(chunk) x b rows."""
     b = run.corrupt_ids.shape[0]
@@ -269,7 +219,7 @@ def attribution_patching(
     afterwards.
     """
     with evaluating(model):
-        run = _prepare(model, clean_ids, corrupt_ids, answer, wrong, what, by, part)
+        run = prepare(model, clean_ids, corrupt_ids, answer, wrong, what, by, part)
         with torch.enable_grad():
             leaves: dict[int, torch.Tensor] = {}
             corrupt: dict[int, torch.Tensor] = {}
