@@ -4,8 +4,9 @@ TransformerLens runs the transformers model with its eager attention and its own
 same weights with attn_implementation="multihead". Compared: activation patching (TransformerLens'
 ``transformer_lens.patching`` sweeps, with the normalised logit difference as their metric), the head detectors
 (its detection patterns and "mul" score on its cached patterns), direct logit attribution (its
-``stack_head_results(apply_ln=True)`` through W_U) and the logit lens (its accumulated residual through its
-final norm and unembedding). Nothing is downloaded: the bridge is given the model and a local tokenizer.
+``stack_head_results(apply_ln=True)`` through W_U), the logit lens (its accumulated residual through its
+final norm and unembedding), and each head's weights, composition scores and QK/OV singular values. Nothing
+is downloaded: the bridge is given the model and a local tokenizer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ from transformer_lens import head_detector, patching
 from transformer_lens.model_bridge import TransformerBridge
 
 import hf_checkpoints
-from multihead.circuits import DETECTORS, activation_patching, detect_heads, repeated_random_tokens
+from multihead.circuits import (
+    COMPOSITIONS,
+    DETECTORS,
+    activation_patching,
+    composition_scores,
+    detect_heads,
+    head_circuit,
+    head_weights,
+    repeated_random_tokens,
+)
 from multihead.circuits.lens import direct_logit_attribution, logit_lens
 from multihead.integrations import transformers as integration
 from test_integrations_transformers import VOCAB, build
@@ -152,3 +162,22 @@ def test_logit_lens_equals_transformer_lens(models):
     assert torch.equal(lens.top, lens.logits.topk(5, dim=-1).indices)
     last = expected[:, :, ANSWER] - expected[:, :, WRONG]
     torch.testing.assert_close(lens.differences, last.mean(1), rtol=0, atol=TOLERANCE[name])
+
+
+def test_head_weights_and_composition_scores_equal_transformer_lens(models):
+    _, bridge, ours = models
+    weights = head_weights(ours)
+    for name in ("W_Q", "W_K", "W_V", "W_O"):
+        theirs = getattr(bridge, name)
+        if name in ("W_K", "W_V"):  # TransformerLens' key/value heads, repeated for the query heads they serve
+            theirs = bridge._expand_kv_heads(theirs)
+        torch.testing.assert_close(getattr(weights, name), theirs.detach(), rtol=0, atol=1e-15)
+    for mode in COMPOSITIONS:
+        expected = bridge.all_composition_scores(mode).scores.detach()
+        found = composition_scores(ours, mode)
+        later = torch.ones(2, 2, dtype=torch.bool).triu(1)[:, None, :, None].expand_as(found)  # layer 0 -> 1 only
+        torch.testing.assert_close(found[later], expected[later], rtol=0, atol=1e-12)
+        assert bool(found[~later].isnan().all())
+    circuit = head_circuit(ours, 1, 2)
+    torch.testing.assert_close(circuit.ov, bridge.OV[1, 2].S.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(circuit.qk, bridge.QK[1, 2].S.detach(), rtol=0, atol=1e-12)

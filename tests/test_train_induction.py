@@ -321,6 +321,7 @@ def test_circuits_find_the_induction_circuit_the_run_grew(two_layer):
         activation_patching,
         agreement,
         attribution_patching,
+        composition_scores,
         detect_heads,
         path_patching,
         repeated_random_tokens,
@@ -355,3 +356,9 @@ def test_circuits_find_the_induction_circuit_the_run_grew(two_layer):
     }
     assert float(through["k"].scores[0, previous_head]) < -0.3
     assert abs(float(through["q"].scores[0, previous_head])) < 0.1
+    # the weights say it too (Elhage et al.): the previous-token head K-composes most with every induction head,
+    # and more than it Q-composes with it
+    keys, queries = composition_scores(two_layer.model, "K"), composition_scores(two_layer.model, "Q")
+    for head in range(settings.heads):
+        assert int(keys[0, :, 1, head].argmax()) == previous_head
+        assert float(keys[0, previous_head, 1, head]) > float(queries[0, previous_head, 1, head])

@@ -11,7 +11,7 @@ transformers ``*ForCausalLM`` loaded with ``attn_implementation="multihead"``. E
 through their :class:`~multihead.attend.Attend` steps' hooks, so only the heads a tool reads or patches do more
 than the model's own kernel call. Modules: patching (activation and attribution patching), paths (path
 patching), detectors (previous-token, duplicate-token and induction scores, sinks), lens (direct logit
-attribution, the logit lens).
+attribution, the logit lens), weights (QK and OV circuits, composition scores).
 """
 
 from multihead.circuits.detectors import (
@@ -38,6 +38,14 @@ from multihead.circuits.patching import (
     attribution_patching,
 )
 from multihead.circuits.paths import path_patching
+from multihead.circuits.weights import (
+    COMPOSITIONS,
+    HeadCircuit,
+    HeadWeights,
+    composition_scores,
+    head_circuit,
+    head_weights,
+)
 
 __all__ = [
     "activation_patching",
@@ -58,4 +66,10 @@ __all__ = [
     "LogitLens",
     "lens_parts",
     "LensParts",
+    "head_weights",
+    "HeadWeights",
+    "head_circuit",
+    "HeadCircuit",
+    "composition_scores",
+    "COMPOSITIONS",
 ]
