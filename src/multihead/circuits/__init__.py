@@ -11,7 +11,7 @@ transformers ``*ForCausalLM`` loaded with ``attn_implementation="multihead"``. E
 through their :class:`~multihead.attend.Attend` steps' hooks, so only the heads a tool reads or patches do more
 than the model's own kernel call. Modules: patching (activation and attribution patching), paths (path
 patching), detectors (previous-token, duplicate-token and induction scores, sinks), lens (direct logit
-attribution, the logit lens), weights (QK and OV circuits, composition scores).
+attribution, the logit lens), weights (QK and OV circuits, composition scores), rollout (attention rollout).
 """
 
 from multihead.circuits.detectors import (
@@ -38,6 +38,7 @@ from multihead.circuits.patching import (
     attribution_patching,
 )
 from multihead.circuits.paths import path_patching
+from multihead.circuits.rollout import attention_rollout
 from multihead.circuits.weights import (
     COMPOSITIONS,
     HeadCircuit,
@@ -72,4 +73,5 @@ __all__ = [
     "HeadCircuit",
     "composition_scores",
     "COMPOSITIONS",
+    "attention_rollout",
 ]
