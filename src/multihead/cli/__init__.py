@@ -19,7 +19,7 @@ from multihead._figures import print_written
 from multihead._lab import lab_missing_error, lab_module_of
 from multihead._limits import format_bytes
 from multihead._stdout import discard_stdout
-from multihead.cli import bench, cost, heads, inspect, train
+from multihead.cli import bench, circuits, cost, heads, inspect, train
 from multihead.cli._shared import (
     MODEL_HELP,
     OneLineParser,
@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(subparsers)
     heads.add_parser(subparsers)
     train.add_parser(subparsers)
+    circuits.add_parser(subparsers)
     return parser
 
 

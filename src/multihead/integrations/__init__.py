@@ -17,14 +17,14 @@ from multihead._errors import bad_argument
 from multihead._userfiles import path_kind
 from multihead.integrations.transformers_versions import TRANSFORMERS_TESTED, UnsupportedTransformersError
 from multihead.models.bert import SAVED_CONFIG
-from multihead.models.contract import TextEncoder
+from multihead.models.contract import CausalLM, TextEncoder
 from multihead.models.decoder import DECODER_CONFIG
 from multihead.models.loading import SERVED_MODEL_TYPES, conversion_fix, load_encoder, other_formats
 from multihead.models.seq2seq import SEQ2SEQ_CONFIG
 from multihead.models.seq2seq_reader import load_seq2seq_reader
 from multihead.models.symbols import load_decoder_reader
 
-__all__ = ["TRANSFORMERS_TESTED", "UnsupportedTransformersError", "load_text_model"]
+__all__ = ["TRANSFORMERS_TESTED", "UnsupportedTransformersError", "load_text_model", "load_causal_lm"]
 
 
 def _model_type(folder: Path) -> str | None:
@@ -80,3 +80,59 @@ def load_text_model(path: str | Path | None = None, *, dtype: torch.dtype = torc
             "pip install 'multihead[hf]'",
         ) from None
     return load_model(path, dtype=dtype)
+
+
+def _encoder_decoder(folder: Path) -> bool:
+    """Whether ``folder`` holds an encoder-decoder (ours, or a config.json saying is_encoder_decoder)."""
+    if path_kind(folder / SEQ2SEQ_CONFIG) == "file":
+        return True
+    try:
+        return bool(json.loads((folder / "config.json").read_text(encoding="utf-8")).get("is_encoder_decoder"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """The causal language model in folder ``path`` on multihead's kernel, with its tokenizer: a folder written by
+    :meth:`multihead.models.Decoder.save` (``multihead train``'s checkpoints, with their symbols), or a
+    transformers causal LM (GPT-2, Llama, Mistral, ...; transformers must then be installed). Anything else (an
+    encoder, an encoder-decoder) is one error naming ``model``."""
+    if not isinstance(path, (str, Path)):
+        raise bad_argument("model", "a folder path", repr(path), "pass --model DIR", kind=TypeError)
+    if path_kind(Path(path) / DECODER_CONFIG) == "file":
+        reader = load_decoder_reader(path, dtype=dtype)
+        if reader.tokenizer is None:
+            raise bad_argument(
+                "model",
+                "a decoder saved with its symbols.json (multihead train writes one)",
+                f"{str(path)!r} without one",
+                "save the model with its tokenizer's symbols",
+            )
+        return CausalLM(reader.decoder.eval(), reader.tokenizer, reader.name)
+    kind = _model_type(Path(path))
+    if kind is None or kind in SERVED_MODEL_TYPES or _encoder_decoder(Path(path)):
+        raise bad_argument(
+            "model",
+            "a causal language model folder (a multihead train induction checkpoint, or a transformers *ForCausalLM)",
+            f"{str(path)!r} ({'no causal LM config.json' if kind is None else f'model_type {kind!r}'})",
+            "point --model at a decoder: circuits reads the logits of the next token",
+        )
+    try:
+        from multihead.integrations.transformers_models import load_causal_lm as load_transformers_causal_lm
+    except ModuleNotFoundError as error:
+        if error.name is None or not error.name.startswith("transformers"):
+            raise
+        raise bad_argument(
+            "model",
+            "transformers installed to read this checkpoint",
+            f"model_type {kind!r}",
+            "pip install 'multihead[hf]'",
+        ) from None
+    try:
+        return load_transformers_causal_lm(path, dtype=dtype)
+    except ValueError as error:
+        if "Unrecognized configuration class" not in str(error):
+            raise
+        raise bad_argument(
+            "model", "a model_type with a causal LM head", f"model_type {kind!r}", "point --model at a decoder"
+        ) from None

@@ -20,7 +20,14 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import logging as hf_logging
 
 from multihead._errors import bad_argument, describe, floating_dtype, whole_sentences
@@ -28,11 +35,11 @@ from multihead._userfiles import path_kind
 from multihead.attend import AttentionSite, register_site_finder
 from multihead.integrations.transformers import IMPLEMENTATION, attention_sites
 from multihead.layer import MultiHeadAttention
-from multihead.models.contract import TextEncoder
+from multihead.models.contract import CausalLM, TextEncoder
 from multihead.models.files import model_folder, reading
 from multihead.models.tokenizer import Pieces, TextTokenizer, TokenBatch
 
-__all__ = ["TransformersModel", "TransformersTokenizer", "load_model"]
+__all__ = ["TransformersModel", "TransformersTokenizer", "load_model", "load_causal_lm"]
 
 _FIX = "point --model at a transformers checkpoint folder (config.json, weights, tokenizer files)"
 # parameters of the base model that last_hidden_state never reads
@@ -229,6 +236,22 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Trans
     Reads local files only. A folder that is not a checkpoint transformers knows (no config.json, an
     unknown ``model_type``), or has no tokenizer files, is one error saying what is needed.
     """
+    model, tokenizer, folder = _load_pretrained(path, dtype, AutoModel)
+    return TransformersModel(model, tokenizer=tokenizer, name=folder.name).eval()
+
+
+def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """The transformers causal LM in folder ``path`` (``AutoModelForCausalLM``: its LM head included) on
+    multihead's kernel, with its tokenizer, in eval mode; refused as :func:`load_model` refuses, and a folder whose
+    model_type has no causal LM is one error naming ``model``."""
+    model, tokenizer, folder = _load_pretrained(path, dtype, AutoModelForCausalLM)
+    return CausalLM(model.eval(), tokenizer, folder.name)
+
+
+def _load_pretrained(
+    path: str | Path, dtype: torch.dtype, auto_class
+) -> tuple[PreTrainedModel, TransformersTokenizer, Path]:
+    """The checkpoint in ``path`` through ``auto_class`` on the kernel, its tokenizer, and its folder."""
     floating_dtype("dtype", dtype, allow_none=False)
     folder = model_folder("model", path, what="a model folder", fix=_FIX)
     if path_kind(folder / "config.json") != "file":
@@ -261,7 +284,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Trans
     hf_logging.set_verbosity_error()
     try:
         with reading(folder, _weights_files(folder), what="a weights file transformers can read"):
-            model, loading = AutoModel.from_pretrained(
+            model, loading = auto_class.from_pretrained(
                 folder,
                 config=config,
                 attn_implementation=IMPLEMENTATION,
@@ -286,9 +309,4 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Trans
         )
     if not isinstance(model, PreTrainedModel):  # pragma: no cover - AutoModel always gives one
         raise bad_argument("model", "a transformers model", describe(model), _FIX, kind=TypeError)
-    wrapped = TransformersModel(
-        model,
-        tokenizer=TransformersTokenizer(tokenizer, max_length=_position_limit(config, tokenizer)),
-        name=folder.name,
-    )
-    return wrapped.eval()
+    return model, TransformersTokenizer(tokenizer, max_length=_position_limit(config, tokenizer)), folder

@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -27,7 +28,7 @@ from multihead._errors import bad_argument, describe
 from multihead.layer import MultiHeadAttention
 from multihead.models.tokenizer import Pieces, TextTokenizer, TokenBatch
 
-__all__ = ["TextEncoder", "text_tokenizer", "evaluating"]
+__all__ = ["TextEncoder", "text_tokenizer", "evaluating", "CausalLM"]
 
 
 class TextEncoder(nn.Module, ABC):
@@ -177,3 +178,41 @@ def evaluating(model: _Module) -> Iterator[_Module]:
             yield model
     finally:
         model.train(was_training)
+
+
+@dataclass(frozen=True)
+class CausalLM:
+    """A causal language model with its tokenizer, as `multihead circuits` opens a folder: ``model`` (its
+    ``forward(ids)`` gives (b, n, vocab) logits: a :class:`~multihead.models.Decoder`, or a transformers
+    ``*ForCausalLM`` on the kernel), ``tokenizer`` (its :class:`~multihead.models.TextTokenizer`) and ``name``."""
+
+    model: nn.Module
+    tokenizer: TextTokenizer
+    name: str
+
+    def ids(self, text: str) -> torch.Tensor:
+        """``text`` as the model reads it, special tokens included (a BOS where the tokenizer adds one): (1, n)."""
+        if not isinstance(text, str) or not text.strip():
+            raise bad_argument("text", "a non-empty text", describe(text), 'pass e.g. "a b c a b"')
+        return self.tokenizer.batch([text]).input_ids
+
+    def next_token(self, text: str, continuation: str) -> int:
+        """The one token ``continuation`` adds after ``text``: appended as written, or after a space (a
+        word-level tokenizer's symbols, GPT-2-style pieces that begin with their space). A ValueError naming
+        ``continuation`` when neither adds exactly one token and leaves ``text``'s own tokens as they were."""
+        if not isinstance(continuation, str) or not continuation.strip():
+            raise bad_argument("continuation", "a non-empty token", describe(continuation), "pass e.g. Mary")
+        prompt = self.ids(text)[0].tolist()
+        for joined in (text + continuation, text + " " + continuation):
+            try:
+                ids = self.ids(joined)[0].tolist()
+            except ValueError:  # a word-level tokenizer refuses the glued word: try the spaced one
+                continue
+            if len(ids) == len(prompt) + 1 and ids[: len(prompt)] == prompt:
+                return ids[-1]
+        raise bad_argument(
+            "continuation",
+            "one token that follows the prompt (as written, or after a space)",
+            repr(continuation),
+            "pass a single token of the model's vocabulary",
+        )

@@ -1,0 +1,90 @@
+"""`multihead circuits patch`: a `multihead train` checkpoint and a transformers GPT-2 folder, the JSON's layers x
+heads scores equal to multihead.circuits run in Python on the same ids, and every mistake one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hf_checkpoints
+from multihead.circuits import activation_patching, attribution_patching
+from multihead.cli import main
+from multihead.integrations import load_causal_lm
+from multihead.train.induction import InductionSettings, run_induction
+from test_cli_errors import assert_one_line
+
+CLEAN = "b c d e f g h b c d e f g"
+CORRUPT = "k l m n o p q b c d e f g"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A small induction decoder trained for a few steps, saved as `multihead train` saves it."""
+    folder = tmp_path_factory.mktemp("run")
+    torch.manual_seed(0)
+    run_induction(InductionSettings(layers=2, heads=2, steps=40, log_every=20, probe_size=8)).save(folder)
+    return folder / "model"
+
+
+@pytest.mark.parametrize("method", ["exact", "attribution"])
+def test_patch_writes_the_scores_python_gives(checkpoint, method, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["circuits", "patch", "--model", str(checkpoint), "--clean", CLEAN, "--corrupt", CORRUPT]
+    argv += ["--answer", "h", "--wrong", "p", "--method", method, "--format", "terminal,json", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "share of the logit difference restored" in printed and "wrote" in printed
+    data = json.loads((out / "patching.json").read_text())
+    lm = load_causal_lm(checkpoint)
+    answer, wrong = lm.next_token(CLEAN, "h"), lm.next_token(CLEAN, "p")
+    sweep = activation_patching if method == "exact" else attribution_patching
+    expected = sweep(lm.model, lm.ids(CLEAN), lm.ids(CORRUPT), answer=answer, wrong=wrong)
+    assert data["method"] == method and data["what"] == "z" and data["by"] == "head"
+    assert data["answer"] == "h" and data["clean"] == CLEAN
+    assert torch.tensor(data["heads"], dtype=torch.float64).shape == (2, 2)
+    torch.testing.assert_close(torch.tensor(data["heads"], dtype=torch.float64), expected.scores, rtol=0, atol=1e-6)
+
+
+def test_patch_by_position_on_a_transformers_gpt2(tmp_path, capsys):
+    folder = hf_checkpoints.save("gpt2", tmp_path / "gpt2")
+    clean, corrupt = "The bank was full of money", "The river was full of money"
+    out = tmp_path / "out"
+    argv = ["circuits", "patch", "--model", str(folder), "--clean", clean, "--corrupt", corrupt, "--answer", " bank"]
+    argv += ["--wrong", " river", "--by", "position", "--what", "v", "--format", "json", "--out", str(out)]
+    assert main(argv) == 0
+    data = json.loads((out / "patching.json").read_text())
+    lm = load_causal_lm(folder)
+    answer, wrong = lm.next_token(clean, " bank"), lm.next_token(clean, " river")
+    expected = activation_patching(
+        lm.model, lm.ids(clean), lm.ids(corrupt), answer=answer, wrong=wrong, what="v", by="position"
+    )
+    assert "positions" in data and "heads" not in data
+    torch.testing.assert_close(torch.tensor(data["positions"], dtype=torch.float64), expected.scores, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "change, option, fragment",
+    [
+        ({"--corrupt": "k l m"}, "--corrupt", "a prompt of as many tokens as --clean"),
+        ({"--answer": "h i"}, "--answer", "one token that follows the prompt"),
+        ({"--wrong": "zz"}, "--wrong", "one token that follows the prompt"),
+        ({"--clean": "b c x"}, "--clean", "symbols of the model's vocabulary"),
+        ({"--answer": "h", "--wrong": "h"}, "--wrong", "a token other than the answer"),
+        ({"--format": "html"}, "--format", "one or more of terminal, json, png"),
+        ({"--corrupt": CLEAN}, "--corrupt", "a prompt whose logit difference differs"),
+    ],
+)
+def test_mistakes_are_one_line(checkpoint, change, option, fragment, tmp_path, capsys):
+    options = {"--model": str(checkpoint), "--clean": CLEAN, "--corrupt": CORRUPT, "--answer": "h", "--wrong": "p"}
+    options |= {"--out": str(tmp_path / "out"), **change}
+    argv = ["circuits", "patch", *(item for pair in options.items() for item in pair)]
+    assert_one_line(capsys, argv, "circuits", option, fragment)
+
+
+def test_an_encoder_is_refused_in_one_line(tmp_path, capsys):
+    folder = hf_checkpoints.save("bert", tmp_path / "bert")
+    capsys.readouterr()  # what saving the checkpoint printed
+    argv = ["circuits", "patch", "--model", str(folder), "--clean", "a b", "--corrupt", "a c", "--answer", "b"]
+    assert_one_line(capsys, [*argv, "--wrong", "c"], "circuits", "--model", "a causal language model folder")
