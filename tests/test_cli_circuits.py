@@ -88,3 +88,48 @@ def test_an_encoder_is_refused_in_one_line(tmp_path, capsys):
     capsys.readouterr()  # what saving the checkpoint printed
     argv = ["circuits", "patch", "--model", str(folder), "--clean", "a b", "--corrupt", "a c", "--answer", "b"]
     assert_one_line(capsys, [*argv, "--wrong", "c"], "circuits", "--model", "a causal language model folder")
+
+
+def test_dla_lens_and_detect_write_what_python_gives(checkpoint, tmp_path, capsys):
+    from multihead.circuits import detect_heads, direct_logit_attribution, logit_lens, repeated_random_tokens
+
+    lm = load_causal_lm(checkpoint)
+    out = tmp_path / "out"
+    base = ["--model", str(checkpoint), "--out", str(out)]
+    assert main(["circuits", "dla", *base, "--text", CLEAN, "--answer", "h", "--wrong", "p"]) == 0
+    assert main(["circuits", "lens", *base, "--text", CLEAN, "--answer", "h", "--wrong", "p", "--top", "3"]) == 0
+    assert main(["circuits", "detect", *base, "--half-length", "6", "--batch", "2", "--seed", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "direct logit attribution" in printed and "logit lens" in printed and "sink heads" in printed
+    answer, wrong = lm.next_token(CLEAN, "h"), lm.next_token(CLEAN, "p")
+    dla = json.loads((out / "dla.json").read_text())
+    expected = direct_logit_attribution(lm.model, lm.ids(CLEAN), answer=answer, wrong=wrong)
+    torch.testing.assert_close(
+        torch.tensor(dla["heads"], dtype=torch.float64), expected.heads.double(), rtol=0, atol=1e-6
+    )
+    assert dla["explained"] == pytest.approx(dla["logit_difference"], abs=1e-5)
+    lens = json.loads((out / "lens.json").read_text())
+    read = logit_lens(lm.model, lm.ids(CLEAN), top=3, answer=answer, wrong=wrong)
+    assert lens["rows"] == ["embedding", "layer 0", "layer 1"]
+    assert lens["top"] == [[lm.piece(int(token)) for token in row[0]] for row in read.top]
+    assert lens["differences"] == pytest.approx(read.differences.tolist(), abs=1e-6)
+    detect = json.loads((out / "detect.json").read_text())
+    ids = repeated_random_tokens(lm.model.config.vocab_size, 6, batch=2, seed=3, bos=lm.bos_id, low=1)
+    found = detect_heads(lm.model, ids)
+    torch.testing.assert_close(torch.tensor(detect["induction"]), found.induction.float(), rtol=0, atol=1e-6)
+    assert detect["sink_heads"] == [list(pair) for pair in found.sink_heads()]
+
+
+@pytest.mark.parametrize(
+    "argv, option, fragment",
+    [
+        (["lens", "--text", CLEAN, "--answer", "h"], "--wrong", "given with --answer"),
+        (["lens", "--text", CLEAN, "--format", "png"], "--format", "terminal or json for the lens"),
+        (["lens", "--text", CLEAN, "--top", "0"], "--top", "an int in [1,"),
+        (["dla", "--text", CLEAN, "--answer", "h h", "--wrong", "p"], "--answer", "one token"),
+        (["detect", "--half-length", "0"], "--half-length", "a positive int"),
+    ],
+)
+def test_other_modes_mistakes_are_one_line(checkpoint, argv, option, fragment, tmp_path, capsys):
+    command = ["circuits", argv[0], "--model", str(checkpoint), "--out", str(tmp_path / "out"), *argv[1:]]
+    assert_one_line(capsys, command, "circuits", option, fragment)

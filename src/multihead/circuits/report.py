@@ -25,7 +25,18 @@ from multihead._figures import Written, draw_figure, pyplot, save_figure
 from multihead._userfiles import output_folder, writing
 from multihead.circuits.patching import PatchingResult
 
-__all__ = ["FORMATS", "check_formats", "print_patching", "write_patching", "plot_patching"]
+__all__ = [
+    "FORMATS",
+    "check_formats",
+    "print_patching",
+    "write_patching",
+    "plot_patching",
+    "print_grid",
+    "write_grid",
+    "plot_grid",
+    "print_lens",
+    "write_lens",
+]
 
 FORMATS = ("terminal", "json", "png")
 METHODS = {"exact": "activation patching", "attribution": "attribution patching", "path": "path patching"}
@@ -52,48 +63,17 @@ def _title(result: PatchingResult) -> str:
 
 
 def print_patching(console: Console, result: PatchingResult) -> None:
-    """The scores as a table: a row per layer, a column per head (or position), the largest |score| in bold."""
-    console.print(_title(result), soft_wrap=True, markup=False, highlight=False)
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("layer", justify="right")
-    columns = result.scores.shape[1]
-    label = "H" if result.by == "head" else "pos "
-    for index in range(columns):
-        table.add_column(f"{label}{index}", justify="right")
-    finite = result.scores[~result.scores.isnan()]
-    largest = float(finite.abs().max()) if finite.numel() else 0.0
-    for layer, row in enumerate(result.scores.tolist()):
-        cells = []
-        for value in row:
-            if value != value:
-                cells.append("")
-            else:
-                text = f"{value:+.2f}"
-                cells.append(f"[bold]{text}[/bold]" if largest and abs(value) >= 0.5 * largest else text)
-        table.add_row(str(layer), *cells)
-    console.print(table)
+    """The scores as a table: a row per layer, a column per head (or position), the larger half in bold."""
+    print_grid(console, _title(result), result.scores, column="H" if result.by == "head" else "pos ")
 
 
 def plot_patching(result: PatchingResult, path: str | Path) -> Path:
     """The scores as a heatmap (layers down, heads or positions across; red restores, blue works against)."""
-    plt = pyplot("the patching heatmap")
-    scores = result.scores.double().numpy()
-    finite = result.scores[~result.scores.isnan()]
-    bound = max(float(finite.abs().max()) if finite.numel() else 1.0, 1e-9)
-    layers, columns = scores.shape
-    figure, axes = plt.subplots(figsize=(max(5.0, 1.8 + 0.45 * columns), max(3.2, 1.4 + 0.45 * layers)))
-    image = axes.imshow(scores, cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
-    axes.set_xlabel("head" if result.by == "head" else "position")
-    axes.set_ylabel("layer")
-    axes.set_xticks(range(columns))
-    axes.set_yticks(range(layers))
-    axes.set_title(
+    title = (
         f"{METHODS[result.method]} of {result.what} by {result.by}\n"
-        f"logit difference: clean {result.clean:.3f}, corrupt {result.corrupt:.3f}",
-        fontsize=9,
+        f"logit difference: clean {result.clean:.3f}, corrupt {result.corrupt:.3f}"
     )
-    figure.colorbar(image, ax=axes, label="share restored")
-    return save_figure(figure, Path(path))
+    return plot_grid(result.scores, title, path, across=result.by, label="share restored")
 
 
 def write_patching(
@@ -107,19 +87,96 @@ def write_patching(
     """Write the "json" and "png" of ``formats`` into ``folder`` (created if missing): patching.json and
     patching.png. Returns {format: path}; a PNG left out without matplotlib is in ``skipped``. A folder that
     cannot be written raises ValueError naming ``argument``."""
+    data = result.to_dict()
+    scores = data.pop("scores")
+    data["heads" if result.by == "head" else "positions"] = scores
+    data.update(dict(prompts or {}))
+    written = write_grid(data, "patching", folder, [name for name in formats if name != "png"], argument=argument)
+    if "png" in formats:
+        out = output_folder(argument, folder)
+        draw_figure(written, "png", out / "patching.png", lambda target: plot_patching(result, target))
+    return written
+
+
+def print_grid(console: Console, title: str, grid, *, column: str = "H", rows: Sequence[str] | None = None) -> None:
+    """A (rows, columns) tensor of scores as a table under ``title``, the larger half by |score| in bold."""
+    console.print(title, soft_wrap=True, markup=False, highlight=False)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("layer", justify="right")
+    for index in range(grid.shape[1]):
+        table.add_column(f"{column}{index}", justify="right")
+    finite = grid[~grid.isnan()]
+    largest = float(finite.abs().max()) if finite.numel() else 0.0
+    for index, row in enumerate(grid.tolist()):
+        cells = [
+            ""
+            if value != value
+            else (f"[bold]{value:+.2f}[/bold]" if largest and abs(value) >= 0.5 * largest else f"{value:+.2f}")
+            for value in row
+        ]
+        table.add_row(rows[index] if rows is not None else str(index), *cells)
+    console.print(table)
+
+
+def plot_grid(grid, title: str, path: str | Path, *, across: str = "head", label: str = "score") -> Path:
+    """A (layers, columns) tensor as a heatmap, symmetric around 0 (red positive, blue negative)."""
+    plt = pyplot("the heatmap")
+    finite = grid[~grid.isnan()]
+    bound = max(float(finite.abs().max()) if finite.numel() else 1.0, 1e-9)
+    layers, columns = grid.shape
+    figure, axes = plt.subplots(figsize=(max(5.0, 1.8 + 0.45 * columns), max(3.2, 1.4 + 0.45 * layers)))
+    image = axes.imshow(grid.double().numpy(), cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
+    axes.set_xlabel(across)
+    axes.set_ylabel("layer")
+    axes.set_xticks(range(columns))
+    axes.set_yticks(range(layers))
+    axes.set_title(title, fontsize=9)
+    figure.colorbar(image, ax=axes, label=label)
+    return save_figure(figure, Path(path))
+
+
+def write_grid(
+    data: Mapping[str, object],
+    name: str,
+    folder: str | Path,
+    formats: Sequence[str],
+    *,
+    grid=None,
+    title: str = "",
+    argument: str = "folder",
+) -> Written:
+    """Write ``data`` as ``<name>.json`` and (with "png" and a ``grid``) ``grid`` as ``<name>.png`` into ``folder``."""
     written = Written()
-    if not any(name in ("json", "png") for name in formats):
+    if not any(kind in ("json", "png") for kind in formats):
         return written
     out = output_folder(argument, folder)
     if "json" in formats:
-        data = result.to_dict()
-        scores = data.pop("scores")
-        data["heads" if result.by == "head" else "positions"] = scores
-        data.update(dict(prompts or {}))
-        path = out / "patching.json"
+        path = out / f"{name}.json"
         with writing(argument, path):
             path.write_text(json.dumps(data, indent=1), encoding="utf-8")
         written["json"] = path
-    if "png" in formats:
-        draw_figure(written, "png", out / "patching.png", lambda target: plot_patching(result, target))
+    if "png" in formats and grid is not None:
+        draw_figure(written, "png", out / f"{name}.png", lambda target: plot_grid(grid, title, target))
     return written
+
+
+def print_lens(console: Console, rows: Sequence[str], top: Sequence[Sequence[str]], differences) -> None:
+    """The logit lens as a table: a row per residual read (after the embedding, after each layer), its likeliest
+    tokens and, when given, the logit difference there."""
+    console.print("logit lens at the last position: the likeliest tokens read after each layer", soft_wrap=True)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("after", justify="right")
+    table.add_column("likeliest tokens")
+    if differences is not None:
+        table.add_column("answer - wrong", justify="right")
+    for index, (row, tokens) in enumerate(zip(rows, top, strict=True)):
+        cells = [row, " ".join(repr(token) for token in tokens)]
+        if differences is not None:
+            cells.append(f"{float(differences[index]):+.3f}")
+        table.add_row(*cells)
+    console.print(table)
+
+
+def write_lens(data: Mapping[str, object], folder: str | Path, formats: Sequence[str], *, argument: str) -> Written:
+    """``lens.json`` (with "json") into ``folder``."""
+    return write_grid(data, "lens", folder, formats, argument=argument)

@@ -60,6 +60,38 @@ def add_parser(subparsers) -> None:
         help="where patching.json and patching.png go (default multihead-circuits)",
     )
     patch.set_defaults(run=run_patch)
+    for mode, help_text in (
+        ("dla", "each head's direct effect on logit(answer) - logit(wrong) at the last position"),
+        ("lens", "the logit lens: the likeliest next tokens read after each layer"),
+    ):
+        sub = modes.add_parser(mode, help=help_text, description=help_text + ".")
+        sub.add_argument("--model", metavar="DIR", required=True, help="a causal LM folder (as for patch)")
+        sub.add_argument("--text", metavar="TEXT", required=True, help="the prompt")
+        sub.add_argument("--answer", metavar="TOKEN", required=mode == "dla", help="the token the prompt leads to")
+        sub.add_argument("--wrong", metavar="TOKEN", required=mode == "dla", help="the token it competes with")
+        if mode == "lens":
+            sub.add_argument("--top", type=int, default=5, metavar="K", help="tokens shown per layer (default 5)")
+        sub.add_argument(
+            "--format",
+            default="terminal,json",
+            metavar="LIST",
+            help="any of terminal,json" + (",png" if mode == "dla" else "") + " (default terminal,json)",
+        )
+        sub.add_argument("--out", metavar="DIR", default="multihead-circuits", help="where the files go")
+        sub.set_defaults(run=run_dla if mode == "dla" else run_lens)
+    detect = modes.add_parser(
+        "detect",
+        help="previous-token, duplicate-token and induction scores on repeated random tokens, and sinks",
+        description="Score every head on repeated random tokens (TransformerLens' detectors) and its first-token "
+        "share (Gu et al. 2024; above 0.3 a sink head).",
+    )
+    detect.add_argument("--model", metavar="DIR", required=True, help="a causal LM folder (as for patch)")
+    detect.add_argument("--half-length", type=int, default=20, metavar="N", help="random tokens, repeated once")
+    detect.add_argument("--batch", type=int, default=4, metavar="B", help="sequences (default 4)")
+    detect.add_argument("--seed", type=int, default=0, help="seeds the random tokens (default 0)")
+    detect.add_argument("--format", default="terminal,json", metavar="LIST", help="any of terminal,json,png")
+    detect.add_argument("--out", metavar="DIR", default="multihead-circuits", help="where the files go")
+    detect.set_defaults(run=run_detect)
 
 
 # the library's argument names as `multihead circuits patch` spells them
@@ -132,4 +164,108 @@ def run_patch(args: argparse.Namespace) -> int:
         "wrong": args.wrong,
     }
     print_written(console, write_patching(result, args.out, formats, prompts=prompts, argument="--out"))
+    return 0
+
+
+def _opened(args: argparse.Namespace):
+    """The formats checked, the output folder checked (made when written), the model loaded: (formats, lm)."""
+    from multihead.circuits.report import check_formats
+    from multihead.integrations import load_causal_lm
+
+    with from_option("--format", names=("format",)):
+        formats = check_formats(args.format)
+    if any(name != "terminal" for name in formats):
+        output_folder("--out", args.out, create=False)
+    with from_option("--model"):
+        lm = load_causal_lm(args.model)
+    return formats, lm
+
+
+def _answers(lm, text: str, answer: str | None, wrong: str | None) -> tuple[int | None, int | None]:
+    """The --answer and --wrong tokens after ``text``, or None where not given."""
+    found: list[int | None] = []
+    for option, value in (("--answer", answer), ("--wrong", wrong)):
+        if value is None:
+            found.append(None)
+            continue
+        with from_options({"continuation": option}):
+            found.append(lm.next_token(text, value))
+    return found[0], found[1]
+
+
+def run_dla(args: argparse.Namespace) -> int:
+    from multihead.circuits import direct_logit_attribution
+    from multihead.circuits.report import print_grid, write_grid
+
+    formats, lm = _opened(args)
+    with from_options({"text": "--text"}):
+        ids = lm.ids(args.text)
+    answer, wrong = _answers(lm, args.text, args.answer, args.wrong)
+    assert answer is not None and wrong is not None  # both required by the parser
+    with from_options({"answer": "--answer", "wrong": "--wrong"}):
+        found = direct_logit_attribution(lm.model, ids, answer=answer, wrong=wrong)
+    console = make_console()
+    title = (
+        f"direct logit attribution at the last position: each head's share of logit({args.answer!r}) - "
+        f"logit({args.wrong!r}) = {found.difference:.3f}"
+    )
+    if "terminal" in formats:
+        print_grid(console, title, found.heads)
+    data = {"model": lm.name, "text": args.text, "answer": args.answer, "wrong": args.wrong, **found.to_dict()}
+    print_written(console, write_grid(data, "dla", args.out, formats, grid=found.heads, title=title, argument="--out"))
+    return 0
+
+
+def run_lens(args: argparse.Namespace) -> int:
+    from multihead.circuits import logit_lens
+    from multihead.circuits.report import print_lens, write_lens
+
+    formats, lm = _opened(args)
+    if "png" in formats:
+        raise bad_argument("--format", "terminal or json for the lens", args.format, "pass --format terminal,json")
+    if (args.answer is None) != (args.wrong is None):
+        raise bad_argument("--wrong", "given with --answer, or neither", repr(args.wrong), "pass both or neither")
+    with from_options({"text": "--text"}):
+        ids = lm.ids(args.text)
+    answer, wrong = _answers(lm, args.text, args.answer, args.wrong)
+    with from_options({"top": "--top"}):
+        lens = logit_lens(lm.model, ids, top=args.top, answer=answer, wrong=wrong)
+    rows = ["embedding", *(f"layer {layer}" for layer in range(lens.logits.shape[0] - 1))]
+    top = [[lm.piece(int(token)) for token in row[0]] for row in lens.top]
+    console = make_console()
+    if "terminal" in formats:
+        print_lens(console, rows, top, lens.differences)
+    data = {"model": lm.name, "text": args.text, "rows": rows, "top": top}
+    if lens.differences is not None:
+        data.update(answer=args.answer, wrong=args.wrong, differences=lens.differences.tolist())
+    print_written(console, write_lens(data, args.out, formats, argument="--out"))
+    return 0
+
+
+def run_detect(args: argparse.Namespace) -> int:
+    from multihead.circuits import DETECTORS, SINK_THRESHOLD, detect_heads, repeated_random_tokens
+    from multihead.circuits.lens import lens_parts
+    from multihead.circuits.report import print_grid, write_grid
+
+    formats, lm = _opened(args)
+    vocab = lens_parts(lm.model).unembedding[0].shape[0]
+    bos = lm.bos_id
+    with from_options({"half_length": "--half-length", "batch": "--batch"}):
+        ids = repeated_random_tokens(
+            vocab, args.half_length, batch=args.batch, seed=args.seed, bos=bos, low=1 if bos == 0 else 0
+        )
+    found = detect_heads(lm.model, ids)
+    console = make_console()
+    grids = {name: getattr(found, name) for name in (*DETECTORS, "sink")}
+    if "terminal" in formats:
+        for name, grid in grids.items():
+            what = "first-token share (sink above 0.3)" if name == "sink" else f"{name.replace('_', '-')} score"
+            print_grid(console, f"{what}, per head, on {args.batch} repeated random sequences", grid)
+        console.print(f"sink heads (share above {SINK_THRESHOLD}): {found.sink_heads() or 'none'}", soft_wrap=True)
+    data = {"model": lm.name, "half_length": args.half_length, "batch": args.batch, "seed": args.seed}
+    data |= {**found.to_dict(), "sink_heads": found.sink_heads()}
+    title = "induction score per head"
+    print_written(
+        console, write_grid(data, "detect", args.out, formats, grid=found.induction, title=title, argument="--out")
+    )
     return 0

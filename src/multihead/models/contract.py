@@ -196,6 +196,21 @@ class CausalLM:
             raise bad_argument("text", "a non-empty text", describe(text), 'pass e.g. "a b c a b"')
         return self.tokenizer.batch([text]).input_ids
 
+    def piece(self, token_id: int) -> str:
+        """The tokenizer's piece for ``token_id`` (a symbol, a BPE piece), for reports."""
+        read = getattr(self.tokenizer, "piece", None)
+        return str(read(token_id)) if callable(read) else str(token_id)
+
+    @property
+    def bos_id(self) -> int | None:
+        """The id of the token a sequence starts with (a symbol vocabulary's <bos>, transformers'
+        bos_token_id), or None."""
+        own = getattr(self.tokenizer, "bos_id", None)
+        if isinstance(own, int):
+            return own
+        found = getattr(getattr(self.tokenizer, "hf", None), "bos_token_id", None)
+        return found if isinstance(found, int) else None
+
     def next_token(self, text: str, continuation: str) -> int:
         """The one token ``continuation`` adds after ``text``: appended as written, or after a space (a
         word-level tokenizer's symbols, GPT-2-style pieces that begin with their space). A ValueError naming
