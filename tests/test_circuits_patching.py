@@ -374,3 +374,20 @@ def test_path_patching_names_bad_receivers(receivers, kind, fragment):
     with pytest.raises(kind) as raised:
         path_patching(ours, clean, corrupt, answer=ANSWER, wrong=WRONG, receivers=receivers)
     assert is_input_error(raised.value, kind) and fragment in str(raised.value)
+
+
+def test_chosen_sites_alone_are_patched_with_the_sweeps_scores():
+    _, ours, _ = pair("llama")
+    clean, corrupt = prompts()
+    every = activation_patching(ours, clean, corrupt, answer=ANSWER, wrong=WRONG, what="k")
+    chosen = activation_patching(ours, clean, corrupt, answer=ANSWER, wrong=WRONG, what="k", sites=[(1, 1), (0, 0)])
+    assert int((~chosen.scores.isnan()).sum()) == 2
+    for layer, head in [(1, 1), (0, 0)]:
+        assert float(chosen.scores[layer, head]) == pytest.approx(float(every.scores[layer, head]), abs=1e-12)
+    for sites, kind, fragment in (
+        ([(1, 2)], ValueError, "sites: expected (layer, head) pairs of this model"),  # k: 2 key/value heads
+        ([(0, 1), (0, 1)], ValueError, "sites: expected each pair once"),
+        ([], TypeError, "sites: expected a non-empty list"),
+    ):
+        with pytest.raises(kind, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+            activation_patching(ours, clean, corrupt, answer=ANSWER, wrong=WRONG, what="k", sites=sites)

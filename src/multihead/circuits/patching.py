@@ -91,6 +91,7 @@ def activation_patching(
     what: str = "z",
     by: str = "head",
     part: str | None = None,
+    sites: Sequence[tuple[int, int]] | None = None,
     batch_size: int = 16,
     progress: Callable[[int, int], None] | None = None,
 ) -> PatchingResult:
@@ -103,6 +104,7 @@ def activation_patching(
         answer, wrong: the token whose logit should win and the one it competes with: ints, or (b,) tensors.
         what: "z", "pattern", "q", "k" or "v" (see the module docstring). by: "head" or "position".
         part: which attention (default: the model's first). batch_size: patched copies of the prompts per forward.
+        sites: only these (layer, head) or (layer, position) pairs (default: every one); the others' scores are NaN.
         progress: ``progress(done, total)`` after each forward of the sweep.
 
     Returns:
@@ -117,6 +119,8 @@ def activation_patching(
         run = prepare(model, clean_ids, corrupt_ids, answer, wrong, what, by, part)
         counts = _counts(run.sites, what, by, run.clean_ids.shape[1])
         targets = [(layer, index) for layer, count in enumerate(counts) for index in range(count)]
+        if sites is not None:
+            targets = _chosen_sites(sites, targets, by)
         patched = torch.empty(len(targets), dtype=torch.float64)
         chunks = [targets[start : start + batch_size] for start in range(0, len(targets), batch_size)]
         for done, chunk in enumerate(chunks):
@@ -129,6 +133,24 @@ def activation_patching(
     for (layer, index), value in zip(targets, patched.tolist(), strict=True):
         scores[layer, index] = (value - run.corrupt_difference) / (run.clean_difference - run.corrupt_difference)
     return PatchingResult(what, by, run.part, "exact", scores, run.clean_difference, run.corrupt_difference)
+
+
+def _chosen_sites(sites: object, targets: list[tuple[int, int]], by: str) -> list[tuple[int, int]]:
+    """``sites`` checked against the sweep's ``targets``: distinct (layer, index) pairs among them, in order."""
+    fix = f"pass e.g. sites=[(1, 2)]: (layer, {by}) pairs"
+    if isinstance(sites, (str, bytes)) or not isinstance(sites, Sequence) or not sites:
+        raise bad_argument("sites", f"a non-empty list of (layer, {by}) pairs", describe(sites), fix, kind=TypeError)
+    chosen: list[tuple[int, int]] = []
+    for site in sites:
+        pair = tuple(site) if isinstance(site, (tuple, list)) else None
+        if pair is None or len(pair) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in pair):
+            raise bad_argument("sites", f"(layer, {by}) pairs of ints", describe(site), fix, kind=TypeError)
+        if pair not in targets:
+            raise bad_argument("sites", f"(layer, {by}) pairs of this model and prompt", repr(pair), fix)
+        if pair in chosen:
+            raise bad_argument("sites", "each pair once", f"{pair!r} twice", "list every site once")
+        chosen.append(pair)
+    return chosen
 
 
 def _patched_run(model, run: Prepared, chunk: list[tuple[int, int]], what: str, by: str) -> torch.Tensor:
