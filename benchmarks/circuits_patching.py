@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from harness.common import ensure_malloc_env, peak_memory, prepare_allocator
 from hf import llama
-from hf_capture import Call, load_average, machine, ratio_text, source_state
+from hf_capture import Call, load_average, machine, ratio_text, ratios_of, source_state
 
 import multihead.integrations.transformers as integration
 from multihead.bench import interleave
@@ -123,15 +123,8 @@ def measure(n: int, rounds: int, block_s: float) -> dict:
         "peak_mib": peak_mib,
         "median_s": {name: statistics.median(times) for name, times in samples.items()},
         "samples_s": samples,
-        "ratios": {},
     }
-    for top, bottom in RATIOS:
-        per_round = [a / b for a, b in zip(samples[top], samples[bottom], strict=True)]
-        row["ratios"][f"{top}/{bottom}"] = {
-            "median": statistics.median(per_round),
-            "low": min(per_round),
-            "high": max(per_round),
-        }
+    row["ratios"] = ratios_of(samples, RATIOS)
     return row
 
 

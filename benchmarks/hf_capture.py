@@ -166,16 +166,22 @@ def measure(n: int, rounds: int, block_s: float) -> dict:
         "peak_mib": peak_mib,
         "median_s": {name: statistics.median(times) for name, times in samples.items()},
         "samples_s": samples,
-        "ratios": {},
     }
-    for top, bottom in RATIOS:
+    row["ratios"] = ratios_of(samples, RATIOS)
+    return row
+
+
+def ratios_of(samples: dict[str, list[float]], pairs) -> dict[str, dict[str, float]]:
+    """Each ``top/bottom`` of ``pairs`` as the per-round ratio of their ``samples``: median, lowest, highest."""
+    found = {}
+    for top, bottom in pairs:
         per_round = [a / b for a, b in zip(samples[top], samples[bottom], strict=True)]
-        row["ratios"][f"{top}/{bottom}"] = {
+        found[f"{top}/{bottom}"] = {
             "median": statistics.median(per_round),
             "low": min(per_round),
             "high": max(per_round),
         }
-    return row
+    return found
 
 
 def load_average() -> float | None:
