@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from harness.common import ensure_malloc_env, peak_memory, prepare_allocator
 from hf import llama
-from hf_capture import Call, load_average, machine, ratio_text, ratios_of, source_state
+from hf_capture import Call, load_average, machine, machine_line, ratio_text, ratios_of, source_state
 
 import multihead.integrations.transformers as integration
 from multihead.bench import interleave
@@ -129,12 +129,8 @@ def measure(n: int, rounds: int, block_s: float) -> dict:
 
 
 def markdown(results: dict) -> str:
-    m = results["machine"]
-    flags = set((m["lscpu_flags"] or "").split())
-    shown = " ".join(flag for flag in ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if flag in flags)
     lines = [
-        f"Machine: {m['lscpu_model']} (lscpu flags: {shown or 'none of avx/avx2/fma/avx512f listed'}), "
-        f"{m['lscpu_cpus']} CPUs, {m['ram_gib']} GiB; {m['identity']}; transformers {m['transformers']}.",
+        machine_line(results["machine"]),
         f"{results['model']}. Patched: layer {LAYER}, head {HEAD}'s output z (three forwards per call). "
         f"{results['rounds']} interleaved rounds of about {results['block_s']} s per way; times are medians over "
         "rounds, ratios the median of per-round ratios (lowest–highest). Peak memory: one call, MiB above the RSS "

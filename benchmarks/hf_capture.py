@@ -242,13 +242,19 @@ def ratio_text(entry: dict) -> str:
     return "{median:.2f} ({low:.2f}–{high:.2f})".format(**entry)
 
 
-def markdown(results: dict) -> str:
-    m = results["machine"]
+def machine_line(m: dict) -> str:
+    """The machine a result was measured on, in one line: CPU model, the vector flags lscpu lists, memory."""
     flags = set((m["lscpu_flags"] or "").split())
     shown = " ".join(flag for flag in ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if flag in flags)
-    lines = [
+    return (
         f"Machine: {m['lscpu_model']} (lscpu flags: {shown or 'none of avx/avx2/fma/avx512f listed'}), "
-        f"{m['lscpu_cpus']} CPUs, {m['ram_gib']} GiB; {m['identity']}; transformers {m['transformers']}.",
+        f"{m['lscpu_cpus']} CPUs, {m['ram_gib']} GiB; {m['identity']}; transformers {m['transformers']}."
+    )
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        machine_line(results["machine"]),
         f"{results['model']}. Recorded: layer {LAYER}, head {HEAD}. {results['rounds']} interleaved rounds "
         f"of about {results['block_s']} s per way; times are medians over rounds, ratios the median of "
         "per-round ratios (lowest–highest). Peak memory: one call, MiB above the RSS before it.",
@@ -281,7 +287,7 @@ def markdown(results: dict) -> str:
         f"n = {row['n']}: {row['load_average_1min']['before']} before, {row['load_average_1min']['after']} after"
         for row in results["rows"]
     )
-    lines += ["", f"1-minute load average ({m['lscpu_cpus']} CPUs): {loads}."]
+    lines += ["", f"1-minute load average ({results['machine']['lscpu_cpus']} CPUs): {loads}."]
     state = results["source"]
     changes = ", ".join(state["src_changes"]) or "none"
     lines += ["", f"Source: commit {state['commit'][:10]}; uncommitted changes under src/ when run: {changes}."]
