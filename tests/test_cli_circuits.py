@@ -133,3 +133,39 @@ def test_dla_lens_and_detect_write_what_python_gives(checkpoint, tmp_path, capsy
 def test_other_modes_mistakes_are_one_line(checkpoint, argv, option, fragment, tmp_path, capsys):
     command = ["circuits", argv[0], "--model", str(checkpoint), "--out", str(tmp_path / "out"), *argv[1:]]
     assert_one_line(capsys, command, "circuits", option, fragment)
+
+
+def test_patch_with_receivers_is_path_patching(checkpoint, tmp_path, capsys):
+    from multihead.circuits import path_patching
+
+    out = tmp_path / "out"
+    argv = ["circuits", "patch", "--model", str(checkpoint), "--clean", CLEAN, "--corrupt", CORRUPT, "--answer", "h"]
+    argv += ["--wrong", "p", "--receivers", "1:0,1:1", "--what", "k", "--format", "json", "--out", str(out)]
+    assert main(argv) == 0
+    data = json.loads((out / "patching.json").read_text())
+    lm = load_causal_lm(checkpoint)
+    answer, wrong = lm.next_token(CLEAN, "h"), lm.next_token(CLEAN, "p")
+    expected = path_patching(
+        lm.model, lm.ids(CLEAN), lm.ids(CORRUPT), answer=answer, wrong=wrong, receivers=[(1, 0), (1, 1)], what="k"
+    )
+    assert data["method"] == "path" and data["receivers"] == [[1, 0], [1, 1]]
+    assert data["heads"][1] == [None, None]  # the receivers' layer sends nothing
+    torch.testing.assert_close(
+        torch.tensor(data["heads"][0], dtype=torch.float64), expected.scores[0], rtol=0, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--receivers", "1:0", "--what", "z"], "--what q, k or v, by head, exact"),
+        (["--receivers", "1-0", "--what", "k"], "LAYER:HEAD pairs separated by commas"),
+        (["--receivers", "0:0", "--what", "k"], "heads after layer 0"),
+        (["--receivers", "1:7", "--what", "k"], "heads of the model's 2 layers"),
+    ],
+)
+def test_bad_receivers_are_one_line(checkpoint, extra, fragment, tmp_path, capsys):
+    argv = ["circuits", "patch", "--model", str(checkpoint), "--clean", CLEAN, "--corrupt", CORRUPT, "--answer", "h"]
+    assert_one_line(
+        capsys, [*argv, "--wrong", "p", "--out", str(tmp_path / "o"), *extra], "circuits", "--receivers", fragment
+    )

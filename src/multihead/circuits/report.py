@@ -56,6 +56,11 @@ def check_formats(formats: str | Sequence[str]) -> list[str]:
 
 def _title(result: PatchingResult) -> str:
     what = {"z": "output z", "pattern": "pattern", "q": "queries", "k": "keys", "v": "values"}[result.what]
+    if result.method == "path":
+        return (
+            f"path patching into the receivers' {what}: each earlier head as a sender, its share of the logit "
+            f"difference restored (clean {result.clean:.3f}, corrupt {result.corrupt:.3f})"
+        )
     return (
         f"{METHODS[result.method]} of each {result.by}'s {what}: share of the logit difference restored "
         f"(clean {result.clean:.3f}, corrupt {result.corrupt:.3f})"

@@ -59,6 +59,12 @@ def add_parser(subparsers) -> None:
         default="multihead-circuits",
         help="where patching.json and patching.png go (default multihead-circuits)",
     )
+    patch.add_argument(
+        "--receivers",
+        metavar="L:H,L:H",
+        help="path patching instead: each earlier head as a sender into these heads' --what (q, k or v) alone, "
+        "e.g. 1:0,1:2",
+    )
     patch.set_defaults(run=run_patch)
     for mode, help_text in (
         ("dla", "each head's direct effect on logit(answer) - logit(wrong) at the last position"),
@@ -102,22 +108,42 @@ PATCH_OPTIONS = {
     "wrong": "--wrong",
     "what": "--what",
     "by": "--by",
+    "receivers": "--receivers",
 }
+
+
+def _parse_receivers(spec: str) -> list[tuple[int, int]]:
+    """'1:0,1:2' -> [(1, 0), (1, 2)]."""
+    found = []
+    for part in filter(None, (piece.strip() for piece in spec.split(","))):
+        layer, _, head = part.partition(":")
+        if not (layer.strip().isdigit() and head.strip().isdigit()):
+            raise bad_argument(
+                "--receivers", "LAYER:HEAD pairs separated by commas", repr(spec), "pass e.g. --receivers 1:0,1:2"
+            )
+        found.append((int(layer), int(head)))
+    if not found:
+        raise bad_argument("--receivers", "at least one LAYER:HEAD", repr(spec), "pass e.g. --receivers 1:0")
+    return found
 
 
 def run_patch(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from multihead.circuits import activation_patching, attribution_patching
-    from multihead.circuits.report import check_formats, print_patching, write_patching
-    from multihead.integrations import load_causal_lm
+    from multihead.circuits import activation_patching, attribution_patching, path_patching
+    from multihead.circuits.report import print_patching, write_patching
 
-    with from_option("--format", names=("format",)):
-        formats = check_formats(args.format)
-    if any(name != "terminal" for name in formats):
-        output_folder("--out", args.out, create=False)  # checked now; made when the files are written
-    with from_option("--model"):
-        lm = load_causal_lm(args.model)
+    receivers = None
+    if args.receivers is not None:
+        receivers = _parse_receivers(args.receivers)
+        if args.what not in ("q", "k", "v") or args.by != "head" or args.method != "exact":
+            raise bad_argument(
+                "--receivers",
+                "--what q, k or v, by head, exact (path patching replaces the receivers' inputs)",
+                f"--what {args.what} --by {args.by} --method {args.method}",
+                "pass --what k (or q, v) with --receivers",
+            )
+    formats, lm = _opened(args)
     with from_options({"text": "--clean"}):
         clean_ids = lm.ids(args.clean)
     with from_options({"text": "--corrupt"}):
@@ -138,7 +164,19 @@ def run_patch(args: argparse.Namespace) -> int:
         Progress(console=console, transient=True, disable=not console.is_terminal) as bar,
         from_options(PATCH_OPTIONS),
     ):
-        if args.method == "exact":
+        if receivers is not None:
+            task = bar.add_task("path patching", total=None)
+            result = path_patching(
+                lm.model,
+                clean_ids,
+                corrupt_ids,
+                answer=answer,
+                wrong=wrong,
+                receivers=receivers,
+                what=args.what,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
+        elif args.method == "exact":
             task = bar.add_task("patching", total=None)
             result = activation_patching(
                 lm.model,
@@ -162,6 +200,7 @@ def run_patch(args: argparse.Namespace) -> int:
         "corrupt": args.corrupt,
         "answer": args.answer,
         "wrong": args.wrong,
+        **({} if receivers is None else {"receivers": [list(pair) for pair in receivers]}),
     }
     print_written(console, write_patching(result, args.out, formats, prompts=prompts, argument="--out"))
     return 0
