@@ -102,3 +102,18 @@ def test_bad_arguments_are_named(call, kind, fragment):
     with pytest.raises(kind) as raised:
         call(model)
     assert is_input_error(raised.value, kind) and fragment in str(raised.value)
+
+
+def test_an_encoder_is_scored_from_its_own_weights_too():
+    # BERT's heads see later tokens as well: the detectors still read the weights each head gives
+    theirs = build("bert").to(torch.float64).eval()
+    theirs.set_attn_implementation("eager")
+    ours = copy.deepcopy(theirs)
+    ours.set_attn_implementation(integration.IMPLEMENTATION)
+    ids = repeated_random_tokens(VOCAB, 4, batch=2, seed=2, low=5)
+    found = detect_heads(ours, ids)
+    with torch.no_grad():
+        weights = theirs(ids, output_attentions=True).attentions
+    for layer, layer_weights in enumerate(weights):
+        sink = layer_weights[:, :, :, 0].mean((0, 2))  # (heads,)
+        torch.testing.assert_close(found.sink[layer], sink, rtol=0, atol=1e-10)

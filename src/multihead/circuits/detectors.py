@@ -1,6 +1,6 @@
-"""Head detectors on any causal language model on our kernel: how much each head behaves as a previous-token,
-duplicate-token or induction head on repeated random tokens, and how much of its attention sinks into the first
-token.
+"""Head detectors on any model on our kernel (a causal LM, or an encoder): how much each head behaves as a
+previous-token, duplicate-token or induction head on repeated random tokens, and how much of its attention sinks
+into the first token.
 
     ids = repeated_random_tokens(vocab_size=50257, half_length=20, batch=4, bos=50256)
     found = detect_heads(model, ids)
@@ -25,7 +25,6 @@ from torch import nn
 
 from multihead._errors import bad_argument, describe, positive_int
 from multihead.capture import capture
-from multihead.circuits._runs import logits_of
 from multihead.models.contract import evaluating
 
 __all__ = [
@@ -101,7 +100,8 @@ class HeadDetection:
 
 
 def detect_heads(model: nn.Module, ids: torch.Tensor, *, part: str | None = None) -> HeadDetection:
-    """Score every head of ``model`` (a causal LM on our kernel) on ``ids`` (b, n) (typically
+    """Score every head of ``model`` (any model on our kernel whose ``forward(ids)`` runs: a causal LM, or an
+    encoder, whose heads also see later tokens) on ``ids`` (b, n) (typically
     :func:`repeated_random_tokens`): the three detectors and the sink share (see the module docstring).
 
     Records each layer's weights through :func:`~multihead.capture` while the model runs in eval mode without
@@ -120,7 +120,7 @@ def detect_heads(model: nn.Module, ids: torch.Tensor, *, part: str | None = None
     if ids.shape[1] < 2:
         raise bad_argument("ids", "at least two tokens per row", tuple(ids.shape), "pass longer sequences")
     with evaluating(model), capture(model, part=part) as recorder:
-        logits_of(model, ids)
+        model(ids)  # only the weights are read: an encoder serves as well as a causal LM
     patterns = {name: pattern.to(ids.device) for name, pattern in detection_patterns(ids).items()}
     scores: dict[str, list[torch.Tensor]] = {name: [] for name in (*DETECTORS, "sink")}
     for layer in recorder.layers:
