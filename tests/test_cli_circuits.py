@@ -169,3 +169,15 @@ def test_bad_receivers_are_one_line(checkpoint, extra, fragment, tmp_path, capsy
     assert_one_line(
         capsys, [*argv, "--wrong", "p", "--out", str(tmp_path / "o"), *extra], "circuits", "--receivers", fragment
     )
+
+
+def test_a_model_type_without_a_causal_lm_head_is_refused(tmp_path):
+    import transformers
+
+    config = transformers.DistilBertConfig(vocab_size=120, dim=24, n_layers=1, n_heads=2, hidden_dim=32)
+    transformers.DistilBertModel(config).save_pretrained(tmp_path / "distilbert")
+    hf_checkpoints.tokenizer("wordpiece").save_pretrained(tmp_path / "distilbert")
+    with pytest.raises(
+        ValueError, match="model: expected a model_type with a causal LM head, got model_type 'distilbert'"
+    ):
+        load_causal_lm(tmp_path / "distilbert")
