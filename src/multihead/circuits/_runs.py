@@ -25,19 +25,18 @@ BYS = ("head", "position")  # what one patch covers: a head at every position, o
 INPUTS = {"q": 0, "k": 1, "v": 2}  # the step's positional inputs
 
 
+def checked_ids(name: str, ids: object, fix: str) -> torch.Tensor:
+    """Token ids ``ids`` (n,) or (b, n), int64 or int32, as a (b, n) int64 tensor; else a TypeError naming ``name``."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.ndim not in (1, 2):
+        raise bad_argument(name, "token ids, an int tensor (n,) or (b, n)", describe(ids), fix, kind=TypeError)
+    return ids.long().reshape(-1, ids.shape[-1])
+
+
 def checked_prompts(clean: object, corrupt: object) -> tuple[torch.Tensor, torch.Tensor]:
     """``clean`` and ``corrupt`` token ids as (b, n) int64 tensors of one shape (a 1-D (n,) is one prompt)."""
     checked = []
     for name, ids in (("clean_ids", clean), ("corrupt_ids", corrupt)):
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.ndim not in (1, 2):
-            raise bad_argument(
-                name,
-                "token ids, an int64 tensor (n,) or (b, n)",
-                describe(ids),
-                "tokenise the prompt, e.g. tokenizer(text, return_tensors='pt').input_ids",
-                kind=TypeError,
-            )
-        ids = ids.long().reshape(-1, ids.shape[-1])
+        ids = checked_ids(name, ids, "tokenise the prompt, e.g. tokenizer(text, return_tensors='pt').input_ids")
         if ids.numel() == 0:
             raise bad_argument(name, "at least one token", f"shape {tuple(ids.shape)}", "pass a non-empty prompt")
         checked.append(ids)

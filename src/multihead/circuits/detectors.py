@@ -25,6 +25,7 @@ from torch import nn
 
 from multihead._errors import bad_argument, describe, positive_int
 from multihead.capture import capture
+from multihead.circuits._runs import checked_ids
 from multihead.models.contract import evaluating
 
 __all__ = [
@@ -108,15 +109,7 @@ def detect_heads(model: nn.Module, ids: torch.Tensor, *, part: str | None = None
     autograd (its mode comes back). Raises TypeError naming ``ids`` for anything but an int tensor (n,) or (b, n)
     of at least two tokens.
     """
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.ndim not in (1, 2):
-        raise bad_argument(
-            "ids",
-            "token ids, an int tensor (n,) or (b, n)",
-            describe(ids),
-            "pass repeated_random_tokens(...)",
-            kind=TypeError,
-        )
-    ids = ids.long().reshape(-1, ids.shape[-1])
+    ids = checked_ids("ids", ids, "pass repeated_random_tokens(...)")
     if ids.shape[1] < 2:
         raise bad_argument("ids", "at least two tokens per row", tuple(ids.shape), "pass longer sequences")
     with evaluating(model), capture(model, part=part) as recorder:

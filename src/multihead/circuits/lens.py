@@ -29,7 +29,7 @@ from torch import nn
 from multihead._errors import bad_argument, describe
 from multihead.attend import AttentionSite
 from multihead.capture import part_sites
-from multihead.circuits._runs import checked_tokens, logits_of, step_output
+from multihead.circuits._runs import checked_ids, checked_tokens, logits_of, step_output
 from multihead.models.contract import evaluating
 
 __all__ = ["LensParts", "lens_parts", "LogitAttribution", "direct_logit_attribution", "LogitLens", "logit_lens"]
@@ -184,14 +184,6 @@ class LogitAttribution:
         }
 
 
-def _checked_ids(ids: object) -> torch.Tensor:
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.ndim not in (1, 2):
-        raise bad_argument(
-            "ids", "token ids, an int tensor (n,) or (b, n)", describe(ids), "tokenise the prompt", kind=TypeError
-        )
-    return ids.long().reshape(-1, ids.shape[-1])
-
-
 def _residuals(model: nn.Module, parts: LensParts, ids: torch.Tensor, outputs: bool):
     """Run ``model`` recording the residual before block 0 and after every block ((layers + 1) tensors (b, n,
     hidden)) and, with ``outputs``, every attention step's per-head outputs z (b, h, n, e)."""
@@ -243,7 +235,7 @@ def direct_logit_attribution(
     Raises TypeError naming ``model`` for a model whose parts or final norm it cannot read, ValueError or TypeError
     naming ``ids``, ``answer``, ``wrong`` or ``position``.
     """
-    ids = _checked_ids(ids)
+    ids = checked_ids("ids", ids, "tokenise the prompt")
     if not isinstance(position, int) or isinstance(position, bool) or not -ids.shape[1] <= position < ids.shape[1]:
         raise bad_argument(
             "position", f"a position in [-{ids.shape[1]}, {ids.shape[1]})", describe(position), "pass -1"
@@ -321,7 +313,7 @@ def logit_lens(
 ) -> LogitLens:
     """The logit lens at ``position`` (default the last) of ``ids`` (n,) or (b, n); its last row is the model's
     own logits. Raises as :func:`direct_logit_attribution`."""
-    ids = _checked_ids(ids)
+    ids = checked_ids("ids", ids, "tokenise the prompt")
     if not isinstance(position, int) or isinstance(position, bool) or not -ids.shape[1] <= position < ids.shape[1]:
         raise bad_argument(
             "position", f"a position in [-{ids.shape[1]}, {ids.shape[1]})", describe(position), "pass -1"

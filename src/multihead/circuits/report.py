@@ -72,13 +72,16 @@ def print_patching(console: Console, result: PatchingResult) -> None:
     print_grid(console, _title(result), result.scores, column="H" if result.by == "head" else "pos ")
 
 
-def plot_patching(result: PatchingResult, path: str | Path) -> Path:
-    """The scores as a heatmap (layers down, heads or positions across; red restores, blue works against)."""
-    title = (
+def _plot_title(result: PatchingResult) -> str:
+    return (
         f"{METHODS[result.method]} of {result.what} by {result.by}\n"
         f"logit difference: clean {result.clean:.3f}, corrupt {result.corrupt:.3f}"
     )
-    return plot_grid(result.scores, title, path, across=result.by, label="share restored")
+
+
+def plot_patching(result: PatchingResult, path: str | Path) -> Path:
+    """The scores as a heatmap (layers down, heads or positions across; red restores, blue works against)."""
+    return plot_grid(result.scores, _plot_title(result), path, across=result.by, label="share restored")
 
 
 def write_patching(
@@ -96,11 +99,17 @@ def write_patching(
     scores = data.pop("scores")
     data["heads" if result.by == "head" else "positions"] = scores
     data.update(dict(prompts or {}))
-    written = write_grid(data, "patching", folder, [name for name in formats if name != "png"], argument=argument)
-    if "png" in formats:
-        out = output_folder(argument, folder)
-        draw_figure(written, "png", out / "patching.png", lambda target: plot_patching(result, target))
-    return written
+    return write_grid(
+        data,
+        "patching",
+        folder,
+        formats,
+        grid=result.scores,
+        title=_plot_title(result),
+        across=result.by,
+        label="share restored",
+        argument=argument,
+    )
 
 
 def print_grid(console: Console, title: str, grid, *, column: str = "H", rows: Sequence[str] | None = None) -> None:
@@ -148,9 +157,12 @@ def write_grid(
     *,
     grid=None,
     title: str = "",
+    across: str = "head",
+    label: str = "score",
     argument: str = "folder",
 ) -> Written:
-    """Write ``data`` as ``<name>.json`` and (with "png" and a ``grid``) ``grid`` as ``<name>.png`` into ``folder``."""
+    """Write ``data`` as ``<name>.json`` and (with "png" and a ``grid``) ``grid`` as ``<name>.png`` into ``folder``
+    (:func:`plot_grid` with ``title``, ``across`` and ``label``)."""
     written = Written()
     if not any(kind in ("json", "png") for kind in formats):
         return written
@@ -161,7 +173,12 @@ def write_grid(
             path.write_text(json.dumps(data, indent=1), encoding="utf-8")
         written["json"] = path
     if "png" in formats and grid is not None:
-        draw_figure(written, "png", out / f"{name}.png", lambda target: plot_grid(grid, title, target))
+        draw_figure(
+            written,
+            "png",
+            out / f"{name}.png",
+            lambda target: plot_grid(grid, title, target, across=across, label=label),
+        )
     return written
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from multihead._errors import bad_argument, describe
 from multihead._indices import checked_indices
 from multihead.capture import capture
+from multihead.circuits._runs import checked_ids
 from multihead.models.contract import evaluating
 
 __all__ = ["attention_rollout"]
@@ -40,13 +41,9 @@ def attention_rollout(
     ``part``: which attention of the model (default its first). The model runs in eval mode without autograd
     (its mode comes back). Raises TypeError or ValueError naming ``ids``, ``queries`` or ``residual``.
     """
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.ndim not in (1, 2):
-        raise bad_argument(
-            "ids", "token ids, an int tensor (n,) or (b, n)", describe(ids), "tokenise the text", kind=TypeError
-        )
+    ids = checked_ids("ids", ids, "tokenise the text")
     if not isinstance(residual, bool):
         raise bad_argument("residual", "True or False", describe(residual), "pass residual=True", kind=TypeError)
-    ids = ids.long().reshape(-1, ids.shape[-1])
     n = ids.shape[1]
     rows = checked_indices("queries", queries, n, "query")
     with evaluating(model), capture(model, part=part) as recorder:

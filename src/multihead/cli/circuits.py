@@ -155,10 +155,8 @@ def run_patch(args: argparse.Namespace) -> int:
             f"{corrupt_ids.shape[1]} tokens",
             "change the evidence word for word, keeping the length",
         )
-    with from_options({"continuation": "--answer"}):
-        answer = lm.next_token(args.clean, args.answer)
-    with from_options({"continuation": "--wrong"}):
-        wrong = lm.next_token(args.clean, args.wrong)
+    answer, wrong = _answers(lm, args.clean, args.answer, args.wrong)
+    assert answer is not None and wrong is not None  # both required by the parser
     console = make_console()
     with (
         Progress(console=console, transient=True, disable=not console.is_terminal) as bar,
