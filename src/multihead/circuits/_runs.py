@@ -104,16 +104,11 @@ def logit_difference(logits: torch.Tensor, answer: torch.Tensor, wrong: torch.Te
     return last[rows, answer.repeat(copies)] - last[rows, wrong.repeat(copies)]
 
 
-@dataclass
-class Activations:
-    """One run's activations of every step: ``values[layer]`` (b, heads or positions ...) of ``what``."""
-
-    what: str
-    values: dict[int, torch.Tensor]
-
-
-def record(model: nn.Module, sites: Sequence[AttentionSite], ids: torch.Tensor, what: str):
-    """Run ``model`` on ``ids`` recording ``what`` at every step; returns (logits, :class:`Activations`)."""
+def record(
+    model: nn.Module, sites: Sequence[AttentionSite], ids: torch.Tensor, what: str
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Run ``model`` on ``ids`` recording ``what`` at every step; returns (logits, {layer: that step's ``what``,
+    (b, heads or positions ...)})."""
     values: dict[int, torch.Tensor] = {}
     handles = []
     for layer, site in enumerate(sites):
@@ -123,7 +118,7 @@ def record(model: nn.Module, sites: Sequence[AttentionSite], ids: torch.Tensor, 
     finally:
         for handle in handles:
             handle.remove()
-    return logits, Activations(what, values)
+    return logits, values
 
 
 def step_weights(module, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -182,7 +177,7 @@ class Prepared:
     corrupt_ids: torch.Tensor
     answer: torch.Tensor
     wrong: torch.Tensor
-    clean: Activations
+    clean: dict[int, torch.Tensor]  # {layer: the clean run's activation}
     clean_difference: float
     corrupt_difference: float
 

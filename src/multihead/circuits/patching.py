@@ -163,7 +163,7 @@ def _patched_run(model, run: Prepared, chunk: list[tuple[int, int]], what: str, 
     handles = []
     try:
         for layer, patches in by_layer.items():
-            site, source = run.sites[layer], run.clean.values[layer]
+            site, source = run.sites[layer], run.clean[layer]
             if what in INPUTS:
                 hook = _input_patch(INPUTS[what], patches, source, by)
                 handles.append(site.attend.register_forward_pre_hook(hook, with_kwargs=True))
@@ -265,7 +265,7 @@ def attribution_patching(
     scores = torch.full((len(counts), max(counts)), float("nan"), dtype=torch.float64)
     span = run.clean_difference - run.corrupt_difference
     for layer, gradient in zip(layers, gradients, strict=True):
-        change = run.clean.values[layer].double() - corrupt[layer].double()
+        change = run.clean[layer].double() - corrupt[layer].double()
         effect = change * (torch.zeros_like(change) if gradient is None else gradient.double())
         keep = 1 if by == "head" else 2  # the dim of heads or positions
         per_index = effect.transpose(0, keep).reshape(effect.shape[keep], -1).sum(1)

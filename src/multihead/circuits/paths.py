@@ -138,10 +138,10 @@ def _sent(model, run, corrupt, chunk, receiving, what) -> dict[int, torch.Tensor
 
     def held(layer: int):
         def hook(module, args, kwargs, result):
-            out = corrupt.values[layer].to(step_output(result).dtype).repeat(copies, 1, 1, 1)
+            out = corrupt[layer].to(step_output(result).dtype).repeat(copies, 1, 1, 1)
             for copy, (sender_layer, head) in enumerate(chunk):
                 if sender_layer == layer:
-                    out[copy * b : (copy + 1) * b, head] = run.clean.values[layer][:, head]
+                    out[copy * b : (copy + 1) * b, head] = run.clean[layer][:, head]
             return result._replace(output=out) if isinstance(result, AttentionResult) else out
 
         return hook
