@@ -25,6 +25,7 @@ LAYERS = [
     ("multihead.inspect.headreport", "reports: what the commands print and write"),
     ("multihead.inspect.write", "reports: what the commands print and write"),
     ("multihead.circuits.report", "reports: what the commands print and write"),
+    ("multihead.circuits.page", "reports: what the commands print and write"),
     ("multihead.inspect", "models and their inspection"),
     ("multihead.models", "models and their inspection"),
     ("multihead.integrations", "models and their inspection"),

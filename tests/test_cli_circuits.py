@@ -13,6 +13,7 @@ from multihead.circuits import activation_patching, attribution_patching
 from multihead.cli import main
 from multihead.integrations import load_causal_lm
 from multihead.train.induction import InductionSettings, run_induction
+from test_circuits_page import parsed
 from test_cli_errors import assert_one_line
 
 CLEAN = "b c d e f g h b c d e f g"
@@ -32,7 +33,7 @@ def checkpoint(tmp_path_factory):
 def test_patch_writes_the_scores_python_gives(checkpoint, method, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["circuits", "patch", "--model", str(checkpoint), "--clean", CLEAN, "--corrupt", CORRUPT]
-    argv += ["--answer", "h", "--wrong", "p", "--method", method, "--format", "terminal,json", "--out", str(out)]
+    argv += ["--answer", "h", "--wrong", "p", "--method", method, "--format", "terminal,json,html", "--out", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "share of the logit difference restored" in printed and "wrote" in printed
@@ -45,6 +46,10 @@ def test_patch_writes_the_scores_python_gives(checkpoint, method, tmp_path, caps
     assert data["answer"] == "h" and data["clean"] == CLEAN
     assert torch.tensor(data["heads"], dtype=torch.float64).shape == (2, 2)
     torch.testing.assert_close(torch.tensor(data["heads"], dtype=torch.float64), expected.scores, rtol=0, atol=1e-6)
+    page = (out / "patching.html").read_text(encoding="ascii")
+    written = [float(cell["data-value"]) for cell in parsed(page).cells]
+    assert written == pytest.approx([v for row in data["heads"] for v in row], abs=1e-6)  # the JSON's 6 places
+    assert CORRUPT in page and ("activation patching" if method == "exact" else "attribution patching") in page
 
 
 def test_patch_by_position_on_a_transformers_gpt2(tmp_path, capsys):
@@ -52,7 +57,7 @@ def test_patch_by_position_on_a_transformers_gpt2(tmp_path, capsys):
     clean, corrupt = "The bank was full of money", "The river was full of money"
     out = tmp_path / "out"
     argv = ["circuits", "patch", "--model", str(folder), "--clean", clean, "--corrupt", corrupt, "--answer", " bank"]
-    argv += ["--wrong", " river", "--by", "position", "--what", "v", "--format", "json", "--out", str(out)]
+    argv += ["--wrong", " river", "--by", "position", "--what", "v", "--format", "json,html", "--out", str(out)]
     assert main(argv) == 0
     data = json.loads((out / "patching.json").read_text())
     lm = load_causal_lm(folder)
@@ -62,6 +67,12 @@ def test_patch_by_position_on_a_transformers_gpt2(tmp_path, capsys):
     )
     assert "positions" in data and "heads" not in data
     torch.testing.assert_close(torch.tensor(data["positions"], dtype=torch.float64), expected.scores, atol=1e-6, rtol=0)
+    tokens = [lm.piece(int(token)) for token in lm.ids(clean)[0].tolist()]
+    assert data["tokens"] == tokens
+    cells = parsed((out / "patching.html").read_text(encoding="ascii")).cells
+    assert [cell["title"].split(": ")[0] for cell in cells[: len(tokens)]] == [
+        f"layer 0, position {index} ({token})" for index, token in enumerate(tokens)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -72,7 +83,7 @@ def test_patch_by_position_on_a_transformers_gpt2(tmp_path, capsys):
         ({"--wrong": "zz"}, "--wrong", "one token that follows the prompt"),
         ({"--clean": "b c x"}, "--clean", "symbols of the model's vocabulary"),
         ({"--answer": "h", "--wrong": "h"}, "--wrong", "a token other than the answer"),
-        ({"--format": "html"}, "--format", "one or more of terminal, json, png"),
+        ({"--format": "pdf"}, "--format", "one or more of terminal, html, json, png"),
         ({"--corrupt": CLEAN}, "--corrupt", "a prompt whose logit difference differs"),
     ],
 )
@@ -95,7 +106,7 @@ def test_dla_lens_and_detect_write_what_python_gives(checkpoint, tmp_path, capsy
 
     lm = load_causal_lm(checkpoint)
     out = tmp_path / "out"
-    base = ["--model", str(checkpoint), "--out", str(out)]
+    base = ["--model", str(checkpoint), "--out", str(out), "--format", "terminal,json,html"]
     assert main(["circuits", "dla", *base, "--text", CLEAN, "--answer", "h", "--wrong", "p"]) == 0
     assert main(["circuits", "lens", *base, "--text", CLEAN, "--answer", "h", "--wrong", "p", "--top", "3"]) == 0
     assert main(["circuits", "detect", *base, "--half-length", "6", "--batch", "2", "--seed", "3"]) == 0
@@ -118,13 +129,27 @@ def test_dla_lens_and_detect_write_what_python_gives(checkpoint, tmp_path, capsy
     found = detect_heads(lm.model, ids)
     torch.testing.assert_close(torch.tensor(detect["induction"]), found.induction.float(), rtol=0, atol=1e-6)
     assert detect["sink_heads"] == [list(pair) for pair in found.sink_heads()]
+    # the pages: dla's heads grid and its layers table, the lens table, a grid per detector and the sink share
+    dla_page = parsed((out / "dla.html").read_text(encoding="ascii"))
+    assert [float(cell["data-value"]) for cell in dla_page.cells] == pytest.approx(
+        [v for row in dla["heads"] for v in row], abs=1e-6
+    )
+    assert [row[0]["text"] for row in dla_page.rows] == ["layer 0", "layer 1"]
+    lens_rows = parsed((out / "lens.html").read_text(encoding="ascii")).rows
+    assert [row[0]["text"] for row in lens_rows] == lens["rows"]
+    assert [float(row[2]["text"]) for row in lens_rows] == pytest.approx(lens["differences"], abs=5e-4)
+    detect_cells = parsed((out / "detect.html").read_text(encoding="ascii")).cells
+    grids = [detect[name] for name in ("previous_token", "duplicate_token", "induction", "sink")]
+    assert [float(cell["data-value"]) for cell in detect_cells] == pytest.approx(
+        [v for grid in grids for row in grid for v in row], abs=1e-6
+    )
 
 
 @pytest.mark.parametrize(
     "argv, option, fragment",
     [
         (["lens", "--text", CLEAN, "--answer", "h"], "--wrong", "given with --answer"),
-        (["lens", "--text", CLEAN, "--format", "png"], "--format", "terminal or json for the lens"),
+        (["lens", "--text", CLEAN, "--format", "png"], "--format", "one or more of terminal, html, json"),
         (["lens", "--text", CLEAN, "--top", "0"], "--top", "an int in [1,"),
         (["dla", "--text", CLEAN, "--answer", "h h", "--wrong", "p"], "--answer", "one token"),
         (["detect", "--half-length", "0"], "--half-length", "a positive int"),

@@ -20,6 +20,7 @@ from multihead.circuits.detectors import (
     HeadDetection,
     detect_heads,
     detection_patterns,
+    probe_heads,
     repeated_random_tokens,
 )
 from multihead.circuits.lens import (
@@ -56,6 +57,7 @@ __all__ = [
     "Agreement",
     "PatchingResult",
     "detect_heads",
+    "probe_heads",
     "detection_patterns",
     "repeated_random_tokens",
     "HeadDetection",

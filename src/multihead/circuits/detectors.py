@@ -26,7 +26,10 @@ from torch import nn
 from multihead._errors import bad_argument, describe, positive_int
 from multihead.capture import capture
 from multihead.circuits._runs import checked_ids
+from multihead.inspect.recording import head_numbers
+from multihead.inspect.roles import ROLE_RULES
 from multihead.models.contract import evaluating
+from multihead.models.tokenizer import TextTokenizer
 
 __all__ = [
     "DETECTORS",
@@ -34,11 +37,21 @@ __all__ = [
     "HeadDetection",
     "detect_heads",
     "detection_patterns",
+    "probe_heads",
     "repeated_random_tokens",
 ]
 
 DETECTORS = ("previous_token", "duplicate_token", "induction")
-SINK_THRESHOLD = 0.3  # Gu et al. (2024): the first-token share above which a head counts as a sink
+# Gu et al. (2024): the first-token share above which a head counts as a sink (set with the other role thresholds)
+SINK_THRESHOLD = ROLE_RULES["sink"].threshold
+# each score as the statistic the roles read (multihead.inspect.roles): TransformerLens' induction score is
+# prefix matching, the first half of Olsson et al.'s induction (the other, copying, is not measured here)
+BEHAVIOUR_NAMES = {
+    "previous_token": "previous_token",
+    "duplicate_token": "duplicate_token",
+    "induction": "prefix_matching",
+    "sink": "sink",
+}
 
 
 def repeated_random_tokens(
@@ -82,7 +95,7 @@ def detection_patterns(ids: torch.Tensor) -> dict[str, torch.Tensor]:
 @dataclass(frozen=True)
 class HeadDetection:
     """Each detector's score per head and the sink share, (layers, heads), in float32 (float64 for a float64
-    model)."""
+    model); the heads by their checkpoint numbers, NaN where a pruned layer no longer has one."""
 
     part: str
     previous_token: torch.Tensor
@@ -95,9 +108,21 @@ class HeadDetection:
         return [(int(layer), int(head)) for layer, head in (self.sink > threshold).nonzero().tolist()]
 
     def to_dict(self) -> dict:
-        """JSON-ready: each score as (layers, heads) nested lists."""
+        """JSON-ready: each score as (layers, heads) nested lists (null for a pruned head)."""
         fields = {name: getattr(self, name) for name in (*DETECTORS, "sink")}
-        return {"part": self.part, **{name: values.tolist() for name, values in fields.items()}}
+        return {
+            "part": self.part,
+            **{
+                name: [[None if v != v else v for v in row] for row in values.tolist()]
+                for name, values in fields.items()
+            },
+        }
+
+    def behaviours(self) -> dict[str, torch.Tensor]:
+        """The scores as the behaviour measures the roles weigh, {statistic: (layers, heads) float64} (see
+        :mod:`multihead.inspect.roles`: prefix_matching, previous_token, duplicate_token and sink), for
+        :func:`multihead.inspect.inspect_text`'s ``behaviours``."""
+        return {statistic: getattr(self, name).double() for name, statistic in BEHAVIOUR_NAMES.items()}
 
 
 def detect_heads(model: nn.Module, ids: torch.Tensor, *, part: str | None = None) -> HeadDetection:
@@ -112,17 +137,42 @@ def detect_heads(model: nn.Module, ids: torch.Tensor, *, part: str | None = None
     ids = checked_ids("ids", ids, "pass repeated_random_tokens(...)")
     if ids.shape[1] < 2:
         raise bad_argument("ids", "at least two tokens per row", tuple(ids.shape), "pass longer sequences")
+    numbers, checkpoint_heads = head_numbers(model, part=part)  # a pruned layer's heads keep their numbers
     with evaluating(model), capture(model, part=part) as recorder:
         model(ids)  # only the weights are read: an encoder serves as well as a causal LM
     patterns = {name: pattern.to(ids.device) for name, pattern in detection_patterns(ids).items()}
-    scores: dict[str, list[torch.Tensor]] = {name: [] for name in (*DETECTORS, "sink")}
+    scores: dict[str, torch.Tensor] = {}
     for layer in recorder.layers:
         weights = recorder.weights(layer)  # (b, h, i, j)
         weights = weights.to(torch.promote_types(weights.dtype, torch.float32))
         total = weights.sum((-2, -1))  # (b, h): n for rows that each sum to 1
-        for name, pattern in patterns.items():
-            on_pattern = (weights * pattern[:, None].to(weights)).sum((-2, -1))
-            scores[name].append((on_pattern / total).mean(0).cpu())
-        scores["sink"].append(weights[..., 0].mean(-1).mean(0).cpu())
-    stacked = {name: torch.stack(values) for name, values in scores.items()}
-    return HeadDetection(part=recorder.part, **stacked)
+        found = {
+            name: ((weights * pattern[:, None].to(weights)).sum((-2, -1)) / total).mean(0)
+            for name, pattern in patterns.items()
+        }
+        found["sink"] = weights[..., 0].mean(-1).mean(0)
+        for name, values in found.items():
+            grid = scores.setdefault(name, torch.full((len(numbers), checkpoint_heads), torch.nan, dtype=values.dtype))
+            grid[layer, numbers[layer]] = values.cpu()
+    return HeadDetection(part=recorder.part, **scores)
+
+
+def probe_heads(
+    model: nn.Module,
+    tokenizer: TextTokenizer,
+    *,
+    part: str | None = None,
+    half_length: int = 20,
+    batch: int = 4,
+    seed: int = 0,
+) -> HeadDetection:
+    """:func:`detect_heads` on ``batch`` sequences of ``half_length`` random tokens repeated once
+    (:func:`repeated_random_tokens` of the ``tokenizer``'s vocabulary, seeded with ``seed``), after the tokenizer's
+    BOS where it has one (TransformerLens prepends one too; a BOS of id 0 is then never drawn among the random
+    tokens), on the device of ``model``'s parameters."""
+    bos = tokenizer.bos_id
+    ids = repeated_random_tokens(
+        tokenizer.vocabulary_size, half_length, batch=batch, seed=seed, bos=bos, low=1 if bos == 0 else 0
+    )
+    device = next((parameter.device for parameter in model.parameters()), ids.device)
+    return detect_heads(model, ids.to(device), part=part)

@@ -131,7 +131,7 @@ def run_patch(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from multihead.circuits import activation_patching, attribution_patching, path_patching
-    from multihead.circuits.report import print_patching, write_patching
+    from multihead.circuits.report import patching_data, patching_page, print_page, write_report
 
     receivers = None
     if args.receivers is not None:
@@ -190,27 +190,27 @@ def run_patch(args: argparse.Namespace) -> int:
             result = attribution_patching(
                 lm.model, clean_ids, corrupt_ids, answer=answer, wrong=wrong, what=args.what, by=args.by
             )
+    facts = {"model": lm.name, "clean": args.clean, "corrupt": args.corrupt, "answer": args.answer}
+    facts |= {"wrong": args.wrong, **({} if receivers is None else {"receivers": args.receivers})}
+    tokens = [lm.piece(int(token)) for token in clean_ids[0].tolist()]
+    page = patching_page(result, facts, columns=tokens)
     if "terminal" in formats:
-        print_patching(console, result)
-    prompts = {
-        "model": lm.name,
-        "clean": args.clean,
-        "corrupt": args.corrupt,
-        "answer": args.answer,
-        "wrong": args.wrong,
-        **({} if receivers is None else {"receivers": [list(pair) for pair in receivers]}),
-    }
-    print_written(console, write_patching(result, args.out, formats, prompts=prompts, argument="--out"))
+        print_page(console, page)
+    data = patching_data(result, {**facts, "tokens": tokens})
+    if receivers is not None:
+        data["receivers"] = [list(pair) for pair in receivers]
+    print_written(console, write_report(data, "patching", args.out, formats, page, argument="--out"))
     return 0
 
 
-def _opened(args: argparse.Namespace):
-    """The formats checked, the output folder checked (made when written), the model loaded: (formats, lm)."""
-    from multihead.circuits.report import check_formats
+def _opened(args: argparse.Namespace, allowed: tuple[str, ...] | None = None):
+    """The formats checked (among ``allowed``, default all), the output folder checked (made when written), the
+    model loaded: (formats, lm)."""
+    from multihead.circuits.report import FORMATS, check_formats
     from multihead.integrations import load_causal_lm
 
     with from_option("--format", names=("format",)):
-        formats = check_formats(args.format)
+        formats = check_formats(args.format, allowed or FORMATS)
     if any(name != "terminal" for name in formats):
         output_folder("--out", args.out, create=False)
     with from_option("--model"):
@@ -232,7 +232,7 @@ def _answers(lm, text: str, answer: str | None, wrong: str | None) -> tuple[int 
 
 def run_dla(args: argparse.Namespace) -> int:
     from multihead.circuits import direct_logit_attribution
-    from multihead.circuits.report import print_grid, write_grid
+    from multihead.circuits.report import dla_page, print_page, write_report
 
     formats, lm = _opened(args)
     with from_options({"text": "--text"}):
@@ -241,25 +241,20 @@ def run_dla(args: argparse.Namespace) -> int:
     assert answer is not None and wrong is not None  # both required by the parser
     with from_options({"answer": "--answer", "wrong": "--wrong"}):
         found = direct_logit_attribution(lm.model, ids, answer=answer, wrong=wrong)
+    facts = {"model": lm.name, "text": args.text, "answer": args.answer, "wrong": args.wrong}
+    page = dla_page(found, args.answer, args.wrong, facts)
     console = make_console()
-    title = (
-        f"direct logit attribution at the last position: each head's share of logit({args.answer!r}) - "
-        f"logit({args.wrong!r}) = {found.difference:.3f}"
-    )
     if "terminal" in formats:
-        print_grid(console, title, found.heads)
-    data = {"model": lm.name, "text": args.text, "answer": args.answer, "wrong": args.wrong, **found.to_dict()}
-    print_written(console, write_grid(data, "dla", args.out, formats, grid=found.heads, title=title, argument="--out"))
+        print_page(console, page)
+    print_written(console, write_report(facts | found.to_dict(), "dla", args.out, formats, page, argument="--out"))
     return 0
 
 
 def run_lens(args: argparse.Namespace) -> int:
     from multihead.circuits import logit_lens
-    from multihead.circuits.report import print_lens, write_lens
+    from multihead.circuits.report import lens_page, print_page, write_report
 
-    formats, lm = _opened(args)
-    if "png" in formats:
-        raise bad_argument("--format", "terminal or json for the lens", args.format, "pass --format terminal,json")
+    formats, lm = _opened(args, allowed=("terminal", "html", "json"))
     if (args.answer is None) != (args.wrong is None):
         raise bad_argument("--wrong", "given with --answer, or neither", repr(args.wrong), "pass both or neither")
     with from_options({"text": "--text"}):
@@ -269,40 +264,33 @@ def run_lens(args: argparse.Namespace) -> int:
         lens = logit_lens(lm.model, ids, top=args.top, answer=answer, wrong=wrong)
     rows = ["embedding", *(f"layer {layer}" for layer in range(lens.logits.shape[0] - 1))]
     top = [[lm.piece(int(token)) for token in row[0]] for row in lens.top]
+    facts = {"model": lm.name, "text": args.text}
+    if lens.differences is not None:
+        facts |= {"answer": args.answer, "wrong": args.wrong}
+    page = lens_page(rows, top, lens.differences, facts)
     console = make_console()
     if "terminal" in formats:
-        print_lens(console, rows, top, lens.differences)
-    data = {"model": lm.name, "text": args.text, "rows": rows, "top": top}
+        print_page(console, page)
+    data: dict[str, object] = {**facts, "rows": rows, "top": top}
     if lens.differences is not None:
-        data.update(answer=args.answer, wrong=args.wrong, differences=lens.differences.tolist())
-    print_written(console, write_lens(data, args.out, formats, argument="--out"))
+        data["differences"] = lens.differences.tolist()
+    print_written(console, write_report(data, "lens", args.out, formats, page, argument="--out"))
     return 0
 
 
 def run_detect(args: argparse.Namespace) -> int:
-    from multihead.circuits import DETECTORS, SINK_THRESHOLD, detect_heads, repeated_random_tokens
-    from multihead.circuits.lens import lens_parts
-    from multihead.circuits.report import print_grid, write_grid
+    from multihead.circuits import probe_heads
+    from multihead.circuits.report import detect_page, print_page, write_report
 
     formats, lm = _opened(args)
-    vocab = lens_parts(lm.model).unembedding[0].shape[0]
-    bos = lm.bos_id
     with from_options({"half_length": "--half-length", "batch": "--batch"}):
-        ids = repeated_random_tokens(
-            vocab, args.half_length, batch=args.batch, seed=args.seed, bos=bos, low=1 if bos == 0 else 0
-        )
-    found = detect_heads(lm.model, ids)
+        found = probe_heads(lm.model, lm.tokenizer, half_length=args.half_length, batch=args.batch, seed=args.seed)
+    facts = {"model": lm.name, "sequences": f"{args.batch} x {args.half_length} random tokens, repeated once"}
+    page = detect_page(found, args.batch, facts)
     console = make_console()
-    grids = {name: getattr(found, name) for name in (*DETECTORS, "sink")}
     if "terminal" in formats:
-        for name, grid in grids.items():
-            what = "first-token share (sink above 0.3)" if name == "sink" else f"{name.replace('_', '-')} score"
-            print_grid(console, f"{what}, per head, on {args.batch} repeated random sequences", grid)
-        console.print(f"sink heads (share above {SINK_THRESHOLD}): {found.sink_heads() or 'none'}", soft_wrap=True)
+        print_page(console, page)
     data = {"model": lm.name, "half_length": args.half_length, "batch": args.batch, "seed": args.seed}
     data |= {**found.to_dict(), "sink_heads": found.sink_heads()}
-    title = "induction score per head"
-    print_written(
-        console, write_grid(data, "detect", args.out, formats, grid=found.induction, title=title, argument="--out")
-    )
+    print_written(console, write_report(data, "detect", args.out, formats, page, argument="--out"))
     return 0

@@ -106,9 +106,9 @@ import json
 from collections.abc import Mapping, Sequence
 from importlib import resources
 
-import jinja2
-from markupsafe import Markup, escape
+from markupsafe import Markup
 
+from multihead._html import JSON_OPTIONS, template_environment
 from multihead.inspect.colours import MASKED_RGB, WEIGHT_SCALE_LABEL, WEIGHT_STOPS, WEIGHT_TICKS
 from multihead.inspect.inspection import SPECIAL_TOKENS, Inspection, set_html_renderer
 from multihead.inspect.roles import word_groups
@@ -122,8 +122,6 @@ TEMPLATE = "report.html.j2"  # the whole page: FRAGMENT in a minimal document
 FRAGMENT = "fragment.html.j2"  # one report, scoped to its root element
 BARS_SHOWN = 12  # the bars list shows the strongest keys; the others are one click away
 LINE_THRESHOLD = 0.01  # the head view draws a line for a weight at least this
-# Compact, ASCII and strict: NaN or infinity in the data is a bug, not something to write as invalid JSON.
-_JSON_OPTIONS = {"separators": (",", ":"), "ensure_ascii": True, "allow_nan": False}
 
 ExtraColumns = Mapping[str, Sequence[Sequence[float | None]]]
 
@@ -137,7 +135,7 @@ def render_html(inspection: Inspection, extra_columns: ExtraColumns | None = Non
     :func:`multihead.inspect.headreport.report_columns`).
     """
     data = _data(inspection, extra_columns)
-    template = _environment().get_template(TEMPLATE)
+    template = template_environment("multihead.inspect").get_template(TEMPLATE)
     return template.render(title=data["view"]["title"], **_fragment_context(data, inspection))
 
 
@@ -148,7 +146,9 @@ def render_fragment(inspection: Inspection, extra_columns: ExtraColumns | None =
     the page. ``extra_columns`` as in :func:`render_html`.
     """
     data = _data(inspection, extra_columns)
-    return _environment().get_template(FRAGMENT).render(**_fragment_context(data, inspection))
+    return (
+        template_environment("multihead.inspect").get_template(FRAGMENT).render(**_fragment_context(data, inspection))
+    )
 
 
 def _words_view(pieces: Pieces) -> dict:
@@ -181,7 +181,7 @@ def _data(inspection: Inspection, extra_columns: ExtraColumns | None) -> dict:
 def _fragment_context(data: dict, inspection: Inspection) -> dict:
     """The fragment template's variables; its root id is a hash of the data (the same report renders the
     same bytes; two copies of one report in a page are told apart by the script)."""
-    digest = hashlib.sha256(json.dumps(data, **_JSON_OPTIONS).encode("ascii")).hexdigest()  # type: ignore[arg-type]
+    digest = hashlib.sha256(json.dumps(data, **JSON_OPTIONS).encode("ascii")).hexdigest()  # type: ignore[arg-type]
     return {
         "uid": f"mh-{digest[:16]}",
         "css": _asset("report.css"),
@@ -194,24 +194,6 @@ def _fragment_context(data: dict, inspection: Inspection) -> dict:
 
 # An Inspection shows in a notebook as its report's fragment (Inspection._repr_html_).
 set_html_renderer(render_fragment)
-
-
-def _ascii(value: object) -> Markup:
-    """HTML-escaped text with every non-ASCII character as a character reference (the page stays ASCII)."""
-    return Markup(str(escape(value)).encode("ascii", "xmlcharrefreplace").decode("ascii"))
-
-
-@functools.cache
-def _environment() -> jinja2.Environment:
-    environment = jinja2.Environment(
-        loader=jinja2.PackageLoader("multihead.inspect", "templates"),
-        autoescape=True,
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-    )
-    environment.filters["ascii"] = _ascii
-    environment.policies["json.dumps_kwargs"] = _JSON_OPTIONS
-    return environment
 
 
 @functools.cache

@@ -29,6 +29,13 @@ induction      prefix matching as above, and copying: on those positions    0.40
 alignment      with behaviour probes, cross-attention: the share of target   0.50       (ours, after Bahdanau
                positions whose largest weight falls on the source token                 et al. 2015)
                they are aligned with
+prev-tok       with the head detectors: on random tokens repeated once,     0.40       TransformerLens' detector
+               the share of attention from each token to the one before
+               it
+dup-tok        with the head detectors: on those tokens, the share of       0.40       TransformerLens' detector
+               attention to earlier copies of the same token
+sink           with the head detectors: on those tokens, the weight on      0.30       Gu et al. 2024
+               the first token, averaged over the queries
 =============  ==========================================================  =========  ==========================
 
 Each signal's **evidence** is its measure over its threshold. The head's label is its strongest signal
@@ -47,9 +54,13 @@ looks ("[CLS] 61% · next 22%": positional, sink, punctuation, rare-word and rel
 named signal (positional, a sink, punctuation, the rare word, a relation) reaches 0.75 evidence: a head
 focused on [CLS] is a [CLS] head.
 
-The behaviour signals (prefix, induction, alignment) are not measured on the text: they come from probes run on
-the model (``multihead train`` measures them and saves them beside its checkpoint; see docs/train.md) and reach
-the roles through :meth:`~multihead.inspect.stats.HeadStats.with_behaviours`. An induction head is a head that
+The behaviour signals (prefix, induction, alignment, prev-tok, dup-tok, sink) are not measured on the text: they
+come from probes run on the model and reach the roles through
+:meth:`~multihead.inspect.stats.HeadStats.with_behaviours`. ``multihead train`` measures prefix matching, copying
+and alignment on its task and saves them beside its checkpoint (see docs/train.md); the head detectors
+(:func:`multihead.circuits.probe_heads`, TransformerLens' definitions and Gu et al.'s sink share) measure
+prefix matching (TransformerLens' "induction score"), prev-tok, dup-tok and sink on random tokens repeated once,
+on any model; ``multihead inspect`` runs them on every causal model. An induction head is a head that
 does both prefix matching and copying (Olsson et al.'s definition). Copying is read on the head's direct path to
 the logits (Elhage et al. 2021), not by ablating it: heads that share the work (four induction heads in one
 layer) each cost little when removed alone, yet each copies. A head that matches prefixes without raising the
@@ -66,6 +77,10 @@ References:
     Thread, 2021. (a head's direct path to the logits)
     Bahdanau, Cho, Bengio. Neural Machine Translation by Jointly Learning to Align and Translate. ICLR 2015.
     (attention as alignment between target and source positions)
+    Gu, Pang, Du, Liu, Zhang, Du, Wang, Lin. When Attention Sink Emerges in Language Models: An Empirical
+    View. ICLR 2025 (arXiv 2410.10781, 2024). (the first-token share and its threshold 0.3)
+    Nanda, Bloom, et al. TransformerLens, ``transformer_lens.head_detector``. (the previous-token,
+    duplicate-token and induction detection patterns)
     Speer. wordfreq (v3), https://github.com/rspeer/wordfreq: Zipf word frequencies from several corpora.
 """
 
@@ -155,6 +170,21 @@ ROLE_RULES: dict[str, RoleRule] = {
             "Olsson et al. 2022; Elhage et al. 2021",
         ),
         RoleRule(
+            "prev-tok",
+            "previous_token",
+            0.4,
+            "on repeated random tokens, attention from each token to the one before it",
+            "TransformerLens' detector; threshold multihead's, as prefix's",
+        ),
+        RoleRule(
+            "dup-tok",
+            "duplicate_token",
+            0.4,
+            "on repeated random tokens, attention to earlier copies of the same token",
+            "TransformerLens' detector; threshold multihead's, as prefix's",
+        ),
+        RoleRule("sink", "sink", 0.3, "attention on the first token, on repeated random tokens", "Gu et al. 2024"),
+        RoleRule(
             "alignment",
             "alignment",
             0.5,
@@ -164,7 +194,9 @@ ROLE_RULES: dict[str, RoleRule] = {
     )
 }
 # The statistics the behaviour probes give (HeadStats.with_behaviours); the rest are measured on the texts.
-BEHAVIOUR_STATISTICS = ("prefix_matching", "copying", "alignment")
+BEHAVIOUR_STATISTICS = ("prefix_matching", "copying", "alignment", "previous_token", "duplicate_token", "sink")
+# the detectors' rules (multihead.circuits.probe_heads measures them on repeated random tokens), by label
+_DETECTOR_RULES = ("prev-tok", "dup-tok", "sink")
 CLEAR_MARGIN = 0.8  # high confidence: the runner-up's evidence is under 0.8 x the label's
 MEDIUM_EVIDENCE = 0.75  # below this share of its threshold, a label is low confidence
 CONFIDENCES = ("high", "medium", "low")
@@ -272,6 +304,7 @@ def _signals(stat: dict[str, float], relation: HeadRelation | None) -> list[Sign
         "rare": "rare",
         "broad": "broad",
         "focused": "focused",
+        **{rule: rule for rule in _DETECTOR_RULES},
     }
     signals = []
     for rule_name, name in named.items():
@@ -309,6 +342,13 @@ def _confidence(signals: Sequence[Signal]) -> str:
     return "low"
 
 
+_DETECTOR_WHERE = {
+    "prev-tok": "on the previous token",
+    "dup-tok": "on earlier copies of the same token",
+    "sink": "on the first token",
+}
+
+
 def label_head(stat: dict[str, float], pattern_shares: dict[str, float], relation: HeadRelation | None = None) -> Role:
     """The role of a head from its statistics (one head's values of :class:`~multihead.inspect.stats.HeadStats`)
     and the shares of texts in each Kovaleva pattern; ``relation``: the syntactic relation it tracks best.
@@ -335,6 +375,8 @@ def label_head(stat: dict[str, float], pattern_shares: dict[str, float], relatio
             what += f"; its own logits rank the next token first at {copying:.0%} of them"
     elif top.rule == "alignment":
         what = f"largest cross-attention weight on the aligned source token for {top.value:.0%} of target positions"
+    elif top.rule in _DETECTOR_RULES:
+        what = f"{top.value:.0%} of attention {_DETECTOR_WHERE[top.rule]}, on repeated random tokens"
     elif top.rule == "rare":
         what = f"largest weight on the sentence's rarest word for {top.value:.0%} of words"
     elif top.rule in ("broad", "focused"):

@@ -80,6 +80,11 @@ class TransformersTokenizer(TextTokenizer):
         self.hf = tokenizer
         self.max_length = self.sentence_max_length = max_length
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.bos_id = tokenizer.bos_token_id if isinstance(tokenizer.bos_token_id, int) else None
+
+    @property
+    def vocabulary_size(self) -> int:
+        return len(self.hf)  # added tokens included
 
     def piece(self, token_id: int, raw: str | None = None) -> str:
         """How token ``token_id`` is shown: decoded alone and stripped (its raw form if that is blank)."""

@@ -205,11 +205,7 @@ class CausalLM:
     def bos_id(self) -> int | None:
         """The id of the token a sequence starts with (a symbol vocabulary's <bos>, transformers'
         bos_token_id), or None."""
-        own = getattr(self.tokenizer, "bos_id", None)
-        if isinstance(own, int):
-            return own
-        found = getattr(getattr(self.tokenizer, "hf", None), "bos_token_id", None)
-        return found if isinstance(found, int) else None
+        return self.tokenizer.bos_id
 
     def next_token(self, text: str, continuation: str) -> int:
         """The one token ``continuation`` adds after ``text``: appended as written, or after a space (a

@@ -74,6 +74,10 @@ class SymbolTokenizer(TextTokenizer):
         self.sentence_max_length = max_length
         self.pad_id = 0
 
+    @property
+    def vocabulary_size(self) -> int:
+        return len(self.symbols)
+
     def piece(self, token_id: int) -> str:
         """The symbol of ``token_id``."""
         return self.symbols[token_id]

@@ -251,6 +251,12 @@ class TextTokenizer(ABC):
     max_length: int
     sentence_max_length: int
     pad_id: int
+    bos_id: int | None = None  # the id a sequence starts with, where the vocabulary has one
+
+    @property
+    @abstractmethod
+    def vocabulary_size(self) -> int:
+        """How many token ids the tokenizer makes: they run 0 .. vocabulary_size - 1."""
 
     @abstractmethod
     def batch(
@@ -328,6 +334,10 @@ class Tokenizer(TextTokenizer):
         self.sentence_max_length = min(sentence_max_length or max_length, max_length)
         self.special_tokens = {"[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"}
         self.pad_id = self._wordpiece.token_to_id("[PAD]") or 0
+
+    @property
+    def vocabulary_size(self) -> int:
+        return int(self._wordpiece.get_vocab_size())
 
     def save(self, path: str | Path) -> None:
         """Write the tokenizer's ``tokenizer.json`` to ``path``."""

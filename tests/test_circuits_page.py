@@ -1,0 +1,134 @@
+"""The pages of `multihead circuits` (multihead.circuits.page): every score a cell carrying its value and coloured on
+the score scale, user text escaped and the page ASCII, and the page opened offline in Debian's chromium."""
+
+from __future__ import annotations
+
+import math
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+from multihead.circuits.page import Grid, Page, Table, render_page
+from multihead.inspect.colours import SCORE_STOPS, score_rgb
+from test_inspect_html import browser, open_page  # noqa: F401 (fixtures)
+
+
+class Cells(HTMLParser):
+    """The page's grid cells (their attributes and text) and its table rows (their cells' text and style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cells: list[dict] = []
+        self.rows: list[list[dict]] = []
+        self._in: dict | None = None
+        self._table_kind: str | None = None
+        self._body = False  # inside a rows table's tbody (its header row is not a row)
+
+    def handle_starttag(self, tag, attrs):
+        attributes = dict(attrs)
+        if tag == "table":
+            self._table_kind = attributes.get("class")
+        elif tag == "tbody" and self._table_kind == "rows":
+            self._body = True
+        elif tag == "tr" and self._table_kind == "rows" and self._body:
+            self.rows.append([])
+        elif tag == "td":
+            self._in = attributes | {"text": ""}
+            if self._table_kind == "grid":
+                self.cells.append(self._in)
+            elif self.rows:
+                self.rows[-1].append(self._in)
+
+    def handle_endtag(self, tag):
+        if tag == "td":
+            self._in = None
+        elif tag == "tbody":
+            self._body = False
+
+    def handle_data(self, data):
+        if self._in is not None:
+            self._in["text"] += data
+
+
+def parsed(html: str) -> Cells:
+    reader = Cells()
+    reader.feed(html)
+    return reader
+
+
+def background(rgb: tuple[int, int, int]) -> str:
+    return f"background: rgb({rgb[0]}, {rgb[1]}, {rgb[2]})"
+
+
+SCORES = torch.tensor([[0.5, -0.25, float("nan")], [1.0, 0.0, -2.0]], dtype=torch.float64)
+
+
+def test_every_score_is_a_cell_with_its_value_title_and_colour():
+    html = render_page(Page("patching", grids=[Grid("a grid", SCORES, label="share restored")]))
+    cells = parsed(html).cells
+    assert [(int(c["data-row"]), int(c["data-column"])) for c in cells] == [(r, c) for r in range(2) for c in range(3)]
+    for cell, value in zip(cells, SCORES.flatten().tolist(), strict=True):
+        if math.isnan(value):
+            assert cell["data-value"] == "" and cell["text"] == "" and "none" in cell["class"].split()
+            continue
+        assert float(cell["data-value"]) == value  # exactly the score, as repr writes it
+        assert cell["text"] == f"{value:+.2f}"
+        assert cell["title"] == f"layer {cell['data-row']}, head {cell['data-column']}: {value:+.3f}"
+        assert cell["style"].startswith(background(score_rgb(value, 2.0)))  # bound: the largest |score|
+    dark = next(c for c in cells if c["data-value"] == "-2.0")
+    assert dark["style"].endswith("color: #fff") and background(SCORE_STOPS[0]) in dark["style"]
+    assert "color" not in next(c for c in cells if c["data-value"] == "0.0")["style"].replace("background", "")
+    assert "-2" in html and "+2" in html and "share restored" in html  # the legend's ends and label
+
+
+def test_a_given_bound_and_position_labels():
+    grid = Grid("by position", SCORES, across="position", columns=["<b>", "caf\u00e9", "x"], bound=4.0)
+    cells = parsed(render_page(Page("p", grids=[grid]))).cells
+    assert cells[0]["style"] == background(score_rgb(0.5, 4.0))
+    assert cells[1]["title"] == "layer 0, position 1 (caf\u00e9): -0.250"
+
+
+def test_user_text_is_escaped_and_the_page_is_ascii():
+    hostile = "</title><script>alert(1)</script> caf\u00e9 \u2192"
+    page = Page(
+        hostile,
+        facts={"clean": hostile},
+        grids=[Grid(hostile, SCORES, columns=[hostile] * 3)],
+        tables=[Table(hostile, ["after", hostile], [["embedding", hostile]])],
+        notes=[hostile],
+    )
+    html = render_page(page)
+    html.encode("ascii")  # raises on any non-ASCII character
+    assert "<script>" not in html and "&lt;script&gt;" in html and "caf&#233;" in html
+
+
+def test_a_table_shades_its_numbers_on_its_largest_magnitude():
+    table = Table("lens", ["after", "tokens", "answer - wrong"], [["layer 0", "'a'", -0.5], ["layer 1", "'b'", 2.0]])
+    rows = parsed(render_page(Page("lens", tables=[table]))).rows
+    assert [[cell["text"] for cell in row] for row in rows] == [
+        ["layer 0", "'a'", "-0.500"],
+        ["layer 1", "'b'", "+2.000"],
+    ]
+    assert rows[0][2]["style"] == background(score_rgb(-0.5, 2.0)) and rows[0][0]["style"] == ""
+
+
+def test_the_page_opens_offline_with_the_colours_it_was_given(open_page):  # noqa: F811
+    page = open_page(render_page(Page("patching", {"model": "m"}, grids=[Grid("grid", SCORES)])))
+    colours = page.locator("td.cell").evaluate_all("cs => cs.map(c => getComputedStyle(c).backgroundColor)")
+    expected = [
+        "rgb(240, 241, 243)" if math.isnan(value) else "rgb({}, {}, {})".format(*score_rgb(value, 2.0))
+        for value in SCORES.flatten().tolist()
+    ]
+    assert colours == expected
+    assert page.locator("h1").text_content() == "patching"
+
+
+@pytest.mark.parametrize("value, bound", [(0.0, 1.0), (-1.0, 1.0), (1.0, 1.0), (7.0, 1.0), (-0.5, 2.0)])
+def test_the_score_scale_runs_blue_white_red(value, bound):
+    share = min(1.0, max(0.0, (value / bound + 1) / 2))
+    rgb = score_rgb(value, bound)
+    if share in (0.0, 0.5, 1.0):
+        assert rgb == SCORE_STOPS[int(share * (len(SCORE_STOPS) - 1))]
+    else:
+        assert rgb == score_rgb(-1.0, 4.0)  # -0.5 of 2 sits where -1 of 4 does
