@@ -117,3 +117,35 @@ def test_an_encoder_is_scored_from_its_own_weights_too():
     for layer, layer_weights in enumerate(weights):
         sink = layer_weights[:, :, :, 0].mean((0, 2))  # (heads,)
         torch.testing.assert_close(found.sink[layer], sink, rtol=0, atol=1e-10)
+
+
+def test_a_pruned_layer_keeps_its_heads_numbers():
+    # layer 0 sees the same inputs pruned or not: its surviving heads score what they scored. A Decoder keeps no
+    # head_ids: its kept heads are numbered 0, 1 again, and the grid's remaining columns of the layer are NaN
+    from multihead.heads import prune_layer
+    from multihead.models import Decoder, DecoderConfig
+
+    torch.manual_seed(0)
+    whole = Decoder(DecoderConfig(vocab_size=20, hidden=32, layers=2, heads=4, mlp=None)).eval()
+    pruned = copy.deepcopy(whole)
+    kept = prune_layer(pruned.attention_layers[0], [1, 2])
+    ids = repeated_random_tokens(20, 6, batch=2, seed=1, bos=0, low=1)
+    before, after = detect_heads(whole, ids), detect_heads(pruned, ids)
+    for name in (*DETECTORS, "sink"):
+        grid = getattr(after, name)
+        assert grid.shape == (2, 4) and grid[0, 2:].isnan().all() and not grid[1].isnan().any()
+        torch.testing.assert_close(grid[0, :2], getattr(before, name)[0, kept], rtol=0, atol=1e-6)
+    assert after.to_dict()["sink"][0][3] is None  # JSON has no NaN
+
+
+def test_detector_behaviours_score_a_causal_text_model_only(tmp_path):
+    import hf_checkpoints
+    from multihead.circuits import detector_behaviours, probe_heads
+    from multihead.integrations import load_text_model
+
+    gpt2 = load_text_model(hf_checkpoints.save("gpt2", tmp_path / "gpt2"))
+    found = detector_behaviours(gpt2, half_length=5, batch=2, seed=4)
+    expected = probe_heads(gpt2, gpt2.tokenizer, half_length=5, batch=2, seed=4)
+    assert set(found) == {"previous_token", "duplicate_token", "prefix_matching", "sink"}
+    torch.testing.assert_close(found["prefix_matching"], expected.induction.double())  # TL's induction score
+    assert detector_behaviours(load_text_model(hf_checkpoints.save("bert", tmp_path / "bert"))) is None

@@ -200,7 +200,11 @@ def assert_probe_columns(page, html: str, data: dict, probes: dict) -> None:
     saved = probes["behaviours"]
     headers, rows = stats_table(page)
     assert [h for h in headers if h.endswith(" (probe)")] == [f"{name} (probe)" for name in saved]
-    assert headers[-len(saved) :] == [f"{name} (probe)" for name in saved]  # after the statistics
+    # after the statistics: the probes, then the head detectors' scores (`multihead inspect` probes a causal part
+    # of a one-stack model; not a reverse run's cross-attention)
+    detected = ("previous_token", "duplicate_token", "prefix_matching", "sink") if data["causal"] else ()
+    detectors = [f"{name} (detector)" for name in detected]
+    assert headers[-len(saved) - len(detectors) :] == [f"{name} (probe)" for name in saved] + detectors
     assert [(row["layer"], row["head"]) for row in rows] == [(li, h) for li in data["layers"] for h in data["heads"]]
     columns = page_data(html)["view"]["extra_columns"]
     for name, table in saved.items():

@@ -15,6 +15,7 @@ from multihead._errors import InputError
 from multihead.inspect import SavedModelExtras, inspect_text, saved_model_extras
 from multihead.inspect.behaviours import BEHAVIOURS_FILE
 from multihead.inspect.headreport import ScoresFolder, read_scores_folder, write_importance
+from multihead.inspect.html import render_html
 from multihead.inspect.importance import HeadImportance
 from multihead.integrations import load_text_model
 from multihead.models import Encoder, EncoderConfig
@@ -166,3 +167,8 @@ def test_nan_probes_stay_nan_in_the_columns(induction, tmp_path):
     extras = saved_model_extras(copy, model)
     assert extras.behaviours is not None and math.isnan(float(extras.behaviours["copying"][0, 1]))
     assert math.isnan(extras.probe_columns()["copying (probe)"][0][1])
+    # a column cut to the shown heads has no NaN: JSON and the HTML report show the head's cell empty
+    inspection = inspect_text(model, extras.task_text, behaviours=extras.behaviours)
+    columns = inspection.head_columns(extras.probe_columns())
+    assert columns["copying (probe)"][0][1] is None and columns["copying (probe)"][0][0] is not None
+    assert "copying (probe)" in render_html(inspection, columns)

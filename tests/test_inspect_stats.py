@@ -496,6 +496,13 @@ SHARES = {"vertical": 0.1, "diagonal": 0.6, "vertical+diagonal": 0.1, "block": 0
         ({"norm_entropy": 0.3}, "focused", "high"),
         # focus on a named target is that target's: a perfect prev head is not "focused"
         ({"positional": 1.0, "best_offset": -1.0, "norm_entropy": 0.0}, "prev", "high"),
+        # the head detectors' measures (on repeated random tokens): 0.9 of prev-tok's 0.4 outweighs the text's
+        # positional 0.95 of 0.9; a sink at Gu et al.'s 0.3 and over
+        ({"previous_token": 0.9, "positional": 0.95, "best_offset": -1.0}, "prev-tok", "high"),
+        ({"duplicate_token": 0.5}, "dup-tok", "high"),
+        ({"sink": 0.6, "norm_entropy": 0.2}, "sink", "high"),
+        ({"sink": 0.28}, "sink", "medium"),
+        ({"sink": 0.1, "previous_token": 0.1, "duplicate_token": 0.1}, "focused", "low"),
     ],
 )
 def test_label_head_takes_the_strongest_evidence(changes, expected, confidence):
@@ -509,6 +516,21 @@ def test_label_head_takes_the_strongest_evidence(changes, expected, confidence):
     evidences = [signal.evidence for signal in role.signals]
     assert evidences == sorted(evidences, reverse=True)
     assert f"{confidence} confidence" in role.summary
+
+
+@pytest.mark.parametrize(
+    "statistic, label, where",
+    [
+        ("previous_token", "prev-tok", "on the previous token"),
+        ("duplicate_token", "dup-tok", "on earlier copies of the same token"),
+        ("sink", "sink", "on the first token"),
+    ],
+)
+def test_a_detector_role_says_what_it_measured(statistic, label, where):
+    role = label_head({**BASE, statistic: 0.75}, SHARES)
+    assert role.label == label
+    assert role.summary.startswith(f"75% of attention {where}, on repeated random tokens (passes")
+    assert ROLE_RULES[label].source in role.summary
 
 
 def test_role_text_lists_the_strongest_signals_with_their_measures():

@@ -224,8 +224,17 @@ def test_cli_train_then_inspect(tmp_path, capsys):
     assert main([*argv, str(report_dir)]) == 0
     report = json.loads((report_dir / "inspect.json").read_text())
     assert report["causal"] is True and report["tokens"][0] == "<bos>"
-    assert set(report["behaviours"]) == {"prefix_matching", "copying"}
-    assert "behaviour probes" in capsys.readouterr().out
+    # the run's probes, and the head detectors' other measures (its own prefix matching, on its task, kept)
+    assert set(report["behaviours"]) == {"prefix_matching", "copying", "previous_token", "duplicate_token", "sink"}
+    saved = read_behaviours(out / "model")["self"]
+    torch.testing.assert_close(
+        torch.tensor(report["behaviours"]["prefix_matching"], dtype=torch.float64),
+        saved["prefix_matching"],
+        atol=1e-6,
+        rtol=0,
+    )
+    printed = capsys.readouterr().out
+    assert "behaviour probes" in printed and "prev-tok/dup-tok" in printed
 
 
 @pytest.mark.parametrize(
@@ -309,6 +318,30 @@ def test_cli_symmetry_keeps_identical_heads_identical(tmp_path, capsys):
     assert all(value == 0.0 for entry in result["identical"]["history"] for value in entry["divergence_mean"])
     assert all(value > 0.01 for entry in result["random"]["history"] for value in entry["divergence_mean"])
     assert (out / "symmetry.png").is_file()
+
+
+def test_inspect_names_the_detected_heads_of_a_trained_decoder(two_layer, tmp_path):
+    """`multihead inspect` on the trained decoder runs the head detectors: its layer-0 previous-token head is
+    labelled prev-tok, its induction heads keep the run's probes' induction label, and the detectors' scores are
+    columns of the HTML report."""
+    from multihead.circuits import probe_heads
+
+    folder = two_layer.save(tmp_path / "run")["model"]
+    out = tmp_path / "report"
+    assert main(["inspect", "--model", str(folder), "--format", "json,html", "--out", str(out)]) == 0
+    report = json.loads((out / "inspect.json").read_text())
+    labels = [[role["label"] for role in row] for row in report["roles"]]
+    previous_head = int(two_layer.final["previous_token"][0].argmax())
+    assert labels[0][previous_head] == "prev-tok"
+    induction_heads = [h for h in range(4) if float(two_layer.final["induction"][1, h]) > INDUCTION_THRESHOLD]
+    assert induction_heads and all(labels[1][head] == "induction" for head in induction_heads)
+    reader = load_decoder_reader(folder)
+    detected = probe_heads(reader, reader.tokenizer)
+    torch.testing.assert_close(
+        torch.tensor(report["behaviours"]["previous_token"]), detected.previous_token, atol=1e-6, rtol=0
+    )
+    page = (out / "report.html").read_text()
+    assert all(f"{name} (detector)" in page for name in ("previous_token", "duplicate_token", "sink"))
 
 
 def test_circuits_find_the_induction_circuit_the_run_grew(two_layer):

@@ -20,6 +20,7 @@ from multihead.circuits.detectors import (
     HeadDetection,
     detect_heads,
     detection_patterns,
+    detector_behaviours,
     probe_heads,
     repeated_random_tokens,
 )
@@ -57,7 +58,9 @@ __all__ = [
     "Agreement",
     "PatchingResult",
     "detect_heads",
+    "detector_behaviours",
     "probe_heads",
+    "detector_behaviours",
     "detection_patterns",
     "repeated_random_tokens",
     "HeadDetection",

@@ -28,7 +28,7 @@ from multihead.capture import capture
 from multihead.circuits._runs import checked_ids
 from multihead.inspect.recording import head_numbers
 from multihead.inspect.roles import ROLE_RULES
-from multihead.models.contract import evaluating
+from multihead.models.contract import evaluating, text_tokenizer
 from multihead.models.tokenizer import TextTokenizer
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "HeadDetection",
     "detect_heads",
     "detection_patterns",
+    "detector_behaviours",
     "probe_heads",
     "repeated_random_tokens",
 ]
@@ -176,3 +177,22 @@ def probe_heads(
     )
     device = next((parameter.device for parameter in model.parameters()), ids.device)
     return detect_heads(model, ids.to(device), part=part)
+
+
+def detector_behaviours(
+    model: nn.Module, *, half_length: int = 20, batch: int = 4, seed: int = 0
+) -> dict[str, torch.Tensor] | None:
+    """The head detectors' scores of a causal text model as the behaviour measures its roles weigh: what
+    ``multihead inspect`` passes to :func:`~multihead.inspect.inspect_text` as ``behaviours`` for a causal LM::
+
+        behaviours = multihead.circuits.detector_behaviours(model)     # model: load_text_model(folder)
+        inspection = multihead.inspect.inspect_text(model, text, behaviours=behaviours)
+
+    ``model``: a :class:`~multihead.models.TextEncoder` with its tokenizer. Returns :meth:`HeadDetection.behaviours`
+    of :func:`probe_heads` ({statistic: (layers, heads) float64} over every layer and the checkpoint's head
+    numbers) for a one-stack causal model (its ``is_causal`` True: a transformers causal LM, a ``multihead train``
+    decoder), None for any other (an encoder's heads see later tokens, for which the detectors' lower-triangular
+    patterns are not the question; an encoder-decoder reads two texts)."""
+    if getattr(model, "is_causal", False) is not True:
+        return None
+    return probe_heads(model, text_tokenizer(model), half_length=half_length, batch=batch, seed=seed).behaviours()

@@ -94,6 +94,7 @@ def add_parser(subparsers) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
+    from multihead.circuits import detector_behaviours
     from multihead.inspect.behaviours import BEHAVIOURS_FILE
     from multihead.inspect.headreport import read_scores_folder
     from multihead.inspect.inspection import bundled_corpus, inspect_text, read_corpus
@@ -129,6 +130,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     # a `multihead train` checkpoint's part, probes and task: its behaviours.json came with --model
     with from_options({BEHAVIOURS_FILE: f"--model {BEHAVIOURS_FILE}"}), from_options({"part": "--part"}):
         saved = saved_model_extras(args.model, model, args.part)
+    # a causal LM's heads scored by the head detectors, as roles; the checkpoint's own probes, where it saved them,
+    # measured the same behaviour on its task and take their place
+    detected = detector_behaviours(model)
+    behaviours = {**(detected or {}), **(saved.behaviours or {})} or None
     text = args.text if args.text is not None else saved.task_text or DEFAULT_TEXT
     scores = read_scores_folder(args.scores, model, argument="--scores") if args.scores else None
     with (
@@ -150,10 +155,11 @@ def run_inspect(args: argparse.Namespace) -> int:
             truncate=args.truncate,
             progress=lambda done: progress.update(task, completed=done),
             relations=None if scores is None else scores.relations,  # each head's relation, into its role
-            behaviours=saved.behaviours,
+            behaviours=behaviours,
         )
-    # the --scores columns and the probes' measures, beside them, as columns of the HTML report
+    # the --scores columns, the probes' and the detectors' measures, beside them, as columns of the HTML report
     columns: dict[str, list[list[float | None]]] = {**(scores.columns if scores else {}), **saved.probe_columns()}
+    columns |= {f"{name} (detector)": values.tolist() for name, values in (detected or {}).items()}
     extra_columns = inspection.head_columns(columns) if columns else None
     paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns, argument="--out")
     for name, path in paths.items():

@@ -189,6 +189,11 @@ def pick_token(
     return found[nth - 1]
 
 
+def _measured(value: float | None) -> float | None:
+    """``value``, or None for a NaN (JSON and the HTML report have no NaN)."""
+    return None if value is None or value != value else value
+
+
 @dataclass(frozen=True)
 class Inspection:
     """Every recorded head's weights on one text, with statistics and roles.
@@ -321,7 +326,8 @@ class Inspection:
         ``columns``: ``{name: (layers, heads)}`` nested lists or a tensor over every layer of the part and the
         checkpoint's head numbers (:func:`~multihead.inspect.headreport.report_columns`,
         :meth:`~multihead.inspect.SavedModelExtras.probe_columns`). Returns ``{name: (len(layers),
-        len(heads))}`` nested lists, rows ``self.layers`` and columns ``self.heads``. A grid too small for them
+        len(heads))}`` nested lists, rows ``self.layers`` and columns ``self.heads``, NaN as None (an empty cell: a
+        pruned head, a head a probe did not measure). A grid too small for them
         raises ValueError naming ``columns``.
         """
         shown = {}
@@ -337,7 +343,8 @@ class Inspection:
                     f"{len(grid)} rows of {sorted({len(row) for row in grid})} columns",
                     "pass scores over every layer of the part and the checkpoint's head numbers",
                 )
-            shown[name] = [[grid[layer][head] for head in self.heads] for layer in self.layers]
+            # a head nobody measured (NaN: a pruned head, a probe that skipped it) is an empty cell (None)
+            shown[name] = [[_measured(grid[layer][head]) for head in self.heads] for layer in self.layers]
         return shown
 
     def head_weights(self, layer: int, head: int) -> torch.Tensor:

@@ -68,6 +68,11 @@ LEGEND = (
     "prev/next/self/pos+k: positional, rare: the rarest word (Voita 2019); [CLS]/[SEP]: sink; punct; broad; "
     "focused (Clark 2019); a relation (nsubj, ...): syntactic. The % is the label's strength; ?: low confidence"
 )
+# added to the legend when the roles weighed behaviour probes or the head detectors (on repeated random tokens)
+BEHAVIOUR_LEGEND = (
+    "; prefix/induction: prefix matching, and copying (Olsson 2022); prev-tok/dup-tok: previous- and "
+    "duplicate-token heads (TransformerLens' detectors); sink: first-token share (Gu 2024)"
+)
 
 
 # --------------------------------------------------------------------------- the console
@@ -290,6 +295,7 @@ def print_inspection(inspection: Inspection, console: Console | None = None) -> 
     console.print(
         Text(
             LEGEND
+            + (BEHAVIOUR_LEGEND if inspection.role_stats.behaviours else "")
             + ("; pruned: the layer no longer has this head" if pruned else "")
             + ("; prev/next/self are the source positions i-1, i+1, i" if not same else "")
             + ".",
