@@ -65,7 +65,8 @@ def test_circuits_singular_values_and_readout():
     "call, kind, fragment",
     [
         (lambda m: composition_scores(m, "O"), ValueError, "mode: expected one of ['Q', 'K', 'V']"),
-        (lambda m: head_circuit(m, 3, 0), ValueError, "layer: expected an index in [0, 3)"),
+        (lambda m: head_circuit(m, 3, 0), ValueError, "layer: expected layer indices in 0..2 (or -3..-1"),
+        (lambda m: head_circuit(m, 0, 1.5), TypeError, "head: expected an int, got float 1.5"),
         (lambda m: head_circuit(m, 0, 0, top=31), ValueError, "top: expected an int in [1, 30]"),
         (lambda m: head_circuit(m, 0, 0, directions=7), ValueError, "directions: expected an int in [1, 6]"),
     ],
@@ -74,3 +75,29 @@ def test_bad_arguments_are_named(call, kind, fragment):
     with pytest.raises(kind) as raised:
         call(decoder())
     assert is_input_error(raised.value, kind) and fragment in str(raised.value)
+
+
+def test_a_negative_index_counts_from_the_end_as_everywhere():
+    model = decoder()
+    last, counted = head_circuit(model, -1, -2), head_circuit(model, 2, 2)
+    torch.testing.assert_close(last.qk, counted.qk, rtol=0, atol=0)
+    assert last.ov_writes.tolist() == counted.ov_writes.tolist()
+
+
+def test_a_pruned_layer_keeps_its_heads_weights_and_its_lost_heads_are_nan():
+    from multihead.heads import prune_layer
+
+    whole = decoder()
+    pruned = decoder()
+    kept = prune_layer(pruned.attention_layers[1], [1, 2])  # GQA: each key/value head keeps one query head
+    before, after = head_weights(whole), head_weights(pruned)
+    for name in ("W_Q", "W_K", "W_V", "W_O"):
+        # a Decoder keeps no head_ids: the kept heads are numbered 0, 1 again, the layer's other columns NaN
+        torch.testing.assert_close(getattr(after, name)[1, :2], getattr(before, name)[1, kept], rtol=0, atol=0)
+        assert getattr(after, name)[1, 2:].isnan().all() and not getattr(after, name)[[0, 2]].isnan().any()
+    scores = composition_scores(pruned, "K")
+    torch.testing.assert_close(scores[0, :, 1, :2], composition_scores(whole, "K")[0, :, 1, kept], rtol=0, atol=1e-12)
+    assert scores[0, :, 1, 2:].isnan().all()
+    with pytest.raises(ValueError) as raised:
+        head_circuit(pruned, 1, 3)
+    assert is_input_error(raised.value, ValueError) and "head: expected a head layer 1 still has" in str(raised.value)

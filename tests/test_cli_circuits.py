@@ -94,8 +94,14 @@ def test_mistakes_are_one_line(checkpoint, change, option, fragment, tmp_path, c
     assert_one_line(capsys, argv, "circuits", option, fragment)
 
 
-def test_an_encoder_is_refused_in_one_line(tmp_path, capsys):
-    folder = hf_checkpoints.save("bert", tmp_path / "bert")
+@pytest.mark.parametrize("kind", ["bert", "bart", "reverse"])
+def test_an_encoder_or_encoder_decoder_is_refused_in_one_line(kind, tmp_path, capsys):
+    if kind == "reverse":  # a `multihead train reverse` checkpoint: our own encoder-decoder
+        from multihead.train.reverse import ReverseSettings, run_reverse
+
+        folder = run_reverse(ReverseSettings(steps=2, log_every=1, probe_size=4)).save(tmp_path / "run")["model"]
+    else:
+        folder = hf_checkpoints.save(kind, tmp_path / kind)
     capsys.readouterr()  # what saving the checkpoint printed
     argv = ["circuits", "patch", "--model", str(folder), "--clean", "a b", "--corrupt", "a c", "--answer", "b"]
     assert_one_line(capsys, [*argv, "--wrong", "c"], "circuits", "--model", "a causal language model folder")

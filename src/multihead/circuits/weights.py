@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from multihead._errors import bad_argument, describe
-from multihead.circuits.lens import lens_parts
+from multihead._indices import checked_indices
+from multihead.circuits.lens import LensParts, lens_parts
+from multihead.inspect.recording import head_numbers
 
 __all__ = ["HeadWeights", "head_weights", "HeadCircuit", "head_circuit", "composition_scores", "COMPOSITIONS"]
 
@@ -33,7 +35,8 @@ COMPOSITIONS = ("Q", "K", "V")
 @dataclass(frozen=True)
 class HeadWeights:
     """Each head's projections, (layers, heads, ...), key/value heads repeated for the query heads they serve
-    (GQA): ``W_Q``, ``W_K`` (d_model, d_head), ``W_V`` (d_model, d_head_v), ``W_O`` (d_head_v, d_model)."""
+    (GQA): ``W_Q``, ``W_K`` (d_model, d_head), ``W_V`` (d_model, d_head_v), ``W_O`` (d_head_v, d_model). The heads
+    go by their checkpoint numbers: a head a pruned layer no longer has is NaN throughout."""
 
     W_Q: torch.Tensor
     W_K: torch.Tensor
@@ -58,9 +61,14 @@ def head_weights(model: nn.Module) -> HeadWeights:
     """Every head's W_Q, W_K, W_V and W_O (see :class:`HeadWeights`), for a model :func:`~multihead.circuits.lens_parts`
     reads whose attention has separate q/k/v projections (our layer, Llama, Mistral, Qwen2, Gemma ...) or GPT-2's
     fused one. Raises TypeError naming ``model`` for another layout."""
-    parts = lens_parts(model)
+    return _head_weights(model, lens_parts(model))
+
+
+def _head_weights(model: nn.Module, parts: LensParts) -> HeadWeights:
+    """:func:`head_weights` from the parts :func:`lens_parts` found."""
+    numbers, checkpoint_heads = head_numbers(model, sites=parts.sites)  # a pruned layer's heads keep theirs
     stacks: dict[str, list[torch.Tensor]] = {"W_Q": [], "W_K": [], "W_V": [], "W_O": []}
-    for site, (w_o, _) in zip(parts.sites, parts.out_projections, strict=True):
+    for site, (w_o, _), kept in zip(parts.sites, parts.out_projections, numbers, strict=True):
         module = model.get_submodule(site.name)
         hidden = w_o.shape[0]
         found = _projections(module, hidden)
@@ -76,10 +84,16 @@ def head_weights(model: nn.Module) -> HeadWeights:
         h, g = site.num_heads, site.num_kv_heads
         d, e = w_q.shape[0] // h, w_v.shape[0] // g
         per_group = h // g
-        stacks["W_Q"].append(w_q.reshape(h, d, hidden).transpose(1, 2))
-        stacks["W_K"].append(w_k.reshape(g, d, hidden).transpose(1, 2).repeat_interleave(per_group, dim=0))
-        stacks["W_V"].append(w_v.reshape(g, e, hidden).transpose(1, 2).repeat_interleave(per_group, dim=0))
-        stacks["W_O"].append(w_o.reshape(hidden, h, e).permute(1, 2, 0))
+        layer = {
+            "W_Q": w_q.reshape(h, d, hidden).transpose(1, 2),
+            "W_K": w_k.reshape(g, d, hidden).transpose(1, 2).repeat_interleave(per_group, dim=0),
+            "W_V": w_v.reshape(g, e, hidden).transpose(1, 2).repeat_interleave(per_group, dim=0),
+            "W_O": w_o.reshape(hidden, h, e).permute(1, 2, 0),
+        }
+        for name, values in layer.items():
+            every = values.new_full((checkpoint_heads, *values.shape[1:]), torch.nan)
+            every[kept] = values
+            stacks[name].append(every)
     with torch.no_grad():
         return HeadWeights(**{name: torch.stack(values).detach() for name, values in stacks.items()})
 
@@ -157,12 +171,19 @@ def _readout(inputs: torch.Tensor, outputs: torch.Tensor, read_in: torch.Tensor,
 def head_circuit(model: nn.Module, layer: int, head: int, *, directions: int = 3, top: int = 5) -> HeadCircuit:
     """The QK and OV circuits of head ``head`` of layer ``layer`` (see :class:`HeadCircuit`): the singular values,
     and the ``top`` tokens along each of the first ``directions`` singular directions."""
-    w = head_weights(model)
-    layers, heads = w.W_Q.shape[:2]
-    for name, value, count in (("layer", layer, layers), ("head", head, heads)):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < count:
-            raise bad_argument(name, f"an index in [0, {count})", describe(value), f"pass e.g. {name}=0")
     parts = lens_parts(model)
+    w = _head_weights(model, parts)
+    layers, heads = w.W_Q.shape[:2]
+    chosen = []
+    for name, value, count in (("layer", layer, layers), ("head", head, heads)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise bad_argument(name, "an int", describe(value), f"pass e.g. {name}=0", kind=TypeError)
+        chosen.append(checked_indices(name, value, count, name)[0])  # a negative index counts from the end
+    layer, head = chosen
+    if w.W_Q[layer, head].isnan().any():
+        raise bad_argument(
+            "head", f"a head layer {layer} still has", f"head {head}, pruned", "pass one of the layer's heads"
+        )
     embedding = _embedding(model)
     unembedding = parts.unembedding[0]
     vocab = min(embedding.shape[0], unembedding.shape[0])

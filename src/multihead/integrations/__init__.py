@@ -27,14 +27,21 @@ from multihead.models.symbols import load_decoder_reader
 __all__ = ["TRANSFORMERS_TESTED", "UnsupportedTransformersError", "load_text_model", "load_causal_lm"]
 
 
-def _model_type(folder: Path) -> str | None:
-    """config.json's model_type, or None where our loader should read the folder (and report what is wrong)."""
+def _transformers_config(folder: Path) -> dict | None:
+    """config.json as a dict where transformers should read the folder; None where our loader should (a save of
+    ours, no config.json, or one that is unreadable, not JSON or not an object: the loader says what is wrong)."""
     if path_kind(folder / SAVED_CONFIG) == "file" or path_kind(folder / "config.json") != "file":
         return None
     try:
-        kind = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object: the loader says so
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
+    return config if isinstance(config, dict) else None
+
+
+def _model_type(config: dict | None) -> str | None:
+    """config.json's model_type (see :func:`_transformers_config`), or None."""
+    kind = None if config is None else config.get("model_type")
     return kind if isinstance(kind, str) else None
 
 
@@ -55,7 +62,7 @@ def load_text_model(path: str | Path | None = None, *, dtype: torch.dtype = torc
         return load_decoder_reader(path, dtype=dtype)  # a Decoder.save (multihead train's checkpoints)
     if isinstance(path, (str, Path)) and path_kind(Path(path) / SEQ2SEQ_CONFIG) == "file":
         return load_seq2seq_reader(path, dtype=dtype)  # a Seq2Seq.save (multihead train reverse)
-    kind = _model_type(Path(path))
+    kind = _model_type(_transformers_config(Path(path)))
     convertible = other_formats(Path(path)) if kind in SERVED_MODEL_TYPES else {}
     if kind is None or (kind in SERVED_MODEL_TYPES and not convertible):
         return load_encoder(path, dtype=dtype)
@@ -82,16 +89,6 @@ def load_text_model(path: str | Path | None = None, *, dtype: torch.dtype = torc
     return load_model(path, dtype=dtype)
 
 
-def _encoder_decoder(folder: Path) -> bool:
-    """Whether ``folder`` holds an encoder-decoder (ours, or a config.json saying is_encoder_decoder)."""
-    if path_kind(folder / SEQ2SEQ_CONFIG) == "file":
-        return True
-    try:
-        return bool(json.loads((folder / "config.json").read_text(encoding="utf-8")).get("is_encoder_decoder"))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> CausalLM:
     """The causal language model in folder ``path`` on multihead's kernel, with its tokenizer: a folder written by
     :meth:`multihead.models.Decoder.save` (``multihead train``'s checkpoints, with their symbols), or a
@@ -109,8 +106,9 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> C
                 "save the model with its tokenizer's symbols",
             )
         return CausalLM(reader.decoder.eval(), reader.tokenizer, reader.name)
-    kind = _model_type(Path(path))
-    if kind is None or kind in SERVED_MODEL_TYPES or _encoder_decoder(Path(path)):
+    config = _transformers_config(Path(path))  # None for a Seq2Seq.save of ours (its own config file) too
+    kind = _model_type(config)
+    if kind is None or kind in SERVED_MODEL_TYPES or bool((config or {}).get("is_encoder_decoder")):
         raise bad_argument(
             "model",
             "a causal language model folder (a multihead train induction checkpoint, or a transformers *ForCausalLM)",

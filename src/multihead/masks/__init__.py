@@ -59,7 +59,7 @@ from multihead.masks._base import (  # noqa: F401
 from multihead.masks._binding import bind_mask  # noqa: F401
 from multihead.masks._bound_mask import BoundMask
 from multihead.masks._custom import custom
-from multihead.masks._diagonal import causal, window
+from multihead.masks._diagonal import band_intersection, causal, window  # noqa: F401
 from multihead.masks._mask import Combined, Mask, all_of, allowed, as_mask, bias  # noqa: F401
 from multihead.masks._padding import padding
 from multihead.masks._softcap import softcap

@@ -177,7 +177,7 @@ class _BoundDiagonal(BoundTerm):
         """This band and another of the same alignment as one, the tighter bound on each side."""
         if not isinstance(other, _BoundDiagonal) or other.spec.align != self.spec.align:
             return None
-        left, right = _tighter(self.spec.left, other.spec.left), _tighter(self.spec.right, other.spec.right)
+        left, right = band_intersection((self.spec.left, self.spec.right), (other.spec.left, other.spec.right))
         name = "causal" if left is None and right == 0 else "window"
         return _BoundDiagonal(_Diagonal(left, right, self.spec.align, name), self.offset, self.shape)
 
@@ -187,6 +187,13 @@ class _BoundDiagonal(BoundTerm):
         lo = -math.inf if self.spec.left is None else p - self.spec.left
         hi = math.inf if self.spec.right is None else p + self.spec.right
         return lo, hi
+
+
+def band_intersection(
+    a: tuple[int | None, int | None], b: tuple[int | None, int | None]
+) -> tuple[int | None, int | None]:
+    """The keys two bands (left, right) both allow: each side's tighter bound, None being unbounded."""
+    return _tighter(a[0], b[0]), _tighter(a[1], b[1])
 
 
 def _tighter(a: int | None, b: int | None) -> int | None:

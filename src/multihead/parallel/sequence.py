@@ -162,10 +162,6 @@ def _combine(terms: list[masks.Mask]) -> masks.Mask | None:
     return None if not terms else terms[0] if len(terms) == 1 else masks.Combined(tuple(terms))
 
 
-def _tighter(a: int | None, b: int | None) -> int | None:
-    return b if a is None else a if b is None else min(a, b)
-
-
 def _check_mask(mask: object, causal: bool, function: str) -> _Diagonals:
     left: int | None = None
     right: int | None = 0 if causal else None
@@ -183,7 +179,7 @@ def _check_mask(mask: object, causal: bool, function: str) -> _Diagonals:
     for term in mask.terms():
         band = term.key_band()
         if band is not None:
-            left, right = _tighter(left, band[0]), _tighter(right, band[1])
+            left, right = masks.band_intersection((left, right), band)
         elif term.cap is not None:
             extra.append(term)
         else:
