@@ -149,3 +149,40 @@ def test_detector_behaviours_score_a_causal_text_model_only(tmp_path):
     assert set(found) == {"previous_token", "duplicate_token", "prefix_matching", "sink"}
     torch.testing.assert_close(found["prefix_matching"], expected.induction.double())  # TL's induction score
     assert detector_behaviours(load_text_model(hf_checkpoints.save("bert", tmp_path / "bert"))) is None
+
+
+def test_named_heads_are_those_at_a_roles_threshold():
+    nan = float("nan")
+    grid = {
+        "previous_token": torch.tensor([[0.9, 0.1], [0.0, nan]]),
+        "duplicate_token": torch.tensor([[0.0, 0.45], [0.39, nan]]),
+        "induction": torch.tensor([[0.0, 0.0], [0.8, nan]]),
+        "sink": torch.tensor([[0.3, 0.0], [0.9, nan]]),
+    }
+    named = HeadDetection(part="self", **grid).named_heads()
+    # by head; within one, strongest evidence first (score / threshold: sink 0.9/0.3 = 3 before prefix 0.8/0.4 = 2)
+    assert [(e["layer"], e["head"], e["role"]) for e in named] == [
+        (0, 0, "prev-tok"),
+        (0, 0, "sink"),
+        (0, 1, "dup-tok"),
+        (1, 0, "sink"),
+        (1, 0, "prefix"),
+    ]
+    assert named[0]["score"] == pytest.approx(0.9)
+
+
+def test_probe_heads_fits_the_models_positions():
+    from multihead.circuits import probe_heads
+    from multihead.models import Decoder, DecoderConfig
+    from multihead.models.symbols import SymbolTokenizer, task_symbols
+
+    model = Decoder(DecoderConfig(vocab_size=24, hidden=16, layers=1, heads=2, mlp=None, max_positions=25)).eval()
+    tokenizer = SymbolTokenizer(task_symbols(24), max_length=25)
+    found = probe_heads(model, tokenizer, seed=3)
+    assert found.ids is not None and found.ids.shape == (4, 25)  # <bos> and 2 x 12: what the positions hold
+    assert (found.ids[:, 0] == 0).all() and (found.ids[:, 1:] > 0).all()  # the BOS first, never drawn again
+    torch.testing.assert_close(found.ids[:, 1:13], found.ids[:, 13:], rtol=0, atol=0)
+    assert probe_heads(model, tokenizer, half_length=5).ids.shape == (4, 11)
+    with pytest.raises(ValueError) as raised:
+        probe_heads(model, tokenizer, half_length=13)
+    assert is_input_error(raised.value, ValueError) and "half_length: expected at most 12" in str(raised.value)

@@ -135,6 +135,7 @@ def test_dla_lens_and_detect_write_what_python_gives(checkpoint, tmp_path, capsy
     found = detect_heads(lm.model, ids)
     torch.testing.assert_close(torch.tensor(detect["induction"]), found.induction.float(), rtol=0, atol=1e-6)
     assert detect["sink_heads"] == [list(pair) for pair in found.sink_heads()]
+    assert detect["roles"] == found.named_heads()
     # the pages: dla's heads grid and its layers table, the lens table, a grid per detector and the sink share
     dla_page = parsed((out / "dla.html").read_text(encoding="ascii"))
     assert [float(cell["data-value"]) for cell in dla_page.cells] == pytest.approx(

@@ -53,6 +53,8 @@ BEHAVIOUR_NAMES = {
     "induction": "prefix_matching",
     "sink": "sink",
 }
+HALF_LENGTH = 20  # random tokens per half, where the model's positions hold 2 x 20 (+ BOS): TransformerLens' demos
+ROLE_LABELS = {"previous_token": "prev-tok", "duplicate_token": "dup-tok", "induction": "prefix", "sink": "sink"}
 
 
 def repeated_random_tokens(
@@ -96,17 +98,36 @@ def detection_patterns(ids: torch.Tensor) -> dict[str, torch.Tensor]:
 @dataclass(frozen=True)
 class HeadDetection:
     """Each detector's score per head and the sink share, (layers, heads), in float32 (float64 for a float64
-    model); the heads by their checkpoint numbers, NaN where a pruned layer no longer has one."""
+    model); the heads by their checkpoint numbers, NaN where a pruned layer no longer has one. ``ids``: the (b, n)
+    token ids scored (None when built by hand)."""
 
     part: str
     previous_token: torch.Tensor
     duplicate_token: torch.Tensor
     induction: torch.Tensor
     sink: torch.Tensor
+    ids: torch.Tensor | None = None
 
     def sink_heads(self, threshold: float = SINK_THRESHOLD) -> list[tuple[int, int]]:
         """(layer, head) of every head whose first-token share exceeds ``threshold``."""
         return [(int(layer), int(head)) for layer, head in (self.sink > threshold).nonzero().tolist()]
+
+    def named_heads(self) -> list[dict]:
+        """Every head a detector names, by layer and head: ``{"layer", "head", "role", "score"}``, the role the
+        label :mod:`multihead.inspect.roles` gives a score at or above its rule's threshold (prev-tok, dup-tok,
+        prefix, sink; see ``ROLE_RULES``); a head named by several detectors is listed once per role, its
+        strongest evidence first."""
+        named = []
+        for layer in range(self.sink.shape[0]):
+            for head in range(self.sink.shape[1]):
+                passing = []
+                for name, label in ROLE_LABELS.items():
+                    score = float(getattr(self, name)[layer, head])
+                    evidence = score / ROLE_RULES[label].threshold
+                    if evidence >= 1.0:  # NaN (a pruned head) never passes
+                        passing.append((evidence, {"layer": layer, "head": head, "role": label, "score": score}))
+                named += [entry for _, entry in sorted(passing, key=lambda pair: -pair[0])]
+        return named
 
     def to_dict(self) -> dict:
         """JSON-ready: each score as (layers, heads) nested lists (null for a pruned head)."""
@@ -155,7 +176,7 @@ def detect_heads(model: nn.Module, ids: torch.Tensor, *, part: str | None = None
         for name, values in found.items():
             grid = scores.setdefault(name, torch.full((len(numbers), checkpoint_heads), torch.nan, dtype=values.dtype))
             grid[layer, numbers[layer]] = values.cpu()
-    return HeadDetection(part=recorder.part, **scores)
+    return HeadDetection(part=recorder.part, **scores, ids=ids)
 
 
 def probe_heads(
@@ -163,15 +184,31 @@ def probe_heads(
     tokenizer: TextTokenizer,
     *,
     part: str | None = None,
-    half_length: int = 20,
+    half_length: int | None = None,
     batch: int = 4,
     seed: int = 0,
 ) -> HeadDetection:
     """:func:`detect_heads` on ``batch`` sequences of ``half_length`` random tokens repeated once
     (:func:`repeated_random_tokens` of the ``tokenizer``'s vocabulary, seeded with ``seed``), after the tokenizer's
     BOS where it has one (TransformerLens prepends one too; a BOS of id 0 is then never drawn among the random
-    tokens), on the device of ``model``'s parameters."""
+    tokens), on the device of ``model``'s parameters.
+
+    ``half_length``: None for :data:`HALF_LENGTH` (20), or fewer where the model's positions
+    (``tokenizer.max_length``) hold fewer: a model trained on short sequences is probed on what it read. A
+    ``half_length`` whose sequences exceed those positions raises ValueError naming it.
+    """
     bos = tokenizer.bos_id
+    longest = (tokenizer.max_length - (0 if bos is None else 1)) // 2
+    if half_length is None:
+        half_length = min(HALF_LENGTH, longest)
+    elif isinstance(half_length, int) and not isinstance(half_length, bool) and half_length > longest:
+        raise bad_argument(
+            "half_length",
+            f"at most {longest}: the sequences, twice it{' after a BOS' if bos is not None else ''}, must fit the "
+            f"model's {tokenizer.max_length} positions",
+            half_length,
+            f"pass half_length={longest} or less",
+        )
     ids = repeated_random_tokens(
         tokenizer.vocabulary_size, half_length, batch=batch, seed=seed, bos=bos, low=1 if bos == 0 else 0
     )
@@ -180,7 +217,7 @@ def probe_heads(
 
 
 def detector_behaviours(
-    model: nn.Module, *, half_length: int = 20, batch: int = 4, seed: int = 0
+    model: nn.Module, *, half_length: int | None = None, batch: int = 4, seed: int = 0
 ) -> dict[str, torch.Tensor] | None:
     """The head detectors' scores of a causal text model as the behaviour measures its roles weigh: what
     ``multihead inspect`` passes to :func:`~multihead.inspect.inspect_text` as ``behaviours`` for a causal LM::

@@ -150,7 +150,14 @@ def detect_page(found: HeadDetection, sequences: int, facts: Mapping[str, str] |
         for name in (*DETECTORS, "sink")
     ]
     note = f"sink heads (share above {SINK_THRESHOLD}): {found.sink_heads() or 'none'}"
-    return Page("multihead circuits: head detectors", dict(facts or {}), grids=grids, notes=[note])
+    named = found.named_heads()
+    roles = Table(
+        "the heads the detectors name: their role in multihead inspect (a score at or above the role's threshold)",
+        ("head", "role", "score"),
+        [(f"L{entry['layer']} H{entry['head']}", entry["role"], entry["score"]) for entry in named],
+    )
+    notes = [note] + ([] if named else ["no head reaches a detector's threshold"])
+    return Page("multihead circuits: head detectors", dict(facts or {}), grids, [roles] if named else [], notes)
 
 
 def print_page(console: Console, page: Page) -> None:

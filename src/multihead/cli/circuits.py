@@ -92,7 +92,12 @@ def add_parser(subparsers) -> None:
         "share (Gu et al. 2024; above 0.3 a sink head).",
     )
     detect.add_argument("--model", metavar="DIR", required=True, help="a causal LM folder (as for patch)")
-    detect.add_argument("--half-length", type=int, default=20, metavar="N", help="random tokens, repeated once")
+    detect.add_argument(
+        "--half-length",
+        type=int,
+        metavar="N",
+        help="random tokens, repeated once (default 20, or fewer where the model's positions hold fewer)",
+    )
     detect.add_argument("--batch", type=int, default=4, metavar="B", help="sequences (default 4)")
     detect.add_argument("--seed", type=int, default=0, help="seeds the random tokens (default 0)")
     detect.add_argument("--format", default="terminal,json", metavar="LIST", help="any of terminal,json,png")
@@ -285,12 +290,15 @@ def run_detect(args: argparse.Namespace) -> int:
     formats, lm = _opened(args)
     with from_options({"half_length": "--half-length", "batch": "--batch"}):
         found = probe_heads(lm.model, lm.tokenizer, half_length=args.half_length, batch=args.batch, seed=args.seed)
-    facts = {"model": lm.name, "sequences": f"{args.batch} x {args.half_length} random tokens, repeated once"}
-    page = detect_page(found, args.batch, facts)
+    assert found.ids is not None  # detect_heads keeps the ids it scored
+    batch, length = found.ids.shape
+    half_length = (length - (0 if lm.bos_id is None else 1)) // 2  # the default fits the model's positions
+    facts = {"model": lm.name, "sequences": f"{batch} x {half_length} random tokens, repeated once"}
+    page = detect_page(found, batch, facts)
     console = make_console()
     if "terminal" in formats:
         print_page(console, page)
-    data = {"model": lm.name, "half_length": args.half_length, "batch": args.batch, "seed": args.seed}
-    data |= {**found.to_dict(), "sink_heads": found.sink_heads()}
+    data = {"model": lm.name, "half_length": half_length, "batch": batch, "seed": args.seed}
+    data |= {**found.to_dict(), "sink_heads": found.sink_heads(), "roles": found.named_heads()}
     print_written(console, write_report(data, "detect", args.out, formats, page, argument="--out"))
     return 0
