@@ -132,3 +132,23 @@ def test_the_score_scale_runs_blue_white_red(value, bound):
         assert rgb == SCORE_STOPS[int(share * (len(SCORE_STOPS) - 1))]
     else:
         assert rgb == score_rgb(-1.0, 4.0)  # -0.5 of 2 sits where -1 of 4 does
+
+
+def test_the_png_draws_every_grid_on_the_score_scale(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from multihead.circuits import report
+
+    drawn = []
+    monkeypatch.setattr(report, "save_figure", lambda figure, path: drawn.append(figure) or path)
+    page = Page("two grids", grids=[Grid("a", SCORES), Grid("b", SCORES * 3, bound=1.0)])
+    written = report.write_report({"x": 1}, "patching", tmp_path, ["json", "png"], page)
+    assert set(written) == {"json", "png"} and written["png"].name == "patching.png"
+    images = [axes.images[0] for axes in drawn[0].axes if axes.images]
+    assert [image.get_clim() for image in images] == [(-2.0, 2.0), (-1.0, 1.0)]
+    colours = torch.tensor(images[0].get_cmap()([0.0, 0.5, 1.0], bytes=True)[:, :3].tolist())
+    expected = torch.tensor([SCORE_STOPS[0], SCORE_STOPS[5], SCORE_STOPS[-1]])  # the page's scale
+    assert (colours - expected).abs().max() <= 1  # matplotlib samples the ramp at 256 levels
+    plt.close(drawn[0])
+    lens = Page("lens", tables=[Table("t", ["after"], [["embedding"]])])
+    assert "png" not in report.write_report({}, "lens", tmp_path, ["png", "html"], lens)

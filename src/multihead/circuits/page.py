@@ -51,6 +51,14 @@ class Grid:
     columns: Sequence[str] | None = None
     bound: float | None = None
 
+    def colour_bound(self) -> float:
+        """The end of the colour scale: ``bound``, or the largest |score| (1 when every score is NaN), at least
+        1e-9."""
+        if self.bound is not None:
+            return max(self.bound, 1e-9)
+        finite = self.scores[~self.scores.isnan()]
+        return max(float(finite.abs().max()) if finite.numel() else 1.0, 1e-9)
+
 
 @dataclass(frozen=True)
 class Table:
@@ -98,9 +106,7 @@ def _shaded(value: float, bound: float) -> dict:
 
 def _grid_view(grid: Grid) -> dict:
     scores = grid.scores.detach().double().cpu()
-    finite = scores[~scores.isnan()]
-    bound = grid.bound if grid.bound is not None else (float(finite.abs().max()) if finite.numel() else 1.0)
-    bound = max(bound, 1e-9)
+    bound = grid.colour_bound()
     prefix = "H" if grid.across == "head" else "pos "
     columns = list(grid.columns) if grid.columns is not None else [f"{prefix}{i}" for i in range(scores.shape[1])]
     rows = []

@@ -212,10 +212,7 @@ def plot_grids(grids: Sequence[Grid], path: str | Path) -> Path:
     )
     for grid, axes in zip(grids, axes_list[:, 0], strict=True):
         scores = grid.scores.detach().double().cpu()
-        finite = scores[~scores.isnan()]
-        bound = (
-            grid.bound if grid.bound is not None else max(float(finite.abs().max()) if finite.numel() else 1.0, 1e-9)
-        )
+        bound = grid.colour_bound()
         layers, count = scores.shape
         image = axes.imshow(scores.numpy(), cmap=score_colormap(), vmin=-bound, vmax=bound, aspect="auto")
         axes.set_xlabel(grid.across)

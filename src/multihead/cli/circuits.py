@@ -51,7 +51,10 @@ def add_parser(subparsers) -> None:
         help="exact patching, or its first-order estimate from one backward (default exact)",
     )
     patch.add_argument(
-        "--format", default="terminal,json", metavar="LIST", help="any of terminal,json,png (default terminal,json)"
+        "--format",
+        default="terminal,json",
+        metavar="LIST",
+        help="any of terminal,html,json,png (default terminal,json)",
     )
     patch.add_argument(
         "--out",
@@ -81,7 +84,7 @@ def add_parser(subparsers) -> None:
             "--format",
             default="terminal,json",
             metavar="LIST",
-            help="any of terminal,json" + (",png" if mode == "dla" else "") + " (default terminal,json)",
+            help="any of terminal,html,json" + (",png" if mode == "dla" else "") + " (default terminal,json)",
         )
         sub.add_argument("--out", metavar="DIR", default="multihead-circuits", help="where the files go")
         sub.set_defaults(run=run_dla if mode == "dla" else run_lens)
@@ -100,7 +103,12 @@ def add_parser(subparsers) -> None:
     )
     detect.add_argument("--batch", type=int, default=4, metavar="B", help="sequences (default 4)")
     detect.add_argument("--seed", type=int, default=0, help="seeds the random tokens (default 0)")
-    detect.add_argument("--format", default="terminal,json", metavar="LIST", help="any of terminal,json,png")
+    detect.add_argument(
+        "--format",
+        default="terminal,json",
+        metavar="LIST",
+        help="any of terminal,html,json,png (default terminal,json)",
+    )
     detect.add_argument("--out", metavar="DIR", default="multihead-circuits", help="where the files go")
     detect.set_defaults(run=run_detect)
 
