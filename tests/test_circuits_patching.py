@@ -19,13 +19,13 @@ import torch
 from multihead.circuits import PatchingResult, activation_patching, agreement, attribution_patching, path_patching
 from multihead.integrations import transformers as integration
 from support import is_input_error
-from test_integrations_transformers import VOCAB, build
+from test_integrations_transformers import VOCAB, build, build_gemma2
 
 ANSWER, WRONG = 5, 11
 # how far transformers' eager attention is from float64 (Llama's takes its softmax in float32), in the logits and
 # in the scores (measured: 1e-14 and 3e-7 at most)
-EAGER_ROUNDING = {"gpt2": 1e-10, "llama": 1e-6}
-SCORE_TOLERANCE = {"gpt2": 1e-11, "llama": 1e-5}
+EAGER_ROUNDING = {"gpt2": 1e-10, "llama": 1e-6, "mistral": 1e-6, "gpt_neox": 1e-6, "gemma2": 1e-6, "qwen2": 1e-6}
+SCORE_TOLERANCE = {"gpt2": 1e-11, "llama": 1e-5, "mistral": 1e-5, "gpt_neox": 1e-5, "gemma2": 1e-5, "qwen2": 1e-5}
 LENGTH = 7
 
 
@@ -39,9 +39,33 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return clean, corrupt
 
 
+def build_any(name: str) -> torch.nn.Module:
+    """A tiny random causal LM of architecture ``name``: those test_integrations_transformers builds, Gemma 2 (soft-
+    capped scores, a window in every other layer) and Qwen2 (GQA, RoPE, q/k/v biases)."""
+    if name == "gemma2":
+        return build_gemma2()
+    if name == "qwen2":
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=40,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        return transformers.Qwen2ForCausalLM(config)
+    return build(name)
+
+
 def pair(name: str):
     """(eager, multihead) copies of a tiny random model, float64, eval mode, and its transformers module."""
-    theirs = build(name).to(torch.float64).eval()
+    theirs = build_any(name).to(torch.float64).eval()
     theirs.set_attn_implementation("eager")
     ours = copy.deepcopy(theirs)
     ours.set_attn_implementation(integration.IMPLEMENTATION)
@@ -142,6 +166,18 @@ def test_exact_patching_equals_patching_transformers_eager_attention(name, what,
     # the sweep leaves the model as it was: hooks removed, mode back, the same logits
     assert all(not site.attend._forward_hooks and not site.attend._forward_pre_hooks for site in sites(ours))
     torch.testing.assert_close(ours(clean).logits, theirs(clean).logits, rtol=0, atol=EAGER_ROUNDING[name])
+
+
+@pytest.mark.parametrize("what, by", [("z", "head"), ("pattern", "head"), ("v", "position")])
+@pytest.mark.parametrize("name", ["mistral", "gpt_neox", "gemma2", "qwen2"])
+def test_exact_patching_on_the_other_architectures(name, what, by):
+    # a window (Mistral, Gemma 2), soft-capped scores (Gemma 2), partial rotary (GPT-NeoX), q/k/v biases (Qwen2)
+    theirs, ours, module = pair(name)
+    clean, corrupt = prompts()
+    expected = reference_scores(theirs, module, clean, corrupt, what, by)
+    result = activation_patching(ours, clean, corrupt, answer=ANSWER, wrong=WRONG, what=what, by=by, batch_size=4)
+    torch.testing.assert_close(result.scores, expected, rtol=0, atol=SCORE_TOLERANCE[name])
+    assert result.scores.abs().max() > 1e-3  # the corruption moves something: the comparison is not of zeros
 
 
 def sites(model):
