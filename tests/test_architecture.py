@@ -44,6 +44,7 @@ LAYERS = [
     ("multihead.cache", "the layer"),
     ("multihead.positional", "the layer"),
     ("multihead.functional", "the kernel"),
+    ("multihead.streamed_stats", "the kernel"),
     ("multihead.backends", "the backends"),
     ("multihead.masks", "typed masks"),
     ("multihead._", "shared helpers"),

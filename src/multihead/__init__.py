@@ -11,6 +11,7 @@ from multihead import backends, masks, positional
 from multihead.cache import KVCache
 from multihead.functional import AttentionResult, WeightSelection, attention, explain
 from multihead.layer import MultiHeadAttention
+from multihead.streamed_stats import AttentionStats, attention_stats
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,8 @@ __all__ = [
     "explain",
     "AttentionResult",
     "WeightSelection",
+    "attention_stats",
+    "AttentionStats",
     "MultiHeadAttention",
     "KVCache",
     "masks",

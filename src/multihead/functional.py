@@ -320,6 +320,27 @@ def _select_weights(weights: torch.Tensor, selection: WeightSelection) -> torch.
     return weights[:, :, queries] if isinstance(queries, slice) else weights.index_select(2, queries)
 
 
+def bound_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | torch.Tensor | None, causal: bool, scale
+) -> _Prepared:
+    """A forward call checked and its mask bound as :func:`attention` does (the same errors), for a kernel that
+    reads the weights itself (:func:`multihead.attention_stats`): q, k, v batched ((h, i, d) -> (1, h, i, d),
+    ``unbatched`` says so), the :class:`~multihead.masks.BoundMask` and the scale."""
+    return _prepare(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout=0.0,
+        training=False,
+        backend="auto",
+        return_weights=False,
+        return_lse=True,
+    )
+
+
 def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
     """Exact weights for the selected heads and rows only: cost proportional to the selection.
 

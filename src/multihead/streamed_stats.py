@@ -1,0 +1,278 @@
+"""``attention_stats(q, k, v, ...)``: exact statistics of the attention weights in O(n) memory, never an n x n matrix.
+
+    stats = multihead.attention_stats(q, k, v, causal=True, top_k=4)
+    stats.entropy       # (b, h, i) nats
+    stats.received      # (b, h, j): the column sums of the weights, where the sinks and heavy hitters are
+    stats.bands         # (b, h, i, 6): the weight at 0, 1, 2-8, 9-64, 65-512 and 513+ tokens away
+
+Two passes. The first is :func:`multihead.attention` with ``return_lse=True``: the output and the log-sum-exp of
+every row, on the fastest kernel that serves the call. The second walks the same blocks the tiled kernel does
+(``block_q`` query rows by ``block_k`` keys, every block the mask leaves empty skipped) and turns each block's
+scores into the exact weights, p = exp(s - lse), which it reduces at once: per query row, per key column, or into a
+pooled map. The memory beyond the inputs is one block of scores and the statistics themselves.
+
+Positions: query row r sits at position r + (j - i), aligned bottom-right as :func:`~multihead.masks.causal`
+aligns a query block with its keys (i == j for self-attention: row r is position r). The distance of key c from
+query row r is that position minus c: positive for a key before the query ("tokens back"), negative for one
+after it (an encoder's heads see those; their weight is ``ahead``).
+
+Every statistic is of the weights :func:`~multihead.attention` applies: the same typed masks (padding, window,
+ALiBi, soft-cap, documents, a caller's bias), GQA, and rows with every key masked give weights 0 (entropy 0,
+``max_key`` -1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from multihead._errors import bad_argument, describe
+from multihead._indices import checked_indices
+from multihead.backends._blocks import Blocks, compute_dtype, mask_scores_
+from multihead.functional import attention, bound_call
+from multihead.masks import BlockState, Mask
+
+__all__ = ["AttentionStats", "attention_stats", "DISTANCE_BANDS", "POOLS"]
+
+# The lower ends of the distance bands, in tokens: 0 (the token itself), 1, 2-8, 9-64, 65-512, 513 and more.
+DISTANCE_BANDS = (0, 1, 2, 9, 65, 513)
+POOLS = ("max", "mean")
+BLOCK_Q = 128
+BLOCK_K = 256
+
+
+@dataclass(frozen=True)
+class AttentionStats:
+    """Exact statistics of one call's attention weights (see :func:`attention_stats`), in the compute dtype
+    (float32 for half inputs, float64 for float64). Rows are the query rows asked for (``rows``), heads the heads
+    asked for (``heads``), in their order.
+
+    Per query row (b, heads, rows): ``entropy`` (nats), ``max_weight`` and ``max_key`` (the key holding it, -1
+    for a row with every key masked), ``ahead`` (the weight on keys after the query). ``bands`` (b, heads, rows,
+    6): the weight at each distance band of :data:`DISTANCE_BANDS` (absolute distance). ``first`` (b, heads,
+    rows, sinks): the weight on each of the first ``sinks`` keys. ``top_weights``, ``top_keys`` (b, heads, rows,
+    top_k): the ``top_k`` largest weights and their keys, largest first (None without ``top_k``).
+
+    Per key (b, heads, j): ``received``, the weight the key gets summed over every query row (all of them, not
+    only ``rows``); ``received_far``, the same from the queries at least ``far`` tokens after it.
+
+    ``pooled`` (b, heads, P, Q): the (i, j) weights pooled over blocks of ``ceil(i / P)`` x ``ceil(j / Q)``
+    (max or mean), at most ``pooled`` x ``pooled``; None unless asked for. ``output``: (b, h, i, e), the
+    attention output, computed on the way (all heads and rows).
+    """
+
+    output: torch.Tensor
+    entropy: torch.Tensor
+    max_weight: torch.Tensor
+    max_key: torch.Tensor
+    ahead: torch.Tensor
+    bands: torch.Tensor
+    first: torch.Tensor
+    received: torch.Tensor
+    received_far: torch.Tensor
+    top_weights: torch.Tensor | None
+    top_keys: torch.Tensor | None
+    pooled: torch.Tensor | None
+    heads: list[int]
+    rows: list[int]
+    far: int
+
+
+def attention_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    heads: Sequence[int] | int | None = None,
+    rows: Sequence[int] | int | None = None,
+    sinks: int = 4,
+    far: int = 512,
+    top_k: int = 0,
+    pooled: int | None = None,
+    pool: str = "max",
+) -> AttentionStats:
+    """Exact statistics of the attention weights softmax(q k^T * scale + mask), streamed block by block.
+
+    Args:
+        q, k, v, mask, causal, scale: as for :func:`multihead.attention` (shapes (b, h, i, d), (b, g, j, d),
+            (b, g, j, e), or unbatched without b).
+        heads: the query heads to measure (None: all; negative indices count from the end).
+        rows: the query rows whose per-row statistics are returned (None: all). The column sums always add
+            every row.
+        sinks: how many leading keys ``first`` covers (Gu et al. 2024 measure the first one).
+        far: the distance at or past which a query counts toward ``received_far``.
+        top_k: the largest weights kept per row (0: none).
+        pooled: the side of the pooled map (None: no map); ``pool``: "max" or "mean".
+
+    Returns:
+        :class:`AttentionStats`. Its tensors lose the b axis for unbatched inputs.
+
+    Raises:
+        What :func:`multihead.attention` raises for its arguments, and ValueError or TypeError naming ``heads``,
+        ``rows``, ``sinks``, ``far``, ``top_k``, ``pooled`` or ``pool``.
+
+    Example:
+        >>> q = torch.randn(1, 2, 6, 8); k = v = torch.randn(1, 2, 6, 8)
+        >>> stats = attention_stats(q, k, v, causal=True)
+        >>> torch.allclose(stats.received.sum(-1), torch.tensor(6.0))  # each row's weights sum to 1: 6 rows
+        True
+    """
+    call = bound_call(q, k, v, mask=mask, causal=causal, scale=scale)
+    b, h, i, _ = call.q.shape
+    j = call.k.shape[2]
+    chosen_heads = checked_indices("heads", heads, h, "head")
+    chosen_rows = checked_indices("rows", rows, i, "query")
+    sinks = _count("sinks", sinks, 0, j, "e.g. sinks=4")
+    far = _count("far", far, 0, None, "e.g. far=512")
+    top_k = _count("top_k", top_k, 0, j, "e.g. top_k=8, or 0 for none")
+    if pooled is not None:
+        pooled = _count("pooled", pooled, 1, None, "e.g. pooled=512, or None for no map")
+    if pool not in POOLS:
+        raise bad_argument("pool", f"one of {list(POOLS)}", repr(pool), 'pass pool="max" or pool="mean"')
+
+    result = attention(q, k, v, mask=mask, causal=causal, scale=scale, return_lse=True)
+    assert result.lse is not None
+    output, lse = result.output, result.lse
+    if call.unbatched:
+        output, lse = output.unsqueeze(0), lse.unsqueeze(0)
+    work = compute_dtype(call.q.dtype)
+    head_index = torch.tensor(chosen_heads, device=call.q.device)
+    group = h // call.k.shape[1]
+    qs = call.q.index_select(1, head_index).to(work) * call.scale  # (b, H, i, d)
+    ks = call.k.index_select(1, head_index // group).to(work)  # (b, H, j, d): each chosen head's own key head
+    lse = lse.index_select(1, head_index).to(work)
+    safe_lse = lse.masked_fill(lse == -math.inf, 0.0).unsqueeze(-1)  # (b, H, i, 1): a row all masked gives p = 0
+    acc = _Accumulators(b, len(chosen_heads), i, j, work, call.q.device, sinks, far, top_k, pooled, pool)
+    offset = j - i
+    for qb in Blocks(i, BLOCK_Q):
+        for kb in Blocks(j, BLOCK_K):
+            if call.mask.state(qb, kb) is BlockState.EMPTY:
+                continue
+            scores = qs[:, :, qb.start : qb.stop] @ ks[:, :, kb.start : kb.stop].transpose(-1, -2)
+            mask_scores_(scores, call.mask, slice(qb.start, qb.stop), slice(kb.start, kb.stop), head_index)
+            weights = scores.sub_(safe_lse[:, :, qb.start : qb.stop]).exp_()  # (b, H, n, m): exact, 0 masked
+            positions = torch.arange(qb.start, qb.stop, device=weights.device) + offset
+            keys = torch.arange(kb.start, kb.stop, device=weights.device)
+            acc.add(qb, kb, weights, positions[:, None] - keys[None, :])
+    return acc.result(output, chosen_heads, chosen_rows, far, call.unbatched)
+
+
+def _count(name: str, value: object, low: int, high: int | None, fix: str) -> int:
+    """``value`` as an int in [low, high] (high None: unbounded), else an error naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad_argument(name, "an int", describe(value), f"pass {fix}", kind=TypeError)
+    if value < low or (high is not None and value > high):
+        bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise bad_argument(name, f"an int in {bounds}", value, f"pass {fix}")
+    return value
+
+
+class _Accumulators:
+    """The running statistics of one call, filled block by block (:meth:`add`), all rows and the chosen heads."""
+
+    def __init__(self, b, heads, i, j, dtype, device, sinks, far, top_k, pooled, pool):
+        zeros = {"dtype": dtype, "device": device}
+        self.far, self.top_k, self.pool, self.sinks = far, top_k, pool, sinks
+        self.neg_plogp = torch.zeros(b, heads, i, **zeros)  # the entropy: sum over keys of -p log p
+        self.max_weight = torch.zeros(b, heads, i, **zeros)
+        self.max_key = torch.full((b, heads, i), -1, dtype=torch.long, device=device)
+        self.ahead = torch.zeros(b, heads, i, **zeros)
+        self.bands = torch.zeros(b, heads, i, len(DISTANCE_BANDS), **zeros)
+        self.first = torch.zeros(b, heads, i, sinks, **zeros)
+        self.received = torch.zeros(b, heads, j, **zeros)
+        self.received_far = torch.zeros(b, heads, j, **zeros)
+        self.edges = torch.tensor(DISTANCE_BANDS[1:], device=device)
+        # the running top-k: weights start below any weight, so the first block's fill them
+        self.top_weights = torch.full((b, heads, i, top_k), -1.0, **zeros)
+        self.top_keys = torch.full((b, heads, i, top_k), -1, dtype=torch.long, device=device)
+        self.pooled: torch.Tensor | None = None
+        if pooled is not None:
+            self.row_bin, self.col_bin = -(-i // min(pooled, i)), -(-j // min(pooled, j))  # positions per bin
+            self.pooled = torch.zeros(b, heads, -(-i // self.row_bin), -(-j // self.col_bin), **zeros)
+            self.bin_sizes = (
+                torch.arange(i, device=device).div(self.row_bin, rounding_mode="floor").bincount(),
+                torch.arange(j, device=device).div(self.col_bin, rounding_mode="floor").bincount(),
+            )
+
+    def add(self, qb: range, kb: range, p: torch.Tensor, distance: torch.Tensor) -> None:
+        """Fold in one block: ``p`` (b, H, n, m) the exact weights of query rows ``qb`` on keys ``kb`` (0 where
+        masked), ``distance`` (n, m) each query's position minus each key's."""
+        rows, cols = slice(qb.start, qb.stop), slice(kb.start, kb.stop)
+        positive = p > 0
+        self.neg_plogp[:, :, rows] -= torch.where(positive, p * p.log(), torch.zeros_like(p)).sum(-1)
+        best, where = p.max(-1)  # (b, H, n)
+        better = best > self.max_weight[:, :, rows]  # a row's first key of the largest weight keeps it
+        self.max_weight[:, :, rows] = torch.where(better, best, self.max_weight[:, :, rows])
+        self.max_key[:, :, rows] = torch.where(better, where + kb.start, self.max_key[:, :, rows])
+        self.ahead[:, :, rows] += (p * (distance < 0)).sum(-1)
+        band = torch.bucketize(distance.abs(), self.edges, right=True)  # (n, m): the band of each pair, 0 .. 5
+        banded = p.new_zeros(*p.shape[:-1], len(DISTANCE_BANDS))
+        self.bands[:, :, rows] += banded.scatter_add_(-1, band.expand_as(p), p)
+        if kb.start < self.sinks:
+            count = min(self.sinks, kb.stop) - kb.start
+            self.first[:, :, rows, kb.start : kb.start + count] += p[..., :count]
+        self.received[:, :, cols] += p.sum(-2)
+        self.received_far[:, :, cols] += (p * (distance >= self.far)).sum(-2)
+        if self.top_k:
+            block = p.topk(min(self.top_k, p.shape[-1]), dim=-1)
+            weights = torch.cat([self.top_weights[:, :, rows], block.values], -1)
+            keys = torch.cat([self.top_keys[:, :, rows], block.indices + kb.start], -1)
+            kept = weights.topk(self.top_k, dim=-1)
+            self.top_weights[:, :, rows] = kept.values
+            self.top_keys[:, :, rows] = keys.gather(-1, kept.indices)
+        if self.pooled is not None:
+            self._pool(qb, kb, p)
+
+    def _pool(self, qb: range, kb: range, p: torch.Tensor) -> None:
+        """Fold the block into the pooled map: its columns into their bins, then its rows."""
+        assert self.pooled is not None
+        reduce = "amax" if self.pool == "max" else "sum"
+        first_col, last_col = kb.start // self.col_bin, (kb.stop - 1) // self.col_bin
+        first_row, last_row = qb.start // self.row_bin, (qb.stop - 1) // self.row_bin
+        col_bins = torch.arange(kb.start, kb.stop, device=p.device).div(self.col_bin, rounding_mode="floor")
+        row_bins = torch.arange(qb.start, qb.stop, device=p.device).div(self.row_bin, rounding_mode="floor")
+        by_cols = p.new_zeros(*p.shape[:-1], last_col - first_col + 1)  # weights are >= 0: 0 is amax's identity
+        by_cols.scatter_reduce_(-1, (col_bins - first_col).expand_as(p), p, reduce=reduce)
+        by_both = p.new_zeros(*p.shape[:2], last_row - first_row + 1, by_cols.shape[-1])
+        index = (row_bins - first_row)[:, None].expand(by_cols.shape[-2], by_cols.shape[-1]).expand_as(by_cols)
+        by_both.scatter_reduce_(-2, index, by_cols, reduce=reduce)
+        target = self.pooled[:, :, first_row : last_row + 1, first_col : last_col + 1]
+        if reduce == "amax":
+            torch.maximum(target, by_both, out=target)
+        else:
+            target += by_both
+
+    def result(
+        self, output: torch.Tensor, heads: list[int], rows: list[int], far: int, unbatched: bool
+    ) -> AttentionStats:
+        """The statistics of the chosen rows (per-row fields) and of every key (the column sums)."""
+        chosen = torch.tensor(rows, device=self.max_key.device)
+        per_row = {
+            "entropy": self.neg_plogp,
+            "max_weight": self.max_weight,
+            "max_key": self.max_key,
+            "ahead": self.ahead,
+            "bands": self.bands,
+            "first": self.first,
+        }
+        fields: dict[str, torch.Tensor | None] = {name: t.index_select(2, chosen) for name, t in per_row.items()}
+        fields["received"], fields["received_far"] = self.received, self.received_far
+        fields["top_weights"] = fields["top_keys"] = None
+        if self.top_k:
+            top_weights = self.top_weights.index_select(2, chosen).clamp_min(0.0)  # a masked key's place: 0, key -1
+            top_keys = self.top_keys.index_select(2, chosen).masked_fill(top_weights == 0, -1)
+            fields["top_weights"], fields["top_keys"] = top_weights, top_keys
+        fields["pooled"] = self.pooled
+        if self.pooled is not None and self.pool == "mean":
+            rows_per_bin, cols_per_bin = self.bin_sizes
+            fields["pooled"] = self.pooled / (rows_per_bin[:, None] * cols_per_bin[None, :]).to(self.pooled)
+        fields["output"] = output
+        if unbatched:
+            fields = {name: None if t is None else t.squeeze(0) for name, t in fields.items()}
+        return AttentionStats(**fields, heads=heads, rows=rows, far=far)  # type: ignore[arg-type]

@@ -1,0 +1,197 @@
+"""multihead.attention_stats against the dense computation: every statistic equals the same reduction of the weights
+attention(..., return_weights=True) materializes, for every mask kind, GQA, selections and lengths up to 2k."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from multihead import attention, attention_stats, masks
+from multihead.streamed_stats import DISTANCE_BANDS
+from support import is_input_error
+
+pytestmark = pytest.mark.portable
+
+
+def inputs(device, b=2, h=4, g=2, i=37, j=37, d=8, dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, i, d, generator=generator, dtype=dtype) * 2  # peaked rows as well as broad ones
+    k = torch.randn(b, g, j, d, generator=generator, dtype=dtype) * 2
+    v = torch.randn(b, g, j, d, generator=generator, dtype=dtype)
+    return q.to(device), k.to(device), v.to(device)
+
+
+def dense(weights: torch.Tensor, *, sinks: int, far: int, top_k: int, pooled: int | None, pool: str) -> dict:
+    """The statistics of (b, h, i, j) weights, computed from the whole matrix (positions aligned bottom-right)."""
+    i, j = weights.shape[-2:]
+    distance = (torch.arange(i, device=weights.device) + j - i)[:, None] - torch.arange(j, device=weights.device)
+    log_w = torch.where(weights > 0, weights.log(), torch.zeros_like(weights))
+    best, where = weights.max(-1)
+    far_from = distance.abs()
+    ends = [*DISTANCE_BANDS[1:], math.inf]  # band n: DISTANCE_BANDS[n] <= |distance| < the next band's start
+    in_band = [(far_from >= low) & (far_from < high) for low, high in zip(DISTANCE_BANDS, ends, strict=True)]
+    found = {
+        "entropy": -(weights * log_w).sum(-1),
+        "max_weight": best,
+        "max_key": torch.where(best > 0, where, torch.full_like(where, -1)),
+        "ahead": (weights * (distance < 0)).sum(-1),
+        "bands": torch.stack([(weights * band).sum(-1) for band in in_band], -1),
+        "first": weights[..., :sinks],
+        "received": weights.sum(-2),
+        "received_far": (weights * (distance >= far)).sum(-2),
+    }
+    if top_k:
+        top = weights.topk(top_k, dim=-1)
+        found["top_weights"] = top.values
+        found["top_keys"] = torch.where(top.values > 0, top.indices, torch.full_like(top.indices, -1))
+    if pooled is not None:
+        rows, cols = -(-i // min(pooled, i)), -(-j // min(pooled, j))
+        grid = torch.zeros(*weights.shape[:2], -(-i // rows), -(-j // cols), dtype=weights.dtype)
+        for r in range(grid.shape[-2]):
+            for c in range(grid.shape[-1]):
+                cell = weights[..., r * rows : (r + 1) * rows, c * cols : (c + 1) * cols]
+                grid[..., r, c] = cell.amax((-2, -1)) if pool == "max" else cell.mean((-2, -1))
+        found["pooled"] = grid.to(weights.device)
+    return found
+
+
+def assert_stats_equal(stats, weights, *, sinks=4, far=512, top_k=0, pooled=None, pool="max", atol=1e-10):
+    expected = dense(weights, sinks=sinks, far=far, top_k=top_k, pooled=pooled, pool=pool)
+    for name, value in expected.items():
+        got = getattr(stats, name)
+        assert got is not None, name
+        if name in ("max_key", "top_keys"):
+            assert torch.equal(got, value), name
+        else:
+            torch.testing.assert_close(got, value.to(got.dtype), rtol=0, atol=atol, msg=name)
+
+
+def mask_cases(device, b, h, i, j):
+    lengths = torch.tensor([j, j - 9], device=device)
+    bias = torch.randn(b, h, i, j, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(device)
+    allowed = torch.rand(i, j, generator=torch.Generator().manual_seed(6)).to(device) > 0.3
+    return {
+        "none": None,
+        "causal": masks.causal(),
+        "window": masks.window(5, 0),
+        "two-sided window": masks.window(3, 4),
+        "padding": masks.padding(lengths),
+        "alibi": masks.causal() & masks.alibi(masks.alibi_slopes(h)),
+        "softcap": masks.softcap(2.0),
+        "everything": masks.causal() & masks.padding(lengths) & masks.alibi(masks.alibi_slopes(h)) & masks.softcap(3.0),
+        "bias tensor": bias,
+        "bool tensor (some rows empty)": allowed & (torch.arange(i, device=device) % 7 != 3)[:, None],
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "none",
+        "causal",
+        "window",
+        "two-sided window",
+        "padding",
+        "alibi",
+        "softcap",
+        "everything",
+        "bias tensor",
+        "bool tensor (some rows empty)",
+    ],
+)
+def test_every_mask_kind_equals_the_dense_weights(case, device):
+    q, k, v = inputs(device)
+    mask = mask_cases(device, 2, 4, 37, 37)[case]
+    expected = attention(q, k, v, mask=mask, return_weights=True)
+    stats = attention_stats(q, k, v, mask=mask, sinks=3, far=10, top_k=5, pooled=8, pool="mean")
+    assert_stats_equal(stats, expected.weights, sinks=3, far=10, top_k=5, pooled=8, pool="mean")
+    torch.testing.assert_close(stats.output, expected.output, rtol=0, atol=1e-12)
+
+
+def test_queries_after_the_keys_they_extend_and_max_pooling(device):
+    # 5 queries at the end of 300 keys (a prefix cached), bottom-right causal: distances from position 295 on
+    q, k, v = inputs(device, i=5, j=300)
+    weights = attention(q, k, v, causal=True, return_weights=True).weights
+    stats = attention_stats(q, k, v, causal=True, far=64, top_k=3, pooled=4, pool="max")
+    assert_stats_equal(stats, weights, far=64, top_k=3, pooled=4, pool="max")
+    assert stats.pooled is not None and stats.pooled.shape == (2, 4, 3, 4)  # 5 rows in bins of 2, 300 keys of 75
+
+
+def test_heads_and_rows_are_selected_and_columns_count_every_row(device):
+    q, k, v = inputs(device)
+    weights = attention(q, k, v, causal=True, return_weights=True).weights
+    stats = attention_stats(q, k, v, causal=True, heads=[3, -4], rows=[36, 0, 10], top_k=2)
+    assert stats.heads == [3, 0] and stats.rows == [36, 0, 10]
+    chosen = weights[:, [3, 0]]
+    expected = dense(chosen, sinks=4, far=512, top_k=2, pooled=None, pool="max")
+    torch.testing.assert_close(stats.entropy, expected["entropy"][:, :, [36, 0, 10]], rtol=0, atol=1e-10)
+    torch.testing.assert_close(stats.bands, expected["bands"][:, :, [36, 0, 10]], rtol=0, atol=1e-10)
+    torch.testing.assert_close(stats.received, expected["received"], rtol=0, atol=1e-10)  # all 37 rows
+    assert torch.equal(stats.top_keys, expected["top_keys"][:, :, [36, 0, 10]])
+
+
+def test_two_thousand_tokens_in_float32_and_unbatched(device):
+    q, k, v = inputs(device, b=1, h=2, g=1, i=2048, j=2048, d=16, dtype=torch.float32, seed=1)
+    mask = masks.causal() & masks.window(700, 0)
+    weights = attention(q, k, v, mask=mask, return_weights=True).weights
+    stats = attention_stats(q[0], k[0], v[0], mask=mask, top_k=4, pooled=512)
+    assert stats.entropy.shape == (2, 2048) and stats.pooled is not None and stats.pooled.shape == (2, 512, 512)
+    expected = dense(weights, sinks=4, far=512, top_k=4, pooled=512, pool="max")
+    for name in ("entropy", "max_weight", "bands", "received", "received_far", "first", "pooled", "top_weights"):
+        torch.testing.assert_close(getattr(stats, name), expected[name][0], rtol=0, atol=2e-5, msg=name)
+    # the window keeps every weight within 700 tokens: nothing past 513 + 187 ... and the far band is real
+    assert float(stats.bands[..., 5].max()) > 0 and torch.allclose(stats.bands.sum(-1), torch.ones(()), atol=1e-5)
+
+
+def test_rows_sum_to_one_and_entropy_is_within_its_bounds(device):
+    q, k, v = inputs(device)
+    stats = attention_stats(q, k, v, causal=True)
+    torch.testing.assert_close(stats.bands.sum(-1), torch.ones_like(stats.entropy), rtol=0, atol=1e-12)
+    visible = torch.arange(1, 38, device=device, dtype=torch.float64)  # row r sees r + 1 keys
+    assert bool((stats.entropy >= -1e-12).all()) and bool((stats.entropy <= visible.log() + 1e-12).all())
+    assert float(stats.ahead.abs().max()) == 0.0  # causal: nothing after the query
+    assert stats.entropy[..., 0].abs().max() < 1e-12  # row 0 sees one key
+
+
+@pytest.mark.parametrize(
+    "arguments, kind, fragment",
+    [
+        ({"heads": [4]}, ValueError, "heads: expected head indices in 0..3"),
+        ({"rows": [37]}, ValueError, "rows: expected query indices in 0..36"),
+        ({"sinks": -1}, ValueError, "sinks: expected an int in [0, 37]"),
+        ({"top_k": 38}, ValueError, "top_k: expected an int in [0, 37]"),
+        ({"top_k": 1.5}, TypeError, "top_k: expected an int"),
+        ({"far": -2}, ValueError, "far: expected an int in >= 0"),
+        ({"pooled": 0}, ValueError, "pooled: expected an int in >= 1"),
+        ({"pool": "median"}, ValueError, "pool: expected one of ['max', 'mean']"),
+        ({"mask": "causal"}, TypeError, "mask: expected a multihead.masks mask"),
+    ],
+)
+def test_bad_arguments_are_named(arguments, kind, fragment, device):
+    q, k, v = inputs(device)
+    with pytest.raises(kind) as raised:
+        attention_stats(q, k, v, **arguments)
+    assert is_input_error(raised.value, kind) and fragment in str(raised.value)
+
+
+def test_memory_stays_linear_in_the_length():
+    # the statistics of 4096 x 4096 weights without a 4096 x 4096 tensor: every tensor of weights exponentiated,
+    # in the kernel's pass (its 256 x 256 blocks) and in the statistics' (128 x 256), is one block
+    q, k, v = inputs("cpu", b=1, h=1, g=1, i=4096, j=4096, d=8, dtype=torch.float32)
+    largest = []
+    original = torch.Tensor.exp_
+
+    def watched(tensor):
+        largest.append(tensor.numel())
+        return original(tensor)
+
+    torch.Tensor.exp_ = watched  # type: ignore[method-assign]
+    try:
+        stats = attention_stats(q, k, v, causal=True)
+    finally:
+        torch.Tensor.exp_ = original  # type: ignore[method-assign]
+    assert stats.received.shape == (1, 1, 4096)
+    assert largest and max(largest) <= 256 * 256 < 4096 * 4096 / 100
+    assert math.isclose(float(stats.received.sum()), 4096.0, rel_tol=1e-4)
