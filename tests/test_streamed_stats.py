@@ -195,3 +195,38 @@ def test_memory_stays_linear_in_the_length():
     assert stats.received.shape == (1, 1, 4096)
     assert largest and max(largest) <= 256 * 256 < 4096 * 4096 / 100
     assert math.isclose(float(stats.received.sum()), 4096.0, rel_tol=1e-4)
+
+
+def test_capture_records_the_statistics_of_a_transformers_llama():
+    # GQA and RoPE, through the Attend seam: each recorded head's statistics are those of the weights it applies
+    from multihead.capture import capture
+    from multihead.integrations import transformers as integration
+    from multihead.streamed_stats import StatsSettings
+    from test_integrations_transformers import VOCAB, build
+
+    model = build("llama").to(torch.float64).eval()
+    model.set_attn_implementation(integration.IMPLEMENTATION)
+    ids = torch.randint(3, VOCAB, (2, 19), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), capture(model, heads=[1, 3], stats=StatsSettings(far=3, top_k=2, pooled=5)) as rec:
+        model(ids)
+    for layer in rec.layers:
+        stats = rec.stats(layer)
+        assert stats.heads == [1, 3]
+        assert_stats_equal(stats, rec.weights(layer), far=3, top_k=2, pooled=5)
+
+
+def test_capture_records_minilm_with_padding_without_weights():
+    from multihead.capture import capture
+    from multihead.models import load_minilm
+
+    model, _ = load_minilm()
+    texts = ["The bank was full of money.", "A river bank flooded after the long rain of the spring."]
+    with (
+        capture(model, layers=[0, 5], weights=True) as weights,
+        capture(model, layers=[0, 5], weights=False, stats=True) as streamed,
+    ):
+        model.encode(texts)
+    with pytest.raises(ValueError, match="weights: expected True to record weights"):
+        streamed.weights(0)
+    for layer in (0, 5):
+        assert_stats_equal(streamed.stats(layer), weights.weights(layer), atol=2e-6)  # float32

@@ -29,6 +29,7 @@ from multihead._indices import checked_indices
 from multihead.attend import AttentionSite, find_sites
 from multihead.functional import AttentionResult, WeightSelection, attention
 from multihead.layer import MultiHeadAttention
+from multihead.streamed_stats import AttentionStats, StatsSettings, attention_stats
 
 __all__ = ["capture", "Recorder", "attention_layers", "attention_sites", "part_sites"]
 
@@ -105,6 +106,7 @@ class _LayerRecord:
     k: list[torch.Tensor] = field(default_factory=list)  # (b, len(heads), j, d): each head's key head
     v: list[torch.Tensor] = field(default_factory=list)  # (b, len(heads), j, e)
     outputs: list[torch.Tensor] = field(default_factory=list)  # (b, len(heads), i, e)
+    stats: list[AttentionStats] = field(default_factory=list)  # the heads' streamed statistics
 
 
 class Recorder:
@@ -125,6 +127,7 @@ class Recorder:
         weights: bool = True,
         qkv: bool = False,
         outputs: bool = False,
+        stats: bool | StatsSettings = False,
         sites: Sequence[AttentionSite] | None = None,
     ):
         # a caller that resolved the part already (an inspection records many layers of one part) passes its sites:
@@ -144,8 +147,13 @@ class Recorder:
         for name, flag in (("weights", weights), ("qkv", qkv), ("outputs", outputs)):
             if not isinstance(flag, bool):
                 raise bad_argument(name, "True or False", describe(flag), f"pass {name}=True", kind=TypeError)
+        if not isinstance(stats, (bool, StatsSettings)):
+            raise bad_argument(
+                "stats", "True, False or a StatsSettings", describe(stats), "pass stats=True", kind=TypeError
+            )
         self.queries = queries
         self.record_weights, self.record_qkv, self.record_outputs = weights, qkv, outputs
+        self.stats_settings = StatsSettings() if stats is True else (stats or None)
         self._sites = {index: sites[index] for index in self.layers}
         self._records: dict[int, _LayerRecord] = {}
         for index, site in self._sites.items():
@@ -215,6 +223,23 @@ class Recorder:
                 record.v.append(v[:, kv_heads].detach())
             if self.record_outputs:
                 record.outputs.append(output[:, heads].detach())
+            if self.stats_settings is not None:  # a second pass over the layer's blocks, O(i + j) memory per head
+                rows = self.queries
+                if isinstance(rows, slice):
+                    rows = list(range(q.shape[-2])[rows])
+                with torch.no_grad():
+                    found = attention_stats(
+                        q.detach(),
+                        k.detach(),
+                        v.detach(),
+                        mask=kwargs.get("mask"),
+                        causal=kwargs.get("causal", False),
+                        scale=kwargs.get("scale"),
+                        heads=heads,
+                        rows=rows,
+                        **self.stats_settings.options(),
+                    )
+                record.stats.append(found)
             if injected:  # hand the layer what it asked for: the output alone
                 return output
             return None
@@ -226,13 +251,13 @@ class Recorder:
     def clear(self) -> None:
         """Forget every recorded call (keeps recording if active)."""
         for record in self._records.values():
-            for store in (record.weights, record.q, record.k, record.v, record.outputs):
+            for store in (record.weights, record.q, record.k, record.v, record.outputs, record.stats):
                 store.clear()
 
     def calls(self, layer: int) -> int:
         """How many forward passes of ``layer`` were recorded."""
         record = self._record(layer)
-        return max(len(store) for store in (record.weights, record.q, record.outputs))
+        return max(len(store) for store in (record.weights, record.q, record.outputs, record.stats))
 
     def heads(self, layer: int) -> list[int]:
         """The query heads recorded for ``layer``."""
@@ -254,6 +279,20 @@ class Recorder:
 
     def _get(self, kind: str, enabled: bool, flag: str, layer: int, head: int | None, call: int) -> torch.Tensor:
         record = self._record(layer)
+        tensor = self._call(record, kind, enabled, flag, call)
+        if head is None:
+            return tensor
+        if head not in record.heads:
+            raise bad_argument(
+                "head",
+                f"one of the recorded heads {record.heads}",
+                head,
+                "pass capture(model, heads=[...]) including it",
+            )
+        return tensor[:, record.heads.index(head)]
+
+    def _call(self, record: _LayerRecord, kind: str, enabled: bool, flag: str, call: int):
+        """What ``record`` stored of ``kind`` on forward pass ``call``; errors naming ``flag`` or ``call``."""
         if not enabled:
             raise bad_argument(flag, "True to record " + kind, False, f"use capture(model, {flag}=True)")
         store = getattr(record, kind)
@@ -271,17 +310,7 @@ class Recorder:
                 call,
                 f"pass call in -{len(store)}..{len(store) - 1}",
             )
-        tensor = store[call]
-        if head is None:
-            return tensor
-        if head not in record.heads:
-            raise bad_argument(
-                "head",
-                f"one of the recorded heads {record.heads}",
-                head,
-                "pass capture(model, heads=[...]) including it",
-            )
-        return tensor[:, record.heads.index(head)]
+        return store[call]
 
     def weights(self, layer: int, head: int | None = None, *, call: int = -1) -> torch.Tensor:
         """Attention weights of ``layer``: (b, i', j) for one head, (b, heads, i', j) for head=None.
@@ -306,6 +335,11 @@ class Recorder:
         """Per-head attention outputs before concatenation and W^O: (b, i, e) or (b, heads, i, e)."""
         return self._get("outputs", self.record_outputs, "outputs", layer, head, call)
 
+    def stats(self, layer: int, *, call: int = -1) -> AttentionStats:
+        """The recorded heads' streamed statistics of ``layer`` (:func:`multihead.attention_stats`: its ``heads``
+        are the recorded heads, its ``rows`` the recorded query rows)."""
+        return self._call(self._record(layer), "stats", self.stats_settings is not None, "stats", call)
+
 
 def capture(
     model: nn.Module,
@@ -317,6 +351,7 @@ def capture(
     weights: bool = True,
     qkv: bool = False,
     outputs: bool = False,
+    stats: bool | StatsSettings = False,
 ) -> Recorder:
     """A context manager that records per-head attention from every forward pass inside it.
 
@@ -331,6 +366,10 @@ def capture(
         weights: record attention weights (b, heads, i', j).
         qkv: record each head's q (b, heads, i, d), k (b, heads, j, d), v (b, heads, j, e).
         outputs: record each head's output (b, heads, i, e), before W^O.
+        stats: record each head's streamed statistics (:func:`multihead.attention_stats`, read with
+            :meth:`Recorder.stats`): True for the defaults, or a :class:`multihead.streamed_stats.StatsSettings`.
+            They take O(i + j) memory per head, so long inputs can be read with ``weights=False``; the layer
+            runs its kernel once more for the log-sum-exp, then one pass over its blocks.
 
     Example:
         >>> model, tokenizer = multihead.models.load_minilm()
@@ -340,5 +379,13 @@ def capture(
         torch.Size([1, 9, 9])
     """
     return Recorder(
-        model, part=part, layers=layers, heads=heads, queries=queries, weights=weights, qkv=qkv, outputs=outputs
+        model,
+        part=part,
+        layers=layers,
+        heads=heads,
+        queries=queries,
+        weights=weights,
+        qkv=qkv,
+        outputs=outputs,
+        stats=stats,
     )

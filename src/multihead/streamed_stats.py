@@ -35,13 +35,29 @@ from multihead.backends._blocks import Blocks, compute_dtype, mask_scores_
 from multihead.functional import attention, bound_call
 from multihead.masks import BlockState, Mask
 
-__all__ = ["AttentionStats", "attention_stats", "DISTANCE_BANDS", "POOLS"]
+__all__ = ["AttentionStats", "StatsSettings", "attention_stats", "DISTANCE_BANDS", "POOLS"]
 
 # The lower ends of the distance bands, in tokens: 0 (the token itself), 1, 2-8, 9-64, 65-512, 513 and more.
 DISTANCE_BANDS = (0, 1, 2, 9, 65, 513)
 POOLS = ("max", "mean")
 BLOCK_Q = 128
 BLOCK_K = 256
+
+
+@dataclass(frozen=True)
+class StatsSettings:
+    """The options of :func:`attention_stats` beyond the call itself, for a recorder that runs it on every layer
+    (:func:`multihead.capture`'s ``stats``): ``sinks``, ``far``, ``top_k``, ``pooled`` and ``pool``, checked
+    when a layer runs."""
+
+    sinks: int = 4
+    far: int = 512
+    top_k: int = 0
+    pooled: int | None = None
+    pool: str = "max"
+
+    def options(self) -> dict:
+        return {"sinks": self.sinks, "far": self.far, "top_k": self.top_k, "pooled": self.pooled, "pool": self.pool}
 
 
 @dataclass(frozen=True)
