@@ -132,17 +132,20 @@ def test_heads_and_rows_are_selected_and_columns_count_every_row(device):
     assert torch.equal(stats.top_keys, expected["top_keys"][:, :, [36, 0, 10]])
 
 
-def test_two_thousand_tokens_in_float32_and_unbatched(device):
+@pytest.mark.parametrize("both_sides", [False, True], ids=["causal window", "two-sided window"])
+def test_two_thousand_tokens_in_float32_and_unbatched(both_sides, device):
+    # blocks far from the diagonal lie in one band (and, two-sided, wholly ahead of their queries): summed whole
     q, k, v = inputs(device, b=1, h=2, g=1, i=2048, j=2048, d=16, dtype=torch.float32, seed=1)
-    mask = masks.causal() & masks.window(700, 0)
+    mask = masks.window(600, 900) if both_sides else masks.causal() & masks.window(700, 0)
     weights = attention(q, k, v, mask=mask, return_weights=True).weights
     stats = attention_stats(q[0], k[0], v[0], mask=mask, top_k=4, pooled=512)
     assert stats.entropy.shape == (2, 2048) and stats.pooled is not None and stats.pooled.shape == (2, 512, 512)
     expected = dense(weights, sinks=4, far=512, top_k=4, pooled=512, pool="max")
-    for name in ("entropy", "max_weight", "bands", "received", "received_far", "first", "pooled", "top_weights"):
+    for name in ("entropy", "max_weight", "ahead", "bands", "received", "received_far", "first", "pooled"):
         torch.testing.assert_close(getattr(stats, name), expected[name][0], rtol=0, atol=2e-5, msg=name)
-    # the window keeps every weight within 700 tokens: nothing past 513 + 187 ... and the far band is real
+    torch.testing.assert_close(stats.top_weights, expected["top_weights"][0], rtol=0, atol=2e-5)
     assert float(stats.bands[..., 5].max()) > 0 and torch.allclose(stats.bands.sum(-1), torch.ones(()), atol=1e-5)
+    assert (float(stats.ahead.max()) > 0) == both_sides
 
 
 def test_rows_sum_to_one_and_entropy_is_within_its_bounds(device):
@@ -176,24 +179,23 @@ def test_bad_arguments_are_named(arguments, kind, fragment, device):
     assert is_input_error(raised.value, kind) and fragment in str(raised.value)
 
 
-def test_memory_stays_linear_in_the_length():
+def test_memory_stays_linear_in_the_length(monkeypatch):
     # the statistics of 4096 x 4096 weights without a 4096 x 4096 tensor: every tensor of weights exponentiated,
-    # in the kernel's pass (its 256 x 256 blocks) and in the statistics' (128 x 256), is one block
+    # in the kernel's pass (its 256 x 256 blocks, in place) and in the statistics' (128 x 256), is one block
     q, k, v = inputs("cpu", b=1, h=1, g=1, i=4096, j=4096, d=8, dtype=torch.float32)
-    largest = []
-    original = torch.Tensor.exp_
+    sizes: dict[str, list[int]] = {"exp": [], "exp_": []}
+    for name in sizes:
+        original = getattr(torch.Tensor, name)
 
-    def watched(tensor):
-        largest.append(tensor.numel())
-        return original(tensor)
+        def watched(tensor, original=original, name=name):
+            sizes[name].append(tensor.numel())
+            return original(tensor)
 
-    torch.Tensor.exp_ = watched  # type: ignore[method-assign]
-    try:
-        stats = attention_stats(q, k, v, causal=True)
-    finally:
-        torch.Tensor.exp_ = original  # type: ignore[method-assign]
+        monkeypatch.setattr(torch.Tensor, name, watched)
+    stats = attention_stats(q, k, v, causal=True)
     assert stats.received.shape == (1, 1, 4096)
-    assert largest and max(largest) <= 256 * 256 < 4096 * 4096 / 100
+    assert sizes["exp"] and sizes["exp_"]  # both passes were watched
+    assert max(sizes["exp"]) == 128 * 256 and max(sizes["exp_"]) <= 256 * 256 < 4096 * 4096 / 100
     assert math.isclose(float(stats.received.sum()), 4096.0, rel_tol=1e-4)
 
 

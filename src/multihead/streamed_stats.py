@@ -40,6 +40,7 @@ __all__ = ["AttentionStats", "StatsSettings", "attention_stats", "DISTANCE_BANDS
 # The lower ends of the distance bands, in tokens: 0 (the token itself), 1, 2-8, 9-64, 65-512, 513 and more.
 DISTANCE_BANDS = (0, 1, 2, 9, 65, 513)
 POOLS = ("max", "mean")
+_LOG_FLOOR = -1e30  # below any log-weight of a kept pair; keeps 0 x log 0 at 0, not NaN
 BLOCK_Q = 128
 BLOCK_K = 256
 
@@ -172,10 +173,11 @@ def attention_stats(
                 continue
             scores = qs[:, :, qb.start : qb.stop] @ ks[:, :, kb.start : kb.stop].transpose(-1, -2)
             mask_scores_(scores, call.mask, slice(qb.start, qb.stop), slice(kb.start, kb.stop), head_index)
-            weights = scores.sub_(safe_lse[:, :, qb.start : qb.stop]).exp_()  # (b, H, n, m): exact, 0 masked
-            positions = torch.arange(qb.start, qb.stop, device=weights.device) + offset
-            keys = torch.arange(kb.start, kb.stop, device=weights.device)
-            acc.add(qb, kb, weights, positions[:, None] - keys[None, :])
+            log_weights = scores.sub_(safe_lse[:, :, qb.start : qb.stop])  # log p: -inf where masked
+            weights = log_weights.exp()  # (b, H, n, m): the exact weights, 0 where masked
+            # the entropy's terms, -p log p, from log p at hand (0 where masked: a finite floor times p = 0)
+            acc.neg_plogp[:, :, qb.start : qb.stop] -= (weights * log_weights.clamp_min_(_LOG_FLOOR)).sum(-1)
+            acc.add(qb, kb, weights, offset)
     return acc.result(output, chosen_heads, chosen_rows, far, call.unbatched)
 
 
@@ -195,7 +197,7 @@ class _Accumulators:
     def __init__(self, b, heads, i, j, dtype, device, sinks, far, top_k, pooled, pool):
         zeros = {"dtype": dtype, "device": device}
         self.far, self.top_k, self.pool, self.sinks = far, top_k, pool, sinks
-        self.neg_plogp = torch.zeros(b, heads, i, **zeros)  # the entropy: sum over keys of -p log p
+        self.neg_plogp = torch.zeros(b, heads, i, **zeros)  # the entropy: sum over keys of -p log p (the caller's)
         self.max_weight = torch.zeros(b, heads, i, **zeros)
         self.max_key = torch.full((b, heads, i), -1, dtype=torch.long, device=device)
         self.ahead = torch.zeros(b, heads, i, **zeros)
@@ -216,25 +218,44 @@ class _Accumulators:
                 torch.arange(j, device=device).div(self.col_bin, rounding_mode="floor").bincount(),
             )
 
-    def add(self, qb: range, kb: range, p: torch.Tensor, distance: torch.Tensor) -> None:
+    def add(self, qb: range, kb: range, p: torch.Tensor, offset: int) -> None:
         """Fold in one block: ``p`` (b, H, n, m) the exact weights of query rows ``qb`` on keys ``kb`` (0 where
-        masked), ``distance`` (n, m) each query's position minus each key's."""
+        masked); query row r sits at position r + ``offset``."""
         rows, cols = slice(qb.start, qb.stop), slice(kb.start, kb.stop)
-        positive = p > 0
-        self.neg_plogp[:, :, rows] -= torch.where(positive, p * p.log(), torch.zeros_like(p)).sum(-1)
         best, where = p.max(-1)  # (b, H, n)
         better = best > self.max_weight[:, :, rows]  # a row's first key of the largest weight keeps it
         self.max_weight[:, :, rows] = torch.where(better, best, self.max_weight[:, :, rows])
         self.max_key[:, :, rows] = torch.where(better, where + kb.start, self.max_key[:, :, rows])
-        self.ahead[:, :, rows] += (p * (distance < 0)).sum(-1)
-        band = torch.bucketize(distance.abs(), self.edges, right=True)  # (n, m): the band of each pair, 0 .. 5
-        banded = p.new_zeros(*p.shape[:-1], len(DISTANCE_BANDS))
-        self.bands[:, :, rows] += banded.scatter_add_(-1, band.expand_as(p), p)
+        # Distances run over a block from `nearest` to `farthest`: a block far from the diagonal lies in one band
+        # and on one side of `far`, and takes row or column sums; only blocks across a boundary go pair by pair.
+        nearest, farthest = qb.start + offset - (kb.stop - 1), qb.stop - 1 + offset - kb.start
+        row_sums = p.sum(-1)
+        distance = None
+        if nearest >= 0 or farthest < 0:  # every key behind the query, or every key ahead of it
+            if farthest < 0:
+                self.ahead[:, :, rows] += row_sums
+            low, high = sorted((abs(nearest), abs(farthest)))
+            band = self._band(low)
+            if band == self._band(high):
+                self.bands[:, :, rows, band] += row_sums
+            else:
+                distance = self._distance(qb, kb, offset, p.device)
+        else:
+            distance = self._distance(qb, kb, offset, p.device)
+            self.ahead[:, :, rows] += (p * (distance < 0)).sum(-1)
+        if distance is not None:
+            band_index = torch.bucketize(distance.abs(), self.edges, right=True)  # (n, m): each pair's band, 0 .. 5
+            banded = p.new_zeros(*p.shape[:-1], len(DISTANCE_BANDS))
+            self.bands[:, :, rows] += banded.scatter_add_(-1, band_index.expand_as(p), p)
+        self.received[:, :, cols] += p.sum(-2)
+        if nearest >= self.far:
+            self.received_far[:, :, cols] += p.sum(-2)
+        elif farthest >= self.far:
+            distance = self._distance(qb, kb, offset, p.device) if distance is None else distance
+            self.received_far[:, :, cols] += (p * (distance >= self.far)).sum(-2)
         if kb.start < self.sinks:
             count = min(self.sinks, kb.stop) - kb.start
             self.first[:, :, rows, kb.start : kb.start + count] += p[..., :count]
-        self.received[:, :, cols] += p.sum(-2)
-        self.received_far[:, :, cols] += (p * (distance >= self.far)).sum(-2)
         if self.top_k:
             block = p.topk(min(self.top_k, p.shape[-1]), dim=-1)
             weights = torch.cat([self.top_weights[:, :, rows], block.values], -1)
@@ -244,6 +265,17 @@ class _Accumulators:
             self.top_keys[:, :, rows] = keys.gather(-1, kept.indices)
         if self.pooled is not None:
             self._pool(qb, kb, p)
+
+    @staticmethod
+    def _distance(qb: range, kb: range, offset: int, device: torch.device) -> torch.Tensor:
+        """(n, m): each query's position minus each key's."""
+        positions = torch.arange(qb.start, qb.stop, device=device) + offset
+        return positions[:, None] - torch.arange(kb.start, kb.stop, device=device)[None, :]
+
+    @staticmethod
+    def _band(distance: int) -> int:
+        """The band of :data:`DISTANCE_BANDS` an absolute distance falls in."""
+        return sum(distance >= low for low in DISTANCE_BANDS[1:])
 
     def _pool(self, qb: range, kb: range, p: torch.Tensor) -> None:
         """Fold the block into the pooled map: its columns into their bins, then its rows."""
