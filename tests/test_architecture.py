@@ -24,6 +24,7 @@ LAYERS = [
     ("multihead.inspect.plots", "reports: what the commands print and write"),
     ("multihead.inspect.headreport", "reports: what the commands print and write"),
     ("multihead.inspect.write", "reports: what the commands print and write"),
+    ("multihead.inspect.long_report", "reports: what the commands print and write"),
     ("multihead.circuits.report", "reports: what the commands print and write"),
     ("multihead.circuits.page", "reports: what the commands print and write"),
     ("multihead.inspect", "models and their inspection"),

@@ -74,9 +74,8 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--format",
-        default="terminal,html",
         metavar="LIST",
-        help="any of terminal,html,png,json, comma-separated (default: terminal,html)",
+        help="any of terminal,html,png,json, comma-separated (default: terminal,html; with --long: terminal)",
     )
     parser.add_argument(
         "--truncate", action="store_true", help="cut texts over the model's position limit (512 for all-MiniLM-L6-v2)"
@@ -88,10 +87,19 @@ def add_parser(subparsers) -> None:
         "and syntax.json become per-head columns of the HTML report, and each head's best syntactic relation "
         "(from syntax.json) is weighed into its role",
     )
+    parser.add_argument(
+        "--long",
+        metavar="FILE",
+        help="read a long text from FILE instead (any length: past the model's positions it is read in windows "
+        "sliding by half) and profile every head in O(n) memory: distance bands, sink share, entropy, and the "
+        "sink, local and long-range roles. Formats: terminal,json (long.json)",
+    )
     parser.set_defaults(run=run_inspect)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    if args.long is not None:
+        return run_long(args)
     from rich.progress import Progress
 
     from multihead.circuits import detector_behaviours
@@ -104,7 +112,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from multihead.integrations import load_text_model
 
     with from_option("--format"):
-        formats = check_formats(args.format)
+        formats = check_formats(args.format or "terminal,html")
     parse_indices("layers", args.layers)  # their form now, before the model loads; their range once it has
     parse_indices("heads", args.heads)
     token = parse_token(args.token)
@@ -176,4 +184,52 @@ def run_inspect(args: argparse.Namespace) -> int:
     note = skipped_note(paths.skipped.values())  # png without matplotlib: the other reports, and this line
     if note is not None:
         console.print(note, soft_wrap=True, markup=False, highlight=False)
+    return 0
+
+
+def run_long(args: argparse.Namespace) -> int:
+    """`multihead inspect --long FILE`: each head's profile over the file's text."""
+    from rich.progress import Progress
+
+    from multihead._userfiles import read_text
+    from multihead.inspect.long import inspect_long
+    from multihead.inspect.long_report import LONG_FORMATS, print_long, write_long
+    from multihead.inspect.write import check_formats
+    from multihead.integrations import load_text_model
+
+    for option, value in (("text", args.text), ("--token", args.token), ("--corpus", args.corpus)):
+        if value is not None:
+            raise bad_argument(
+                "--long", f"no {option} beside it (the file is the text)", f"{option} {value}", f"leave out {option}"
+            )
+    if args.scores is not None or args.truncate:
+        given = "--scores" if args.scores is not None else "--truncate"
+        raise bad_argument("--long", f"no {given} beside it", given, f"leave out {given}")
+    with from_option("--format"):
+        formats = check_formats(args.format or "terminal")
+    if any(name not in LONG_FORMATS for name in formats):
+        raise bad_argument("--format", "terminal or json with --long", args.format, "pass --format terminal,json")
+    if "json" in formats:
+        output_folder("--out", args.out, create=False)
+    text = read_text("--long", args.long, what="a UTF-8 text file", fix="pass --long FILE, a text file")
+    with from_option("--model"):
+        model = load_text_model(args.model)
+    console = make_console()
+    with (
+        Progress(console=console, transient=True, disable=not console.is_terminal) as progress,
+        from_options({"text": "--long", "layers": "--layers", "heads": "--heads", "part": "--part"}),
+    ):
+        task = progress.add_task("windows", total=None)
+        found = inspect_long(
+            model,
+            text,
+            part=args.part,
+            layers=parse_indices("layers", args.layers),
+            heads=parse_indices("heads", args.heads),
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    if "terminal" in formats:
+        print_long(console, found)
+    for path in write_long(found, args.out, formats, argument="--out").values():
+        console.print(f"json report: {path.resolve()} ({format_bytes(path.stat().st_size)})", markup=False)
     return 0

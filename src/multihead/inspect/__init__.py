@@ -40,6 +40,7 @@ from multihead.inspect.importance import (  # noqa: E402
     pruning_curve,
 )
 from multihead.inspect.inspection import Inspection, bundled_corpus, inspect_text, read_corpus  # noqa: E402
+from multihead.inspect.long import LongInspection, inspect_long  # noqa: E402
 from multihead.inspect.roles import ROLE_RULES, Role, label_head  # noqa: E402
 from multihead.inspect.saved import SavedModelExtras, saved_model_extras  # noqa: E402
 from multihead.inspect.stats import STAT_NAMES, HeadStats, head_stats  # noqa: E402
@@ -69,6 +70,8 @@ sys.modules.setdefault(
 )
 
 __all__ = [
+    "inspect_long",
+    "LongInspection",
     "capture",
     "Recorder",
     "attention_layers",

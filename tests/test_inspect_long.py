@@ -1,0 +1,178 @@
+"""multihead.inspect.inspect_long: a text longer than the model's positions, read in sliding windows, each head's
+profile equal to the same means of the weights the model applies in those windows (captured whole here, written
+out in the test), on MiniLM and a transformers GPT-2 (causal)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import hf_checkpoints
+from multihead.capture import capture
+from multihead.inspect import bundled_corpus, inspect_long
+from multihead.inspect.long import LONG_ROLES, HeadProfile, _with_role, windows_of
+from multihead.integrations import load_text_model
+from multihead.models import load_minilm
+from multihead.streamed_stats import DISTANCE_BANDS
+from support import is_input_error
+
+
+def test_windows_slide_by_half_and_cover_the_body():
+    assert windows_of(10, 4) == [(0, 4), (2, 6), (4, 8), (6, 10)]
+    assert windows_of(11, 4) == [(0, 4), (2, 6), (4, 8), (6, 10), (7, 11)]  # the last one ends at the end
+    assert windows_of(3, 4) == [(0, 3)]
+    for body, size in [(100, 7), (513, 510), (2522, 510)]:
+        stretches = windows_of(body, size)
+        assert all(stop - start == size for start, stop in stretches)
+        assert stretches[0][0] == 0 and stretches[-1][1] == body
+        assert all(b[0] <= a[1] for a, b in zip(stretches, stretches[1:], strict=False))  # no piece left out
+
+
+def expected_profiles(model, ids, lead: int, trail: int, size: int, layers: list[int]) -> dict:
+    """Per (layer, head): the mean bands, first-piece weight and entropy over the pieces each window measures,
+    from the whole weights of each window."""
+    body = len(ids) - lead - trail
+    stretches = windows_of(body, size - lead - trail)
+    measured: set[int] = set()
+    sums: dict = {}
+    for index, (start, stop) in enumerate(stretches):
+        window = torch.cat([ids[:lead], ids[lead + start : lead + stop], ids[len(ids) - trail :]])
+        # the window's rows: leading specials (first window only), new body pieces, trailing specials (last only)
+        rows = [r for r in range(lead) if index == 0]
+        rows += [lead + p - start for p in range(start, stop) if p not in measured]
+        measured.update(range(start, stop))
+        rows += [lead + stop - start + t for t in range(trail) if index == len(stretches) - 1]
+        with torch.no_grad(), capture(model, layers=layers) as rec:
+            model(window[None])
+        n = len(window)
+        distance = (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs()
+        for layer in layers:
+            weights = rec.weights(layer)[0].double()  # (heads, n, n)
+            for head in range(weights.shape[0]):
+                w = weights[head][rows]
+                bands = []
+                for low, high in zip(DISTANCE_BANDS, [*DISTANCE_BANDS[1:], math.inf], strict=True):
+                    bands.append((w * ((distance[rows] >= low) & (distance[rows] < high))).sum(-1))
+                entropy = -(w * torch.where(w > 0, w.log(), torch.zeros_like(w))).sum(-1)
+                entry = sums.setdefault((layer, head), {"bands": [], "sink": [], "entropy": []})
+                entry["bands"].append(torch.stack(bands, -1))
+                entry["sink"].append(w[:, 0])
+                entry["entropy"].append(entropy)
+    assert measured == set(range(body))
+    return {
+        key: {
+            "bands": torch.cat(v["bands"]).mean(0),
+            "sink": float(torch.cat(v["sink"]).mean()),
+            "entropy": float(torch.cat(v["entropy"]).mean()),
+            "count": len(torch.cat(v["sink"])),
+        }
+        for key, v in sums.items()
+    }
+
+
+def assert_profiles(found, expected, atol):
+    assert [(p.layer, p.head) for p in found.heads] == sorted(expected)
+    for profile in found.heads:
+        want = expected[(profile.layer, profile.head)]
+        torch.testing.assert_close(torch.tensor(profile.bands, dtype=torch.float64), want["bands"], rtol=0, atol=atol)
+        assert profile.sink == pytest.approx(want["sink"], abs=atol)
+        assert profile.entropy == pytest.approx(want["entropy"], abs=atol * 10)
+
+
+def test_minilm_in_windows_equals_the_windows_weights():
+    model, tokenizer = load_minilm()
+    text = " ".join(bundled_corpus()[:12])
+    batch = tokenizer.batch([text], max_length=10**9)
+    ids = batch.input_ids[0]
+    assert len(ids) > 2 * 48  # several windows
+    found = inspect_long(model, text, layers=[0, 3], window=48)
+    assert found.pieces == batch.pieces[0].tokens and not found.causal and len(found.windows) > 2
+    assert_profiles(found, expected_profiles(model, ids, 1, 1, 48, [0, 3]), atol=1e-5)
+    data = found.to_dict()
+    assert data["pieces"] == len(ids) and data["bands"] == ["0", "1", "2-8", "9-64", "65-512", "513+"]
+    assert len(data["heads"]) == 24 and all(len(h["entropy_profile"]) <= 128 for h in data["heads"])
+
+
+def test_a_causal_gpt2_past_its_positions(tmp_path):
+    model = load_text_model(hf_checkpoints.save("gpt2", tmp_path / "gpt2"))
+    text = " ".join(["the bank was full of money and the river ran by it"] * 12)
+    ids = model.tokenizer.batch([text], max_length=10**9).input_ids[0]
+    limit = model.tokenizer.max_length
+    assert len(ids) > 2 * limit
+    found = inspect_long(model, text)
+    assert found.causal and found.windows[0] == (0, limit)
+    assert_profiles(found, expected_profiles(model, ids, 0, 0, limit, [0, 1]), atol=1e-5)
+
+
+def test_the_roles_take_the_first_threshold_reached():
+    base = {"layer": 0, "head": 0, "entropy": 1.0, "entropy_profile": [1.0], "role": None}
+    sink = _with_role(HeadProfile(bands=[0.6, 0.0, 0.0, 0.1, 0.0, 0.3], sink=0.45, **base))
+    assert sink.role == "sink"  # also local (0.6) and long-range (0.3): sink comes first
+    assert _with_role(HeadProfile(bands=[0.2, 0.2, 0.2, 0.2, 0.0, 0.2], sink=0.1, **base)).role == "long-range"
+    assert _with_role(HeadProfile(bands=[0.1, 0.3, 0.2, 0.4, 0.0, 0.0], sink=0.1, **base)).role == "local"
+    assert _with_role(HeadProfile(bands=[0.1, 0.1, 0.1, 0.7, 0.0, 0.0], sink=0.1, **base)).role is None
+    assert [r.name for r in LONG_ROLES] == ["sink", "long-range", "local"]
+
+
+@pytest.mark.parametrize(
+    "arguments, kind, fragment",
+    [
+        ({"text": "  "}, ValueError, "text: expected a non-empty text"),
+        ({"window": 513}, ValueError, "window: expected an int in [2, 512]"),
+        ({"window": 2}, ValueError, "window: expected more than the 2 special pieces"),
+        ({"layers": [6]}, ValueError, "layers: expected layer indices in 0..5"),
+    ],
+)
+def test_bad_arguments_are_named(arguments, kind, fragment):
+    model, _ = load_minilm()
+    with pytest.raises(kind) as raised:
+        inspect_long(model, **{"text": "a b c", **arguments})
+    assert is_input_error(raised.value, kind) and fragment in str(raised.value)
+
+
+def test_the_command_writes_what_python_gives(tmp_path, capsys):
+    import json
+
+    from multihead.cli import main
+
+    text = " ".join(bundled_corpus()[:12])
+    source = tmp_path / "long.txt"
+    source.write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    argv = ["inspect", "--long", str(source), "--layers", "0,5", "--heads", "1,2", "--format", "terminal,json"]
+    assert main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "all-MiniLM-L6-v2:" in printed and "layer 5" in printed and "json report:" in printed
+    model, _ = load_minilm()
+    expected = inspect_long(model, text, layers=[0, 5], heads=[1, 2]).to_dict()
+    written = json.loads((out / "long.json").read_text())
+    assert [(h["layer"], h["head"]) for h in written["heads"]] == [(0, 1), (0, 2), (5, 1), (5, 2)]
+    assert written["heads"] == expected["heads"]  # the same numbers: JSON keeps every float
+    assert written["pieces"] == expected["pieces"] and written["windows"] == expected["windows"]
+
+
+@pytest.mark.parametrize(
+    "extra, option, fragment",
+    [
+        (["a text"], "--long", "no text beside it"),
+        (["--token", "bank"], "--long", "no --token beside it"),
+        (["--format", "html"], "--format", "terminal or json with --long"),
+        (["--layers", "9"], "--layers", "layer indices in 0..5"),
+    ],
+)
+def test_the_commands_mistakes_are_one_line(extra, option, fragment, tmp_path, capsys):
+    from test_cli_errors import assert_one_line
+
+    source = tmp_path / "long.txt"
+    source.write_text("The bank was full of money.", encoding="utf-8")
+    argv = ["inspect", "--long", str(source), "--out", str(tmp_path / "out"), *extra]
+    assert_one_line(capsys, argv, "inspect", option, fragment)
+
+
+def test_a_missing_file_is_one_line(tmp_path, capsys):
+    from test_cli_errors import assert_one_line
+
+    argv = ["inspect", "--long", str(tmp_path / "absent.txt")]
+    assert_one_line(capsys, argv, "inspect", "--long", "which does not exist")
