@@ -26,7 +26,7 @@ LAYERS = [
     ("multihead.inspect.write", "reports: what the commands print and write"),
     ("multihead.inspect.long_report", "reports: what the commands print and write"),
     ("multihead.circuits.report", "reports: what the commands print and write"),
-    ("multihead.circuits.page", "reports: what the commands print and write"),
+    ("multihead.inspect.page", "reports: what the commands print and write"),
     ("multihead.inspect", "models and their inspection"),
     ("multihead.models", "models and their inspection"),
     ("multihead.integrations", "models and their inspection"),

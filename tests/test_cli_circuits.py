@@ -13,8 +13,8 @@ from multihead.circuits import activation_patching, attribution_patching
 from multihead.cli import main
 from multihead.integrations import load_causal_lm
 from multihead.train.induction import InductionSettings, run_induction
-from test_circuits_page import parsed
 from test_cli_errors import assert_one_line
+from test_inspect_page import parsed
 
 CLEAN = "b c d e f g h b c d e f g"
 CORRUPT = "k l m n o p q b c d e f g"

@@ -17,6 +17,7 @@ from multihead.integrations import load_text_model
 from multihead.models import load_minilm
 from multihead.streamed_stats import DISTANCE_BANDS
 from support import is_input_error
+from test_inspect_page import parsed
 
 
 def test_windows_slide_by_half_and_cover_the_body():
@@ -141,7 +142,8 @@ def test_the_command_writes_what_python_gives(tmp_path, capsys):
     source = tmp_path / "long.txt"
     source.write_text(text, encoding="utf-8")
     out = tmp_path / "out"
-    argv = ["inspect", "--long", str(source), "--layers", "0,5", "--heads", "1,2", "--format", "terminal,json"]
+    formats = "terminal,json,html,png"
+    argv = ["inspect", "--long", str(source), "--layers", "0,5", "--heads", "1,2", "--format", formats]
     assert main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "all-MiniLM-L6-v2:" in printed and "layer 5" in printed and "json report:" in printed
@@ -151,6 +153,13 @@ def test_the_command_writes_what_python_gives(tmp_path, capsys):
     assert [(h["layer"], h["head"]) for h in written["heads"]] == [(0, 1), (0, 2), (5, 1), (5, 2)]
     assert written["heads"] == expected["heads"]  # the same numbers: JSON keeps every float
     assert written["pieces"] == expected["pieces"] and written["windows"] == expected["windows"]
+    # the page: a row per head of roles and shares, its distance profile's cells the JSON's bands
+    page = parsed((out / "long.html").read_text(encoding="ascii"))
+    assert [row[0]["text"] for row in page.rows] == ["L0 H1", "L0 H2", "L5 H1", "L5 H2"]
+    assert [row[1]["text"] for row in page.rows] == [h["role"] or "" for h in written["heads"]]
+    profile = [float(cell["data-value"]) for cell in page.cells[: 4 * 6]]  # the first grid: 4 heads x 6 bands
+    assert profile == pytest.approx([band for h in written["heads"] for band in h["bands"]], abs=1e-12)
+    assert (out / "long.png").stat().st_size > 0 and "png report:" in printed
 
 
 @pytest.mark.parametrize(
@@ -158,7 +167,7 @@ def test_the_command_writes_what_python_gives(tmp_path, capsys):
     [
         (["a text"], "--long", "no text beside it"),
         (["--token", "bank"], "--long", "no --token beside it"),
-        (["--format", "html"], "--format", "terminal or json with --long"),
+        (["--format", "pdf"], "--format", "one or more of"),
         (["--layers", "9"], "--layers", "layer indices in 0..5"),
     ],
 )

@@ -75,7 +75,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--format",
         metavar="LIST",
-        help="any of terminal,html,png,json, comma-separated (default: terminal,html; with --long: terminal)",
+        help="any of terminal,html,png,json, comma-separated (default: terminal,html)",
     )
     parser.add_argument(
         "--truncate", action="store_true", help="cut texts over the model's position limit (512 for all-MiniLM-L6-v2)"
@@ -92,7 +92,7 @@ def add_parser(subparsers) -> None:
         metavar="FILE",
         help="read a long text from FILE instead (any length: past the model's positions it is read in windows "
         "sliding by half) and profile every head in O(n) memory: distance bands, sink share, entropy, and the "
-        "sink, local and long-range roles. Formats: terminal,json (long.json)",
+        "sink, local and long-range roles; long.html, long.png and long.json as --format asks",
     )
     parser.set_defaults(run=run_inspect)
 
@@ -193,7 +193,7 @@ def run_long(args: argparse.Namespace) -> int:
 
     from multihead._userfiles import read_text
     from multihead.inspect.long import inspect_long
-    from multihead.inspect.long_report import LONG_FORMATS, print_long, write_long
+    from multihead.inspect.long_report import print_long, write_long
     from multihead.inspect.write import check_formats
     from multihead.integrations import load_text_model
 
@@ -206,10 +206,8 @@ def run_long(args: argparse.Namespace) -> int:
         given = "--scores" if args.scores is not None else "--truncate"
         raise bad_argument("--long", f"no {given} beside it", given, f"leave out {given}")
     with from_option("--format"):
-        formats = check_formats(args.format or "terminal")
-    if any(name not in LONG_FORMATS for name in formats):
-        raise bad_argument("--format", "terminal or json with --long", args.format, "pass --format terminal,json")
-    if "json" in formats:
+        formats = check_formats(args.format or "terminal,html")
+    if any(name != "terminal" for name in formats):
         output_folder("--out", args.out, create=False)
     text = read_text("--long", args.long, what="a UTF-8 text file", fix="pass --long FILE, a text file")
     with from_option("--model"):
@@ -230,6 +228,10 @@ def run_long(args: argparse.Namespace) -> int:
         )
     if "terminal" in formats:
         print_long(console, found)
-    for path in write_long(found, args.out, formats, argument="--out").values():
-        console.print(f"json report: {path.resolve()} ({format_bytes(path.stat().st_size)})", markup=False)
+    written = write_long(found, args.out, formats, argument="--out")
+    for name, path in written.items():
+        console.print(f"{name} report: {path.resolve()} ({format_bytes(path.stat().st_size)})", markup=False)
+    note = skipped_note(written.skipped.values())  # png without matplotlib
+    if note is not None:
+        console.print(note, soft_wrap=True, markup=False, highlight=False)
     return 0

@@ -1,5 +1,6 @@
-"""The pages of `multihead circuits` (multihead.circuits.page): every score a cell carrying its value and coloured on
-the score scale, user text escaped and the page ASCII, and the page opened offline in Debian's chromium."""
+"""The static pages of `multihead circuits` and `multihead inspect --long` (multihead.inspect.page): every score a
+cell carrying its value and coloured on the score scale, user text escaped and the page ASCII, and the page opened
+offline in Debian's chromium."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from html.parser import HTMLParser
 import pytest
 import torch
 
-from multihead.circuits.page import Grid, Page, Table, render_page
 from multihead.inspect.colours import SCORE_STOPS, score_rgb
+from multihead.inspect.page import Grid, Page, Table, render_page
 from test_inspect_html import browser, open_page  # noqa: F401 (fixtures)
 
 
@@ -28,7 +29,7 @@ class Cells(HTMLParser):
     def handle_starttag(self, tag, attrs):
         attributes = dict(attrs)
         if tag == "table":
-            self._table_kind = attributes.get("class")
+            self._table_kind = (attributes.get("class") or "").split()[0]  # "grid", "grid compact" or "rows"
         elif tag == "tbody" and self._table_kind == "rows":
             self._body = True
         elif tag == "tr" and self._table_kind == "rows" and self._body:
@@ -137,7 +138,7 @@ def test_the_score_scale_runs_blue_white_red(value, bound):
 def test_the_png_draws_every_grid_on_the_score_scale(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    from multihead.circuits import report
+    from multihead.inspect import page as report
 
     drawn = []
     monkeypatch.setattr(report, "save_figure", lambda figure, path: drawn.append(figure) or path)
@@ -152,3 +153,12 @@ def test_the_png_draws_every_grid_on_the_score_scale(tmp_path, monkeypatch):
     plt.close(drawn[0])
     lens = Page("lens", tables=[Table("t", ["after"], [["embedding"]])])
     assert "png" not in report.write_report({}, "lens", tmp_path, ["png", "html"], lens)
+
+
+def test_a_grid_with_row_labels_and_colour_alone():
+    grid = Grid("profile", SCORES, across="stretch", down="head", rows=["L0 H1", "L3 H0"], numbers=False)
+    html = render_page(Page("p", grids=[grid]))
+    cells = parsed(html).cells
+    assert all(cell["text"] == "" for cell in cells)  # colour alone; the value stays in data-value and the title
+    assert float(cells[1]["data-value"]) == -0.25 and cells[1]["title"] == "L0 H1, stretch 1: -0.250"
+    assert '<th scope="row">L3 H0</th>' in html and "<th>head</th>" in html and 'class="grid compact"' in html
