@@ -98,6 +98,7 @@ class AttentionStats:
     far: int
 
 
+@torch.no_grad()  # statistics, not a graph: the blocks keep no saved tensors for a backward
 def attention_stats(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -141,8 +142,7 @@ def attention_stats(
         True
     """
     call = bound_call(q, k, v, mask=mask, causal=causal, scale=scale)
-    b, h, i, _ = call.q.shape
-    j = call.k.shape[2]
+    h, i, j = call.q.shape[1], call.q.shape[2], call.k.shape[2]
     chosen_heads = checked_indices("heads", heads, h, "head")
     chosen_rows = checked_indices("rows", rows, i, "query")
     sinks = _count("sinks", sinks, 0, j, "e.g. sinks=4")
@@ -153,6 +153,7 @@ def attention_stats(
     if pool not in POOLS:
         raise bad_argument("pool", f"one of {list(POOLS)}", repr(pool), 'pass pool="max" or pool="mean"')
 
+    b = call.q.shape[0]
     result = attention(q, k, v, mask=mask, causal=causal, scale=scale, return_lse=True)
     assert result.lse is not None
     output, lse = result.output, result.lse
@@ -175,9 +176,7 @@ def attention_stats(
             mask_scores_(scores, call.mask, slice(qb.start, qb.stop), slice(kb.start, kb.stop), head_index)
             log_weights = scores.sub_(safe_lse[:, :, qb.start : qb.stop])  # log p: -inf where masked
             weights = log_weights.exp()  # (b, H, n, m): the exact weights, 0 where masked
-            # the entropy's terms, -p log p, from log p at hand (0 where masked: a finite floor times p = 0)
-            acc.neg_plogp[:, :, qb.start : qb.stop] -= (weights * log_weights.clamp_min_(_LOG_FLOOR)).sum(-1)
-            acc.add(qb, kb, weights, offset)
+            acc.add(qb, kb, weights, log_weights, offset)
     return acc.result(output, chosen_heads, chosen_rows, far, call.unbatched)
 
 
@@ -186,8 +185,8 @@ def _count(name: str, value: object, low: int, high: int | None, fix: str) -> in
     if not isinstance(value, int) or isinstance(value, bool):
         raise bad_argument(name, "an int", describe(value), f"pass {fix}", kind=TypeError)
     if value < low or (high is not None and value > high):
-        bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise bad_argument(name, f"an int in {bounds}", value, f"pass {fix}")
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise bad_argument(name, f"an int {bounds}", value, f"pass {fix}")
     return value
 
 
@@ -197,7 +196,7 @@ class _Accumulators:
     def __init__(self, b, heads, i, j, dtype, device, sinks, far, top_k, pooled, pool):
         zeros = {"dtype": dtype, "device": device}
         self.far, self.top_k, self.pool, self.sinks = far, top_k, pool, sinks
-        self.neg_plogp = torch.zeros(b, heads, i, **zeros)  # the entropy: sum over keys of -p log p (the caller's)
+        self.neg_plogp = torch.zeros(b, heads, i, **zeros)  # the entropy: sum over keys of -p log p
         self.max_weight = torch.zeros(b, heads, i, **zeros)
         self.max_key = torch.full((b, heads, i), -1, dtype=torch.long, device=device)
         self.ahead = torch.zeros(b, heads, i, **zeros)
@@ -218,10 +217,13 @@ class _Accumulators:
                 torch.arange(j, device=device).div(self.col_bin, rounding_mode="floor").bincount(),
             )
 
-    def add(self, qb: range, kb: range, p: torch.Tensor, offset: int) -> None:
+    def add(self, qb: range, kb: range, p: torch.Tensor, log_p: torch.Tensor, offset: int) -> None:
         """Fold in one block: ``p`` (b, H, n, m) the exact weights of query rows ``qb`` on keys ``kb`` (0 where
-        masked); query row r sits at position r + ``offset``."""
+        masked) and ``log_p`` their logs (-inf where masked; floored in place); query row r sits at position
+        r + ``offset``."""
         rows, cols = slice(qb.start, qb.stop), slice(kb.start, kb.stop)
+        # the entropy's terms, -p log p, from log p at hand (0 where masked: a finite floor times p = 0)
+        self.neg_plogp[:, :, rows] -= (p * log_p.clamp_min_(_LOG_FLOOR)).sum(-1)
         best, where = p.max(-1)  # (b, H, n)
         better = best > self.max_weight[:, :, rows]  # a row's first key of the largest weight keeps it
         self.max_weight[:, :, rows] = torch.where(better, best, self.max_weight[:, :, rows])
