@@ -40,27 +40,9 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_any(name: str) -> torch.nn.Module:
-    """A tiny random causal LM of architecture ``name``: those test_integrations_transformers builds, Gemma 2 (soft-
-    capped scores, a window in every other layer) and Qwen2 (GQA, RoPE, q/k/v biases)."""
-    if name == "gemma2":
-        return build_gemma2()
-    if name == "qwen2":
-        import transformers
-
-        torch.manual_seed(0)
-        config = transformers.Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=40,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        return transformers.Qwen2ForCausalLM(config)
-    return build(name)
+    """A tiny random causal LM of architecture ``name``: those test_integrations_transformers builds, and Gemma 2
+    (soft-capped scores, a window in every other layer)."""
+    return build_gemma2() if name == "gemma2" else build(name)
 
 
 def pair(name: str):

@@ -65,6 +65,8 @@ def build(name: str) -> torch.nn.Module:
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**decoder))
     if name == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=3, **decoder))
+    if name == "qwen2":  # biases on q, k and v
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**decoder))
     raise AssertionError(name)
 
 
