@@ -227,18 +227,17 @@ class Recorder:
                 rows = self.queries
                 if isinstance(rows, slice):
                     rows = list(range(q.shape[-2])[rows])
-                with torch.no_grad():
-                    found = attention_stats(
-                        q.detach(),
-                        k.detach(),
-                        v.detach(),
-                        mask=kwargs.get("mask"),
-                        causal=kwargs.get("causal", False),
-                        scale=kwargs.get("scale"),
-                        heads=heads,
-                        rows=rows,
-                        **self.stats_settings.options(),
-                    )
+                found = attention_stats(  # forward only: no graph, whatever q, k and v need
+                    q,
+                    k,
+                    v,
+                    mask=kwargs.get("mask"),
+                    causal=kwargs.get("causal", False),
+                    scale=kwargs.get("scale"),
+                    heads=heads,
+                    rows=rows,
+                    **self.stats_settings.options(),
+                )
                 record.stats.append(found)
             if injected:  # hand the layer what it asked for: the output alone
                 return output
