@@ -45,6 +45,7 @@ def expected_profiles(model, ids, lead: int, trail: int, size: int, layers: list
         rows += [lead + p - start for p in range(start, stop) if p not in measured]
         measured.update(range(start, stop))
         rows += [lead + stop - start + t for t in range(trail) if index == len(stretches) - 1]
+        places = [*range(lead), *(lead + p for p in range(start, stop)), *(len(ids) - trail + t for t in range(trail))]
         with torch.no_grad(), capture(model, layers=layers) as rec:
             model(window[None])
         n = len(window)
@@ -57,7 +58,10 @@ def expected_profiles(model, ids, lead: int, trail: int, size: int, layers: list
                 for low, high in zip(DISTANCE_BANDS, [*DISTANCE_BANDS[1:], math.inf], strict=True):
                     bands.append((w * ((distance[rows] >= low) & (distance[rows] < high))).sum(-1))
                 entropy = -(w * torch.where(w > 0, w.log(), torch.zeros_like(w))).sum(-1)
-                entry = sums.setdefault((layer, head), {"bands": [], "sink": [], "entropy": []})
+                entry = sums.setdefault(
+                    (layer, head), {"bands": [], "sink": [], "entropy": [], "received": torch.zeros(len(ids))}
+                )
+                entry["received"][places] += w.sum(0).float()  # the window's columns, from its measured rows
                 entry["bands"].append(torch.stack(bands, -1))
                 entry["sink"].append(w[:, 0])
                 entry["entropy"].append(entropy)
@@ -68,6 +72,7 @@ def expected_profiles(model, ids, lead: int, trail: int, size: int, layers: list
             "sink": float(torch.cat(v["sink"]).mean()),
             "entropy": float(torch.cat(v["entropy"]).mean()),
             "count": len(torch.cat(v["sink"])),
+            "shares": v["received"] / len(ids),
         }
         for key, v in sums.items()
     }
@@ -80,6 +85,12 @@ def assert_profiles(found, expected, atol):
         torch.testing.assert_close(torch.tensor(profile.bands, dtype=torch.float64), want["bands"], rtol=0, atol=atol)
         assert profile.sink == pytest.approx(want["sink"], abs=atol)
         assert profile.entropy == pytest.approx(want["entropy"], abs=atol * 10)
+        top = want["shares"].topk(len(profile.heavy_hitters))
+        assert [h["share"] for h in profile.heavy_hitters] == pytest.approx(top.values.tolist(), abs=atol)
+        # each named piece holds the share given (a near tie may order two pieces either way)
+        assert [float(want["shares"][h["position"]]) for h in profile.heavy_hitters] == pytest.approx(
+            [h["share"] for h in profile.heavy_hitters], abs=atol
+        )
 
 
 def test_minilm_in_windows_equals_the_windows_weights():
@@ -157,6 +168,8 @@ def test_the_command_writes_what_python_gives(tmp_path, capsys):
     page = parsed((out / "long.html").read_text(encoding="ascii"))
     assert [row[0]["text"] for row in page.rows] == ["L0 H1", "L0 H2", "L5 H1", "L5 H2"]
     assert [row[1]["text"] for row in page.rows] == [h["role"] or "" for h in written["heads"]]
+    first = written["heads"][0]["heavy_hitters"][0]
+    assert page.rows[0][5]["text"].startswith(f"{first['piece']}@{first['position']} {first['share']:.0%}")
     profile = [float(cell["data-value"]) for cell in page.cells[: 4 * 6]]  # the first grid: 4 heads x 6 bands
     assert profile == pytest.approx([band for h in written["heads"] for band in h["bands"]], abs=1e-12)
     assert (out / "long.png").stat().st_size > 0 and "png report:" in printed

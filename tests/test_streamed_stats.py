@@ -119,17 +119,24 @@ def test_queries_after_the_keys_they_extend_and_max_pooling(device):
     assert stats.pooled is not None and stats.pooled.shape == (2, 4, 3, 4)  # 5 rows in bins of 2, 300 keys of 75
 
 
-def test_heads_and_rows_are_selected_and_columns_count_every_row(device):
+def test_heads_and_rows_are_selected_and_only_those_rows_add_to_the_columns(device):
     q, k, v = inputs(device)
     weights = attention(q, k, v, causal=True, return_weights=True).weights
-    stats = attention_stats(q, k, v, causal=True, heads=[3, -4], rows=[36, 0, 10], top_k=2)
-    assert stats.heads == [3, 0] and stats.rows == [36, 0, 10]
+    rows = [36, 0, 10]
+    stats = attention_stats(q, k, v, causal=True, heads=[3, -4], rows=rows, top_k=2, far=5, pooled=6, pool="mean")
+    assert stats.heads == [3, 0] and stats.rows == rows
     chosen = weights[:, [3, 0]]
     expected = dense(chosen, sinks=4, far=512, top_k=2, pooled=None, pool="max")
-    torch.testing.assert_close(stats.entropy, expected["entropy"][:, :, [36, 0, 10]], rtol=0, atol=1e-10)
-    torch.testing.assert_close(stats.bands, expected["bands"][:, :, [36, 0, 10]], rtol=0, atol=1e-10)
-    torch.testing.assert_close(stats.received, expected["received"], rtol=0, atol=1e-10)  # all 37 rows
-    assert torch.equal(stats.top_keys, expected["top_keys"][:, :, [36, 0, 10]])
+    torch.testing.assert_close(stats.entropy, expected["entropy"][:, :, rows], rtol=0, atol=1e-10)
+    torch.testing.assert_close(stats.bands, expected["bands"][:, :, rows], rtol=0, atol=1e-10)
+    assert torch.equal(stats.top_keys, expected["top_keys"][:, :, rows])
+    # the columns and the map: the weights of the three rows, the other rows counting as 0
+    only_rows = torch.zeros_like(chosen)
+    only_rows[:, :, rows] = chosen[:, :, rows]
+    columns = dense(only_rows, sinks=4, far=5, top_k=0, pooled=6, pool="mean")
+    for name in ("received", "received_far", "pooled"):
+        torch.testing.assert_close(getattr(stats, name), columns[name], rtol=0, atol=1e-10, msg=name)
+    assert float(stats.received.sum()) == pytest.approx(2 * 2 * 3)  # 2 texts x 2 heads x 3 rows of weight 1
 
 
 @pytest.mark.parametrize("both_sides", [False, True], ids=["causal window", "two-sided window"])

@@ -73,11 +73,12 @@ class AttentionStats:
     rows, sinks): the weight on each of the first ``sinks`` keys. ``top_weights``, ``top_keys`` (b, heads, rows,
     top_k): the ``top_k`` largest weights and their keys, largest first (None without ``top_k``).
 
-    Per key (b, heads, j): ``received``, the weight the key gets summed over every query row (all of them, not
-    only ``rows``); ``received_far``, the same from the queries at least ``far`` tokens after it.
+    Per key (b, heads, j): ``received``, the weight the key gets summed over the query rows ``rows`` (every row
+    unless chosen); ``received_far``, the same from those of them at least ``far`` tokens after it.
 
-    ``pooled`` (b, heads, P, Q): the (i, j) weights pooled over blocks of ``ceil(i / P)`` x ``ceil(j / Q)``
-    (max or mean), at most ``pooled`` x ``pooled``; None unless asked for. ``output``: (b, h, i, e), the
+    ``pooled`` (b, heads, P, Q): the (i, j) weights of the rows ``rows`` (the others count as 0) pooled over
+    blocks of ``ceil(i / P)`` x ``ceil(j / Q)`` (max or mean), at most ``pooled`` x ``pooled``; None unless asked
+    for. ``output``: (b, h, i, e), the
     attention output, computed on the way (all heads and rows).
     """
 
@@ -121,8 +122,8 @@ def attention_stats(
         q, k, v, mask, causal, scale: as for :func:`multihead.attention` (shapes (b, h, i, d), (b, g, j, d),
             (b, g, j, e), or unbatched without b).
         heads: the query heads to measure (None: all; negative indices count from the end).
-        rows: the query rows whose per-row statistics are returned (None: all). The column sums always add
-            every row.
+        rows: the query rows measured (None: all): their per-row statistics come back, and only they add to the
+            column sums and the pooled map.
         sinks: how many leading keys ``first`` covers (Gu et al. 2024 measure the first one).
         far: the distance at or past which a query counts toward ``received_far``.
         top_k: the largest weights kept per row (0: none).
@@ -167,6 +168,9 @@ def attention_stats(
     lse = lse.index_select(1, head_index).to(work)
     safe_lse = lse.masked_fill(lse == -math.inf, 0.0).unsqueeze(-1)  # (b, H, i, 1): a row all masked gives p = 0
     acc = _Accumulators(b, len(chosen_heads), i, j, work, call.q.device, sinks, far, top_k, pooled, pool)
+    if rows is not None:  # only the chosen rows add to the column sums and the map
+        acc.row_weight = torch.zeros(i, dtype=work, device=call.q.device)
+        acc.row_weight[torch.tensor(chosen_rows, device=call.q.device)] = 1.0
     offset = j - i
     for qb in Blocks(i, BLOCK_Q):
         for kb in Blocks(j, BLOCK_K):
@@ -196,6 +200,7 @@ class _Accumulators:
     def __init__(self, b, heads, i, j, dtype, device, sinks, far, top_k, pooled, pool):
         zeros = {"dtype": dtype, "device": device}
         self.far, self.top_k, self.pool, self.sinks = far, top_k, pool, sinks
+        self.row_weight: torch.Tensor | None = None  # (i,) 1 on the rows that add to the columns; None: every row
         self.neg_plogp = torch.zeros(b, heads, i, **zeros)  # the entropy: sum over keys of -p log p
         self.max_weight = torch.zeros(b, heads, i, **zeros)
         self.max_key = torch.full((b, heads, i), -1, dtype=torch.long, device=device)
@@ -249,12 +254,14 @@ class _Accumulators:
             band_index = torch.bucketize(distance.abs(), self.edges, right=True)  # (n, m): each pair's band, 0 .. 5
             banded = p.new_zeros(*p.shape[:-1], len(DISTANCE_BANDS))
             self.bands[:, :, rows] += banded.scatter_add_(-1, band_index.expand_as(p), p)
-        self.received[:, :, cols] += p.sum(-2)
+        counted = p if self.row_weight is None else p * self.row_weight[rows, None]  # the rows the columns add
+        column_sums = counted.sum(-2)
+        self.received[:, :, cols] += column_sums
         if nearest >= self.far:
-            self.received_far[:, :, cols] += p.sum(-2)
+            self.received_far[:, :, cols] += column_sums
         elif farthest >= self.far:
             distance = self._distance(qb, kb, offset, p.device) if distance is None else distance
-            self.received_far[:, :, cols] += (p * (distance >= self.far)).sum(-2)
+            self.received_far[:, :, cols] += (counted * (distance >= self.far)).sum(-2)
         if kb.start < self.sinks:
             count = min(self.sinks, kb.stop) - kb.start
             self.first[:, :, rows, kb.start : kb.start + count] += p[..., :count]
@@ -266,7 +273,7 @@ class _Accumulators:
             self.top_weights[:, :, rows] = kept.values
             self.top_keys[:, :, rows] = keys.gather(-1, kept.indices)
         if self.pooled is not None:
-            self._pool(qb, kb, p)
+            self._pool(qb, kb, counted)
 
     @staticmethod
     def _distance(qb: range, kb: range, offset: int, device: torch.device) -> torch.Tensor:

@@ -13,14 +13,15 @@ least half a window past the first window).
 
 Per head, over the pieces measured: the mean weight in each distance band, the sink share (the mean weight on
 the window's first piece, Gu et al. 2024's first-token share), the mean entropy and its profile along the text,
-and the role of :data:`LONG_ROLES` its measures pass.
+the heavy hitters (the pieces that receive the most attention from the measured queries, summed over the
+windows), and the role of :data:`LONG_ROLES` its measures pass.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +53,7 @@ LONG_ROLES: tuple[LongRole, ...] = (
     LongRole("local", "mean weight within 8 pieces", 0.5, "multihead"),
 )
 PROFILE_POINTS = 128  # the entropy profile: at most this many means along the text
+HEAVY_HITTERS = 8  # the pieces that receive the most attention, kept per head
 _WHOLE = 2**62  # a length no text reaches: the tokenizer reads it whole (the windows keep the model's positions)
 
 
@@ -60,7 +62,10 @@ class HeadProfile:
     """One head over the text: ``bands`` (6,) the mean weight in each band of
     :data:`~multihead.streamed_stats.DISTANCE_BANDS`, ``sink`` the mean weight on the window's first piece,
     ``entropy`` the mean entropy (nats) and ``entropy_profile`` its means over consecutive stretches of the
-    measured pieces (at most :data:`PROFILE_POINTS`), ``role`` (see :data:`LONG_ROLES`) or None."""
+    measured pieces (at most :data:`PROFILE_POINTS`), ``role`` (see :data:`LONG_ROLES`) or None.
+    ``heavy_hitters``: the :data:`HEAVY_HITTERS` pieces that receive the most of its attention, largest first,
+    ``{"position", "piece", "share"}``: the share is the piece's column sum over the measured queries divided by
+    their number (each query gives weight 1)."""
 
     layer: int
     head: int
@@ -69,6 +74,7 @@ class HeadProfile:
     entropy: float
     entropy_profile: list[float]
     role: str | None
+    heavy_hitters: list[dict] = field(default_factory=list)
 
     @property
     def local(self) -> float:
@@ -91,6 +97,7 @@ class HeadProfile:
             "entropy": self.entropy,
             "entropy_profile": self.entropy_profile,
             "role": self.role,
+            "heavy_hitters": self.heavy_hitters,
         }
 
 
@@ -194,6 +201,8 @@ def inspect_long(
     per_layer: dict[int, dict[str, list[torch.Tensor]]] = {
         layer: {"bands": [], "sink": [], "entropy": []} for layer in chosen_layers
     }
+    # the weight each piece of the text receives from the queries measured, per layer: (heads, n)
+    received: dict[int, torch.Tensor] = {}
     # each layer's heads as capture reads `heads`: indices into the layer's own heads
     layer_heads = {layer: checked_indices("heads", heads, len(numbers[layer]), "head") for layer in chosen_layers}
     measured_until = 0
@@ -204,20 +213,28 @@ def inspect_long(
         # specials in the first window and its trailing ones in the last
         first_row = 0 if index == 0 else lead + measured_until - start
         last_row = lead + stop - start + (trail if index == len(stretches) - 1 else 0)
-        rows = torch.arange(first_row, last_row)
+        rows = list(range(first_row, last_row))
         measured_until = stop
+        # each of the window's pieces, as a position in the text
+        places = torch.cat(
+            [torch.arange(lead), lead + torch.arange(start, stop), len(ids) - trail + torch.arange(trail)]
+        )
         with (
             evaluating(model),
             torch.no_grad(),
-            capture(model, part=chosen_part, layers=chosen_layers, heads=heads, weights=False, stats=settings) as rec,
+            capture(
+                model, part=chosen_part, layers=chosen_layers, heads=heads, queries=rows, weights=False, stats=settings
+            ) as rec,
         ):
             model(window_ids[None].to(device))
         for layer in chosen_layers:
-            stats = rec.stats(layer)  # one text: (1, heads, rows, ...)
+            stats = rec.stats(layer)  # one text, the measured rows: (1, heads, rows, ...); the columns from them
             found = per_layer[layer]
-            found["bands"].append(stats.bands[0].index_select(1, rows.to(stats.bands.device)).double().cpu())
-            found["sink"].append(stats.first[0, :, :, 0].index_select(1, rows.to(stats.first.device)).double().cpu())
-            found["entropy"].append(stats.entropy[0].index_select(1, rows.to(stats.entropy.device)).double().cpu())
+            found["bands"].append(stats.bands[0].double().cpu())
+            found["sink"].append(stats.first[0, :, :, 0].double().cpu())
+            found["entropy"].append(stats.entropy[0].double().cpu())
+            totals = received.setdefault(layer, torch.zeros(stats.received.shape[1], len(ids), dtype=torch.float64))
+            totals.index_add_(1, places, stats.received[0].double().cpu())
         if progress is not None:
             progress(index + 1, len(stretches))
     profiles = []
@@ -225,8 +242,10 @@ def inspect_long(
         bands = torch.cat(per_layer[layer]["bands"], 1)  # (heads, measured, 6)
         sink = torch.cat(per_layer[layer]["sink"], 1)
         entropy = torch.cat(per_layer[layer]["entropy"], 1)
+        shares = received[layer] / len(ids)  # each piece's share of all the attention measured (one per query)
         for position, head in enumerate(layer_heads[layer]):
             mean_bands = bands[position].mean(0).tolist()
+            top = shares[position].topk(min(HEAVY_HITTERS, len(ids)))
             profile = HeadProfile(
                 layer=layer,
                 head=numbers[layer][head],
@@ -235,6 +254,10 @@ def inspect_long(
                 entropy=float(entropy[position].mean()),
                 entropy_profile=_profile(entropy[position]),
                 role=None,
+                heavy_hitters=[
+                    {"position": int(where), "piece": pieces.tokens[int(where)], "share": float(share)}
+                    for share, where in zip(top.values, top.indices, strict=True)
+                ],
             )
             profiles.append(_with_role(profile))
     return LongInspection(

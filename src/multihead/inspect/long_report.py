@@ -1,9 +1,11 @@
 """What `multihead inspect --long FILE` prints and writes: each head's profile over a long text.
 
 - terminal: a table per layer, a row per head: its role, the weight within 8 pieces and beyond 512, the sink
-  share, the mean entropy, the weight in each distance band;
-- ``long.html`` (:func:`long_page`, drawn by :mod:`multihead.inspect.page`: static, offline): the heads' roles and
-  shares, their distance profiles (head x band) and their entropy along the text (head x stretch);
+  share, the mean entropy, the weight in each distance band, the piece that receives the most of its attention
+  (a window's special pieces count as the text's own: [CLS] gathers what every window's [CLS] receives);
+- ``long.html`` (:func:`long_page`, drawn by :mod:`multihead.inspect.page`: static, offline): the heads' roles,
+  shares and three heaviest hitters, their distance profiles (head x band) and their entropy along the text
+  (head x stretch);
 - ``long.png``: the same two grids as heatmaps;
 - ``long.json``: :meth:`~multihead.inspect.LongInspection.to_dict`.
 
@@ -41,8 +43,17 @@ def print_long(console: Console, found: LongInspection) -> None:
     bands = found.to_dict()["bands"]
     for layer in dict.fromkeys(profile.layer for profile in found.heads):
         table = RichTable(title=f"layer {layer}", box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
-        for name in ("head", "role", "<= 8", "> 512", "sink", "entropy", *(f"{band}" for band in bands)):
-            table.add_column(name, justify="left" if name == "role" else "right")
+        for name in (
+            "head",
+            "role",
+            "<= 8",
+            "> 512",
+            "sink",
+            "entropy",
+            *(f"{band}" for band in bands),
+            "most received",
+        ):
+            table.add_column(name, justify="left" if name in ("role", "most received") else "right")
         for profile in (p for p in found.heads if p.layer == layer):
             table.add_row(
                 str(profile.head),
@@ -52,10 +63,16 @@ def print_long(console: Console, found: LongInspection) -> None:
                 f"{profile.sink:.0%}",
                 f"{profile.entropy:.2f}",
                 *(f"{value:.0%}" for value in profile.bands),
+                Text(_hitters(profile.heavy_hitters[:1])),
             )
         console.print(table)
     legend = "; ".join(f"{r.name}: {r.measure} >= {r.threshold:.0%} ({r.source})" for r in LONG_ROLES)
     console.print(Text(f"roles, the first reached: {legend}. Distance bands in pieces back.", style="dim"))
+
+
+def _hitters(hitters: list[dict]) -> str:
+    """Heavy hitters as "[CLS]@0 12% · the@41 3%": piece, position in the text, share of the attention."""
+    return " \u00b7 ".join(f"{h['piece']}@{h['position']} {h['share']:.0%}" for h in hitters)
 
 
 def long_page(found: LongInspection) -> Page:
@@ -73,10 +90,18 @@ def long_page(found: LongInspection) -> Page:
         "part": found.part + (" (causal)" if found.causal else ""),
     }
     roles = Table(
-        "each head's role and shares: the weight within 8 pieces, beyond 512, and on the window's first piece",
-        ("head", "role", "<= 8", "> 512", "sink"),
+        "each head's role and shares: the weight within 8 pieces, beyond 512, and on the window's first piece; the "
+        "pieces that receive most of its attention (piece@position share)",
+        ("head", "role", "<= 8", "> 512", "sink", "most received"),
         [
-            (label, profile.role or "", profile.local, profile.long_range, profile.sink)
+            (
+                label,
+                profile.role or "",
+                profile.local,
+                profile.long_range,
+                profile.sink,
+                _hitters(profile.heavy_hitters[:3]),
+            )
             for label, profile in zip(labels, found.heads, strict=True)
         ],
     )
