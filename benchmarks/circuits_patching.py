@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from harness.common import ensure_malloc_env, peak_memory, prepare_allocator
+from harness.common import ensure_malloc_env, peak_memory, prepare_allocator, save_results
 from hf import llama
 from hf_capture import Call, load_average, machine, machine_line, ratio_text, ratios_of, source_state
 
@@ -39,7 +36,6 @@ import multihead.integrations.transformers as integration
 from multihead.bench import interleave
 from multihead.circuits import activation_patching
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LAYER, HEAD = 3, 5
 ANSWER, WRONG = 7, 11
 WAYS = {"multihead": ("a", "multihead"), "eager": ("b", "eager by hand"), "eager_cache": ("c", "eager + cache")}
@@ -168,11 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_s": block_s,
         "rows": [measure(n, rounds, block_s) for n in sizes],
     }
-    RESULTS.mkdir(exist_ok=True)
-    name = "circuits_patching_quick" if args.quick else "circuits_patching"
-    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1))
-    (RESULTS / f"{name}.md").write_text(markdown(results))
-    sys.stdout.write(markdown(results))
+    save_results("circuits_patching_quick" if args.quick else "circuits_patching", results, markdown(results))
     return 0
 
 

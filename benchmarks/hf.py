@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import transformers
+from harness.common import save_results
 
 import multihead.integrations.transformers as integration
 from multihead.bench import interleave
 from multihead.machine import identity
 
-RESULTS = Path(__file__).resolve().parent / "results"
 IMPLEMENTATIONS = (integration.IMPLEMENTATION, "sdpa", "eager")
 
 
@@ -100,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "rows": [measure(n, rounds, block_s) for n in sizes],
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "hf_quick" if args.quick else "hf"
-    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1))
-    (RESULTS / f"{name}.md").write_text(markdown(results))
-    print(markdown(results))
+    save_results("hf_quick" if args.quick else "hf", results, markdown(results))
     return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
 import statistics
 import subprocess
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from harness.common import ensure_malloc_env, peak_memory, prepare_allocator, ram_bytes
+from harness.common import ensure_malloc_env, peak_memory, prepare_allocator, ram_bytes, save_results
 from hf import llama
 
 import multihead
@@ -46,7 +45,6 @@ from multihead.bench import interleave
 from multihead.inspect import capture
 from multihead.machine import identity
 
-RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 LAYER, HEAD = 3, 5  # the recorded layer (of 6) and head (of 8; it reads key/value head 1)
 TOLERANCE = 1e-5  # recorded weights vs eager's output_attentions, float32
@@ -320,11 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         results["rows"].append(measure(n, rounds, block_s))
         print(f"n = {n} done", flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "hf_capture_quick" if args.quick else "hf_capture"
-    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1))
-    (RESULTS / f"{name}.md").write_text(markdown(results))
-    print(markdown(results))
+    save_results("hf_capture_quick" if args.quick else "hf_capture", results, markdown(results))
     return 0
 
 

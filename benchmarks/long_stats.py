@@ -22,21 +22,17 @@ each is timed. Peak memory is one call per way (harness.common.peak_memory: VmHW
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from harness.common import ensure_malloc_env, peak_memory, prepare_allocator
+from harness.common import ensure_malloc_env, peak_memory, prepare_allocator, save_results
 from hf_capture import Call, load_average, machine, machine_line, ratio_text, ratios_of, source_state
 
 import multihead
 from multihead.bench import interleave
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WAYS = {"forward": ("a", "forward"), "streamed": ("b", "streamed stats"), "dense": ("c", "dense weights")}
 RATIOS = (("streamed", "forward"), ("streamed", "dense"))
 DENSE_UP_TO = 16384
@@ -163,11 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         results["rows"].append(measure(n, rounds, block_s))
         print(f"n = {n}: done", flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    name = "long_stats_quick" if args.quick else "long_stats"
-    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1))
-    (RESULTS / f"{name}.md").write_text(markdown(results))
-    sys.stdout.write(markdown(results))
+    save_results("long_stats_quick" if args.quick else "long_stats", results, markdown(results))
     return 0
 
 

@@ -525,6 +525,14 @@ def default_out_dir() -> Path:
     return RESULTS
 
 
+def save_results(name: str, results: dict, markdown: str) -> None:
+    """Write ``results`` as benchmarks/results/<name>.json and ``markdown`` as <name>.md, and print the markdown."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / f"{name}.md").write_text(markdown)
+    print(markdown)
+
+
 def build_parser(
     doc: str, quick_help: str, budget_s: float, sizes: str, out: Path | None = None, prog: str | None = None
 ) -> argparse.ArgumentParser:
