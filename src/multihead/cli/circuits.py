@@ -175,33 +175,26 @@ def run_patch(args: argparse.Namespace) -> int:
         Progress(console=console, transient=True, disable=not console.is_terminal) as bar,
         from_options(PATCH_OPTIONS),
     ):
-        if receivers is not None:
-            task = bar.add_task("path patching", total=None)
-            result = path_patching(
-                lm.model,
-                clean_ids,
-                corrupt_ids,
-                answer=answer,
-                wrong=wrong,
-                receivers=receivers,
-                what=args.what,
-                progress=lambda done, total: bar.update(task, completed=done, total=total),
-            )
-        elif args.method == "exact":
-            task = bar.add_task("patching", total=None)
-            result = activation_patching(
-                lm.model,
-                clean_ids,
-                corrupt_ids,
-                answer=answer,
-                wrong=wrong,
-                what=args.what,
-                by=args.by,
-                progress=lambda done, total: bar.update(task, completed=done, total=total),
-            )
-        else:
+        if args.method == "attribution":  # one backward: nothing to follow
             result = attribution_patching(
                 lm.model, clean_ids, corrupt_ids, answer=answer, wrong=wrong, what=args.what, by=args.by
+            )
+        else:
+            label, sweep, how = (
+                ("patching", activation_patching, {"by": args.by})
+                if receivers is None
+                else ("path patching", path_patching, {"receivers": receivers})
+            )
+            task = bar.add_task(label, total=None)
+            result = sweep(
+                lm.model,
+                clean_ids,
+                corrupt_ids,
+                answer=answer,
+                wrong=wrong,
+                what=args.what,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+                **how,
             )
     facts = {"model": lm.name, "clean": args.clean, "corrupt": args.corrupt, "answer": args.answer}
     facts |= {"wrong": args.wrong, **({} if receivers is None else {"receivers": args.receivers})}
