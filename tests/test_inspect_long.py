@@ -12,7 +12,7 @@ import torch
 import hf_checkpoints
 from multihead.capture import capture
 from multihead.inspect import bundled_corpus, inspect_long
-from multihead.inspect.long import LONG_ROLES, HeadProfile, _with_role, windows_of
+from multihead.inspect.long import LONG_ROLES, HeadProfile, windows_of
 from multihead.integrations import load_text_model
 from multihead.models import load_minilm
 from multihead.streamed_stats import DISTANCE_BANDS
@@ -119,12 +119,12 @@ def test_a_causal_gpt2_past_its_positions(tmp_path):
 
 
 def test_the_roles_take_the_first_threshold_reached():
-    base = {"layer": 0, "head": 0, "entropy": 1.0, "entropy_profile": [1.0], "role": None}
-    sink = _with_role(HeadProfile(bands=[0.6, 0.0, 0.0, 0.1, 0.0, 0.3], sink=0.45, **base))
+    base = {"layer": 0, "head": 0, "entropy": 1.0, "entropy_profile": [1.0]}
+    sink = HeadProfile(bands=[0.6, 0.0, 0.0, 0.1, 0.0, 0.3], sink=0.45, **base)
     assert sink.role == "sink"  # also local (0.6) and long-range (0.3): sink comes first
-    assert _with_role(HeadProfile(bands=[0.2, 0.2, 0.2, 0.2, 0.0, 0.2], sink=0.1, **base)).role == "long-range"
-    assert _with_role(HeadProfile(bands=[0.1, 0.3, 0.2, 0.4, 0.0, 0.0], sink=0.1, **base)).role == "local"
-    assert _with_role(HeadProfile(bands=[0.1, 0.1, 0.1, 0.7, 0.0, 0.0], sink=0.1, **base)).role is None
+    assert HeadProfile(bands=[0.2, 0.2, 0.2, 0.2, 0.0, 0.2], sink=0.1, **base).role == "long-range"
+    assert HeadProfile(bands=[0.1, 0.3, 0.2, 0.4, 0.0, 0.0], sink=0.1, **base).role == "local"
+    assert HeadProfile(bands=[0.1, 0.1, 0.1, 0.7, 0.0, 0.0], sink=0.1, **base).role is None
     assert [r.name for r in LONG_ROLES] == ["sink", "long-range", "local"]
 
 

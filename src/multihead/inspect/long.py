@@ -62,7 +62,7 @@ class HeadProfile:
     """One head over the text: ``bands`` (6,) the mean weight in each band of
     :data:`~multihead.streamed_stats.DISTANCE_BANDS`, ``sink`` the mean weight on the window's first piece,
     ``entropy`` the mean entropy (nats) and ``entropy_profile`` its means over consecutive stretches of the
-    measured pieces (at most :data:`PROFILE_POINTS`), ``role`` (see :data:`LONG_ROLES`) or None.
+    measured pieces (at most :data:`PROFILE_POINTS`); its ``role`` follows from them (:data:`LONG_ROLES`).
     ``heavy_hitters``: the :data:`HEAVY_HITTERS` pieces that receive the most of its attention, largest first,
     ``{"position", "piece", "share"}``: the share is the piece's column sum over the measured queries divided by
     their number (each query gives weight 1)."""
@@ -73,8 +73,13 @@ class HeadProfile:
     sink: float
     entropy: float
     entropy_profile: list[float]
-    role: str | None
     heavy_hitters: list[dict] = field(default_factory=list)
+
+    @property
+    def role(self) -> str | None:
+        """The first role of :data:`LONG_ROLES` whose threshold its measure reaches, or None."""
+        measures = {"sink": self.sink, "long-range": self.long_range, "local": self.local}
+        return next((rule.name for rule in LONG_ROLES if measures[rule.name] >= rule.threshold), None)
 
     @property
     def local(self) -> float:
@@ -246,20 +251,20 @@ def inspect_long(
         for position, head in enumerate(layer_heads[layer]):
             mean_bands = bands[position].mean(0).tolist()
             top = shares[position].topk(min(HEAVY_HITTERS, len(ids)))
-            profile = HeadProfile(
-                layer=layer,
-                head=numbers[layer][head],
-                bands=mean_bands,
-                sink=float(sink[position].mean()),
-                entropy=float(entropy[position].mean()),
-                entropy_profile=_profile(entropy[position]),
-                role=None,
-                heavy_hitters=[
-                    {"position": int(where), "piece": pieces.tokens[int(where)], "share": float(share)}
-                    for share, where in zip(top.values, top.indices, strict=True)
-                ],
+            profiles.append(
+                HeadProfile(
+                    layer=layer,
+                    head=numbers[layer][head],
+                    bands=mean_bands,
+                    sink=float(sink[position].mean()),
+                    entropy=float(entropy[position].mean()),
+                    entropy_profile=_profile(entropy[position]),
+                    heavy_hitters=[
+                        {"position": int(where), "piece": pieces.tokens[int(where)], "share": float(share)}
+                        for share, where in zip(top.values, top.indices, strict=True)
+                    ],
+                )
             )
-            profiles.append(_with_role(profile))
     return LongInspection(
         model=getattr(model, "name", type(model).__name__),
         part=chosen_part,
@@ -275,9 +280,3 @@ def _profile(values: torch.Tensor) -> list[float]:
     shorter)."""
     per_point = max(1, math.ceil(values.numel() / PROFILE_POINTS))
     return [float(chunk.mean()) for chunk in values.split(per_point)]
-
-
-def _with_role(profile: HeadProfile) -> HeadProfile:
-    measures = {"sink": profile.sink, "long-range": profile.long_range, "local": profile.local}
-    role = next((r.name for r in LONG_ROLES if measures[r.name] >= r.threshold), None)
-    return HeadProfile(**{**profile.__dict__, "role": role})
