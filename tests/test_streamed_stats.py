@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from multihead import attention, attention_stats, masks
-from multihead.streamed_stats import DISTANCE_BANDS
+from multihead.streamed_stats import DISTANCE_BANDS, PoolGrid
 from support import is_input_error
 
 pytestmark = pytest.mark.portable
@@ -139,6 +139,64 @@ def test_heads_and_rows_are_selected_and_only_those_rows_add_to_the_columns(devi
     assert float(stats.received.sum()) == pytest.approx(2 * 2 * 3)  # 2 texts x 2 heads x 3 rows of weight 1
 
 
+def pooled_over(weights: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, shape, pool: str) -> torch.Tensor:
+    """(b, h, i, j) weights pooled over the cells of a PoolGrid, pair by pair (an empty cell is 0)."""
+    found = torch.zeros(*weights.shape[:2], *shape, dtype=weights.dtype)
+    pairs = torch.zeros(shape, dtype=weights.dtype)
+    for r, row_cell in enumerate(rows.tolist()):
+        for c, key_cell in enumerate(keys.tolist()):
+            value = weights[..., r, c].cpu()
+            cell = found[..., row_cell, key_cell]
+            found[..., row_cell, key_cell] = torch.maximum(cell, value) if pool == "max" else cell + value
+            pairs[row_cell, key_cell] += 1
+    return found / pairs.clamp_min(1) if pool == "mean" else found
+
+
+@pytest.mark.parametrize("pool", ["max", "mean", "sum"])
+def test_a_pool_grid_places_each_row_and_key_in_its_cell(pool, device):
+    # a window of a longer text: its rows and keys binned by the text's positions, not evenly by its own (a
+    # leading special piece, a stretch from the middle, a cell that nothing falls in, a query row counted twice
+    # as far along), across several 128 x 256 blocks
+    q, k, v = inputs(device, b=1, h=2, g=1, i=300, j=300, d=8, seed=3)
+    weights = attention(q, k, v, causal=True, return_weights=True).weights
+    places = torch.cat([torch.zeros(1, dtype=torch.long), 1000 + torch.arange(299)])
+    grid = PoolGrid(rows=places // 97, keys=(places // 160).flip(0), shape=(14, 9))
+    rows = list(range(40, 300))
+    stats = attention_stats(q, k, v, causal=True, rows=rows, pooled=grid, pool=pool)
+    only_rows = torch.zeros_like(weights)
+    only_rows[:, :, rows] = weights[:, :, rows]
+    expected = pooled_over(only_rows, grid.rows, grid.keys, grid.shape, pool)
+    assert stats.pooled is not None and stats.pooled.shape == (1, 2, 14, 9)
+    torch.testing.assert_close(stats.pooled, expected.to(stats.pooled), rtol=0, atol=1e-10)
+    if pool == "sum":  # each measured row gives weight 1
+        assert float(stats.pooled.sum()) == pytest.approx(2 * len(rows))
+
+
+def test_sum_pooling_totals_each_even_cell(device):
+    q, k, v = inputs(device)
+    weights = attention(q, k, v, mask=masks.window(5, 0), return_weights=True).weights
+    stats = attention_stats(q, k, v, mask=masks.window(5, 0), pooled=5, pool="sum")
+    mean = dense(weights, sinks=4, far=512, top_k=0, pooled=5, pool="mean")["pooled"]
+    cells = torch.tensor([8, 8, 8, 8, 5], dtype=torch.float64, device=weights.device)  # 37 rows/keys in 8s
+    torch.testing.assert_close(stats.pooled, mean * cells[:, None] * cells[None, :], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "grid, fragment",
+    [
+        (PoolGrid(torch.zeros(36, dtype=torch.long), torch.zeros(37, dtype=torch.long), (1, 1)), "shape (37,)"),
+        (PoolGrid(torch.zeros(37), torch.zeros(37, dtype=torch.long), (1, 1)), "rows is an int tensor"),
+        (PoolGrid(torch.zeros(37, dtype=torch.long), torch.full((37,), 3), (1, 3)), "keys cell indices in [0, 3)"),
+        (PoolGrid(torch.zeros(37, dtype=torch.long), torch.zeros(37, dtype=torch.long), (0, 1)), "two ints >= 1"),
+    ],
+)
+def test_a_bad_pool_grid_is_named(grid, fragment, device):
+    q, k, v = inputs(device)
+    with pytest.raises(ValueError) as raised:
+        attention_stats(q, k, v, pooled=grid)
+    assert is_input_error(raised.value, ValueError) and "pooled" in str(raised.value) and fragment in str(raised.value)
+
+
 @pytest.mark.parametrize("both_sides", [False, True], ids=["causal window", "two-sided window"])
 def test_two_thousand_tokens_in_float32_and_unbatched(both_sides, device):
     # blocks far from the diagonal lie in one band (and, two-sided, wholly ahead of their queries): summed whole
@@ -181,7 +239,7 @@ def test_rows_sum_to_one_and_entropy_is_within_its_bounds(device):
         ({"top_k": 1.5}, TypeError, "top_k: expected an int"),
         ({"far": -2}, ValueError, "far: expected an int >= 0"),
         ({"pooled": 0}, ValueError, "pooled: expected an int >= 1"),
-        ({"pool": "median"}, ValueError, "pool: expected one of ['max', 'mean']"),
+        ({"pool": "median"}, ValueError, "pool: expected one of ['max', 'mean', 'sum']"),
         ({"mask": "causal"}, TypeError, "mask: expected a multihead.masks mask"),
     ],
 )

@@ -35,14 +35,35 @@ from multihead.backends._blocks import Blocks, compute_dtype, mask_scores_
 from multihead.functional import attention, bound_call
 from multihead.masks import BlockState, Mask
 
-__all__ = ["AttentionStats", "StatsSettings", "attention_stats", "DISTANCE_BANDS", "POOLS"]
+__all__ = ["AttentionStats", "StatsSettings", "PoolGrid", "attention_stats", "DISTANCE_BANDS", "POOLS"]
 
 # The lower ends of the distance bands, in tokens: 0 (the token itself), 1, 2-8, 9-64, 65-512, 513 and more.
 DISTANCE_BANDS = (0, 1, 2, 9, 65, 513)
-POOLS = ("max", "mean")
+POOLS = ("max", "mean", "sum")  # a cell's largest weight, its mean, or its total
 _LOG_FLOOR = -1e30  # below any log-weight of a kept pair; keeps 0 x log 0 at 0, not NaN
 BLOCK_Q = 128
 BLOCK_K = 256
+
+
+@dataclass(frozen=True)
+class PoolGrid:
+    """The cell of the pooled map each query row and each key falls in, for a map that is not an even split of
+    the call's own rows and keys: e.g. a window of a longer text, binned by the text's positions so that the
+    windows' maps add up to the text's. ``rows`` (i,) and ``keys`` (j,): int cell indices in [0, P) and
+    [0, Q); ``shape``: (P, Q). The indices stay on the host (each block reads its span of cells there, with no
+    device sync); :func:`attention_stats` checks them against the call."""
+
+    rows: torch.Tensor
+    keys: torch.Tensor
+    shape: tuple[int, int]
+
+    @classmethod
+    def even(cls, i: int, j: int, side: int) -> PoolGrid:
+        """``pooled=side``: i rows and j keys in cells of ceil(i / side) x ceil(j / side) positions, at most side
+        x side cells."""
+        row_cell, key_cell = -(-i // min(side, i)), -(-j // min(side, j))  # positions per cell
+        rows, keys = torch.arange(i) // row_cell, torch.arange(j) // key_cell
+        return cls(rows, keys, (-(-i // row_cell), -(-j // key_cell)))
 
 
 @dataclass(frozen=True)
@@ -54,7 +75,7 @@ class StatsSettings:
     sinks: int = 4
     far: int = 512
     top_k: int = 0
-    pooled: int | None = None
+    pooled: int | PoolGrid | None = None
     pool: str = "max"
 
     def options(self) -> dict:
@@ -77,9 +98,10 @@ class AttentionStats:
     unless chosen); ``received_far``, the same from those of them at least ``far`` tokens after it.
 
     ``pooled`` (b, heads, P, Q): the (i, j) weights of the rows ``rows`` (the others count as 0) pooled over
-    blocks of ``ceil(i / P)`` x ``ceil(j / Q)`` (max or mean), at most ``pooled`` x ``pooled``; None unless asked
-    for. ``output``: (b, h, i, e), the
-    attention output, computed on the way (all heads and rows).
+    cells of ``ceil(i / pooled)`` x ``ceil(j / pooled)`` positions (at most ``pooled`` x ``pooled`` cells), or
+    over a :class:`PoolGrid`'s cells: each cell's largest weight ("max"), its mean over the cell's (row, key)
+    pairs ("mean") or its total ("sum"); None unless asked for. ``output``: (b, h, i, e), the attention output,
+    computed on the way (all heads and rows).
     """
 
     output: torch.Tensor
@@ -113,7 +135,7 @@ def attention_stats(
     sinks: int = 4,
     far: int = 512,
     top_k: int = 0,
-    pooled: int | None = None,
+    pooled: int | PoolGrid | None = None,
     pool: str = "max",
 ) -> AttentionStats:
     """Exact statistics of the attention weights softmax(q k^T * scale + mask), streamed block by block.
@@ -127,7 +149,8 @@ def attention_stats(
         sinks: how many leading keys ``first`` covers (Gu et al. 2024 measure the first one).
         far: the distance at or past which a query counts toward ``received_far``.
         top_k: the largest weights kept per row (0: none).
-        pooled: the side of the pooled map (None: no map); ``pool``: "max" or "mean".
+        pooled: the side of the pooled map, or a :class:`PoolGrid` placing each row and key in its cells (None:
+            no map); ``pool``: "max", "mean" or "sum" over each cell.
 
     Returns:
         :class:`AttentionStats`. Its tensors lose the b axis for unbatched inputs.
@@ -149,10 +172,9 @@ def attention_stats(
     sinks = _count("sinks", sinks, 0, j, "e.g. sinks=4")
     far = _count("far", far, 0, None, "e.g. far=512")
     top_k = _count("top_k", top_k, 0, j, "e.g. top_k=8, or 0 for none")
-    if pooled is not None:
-        pooled = _count("pooled", pooled, 1, None, "e.g. pooled=512, or None for no map")
+    grid = None if pooled is None else _pool_grid(pooled, i, j)
     if pool not in POOLS:
-        raise bad_argument("pool", f"one of {list(POOLS)}", repr(pool), 'pass pool="max" or pool="mean"')
+        raise bad_argument("pool", f"one of {list(POOLS)}", repr(pool), 'pass pool="max", "mean" or "sum"')
 
     b = call.q.shape[0]
     result = attention(q, k, v, mask=mask, causal=causal, scale=scale, return_lse=True)
@@ -167,7 +189,7 @@ def attention_stats(
     ks = call.k.index_select(1, head_index // group).to(work)  # (b, H, j, d): each chosen head's own key head
     lse = lse.index_select(1, head_index).to(work)
     safe_lse = lse.masked_fill(lse == -math.inf, 0.0).unsqueeze(-1)  # (b, H, i, 1): a row all masked gives p = 0
-    acc = _Accumulators(b, len(chosen_heads), i, j, work, call.q.device, sinks, far, top_k, pooled, pool)
+    acc = _Accumulators(b, len(chosen_heads), i, j, work, call.q.device, sinks, far, top_k, grid, pool)
     if rows is not None:  # only the chosen rows add to the column sums and the map
         acc.row_weight = torch.zeros(i, dtype=work, device=call.q.device)
         acc.row_weight[torch.tensor(chosen_rows, device=call.q.device)] = 1.0
@@ -184,6 +206,36 @@ def attention_stats(
     return acc.result(output, chosen_heads, chosen_rows, far, call.unbatched)
 
 
+def _pool_grid(pooled: object, i: int, j: int) -> PoolGrid:
+    """``pooled`` as the grid of the map's cells: an int side (an even split), or a :class:`PoolGrid` checked
+    against the call's i rows and j keys (its indices on the host)."""
+    if not isinstance(pooled, PoolGrid):
+        return PoolGrid.even(i, j, _count("pooled", pooled, 1, None, "e.g. pooled=512, a PoolGrid, or None"))
+    shape = pooled.shape
+    if not (
+        isinstance(shape, tuple)
+        and len(shape) == 2
+        and all(isinstance(side, int) and not isinstance(side, bool) and side >= 1 for side in shape)
+    ):
+        raise bad_argument("pooled", "a PoolGrid whose shape is two ints >= 1", repr(shape), "pass shape=(P, Q)")
+    for axis, cells, length, side in (("rows", pooled.rows, i, shape[0]), ("keys", pooled.keys, j, shape[1])):
+        if not isinstance(cells, torch.Tensor) or cells.shape != (length,) or cells.is_floating_point():
+            raise bad_argument(
+                "pooled",
+                f"a PoolGrid whose {axis} is an int tensor of shape ({length},), a cell per {axis[:-1]}",
+                describe(cells),
+                f"pass {axis}= a cell index for each of the call's {length} {axis}",
+            )
+        if length and not 0 <= int(cells.min()) <= int(cells.max()) < side:
+            raise bad_argument(
+                "pooled",
+                f"{axis} cell indices in [0, {side})",
+                f"[{int(cells.min())}, {int(cells.max())}]",
+                f"pass indices below the shape's {side}",
+            )
+    return PoolGrid(pooled.rows.detach().cpu().long(), pooled.keys.detach().cpu().long(), shape)
+
+
 def _count(name: str, value: object, low: int, high: int | None, fix: str) -> int:
     """``value`` as an int in [low, high] (high None: unbounded), else an error naming ``name``."""
     if not isinstance(value, int) or isinstance(value, bool):
@@ -197,7 +249,7 @@ def _count(name: str, value: object, low: int, high: int | None, fix: str) -> in
 class _Accumulators:
     """The running statistics of one call, filled block by block (:meth:`add`), all rows and the chosen heads."""
 
-    def __init__(self, b, heads, i, j, dtype, device, sinks, far, top_k, pooled, pool):
+    def __init__(self, b, heads, i, j, dtype, device, sinks, far, top_k, grid, pool):
         zeros = {"dtype": dtype, "device": device}
         self.far, self.top_k, self.pool, self.sinks = far, top_k, pool, sinks
         self.row_weight: torch.Tensor | None = None  # (i,) 1 on the rows that add to the columns; None: every row
@@ -213,14 +265,12 @@ class _Accumulators:
         # the running top-k: weights start below any weight, so the first block's fill them
         self.top_weights = torch.full((b, heads, i, top_k), -1.0, **zeros)
         self.top_keys = torch.full((b, heads, i, top_k), -1, dtype=torch.long, device=device)
+        self.grid: PoolGrid | None = grid
         self.pooled: torch.Tensor | None = None
-        if pooled is not None:
-            self.row_bin, self.col_bin = -(-i // min(pooled, i)), -(-j // min(pooled, j))  # positions per bin
-            self.pooled = torch.zeros(b, heads, -(-i // self.row_bin), -(-j // self.col_bin), **zeros)
-            self.bin_sizes = (
-                torch.arange(i, device=device).div(self.row_bin, rounding_mode="floor").bincount(),
-                torch.arange(j, device=device).div(self.col_bin, rounding_mode="floor").bincount(),
-            )
+        if grid is not None:
+            self.pooled = torch.zeros(b, heads, *grid.shape, **zeros)
+            self.row_cells, self.key_cells = grid.rows.to(device), grid.keys.to(device)
+            self.spans: dict[tuple[str, int, int], tuple[int, int]] = {}  # a block's first and last cell, per axis
 
     def add(self, qb: range, kb: range, p: torch.Tensor, log_p: torch.Tensor, offset: int) -> None:
         """Fold in one block: ``p`` (b, H, n, m) the exact weights of query rows ``qb`` on keys ``kb`` (0 where
@@ -286,14 +336,23 @@ class _Accumulators:
         """The band of :data:`DISTANCE_BANDS` an absolute distance falls in."""
         return sum(distance >= low for low in DISTANCE_BANDS[1:])
 
+    def _span(self, axis: str, block: range) -> tuple[int, int]:
+        """The first and last cell the block's rows (or keys) fall in, read once per block on the host."""
+        key = (axis, block.start, block.stop)
+        if key not in self.spans:
+            assert self.grid is not None
+            cells = getattr(self.grid, axis)[block.start : block.stop]
+            self.spans[key] = (int(cells.min()), int(cells.max()))
+        return self.spans[key]
+
     def _pool(self, qb: range, kb: range, p: torch.Tensor) -> None:
-        """Fold the block into the pooled map: its columns into their bins, then its rows."""
+        """Fold the block into the pooled map: its columns into their cells, then its rows."""
         assert self.pooled is not None
         reduce = "amax" if self.pool == "max" else "sum"
-        first_col, last_col = kb.start // self.col_bin, (kb.stop - 1) // self.col_bin
-        first_row, last_row = qb.start // self.row_bin, (qb.stop - 1) // self.row_bin
-        col_bins = torch.arange(kb.start, kb.stop, device=p.device).div(self.col_bin, rounding_mode="floor")
-        row_bins = torch.arange(qb.start, qb.stop, device=p.device).div(self.row_bin, rounding_mode="floor")
+        first_col, last_col = self._span("keys", kb)
+        first_row, last_row = self._span("rows", qb)
+        col_bins = self.key_cells[kb.start : kb.stop]
+        row_bins = self.row_cells[qb.start : qb.stop]
         by_cols = p.new_zeros(*p.shape[:-1], last_col - first_col + 1)  # weights are >= 0: 0 is amax's identity
         by_cols.scatter_reduce_(-1, (col_bins - first_col).expand_as(p), p, reduce=reduce)
         by_both = p.new_zeros(*p.shape[:2], last_row - first_row + 1, by_cols.shape[-1])
@@ -327,8 +386,10 @@ class _Accumulators:
             fields["top_weights"], fields["top_keys"] = top_weights, top_keys
         fields["pooled"] = self.pooled
         if self.pooled is not None and self.pool == "mean":
-            rows_per_bin, cols_per_bin = self.bin_sizes
-            fields["pooled"] = self.pooled / (rows_per_bin[:, None] * cols_per_bin[None, :]).to(self.pooled)
+            rows_per_cell = self.row_cells.bincount(minlength=self.pooled.shape[-2])
+            keys_per_cell = self.key_cells.bincount(minlength=self.pooled.shape[-1])
+            pairs = (rows_per_cell[:, None] * keys_per_cell[None, :]).clamp_min(1)  # an empty cell stays 0
+            fields["pooled"] = self.pooled / pairs.to(self.pooled)
         fields["output"] = output
         if unbatched:
             fields = {name: None if t is None else t.squeeze(0) for name, t in fields.items()}
