@@ -1,26 +1,31 @@
 """The static pages of `multihead circuits` and `multihead inspect --long` (multihead.inspect.page): every score a
-cell carrying its value and coloured on the score scale, user text escaped and the page ASCII, and the page opened
-offline in Debian's chromium."""
+cell carrying its value and coloured on the score scale, every mosaic tile an inline PNG of its pixels, user text
+escaped and the page ASCII, and the page opened offline in Debian's chromium."""
 
 from __future__ import annotations
 
+import base64
 import math
+import struct
+import zlib
 from html.parser import HTMLParser
 
 import pytest
 import torch
 
 from multihead.inspect.colours import SCORE_STOPS, score_rgb
-from multihead.inspect.page import Grid, Page, Table, render_page
+from multihead.inspect.page import Grid, Mosaic, Page, Table, render_page
 from test_inspect_html import browser, open_page  # noqa: F401 (fixtures)
 
 
 class Cells(HTMLParser):
-    """The page's grid cells (their attributes and text) and its table rows (their cells' text and style)."""
+    """The page's grid cells (their attributes and text), its table rows (their cells' text and style) and its
+    images (their attributes)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.cells: list[dict] = []
+        self.images: list[dict] = []
         self.rows: list[list[dict]] = []
         self._in: dict | None = None
         self._table_kind: str | None = None
@@ -28,7 +33,9 @@ class Cells(HTMLParser):
 
     def handle_starttag(self, tag, attrs):
         attributes = dict(attrs)
-        if tag == "table":
+        if tag == "img":
+            self.images.append(attributes)
+        elif tag == "table":
             self._table_kind = (attributes.get("class") or "").split()[0]  # "grid", "grid compact" or "rows"
         elif tag == "tbody" and self._table_kind == "rows":
             self._body = True
@@ -56,6 +63,26 @@ def parsed(html: str) -> Cells:
     reader = Cells()
     reader.feed(html)
     return reader
+
+
+def png_pixels(source: str) -> torch.Tensor:
+    """The (h, w, 3) uint8 pixels of an inline 8-bit RGB PNG without filters (``data:image/png;base64,...``),
+    read back by hand: the page's picture, not the code that wrote it."""
+    prefix = "data:image/png;base64,"
+    assert source.startswith(prefix)
+    data = base64.b64decode(source[len(prefix) :])
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    at, chunks = 8, {}
+    while at < len(data):
+        (length,) = struct.unpack(">I", data[at : at + 4])
+        kind = data[at + 4 : at + 8]
+        chunks[kind] = chunks.get(kind, b"") + data[at + 8 : at + 8 + length]
+        at += 12 + length
+    width, height, depth, colour = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, colour) == (8, 2)
+    rows = torch.frombuffer(bytearray(zlib.decompress(chunks[b"IDAT"])), dtype=torch.uint8).reshape(height, -1)
+    assert rows[:, 0].eq(0).all()  # no filter on any row
+    return rows[:, 1:].reshape(height, width, 3)
 
 
 def background(rgb: tuple[int, int, int]) -> str:
@@ -153,6 +180,46 @@ def test_the_png_draws_every_grid_on_the_score_scale(tmp_path, monkeypatch):
     plt.close(drawn[0])
     lens = Page("lens", tables=[Table("t", ["after"], [["embedding"]])])
     assert "png" not in report.write_report({}, "lens", tmp_path, ["png", "html"], lens)
+
+
+TILES = [
+    [torch.randint(0, 256, (4, 4, 3), generator=torch.Generator().manual_seed(s), dtype=torch.uint8) for s in (0, 1)],
+    [None, torch.zeros(4, 4, 3, dtype=torch.uint8)],
+]
+
+
+def test_a_mosaic_tile_is_an_inline_png_of_its_pixels_named_in_full():
+    mosaic = Mosaic("maps", TILES, [["L0 H0", "L0 H1"], ["", "L1 H1 <b>"]], ["L0", "L1"], ["H0", "H1"], note="dark")
+    html = render_page(Page("long", mosaics=[mosaic]))
+    images = parsed(html).images
+    assert [image["title"] for image in images] == ["L0 H0", "L0 H1", "L1 H1 <b>"]  # the missing tile: no image
+    assert [image["alt"] for image in images] == [image["title"] for image in images]
+    for image, tile in zip(images, [TILES[0][0], TILES[0][1], TILES[1][1]], strict=True):
+        assert torch.equal(png_pixels(image["src"]), tile)
+    assert "&lt;b&gt;" in html and html.isascii() and "dark" in html
+
+
+def test_the_mosaic_opens_offline_and_draws_its_pictures(open_page):  # noqa: F811
+    mosaic = Mosaic("maps", TILES, [["a", "b"], ["", "c"]], ["L0", "L1"], ["H0", "H1"])
+    page = open_page(render_page(Page("long", mosaics=[mosaic])))
+    sizes = page.locator("table.mosaic img").evaluate_all("images => images.map(i => [i.complete, i.naturalWidth])")
+    assert sizes == [[True, 4]] * 3  # each decoded from its data: address, nothing fetched
+
+
+def test_the_png_draws_the_mosaic_after_the_grids(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from multihead.inspect import page as report
+
+    drawn = []
+    monkeypatch.setattr(report, "save_figure", lambda figure, path: drawn.append(figure) or path)
+    mosaic = Mosaic("maps", TILES, [["a", "b"], ["", "c"]], ["L0", "L1"], ["H0", "H1"])
+    report.write_report({}, "long", tmp_path, ["png"], Page("long", grids=[Grid("a", SCORES)], mosaics=[mosaic]))
+    images = [axes.images[0] for axes in drawn[0].axes if axes.images]
+    canvas = torch.tensor(images[1].get_array().tolist(), dtype=torch.uint8)  # tiles of 4 with a gap of 1
+    assert torch.equal(canvas[:4, :4], TILES[0][0]) and torch.equal(canvas[:4, 5:9], TILES[0][1])
+    assert torch.equal(canvas[5:9, 5:9], TILES[1][1]) and canvas[5:9, :4].eq(255).all()  # no tile: white
+    plt.close(drawn[0])
 
 
 def test_a_grid_with_row_labels_and_colour_alone():

@@ -16,12 +16,16 @@ has no such head or position), its text the score to two decimals, its ``title``
 :func:`multihead.inspect.colours.score_rgb` over [-bound, bound] (the PNG's scale; dark cells get light text).
 The legend under it (``.legend``) gives the scale's ends and what it measures.
 
+**A mosaic** is small pictures in a grid (``table.mosaic``; the long report's pooled maps, a layer x head grid of
+them): each an inline PNG (``<img src="data:image/png;base64,...">``, drawn pixel for pixel and scaled up) with
+its full name as its ``title`` and ``alt``.
+
 **A table** is rows of text and numbers (the logit lens); a number is printed signed to three decimals and
 shaded on the same scale, bounded by the largest magnitude in its table.
 
 The same page goes to the terminal (:func:`print_page`: a table per grid, the larger half by magnitude in bold)
-and to a PNG (:func:`plot_grids`: the grids as heatmaps on the same colour scale); :func:`write_report` writes
-``<name>.json`` (the data), ``<name>.html`` and ``<name>.png``.
+and to a PNG (:func:`plot_grids`: the grids as heatmaps on the same colour scale, then the mosaics);
+:func:`write_report` writes ``<name>.json`` (the data), ``<name>.html`` and ``<name>.png``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich import box
@@ -41,10 +46,11 @@ from rich.text import Text
 
 from multihead._figures import Written, draw_figure, pyplot, save_figure
 from multihead._html import template_environment
+from multihead._png import png_data_uri
 from multihead._userfiles import output_folder, writing
 from multihead.inspect.colours import SCORE_STOPS, score_colormap, score_rgb
 
-__all__ = ["Grid", "Table", "Page", "render_page", "print_page", "plot_grids", "write_report", "TEMPLATE"]
+__all__ = ["Grid", "Table", "Mosaic", "Page", "render_page", "print_page", "plot_grids", "write_report", "TEMPLATE"]
 
 TEMPLATE = "page.html.j2"
 _LIGHT_TEXT_FROM = 0.6  # a cell whose |score| / bound is at least this is dark: its text is drawn light
@@ -87,15 +93,30 @@ class Table:
 
 
 @dataclass(frozen=True)
+class Mosaic:
+    """Small pictures in a grid: ``tiles[r][c]`` an (h, w, 3) uint8 RGB picture (None: no such tile, e.g. a head
+    not chosen) named in full by ``titles[r][c]``, the rows labelled ``rows`` and the columns ``columns``;
+    ``note`` says how to read them (the colour scale)."""
+
+    title: str
+    tiles: Sequence[Sequence[torch.Tensor | None]]
+    titles: Sequence[Sequence[str]]
+    rows: Sequence[str]
+    columns: Sequence[str]
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class Page:
     """A whole page: ``title``, ``facts`` ({name: value}, shown in order under it), then ``notes`` (lines),
-    ``grids`` and ``tables``."""
+    ``grids``, ``tables`` and ``mosaics``."""
 
     title: str
     facts: Mapping[str, str] = field(default_factory=dict)
     grids: Sequence[Grid] = ()
     tables: Sequence[Table] = ()
     notes: Sequence[str] = ()
+    mosaics: Sequence[Mosaic] = ()
 
 
 def render_page(page: Page) -> str:
@@ -105,6 +126,7 @@ def render_page(page: Page) -> str:
         page=page,
         grids=[_grid_view(grid) for grid in page.grids],
         tables=[_table_view(table) for table in page.tables],
+        mosaics=[_mosaic_view(mosaic) for mosaic in page.mosaics],
         ramp=", ".join(_css(rgb) for rgb in SCORE_STOPS),
     )
 
@@ -159,6 +181,20 @@ def _table_view(table: Table) -> dict:
     return {"table": table, "rows": rows}
 
 
+def _mosaic_view(mosaic: Mosaic) -> dict:
+    rows = [
+        {
+            "label": label,
+            "tiles": [
+                {"source": None if tile is None else png_data_uri(tile), "title": title}
+                for tile, title in zip(tiles, titles, strict=True)
+            ],
+        }
+        for label, tiles, titles in zip(mosaic.rows, mosaic.tiles, mosaic.titles, strict=True)
+    ]
+    return {"mosaic": mosaic, "rows": rows}
+
+
 def print_page(console: Console, page: Page) -> None:
     """The page's grids and tables as terminal tables, then its notes."""
     for grid in page.grids:
@@ -196,20 +232,21 @@ def _print_grid(console: Console, grid: Grid) -> None:
     console.print(table)
 
 
-def plot_grids(grids: Sequence[Grid], path: str | Path) -> Path:
+def plot_grids(grids: Sequence[Grid], path: str | Path, mosaics: Sequence[Mosaic] = ()) -> Path:
     """The grids as heatmaps, one above the other (layers down, heads or positions across), on the score scale
-    of :func:`multihead.inspect.colours.score_colormap` symmetric around 0 (red positive, blue negative)."""
+    of :func:`multihead.inspect.colours.score_colormap` symmetric around 0 (red positive, blue negative); then
+    each mosaic as one picture of its tiles, its rows and columns labelled."""
     plt = pyplot("the heatmap")
-    columns = min(max(grid.scores.shape[1] for grid in grids), 40)  # a wider grid gets narrower cells
+    columns = min(max((grid.scores.shape[1] for grid in grids), default=0), 40)  # a wider grid: narrower cells
     heights = [max(2.6, 1.4 + 0.3 * grid.scores.shape[0]) for grid in grids]
+    heights += [1.2 + 1.6 * len(mosaic.rows) for mosaic in mosaics]
+    width = max([5.0, 1.8 + 0.45 * columns, *(1.5 + 1.6 * len(mosaic.columns) for mosaic in mosaics)])
     figure, axes_list = plt.subplots(
-        len(grids),
-        1,
-        figsize=(max(5.0, 1.8 + 0.45 * columns), sum(heights)),
-        squeeze=False,
-        gridspec_kw={"height_ratios": heights},
+        len(heights), 1, figsize=(width, sum(heights)), squeeze=False, gridspec_kw={"height_ratios": heights}
     )
-    for grid, axes in zip(grids, axes_list[:, 0], strict=True):
+    for mosaic, axes in zip(mosaics, axes_list[len(grids) :, 0], strict=True):
+        _plot_mosaic(axes, mosaic)
+    for grid, axes in zip(grids, axes_list[:, 0], strict=False):
         scores = grid.scores.detach().double().cpu()
         bound = grid.colour_bound()
         layers, count = scores.shape
@@ -228,6 +265,31 @@ def plot_grids(grids: Sequence[Grid], path: str | Path) -> Path:
     return save_figure(figure, Path(path))
 
 
+def _plot_mosaic(axes: Any, mosaic: Mosaic) -> None:
+    """The mosaic's tiles side by side in one picture (white between them and where a tile is missing)."""
+    shown = [tile for row in mosaic.tiles for tile in row if tile is not None]
+    height = max((tile.shape[0] for tile in shown), default=1)
+    width = max((tile.shape[1] for tile in shown), default=1)
+    gap = max(1, width // 16)
+    canvas = torch.full(
+        (len(mosaic.rows) * (height + gap), len(mosaic.columns) * (width + gap), 3), 255, dtype=torch.uint8
+    )
+    for r, row in enumerate(mosaic.tiles):
+        for c, tile in enumerate(row):
+            if tile is not None:
+                top, left = r * (height + gap), c * (width + gap)
+                canvas[top : top + tile.shape[0], left : left + tile.shape[1]] = tile.cpu()
+    axes.imshow(canvas.numpy(), interpolation="nearest")
+    axes.set_xticks([c * (width + gap) + width / 2 for c in range(len(mosaic.columns))])
+    axes.set_xticklabels(list(mosaic.columns), fontsize=7)
+    axes.set_yticks([r * (height + gap) + height / 2 for r in range(len(mosaic.rows))])
+    axes.set_yticklabels(list(mosaic.rows), fontsize=7)
+    axes.tick_params(length=0)
+    axes.set_title(
+        "\n".join(textwrap.wrap(f"{mosaic.title} ({mosaic.note})" if mosaic.note else mosaic.title, 100)), fontsize=8
+    )
+
+
 def write_report(
     data: Mapping[str, object],
     name: str,
@@ -238,7 +300,7 @@ def write_report(
     argument: str = "folder",
 ) -> Written:
     """Write ``data`` as ``<name>.json``, ``page`` as ``<name>.html`` and its grids as ``<name>.png`` (those of
-    ``formats`` asked for; a page without grids has no PNG) into ``folder``, created if missing. Returns
+    ``formats`` asked for; a page without grids or mosaics has no PNG) into ``folder``, created if missing. Returns
     {format: path}; a PNG left out without matplotlib is in ``skipped``. A folder that cannot be written raises
     ValueError naming ``argument``."""
     written = Written()
@@ -255,6 +317,6 @@ def write_report(
         with writing(argument, path):
             path.write_text(render_page(page), encoding="ascii")
         written["html"] = path
-    if "png" in formats and page.grids:
-        draw_figure(written, "png", out / f"{name}.png", lambda target: plot_grids(page.grids, target))
+    if "png" in formats and (page.grids or page.mosaics):
+        draw_figure(written, "png", out / f"{name}.png", lambda target: plot_grids(page.grids, target, page.mosaics))
     return written

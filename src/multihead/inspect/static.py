@@ -15,21 +15,19 @@ shadow root, which hides this view.
 
 from __future__ import annotations
 
-import base64
 import html
-import struct
-import zlib
 
 import torch
 import torch.nn.functional as F
 
+from multihead._png import png_bytes, png_data_uri
 from multihead._words import counted
 from multihead.inspect.colours import MASKED_RGB, weight_rgb_pixels
 from multihead.inspect.inspection import Inspection
 from multihead.inspect.notebook import head_grid_html
 from multihead.inspect.stats import PRUNED
 
-__all__ = ["static_view", "thumbnail_png", "NO_SCRIPT_NOTE", "THUMBNAIL_PIXELS"]
+__all__ = ["static_view", "thumbnail_png", "thumbnail_pixels", "NO_SCRIPT_NOTE", "THUMBNAIL_PIXELS"]
 
 THUMBNAIL_PIXELS = 40  # a thumbnail's longer side, at most (a short text's cells are blown up to near it)
 NO_SCRIPT_NOTE = (
@@ -40,26 +38,10 @@ NO_SCRIPT_NOTE = (
 _LINE = "margin:2px 0;font:13px/1.4 system-ui,sans-serif;text-align:left;"
 
 
-def _png(pixels: torch.Tensor) -> bytes:
-    """(h, w, 3) uint8 RGB -> a PNG file's bytes (8-bit truecolour, no filter: the rows compress well)."""
-    height, width, _ = pixels.shape
-    rows = torch.cat([torch.zeros(height, 1, dtype=torch.uint8), pixels.reshape(height, width * 3)], dim=1)
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(rows.contiguous().numpy().tobytes(), 9))
-        + chunk(b"IEND", b"")
-    )
-
-
-def thumbnail_png(weights: torch.Tensor, masked: torch.Tensor | None = None) -> bytes:
-    """A PNG of one head's (i, j) weights, queries down and keys across, at most :data:`THUMBNAIL_PIXELS` a
-    side: a long text's cells are averaged into blocks, a short one's drawn as squares of several pixels.
+def thumbnail_pixels(weights: torch.Tensor, masked: torch.Tensor | None = None) -> torch.Tensor:
+    """(h, w, 3) uint8: the picture of one head's (i, j) weights, queries down and keys across, at most
+    :data:`THUMBNAIL_PIXELS` a side: a long text's cells are averaged into blocks, a short one's drawn as squares
+    of several pixels.
     ``masked``: (i, j) bool, keys a causal query cannot see (drawn grey where a whole block is masked)."""
     i, j = weights.shape
     size = (min(i, THUMBNAIL_PIXELS), min(j, THUMBNAIL_PIXELS))
@@ -70,7 +52,12 @@ def thumbnail_png(weights: torch.Tensor, masked: torch.Tensor | None = None) -> 
         hidden = F.adaptive_avg_pool2d(masked.float().cpu()[None, None], size)[0, 0] == 1.0
         pixels[hidden] = torch.tensor(MASKED_RGB, dtype=torch.uint8)
     scale = max(1, THUMBNAIL_PIXELS // max(size))
-    return _png(pixels.repeat_interleave(scale, dim=0).repeat_interleave(scale, dim=1))
+    return pixels.repeat_interleave(scale, dim=0).repeat_interleave(scale, dim=1)
+
+
+def thumbnail_png(weights: torch.Tensor, masked: torch.Tensor | None = None) -> bytes:
+    """:func:`thumbnail_pixels` as a PNG file's bytes."""
+    return png_bytes(thumbnail_pixels(weights, masked))
 
 
 def static_view(inspection: Inspection) -> str:
@@ -86,8 +73,7 @@ def static_view(inspection: Inspection) -> str:
     ]
 
     def image(row: int, col: int) -> str:
-        png = thumbnail_png(inspection.weights[row, col], masked)
-        return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+        return png_data_uri(thumbnail_pixels(inspection.weights[row, col], masked))
 
     grid = head_grid_html(
         "Heads: each one's weights (rows = queries, columns = keys) and its role",
