@@ -12,12 +12,13 @@ import torch
 import hf_checkpoints
 from multihead.capture import capture
 from multihead.inspect import bundled_corpus, inspect_long
+from multihead.inspect.colours import MASKED_RGB, weight_rgb_pixels
 from multihead.inspect.long import LONG_ROLES, HeadProfile, windows_of
 from multihead.integrations import load_text_model
 from multihead.models import load_minilm
 from multihead.streamed_stats import DISTANCE_BANDS
 from support import is_input_error
-from test_inspect_page import parsed
+from test_inspect_page import parsed, png_pixels
 
 
 def test_windows_slide_by_half_and_cover_the_body():
@@ -31,13 +32,17 @@ def test_windows_slide_by_half_and_cover_the_body():
         assert all(b[0] <= a[1] for a, b in zip(stretches, stretches[1:], strict=False))  # no piece left out
 
 
-def expected_profiles(model, ids, lead: int, trail: int, size: int, layers: list[int]) -> dict:
+def expected_profiles(model, ids, lead: int, trail: int, size: int, layers: list[int], cell: int, causal: bool) -> dict:
     """Per (layer, head): the mean bands, first-piece weight and entropy over the pieces each window measures,
-    from the whole weights of each window."""
+    the shares each piece receives, and the text's weights (each from the window that measures its query; 0 where
+    no window holds the pair) max- and mean-pooled over cells of ``cell`` pieces, from the whole weights of each
+    window; and the cells some window holds a pair of ("reachable"; causal: the piece at or before the query)."""
     body = len(ids) - lead - trail
     stretches = windows_of(body, size - lead - trail)
     measured: set[int] = set()
     sums: dict = {}
+    text = torch.zeros(len(ids), len(ids), dtype=torch.float64)  # one head's weights over the text, refilled
+    seen = torch.zeros(len(ids), len(ids), dtype=torch.bool)
     for index, (start, stop) in enumerate(stretches):
         window = torch.cat([ids[:lead], ids[lead + start : lead + stop], ids[len(ids) - trail :]])
         # the window's rows: leading specials (first window only), new body pieces, trailing specials (last only)
@@ -49,6 +54,9 @@ def expected_profiles(model, ids, lead: int, trail: int, size: int, layers: list
         with torch.no_grad(), capture(model, layers=layers) as rec:
             model(window[None])
         n = len(window)
+        where = torch.tensor(places)
+        visible = torch.ones(n, n, dtype=torch.bool)
+        seen[where[rows, None], where[None, :]] |= (visible.tril() if causal else visible)[rows]
         distance = (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs()
         for layer in layers:
             weights = rec.weights(layer)[0].double()  # (heads, n, n)
@@ -59,13 +67,34 @@ def expected_profiles(model, ids, lead: int, trail: int, size: int, layers: list
                     bands.append((w * ((distance[rows] >= low) & (distance[rows] < high))).sum(-1))
                 entropy = -(w * torch.where(w > 0, w.log(), torch.zeros_like(w))).sum(-1)
                 entry = sums.setdefault(
-                    (layer, head), {"bands": [], "sink": [], "entropy": [], "received": torch.zeros(len(ids))}
+                    (layer, head),
+                    {
+                        "bands": [],
+                        "sink": [],
+                        "entropy": [],
+                        "received": torch.zeros(len(ids)),
+                        "text": text.clone(),
+                        "heavy": 0.0,
+                    },
                 )
+                entry["text"][where[rows, None], where[None, :]] = w
                 entry["received"][places] += w.sum(0).float()  # the window's columns, from its measured rows
+                entry["heavy"] += float(w.sum(0)[lead : n - trail].topk(8).values.sum())
                 entry["bands"].append(torch.stack(bands, -1))
                 entry["sink"].append(w[:, 0])
                 entry["entropy"].append(entropy)
     assert measured == set(range(body))
+
+    def pooled(matrix: torch.Tensor, reduce: str) -> torch.Tensor:
+        side = -(-len(ids) // cell)
+        cells = torch.zeros(side, side, dtype=matrix.dtype)
+        for r in range(side):
+            for c in range(side):
+                block = matrix[r * cell : (r + 1) * cell, c * cell : (c + 1) * cell]
+                cells[r, c] = block.amax() if reduce == "max" else block.double().mean()
+        return cells
+
+    reachable = pooled(seen, "max").bool()
     return {
         key: {
             "bands": torch.cat(v["bands"]).mean(0),
@@ -73,6 +102,9 @@ def expected_profiles(model, ids, lead: int, trail: int, size: int, layers: list
             "entropy": float(torch.cat(v["entropy"]).mean()),
             "count": len(torch.cat(v["sink"])),
             "shares": v["received"] / len(ids),
+            "heavy_share": v["heavy"] / len(ids),
+            "maps": {"max": pooled(v["text"], "max"), "mean": pooled(v["text"], "mean")},
+            "reachable": reachable,
         }
         for key, v in sums.items()
     }
@@ -91,6 +123,9 @@ def assert_profiles(found, expected, atol):
         assert [float(want["shares"][h["position"]]) for h in profile.heavy_hitters] == pytest.approx(
             [h["share"] for h in profile.heavy_hitters], abs=atol
         )
+        assert profile.heavy_share == pytest.approx(want["heavy_share"], abs=atol)
+        torch.testing.assert_close(profile.pooled_map, want["maps"][found.pool], rtol=0, atol=atol)
+        assert torch.equal(found.reachable, want["reachable"])
 
 
 def test_minilm_in_windows_equals_the_windows_weights():
@@ -99,9 +134,12 @@ def test_minilm_in_windows_equals_the_windows_weights():
     batch = tokenizer.batch([text], max_length=10**9)
     ids = batch.input_ids[0]
     assert len(ids) > 2 * 48  # several windows
-    found = inspect_long(model, text, layers=[0, 3], window=48)
+    found = inspect_long(model, text, layers=[0, 3], window=48, map_side=16)
     assert found.pieces == batch.pieces[0].tokens and not found.causal and len(found.windows) > 2
-    assert_profiles(found, expected_profiles(model, ids, 1, 1, 48, [0, 3]), atol=1e-5)
+    cell = -(-len(ids) // 16)
+    assert found.pieces_per_cell == cell and found.heads[0].pooled_map.shape == (-(-len(ids) // cell),) * 2
+    assert_profiles(found, expected_profiles(model, ids, 1, 1, 48, [0, 3], cell, causal=False), atol=1e-5)
+    assert not found.reachable.all()  # windows of 48 leave the corners far from the diagonal unseen
     data = found.to_dict()
     assert data["pieces"] == len(ids) and data["bands"] == ["0", "1", "2-8", "9-64", "65-512", "513+"]
     assert len(data["heads"]) == 24 and all(len(h["entropy_profile"]) <= 128 for h in data["heads"])
@@ -113,9 +151,11 @@ def test_a_causal_gpt2_past_its_positions(tmp_path):
     ids = model.tokenizer.batch([text], max_length=10**9).input_ids[0]
     limit = model.tokenizer.max_length
     assert len(ids) > 2 * limit
-    found = inspect_long(model, text)
-    assert found.causal and found.windows[0] == (0, limit)
-    assert_profiles(found, expected_profiles(model, ids, 0, 0, limit, [0, 1]), atol=1e-5)
+    found = inspect_long(model, text, map_side=20, pool="mean")
+    assert found.causal and found.windows[0] == (0, limit) and found.pool == "mean"
+    cell = -(-len(ids) // 20)
+    assert_profiles(found, expected_profiles(model, ids, 0, 0, limit, [0, 1], cell, causal=True), atol=1e-5)
+    assert not found.reachable[0, 1:].any()  # causal: the first stretch's queries see nothing of later ones
 
 
 def test_the_roles_take_the_first_threshold_reached():
@@ -125,7 +165,33 @@ def test_the_roles_take_the_first_threshold_reached():
     assert HeadProfile(bands=[0.2, 0.2, 0.2, 0.2, 0.0, 0.2], sink=0.1, **base).role == "long-range"
     assert HeadProfile(bands=[0.1, 0.3, 0.2, 0.4, 0.0, 0.0], sink=0.1, **base).role == "local"
     assert HeadProfile(bands=[0.1, 0.1, 0.1, 0.7, 0.0, 0.0], sink=0.1, **base).role is None
-    assert [r.name for r in LONG_ROLES] == ["sink", "long-range", "local"]
+    # a fifth of the weight on the window's eight heaviest pieces: heavy-hitter, before long-range and local
+    hitter = HeadProfile(bands=[0.6, 0.0, 0.0, 0.1, 0.0, 0.3], sink=0.1, heavy_share=0.2, **base)
+    assert hitter.role == "heavy-hitter"
+    assert HeadProfile(bands=[0.6, 0.0, 0.0, 0.1, 0.0, 0.3], sink=0.3, heavy_share=0.9, **base).role == "sink"
+    assert [r.name for r in LONG_ROLES] == ["sink", "heavy-hitter", "long-range", "local"]
+
+
+def test_the_maps_shade_by_the_square_root_and_mark_what_no_window_saw():
+    from multihead.inspect.long import LongInspection
+    from multihead.inspect.long_report import SHADES, map_pixels, shaded_map
+
+    cells = torch.zeros(16, 16, dtype=torch.float64)
+    cells[0, 0], cells[15, 15], cells[15, 0] = 1.0, 1 / 16, 1 / 4  # square roots 1, 1/4 and 1/2
+    base = {"layer": 0, "head": 0, "bands": [0.0] * 6, "sink": 0.0, "entropy": 0.0, "entropy_profile": [0.0]}
+    profile = HeadProfile(**base, pooled_map=cells)
+    seen = torch.ones(16, 16).tril().bool()
+    found = LongInspection("m", "self", True, ["a"] * 16, [(0, 16)], [profile], "max", 1, seen)
+    lines = shaded_map(found, profile)  # 8 rows of two cells, 16 columns of one: the max of each pair of rows
+    assert len(lines) == 8 and all(len(line) == 16 for line in lines)
+    assert lines[0] == SHADES[4] + SHADES[0] + " " * 14  # row 0 sees key 0, row 1 keys 0 and 1
+    assert lines[7] == SHADES[2] + SHADES[0] * 14 + SHADES[1]
+    mean = LongInspection("m", "self", True, ["a"] * 16, [(0, 16)], [profile], "mean", 1, seen)
+    # the means of each pair of rows over the largest cell: 1/8 (square root 0.35: the second shade), 1/32
+    assert shaded_map(mean, profile)[7] == SHADES[2] + SHADES[0] * 14 + SHADES[1]
+    pixels = map_pixels(found, profile)  # the page's tile: a pixel a cell, grey after the query
+    assert (pixels[~seen] == torch.tensor(MASKED_RGB, dtype=torch.uint8)).all()
+    assert torch.equal(pixels[seen], weight_rgb_pixels(cells)[seen])
 
 
 @pytest.mark.parametrize(
@@ -135,6 +201,8 @@ def test_the_roles_take_the_first_threshold_reached():
         ({"window": 513}, ValueError, "window: expected an int in [2, 512]"),
         ({"window": 2}, ValueError, "window: expected more than the 2 special pieces"),
         ({"layers": [6]}, ValueError, "layers: expected layer indices in 0..5"),
+        ({"map_side": 0}, ValueError, "map_side"),
+        ({"pool": "median"}, ValueError, "pool: expected one of ['max', 'mean']"),
     ],
 )
 def test_bad_arguments_are_named(arguments, kind, fragment):
@@ -169,10 +237,25 @@ def test_the_command_writes_what_python_gives(tmp_path, capsys):
     assert [row[0]["text"] for row in page.rows] == ["L0 H1", "L0 H2", "L5 H1", "L5 H2"]
     assert [row[1]["text"] for row in page.rows] == [h["role"] or "" for h in written["heads"]]
     first = written["heads"][0]["heavy_hitters"][0]
-    assert page.rows[0][5]["text"].startswith(f"{first['piece']}@{first['position']} {first['share']:.0%}")
+    assert page.rows[0][6]["text"].startswith(f"{first['piece']}@{first['position']} {first['share']:.0%}")
     profile = [float(cell["data-value"]) for cell in page.cells[: 4 * 6]]  # the first grid: 4 heads x 6 bands
     assert profile == pytest.approx([band for h in written["heads"] for band in h["bands"]], abs=1e-12)
     assert (out / "long.png").stat().st_size > 0 and "png report:" in printed
+    # the maps: a tile per head, each the JSON's map on the weight ramp
+    reachable = torch.tensor(written["map"]["reachable"], dtype=torch.bool)
+    assert [image["title"].split(":")[0] for image in page.images] == [
+        "layer 0, head 1",
+        "layer 0, head 2",
+        "layer 5, head 1",
+        "layer 5, head 2",
+    ]
+    for image, head in zip(page.images, written["heads"], strict=True):
+        pixels = png_pixels(image["src"])
+        cells = torch.tensor(head["map"], dtype=torch.float64)
+        assert pixels.shape == (*cells.shape, 3) and reachable.all()  # one window: every pair seen
+        ramp = weight_rgb_pixels(cells)  # the map's max: weight 1 is the darkest
+        assert (pixels[reachable].int() - ramp[reachable].int()).abs().max() <= 2  # the JSON's 3 digits
+    assert printed.count("\u2591") > 0 and "pooled maps: queries down" in printed
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 
     found = multihead.inspect.inspect_long(model, text)        # model: load_text_model(...), any on the kernel
     found.heads[0].bands       # the mean weight at each distance band (0, 1, 2-8, 9-64, 65-512, 513+ tokens)
-    found.heads[0].role        # "sink", "local", "long-range" or None (see LONG_ROLES)
+    found.heads[0].role        # "sink", "heavy-hitter", "long-range", "local" or None (see LONG_ROLES)
+    found.heads[0].pooled_map  # (P, P): the text's weights max-pooled over cells of pieces_per_cell pieces
 
 Every chosen head's statistics come from :func:`multihead.attention_stats` through :func:`~multihead.capture`
 (``stats=``): no n x n matrix is built. A text longer than the model's positions (``tokenizer.max_length``) is read
@@ -14,7 +15,15 @@ least half a window past the first window).
 Per head, over the pieces measured: the mean weight in each distance band, the sink share (the mean weight on
 the window's first piece, Gu et al. 2024's first-token share), the mean entropy and its profile along the text,
 the heavy hitters (the pieces that receive the most attention from the measured queries, summed over the
-windows), and the role of :data:`LONG_ROLES` its measures pass.
+windows), the pooled map of the text's weights, and the role of :data:`LONG_ROLES` its measures pass.
+
+The pooled map splits the text into at most ``map_side`` stretches of ``pieces_per_cell`` pieces; its cell (I, J)
+is the largest weight a measured query of stretch I gives a piece of stretch J ("max"), or the mean weight over
+every (query, piece) pair of the two stretches ("mean"; a pair no window holds counts as 0). Each window's
+statistics are pooled straight into the text's cells (a :class:`~multihead.streamed_stats.PoolGrid` of the
+window's positions in the text), so the windows' maps add up to the text's along its diagonal band.
+``LongInspection.reachable`` marks the cells holding a pair some window let the model see (for a causal model,
+a piece at or before the query).
 """
 
 from __future__ import annotations
@@ -25,14 +34,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from multihead._errors import bad_argument, describe
+from multihead._errors import bad_argument, describe, positive_int
 from multihead._indices import checked_indices
 from multihead.capture import capture, part_sites
 from multihead.inspect.recording import head_numbers, is_causal_part
 from multihead.models.contract import evaluating, text_tokenizer
-from multihead.streamed_stats import DISTANCE_BANDS, StatsSettings
+from multihead.streamed_stats import DISTANCE_BANDS, PoolGrid, StatsSettings
 
-__all__ = ["LONG_ROLES", "LongRole", "HeadProfile", "LongInspection", "inspect_long", "windows_of"]
+__all__ = [
+    "LONG_ROLES",
+    "LongRole",
+    "HeadProfile",
+    "LongInspection",
+    "inspect_long",
+    "windows_of",
+    "MAP_SIDE",
+    "MAP_POOLS",
+]
 
 
 @dataclass(frozen=True)
@@ -49,11 +67,14 @@ class LongRole:
 # threshold, in this order.
 LONG_ROLES: tuple[LongRole, ...] = (
     LongRole("sink", "mean weight on the window's first piece", 0.3, "Gu et al. 2024"),
+    LongRole("heavy-hitter", "mean weight on the 8 heaviest pieces of the window's body", 0.2, "multihead"),
     LongRole("long-range", "mean weight beyond 512 pieces back", 0.1, "multihead"),
     LongRole("local", "mean weight within 8 pieces", 0.5, "multihead"),
 )
 PROFILE_POINTS = 128  # the entropy profile: at most this many means along the text
 HEAVY_HITTERS = 8  # the pieces that receive the most attention, kept per head
+MAP_SIDE = 64  # the pooled map: at most this many stretches of the text a side
+MAP_POOLS = ("max", "mean")
 _WHOLE = 2**62  # a length no text reaches: the tokenizer reads it whole (the windows keep the model's positions)
 
 
@@ -65,7 +86,11 @@ class HeadProfile:
     measured pieces (at most :data:`PROFILE_POINTS`); its ``role`` follows from them (:data:`LONG_ROLES`).
     ``heavy_hitters``: the :data:`HEAVY_HITTERS` pieces that receive the most of its attention, largest first,
     ``{"position", "piece", "share"}``: the share is the piece's column sum over the measured queries divided by
-    their number (each query gives weight 1)."""
+    their number (each query gives weight 1). ``heavy_share``: the mean weight a query gives the
+    :data:`HEAVY_HITTERS` pieces of its window's body (special pieces left out: a leading one is the sink) that
+    receive the most from the window's measured queries, Zhang et al. 2023's heavy hitters (H2O): a share of
+    the window, so a longer text read in more windows does not dilute it. ``pooled_map``
+    (P, P) float64: the text's weights pooled over stretches of it (see :class:`LongInspection`)."""
 
     layer: int
     head: int
@@ -74,11 +99,18 @@ class HeadProfile:
     entropy: float
     entropy_profile: list[float]
     heavy_hitters: list[dict] = field(default_factory=list)
+    heavy_share: float = 0.0
+    pooled_map: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def role(self) -> str | None:
         """The first role of :data:`LONG_ROLES` whose threshold its measure reaches, or None."""
-        measures = {"sink": self.sink, "long-range": self.long_range, "local": self.local}
+        measures = {
+            "sink": self.sink,
+            "heavy-hitter": self.heavy_share,
+            "long-range": self.long_range,
+            "local": self.local,
+        }
         return next((rule.name for rule in LONG_ROLES if measures[rule.name] >= rule.threshold), None)
 
     @property
@@ -103,14 +135,23 @@ class HeadProfile:
             "entropy_profile": self.entropy_profile,
             "role": self.role,
             "heavy_hitters": self.heavy_hitters,
+            "heavy_share": self.heavy_share,
+            "map": None if self.pooled_map is None else _rounded(self.pooled_map),
         }
+
+
+def _rounded(cells: torch.Tensor) -> list[list[float]]:
+    """A map's cells to three significant digits: a map of 64 x 64 is tens of kilobytes of JSON, not hundreds."""
+    return [[float(f"{value:.3g}") for value in row] for row in cells.tolist()]
 
 
 @dataclass(frozen=True)
 class LongInspection:
     """A long text through a model (see :func:`inspect_long`): ``pieces`` (the text's n pieces), ``windows``
     ((start, stop) of the body each window read, in piece positions), ``heads`` (a :class:`HeadProfile` per
-    chosen head, by layer then head), the ``part`` and whether it is ``causal``."""
+    chosen head, by layer then head), the ``part`` and whether it is ``causal``. The heads' pooled maps: ``pool``
+    ("max" or "mean") over cells of ``pieces_per_cell`` x ``pieces_per_cell`` pieces (the last row and column
+    shorter); ``reachable`` (P, P) bool: the cells holding a (query, piece) pair some window let the model see."""
 
     model: str
     part: str
@@ -118,6 +159,9 @@ class LongInspection:
     pieces: list[str]
     windows: list[tuple[int, int]]
     heads: list[HeadProfile]
+    pool: str = "max"
+    pieces_per_cell: int = 1
+    reachable: torch.Tensor | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict:
         """JSON-ready: kilobytes per head, whatever the text's length."""
@@ -131,6 +175,11 @@ class LongInspection:
             "roles": [
                 {"name": r.name, "measure": r.measure, "threshold": r.threshold, "source": r.source} for r in LONG_ROLES
             ],
+            "map": {
+                "pool": self.pool,
+                "pieces_per_cell": self.pieces_per_cell,
+                "reachable": None if self.reachable is None else self.reachable.int().tolist(),
+            },
             "heads": [profile.to_dict() for profile in self.heads],
         }
 
@@ -162,6 +211,8 @@ def inspect_long(
     layers: Sequence[int] | int | None = None,
     heads: Sequence[int] | int | None = None,
     window: int | None = None,
+    map_side: int = MAP_SIDE,
+    pool: str = "max",
     progress: Callable[[int, int], None] | None = None,
 ) -> LongInspection:
     """Measure every chosen head of ``model`` on ``text`` (see the module docstring).
@@ -172,13 +223,16 @@ def inspect_long(
         part: the part of the model's attention (default its first).
         layers, heads: the layers and heads to measure (default all).
         window: pieces per window, specials included (default: the model's positions, ``tokenizer.max_length``).
+        map_side: the pooled map's cells a side, at most (the text in stretches of ceil(n / map_side) pieces).
+        pool: "max" (each cell's largest weight) or "mean" (its mean weight).
         progress: called as ``progress(done, total)`` after each window.
 
     Returns:
         :class:`LongInspection`.
 
     Raises:
-        ValueError or TypeError naming ``text``, ``window``, ``layers``, ``heads`` or ``part``.
+        ValueError or TypeError naming ``text``, ``window``, ``map_side``, ``pool``, ``layers``, ``heads`` or
+        ``part``.
     """
     tokenizer = text_tokenizer(model)
     if not isinstance(text, str) or not text.strip():
@@ -192,6 +246,9 @@ def inspect_long(
         raise bad_argument(
             "window", f"an int in [2, {limit}] (the model's positions)", describe(window), f"pass e.g. window={limit}"
         )
+    map_side = positive_int("map_side", map_side)
+    if pool not in MAP_POOLS:
+        raise bad_argument("pool", f"one of {list(MAP_POOLS)}", repr(pool), 'pass pool="max" or pool="mean"')
     batch = tokenizer.batch([text], max_length=_WHOLE)
     ids = batch.input_ids[0]
     pieces = batch.pieces[0]
@@ -208,10 +265,15 @@ def inspect_long(
     }
     # the weight each piece of the text receives from the queries measured, per layer: (heads, n)
     received: dict[int, torch.Tensor] = {}
+    causal = is_causal_part(model, chosen_part)
+    cell = -(-len(ids) // min(map_side, len(ids)))  # pieces per stretch of the map
+    side = -(-len(ids) // cell)
+    maps: dict[int, torch.Tensor] = {}  # per layer: (heads, side, side), the windows' cells max-ed or summed
+    heavy: dict[int, torch.Tensor] = {}  # per layer: (heads,), the weight on each window's heaviest body pieces
+    reachable = torch.zeros(side, side, dtype=torch.bool)
     # each layer's heads as capture reads `heads`: indices into the layer's own heads
     layer_heads = {layer: checked_indices("heads", heads, len(numbers[layer]), "head") for layer in chosen_layers}
     measured_until = 0
-    settings = StatsSettings(sinks=1)
     for index, (start, stop) in enumerate(stretches):
         window_ids = torch.cat([ids[:lead], ids[lead + start : lead + stop], ids[len(ids) - trail :]])
         # the rows this window measures: its body pieces no earlier window measured, with the text's leading
@@ -224,6 +286,9 @@ def inspect_long(
         places = torch.cat(
             [torch.arange(lead), lead + torch.arange(start, stop), len(ids) - trail + torch.arange(trail)]
         )
+        grid = PoolGrid(rows=places // cell, keys=places // cell, shape=(side, side))
+        settings = StatsSettings(sinks=1, pooled=grid, pool="max" if pool == "max" else "sum")
+        reachable |= _reachable(places, places[rows], cell, side, causal)
         with (
             evaluating(model),
             torch.no_grad(),
@@ -240,8 +305,22 @@ def inspect_long(
             found["entropy"].append(stats.entropy[0].double().cpu())
             totals = received.setdefault(layer, torch.zeros(stats.received.shape[1], len(ids), dtype=torch.float64))
             totals.index_add_(1, places, stats.received[0].double().cpu())
+            window_body = stats.received[0, :, lead : len(window_ids) - trail].double().cpu()
+            heaviest = window_body.topk(min(HEAVY_HITTERS, window_body.shape[-1])).values.sum(-1)
+            heavy[layer] = heavy.get(layer, 0) + heaviest
+            assert stats.pooled is not None
+            window_map = stats.pooled[0].double().cpu()
+            if layer not in maps:
+                maps[layer] = window_map
+            elif pool == "max":
+                torch.maximum(maps[layer], window_map, out=maps[layer])
+            else:
+                maps[layer] += window_map
         if progress is not None:
             progress(index + 1, len(stretches))
+    if pool == "mean":  # the summed weights over every (query, piece) pair of the two stretches
+        per_cell = torch.bincount(torch.arange(len(ids)) // cell, minlength=side).double()
+        maps = {layer: cells / (per_cell[:, None] * per_cell[None, :]) for layer, cells in maps.items()}
     profiles = []
     for layer in chosen_layers:
         bands = torch.cat(per_layer[layer]["bands"], 1)  # (heads, measured, 6)
@@ -263,16 +342,32 @@ def inspect_long(
                         {"position": int(where), "piece": pieces.tokens[int(where)], "share": float(share)}
                         for share, where in zip(top.values, top.indices, strict=True)
                     ],
+                    heavy_share=float(heavy[layer][position] / len(ids)),
+                    pooled_map=maps[layer][position],
                 )
             )
     return LongInspection(
         model=getattr(model, "name", type(model).__name__),
         part=chosen_part,
-        causal=is_causal_part(model, chosen_part),
+        causal=causal,
         pieces=list(pieces.tokens),
         windows=stretches,
         heads=profiles,
+        pool=pool,
+        pieces_per_cell=cell,
+        reachable=reachable,
     )
+
+
+def _reachable(places: torch.Tensor, measured: torch.Tensor, cell: int, side: int, causal: bool) -> torch.Tensor:
+    """(side, side) bool: the map's cells holding a pair of a measured query (``measured``: their positions in the
+    text) and a piece of the window (``places``: its pieces' positions, in order) the model could see: any, or for a
+    causal model one at or before the query."""
+    beyond = int(places.max()) + 1  # past every piece of the window: a cell it has none of keeps it
+    last_query = torch.full((side,), -1).scatter_reduce(0, measured // cell, measured, "amax")
+    first_piece = torch.full((side,), beyond).scatter_reduce(0, places // cell, places, "amin")
+    cells = (last_query >= 0)[:, None] & (first_piece < beyond)[None, :]
+    return cells & (first_piece[None, :] <= last_query[:, None]) if causal else cells
 
 
 def _profile(values: torch.Tensor) -> list[float]:

@@ -1,12 +1,13 @@
 """What `multihead inspect --long FILE` prints and writes: each head's profile over a long text.
 
 - terminal: a table per layer, a row per head: its role, the weight within 8 pieces and beyond 512, the sink
-  share, the mean entropy, the weight in each distance band, the piece that receives the most of its attention
-  (a window's special pieces count as the text's own: [CLS] gathers what every window's [CLS] receives);
+  share, the weight on its window's heavy hitters, the mean entropy, the weight in each distance band, the piece
+  that receives the most of its attention (a window's special pieces count as the text's own: [CLS] gathers what
+  every window's [CLS] receives); then each head's pooled map in shade characters, 16 x 8;
 - ``long.html`` (:func:`long_page`, drawn by :mod:`multihead.inspect.page`: static, offline): the heads' roles,
-  shares and three heaviest hitters, their distance profiles (head x band) and their entropy along the text
-  (head x stretch);
-- ``long.png``: the same two grids as heatmaps;
+  shares and three heaviest hitters, their distance profiles (head x band), their entropy along the text (head x
+  stretch) and their pooled maps (a layer x head mosaic of inline PNGs);
+- ``long.png``: the same two grids as heatmaps, and the maps;
 - ``long.json``: :meth:`~multihead.inspect.LongInspection.to_dict`.
 
 Every format is kilobytes per head, whatever the text's length.
@@ -18,16 +19,22 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from rich import box
+from rich.columns import Columns
 from rich.console import Console
 from rich.table import Table as RichTable
 from rich.text import Text
 
 from multihead._figures import Written
-from multihead.inspect.long import LONG_ROLES, PROFILE_POINTS, LongInspection
-from multihead.inspect.page import Grid, Page, Table, write_report
+from multihead.inspect.colours import MASKED_RGB, weight_rgb_pixels
+from multihead.inspect.long import LONG_ROLES, PROFILE_POINTS, HeadProfile, LongInspection
+from multihead.inspect.page import Grid, Mosaic, Page, Table, write_report
 
-__all__ = ["print_long", "long_page", "write_long"]
+__all__ = ["print_long", "long_page", "write_long", "map_pixels", "shaded_map", "SHADES"]
+
+SHADES = "\u00b7\u2591\u2592\u2593\u2588"  # a map cell in the terminal: 0, then darker by the square root of its weight
+_TERMINAL_MAP = (8, 16)  # character rows x columns of a head's map (a character is about twice as tall as wide)
 
 
 def print_long(console: Console, found: LongInspection) -> None:
@@ -49,6 +56,7 @@ def print_long(console: Console, found: LongInspection) -> None:
             "<= 8",
             "> 512",
             "sink",
+            "hitters",
             "entropy",
             *(f"{band}" for band in bands),
             "most received",
@@ -61,6 +69,7 @@ def print_long(console: Console, found: LongInspection) -> None:
                 f"{profile.local:.0%}",
                 f"{profile.long_range:.0%}",
                 f"{profile.sink:.0%}",
+                f"{profile.heavy_share:.0%}",
                 f"{profile.entropy:.2f}",
                 *(f"{value:.0%}" for value in profile.bands),
                 Text(_hitters(profile.heavy_hitters[:1])),
@@ -68,6 +77,62 @@ def print_long(console: Console, found: LongInspection) -> None:
         console.print(table)
     legend = "; ".join(f"{r.name}: {r.measure} >= {r.threshold:.0%} ({r.source})" for r in LONG_ROLES)
     console.print(Text(f"roles, the first reached: {legend}. Distance bands in pieces back.", style="dim"))
+    _print_maps(console, found)
+
+
+def _print_maps(console: Console, found: LongInspection) -> None:
+    """Each head's pooled map in shade characters, the heads of a layer side by side as the width allows."""
+    if found.reachable is None:
+        return
+    console.print(Text(_map_note(found) + f"; shades {SHADES} from 0 up, blank: {_UNSEEN}", style="dim"))
+    for layer in dict.fromkeys(profile.layer for profile in found.heads):
+        tiles = [
+            Text(f"L{p.layer} H{p.head} {p.role or ''}\n" + "\n".join(shaded_map(found, p)))
+            for p in found.heads
+            if p.layer == layer and p.pooled_map is not None
+        ]
+        console.print(Columns(tiles, padding=(0, 3)))
+
+
+def _scale(found: LongInspection, profile: HeadProfile) -> float:
+    """What the darkest colour stands for: weight 1 in a max map; the head's largest cell in a mean map."""
+    assert profile.pooled_map is not None
+    return 1.0 if found.pool == "max" else max(float(profile.pooled_map.max()), 1e-12)
+
+
+_UNSEEN = "no window let the model see the pair (for a causal model: a piece after the query)"
+
+
+def _map_note(found: LongInspection) -> str:
+    cells = f"{found.pieces_per_cell} x {found.pieces_per_cell} pieces"
+    what = "the largest weight" if found.pool == "max" else "the mean weight, over the head's largest cell,"
+    return f"pooled maps: queries down, pieces across, each cell {cells}; a cell's shade is {what} in it"
+
+
+def shaded_map(found: LongInspection, profile: HeadProfile) -> list[str]:
+    """A head's pooled map as lines of :data:`SHADES` (at most 8 lines of 16): each character pools its cells as
+    the map does (max or mean), shaded by the square root of its share of :func:`_scale`; blank where no cell of
+    it is reachable."""
+    assert profile.pooled_map is not None and found.reachable is not None
+    cells = profile.pooled_map.double()
+    size = (min(_TERMINAL_MAP[0], cells.shape[0]), min(_TERMINAL_MAP[1], cells.shape[1]))
+    pool = F.adaptive_max_pool2d if found.pool == "max" else F.adaptive_avg_pool2d
+    values = pool(cells[None, None], size)[0, 0] / _scale(found, profile)
+    seen = F.adaptive_max_pool2d(found.reachable.double()[None, None], size)[0, 0] > 0
+    levels = (values.clamp(0, 1).sqrt() * (len(SHADES) - 1)).ceil().long()
+    return [
+        "".join(SHADES[level] if visible else " " for level, visible in zip(row, seen_row, strict=True))
+        for row, seen_row in zip(levels.tolist(), seen.tolist(), strict=True)
+    ]
+
+
+def map_pixels(found: LongInspection, profile: HeadProfile) -> torch.Tensor:
+    """(P, P, 3) uint8: a head's pooled map on the reports' weight ramp (square root; dark: :func:`_scale`), grey
+    where no cell is reachable."""
+    assert profile.pooled_map is not None and found.reachable is not None
+    pixels = weight_rgb_pixels(profile.pooled_map / _scale(found, profile))
+    pixels[~found.reachable] = torch.tensor(MASKED_RGB, dtype=torch.uint8)
+    return pixels
 
 
 def _hitters(hitters: list[dict]) -> str:
@@ -90,9 +155,9 @@ def long_page(found: LongInspection) -> Page:
         "part": found.part + (" (causal)" if found.causal else ""),
     }
     roles = Table(
-        "each head's role and shares: the weight within 8 pieces, beyond 512, and on the window's first piece; the "
-        "pieces that receive most of its attention (piece@position share)",
-        ("head", "role", "<= 8", "> 512", "sink", "most received"),
+        "each head's role and shares: the weight within 8 pieces, beyond 512, on the window's first piece and on the "
+        "8 heaviest pieces of its body; the pieces that receive most of its attention (piece@position share)",
+        ("head", "role", "<= 8", "> 512", "sink", "hitters", "most received"),
         [
             (
                 label,
@@ -100,6 +165,7 @@ def long_page(found: LongInspection) -> Page:
                 profile.local,
                 profile.long_range,
                 profile.sink,
+                profile.heavy_share,
                 _hitters(profile.heavy_hitters[:3]),
             )
             for label, profile in zip(labels, found.heads, strict=True)
@@ -137,6 +203,41 @@ def long_page(found: LongInspection) -> Page:
         grids=[bands, along],
         tables=[roles],
         notes=[f"roles, the first reached: {legend}"],
+        mosaics=[] if found.reachable is None else [_maps_mosaic(found)],
+    )
+
+
+def _maps_mosaic(found: LongInspection) -> Mosaic:
+    """The heads' pooled maps, a layer per row and a head per column."""
+    layers = list(dict.fromkeys(profile.layer for profile in found.heads))
+    heads = sorted({profile.head for profile in found.heads})
+    by_place = {(profile.layer, profile.head): profile for profile in found.heads}
+    tiles: list[list[torch.Tensor | None]] = []
+    titles: list[list[str]] = []
+    for layer in layers:
+        tiles.append([])
+        titles.append([])
+        for head in heads:
+            profile = by_place.get((layer, head))  # None: a head not chosen in this layer
+            tiles[-1].append(None if profile is None else map_pixels(found, profile))
+            titles[-1].append("" if profile is None else _tile_title(found, profile))
+    return Mosaic(
+        "pooled maps: where each head's attention goes over the whole text",
+        tiles,
+        titles,
+        rows=[f"L{layer}" for layer in layers],
+        columns=[f"H{head}" for head in heads],
+        note=f"{_map_note(found)}, dark = {'1' if found.pool == 'max' else 'its largest'} on a square-root "
+        f"scale; grey: {_UNSEEN}",
+    )
+
+
+def _tile_title(found: LongInspection, profile: HeadProfile) -> str:
+    assert profile.pooled_map is not None
+    largest = float(profile.pooled_map.max())
+    return (
+        f"layer {profile.layer}, head {profile.head}: {profile.role or 'no role'}; largest cell {largest:.3g} "
+        f"({found.pool} over {found.pieces_per_cell} x {found.pieces_per_cell} pieces)"
     )
 
 
