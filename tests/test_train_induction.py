@@ -19,6 +19,7 @@ from multihead.cli import main
 from multihead.inspect import inspect_text
 from multihead.inspect.behaviours import BEHAVIOURS_FILE, read_behaviours
 from multihead.inspect.importance import ablated
+from multihead.models.decoder import Decoder, load_decoder
 from multihead.models.symbols import load_decoder_reader
 from multihead.train.induction import (
     InductionSettings,
@@ -29,6 +30,7 @@ from multihead.train.induction import (
     run_induction,
 )
 from multihead.train.scores import per_position_loss, repeated_tokens_loss
+from support import is_input_error
 
 CI_STEPS = 2000
 INDUCTION_THRESHOLD = 0.4  # the induction role's threshold (roles.ROLE_RULES["induction"]); docs/train.md
@@ -252,6 +254,51 @@ def test_cli_train_refuses_bad_options_in_one_line(argv, fragment, tmp_path, cap
     error = capsys.readouterr().err
     assert fragment in error and "Traceback" not in error and len(error.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_a_run_goes_on_from_a_checkpoint_at_a_longer_length(tmp_path, capsys):
+    # the length curriculum of docs/long-context.md: a short run's decoder, trained on at a longer half length
+    short = tmp_path / "short"
+    assert main(["train", "induction", "--steps", "5", "--layers", "1", "--heads", "2", "--out", str(short)]) == 0
+    longer = tmp_path / "long"
+    argv = ["train", "induction", "--from", str(short / "model"), "--half-length", "20", "--steps", "3"]
+    assert main([*argv, "--lr", "1e-12", "--out", str(longer)]) == 0
+    before, after = load_decoder(short / "model"), load_decoder(longer / "model")
+    assert before.config.max_positions == 25 and after.config == dataclasses.replace(before.config, max_positions=41)
+    for name, weight in before.state_dict().items():  # the same weights, moved by a step of 1e-12 at most
+        torch.testing.assert_close(after.state_dict()[name], weight, atol=1e-9, rtol=0)
+    assert "trained a 1-layer, 2-head" in capsys.readouterr().out
+
+
+def test_a_learned_decoder_too_short_for_the_task_is_refused_and_left_as_it_was():
+    model = Decoder(InductionSettings(positions="learned").model_config())
+    settings = InductionSettings(half_length=20, steps=1)
+    with pytest.raises(ValueError) as raised:
+        run_induction(settings, model=model)
+    assert is_input_error(raised.value, ValueError) and "model: expected a decoder with 41 positions" in str(
+        raised.value
+    )
+    assert model.config.max_positions == 25
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--layers", "2"], "--from: expected no --layers beside it"),
+        (["--half-length", "3"], "--from:"),  # a folder with no decoder in it (and repeats of 3 alone)
+        (["--half-length", "1"], "--half-length:"),
+    ],
+)
+def test_cli_from_refuses_in_one_line(argv, fragment, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "induction", "--from", str(tmp_path / "empty"), *argv, "--out", str(tmp_path / "x")]) == 2
+    error = capsys.readouterr().err
+    assert fragment in error and "Traceback" not in error and len(error.strip().splitlines()) == 1
+
+
+def test_cli_reverse_refuses_a_half_length(tmp_path, capsys):
+    assert main(["train", "reverse", "--half-length", "4", "--out", str(tmp_path / "x")]) == 2
+    assert "--half-length: expected no --half-length for reverse" in capsys.readouterr().err
 
 
 def test_inspect_refuses_a_symbol_outside_the_vocabulary(two_layer, tmp_path, capsys):

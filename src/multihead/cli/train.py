@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from multihead._console import make_console
-from multihead._errors import InputError
+from multihead._errors import InputError, bad_argument
 from multihead._figures import print_written  # "wrote <path>"; one line for a figure left out
 from multihead._userfiles import from_options, output_folder
 
@@ -41,6 +41,19 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--hidden", type=int, help="residual width (default 64)")
     parser.add_argument("--lr", type=float, help="AdamW learning rate (default: induction 1e-3, reverse 3e-3)")
     parser.add_argument("--seed", type=int, help="seeds the initialisation and the batches (default 0)")
+    parser.add_argument(
+        "--half-length",
+        type=int,
+        help="induction and symmetry: the longest repeated segment L (sequences of 2L + 1 tokens; default 12); "
+        "training repeats 4 to L tokens, or L alone below 4",
+    )
+    parser.add_argument(
+        "--from",
+        dest="start",
+        metavar="DIR",
+        help="induction: go on training the decoder of an earlier run (its OUT/model), e.g. at a longer "
+        "--half-length (rotary positions carry over to any length); the model options then come from it",
+    )
     parser.add_argument("--out", metavar="DIR", default="multihead-train", help="where the run goes")
     parser.set_defaults(run=run_train)
 
@@ -60,13 +73,20 @@ def _train_settings(task: str, args: argparse.Namespace):
         "hidden": args.hidden,
         "lr": args.lr,
         "seed": args.seed,
+        "half_length": args.half_length,
     }
     # the fields each option sets: the encoder-decoder's --layers sets both of its stacks
     fields: dict[str, tuple[str, ...]] = {name: (name,) for name in given}
     if task == "reverse":
         fields["layers"] = ("encoder_layers", "decoder_layers")
+        if args.half_length is not None:
+            raise bad_argument(
+                "--half-length", "no --half-length for reverse", args.half_length, "drop it (reverse has no repeats)"
+            )
     chosen = {field: value for name, value in given.items() if value is not None for field in fields[name]}
     defaults = InductionSettings() if task == "induction" else ReverseSettings()
+    if task == "induction" and args.half_length is not None and args.half_length < (defaults.min_half_length or 0):
+        chosen["min_half_length"] = None  # shorter than the shortest repeat: every sequence repeats L tokens
     try:
         return dataclasses.replace(defaults, **chosen)
     except InputError as error:  # the settings name their fields; the user typed the options
@@ -74,6 +94,29 @@ def _train_settings(task: str, args: argparse.Namespace):
         if option is None:
             raise
         raise error.about(f"--{option.replace('_', '-')}") from None
+
+
+def _starting_decoder(args: argparse.Namespace, settings):
+    """The decoder ``--from`` names (None without it), checked against the task before any training: an induction
+    run's, with no model option beside it (the checkpoint sets the model)."""
+    if args.start is None:
+        return None
+    if args.task != "induction":
+        raise bad_argument("--from", f"no --from for {args.task}", args.start, "drop --from, or train induction")
+    given = [f"--{name.replace('_', '-')}" for name in ("layers", "heads", "kv_heads", "hidden") if getattr(args, name)]
+    if given:
+        raise bad_argument(
+            "--from", f"no {', '.join(given)} beside it", args.start, "drop them: the checkpoint sets the model"
+        )
+    from multihead.models.decoder import load_decoder
+    from multihead.train.induction import config_for_task
+
+    try:
+        model = load_decoder(args.start)
+        config_for_task(model, settings)
+    except InputError as error:
+        raise error.about("--from") from None
+    return model.train()
 
 
 def training_progress(console):
@@ -105,6 +148,7 @@ def run_train(args: argparse.Namespace) -> int:
     from multihead.train.reverse import run_reverse
 
     settings = _train_settings("reverse" if args.task == "reverse" else "induction", args)
+    start = _starting_decoder(args, settings)
     out = output_folder("--out", args.out, create=False)  # checked now; written after training
     if args.task == "symmetry":
         return _train_symmetry(settings, out)
@@ -128,7 +172,7 @@ def run_train(args: argparse.Namespace) -> int:
                 status = f"loss {scores['probe_loss']:.3f} · alignment {float(scores['alignment'].max()):.2f}"
             bar.update(task, completed=step, status=f"{status} · {rate:,.0f} tokens/s")
 
-        run = run_induction(settings, on_log=show) if induction else run_reverse(settings, on_log=show)
+        run = run_induction(settings, on_log=show, model=start) if induction else run_reverse(settings, on_log=show)
     final = run.final
     kind = "attention-only " if not settings.mlp else ""
     if induction:

@@ -67,6 +67,7 @@ __all__ = [
     "probe_scores",
     "ablation_scores",
     "run_induction",
+    "config_for_task",
     "read_behaviours",
     "write_behaviours",
 ]
@@ -249,6 +250,31 @@ class InductionRun:
         return written
 
 
+def config_for_task(model: Decoder, settings: InductionSettings) -> DecoderConfig:
+    """The config ``model`` trains on the task of ``settings`` with: its own, or for a rotary decoder with fewer
+    positions than the task's sequences, its own with positions for them (rotary positions hold no weights, so
+    nothing else changes). Raises ValueError naming ``model`` for a decoder that cannot read the task."""
+    config = model.config
+    if config.vocab_size != settings.vocab_size:
+        raise bad_argument(
+            "model",
+            f"a decoder of the task's vocab_size = {settings.vocab_size}",
+            f"vocab_size = {config.vocab_size}",
+            "train the decoder of a run on this task, or set vocab_size in the settings to the decoder's",
+        )
+    needed = settings.model_config().max_positions
+    if config.max_positions >= needed:
+        return config
+    if config.positions != "rotary":
+        raise bad_argument(
+            "model",
+            f"a decoder with {needed} positions (2 x half_length + 1)",
+            f"{config.max_positions} learned positions",
+            f"train at half_length <= {(config.max_positions - 1) // 2}, or start from a rotary decoder",
+        )
+    return dataclasses.replace(config, max_positions=needed)
+
+
 def run_induction(
     settings: InductionSettings = InductionSettings(),
     *,
@@ -258,8 +284,10 @@ def run_induction(
     """Train a decoder on the induction task with ``settings`` and measure its heads (see the module docstring).
 
     ``on_log(step, scores)``: called at every log with the probe's scores (a progress bar goes here).
-    ``model``: train this decoder instead of a new one (it must read the task: its vocab_size and max_positions);
-    the settings' model fields are then not used.
+    ``model``: train this decoder instead of a new one (e.g. an earlier run's, at a longer ``half_length``); the
+    settings' model fields are then not used. It must read the task: the task's vocab_size, and positions for
+    2 x half_length + 1 tokens. A rotary decoder with fewer is given them (its config's ``max_positions``): its
+    positions carry over to any length. Raises ValueError naming ``model`` for one that cannot read the task.
     """
     if not isinstance(settings, InductionSettings):
         raise bad_argument(
@@ -270,6 +298,8 @@ def run_induction(
         model = Decoder(settings.model_config(), name="induction")
     elif not isinstance(model, Decoder):
         raise bad_argument("model", "a Decoder", describe(model), "pass a multihead.models.Decoder", kind=TypeError)
+    else:
+        model.config = config_for_task(model, settings)  # checked first: a refused model is left as it was
     device = model.token_embeddings.weight.device
     probe = probe_batch(settings, device)
 
