@@ -226,6 +226,7 @@ def test_the_command_writes_what_python_gives(tmp_path, capsys):
     assert main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "all-MiniLM-L6-v2:" in printed and "layer 5" in printed and "json report:" in printed
+    assert " hitters  entropy " in printed and "most received" in printed  # every column whole
     model, _ = load_minilm()
     expected = inspect_long(model, text, layers=[0, 5], heads=[1, 2]).to_dict()
     written = json.loads((out / "long.json").read_text())

@@ -91,8 +91,9 @@ def add_parser(subparsers) -> None:
         "--long",
         metavar="FILE",
         help="read a long text from FILE instead (any length: past the model's positions it is read in windows "
-        "sliding by half) and profile every head in O(n) memory: distance bands, sink share, entropy, and the "
-        "sink, local and long-range roles; long.html, long.png and long.json as --format asks",
+        "sliding by half) and profile every head in O(n) memory: distance bands, sink share, entropy, heavy "
+        "hitters, a pooled map of the whole text, and the sink, heavy-hitter, long-range and local roles; "
+        "long.html, long.png and long.json as --format asks",
     )
     parser.set_defaults(run=run_inspect)
 

@@ -1,9 +1,9 @@
 """What `multihead inspect --long FILE` prints and writes: each head's profile over a long text.
 
-- terminal: a table per layer, a row per head: its role, the weight within 8 pieces and beyond 512, the sink
-  share, the weight on its window's heavy hitters, the mean entropy, the weight in each distance band, the piece
-  that receives the most of its attention (a window's special pieces count as the text's own: [CLS] gathers what
-  every window's [CLS] receives); then each head's pooled map in shade characters, 16 x 8;
+- terminal: a table per layer, a row per head: its role, the sink share, the weight on its window's heavy
+  hitters, the mean entropy, the weight in each distance band, the piece that receives the most of its attention
+  (a window's special pieces count as the text's own: [CLS] gathers what every window's [CLS] receives); then
+  each head's pooled map in shade characters, 16 x 8;
 - ``long.html`` (:func:`long_page`, drawn by :mod:`multihead.inspect.page`: static, offline): the heads' roles,
   shares and three heaviest hitters, their distance profiles (head x band), their entropy along the text (head x
   stretch) and their pooled maps (a layer x head mosaic of inline PNGs);
@@ -49,25 +49,22 @@ def print_long(console: Console, found: LongInspection) -> None:
     )
     bands = found.to_dict()["bands"]
     for layer in dict.fromkeys(profile.layer for profile in found.heads):
-        table = RichTable(title=f"layer {layer}", box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
-        for name in (
-            "head",
-            "role",
-            "<= 8",
-            "> 512",
-            "sink",
-            "hitters",
-            "entropy",
-            *(f"{band}" for band in bands),
-            "most received",
-        ):
-            table.add_column(name, justify="left" if name in ("role", "most received") else "right")
+        table = RichTable(  # collapsed padding: two spaces between columns, so a row fits 100 columns
+            title=f"layer {layer}", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, title_justify="left"
+        )
+        # the weight within 8 pieces and beyond 512 (the role's measures) are the bands' own: 0 to 2-8, and 513+
+        for name in ("head", "role", "sink", "hitters", "entropy", *bands, "most received"):
+            # the role and the numbers keep their width; the piece most received wraps in what is left
+            table.add_column(
+                name,
+                justify="left" if name in ("role", "most received") else "right",
+                no_wrap=name != "most received",
+                min_width=max(len(rule.name) for rule in LONG_ROLES) if name == "role" else max(len(name), 4),
+            )
         for profile in (p for p in found.heads if p.layer == layer):
             table.add_row(
                 str(profile.head),
                 profile.role or "",
-                f"{profile.local:.0%}",
-                f"{profile.long_range:.0%}",
                 f"{profile.sink:.0%}",
                 f"{profile.heavy_share:.0%}",
                 f"{profile.entropy:.2f}",
