@@ -50,6 +50,15 @@ def make_mask(kind: str, b: int, h: int, i: int, j: int, seed: int = 1, device: 
         bias = torch.randn(h, i, j, generator=gen, dtype=torch.float64, device="cpu").to(device)
         bias[:, 0] = -math.inf  # a row masked through the bias alone
         return bias
+    if kind == "documents":  # packed documents of random lengths, a different split in each batch row
+        return masks.documents(packed_documents(b, j, gen).to(device))
+    if kind == "documents_combo":
+        return (
+            masks.documents(packed_documents(b, j, gen).to(device))
+            & masks.causal()
+            & masks.padding(torch.tensor([j, 3] + [2] * (b - 2), device=device)[:b])
+            & masks.alibi(masks.alibi_slopes(h).to(device))
+        )
     if kind == "combo":
         return (
             masks.causal()
@@ -57,6 +66,15 @@ def make_mask(kind: str, b: int, h: int, i: int, j: int, seed: int = 1, device: 
             & masks.alibi(masks.alibi_slopes(h).to(device))
         )
     raise ValueError(kind)
+
+
+def packed_documents(b: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    """(b, n) document indices of b packed rows: each row cut at random places into documents numbered up from a
+    random start (a document of one position included where the cuts fall so)."""
+    cuts = torch.rand(b, n, generator=generator) < 0.35
+    cuts[:, 0] = False
+    start = torch.randint(0, 5, (b, 1), generator=generator)
+    return start + cuts.long().cumsum(1)
 
 
 MASK_KINDS = [
@@ -71,6 +89,8 @@ MASK_KINDS = [
     "bool_tensor",
     "float_neg_inf",
     "combo",
+    "documents",
+    "documents_combo",
 ]
 
 

@@ -76,11 +76,13 @@ class Tensors:
             self.valid = torch.rand(B, J, device=device) > 0.3
             keep = torch.rand(1, H, I, J, device=device) > 0.2
             self.bias = torch.randn(B, 1, I, J, device=device)
+            self.documents = torch.randint(0, 3, (B, J), device=device).sort(-1).values
         else:  # drawn on the CPU and moved before any guarded call
             self.lengths = torch.tensor([J, 0]).to(device)
             self.valid = (torch.rand(B, J, generator=gen) > 0.3).to(device)
             keep = (torch.rand(1, H, I, J, generator=gen) > 0.2).to(device)
             self.bias = torch.randn(B, 1, I, J, generator=gen).to(device)
+            self.documents = torch.randint(0, 3, (B, J), generator=gen).sort(-1).values.to(device)
         self.bias = self.bias.masked_fill(~self.valid[:, None, None, :], -math.inf)  # -inf entries mask pairs
         self.keep = keep
         self.slopes = masks.alibi_slopes(H).to(device)
@@ -102,6 +104,8 @@ MASKS: dict[str, Callable[[Tensors], object]] = {
         masks.causal() & masks.padding(t.lengths) & masks.alibi(t.slopes) & masks.softcap(20.0)
     ),
     "window & padding valid & bias": lambda t: masks.window(3, 0) & masks.padding(t.valid) & masks.bias(t.bias),
+    "documents": lambda t: masks.documents(t.documents),
+    "causal & documents & alibi": lambda t: masks.causal() & masks.documents(t.documents) & masks.alibi(t.slopes),
     "two alignments & host lengths": lambda t: (
         masks.causal(align="top_left") & masks.window(1, 2) & masks.padding([4, J])
     ),

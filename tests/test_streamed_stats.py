@@ -83,6 +83,9 @@ def mask_cases(device, b, h, i, j):
         "everything": masks.causal() & masks.padding(lengths) & masks.alibi(masks.alibi_slopes(h)) & masks.softcap(3.0),
         "bias tensor": bias,
         "bool tensor (some rows empty)": allowed & (torch.arange(i, device=device) % 7 != 3)[:, None],
+        # packed documents (one of a single token), a different split per batch row, causal within each
+        "documents": masks.documents(torch.tensor([[0] * 10 + [1] + [2] * (j - 11), [4] * 20 + [5] * (j - 20)]))
+        & masks.causal(),
     }
 
 
@@ -99,6 +102,7 @@ def mask_cases(device, b, h, i, j):
         "everything",
         "bias tensor",
         "bool tensor (some rows empty)",
+        "documents",
     ],
 )
 def test_every_mask_kind_equals_the_dense_weights(case, device):

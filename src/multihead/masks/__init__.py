@@ -9,6 +9,8 @@ block at a time, and skips blocks they rule out entirely.
     window(left, right)      sliding window around the (aligned) diagonal
     padding(lengths)         key j is real for batch row b when j < lengths[b]
     padding(valid)           ... or from a (b, j) boolean of real tokens
+    documents(ids)           packed documents: a query sees only keys of its own document (ids: (b, j), or
+                             cu_seqlens=FlashAttention's boundaries for one packed row)
     alibi(slopes)            additive -slope_h * |i - j| (Press et al., 2022)
     bias(tensor)             any additive float tensor broadcastable to (b, h, i, j)
     allowed(tensor)          any boolean tensor broadcastable to (b, h, i, j), True = may attend
@@ -60,6 +62,7 @@ from multihead.masks._binding import bind_mask  # noqa: F401
 from multihead.masks._bound_mask import BoundMask
 from multihead.masks._custom import custom
 from multihead.masks._diagonal import band_intersection, causal, window  # noqa: F401
+from multihead.masks._documents import documents
 from multihead.masks._mask import Combined, Mask, all_of, allowed, as_mask, bias  # noqa: F401
 from multihead.masks._padding import padding
 from multihead.masks._softcap import softcap
@@ -72,6 +75,7 @@ __all__ = [
     "causal",
     "window",
     "padding",
+    "documents",
     "alibi",
     "alibi_slopes",
     "bias",
