@@ -85,7 +85,8 @@ def _train_settings(task: str, args: argparse.Namespace):
             )
     chosen = {field: value for name, value in given.items() if value is not None for field in fields[name]}
     defaults = InductionSettings() if task == "induction" else ReverseSettings()
-    if task == "induction" and args.half_length is not None and args.half_length < (defaults.min_half_length or 0):
+    shortest = getattr(defaults, "min_half_length", None)  # induction's shortest training repeat
+    if args.half_length is not None and shortest is not None and args.half_length < shortest:
         chosen["min_half_length"] = None  # shorter than the shortest repeat: every sequence repeats L tokens
     try:
         return dataclasses.replace(defaults, **chosen)
