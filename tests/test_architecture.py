@@ -46,6 +46,7 @@ LAYERS = [
     ("multihead.positional", "the layer"),
     ("multihead.functional", "the kernel"),
     ("multihead.streamed_stats", "the kernel"),
+    ("multihead.varlen", "the kernel"),
     ("multihead.backends", "the backends"),
     ("multihead.masks", "typed masks"),
     ("multihead._", "shared helpers"),

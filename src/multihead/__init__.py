@@ -12,6 +12,7 @@ from multihead.cache import KVCache
 from multihead.functional import AttentionResult, WeightSelection, attention, explain
 from multihead.layer import MultiHeadAttention
 from multihead.streamed_stats import AttentionStats, attention_stats
+from multihead.varlen import attention_varlen
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "WeightSelection",
     "attention_stats",
     "AttentionStats",
+    "attention_varlen",
     "MultiHeadAttention",
     "KVCache",
     "masks",

@@ -7,6 +7,7 @@ spans, so a block-skipping kernel (tiled, flex) skips every block between two do
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 
 import torch
@@ -21,8 +22,10 @@ from multihead.masks._base import (
     Index,
     _moved,
     _on_cpu,
+    _positions,
     _select,
     _states,
+    device_scalar,
     host_readable,
 )
 from multihead.masks._mask import Mask
@@ -58,8 +61,10 @@ class _Documents(Mask):
                 "give one document index per key position, for each batch row",
             )
         offset = shape.k_len - shape.q_len if self.align == "bottom_right" else 0
-        host = ids if host_readable(ids) else None
-        return _BoundDocuments(_moved("documents(ids)", ids, shape.device), offset, shape, host_ids=host)
+        on_device = _moved("documents(ids)", ids, shape.device)
+        term = _aligned(on_device, offset, shape)
+        host = _aligned(ids, offset, _on_cpu(shape)) if host_readable(ids) else None
+        return _BoundDocuments(*term, shape, host=host, offset=offset)
 
     def _ids_of_bounds(self, shape: AttentionShape) -> torch.Tensor:
         """(1, j): the document of each key position, from the boundaries (checked against j where the host can
@@ -163,90 +168,195 @@ def _checked_boundaries(cu_seqlens: object) -> torch.Tensor:
 
 
 class _BoundDocuments(BoundTerm):
-    """Query row r (aligned key position p = r + offset) keeps key c when ids[b, p] == ids[b, c]. Block states
-    come from each block's range of document indices (disjoint ranges: empty; one document on both sides: full),
-    on the host from ``host_ids`` (a CPU tensor) and never from a device tensor. They are exact for documents in
-    order (packed rows); with indices out of order a block whose ranges overlap is PARTIAL even if no pair of it
-    shares a document."""
+    """Query row r keeps key c when both lie in one document, ``query_ids[b, r] == key_ids[b, c]``, and, with a
+    ``band`` (left, right), when c lies within [p - left, p + right] of the row's aligned key position
+    p = ``positions[b, r]`` (None: that side unbounded). Block states come from each block's ranges of document
+    indices and positions (disjoint document ranges or the band past the block: empty; one document on both
+    sides and the band over the whole block: full), on the host from ``host`` (CPU copies of the three tensors)
+    and never from a device tensor. They are exact for documents in order (packed rows); with indices out of
+    order a block whose ranges overlap is PARTIAL even if no pair of it shares a document."""
 
     kind = "documents"
 
-    def __init__(self, ids: torch.Tensor, offset: int, shape: AttentionShape, *, host_ids: torch.Tensor | None):
-        self.shape, self.offset = shape, offset
-        self.key_ids = ids  # (b, j) on the call's device
-        self.query_ids = _query_documents(ids, offset, shape.q_len)  # (b, i)
-        self.host_ids = host_ids
-        self._host_query_ids = None if host_ids is None else _query_documents(host_ids, offset, shape.q_len)
-        self._spans: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (low, high) per batch row
+    def __init__(
+        self,
+        key_ids: torch.Tensor,
+        query_ids: torch.Tensor,
+        positions: torch.Tensor,
+        shape: AttentionShape,
+        *,
+        band: tuple[int | None, int | None] = (None, None),
+        host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        offset: int | None = None,
+    ):
+        self.shape, self.band, self.host = shape, band, host
+        self.offset = offset  # the positions are r + offset (one alignment for every row), or None
+        self.key_ids, self.query_ids = key_ids, query_ids  # (b, j), (b, i) on the call's device
+        self.positions = positions  # (b, i): each row's aligned key position
+        self._spans: dict[tuple[str, int, int], tuple[torch.Tensor, ...]] = {}  # per batch row, kept per span
 
     def rule(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        def same_document(b, h, q, k, queries=self.query_ids, keys=self.key_ids):
-            return queries[b, q] == keys[b, k]
+        left, right = self.band
+
+        def same_document(b, h, q, k, queries=self.query_ids, keys=self.key_ids, at=self.positions):
+            keep = queries[b, q] == keys[b, k]
+            if right is not None:
+                keep = keep & (k <= at[b, q] + right)
+            return keep if left is None else keep & (k >= at[b, q] - left)
 
         return same_document
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
-        # (b, 1, rows, cols) by slicing and one comparison: no gather for torch.compile to specialise
-        queries = _select(self.query_ids[:, None, :, None], 2, rows)
-        return queries == _select(self.key_ids[:, None, None, :], 3, cols)
+        # (b, 1, rows, cols) by slicing and comparisons: no gather for torch.compile to specialise
+        keep = _select(self.query_ids[:, None, :, None], 2, rows) == _select(self.key_ids[:, None, None, :], 3, cols)
+        left, right = self.band
+        if left is None and right is None:
+            return keep
+        at = _select(self.positions[:, None, :, None], 2, rows)
+        keys = _positions(cols, self.shape.k_len, self.shape.device)[None, None, None, :]
+        if right is not None:
+            keep = keep & (keys <= at + right)
+        return keep if left is None else keep & (keys >= at - left)
+
+    def lifted(self) -> BoundTerm:
+        """The band's bounds as 0-d tensors on the call's device: every band with the same unbounded sides shares
+        one compiled kernel (:meth:`structure`), and no bound is compiled in."""
+        lifted = copy.copy(self)
+        left, right = (None if side is None else device_scalar(side, self.shape.device) for side in self.band)
+        lifted.band = (left, right)  # type: ignore[assignment]  # what the mod reads: tensors in the lifted copy
+        return lifted
+
+    def structure(self) -> tuple:
+        return self.kind, tuple(side is None for side in self.band)
 
     def signature(self) -> tuple:
-        return "documents", tuple(self.key_ids.shape), self.offset
+        return "documents", tuple(self.key_ids.shape), tuple(self.query_ids.shape), self.band
 
     def spans(self) -> tuple[bool, bool, bool]:
         return True, False, True
 
-    def _span(self, side: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The lowest and highest document index of positions start .. stop - 1 on one side, per batch row
-        (CPU tensors), kept for the next block of the same span."""
+    def _span(self, side: str, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """Per batch row, on the host: for query rows start .. stop - 1 (``side`` "rows") the lowest and highest
+        document and aligned position, for keys (``side`` "cols") the lowest and highest document."""
         key = (side, start, stop)
         if key not in self._spans:
-            assert self.host_ids is not None and self._host_query_ids is not None
-            ids = (self._host_query_ids if side == "rows" else self.host_ids)[:, start:stop]
-            self._spans[key] = (ids.amin(-1), ids.amax(-1))
+            assert self.host is not None
+            key_ids, query_ids, positions = self.host
+            if side == "rows":
+                ids, at = query_ids[:, start:stop], positions[:, start:stop]
+                self._spans[key] = (ids.amin(-1), ids.amax(-1), at.amin(-1), at.amax(-1))
+            else:
+                ids = key_ids[:, start:stop]
+                self._spans[key] = (ids.amin(-1), ids.amax(-1))
         return self._spans[key]
 
     def span_state(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> BlockState:
-        if self.host_ids is None or row_stop <= row_start or col_stop <= col_start:
+        if self.host is None or row_stop <= row_start or col_stop <= col_start:
             return BlockState.PARTIAL
-        row_low, row_high = self._span("rows", row_start, row_stop)
-        col_low, col_high = self._span("cols", col_start, col_stop)
-        if bool(((row_high < col_low) | (row_low > col_high)).all()):
-            return BlockState.EMPTY  # no batch row shares a document across the block
-        one = (row_low == row_high) & (col_low == col_high) & (row_low == col_low)
-        return BlockState.FULL if bool(one.all()) else BlockState.PARTIAL
+        query_low, query_high, at_low, at_high = self._span("rows", row_start, row_stop)
+        key_low, key_high = self._span("cols", col_start, col_stop)
+        empty, full = _classified(
+            query_low, query_high, at_low, at_high, key_low, key_high, col_start, col_stop - 1, self.band
+        )
+        return BlockState.EMPTY if bool(empty.all()) else BlockState.FULL if bool(full.all()) else BlockState.PARTIAL
 
     def surely_full(self, row_start: int, row_stop: int, col_start: int, col_stop: int) -> bool:
-        if self.host_ids is None:
+        if self.host is None:
             return False
         return self.span_state(row_start, row_stop, col_start, col_stop) is BlockState.FULL
 
     def may_empty_rows(self) -> bool:
-        # a row with an aligned key position shares its document with that key: only rows without one are empty
-        return self.offset < 0 or self.shape.q_len + self.offset > self.shape.k_len
+        # a row whose aligned position is a key shares its document with it: only rows without one are empty
+        if self.offset is not None:  # rows offset .. i - 1 + offset: known without a value
+            return self.offset < 0 or self.shape.q_len + self.offset > self.shape.k_len
+        if self.host is None:
+            return True
+        return bool(((self.host[2] < 0) | (self.host[2] >= self.shape.k_len)).any())
 
     def host_term(self) -> BoundTerm | None:
-        if self.host_ids is None:
+        if self.host is None:
             return None
-        return _BoundDocuments(self.host_ids, self.offset, _on_cpu(self.shape), host_ids=self.host_ids)
+        return _BoundDocuments(*self.host, _on_cpu(self.shape), band=self.band, host=self.host, offset=self.offset)
 
     def block_states(self, grid: BlockGrid) -> torch.Tensor:
-        row_low, row_high = _block_range(self.query_ids, grid.q_blocks, grid.block_q)  # (b, q_blocks)
-        col_low, col_high = _block_range(self.key_ids, grid.k_blocks, grid.block_k)  # (b, k_blocks)
-        row_low, row_high = row_low[:, :, None], row_high[:, :, None]
-        col_low, col_high = col_low[:, None, :], col_high[:, None, :]
-        empty = ((row_high < col_low) | (row_low > col_high)).all(0)
-        full = ((row_low == row_high) & (col_low == col_high) & (row_low == col_low)).all(0)
-        return _states(empty, full)
+        query_low, query_high = _block_range(self.query_ids, grid.q_blocks, grid.block_q)  # (b, q_blocks)
+        at_low, at_high = _block_range(self.positions, grid.q_blocks, grid.block_q)
+        key_low, key_high = _block_range(self.key_ids, grid.k_blocks, grid.block_k)  # (b, k_blocks)
+        first_key, last_key = grid.cols()
+        empty, full = _classified(
+            query_low[:, :, None],
+            query_high[:, :, None],
+            at_low[:, :, None],
+            at_high[:, :, None],
+            key_low[:, None, :],
+            key_high[:, None, :],
+            first_key[None, None, :],
+            last_key[None, None, :] - 1,
+            self.band,
+        )
+        return _states(empty.all(0), full.all(0))
 
 
-def _query_documents(ids: torch.Tensor, offset: int, q_len: int) -> torch.Tensor:
-    """(b, i): the document of each query row, read at its aligned key position; :data:`_NO_DOCUMENT` where that
-    position is not a key."""
-    positions = torch.arange(q_len, device=ids.device) + offset
+class _BoundRaggedDocuments(_BoundDocuments):
+    """Documents in order on both sides, each with its own alignment (varlen): a row is empty when its band
+    leaves no key of its document's span, [first_key, last_key] per row (``key_span``, on the host)."""
+
+    def __init__(self, *args, key_span: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.key_span = key_span  # (b, i) each row's document's first and last key, on the host
+
+    def host_term(self) -> BoundTerm | None:
+        if self.host is None:
+            return None
+        term = _BoundRaggedDocuments(*self.host, _on_cpu(self.shape), band=self.band, host=self.host)
+        term.key_span = self.key_span
+        return term
+
+    def may_empty_rows(self) -> bool:
+        if self.host is None or self.key_span is None:
+            return True
+        low, high = self.key_span
+        left, right = self.band
+        positions = self.host[2]
+        if left is not None:
+            low = torch.maximum(low, positions - left)
+        if right is not None:
+            high = torch.minimum(high, positions + right)
+        return bool((low > high).any())
+
+
+def _classified(
+    query_low: torch.Tensor,
+    query_high: torch.Tensor,
+    at_low: torch.Tensor,
+    at_high: torch.Tensor,
+    key_low: torch.Tensor,
+    key_high: torch.Tensor,
+    first_key: int | torch.Tensor,
+    last_key: int | torch.Tensor,
+    band: tuple[int | None, int | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether a block of query rows (their documents and aligned positions from low to high) and keys
+    first_key .. last_key (their documents from low to high) keeps no pair (empty) or every pair (full), per batch
+    row (broadcast)."""
+    left, right = band
+    empty = (query_high < key_low) | (query_low > key_high)
+    full = (query_low == query_high) & (key_low == key_high) & (query_low == key_low)
+    if right is not None:
+        empty, full = empty | (first_key > at_high + right), full & (last_key <= at_low + right)
+    if left is not None:
+        empty, full = empty | (last_key < at_low - left), full & (first_key >= at_high - left)
+    return empty, full
+
+
+def _aligned(ids: torch.Tensor, offset: int, shape: AttentionShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key_ids, query_ids, positions) of one alignment: row r at key position r + offset, and the document read
+    there (:data:`_NO_DOCUMENT` where that position is not a key); each (b, i) a view or built by ops on ids'
+    device."""
+    positions = (torch.arange(shape.q_len, device=ids.device) + offset)[None, :].expand(ids.shape[0], shape.q_len)
     inside = (positions >= 0) & (positions < ids.shape[1])
-    read = ids[:, positions.clamp(0, max(ids.shape[1] - 1, 0))] if ids.shape[1] else ids.new_zeros(ids.shape[0], q_len)
-    return torch.where(inside, read, torch.full_like(read, _NO_DOCUMENT))
+    read = ids.gather(1, positions.clamp(0, max(ids.shape[1] - 1, 0))) if ids.shape[1] else torch.zeros_like(positions)
+    return ids, torch.where(inside, read, torch.full_like(read, _NO_DOCUMENT)), positions
 
 
 def _block_range(ids: torch.Tensor, blocks: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,3 +367,55 @@ def _block_range(ids: torch.Tensor, blocks: int, block: int) -> tuple[torch.Tens
         ids = torch.cat([ids, ids[:, -1:].expand(ids.shape[0], padding)], dim=1)
     tiles = ids.reshape(ids.shape[0], blocks, block)
     return tiles.amin(-1), tiles.amax(-1)
+
+
+class _RaggedDocuments(Mask):
+    """Packed documents of their own lengths on each side (FlashAttention's varlen): queries cu_q[n] .. cu_q[n+1]
+    - 1 and keys cu_k[n] .. cu_k[n+1] - 1 form document n, aligned bottom-right within it (its last query at its
+    last key), with a ``band`` (left, right) around each query's aligned key position: (None, 0) is causal within
+    every document. Built by :func:`multihead.attention_varlen` (one packed row: batch 1)."""
+
+    kind = "documents"
+
+    def __init__(self, cu_q: torch.Tensor, cu_k: torch.Tensor, band: tuple[int | None, int | None]):
+        self.cu_q, self.cu_k, self.band = cu_q, cu_k, band
+
+    def __repr__(self) -> str:
+        return f"ragged_documents({self.cu_q.numel() - 1} documents, band={self.band})"
+
+    def _bind(self, shape: AttentionShape) -> BoundTerm:
+        on_device = _ragged(
+            _moved("cu_seqlens_q", self.cu_q, shape.device), _moved("cu_seqlens_k", self.cu_k, shape.device), shape
+        )
+        host = None
+        if host_readable(self.cu_q) and host_readable(self.cu_k):
+            host = _ragged(self.cu_q.cpu(), self.cu_k.cpu(), _on_cpu(shape))
+        key_ids, query_ids, positions = on_device[:3]
+        return _BoundRaggedDocuments(
+            key_ids,
+            query_ids,
+            positions,
+            shape,
+            band=self.band,
+            host=None if host is None else (host[0], host[1], host[2]),
+            key_span=None if host is None else (host[3], host[4]),
+        )
+
+
+def ragged_documents(cu_q: torch.Tensor, cu_k: torch.Tensor, band: tuple[int | None, int | None]) -> Mask:
+    """The mask of :func:`multihead.attention_varlen`: see :class:`_RaggedDocuments` (boundaries checked by the
+    caller)."""
+    return _RaggedDocuments(cu_q, cu_k, band)
+
+
+def _ragged(cu_q: torch.Tensor, cu_k: torch.Tensor, shape: AttentionShape) -> tuple[torch.Tensor, ...]:
+    """(key_ids (1, j), query_ids (1, i), positions (1, i), first_key (1, i), last_key (1, i)) by ops on the
+    boundaries' device: query row t of document n sits at key position t + cu_k[n + 1] - cu_q[n + 1]."""
+    documents = cu_q.numel() - 1
+    rows = torch.arange(shape.q_len, device=cu_q.device)
+    keys = torch.arange(shape.k_len, device=cu_q.device)
+    query_ids = torch.bucketize(rows, cu_q[1:], right=True).clamp(max=documents - 1)
+    key_ids = torch.bucketize(keys, cu_k[1:], right=True)
+    positions = rows + cu_k[1:][query_ids] - cu_q[1:][query_ids]
+    first_key, last_key = cu_k[:-1][query_ids], cu_k[1:][query_ids] - 1
+    return tuple(t[None, :] for t in (key_ids, query_ids, positions, first_key, last_key))
