@@ -201,11 +201,12 @@ def left_padding() -> torch.Tensor:
 PACKED_POSITIONS = torch.tensor([[0, 1, 0, 1, 2]] * 2)
 
 
-def packed_sequence_mask_function() -> tuple[Callable, bool]:
-    """(mask function, use_vmap) a causal model hands the mask interface for packed sequences, taken from a call.
+def packed_call(name: str = "llama", positions: torch.Tensor = PACKED_POSITIONS) -> dict:
+    """The arguments a causal model hands the mask interface for packed sequences, taken from a call.
 
-    transformers has no public builder for it (its helpers were renamed and rewired between releases), so it is
-    recorded where a model makes it: a tiny Llama on "multihead" given PACKED_POSITIONS and no attention mask.
+    transformers has no public builder for its mask function (its helpers were renamed and rewired between
+    releases), so it is recorded where a model makes it: a tiny model on "multihead" given ``positions`` and no
+    attention mask.
     """
     calls = []
 
@@ -213,19 +214,24 @@ def packed_sequence_mask_function() -> tuple[Callable, bool]:
         calls.append(kwargs)
         return typed_mask(*args, **kwargs)
 
-    model = build_one_stack("llama").eval()
+    model = build_one_stack(name).eval()
     model.set_attn_implementation(integration.IMPLEMENTATION)
-    ids = torch.randint(3, VOCAB, PACKED_POSITIONS.shape, generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, VOCAB, positions.shape, generator=torch.Generator().manual_seed(3))
     transformers.AttentionMaskInterface.register(integration.IMPLEMENTATION, recording)
     try:
         with torch.no_grad():
-            model(input_ids=ids, position_ids=PACKED_POSITIONS, use_cache=False)
+            model(input_ids=ids, position_ids=positions, use_cache=False)
     finally:
         transformers.AttentionMaskInterface.register(integration.IMPLEMENTATION, typed_mask)
     assert calls, "the model never asked the mask interface for a mask"
-    function = calls[0]["mask_function"]
-    assert function is not hf.causal_mask_function, "transformers did not see packed sequences"
-    return function, bool(calls[0].get("use_vmap", False))
+    assert calls[0]["mask_function"] is not hf.causal_mask_function, "transformers did not see packed sequences"
+    return calls[0]
+
+
+def packed_sequence_mask_function() -> tuple[Callable, bool]:
+    """(mask function, use_vmap) of a packed call, passed on without the model's config."""
+    call = packed_call()
+    return call["mask_function"], bool(call.get("use_vmap", False))
 
 
 # name -> (mask function, use_vmap), built when the test runs; use_vmap as transformers' create_* functions set it
@@ -235,7 +241,7 @@ UNRECOGNISED: dict[str, Callable[[], tuple[Callable, bool]]] = {
     "chunked": lambda: (internal("chunked_causal_mask_function")(2, torch.zeros(2, dtype=torch.long)), False),
     "a lambda": lambda: (lambda b, h, q, kv: kv <= q, True),
     "and_masks with a lambda": lambda: (hf.and_masks(hf.causal_mask_function, lambda b, h, q, kv: kv != 1), True),
-    "packed sequences": packed_sequence_mask_function,
+    "packed sequences without a config": packed_sequence_mask_function,
     "blockwise": lambda: (
         internal("or_masks")(
             hf.causal_mask_function, internal("blockwise_overlay")(torch.tensor([[0, 0, -1, 1, 1]] * 2))
@@ -286,6 +292,53 @@ def test_what_cannot_be_said_with_certainty_falls_back(change):
         return
     ours = typed_mask(**arguments)
     assert isinstance(ours, torch.Tensor) and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])  # causal, and Mistral's sliding window (3)
+@pytest.mark.parametrize("padded", [False, True], ids=["alone", "padded"])
+def test_packed_sequences_are_documents_and_the_band(name, padded):
+    call = packed_call(name, torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2, 3]] * 2))
+    if padded:
+        call["attention_mask"] = torch.tensor([[True] * 10, [False] * 2 + [True] * 8])
+    ours, theirs = typed_mask(**call), hf.sdpa_mask(**call)
+    assert isinstance(ours, TransformersMask)
+    kinds = set(bind_mask(ours, False, AttentionShape(2, 1, 10, 10, torch.device("cpu"))).kinds())
+    assert kinds == {"documents", "diagonal"} | ({"padding"} if padded else set())
+    assert torch.equal(ours.dense(), theirs.expand(2, 1, 10, 10))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"config": None},  # who asks is unknown: a model that edits the tensor looks the same
+        {"model_type": "falcon"},  # asks for a tensor to add ALiBi to it
+        {"ids": torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2, 2, 2]] * 2)},  # documents that do not follow the positions
+    ],
+    ids=["no config", "falcon", "other documents"],
+)
+def test_packed_calls_that_cannot_be_said_with_certainty_stay_dense(change):
+    call = packed_call("llama", torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2, 3]] * 2))
+    if "config" in change:
+        del call["config"]
+    if "model_type" in change:
+        call["config"] = copy.copy(call["config"])
+        call["config"].model_type = change["model_type"]
+    if "ids" in change:  # the same closures, over other documents
+        parts = [
+            internal("packed_sequence_mask_function")(change["ids"])
+            if part.__qualname__.startswith("packed_sequence_mask_function")
+            else part
+            for part in integration_parts(call["mask_function"])
+        ]
+        call["mask_function"] = hf.and_masks(*parts)
+    ours = typed_mask(**call)
+    assert isinstance(ours, torch.Tensor) and torch.equal(ours, hf.sdpa_mask(**call))
+
+
+def integration_parts(function: Callable) -> tuple:
+    """The functions an and_masks closure combines."""
+    cells = dict(zip(function.__code__.co_freevars, (c.cell_contents for c in function.__closure__), strict=True))
+    return cells["mask_functions"]
 
 
 def test_kernel_mask_keeps_the_first_keys():
@@ -390,9 +443,9 @@ def test_models_match_transformers_while_the_kernel_gets_typed_masks(name, paddi
     torch.testing.assert_close(got[real], expected[real], atol=1e-10, rtol=1e-10)
 
 
-def test_packed_sequences_match_transformers_on_sdpa_masks_tensor(monkeypatch):
-    """Packed sequences (position ids that restart, no attention mask) are left to sdpa_mask: the kernel gets its
-    tensor, each sequence sees only itself, and the logits equal transformers' own."""
+def test_packed_sequences_match_transformers_with_a_documents_mask(monkeypatch):
+    """Packed sequences (position ids that restart, no attention mask) reach the kernel as documents & causal, not
+    a tensor: each sequence sees only itself, and the logits equal transformers' own."""
     theirs, ours = pair("llama")
     packed = {
         "input_ids": torch.randint(3, VOCAB, PACKED_POSITIONS.shape, generator=torch.Generator().manual_seed(4)),
@@ -402,7 +455,8 @@ def test_packed_sequences_match_transformers_on_sdpa_masks_tensor(monkeypatch):
     calls = kernel_masks(monkeypatch)
     with torch.no_grad():
         expected, got = output(theirs, packed), output(ours, packed)
-        assert calls and all(mask_type is torch.Tensor for mask_type, _ in calls)
+        assert calls and all(mask_type is TransformersMask for mask_type, _ in calls)
+        assert all(set(kinds) == {"documents", "diagonal"} for _, kinds in calls)
         unpacked = output(ours, {"input_ids": packed["input_ids"], "use_cache": False})
     torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
     # the second sequence's first token sees only itself: not what one causal sequence of 5 gives

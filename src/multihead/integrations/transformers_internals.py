@@ -31,6 +31,7 @@ from collections.abc import Callable
 from types import CodeType
 from typing import Any, NamedTuple
 
+import torch
 import transformers
 from transformers import masking_utils
 
@@ -38,6 +39,7 @@ from multihead.integrations.transformers_versions import TRANSFORMERS_TESTED, Un
 
 __all__ = [
     "AND_MASKS",
+    "PACKED",
     "SLIDING_WINDOW",
     "SLIDING_WINDOW_BIDIRECTIONAL",
     "AttentionInterface",
@@ -147,6 +149,35 @@ def check() -> tuple[Closure, Closure, Closure]:
 
 # the closures transformers_masks reads, checked with everything else the integration imports
 AND_MASKS, SLIDING_WINDOW, SLIDING_WINDOW_BIDIRECTIONAL = check()
+
+
+def _packed_closures() -> tuple[Closure, Closure] | None:
+    """The closures transformers builds for packed sequences (position ids that restart, no attention mask):
+    ``packed_sequence_mask_function(ids)`` (same document) and ``remap_positions_for_packed_sequence(fn,
+    position_ids)`` (a mask function read at each token's position in its document). Optional: a transformers
+    without them, or with them built otherwise, gives None, and packed sequences go to ``sdpa_mask``'s tensor."""
+    module: Any = masking_utils
+    same, remap = (
+        getattr(module, name, None) for name in ("packed_sequence_mask_function", "remap_positions_for_packed_sequence")
+    )
+    if not (callable(same) and callable(remap)):
+        return None
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    try:
+        return (
+            _closure("packed_sequence_mask_function", same(ids), "inner_mask", "packed_sequence_mask"),
+            _closure(
+                "remap_positions_for_packed_sequence",
+                remap(module.causal_mask_function, ids),
+                "inner_mask",
+                "position_ids",
+            ),
+        )
+    except UnsupportedTransformersError:
+        return None
+
+
+PACKED = _packed_closures()  # (same document, remapped positions), or None
 
 from transformers import AttentionInterface, AttentionMaskInterface  # noqa: E402 - once check() found them
 from transformers.masking_utils import (  # noqa: E402 - only once check() has said every name is there

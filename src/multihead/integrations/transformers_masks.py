@@ -12,13 +12,23 @@ the same mask as a typed :class:`multihead.masks.Mask` where it recognises the p
     bidirectional_mask_function                        no term (full attention)
     sliding_window_bidirectional_mask_function(w)      window(w, w, align)
     the 2-D padding attention_mask                     & padding(valid): its columns kv_offset ... kv_offset + j - 1
+    packed sequences: and_masks(remap_positions_for_packed_sequence(f, position_ids),
+                                packed_sequence_mask_function(ids))    documents(ids) & f's band (f as above)
 
 ``align`` follows the offsets: relative position ``d = q_offset - kv_offset`` of the first query is
 ``j - i`` ("bottom_right", a KV cache) or 0 ("top_left", e.g. a static cache's prefill); no other d can be said
 with a typed diagonal. The kernel then never builds an i x j mask, and blocked kernels skip empty blocks.
 
+Packed sequences (position ids that restart, no attention mask) come as a band read at each token's position in
+its document, and-ed with "same document": within a document, positions run on by one, so the band over positions
+is the band over indices, and the pair is ``documents(ids)`` with the band. transformers turns the causal skip off
+for them; so does a model that edits the tensor it asks for (Falcon adds ALiBi to it), which the arguments do not
+tell apart: packed calls of those models (:data:`EDITS_THE_MASK`, by the config's ``model_type``), or with no
+config, stay dense. On the host the documents are checked against the position ids (boundaries where a position
+does not follow the last); ids on a device are taken as transformers builds them, from those position ids.
+
 Everything else goes to transformers' ``sdpa_mask`` with the same arguments, giving the dense bool tensor we
-used before, so the result is never wrong: ``or_masks``, chunked or blockwise attention, packed sequences,
+used before, so the result is never wrong: ``or_masks``, chunked or blockwise attention,
 custom mask functions (``use_vmap=True``), a padding mask that is not a 2-D bool tensor of the batch's rows,
 offsets that are tensors (static caches under compile), other offset relations — and every call whose caller
 allows no skip (``allow_is_causal_skip`` and ``allow_is_bidirectional_skip`` both False): such a model goes on
@@ -38,15 +48,20 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead.integrations.transformers_internals import (  # transformers' internals: imported there, checked
     AND_MASKS,
+    PACKED,
     SLIDING_WINDOW,
     SLIDING_WINDOW_BIDIRECTIONAL,
     bidirectional_mask_function,
     causal_mask_function,
     sdpa_mask,
 )
-from multihead.masks import AttentionShape, Mask, causal, padding, window
+from multihead.masks import AttentionShape, Mask, causal, documents, host_readable, padding, window
 
-__all__ = ["TransformersMask", "typed_mask", "kernel_mask"]
+__all__ = ["TransformersMask", "typed_mask", "kernel_mask", "EDITS_THE_MASK"]
+
+# Models whose code asks create_causal_mask for a tensor (allow_is_causal_skip=False) and edits it (transformers
+# 5.24): their packed calls look like any model's, so they stay dense
+EDITS_THE_MASK = ("falcon", "doge", "dots3_note", "diffusion_gemma", "mistral_large4")
 
 # The band of relative positions r = (kv_idx + kv_offset) - (q_idx + q_offset) a mask function allows:
 # -left <= r <= right, None = unbounded on that side
@@ -145,6 +160,42 @@ def _band(fn: object, depth: int = 0) -> Band | None:
     return None
 
 
+def _packed(fn: object) -> tuple[Band, torch.Tensor, torch.Tensor] | None:
+    """(band, ids, position_ids) of transformers' packed-sequence mask function, or None when ``fn`` is not one
+    whose parts are all recognised (see the module docstring)."""
+    if PACKED is None or not AND_MASKS.built(fn):
+        return None
+    parts = (_cells(fn) or {}).get(AND_MASKS.variable) if callable(fn) else None
+    if not isinstance(parts, tuple):
+        return None
+    same_document, remapped = PACKED
+    ids = positions = band = None
+    for part in parts:
+        cells = _cells(part) or {}
+        if same_document.built(part):
+            ids = cells.get(same_document.variable)
+        elif remapped.built(part):
+            positions, band = cells.get(remapped.variable), _band(cells.get("mask_function"))
+        else:
+            return None
+    if not (isinstance(ids, torch.Tensor) and isinstance(positions, torch.Tensor) and band is not None):
+        return None
+    return band, ids, positions
+
+
+def _follows_positions(ids: torch.Tensor, positions: torch.Tensor) -> bool:
+    """Whether ``ids`` change exactly where ``positions`` do not run on by one (checked on the host; a device
+    tensor is not read, and transformers builds the ids from the positions)."""
+    if not (host_readable(ids) and host_readable(positions)) or torch.compiler.is_compiling():
+        return True
+    try:
+        starts = torch.diff(positions, dim=-1) != 1
+        changes = torch.diff(ids, dim=-1) != 0
+        return bool((starts == changes).all())
+    except RuntimeError:  # shapes that do not broadcast: not the pair transformers builds
+        return False
+
+
 def typed_mask(
     batch_size: int,
     q_length: int,
@@ -191,15 +242,33 @@ def typed_mask(
 
     if isinstance(attention_mask, TransformersMask):
         return attention_mask  # already prepared (by generate, for a static cache): as transformers returns a 4-D one
-    if not (allow_is_causal_skip or allow_is_bidirectional_skip):
-        return dense()  # the caller wants a tensor to work on
     sizes = (batch_size, q_length, kv_length, q_offset, kv_offset)
     if not all(_whole(size) for size in sizes) or q_offset < 0 or kv_offset < 0:
         return dense()  # tensor or symbolic offsets (static caches, tracing), or positions before the first
-    band = _band(mask_function)
-    if band is None:
-        return dense()
     parts: list[Mask] = []
+    packed = _packed(mask_function)
+    if packed is not None:  # transformers turns the skip off for packed sequences: see the module docstring
+        band, ids, positions = packed
+        config = kwargs.get("config")
+        if (
+            config is None
+            or getattr(config, "model_type", None) in EDITS_THE_MASK
+            or (q_offset, kv_offset) != (0, 0)
+            or q_length != kv_length
+            or ids.ndim != 2
+            or ids.shape[1] != kv_length
+            or ids.shape[0] not in (1, batch_size)
+            or not _follows_positions(ids, positions)
+        ):
+            return dense()
+        parts.append(documents(ids.expand(batch_size, kv_length).to(device)))
+    elif not (allow_is_causal_skip or allow_is_bidirectional_skip):
+        return dense()  # the caller wants a tensor to work on
+    else:
+        recognised = _band(mask_function)
+        if recognised is None:
+            return dense()
+        band = recognised
     if band != (None, None):
         # aligned query position p = q_idx + d: the band keeps keys p - left ... p + right
         distance = q_offset - kv_offset
