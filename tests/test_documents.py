@@ -139,3 +139,71 @@ def test_documents_that_do_not_fit_the_call_are_named(mask, b, fragment):
     with pytest.raises(ValueError) as raised:
         attention(q, k, v, mask=mask)
     assert is_input_error(raised.value, ValueError) and fragment in str(raised.value)
+
+
+def test_document_positions_restart_at_each_document_without_a_host_read():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2], [7, 7, 7, 7, 7, 7]])
+    assert masks.document_positions(ids).tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]
+    with FakeTensorMode():  # ops only: a read of the values would raise
+        assert masks.document_positions(torch.randint(0, 3, (2, 9)).sort(-1).values).shape == (2, 9)
+
+
+@pytest.mark.parametrize("rotary", [True, False], ids=["rotary", "plain"])
+def test_the_layer_on_a_packed_row_equals_each_document_alone(rotary, device):
+    from multihead import MultiHeadAttention
+
+    layer = MultiHeadAttention(24, 6, num_kv_heads=2, rotary=rotary, dtype=torch.float64, device=device)
+    lengths = [4, 1, 6]
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None].to(device)
+    x = torch.randn(1, 11, 24, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(device)
+    positions = masks.document_positions(ids) if rotary else None
+    packed, _ = layer(x, mask=masks.documents(ids), causal=True, positions=positions)
+    start = 0
+    for length in lengths:
+        alone, _ = layer(x[:, start : start + length], causal=True)
+        torch.testing.assert_close(packed[:, start : start + length], alone, atol=1e-12, rtol=0)
+        start += length
+
+
+@pytest.mark.parametrize("positions", ["rotary", "learned"])
+def test_a_decoder_trains_on_packed_documents_as_on_each_alone(positions, device):
+    from multihead.models.decoder import Decoder, DecoderConfig
+
+    torch.manual_seed(0)
+    config = DecoderConfig(vocab_size=30, max_positions=8, hidden=32, heads=4, kv_heads=2, mlp=48, positions=positions)
+    model = Decoder(config).to(device=device, dtype=torch.float64)
+    lengths = [5, 1, 8]  # each within the 8 learned positions, the row of 14 past them
+    tokens = torch.randint(0, 30, (1, 14), generator=torch.Generator().manual_seed(1)).to(device)
+    documents = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None].to(device)
+    packed = model(tokens, document_ids=documents)
+    packed.sum().backward()
+    packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    start, total = 0, 0.0
+    for length in lengths:
+        alone = model(tokens[:, start : start + length])
+        torch.testing.assert_close(packed[:, start : start + length], alone, atol=1e-12, rtol=0)
+        total = total + alone.sum()
+        start += length
+    total.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, atol=1e-10, rtol=0, msg=name)
+
+
+def test_packed_decoder_arguments_are_named():
+    from multihead.models.decoder import Decoder, DecoderConfig
+    from multihead.positional import LearnedPositions
+
+    model = Decoder(DecoderConfig(vocab_size=30, max_positions=8, hidden=32, heads=4, mlp=None))
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError) as raised:
+        model(tokens, document_ids=torch.zeros(1, 4, dtype=torch.long), cache=model.new_cache(1))
+    assert is_input_error(raised.value, ValueError) and "document_ids: expected no cache beside it" in str(raised.value)
+    with pytest.raises(ValueError) as raised:
+        model(tokens, document_ids=torch.zeros(1, 5, dtype=torch.long))
+    assert "document_ids: expected a tensor of input_ids' shape (1, 4)" in str(raised.value)
+    with pytest.raises(ValueError) as raised:
+        LearnedPositions(4, 6)(torch.zeros(1, 3, 6), positions=torch.tensor([0, 1, 4]))
+    assert is_input_error(raised.value, ValueError) and "positions: expected positions in [0, 4)" in str(raised.value)

@@ -563,18 +563,42 @@ class LearnedPositions(nn.Module):
     def extra_repr(self) -> str:
         return f"max_len={self.max_len}, dim={self.dim}"
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """x + weight[offset : offset + n], in x's dtype.
+    def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x + weight[offset : offset + n], or x + weight[positions], in x's dtype.
 
         Args:
             x: (b, n, dim), or unbatched (n, dim).
             offset: the position of the first row (tokens already seen, for incremental decoding).
+            positions: instead of an offset, each token's own position: (b, n) or (n,) int (packed documents:
+                :func:`multihead.masks.document_positions`); each below max_len (checked where the host can read
+                them).
 
         Returns:
-            the shape and dtype of x. Gradients reach only rows offset .. offset + n - 1 of weight.
+            the shape and dtype of x. Gradients reach only the rows of weight read.
         """
         _check_tensor("x", x, "(b, n, dim), or unbatched (n, dim)", (2, 3), self.dim, "dim")
-        offset = _check_offset("offset", offset)
         n = x.shape[-2]
+        if positions is not None:
+            if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.shape[-1] != n:
+                raise bad_argument(
+                    "positions",
+                    f"an int tensor (b, {n}) or ({n},), a position per token",
+                    describe(positions),
+                    "pass masks.document_positions(ids) or torch.arange(n)",
+                    kind=TypeError,
+                )
+            if (
+                positions.device.type == "cpu"
+                and positions.numel()
+                and not 0 <= int(positions.min()) <= int(positions.max()) < self.max_len
+            ):
+                raise bad_argument(
+                    "positions",
+                    f"positions in [0, {self.max_len}) (the table's rows)",
+                    f"[{int(positions.min())}, {int(positions.max())}]",
+                    "use positions below max_len",
+                )
+            return (x + self.weight[positions.long()]).to(x.dtype)  # weight rows (.., n, dim)
+        offset = _check_offset("offset", offset)
         _check_length("x", n, offset, self.max_len, "LearnedPositions")
         return (x + self.weight[offset : offset + n]).to(x.dtype)  # weight rows (n, dim)

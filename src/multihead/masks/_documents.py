@@ -147,6 +147,23 @@ def _integer_tensor(name: str, values: object, ndim: int, expected: str) -> torc
     return values.long()
 
 
+def document_positions(ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at every document of packed rows: ``ids`` (b, n) document indices, each document one
+    run of positions -> (b, n) int64, 0 at each document's first token (a new run starts wherever the index
+    changes). Built by ops on ids' device, no value read: rotary or learned positions per document.
+
+    Example:
+        >>> document_positions(torch.tensor([[0, 0, 0, 1, 1, 2]]))
+        tensor([[0, 1, 2, 0, 1, 0]])
+    """
+    ids = _integer_tensor("document_positions(ids)", ids, 2, "a (b, n) integer tensor of document indices")
+    index = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # each run's first index
+    return index - first
+
+
 def _checked_boundaries(cu_seqlens: object) -> torch.Tensor:
     """FlashAttention's cumulative lengths as an int64 tensor, checked where the host can read them."""
     bounds = _integer_tensor(

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from multihead import masks
 from multihead._errors import InputError, bad_argument, describe, floating_dtype, positive_int
 from multihead._limits import check_fits
 from multihead._userfiles import (
@@ -46,6 +47,7 @@ from multihead._userfiles import (
 )
 from multihead.cache import KVCache
 from multihead.layer import MultiHeadAttention
+from multihead.masks import Mask
 from multihead.models.contract import evaluating
 from multihead.models.files import reading
 from multihead.positional import LearnedPositions
@@ -205,10 +207,24 @@ class DecoderBlock(nn.Module):
             self.mlp_out = nn.Linear(width, config.hidden)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        mask: Mask | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x (b, n, hidden) -> (b, n, hidden); with ``cache`` the new keys are appended and attended with the
-        cached ones."""
-        attended, _ = self.attention(self.attention_norm(x), causal=True, cache=cache)
+        cached ones. ``mask`` is and-ed with causal (packed documents); ``positions`` (b, n) are the rotary
+        positions (default: in order)."""
+        attended, _ = self.attention(
+            self.attention_norm(x),
+            causal=True,
+            cache=cache,
+            mask=mask,
+            positions=positions if self.attention.rotary is not None else None,
+        )
         return self.feed_forward(x + self.dropout(attended))
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -355,28 +371,37 @@ class Decoder(nn.Module):
     def _check_ids(self, name: str, ids: object) -> torch.Tensor:
         return _check_ids(name, ids, self.config.vocab_size, self.token_embeddings.weight.device)
 
-    def forward(self, input_ids: torch.Tensor, *, cache: DecoderCache | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, *, cache: DecoderCache | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Next-token logits.
 
         Args:
             input_ids: (b, n) token ids; with ``cache``, the n tokens after the ``cache.seen`` already there.
             cache: a :class:`DecoderCache` from :meth:`new_cache`: the tokens' keys are appended in every
                 layer and each attends to the cached ones too (positions continue from ``cache.seen``).
+            document_ids: (b, n) packed documents (each one run of equal indices): a token attends only to its
+                own document, and positions restart at each (:func:`multihead.masks.document_positions`), so
+                every document gives the logits it would alone. Not with a cache.
 
         Returns:
             (b, n, vocab_size) logits; position t predicts the token after input_ids[:, t].
         """
-        x = self.hidden_states(input_ids, cache=cache)  # (b, n, hidden)
+        x = self.hidden_states(input_ids, cache=cache, document_ids=document_ids)  # (b, n, hidden)
         weight = self.token_embeddings.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight)  # (b, n, vocab)
 
-    def hidden_states(self, input_ids: torch.Tensor, *, cache: DecoderCache | None = None) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, *, cache: DecoderCache | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The final LayerNorm's output, which the LM head reads: (b, n) ids -> (b, n, hidden) (arguments as
         :meth:`forward`)."""
         ids = self._check_ids("input_ids", input_ids)
         b, n = ids.shape
         offset = cache_offset(cache, len(self.blocks), b, n)
-        if self.positions is not None and offset + n > self.config.max_positions:
+        mask, positions = self._packed(document_ids, ids, cache)
+        # packed documents: each document's own positions count, checked by the table (on the host)
+        if self.positions is not None and positions is None and offset + n > self.config.max_positions:
             raise bad_argument(
                 "input_ids",
                 f"at most max_positions = {self.config.max_positions} positions in all (learned positions)",
@@ -385,11 +410,34 @@ class Decoder(nn.Module):
             )
         x = self.token_embeddings(ids)  # (b, n, hidden)
         if self.positions is not None:
-            x = self.positions(x, offset)
+            x = self.positions(x, offset, positions)
         x = self.dropout(x)
         for index, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache.layers[index])
+            x = block(x, None if cache is None else cache.layers[index], mask=mask, positions=positions)
         return self.final_norm(x)
+
+    def _packed(
+        self, document_ids: object, ids: torch.Tensor, cache: DecoderCache | None
+    ) -> tuple[Mask | None, torch.Tensor | None]:
+        """The documents mask and the positions that restart at each document, or (None, None) unpacked."""
+        if document_ids is None:
+            return None, None
+        if cache is not None:
+            raise bad_argument(
+                "document_ids",
+                "no cache beside it (packed documents are a training or scoring call)",
+                "a cache",
+                "drop cache=, or document_ids= and decode each document on its own",
+            )
+        if not isinstance(document_ids, torch.Tensor) or tuple(document_ids.shape) != tuple(ids.shape):
+            raise bad_argument(
+                "document_ids",
+                f"a tensor of input_ids' shape {tuple(ids.shape)}",
+                describe(document_ids),
+                "give one document index per token",
+            )
+        document_ids = document_ids.to(ids.device)
+        return masks.documents(document_ids), masks.document_positions(document_ids)
 
     # ------------------------------------------------------------------------------ generation
 
