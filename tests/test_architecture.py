@@ -43,6 +43,7 @@ LAYERS = [
     ("multihead.capture", "the layer"),
     ("multihead.heads", "the layer"),
     ("multihead.cache", "the layer"),
+    ("multihead.paged", "the layer"),
     ("multihead.positional", "the layer"),
     ("multihead.functional", "the kernel"),
     ("multihead.streamed_stats", "the kernel"),

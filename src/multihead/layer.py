@@ -27,10 +27,11 @@ from multihead._limits import check_fits
 from multihead._symbolic import surely
 from multihead.attend import Attend
 from multihead.backends import registry
-from multihead.cache import KVCache
+from multihead.cache import KVCache, PendingAppend
 from multihead.functional import autocast_on
 from multihead.heads import HeadAblation, check_gate, make_ablation, prune_layer
 from multihead.masks import Mask, as_mask, window
+from multihead.paged import PagedBatch, PagedKVCache, PagedPending
 from multihead.positional import RotaryEmbedding
 
 
@@ -355,6 +356,21 @@ class MultiHeadAttention(nn.Module):
             module.out_proj.load_state_dict(self.out_proj.state_dict())
         return module
 
+    def new_paged_cache(self, num_pages: int, page_size: int = 16, *, window: int | None = None) -> PagedKVCache:
+        """A :class:`~multihead.paged.PagedKVCache` for this layer: a pool of ``num_pages`` pages of
+        ``page_size`` keys, (num_pages, g, page_size, d) keys and (num_pages, g, page_size, e) values."""
+        weight = self.k_proj.weight
+        return PagedKVCache(
+            num_pages,
+            page_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.value_head_dim,
+            window=window,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
     def new_cache(self, batch_size: int, max_len: int, *, window: int | None = None) -> KVCache:
         """A :class:`KVCache` shaped for this layer: (b, g, max_len, d) keys, (b, g, max_len, e) values."""
         weight = self.k_proj.weight
@@ -436,7 +452,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         need_weights: bool = False,
         average_weights: bool = False,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedBatch | None = None,
         positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from ``query`` to ``key``/``value`` (or to itself).
@@ -451,7 +467,9 @@ class MultiHeadAttention(nn.Module):
             need_weights: also return the attention weights, (b, h, i, j), or (b, i, j) averaged over
                 heads with ``average_weights``. Never changes the output.
             cache: a :class:`KVCache` from :meth:`new_cache`: this call's keys/values are appended
-                and the queries attend over everything cached so far.
+                and the queries attend over everything cached so far. Or a paged cache's
+                ``batch(handles)`` (:meth:`new_paged_cache`): batch row s appends to sequence handles[s]
+                and attends over its own keys at its own length (causal, no mask, no weights).
             positions: absolute positions of the new tokens for rotary, (i,) or (b, i); default:
                 ``cache.seen + arange(i)`` with a cache, ``arange(i)`` without.
 
@@ -493,13 +511,20 @@ class MultiHeadAttention(nn.Module):
                     )
         for name, switch in (("need_weights", need_weights), ("average_weights", average_weights), ("causal", causal)):
             checked_flag(name, switch)
-        if cache is not None and not isinstance(cache, KVCache):
+        if cache is not None and not isinstance(cache, (KVCache, PagedBatch)):
             raise bad_argument(
                 "cache",
-                "a multihead.KVCache (layer.new_cache(...))",
+                "a multihead.KVCache (layer.new_cache(...)) or a paged cache's batch (paged.batch(handles))",
                 describe(cache),
-                "build one with layer.new_cache(batch_size, max_len)",
+                "build one with layer.new_cache(batch_size, max_len) or layer.new_paged_cache(num_pages, page_size)",
                 kind=TypeError,
+            )
+        if isinstance(cache, PagedBatch) and (mask is not None or need_weights):
+            raise bad_argument(
+                "mask" if mask is not None else "need_weights",
+                "no mask and no weights with a paged cache (its kernel reads causal and the cache's window)",
+                "a mask" if mask is not None else "need_weights=True",
+                "decode with causal=True alone, or use a contiguous KVCache for masks and weights",
             )
         h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         if cache is not None:
@@ -533,8 +558,10 @@ class MultiHeadAttention(nn.Module):
                 describe(positions),
                 "build the layer with rotary=True, or drop positions",
             )
-        pending = None
-        if cache is not None:
+        pending: PendingAppend | PagedPending | None = None
+        if isinstance(cache, PagedBatch):
+            pending = cache.stage(k, v)  # written where nothing counts yet; commit below
+        elif cache is not None:
             # staged, not appended: the keys count only once the whole call has succeeded (commit below),
             # so a call that raises leaves the cache exactly as it was
             pending = cache.stage(k, v)
@@ -542,8 +569,11 @@ class MultiHeadAttention(nn.Module):
             if cache.window is not None:  # a window cache: each query sees its last `window` keys
                 sliding = window(cache.window - 1, 0)
                 mask = sliding if mask is None else as_mask(mask) & sliding
-        result = self.attend(q, k, v, mask=mask, causal=causal, return_weights=need_weights)
-        out, weights = (result.output, result.weights) if need_weights else (result, None)
+        if isinstance(pending, PagedPending):  # through the block table, a page of every sequence at a time
+            out, weights = pending.attend(q, causal=causal), None
+        else:
+            result = self.attend(q, k, v, mask=mask, causal=causal, return_weights=need_weights)
+            out, weights = (result.output, result.weights) if need_weights else (result, None)
         out = out.transpose(1, 2).reshape(b, i, h * e)  # (b, i, h*e): heads concatenated
         if weights is not None and average_weights:
             weights = weights.mean(dim=1)  # (b, i, j)
@@ -554,8 +584,12 @@ class MultiHeadAttention(nn.Module):
             pending.commit()
         return out, weights
 
-    def _positions(self, positions: torch.Tensor | None, b: int, i: int, cache: KVCache | None) -> int | torch.Tensor:
-        start = 0 if cache is None else cache.seen
+    def _positions(
+        self, positions: torch.Tensor | None, b: int, i: int, cache: KVCache | PagedBatch | None
+    ) -> int | torch.Tensor:
+        if positions is None and isinstance(cache, PagedBatch):
+            return cache.positions(i, self.k_proj.weight.device)  # (S, i): each sequence at its own length
+        start = 0 if cache is None or isinstance(cache, PagedBatch) else cache.seen
         if positions is None:
             return start
         if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):

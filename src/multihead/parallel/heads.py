@@ -54,6 +54,7 @@ from multihead._errors import bad_argument, describe
 from multihead.cache import KVCache
 from multihead.layer import MultiHeadAttention
 from multihead.masks import Mask
+from multihead.paged import PagedBatch
 from multihead.parallel._group import resolve_group
 from multihead.parallel.split import check_head_split  # shared with `multihead cost --tp`
 
@@ -158,7 +159,7 @@ class HeadParallelAttention(MultiHeadAttention):
         causal: bool = False,
         need_weights: bool = False,
         average_weights: bool = False,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedBatch | None = None,
         positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`MultiHeadAttention.forward` over this rank's heads: (b, i, out_dim) summed over the group."""

@@ -1,0 +1,203 @@
+"""multihead.paged: the paged KV cache. Decoding through it equals decoding each sequence with its own contiguous
+KVCache, token for token, for any schedule of sequences added, decoded and freed (a property test), with GQA,
+rotary positions and a window; pages are taken as sequences grow and come back when they are freed (or fall out of
+the window); a call that fails leaves the pool, the block tables and the lengths as they were."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from multihead import MultiHeadAttention, attention
+from multihead.paged import PagedKVCache, paged_attention
+from support import is_input_error
+
+pytestmark = pytest.mark.portable
+
+EMBED, HEADS, KV_HEADS = 24, 6, 2
+
+
+def make_layer(device, *, rotary=True, seed=0):
+    torch.manual_seed(seed)
+    return MultiHeadAttention(EMBED, HEADS, num_kv_heads=KV_HEADS, rotary=rotary, dtype=torch.float64, device=device)
+
+
+def tokens(n, seed, device, rows=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, n, EMBED, generator=generator, dtype=torch.float64).to(device)
+
+
+def snapshot(cache: PagedKVCache) -> tuple:
+    """What counts in a paged cache: its free pages, every table and length, and the keys and values held."""
+    held = []
+    for handle in cache.sequences:
+        pages = cache.pages(handle)
+        length = cache.length(handle)
+        keys = cache.keys[pages].transpose(1, 2).reshape(-1, cache.num_kv_heads, cache.head_dim)[:length]
+        values = cache.values[pages].transpose(1, 2).reshape(-1, cache.num_kv_heads, cache.value_head_dim)[:length]
+        held.append((handle, tuple(pages), length, cache.seen(handle), keys.clone(), values.clone()))
+    return tuple(cache._free), held
+
+
+def assert_same_snapshot(before, after):
+    assert before[0] == after[0]
+    assert len(before[1]) == len(after[1])
+    for a, b in zip(before[1], after[1], strict=True):
+        assert a[:4] == b[:4]
+        assert torch.equal(a[4], b[4]) and torch.equal(a[5], b[5])
+
+
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "window 4"])
+@pytest.mark.parametrize("rotary", [True, False], ids=["rotary", "plain"])
+def test_paged_decoding_equals_a_contiguous_cache_per_sequence(rotary, window, device):
+    layer = make_layer(device, rotary=rotary)
+    paged = layer.new_paged_cache(num_pages=32, page_size=3, window=window)
+    lengths = [5, 1, 7]
+    handles = [paged.add() for _ in lengths]
+    contiguous = [layer.new_cache(1, 32, window=window) for _ in lengths]
+    for index, (handle, cache, length) in enumerate(zip(handles, contiguous, lengths, strict=True)):
+        prompt = tokens(length, index, device)
+        got, _ = layer(prompt, causal=True, cache=paged.batch([handle]))
+        expected, _ = layer(prompt, causal=True, cache=cache)
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+    for step in range(6):  # every sequence at its own length, in one call
+        new = tokens(1, 100 + step, device, rows=3)
+        got, _ = layer(new, causal=True, cache=paged.batch(handles))
+        for row, cache in enumerate(contiguous):
+            expected, _ = layer(new[row : row + 1], causal=True, cache=cache)
+            torch.testing.assert_close(got[row : row + 1], expected, atol=1e-12, rtol=0)
+    for handle, cache in zip(handles, contiguous, strict=True):
+        assert paged.seen(handle) == cache.seen and paged.length(handle) <= paged.page_size * len(paged.pages(handle))
+        if window is None:
+            assert paged.length(handle) == len(cache)
+            assert len(paged.pages(handle)) == math.ceil(cache.seen / 3)
+        else:  # only pages a later query can reach: the last 4 keys span at most 3 pages of 3
+            assert len(paged.pages(handle)) <= 3
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    schedule=st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.integers(1, 9)),
+            st.tuples(st.just("decode"), st.integers(1, 2)),
+            st.tuples(st.just("free"), st.integers(0, 7)),
+        ),
+        min_size=1,
+        max_size=18,
+    ),
+    page_size=st.integers(1, 5),
+    window=st.sampled_from([None, 3]),
+)
+def test_any_schedule_of_adding_decoding_and_freeing_equals_contiguous_caches(schedule, page_size, window):
+    layer = make_layer("cpu", seed=1)
+    paged = layer.new_paged_cache(num_pages=200, page_size=page_size, window=window)
+    contiguous: dict[int, object] = {}
+    for step, (action, amount) in enumerate(schedule):
+        if action == "add":
+            handle = paged.add()
+            contiguous[handle] = layer.new_cache(1, 64, window=window)
+            prompt = tokens(amount, step, "cpu")
+            got, _ = layer(prompt, causal=True, cache=paged.batch([handle]))
+            expected, _ = layer(prompt, causal=True, cache=contiguous[handle])
+            torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+        elif action == "decode" and contiguous:
+            handles = list(contiguous)
+            new = tokens(amount, step, "cpu", rows=len(handles))
+            got, _ = layer(new, causal=True, cache=paged.batch(handles))
+            for row, handle in enumerate(handles):
+                expected, _ = layer(new[row : row + 1], causal=True, cache=contiguous[handle])
+                torch.testing.assert_close(got[row : row + 1], expected, atol=1e-12, rtol=0)
+        elif action == "free" and contiguous:
+            handle = list(contiguous)[amount % len(contiguous)]
+            paged.free(handle)
+            del contiguous[handle]
+        # every page is free or in exactly one table
+        tables = [page for handle in paged.sequences for page in paged.pages(handle)]
+        assert len(tables) == len(set(tables)) and sorted(tables + paged._free) == list(range(200))
+        if window is None:
+            assert paged.pages_in_use == sum(math.ceil(paged.seen(h) / page_size) for h in paged.sequences)
+
+
+def test_a_failed_call_leaves_the_pool_and_the_tables_as_they_were(monkeypatch):
+    layer = make_layer("cpu")
+    paged = layer.new_paged_cache(num_pages=6, page_size=2)
+    first, second = paged.add(), paged.add()
+    layer(tokens(3, 0, "cpu"), causal=True, cache=paged.batch([first]))
+    layer(tokens(4, 1, "cpu"), causal=True, cache=paged.batch([second]))
+    before = snapshot(paged)
+    failures = [
+        (ValueError, lambda: layer(tokens(3, 2, "cpu", rows=2), causal=True, cache=paged.batch([first, second]))),
+        (ValueError, lambda: layer(tokens(1, 3, "cpu"), causal=True, cache=paged.batch([first, second]))),
+        (ValueError, lambda: layer(tokens(1, 4, "cpu", rows=2), causal=True, cache=paged.batch([first, first]))),
+        (ValueError, lambda: layer(tokens(1, 5, "cpu"), causal=True, cache=paged.batch([99]))),
+    ]
+    for kind, call in failures:
+        with pytest.raises(kind) as raised:
+            call()
+        assert is_input_error(raised.value, kind)
+        assert_same_snapshot(before, snapshot(paged))
+    # a failure after the keys were written (the kernel raising): nothing counts
+    import multihead.paged
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the kernel failed")
+
+    monkeypatch.setattr(multihead.paged, "paged_attention", broken)
+    with pytest.raises(RuntimeError):
+        layer(tokens(1, 6, "cpu", rows=2), causal=True, cache=paged.batch([first, second]))
+    assert_same_snapshot(before, snapshot(paged))
+
+
+def test_pages_come_back_when_a_sequence_is_freed_and_are_reused():
+    paged = PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=3)
+    first = paged.add()
+    paged.batch([first]).stage(torch.randn(1, 1, 5, 3), torch.randn(1, 1, 5, 3)).commit()
+    assert paged.pages_in_use == 3 and paged.length(first) == 5
+    second = paged.add()
+    with pytest.raises(ValueError) as raised:  # 3 pages for 5 tokens, 1 free
+        paged.batch([second]).stage(torch.randn(1, 1, 5, 3), torch.randn(1, 1, 5, 3))
+    assert "cache: expected 3 free page(s)" in str(raised.value) and "free finished sequences" in str(raised.value)
+    paged.free(first)
+    assert paged.pages_in_use == 0 and paged.sequences == [second]
+    paged.batch([second]).stage(torch.randn(1, 1, 5, 3), torch.randn(1, 1, 5, 3)).commit()
+    assert paged.pages_in_use == 3
+    with pytest.raises(ValueError) as raised:
+        paged.free(first)
+    assert is_input_error(raised.value, ValueError) and "handle: expected a handle of a sequence" in str(raised.value)
+
+
+def test_paged_attention_equals_dense_attention_over_each_sequences_keys(device):
+    # three sequences of 7, 2 and 5 keys on pages of 3, scattered over the pool, queried by their last 2 tokens
+    generator = torch.Generator().manual_seed(0)
+    pool_k = torch.randn(9, 2, 3, 4, generator=generator, dtype=torch.float64).to(device)
+    pool_v = torch.randn(9, 2, 3, 5, generator=generator, dtype=torch.float64).to(device)
+    tables = torch.tensor([[4, 0, 7], [2, -1, -1], [8, 1, -1]], device=device)
+    ends = torch.tensor([7, 2, 5], device=device)
+    positions = torch.stack([ends - 2, ends - 1], 1)
+    q = torch.randn(3, 6, 2, 4, generator=generator, dtype=torch.float64).to(device)
+    out = paged_attention(q, pool_k, pool_v, tables, torch.zeros(3, dtype=torch.long, device=device), ends, positions)
+    for row in range(3):
+        pages = tables[row][tables[row] >= 0]
+        keys = pool_k[pages].transpose(0, 1).reshape(2, -1, 4)[:, : ends[row]]  # (g, L, d)
+        values = pool_v[pages].transpose(0, 1).reshape(2, -1, 5)[:, : ends[row]]
+        expected = attention(q[row : row + 1], keys[None], values[None], causal=True)
+        torch.testing.assert_close(out[row : row + 1], expected, atol=1e-12, rtol=0)
+
+
+def test_a_paged_call_takes_no_mask_and_gives_no_weights():
+    layer = make_layer("cpu")
+    paged = layer.new_paged_cache(num_pages=4, page_size=4)
+    handle = paged.add()
+    for option, fragment in (
+        ({"need_weights": True}, "need_weights: expected no mask and no weights"),
+        ({"mask": torch.ones(3, 3, dtype=torch.bool)}, "mask: expected no mask"),
+    ):
+        with pytest.raises(ValueError) as raised:
+            layer(tokens(3, 0, "cpu"), causal=True, cache=paged.batch([handle]), **option)
+        assert is_input_error(raised.value, ValueError) and fragment in str(raised.value)
+    assert paged.seen(handle) == 0
