@@ -50,6 +50,7 @@ from multihead.layer import MultiHeadAttention
 from multihead.masks import Mask
 from multihead.models.contract import evaluating
 from multihead.models.files import reading
+from multihead.paged import PagedBatch, PagedKVCache
 from multihead.positional import LearnedPositions
 
 __all__ = ["DecoderConfig", "DecoderBlock", "DecoderCache", "Decoder", "load_decoder", "DECODER_CONFIG"]
@@ -269,16 +270,67 @@ class DecoderCache:
         )
 
 
+class PagedDecoderCache:
+    """One :class:`multihead.paged.PagedKVCache` per layer of a :class:`Decoder`, sharing sequence handles (build
+    it with :meth:`Decoder.new_paged_cache`): :meth:`add` a sequence, run the model on :meth:`batch` views (one
+    row per sequence, each at its own length), :meth:`free` it when it is done."""
+
+    def __init__(self, pools: list[PagedKVCache]):
+        self.pools = pools
+
+    def add(self) -> int:
+        """A new, empty sequence in every layer: its handle."""
+        handles = {pool.add() for pool in self.pools}
+        assert len(handles) == 1, "the layers' pools hand out handles together"
+        return handles.pop()
+
+    def free(self, handle: int) -> None:
+        """Retire a sequence: its pages go back to every layer's pool."""
+        for pool in self.pools:
+            pool.free(handle)
+
+    def seen(self, handle: int) -> int:
+        """Tokens the sequence holds: its next token's position."""
+        return self.pools[0].seen(handle)
+
+    @property
+    def pages_in_use(self) -> int:
+        """Pages held in all layers together."""
+        return sum(pool.pages_in_use for pool in self.pools)
+
+    def batch(self, handles: list[int]) -> PagedDecoderBatch:
+        """The sequences ``handles``, one per batch row, as the model's ``cache``."""
+        return PagedDecoderBatch([pool.batch(handles) for pool in self.pools], list(handles))
+
+
+class PagedDecoderBatch:
+    """Sequences of a :class:`PagedDecoderCache`, one per batch row: ``layers`` the per-layer views."""
+
+    def __init__(self, layers: list[PagedBatch], handles: list[int]):
+        self.layers, self.handles = layers, handles
+
+
 def cache_offset(cache: object, layers: int, batch_size: int, new_tokens: int) -> int:
     """The position of the first new token: ``cache.seen`` for a :class:`DecoderCache` of ``layers`` layers and
     ``batch_size`` rows with room for ``new_tokens`` more in every layer (checked before any is appended, so a
     refusal changes nothing), 0 without a cache."""
     if cache is None:
         return 0
+    if isinstance(cache, PagedDecoderBatch):  # each sequence at its own position: read from the layer's view
+        if len(cache.layers) != layers or len(cache.handles) != batch_size:
+            raise bad_argument(
+                "cache",
+                f"a paged batch of {layers} layers and {batch_size} sequences (one per row)",
+                f"one of {len(cache.layers)} layers and {len(cache.handles)} sequences",
+                "pass model.new_paged_cache(...).batch(handles) with one handle per row",
+            )
+        for view in cache.layers:
+            view.check_room(new_tokens)
+        return 0
     if not isinstance(cache, DecoderCache):
         raise bad_argument(
             "cache",
-            "a DecoderCache (model.new_cache(b))",
+            "a DecoderCache (model.new_cache(b)) or a paged batch (model.new_paged_cache(...).batch(handles))",
             describe(cache),
             "build one with model.new_cache",
             kind=TypeError,
@@ -368,6 +420,10 @@ class Decoder(nn.Module):
             )
         return DecoderCache([layer.new_cache(batch_size, max_len) for layer in self.attention_layers])
 
+    def new_paged_cache(self, num_pages: int, page_size: int = 16) -> PagedDecoderCache:
+        """A :class:`PagedDecoderCache`: a pool of ``num_pages`` pages of ``page_size`` tokens in every layer."""
+        return PagedDecoderCache([layer.new_paged_cache(num_pages, page_size) for layer in self.attention_layers])
+
     def _check_ids(self, name: str, ids: object) -> torch.Tensor:
         return _check_ids(name, ids, self.config.vocab_size, self.token_embeddings.weight.device)
 
@@ -400,6 +456,8 @@ class Decoder(nn.Module):
         b, n = ids.shape
         offset = cache_offset(cache, len(self.blocks), b, n)
         mask, positions = self._packed(document_ids, ids, cache)
+        if isinstance(cache, PagedDecoderBatch) and self.positions is not None:  # learned: each row at its own
+            positions = cache.layers[0].positions(n, ids.device)
         # packed documents: each document's own positions count, checked by the table (on the host)
         if self.positions is not None and positions is None and offset + n > self.config.max_positions:
             raise bad_argument(
@@ -412,8 +470,9 @@ class Decoder(nn.Module):
         if self.positions is not None:
             x = self.positions(x, offset, positions)
         x = self.dropout(x)
+        rotary_positions = None if isinstance(cache, PagedDecoderBatch) else positions  # the paged view gives its own
         for index, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache.layers[index], mask=mask, positions=positions)
+            x = block(x, None if cache is None else cache.layers[index], mask=mask, positions=rotary_positions)
         return self.final_norm(x)
 
     def _packed(
@@ -554,6 +613,112 @@ class Decoder(nn.Module):
                     else:
                         logits = self(out[:, : position + 1])[:, -1]
         return out
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int] | torch.Tensor],
+        max_new_tokens: int | Sequence[int],
+        *,
+        eos_id: int | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seeds: Sequence[int] | None = None,
+        max_batch: int = 16,
+        page_size: int = 16,
+    ) -> list[torch.Tensor]:
+        """Continue every prompt, decoding up to ``max_batch`` of them at once (continuous batching).
+
+        Each prompt is prefilled alone into a paged KV cache, then joins the running batch; every step decodes one
+        token for every sequence in it, each at its own length (:func:`multihead.paged.paged_attention`). A
+        sequence stops at its own ``eos_id`` or length, its pages go back to the pool, and the next prompt
+        waiting takes its place. Each sequence gets the tokens :meth:`generate` gives its prompt alone (greedy,
+        or sampled with its own seed), cut after its first ``eos_id``.
+
+        Args:
+            prompts: token id lists (or 1-D tensors), of any lengths.
+            max_new_tokens: tokens to add to each (one int for all, or one per prompt).
+            eos_id: a token that ends a sequence (kept in its output), or None.
+            temperature, top_k: as for :meth:`generate`.
+            seeds: one seed per prompt for sampling (None: the global RNG, in the order tokens are drawn).
+            max_batch: the most sequences decoded at once.
+            page_size: tokens per page of the cache.
+
+        Returns:
+            A list of 1-D id tensors, in the prompts' order: each prompt followed by its new tokens.
+        """
+        device = self.token_embeddings.weight.device
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise bad_argument(
+                "prompts", "a non-empty list of token id lists", describe(prompts), "pass e.g. [[1, 2], [3]]"
+            )
+        ids = [self._prompt(list(p) if isinstance(p, (list, tuple)) else p)[0].to(device) for p in prompts]
+        budgets: list[int] = (
+            list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(ids)  # type: ignore[list-item]
+        )
+        if len(budgets) != len(ids):
+            raise bad_argument(
+                "max_new_tokens", f"one int, or {len(ids)} (one per prompt)", len(budgets), "give one per prompt"
+            )
+        for budget in budgets:
+            _check_generation(budget, temperature, top_k, None, True, self.config.vocab_size)
+        if seeds is not None and (not isinstance(seeds, (list, tuple)) or len(seeds) != len(ids)):
+            raise bad_argument(
+                "seeds", f"{len(ids)} seeds (one per prompt), or None", describe(seeds), "one per prompt"
+            )
+        for seed in seeds or []:
+            Decoder._check_sampling(temperature, top_k, seed)
+        if eos_id is not None and not (_is_int(eos_id) and 0 <= eos_id < self.config.vocab_size):
+            raise bad_argument(
+                "eos_id", f"a token id in [0, {self.config.vocab_size})", describe(eos_id), "pass the EOS token's id"
+            )
+        max_batch = positive_int("max_batch", max_batch)
+        longest = max(len(p) + budget for p, budget in zip(ids, budgets, strict=True))
+        if self.positions is not None and longest > self.config.max_positions:
+            raise bad_argument(
+                "max_new_tokens",
+                f"prompt + new tokens <= max_positions = {self.config.max_positions} (learned positions)",
+                longest,
+                "shorten the prompts or ask for fewer tokens",
+            )
+        generators: list[torch.Generator | None] = [None] * len(ids)
+        for index, seed in enumerate(seeds or []):
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed)
+            generators[index] = generator
+        # pages for max_batch sequences at their longest: the pool never runs out mid-way
+        pages = min(max_batch, len(ids)) * -(-longest // positive_int("page_size", page_size))
+        outputs: list[list[int]] = [p.tolist() for p in ids]
+        waiting = [index for index, budget in enumerate(budgets) if budget > 0]
+        running: dict[int, int] = {}  # handle -> prompt index
+        with evaluating(self):
+            cache = self.new_paged_cache(pages, page_size)
+
+            def take(index: int, logits: torch.Tensor) -> bool:
+                """Append the next token of prompt ``index`` from its logits (1, vocab); whether it is done."""
+                token = int(self._pick(logits, float(temperature), top_k, generators[index])[0])
+                outputs[index].append(token)
+                new = len(outputs[index]) - len(ids[index])
+                return new == budgets[index] or token == eos_id
+
+            while waiting or running:
+                while waiting and len(running) < max_batch:  # admit: prefill alone, then join the batch
+                    index = waiting.pop(0)
+                    handle = cache.add()
+                    logits = self(ids[index][None], cache=cache.batch([handle]))[:, -1]
+                    if take(index, logits):
+                        cache.free(handle)
+                    else:
+                        running[handle] = index
+                if not running:
+                    continue
+                handles = list(running)
+                last = torch.tensor([[outputs[running[h]][-1]] for h in handles], device=device)  # (S, 1)
+                logits = self(last, cache=cache.batch(handles))[:, -1]  # (S, vocab)
+                for row, handle in enumerate(handles):
+                    if take(running[handle], logits[row : row + 1]):
+                        cache.free(handle)
+                        del running[handle]
+        return [torch.tensor(tokens, dtype=torch.long, device=device) for tokens in outputs]
 
     # ------------------------------------------------------------------------------ saving
 
