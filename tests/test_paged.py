@@ -171,8 +171,12 @@ def test_pages_come_back_when_a_sequence_is_freed_and_are_reused():
     assert is_input_error(raised.value, ValueError) and "handle: expected a handle of a sequence" in str(raised.value)
 
 
-def test_paged_attention_equals_dense_attention_over_each_sequences_keys(device):
+@pytest.mark.parametrize("keys_per_step", [3, 7, 256], ids=["a page a step", "two pages a step", "all at once"])
+def test_paged_attention_equals_dense_attention_over_each_sequences_keys(keys_per_step, monkeypatch, device):
     # three sequences of 7, 2 and 5 keys on pages of 3, scattered over the pool, queried by their last 2 tokens
+    import multihead.paged
+
+    monkeypatch.setattr(multihead.paged, "KEYS_PER_STEP", keys_per_step)
     generator = torch.Generator().manual_seed(0)
     pool_k = torch.randn(9, 2, 3, 4, generator=generator, dtype=torch.float64).to(device)
     pool_v = torch.randn(9, 2, 3, 5, generator=generator, dtype=torch.float64).to(device)

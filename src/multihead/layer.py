@@ -569,7 +569,7 @@ class MultiHeadAttention(nn.Module):
             if cache.window is not None:  # a window cache: each query sees its last `window` keys
                 sliding = window(cache.window - 1, 0)
                 mask = sliding if mask is None else as_mask(mask) & sliding
-        if isinstance(pending, PagedPending):  # through the block table, a page of every sequence at a time
+        if isinstance(pending, PagedPending):  # through the block table, a few pages of every sequence at a time
             out, weights = pending.attend(q, causal=causal), None
         else:
             result = self.attend(q, k, v, mask=mask, causal=causal, return_weights=need_weights)

@@ -10,8 +10,9 @@ FlashAttention's ``block_table``).
 
 A server decodes many sequences of different lengths at once and retires them as they finish. One contiguous
 (b, g, max_len, d) tensor per layer reserves max_len for every row; the pool holds pages of ``page_size`` keys
-and each sequence takes pages as it grows. :func:`paged_attention` attends through the block table a column of
-pages at a time (one page of every sequence), with an online softmax: nothing gathers a sequence's whole cache.
+and each sequence takes pages as it grows. :func:`paged_attention` attends through the block table a few columns
+of pages at a time (about 256 keys of every sequence), with an online softmax: nothing gathers a sequence's whole
+cache.
 
 Nothing is lost on failure, as with :class:`~multihead.KVCache`: :meth:`PagedBatch.stage` writes the new keys
 into slots nothing counts yet (the free part of a sequence's last page, and pages it reserves but leaves in the
@@ -34,7 +35,9 @@ from multihead._inputs import matching, tensor_argument
 from multihead._limits import check_fits
 from multihead.backends._blocks import compute_dtype
 
-__all__ = ["PagedKVCache", "PagedBatch", "PagedPending", "paged_attention"]
+__all__ = ["PagedKVCache", "PagedBatch", "PagedPending", "paged_attention", "KEYS_PER_STEP"]
+
+KEYS_PER_STEP = 256  # keys of each sequence paged_attention reads per step (whole pages): few steps, bounded memory
 
 
 @dataclass
@@ -375,7 +378,8 @@ def paged_attention(
     window: int | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention of S sequences' new queries over their keys in a page pool, a column of pages at a time.
+    """Attention of S sequences' new queries over their keys in a page pool, a few columns of pages at a time
+    (about :data:`KEYS_PER_STEP` keys of each sequence), with an online softmax.
 
     Args:
         q: (S, h, i, d) queries; row s's query t sits at position ``positions[s, t]``.
@@ -400,14 +404,17 @@ def paged_attention(
     best = torch.full((s, g, group * i, 1), -math.inf, dtype=work, device=q.device)
     total = torch.zeros_like(best)
     out = torch.zeros(s, g, group * i, e, dtype=work, device=q.device)
-    slots = torch.arange(page_size, device=q.device)
-    for column in range(tables.shape[1]):
-        page = tables[:, column]  # (S,): this column's page of every sequence
-        keys = key_pool[page.clamp(min=0)].to(work)  # (S, g, page, d): one page of each sequence
-        values = value_pool[page.clamp(min=0)].to(work)
-        scores = queries @ keys.transpose(-1, -2)  # (S, g, group * i, page)
-        key_at = (first_slots[:, None] + column * page_size + slots)[:, None, None, :]  # (S, 1, 1, page)
-        keep = (page[:, None, None, None] >= 0) & (key_at < key_ends[:, None, None, None])
+    step = max(1, KEYS_PER_STEP // page_size)  # table columns read at once: about KEYS_PER_STEP keys per sequence
+    for column in range(0, tables.shape[1], step):
+        page = tables[:, column : column + step]  # (S, C): these columns' pages of every sequence
+        width = page.shape[1] * page_size
+        # (S, C, g, page, d) -> (S, g, C * page, d): a few pages of each sequence, never its whole cache
+        keys = key_pool[page.clamp(min=0)].transpose(1, 2).reshape(s, g, width, d).to(work)
+        values = value_pool[page.clamp(min=0)].transpose(1, 2).reshape(s, g, width, e).to(work)
+        scores = queries @ keys.transpose(-1, -2)  # (S, g, group * i, C * page)
+        key_at = (first_slots[:, None] + column * page_size + torch.arange(width, device=q.device))[:, None, None, :]
+        real = (page >= 0).repeat_interleave(page_size, dim=1)[:, None, None, :]  # (S, 1, 1, C * page)
+        keep = real & (key_at < key_ends[:, None, None, None])
         if causal:
             keep = keep & (key_at <= at)
         if window is not None:
