@@ -12,6 +12,12 @@ its rotary tables are exactly as before; the retried good step gives the output 
 
 ``test_failed_appends_leave_cache_unchanged`` does the same for ``KVCache.append`` directly, and checks
 every good append against a model of the cache written here.
+
+``test_failed_paged_calls_leave_the_pool_and_tables_unchanged`` does it for the paged cache: sequences added,
+decoded together and freed at random, failing calls in between (a batch that does not match its sequences, a
+mask, weights, freed or repeated sequences, a wrong dtype, more tokens than free pages, the kernel raising after
+the keys were written); the free pages, tables, lengths and held keys stay as they were, and every good call
+equals each sequence's own contiguous cache.
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ def failure_kinds(setup: dict) -> list[str]:
         "bias needing a gradient on a backend without bias gradients",
         "dropout on a backend without dropout",
         "capture of queries out of range",
-        "float64 input",
+        "float32 input to a float64 layer",
         "input of another batch",
         "input of another feature size",
         "need_weights='yes'",
@@ -150,7 +156,7 @@ def failing_call(kind: str, layer: MultiHeadAttention, cache: KVCache, x: torch.
                 return layer(x, cache=cache, causal=causal)
 
         return run, nothing
-    if kind == "float64 input":
+    if kind == "float32 input to a float64 layer":
         return call(query=x.double()), nothing
     if kind == "input of another batch":
         return call(query=torch.cat([x, x[:1]])), nothing
@@ -455,6 +461,157 @@ def test_attention_failure_changes_no_input(tally, request):
             tally.rejection(test, error)
         if not (isinstance(error, InputError) and unchanged):
             findings.add(f"{backend}: raised {error!r}, inputs unchanged: {unchanged}")
+
+    findings = Findings()
+    case()
+    findings.check()
+
+
+# --------------------------------------------------------------------------- the paged cache
+
+
+def paged_snapshot(cache) -> tuple:
+    """What counts in a paged cache: its free pages, every sequence's table, length and position, and the keys and
+    values its tables hold."""
+    held = []
+    for handle in cache.sequences:
+        pages, length = cache.pages(handle), cache.length(handle)
+        keys = cache.keys[pages].transpose(1, 2).reshape(-1, cache.num_kv_heads, cache.head_dim)[:length]
+        values = cache.values[pages].transpose(1, 2).reshape(-1, cache.num_kv_heads, cache.value_head_dim)[:length]
+        held.append((handle, tuple(pages), length, cache.seen(handle), keys.clone(), values.clone()))
+    return tuple(cache._free), held
+
+
+def paged_unchanged(before: tuple, after: tuple) -> bool:
+    return (
+        before[0] == after[0]
+        and len(before[1]) == len(after[1])
+        and all(
+            a[:4] == b[:4] and torch.equal(a[4], b[4]) and torch.equal(a[5], b[5])
+            for a, b in zip(before[1], after[1], strict=True)
+        )
+    )
+
+
+PAGED_FAILURES = (
+    "a row more than sequences",
+    "a mask",
+    "weights asked for",
+    "a freed sequence",
+    "a sequence twice",
+    "float32 input to a float64 layer",
+    "more tokens than free pages",
+    "the kernel failing",
+)
+
+
+def paged_failing_call(kind, layer, cache, handles, freed, x, page_size):
+    """The call of ``kind`` (:data:`PAGED_FAILURES`) on the sequences ``handles``, which must fail."""
+    batch = cache.batch(handles)
+    calls = {
+        "a row more than sequences": lambda: layer(torch.cat([x, x[:1]]), causal=True, cache=batch),
+        "a mask": lambda: layer(x, causal=True, cache=batch, mask=masks.causal()),
+        "weights asked for": lambda: layer(x, causal=True, cache=batch, need_weights=True),
+        "a freed sequence": lambda: cache.batch([*handles, *(freed or [10**6])]),
+        "a sequence twice": lambda: cache.batch([handles[0], *handles]),
+        "float32 input to a float64 layer": lambda: layer(x.float(), causal=True, cache=batch),
+        "more tokens than free pages": lambda: layer(
+            torch.randn(len(handles), cache.num_pages * page_size + 1, 8, dtype=torch.float64), causal=True, cache=batch
+        ),
+        "the kernel failing": lambda: layer(x, causal=True, cache=batch),
+    }
+    return calls[kind]
+
+
+def test_failed_paged_calls_leave_the_pool_and_tables_unchanged(tally, request, monkeypatch):
+    """Sequences added, decoded together and freed, with failing calls in between: after each failure the free
+    pages, every block table, length and held key are as before, and every good call gives what each sequence's
+    own contiguous cache gives."""
+    import multihead.paged
+
+    test = request.node.name
+    real_kernel = multihead.paged.paged_attention
+
+    @given(
+        page_size=st.sampled_from((1, 2, 3, 5)),
+        window=st.sampled_from((None, None, 3)),
+        rotary=st.booleans(),
+        plan=st.lists(
+            st.tuples(st.sampled_from(("add", "decode", "decode", "free")), st.integers(1, 4), st.integers(0, 99)),
+            min_size=2,
+            max_size=10,
+        ),
+        failures=st.lists(st.sampled_from(PAGED_FAILURES), min_size=1, max_size=6),
+        seed=seeds,
+    )
+    def case(page_size, window, rotary, plan, failures, seed):
+        torch.manual_seed(seed)
+        layer = MultiHeadAttention(8, 4, num_kv_heads=2, rotary=rotary, dtype=torch.float64).eval()
+        cache = layer.new_paged_cache(num_pages=40, page_size=page_size, window=window)
+        contiguous: dict[int, KVCache] = {}
+        freed: list[int] = []
+        gen = torch.Generator().manual_seed(seed + 1)
+        problems: list[str] = []
+        for step, (action, n, pick) in enumerate(plan):
+            if contiguous and failures:
+                kind = failures.pop(0)
+                handles = list(contiguous)
+                x = torch.randn(len(handles), 1, 8, generator=gen, dtype=torch.float64)
+                call = paged_failing_call(kind, layer, cache, handles, freed, x, page_size)
+
+                def broken(*args, **kwargs):
+                    raise RuntimeError("the kernel failed")
+
+                if kind == "the kernel failing":
+                    monkeypatch.setattr(multihead.paged, "paged_attention", broken)
+                before = paged_snapshot(cache)
+                error = None
+                try:
+                    with torch.no_grad():
+                        call()
+                except Exception as raised:  # noqa: BLE001
+                    error = raised
+                finally:
+                    monkeypatch.setattr(multihead.paged, "paged_attention", real_kernel)
+                where = f"step {step}: {kind} (page {page_size}, window {window}, {len(handles)} sequences)"
+                if error is None:
+                    tally.record(test, "bad_input_accepted", where)
+                    problems.append(f"[bad_input_accepted] {where}")
+                    break
+                if not paged_unchanged(before, paged_snapshot(cache)):
+                    tally.record(test, "state_corrupted", where)
+                    problems.append(f"[state_corrupted] {where} ({type(error).__name__}: {error})")
+                    break
+                if kind != "the kernel failing":
+                    outcome = tally.rejection(test, error)
+                    if outcome != "ok":
+                        problems.append(f"[{outcome}] {where}: {type(error).__name__}: {error}")
+            with torch.no_grad():
+                if action == "add":
+                    handle = cache.add()
+                    contiguous[handle] = layer.new_cache(1, 64, window=window)
+                    x = torch.randn(1, n, 8, generator=gen, dtype=torch.float64)
+                    got = layer(x, causal=True, cache=cache.batch([handle]))[0]
+                    expected = [layer(x, causal=True, cache=contiguous[handle])[0]]
+                elif action == "decode" and contiguous:
+                    handles = list(contiguous)
+                    x = torch.randn(len(handles), 1, 8, generator=gen, dtype=torch.float64)
+                    got = layer(x, causal=True, cache=cache.batch(handles))[0]
+                    expected = [layer(x[r : r + 1], causal=True, cache=contiguous[h])[0] for r, h in enumerate(handles)]
+                elif action == "free" and contiguous:
+                    handle = list(contiguous)[pick % len(contiguous)]
+                    cache.free(handle)
+                    del contiguous[handle]
+                    freed.append(handle)
+                    continue
+                else:
+                    continue
+            right = close(got, torch.cat(expected))
+            tally.record(test, "ok" if right else "wrong", "" if right else f"step {step}: {action}")
+            if not right:
+                problems.append(f"[wrong] step {step}: {action} differs from the contiguous caches")
+                break
+        findings.add(*problems)
 
     findings = Findings()
     case()
