@@ -28,6 +28,25 @@ from multihead._inputs import matching, tensor_argument
 from multihead._limits import check_fits
 
 
+def check_fitting(
+    what: str,
+    sizes: tuple[tuple[str, int, int], ...],
+    storage: tuple[torch.dtype, torch.device],
+    call: tuple[torch.dtype, torch.device],
+    size_fix: str,
+    storage_fix: str,
+) -> None:
+    """Raise, naming ``cache``, unless a call's sizes ((name, the cache's, the call's) each) and its dtype and
+    device (``call``) are the cache's (``storage``): what a KV cache and a paged cache's batch both check."""
+    for name, want, got in sizes:
+        if want != got:
+            raise bad_argument("cache", f"{what} for {name} = {got} (this call's)", f"one for {want}", size_fix)
+    if call != storage:
+        raise bad_argument(
+            "cache", f"{what} of {call[0]} on {call[1]}", f"one of {storage[0]} on {storage[1]}", storage_fix
+        )
+
+
 @dataclass
 class PendingAppend:
     """An append prepared by :meth:`KVCache.stage`: what to attend over now, and how to make it count.
@@ -124,26 +143,19 @@ class KVCache:
         device: torch.device,
     ) -> None:
         """Raise if keys/values of these sizes cannot go into this cache."""
-        for name, want, got in (
-            ("batch size", self.batch_size, batch_size),
-            ("key/value heads g", self.num_kv_heads, num_kv_heads),
-            ("head dim d", self.head_dim, head_dim),
-            ("value head dim e", self.value_head_dim, value_head_dim),
-        ):
-            if want != got:
-                raise bad_argument(
-                    "cache",
-                    f"a cache for {name} = {got} (this call's)",
-                    f"one for {want}",
-                    "build the cache with layer.new_cache(batch_size, max_len) for this layer and batch",
-                )
-        if dtype != self.keys.dtype or torch.device(device) != self.keys.device:
-            raise bad_argument(
-                "cache",
-                f"a cache of {dtype} on {device}",
-                f"one of {self.keys.dtype} on {self.keys.device}",
-                "build the cache with layer.new_cache after moving or casting the layer",
-            )
+        check_fitting(
+            "a cache",
+            (
+                ("batch size", self.batch_size, batch_size),
+                ("key/value heads g", self.num_kv_heads, num_kv_heads),
+                ("head dim d", self.head_dim, head_dim),
+                ("value head dim e", self.value_head_dim, value_head_dim),
+            ),
+            (self.keys.dtype, self.keys.device),
+            (dtype, torch.device(device)),
+            "build the cache with layer.new_cache(batch_size, max_len) for this layer and batch",
+            "build the cache with layer.new_cache after moving or casting the layer",
+        )
 
     def check_room(self, new_tokens: int) -> None:
         """Raise if ``new_tokens`` more tokens would exceed max_len."""

@@ -34,6 +34,7 @@ from multihead._errors import bad_argument, describe, floating_dtype, positive_i
 from multihead._inputs import matching, tensor_argument
 from multihead._limits import check_fits
 from multihead.backends._blocks import compute_dtype
+from multihead.cache import check_fitting
 
 __all__ = ["PagedKVCache", "PagedBatch", "PagedPending", "paged_attention", "KEYS_PER_STEP"]
 
@@ -250,26 +251,19 @@ class PagedBatch:
     ) -> None:
         """Raise unless a call of these sizes fits: one batch row per sequence, the pool's heads and dims."""
         cache = self.cache
-        for name, want, got in (
-            ("batch size (one row per sequence)", len(self.handles), batch_size),
-            ("key/value heads g", cache.num_kv_heads, num_kv_heads),
-            ("head dim d", cache.head_dim, head_dim),
-            ("value head dim e", cache.value_head_dim, value_head_dim),
-        ):
-            if want != got:
-                raise bad_argument(
-                    "cache",
-                    f"a paged cache for {name} = {got} (this call's)",
-                    f"one for {want}",
-                    "pass cache.batch(handles) with one handle per batch row, from layer.new_paged_cache(...)",
-                )
-        if dtype != cache.keys.dtype or torch.device(device) != cache.keys.device:
-            raise bad_argument(
-                "cache",
-                f"a paged cache of {dtype} on {device}",
-                f"one of {cache.keys.dtype} on {cache.keys.device}",
-                "build the cache with layer.new_paged_cache after moving or casting the layer",
-            )
+        check_fitting(
+            "a paged cache",
+            (
+                ("batch size (one row per sequence)", len(self.handles), batch_size),
+                ("key/value heads g", cache.num_kv_heads, num_kv_heads),
+                ("head dim d", cache.head_dim, head_dim),
+                ("value head dim e", cache.value_head_dim, value_head_dim),
+            ),
+            (cache.keys.dtype, cache.keys.device),
+            (dtype, torch.device(device)),
+            "pass cache.batch(handles) with one handle per batch row, from layer.new_paged_cache(...)",
+            "build the cache with layer.new_paged_cache after moving or casting the layer",
+        )
 
     def check_room(self, new: int) -> None:
         """Raise unless the free pages hold ``new`` more tokens for every sequence."""
