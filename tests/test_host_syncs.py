@@ -338,3 +338,38 @@ def test_layer_training_and_decoding_make_no_device_sync(window, device):
         mask = masks.padding(valid) & (masks.window(window - 1, 0) if window else masks.causal())
         full, _ = layer(x, mask=mask, causal=True)
     torch.testing.assert_close(cached, full, atol=2e-5, rtol=2e-4)
+
+
+def paged_decode(layer, x: torch.Tensor, *, window: int | None, prompt: int) -> torch.Tensor:
+    """Each batch row a sequence of a paged cache: prefilled alone, then decoded together one token a step; the
+    outputs (b, n, out_dim)."""
+    cache = layer.new_paged_cache(num_pages=16, page_size=2, window=window)
+    handles = [cache.add() for _ in range(x.shape[0])]
+    prefills = [
+        layer(x[row : row + 1, :prompt], causal=True, cache=cache.batch([h]))[0] for row, h in enumerate(handles)
+    ]
+    steps = [
+        layer(x[:, step : step + 1], causal=True, cache=cache.batch(handles))[0] for step in range(prompt, x.shape[1])
+    ]
+    return torch.cat([torch.cat(prefills), *steps], dim=1)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_paged_decoding_reads_no_tensor_on_the_host(window):
+    with fake_tensors():
+        layer = make_layer(torch.device("cpu"), dropout=0.0).eval()
+        with torch.no_grad():
+            assert paged_decode(layer, torch.randn(B, 9, 12), window=window, prompt=4).shape == (B, 9, 12)
+
+
+@pytest.mark.portable
+@pytest.mark.parametrize("window", [None, 3])
+def test_paged_decoding_makes_no_device_sync(window, device):
+    torch.manual_seed(0)
+    layer = make_layer(device, dropout=0.0).eval()
+    x = torch.randn(B, 9, 12).to(device)
+    with torch.no_grad():
+        with no_device_syncs(device):
+            paged = paged_decode(layer, x, window=window, prompt=4)
+        full, _ = layer(x, mask=masks.window(window - 1, 0) if window else None, causal=True)
+    torch.testing.assert_close(paged, full, atol=2e-5, rtol=2e-4)

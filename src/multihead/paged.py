@@ -35,6 +35,7 @@ from multihead._inputs import matching, tensor_argument
 from multihead._limits import check_fits
 from multihead.backends._blocks import compute_dtype
 from multihead.cache import check_fitting
+from multihead.masks import to_device
 
 __all__ = ["PagedKVCache", "PagedBatch", "PagedPending", "paged_attention", "KEYS_PER_STEP"]
 
@@ -179,7 +180,7 @@ class PagedPending:
     reserved: list[list[int]]  # per sequence, the pages taken from the free list (still in it until commit)
     tables: torch.Tensor  # (S, M) pool pages of each sequence, -1 past its last
     first_slots: torch.Tensor  # (S,) the position of each sequence's first held key
-    key_ends: torch.Tensor  # (S,) each sequence's key count after the append: keys first_slot .. seen + new - 1
+    key_ends: torch.Tensor  # (S,) one past each sequence's last key position after the append (seen + new)
     positions: torch.Tensor  # (S, new) the new tokens' positions
     state: tuple  # the cache's free list and sequences when staged (checked at commit)
     committed: bool = False
@@ -244,7 +245,7 @@ class PagedBatch:
     def positions(self, new: int, device: torch.device) -> torch.Tensor:
         """(S, new): the positions of each sequence's next ``new`` tokens (rotary reads them)."""
         seen = torch.tensor([self.cache._sequences[h].seen for h in self.handles], dtype=torch.long)
-        return (seen[:, None] + torch.arange(new)).to(device)
+        return to_device(seen[:, None] + torch.arange(new), torch.device(device))
 
     def check_compatible(
         self, batch_size: int, num_kv_heads: int, head_dim: int, value_head_dim: int, dtype: torch.dtype, device
@@ -321,8 +322,8 @@ class PagedBatch:
             firsts.append(first)
             ends.append(sequence.seen + new)
         device = cache.keys.device
-        page_index = torch.stack(where_pages).to(device)  # (S, n)
-        slot_index = torch.stack(where_slots).to(device)
+        page_index = to_device(torch.stack(where_pages), device)  # (S, n): tables live on the host, sent unwaited
+        slot_index = to_device(torch.stack(where_slots), device)
         # keys (S, g, n, d) -> pool[page, :, slot]: one write of every new key
         cache.keys[page_index, :, slot_index] = keys.permute(0, 2, 1, 3)
         cache.values[page_index, :, slot_index] = values.permute(0, 2, 1, 3)
@@ -335,10 +336,10 @@ class PagedBatch:
             self,
             new,
             reserved,
-            padded.to(device),
-            torch.tensor(firsts, dtype=torch.long).to(device),
-            torch.tensor(ends, dtype=torch.long).to(device),
-            (seen[:, None] + torch.arange(new)).to(device),
+            to_device(padded, device),
+            to_device(torch.tensor(firsts, dtype=torch.long), device),
+            to_device(torch.tensor(ends, dtype=torch.long), device),
+            to_device(seen[:, None] + torch.arange(new), device),
             state,
         )
 
