@@ -28,9 +28,9 @@ from hf_capture import load_average, machine, machine_line, ratio_text, ratios_o
 
 import multihead
 from multihead import masks
+from multihead.bench import interleave
 from multihead.masks import STATE_EMPTY, AttentionShape, bind_mask
 from multihead.masks._documents import ragged_documents
-from multihead.bench import interleave
 
 HEADS, KV_HEADS, DIM = 8, 2, 64
 TILE = 128
@@ -80,7 +80,9 @@ def ways(lengths: list[int], backward: bool) -> tuple[dict, dict]:
         "packed": {
             "skipped": float((packed_mask.block_states(TILE) == STATE_EMPTY).float().mean()),
             "backend": multihead.explain(
-                packed_q, k.detach().transpose(0, 1)[None], v.detach().transpose(0, 1)[None],
+                packed_q,
+                k.detach().transpose(0, 1)[None],
+                v.detach().transpose(0, 1)[None],
                 mask=ragged_documents(cu, cu, (None, 0)),
             ).chosen,
         },
