@@ -33,7 +33,7 @@ from multihead._errors import bad_argument, describe
 from multihead._indices import checked_indices
 from multihead.backends._blocks import Blocks, compute_dtype, mask_scores_
 from multihead.functional import attention, bound_call
-from multihead.masks import BlockState, Mask
+from multihead.masks import BlockState, Mask, to_device
 
 __all__ = ["AttentionStats", "StatsSettings", "PoolGrid", "attention_stats", "DISTANCE_BANDS", "POOLS"]
 
@@ -269,7 +269,8 @@ class _Accumulators:
         self.pooled: torch.Tensor | None = None
         if grid is not None:
             self.pooled = torch.zeros(b, heads, *grid.shape, **zeros)
-            self.row_cells, self.key_cells = grid.rows.to(device), grid.keys.to(device)
+            # sent without waiting for the device (a CPU tensor through pinned memory)
+            self.row_cells, self.key_cells = to_device(grid.rows, device), to_device(grid.keys, device)
             self.spans: dict[tuple[str, int, int], tuple[int, int]] = {}  # a block's first and last cell, per axis
 
     def add(self, qb: range, kb: range, p: torch.Tensor, log_p: torch.Tensor, offset: int) -> None:
