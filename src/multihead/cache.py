@@ -28,6 +28,25 @@ from multihead._inputs import matching, tensor_argument
 from multihead._limits import check_fits
 
 
+def checked_layout(
+    num_kv_heads: object, head_dim: object, value_head_dim: object, window: object, dtype: object, device: object
+) -> tuple[int, int, int, int | None, torch.dtype, torch.device | None]:
+    """A KV cache's layout, each argument checked and named: (g, d, e, window or None, dtype, device or None for
+    torch's default); ``e`` defaults to ``d``. What a contiguous cache and a paged pool both take."""
+    heads = positive_int("num_kv_heads", num_kv_heads)
+    dim = positive_int("head_dim", head_dim)
+    value_dim = positive_int("value_head_dim", dim if value_head_dim is None else value_head_dim)
+    kept = None if window is None else positive_int("window", window)
+    return (
+        heads,
+        dim,
+        value_dim,
+        kept,
+        floating_dtype("dtype", dtype, allow_none=False),
+        usable_device("device", device),
+    )
+
+
 def check_fitting(
     what: str,
     sizes: tuple[tuple[str, int, int], ...],
@@ -96,12 +115,9 @@ class KVCache:
     ):
         self.batch_size = positive_int("batch_size", batch_size)
         self.max_len = positive_int("max_len", max_len)
-        self.num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
-        self.head_dim = positive_int("head_dim", head_dim)
-        self.value_head_dim = positive_int("value_head_dim", head_dim if value_head_dim is None else value_head_dim)
-        self.window = None if window is None else positive_int("window", window)
-        dtype = floating_dtype("dtype", dtype, allow_none=False)
-        device = usable_device("device", device)
+        self.num_kv_heads, self.head_dim, self.value_head_dim, self.window, dtype, device = checked_layout(
+            num_kv_heads, head_dim, value_head_dim, window, dtype, device
+        )
         capacity = self.max_len if self.window is None else min(self.window, self.max_len)
         check_fits(
             "max_len",

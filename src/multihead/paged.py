@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from multihead._errors import bad_argument, describe, floating_dtype, positive_int, usable_device
+from multihead._errors import bad_argument, describe, positive_int
 from multihead._inputs import matching, tensor_argument
 from multihead._limits import check_fits
 from multihead.backends._blocks import compute_dtype
-from multihead.cache import check_fitting
+from multihead.cache import check_fitting, checked_layout
 from multihead.masks import to_device
 
 __all__ = ["PagedKVCache", "PagedBatch", "PagedPending", "paged_attention", "KEYS_PER_STEP"]
@@ -84,12 +84,9 @@ class PagedKVCache:
     ):
         self.num_pages = positive_int("num_pages", num_pages)
         self.page_size = positive_int("page_size", page_size)
-        self.num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
-        self.head_dim = positive_int("head_dim", head_dim)
-        self.value_head_dim = positive_int("value_head_dim", head_dim if value_head_dim is None else value_head_dim)
-        self.window = None if window is None else positive_int("window", window)
-        dtype = floating_dtype("dtype", dtype, allow_none=False)
-        device = usable_device("device", device)
+        self.num_kv_heads, self.head_dim, self.value_head_dim, self.window, dtype, device = checked_layout(
+            num_kv_heads, head_dim, value_head_dim, window, dtype, device
+        )
         check_fits(
             "num_pages",
             (self.num_pages, self.num_kv_heads, self.page_size, self.head_dim + self.value_head_dim),
