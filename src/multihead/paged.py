@@ -307,36 +307,30 @@ class PagedBatch:
         self.check_room(new)
         state = _state(cache, self.handles)
         reserved = self._reservations(new)
-        tables, firsts, ends, where_pages, where_slots = [], [], [], [], []
-        for handle, pages in zip(self.handles, reserved, strict=True):
-            sequence = cache._sequences[handle]
-            table = sequence.pages + pages
-            first = sequence.first_slot(cache.page_size)
-            offsets = torch.arange(sequence.seen, sequence.seen + new) - first  # the new keys' slots in the table
-            where_pages.append(torch.tensor(table, dtype=torch.long)[offsets // cache.page_size])
-            where_slots.append(offsets % cache.page_size)
-            tables.append(table)
-            firsts.append(first)
-            ends.append(sequence.seen + new)
+        sequences = [cache._sequences[handle] for handle in self.handles]
+        tables = [sequence.pages + pages for sequence, pages in zip(sequences, reserved, strict=True)]
+        padded = torch.full((len(tables), max(len(table) for table in tables)), -1, dtype=torch.long)  # (S, M)
+        for row, table in enumerate(tables):
+            padded[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+        firsts = [sequence.first_slot(cache.page_size) for sequence in sequences]
+        # the new keys' slots in each table: positions seen .. seen + new - 1, counted from its first held key
+        offsets = torch.stack(
+            [torch.arange(s.seen, s.seen + new) - first for s, first in zip(sequences, firsts, strict=True)]
+        )  # (S, n)
         device = cache.keys.device
-        page_index = to_device(torch.stack(where_pages), device)  # (S, n): tables live on the host, sent unwaited
-        slot_index = to_device(torch.stack(where_slots), device)
+        page_index = to_device(padded.gather(1, offsets // cache.page_size), device)  # (S, n): sent unwaited
+        slot_index = to_device(offsets % cache.page_size, device)
         # keys (S, g, n, d) -> pool[page, :, slot]: one write of every new key
         cache.keys[page_index, :, slot_index] = keys.permute(0, 2, 1, 3)
         cache.values[page_index, :, slot_index] = values.permute(0, 2, 1, 3)
-        width = max(len(table) for table in tables)
-        padded = torch.full((len(tables), width), -1, dtype=torch.long)
-        for row, table in enumerate(tables):
-            padded[row, : len(table)] = torch.tensor(table, dtype=torch.long)
-        seen = torch.tensor([cache._sequences[h].seen for h in self.handles], dtype=torch.long)
         return PagedPending(
             self,
             new,
             reserved,
             to_device(padded, device),
             to_device(torch.tensor(firsts, dtype=torch.long), device),
-            to_device(torch.tensor(ends, dtype=torch.long), device),
-            to_device(seen[:, None] + torch.arange(new), device),
+            to_device(torch.tensor([s.seen + new for s in sequences], dtype=torch.long), device),
+            self.positions(new, device),
             state,
         )
 
