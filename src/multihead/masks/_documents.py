@@ -291,9 +291,13 @@ class _BoundDocuments(BoundTerm):
         return bool(((self.host[2] < 0) | (self.host[2] >= self.shape.k_len)).any())
 
     def host_term(self) -> BoundTerm | None:
+        """This term over its host copies, on the CPU (a ragged term keeps its key spans, already there)."""
         if self.host is None:
             return None
-        return _BoundDocuments(*self.host, _on_cpu(self.shape), band=self.band, host=self.host, offset=self.offset)
+        term = copy.copy(self)
+        term.key_ids, term.query_ids, term.positions = self.host
+        term.shape, term._spans = _on_cpu(self.shape), {}
+        return term
 
     def block_states(self, grid: BlockGrid) -> torch.Tensor:
         query_low, query_high = _block_range(self.query_ids, grid.q_blocks, grid.block_q)  # (b, q_blocks)
@@ -321,13 +325,6 @@ class _BoundRaggedDocuments(_BoundDocuments):
     def __init__(self, *args, key_span: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.key_span = key_span  # (b, i) each row's document's first and last key, on the host
-
-    def host_term(self) -> BoundTerm | None:
-        if self.host is None:
-            return None
-        term = _BoundRaggedDocuments(*self.host, _on_cpu(self.shape), band=self.band, host=self.host)
-        term.key_span = self.key_span
-        return term
 
     def may_empty_rows(self) -> bool:
         if self.host is None or self.key_span is None:
