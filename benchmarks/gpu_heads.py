@@ -121,13 +121,13 @@ def attends() -> dict[str, Callable]:
         selection = multihead.WeightSelection(heads=list(heads))
 
         def attend(q, k, v):
-            result = multihead.attention(q, k, v, causal=True, return_weights=selection)
+            result = multihead.attention_result(q, k, v, causal=True, return_weights=selection)
             return result.output, result.weights
 
         return attend
 
     def materialized(q, k, v):
-        result = multihead.attention(q, k, v, causal=True, backend="materialized", return_weights=True)
+        result = multihead.attention_result(q, k, v, causal=True, backend="materialized", return_weights=True)
         return result.output, result.weights
 
     return {

@@ -47,7 +47,7 @@ def inputs(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def dense_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
     """The statistics (c) computes from the whole weight matrix."""
-    result = multihead.attention(q, k, v, causal=True, return_weights=True)
+    result = multihead.attention_result(q, k, v, causal=True, return_weights=True)
     weights = result.weights
     assert weights is not None
     entropy = -(weights * torch.where(weights > 0, weights.log(), torch.zeros((), dtype=weights.dtype))).sum(-1)

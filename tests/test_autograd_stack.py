@@ -15,7 +15,7 @@ import torch
 
 from multihead import masks
 from multihead.backends import materialized, reference, tiled
-from multihead.functional import attention
+from multihead.functional import attention_result
 from multihead.masks import AttentionShape, bind_mask
 from support import make_qkv
 
@@ -223,8 +223,8 @@ def test_vmap_through_attention_equals_the_loop(kwargs, small_blocks, device):
     mask = make_mask(SIZES["b"], SIZES["h"], SIZES["i"], SIZES["j"], device=device)
 
     def fn(q):
-        res = attention(q, k, v, mask=mask, **kwargs)
-        return tuple(t for t in res if t is not None) if isinstance(res, tuple) else (res,)
+        res = attention_result(q, k, v, mask=mask, **kwargs)
+        return tuple(t for t in res if t is not None)
 
     for a, b in zip(torch.func.vmap(fn)(qs), stacked(fn(x) for x in qs), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import multihead
 from multihead import masks
 from multihead.backends._blocks import softmax_rows_
-from multihead.functional import WeightSelection, attention
+from multihead.functional import WeightSelection, attention, attention_result
 from support import assert_within_rule, make_qkv, textbook_lowp, tiny_blocks
 
 FAST_BACKENDS = ["sdpa", "tiled", "materialized"]
@@ -138,8 +138,8 @@ def test_backend_matches_reference(backend, kind, dtype, lengths, small_blocks, 
 def test_tiled_lse_and_weights_from_lse_match_reference(kind, small_blocks, device):
     q, k, v = make_qkv(b=2, h=6, g=2, i=7, j=5, d=4, e=3, device=device)
     mask = make_mask(kind, 2, 6, 7, 5, device=device)
-    ref = attention(q, k, v, mask=mask, backend="reference", return_weights=True, return_lse=True)
-    tiled = attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+    ref = attention_result(q, k, v, mask=mask, backend="reference", return_weights=True, return_lse=True)
+    tiled = attention_result(q, k, v, mask=mask, backend="tiled", return_lse=True)
     dead = ref.lse == -math.inf
     assert torch.equal(dead, tiled.lse == -math.inf)
     torch.testing.assert_close(tiled.lse[~dead], ref.lse[~dead], rtol=0, atol=1e-12)
@@ -161,10 +161,10 @@ def test_tiled_lse_and_weights_from_lse_match_reference(kind, small_blocks, devi
 def test_returned_weights_match_reference(backend, dtype, small_blocks, device):
     q, k, v = make_qkv(b=2, h=6, g=3, i=5, j=7, dtype=torch.float64, device=device)
     mask = masks.causal() & masks.padding(torch.tensor([7, 4], device=device))
-    ref64 = attention(q, k, v, mask=mask, backend="reference", return_weights=True)
+    ref64 = attention_result(q, k, v, mask=mask, backend="reference", return_weights=True)
     low = [t.to(dtype) for t in (q, k, v)]
     lowp_output, lowp_weights, _ = textbook_lowp(*low, mask=mask)
-    fast = attention(*low, mask=mask, backend=backend, return_weights=True)
+    fast = attention_result(*low, mask=mask, backend=backend, return_weights=True)
     assert_within_rule(fast.weights, ref64.weights, lowp_weights, what="weights")
     assert_within_rule(fast.output, ref64.output, lowp_output, what="output")
 
@@ -190,7 +190,7 @@ def test_weights_gradient_flows_through_materialized(device):
     grads = {}
     for backend in ("reference", "materialized"):
         q.grad = k.grad = v.grad = None
-        res = attention(q, k, v, causal=True, backend=backend, return_weights=True)
+        res = attention_result(q, k, v, causal=True, backend=backend, return_weights=True)
         ((res.weights * target).sum() + res.output.square().sum()).backward()
         grads[backend] = [t.grad.clone() for t in (q, k, v)]
     for ref, fast in zip(grads["reference"], grads["materialized"], strict=True):
@@ -218,7 +218,7 @@ def test_gradcheck_tiled_through_lse_and_dropout(small_blocks, device):
 
     def fn(q, k, v):
         torch.manual_seed(0)  # the same dropout pattern on every evaluation
-        res = attention(q, k, v, causal=True, dropout=0.3, training=True, backend="tiled", return_lse=True)
+        res = attention_result(q, k, v, causal=True, dropout=0.3, training=True, backend="tiled", return_lse=True)
         return res.output, res.lse.masked_fill(res.lse == -math.inf, 0.0)
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
@@ -228,7 +228,7 @@ def test_gradcheck_tiled_through_lse_and_dropout(small_blocks, device):
 def test_gradcheck_materialized_weights_output(device):
     q, k, v = make_qkv(b=1, h=2, g=2, i=4, j=5, d=3, e=2, requires_grad=True, device=device)
     assert torch.autograd.gradcheck(
-        lambda q, k, v: tuple(attention(q, k, v, causal=True, backend="materialized", return_weights=True)[:2]),
+        lambda q, k, v: tuple(attention_result(q, k, v, causal=True, backend="materialized", return_weights=True)[:2]),
         (q, k, v),
     )
 
@@ -255,7 +255,7 @@ def test_fully_masked_rows_give_zero_output_weights_and_gradient(backend, case, 
         "bool_row": (slice(None), slice(None), 2),
         "neg_inf_bias": (slice(None), slice(None), 2),
     }[case]
-    res = attention(q, k, v, mask=mask, backend=backend, return_weights=True)
+    res = attention_result(q, k, v, mask=mask, backend=backend, return_weights=True)
     assert not res.output.isnan().any() and not res.weights.isnan().any()
     assert (res.output[dead] == 0).all() and (res.weights[dead] == 0).all()
     grad_out = torch.zeros_like(res.output)
@@ -307,7 +307,7 @@ def test_dropout_in_training_drops_weights_with_probability_p_and_rescales(backe
     v = torch.eye(j, dtype=torch.float64, device=device).view(
         1, 1, j, j
     )  # e = j, value of key n is the n-th unit vector
-    weights = attention(q, k, v, causal=True, backend="reference", return_weights=True).weights
+    weights = attention_result(q, k, v, causal=True, backend="reference", return_weights=True).weights
     allowed = weights > 0
     samples = torch.stack(
         [attention(q, k, v, causal=True, dropout=p, training=True, backend=backend) for _ in range(trials)]
@@ -329,7 +329,7 @@ def test_dropout_in_training_drops_weights_with_probability_p_and_rescales(backe
 def test_weights_under_dropout_are_the_applied_ones():
     torch.manual_seed(1)
     q, k, v = make_qkv(b=1, h=2, g=2, i=4, j=6)
-    res = attention(q, k, v, dropout=0.5, training=True, return_weights=True)
+    res = attention_result(q, k, v, dropout=0.5, training=True, return_weights=True)
     torch.testing.assert_close(res.output, res.weights @ v, rtol=0, atol=1e-12)
     assert multihead.explain(q, k, v, dropout=0.5, training=True, return_weights=True).chosen == "reference"
 
@@ -343,12 +343,12 @@ def test_weight_selection_equals_slice_of_all_weights(backend, small_blocks, dev
         & masks.alibi(masks.alibi_slopes(6).to(device))
         & masks.padding(torch.tensor([7, 5], device=device))
     )
-    full = attention(q, k, v, mask=mask, backend="reference", return_weights=True)
+    full = attention_result(q, k, v, mask=mask, backend="reference", return_weights=True)
     heads, queries = [4, 1], [0, 3, 4]
-    sub = attention(q, k, v, mask=mask, backend=backend, return_weights=WeightSelection(heads, queries))
+    sub = attention_result(q, k, v, mask=mask, backend=backend, return_weights=WeightSelection(heads, queries))
     torch.testing.assert_close(sub.weights, full.weights[:, heads][:, :, queries], rtol=0, atol=1e-12)
     torch.testing.assert_close(sub.output, full.output, rtol=0, atol=1e-12)
-    sliced = attention(q, k, v, mask=mask, backend=backend, return_weights=WeightSelection([5], slice(1, 4)))
+    sliced = attention_result(q, k, v, mask=mask, backend=backend, return_weights=WeightSelection([5], slice(1, 4)))
     torch.testing.assert_close(sliced.weights, full.weights[:, [5], 1:4], rtol=0, atol=1e-12)
 
 
@@ -358,18 +358,18 @@ def test_asking_for_weights_does_not_change_the_output(backend, small_blocks, de
     q, k, v = make_qkv(dtype=torch.float32, device=device)
     plain = attention(q, k, v, causal=True, backend=backend)
     for request in (True, WeightSelection(heads=[2])):
-        with_weights = attention(q, k, v, causal=True, backend=backend, return_weights=request).output
+        with_weights = attention_result(q, k, v, causal=True, backend=backend, return_weights=request).output
         torch.testing.assert_close(with_weights, plain, rtol=0, atol=0)
     # auto switches kernel when every weight is asked for: equal within float32 rounding
-    auto = attention(q, k, v, causal=True, return_weights=True).output
+    auto = attention_result(q, k, v, causal=True, return_weights=True).output
     torch.testing.assert_close(auto, plain, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.portable
 def test_unbatched_inputs_match_batched(device):
     q, k, v = make_qkv(b=1, h=6, g=2, i=5, j=7, device=device)
-    batched = attention(q, k, v, causal=True, return_weights=True, return_lse=True, backend="tiled")
-    single = attention(q[0], k[0], v[0], causal=True, return_weights=True, return_lse=True, backend="tiled")
+    batched = attention_result(q, k, v, causal=True, return_weights=True, return_lse=True, backend="tiled")
+    single = attention_result(q[0], k[0], v[0], causal=True, return_weights=True, return_lse=True, backend="tiled")
     assert single.output.shape == (6, 5, 3) and single.weights.shape == (6, 5, 7) and single.lse.shape == (6, 5)
     for a, b in zip(single, batched, strict=True):
         torch.testing.assert_close(a, b[0], rtol=0, atol=0)
@@ -408,7 +408,7 @@ def test_auto_dispatch_and_reasons():
     assert multihead.explain(q, k, v, dropout=0.1, training=True, return_lse=True).chosen == "tiled"
     assert "chosen: sdpa" in str(multihead.explain(q, k, v))
     with pytest.raises(ValueError, match="return_lse"):
-        attention(q, k, v, backend="sdpa", return_lse=True)
+        attention_result(q, k, v, backend="sdpa", return_lse=True)
 
 
 def test_auto_overhead_passes_plain_causal_to_sdpa_as_is_causal(monkeypatch):
@@ -522,11 +522,11 @@ def test_selected_weights_carry_gradients_like_the_reference(kind, device):
     for request in ("reference", "selection"):
         q.grad = k.grad = v.grad = None
         if request == "reference":
-            weights = attention(q, k, v, mask=mask, backend="reference", return_weights=True).weights[:, [4, 1]][
+            weights = attention_result(q, k, v, mask=mask, backend="reference", return_weights=True).weights[:, [4, 1]][
                 :, :, [0, 3, 4]
             ]
         else:
-            weights = attention(q, k, v, mask=mask, return_weights=WeightSelection([4, 1], [0, 3, 4])).weights
+            weights = attention_result(q, k, v, mask=mask, return_weights=WeightSelection([4, 1], [0, 3, 4])).weights
         (weights * target).sum().backward()
         grads.append([t.grad.clone() for t in (q, k)])
     for ref, got in zip(*grads, strict=True):
@@ -552,7 +552,7 @@ def test_the_oracle_stays_finite_on_large_float16_inputs(device):
     """Random inputs x100 overflowed the oracle's float16 product (NaN); it now computes in float32."""
     q, k, v = make_qkv(b=2, h=4, g=2, i=9, j=11, d=16, e=8, seed=5, device=device)
     q16, k16, v16 = (100 * q).half(), (100 * k).half(), v.half()
-    result = attention(q16, k16, v16, backend="reference", return_weights=True, return_lse=True)
+    result = attention_result(q16, k16, v16, backend="reference", return_weights=True, return_lse=True)
     assert all(t.isfinite().all() for t in result)
     exact = attention(q16.double(), k16.double(), v16.double(), backend="reference")
     torch.testing.assert_close(result.output.double(), exact, rtol=0, atol=2e-3)  # float16 output rounding
@@ -573,7 +573,7 @@ def test_fully_masked_rows_stay_zero_when_their_scores_would_overflow(backend, a
     keep[1] = False
     keep[0, 3:] = False
     mask = torch.zeros(3, 5, device=device).masked_fill(~keep, -math.inf) if as_bias else keep
-    result = attention(q, k, v, mask=mask, backend=backend, return_weights=True)
+    result = attention_result(q, k, v, mask=mask, backend=backend, return_weights=True)
     assert torch.equal(result.output[0, 0, 1], torch.zeros(4, device=device)) and torch.equal(
         result.weights[0, 0, 1], torch.zeros(5, device=device)
     )

@@ -20,7 +20,7 @@ import multihead
 from multihead import masks
 from multihead.backends import costs, flex, policy
 from multihead.backends.rates import CPU_AVX2_RATES
-from multihead.functional import attention
+from multihead.functional import attention, attention_result
 from multihead.masks import AttentionShape, bind_mask
 from support import assert_within_rule, make_qkv, textbook_lowp
 from test_backends import MASK_KINDS, cast_mask, make_mask
@@ -176,7 +176,7 @@ def test_lse_matches_reference(kind):
     i, j = 7, 5
     q, k, v = inputs(i, j)
     mask = make_mask(kind, B, H, i, j)
-    ref = attention(q, k, v, mask=mask, backend="reference", return_lse=True)
+    ref = attention_result(q, k, v, mask=mask, backend="reference", return_lse=True)
     low = [t.float() for t in (q, k, v)]
     out, lse = unfused(*low, cast_mask(mask, torch.float32), lse=True)
     dead = ref.lse == -math.inf
@@ -226,7 +226,7 @@ def test_refusals_name_what_flex_lacks(kwargs, fragment):
     else:
         assert why.startswith("chosen: None") and fragment in why
         with pytest.raises(ValueError, match=fragment.split(" (")[0]):
-            attention(q, k, v, backend="flex", **kwargs)
+            attention_result(q, k, v, backend="flex", **kwargs)
 
 
 def test_float64_is_refused():

@@ -107,19 +107,21 @@ def test_export_takes_a_dynamic_sequence_length(case):
 
 def test_weights_and_lse_compile_to_one_graph_for_every_length(fresh_dynamo):
     """auto passes over the blocked kernels while compiling (their Python loops would pin the length)."""
-    from multihead import attention
+    from multihead import attention_result
 
     layer = _layer()
     weights_call = torch.compile(lambda x: layer(x, causal=True, need_weights=True), dynamic=True, backend="eager")
     lse_call = torch.compile(
-        lambda q, k, v: attention(q, k, v, causal=True, return_lse=True), dynamic=True, backend="eager"
+        lambda q, k, v: attention_result(q, k, v, causal=True, return_lse=True), dynamic=True, backend="eager"
     )
     with torch.no_grad():
         for n in LENGTHS:
             x, q = torch.randn(2, n, 32), torch.randn(2, 4, n, 8)
             for got, want in zip(weights_call(x), layer(x, causal=True, need_weights=True), strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-            for got, want in zip(lse_call(q, q, q), attention(q, q, q, causal=True, return_lse=True), strict=True):
+            for got, want in zip(
+                lse_call(q, q, q), attention_result(q, q, q, causal=True, return_lse=True), strict=True
+            ):
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one per compiled function
     assert not counters["graph_break"], dict(counters["graph_break"])

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from multihead import WeightSelection, attention, explain, masks
+from multihead import WeightSelection, attention, attention_result, explain, masks
 from multihead._errors import InputError
 from multihead.backends import Capabilities, registry
 from support import is_input_error
@@ -41,7 +41,7 @@ def _noop_backend(q, k, v, *, mask, scale, dropout, need_weights, need_lse):
 
 
 def call(*qkv, **kwargs):
-    """A row that is a call of attention(*qkv, **kwargs); explain() must reject it the same way."""
+    """A row that is a call of attention_result(*qkv, **kwargs); explain() must reject it the same way."""
 
     def run(fn):
         return fn(*qkv, **kwargs)
@@ -583,7 +583,8 @@ def _isolated_registry(monkeypatch):
 
 @pytest.mark.parametrize(("run", "kind", "fragment"), ROWS)
 def test_bad_input_raises_a_helpful_error(run, kind, fragment):
-    _check(_raised(run, attention), kind, fragment)
+    # attention_result takes every argument attention takes, and return_weights / return_lse
+    _check(_raised(run, attention_result), kind, fragment)
 
 
 def test_table_ids_are_unique():
@@ -596,7 +597,7 @@ EXPLAINABLE = [row for row in ROWS if row.values[0].explainable]
 
 @pytest.mark.parametrize(("run", "kind", "fragment"), EXPLAINABLE)
 def test_explain_rejects_bad_input_like_attention(run, kind, fragment):
-    from_attention = _raised(run, attention)
+    from_attention = _raised(run, attention_result)
     from_explain = _raised(run, explain)
     _check(from_explain, kind, fragment)
     assert type(from_explain) is type(from_attention)
@@ -650,8 +651,7 @@ GOOD = [
 
 @pytest.mark.parametrize("kwargs", GOOD)
 def test_valid_counterparts_run(kwargs):
-    result = attention(Q, K, V, **kwargs)
-    output = result if isinstance(result, torch.Tensor) else result.output
+    output = attention_result(Q, K, V, **kwargs).output
     assert output.shape == (B, H, Q_LEN, E)
     assert torch.isfinite(output).all()
     assert explain(Q, K, V, **kwargs).chosen is not None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multihead import WeightSelection, attention, explain, masks
+from multihead import WeightSelection, attention, attention_result, explain, masks
 from support import is_input_error, make_qkv
 
 BACKENDS = ["auto", "sdpa", "tiled", "materialized", "reference"]
@@ -32,14 +32,13 @@ def test_autocast_computes_as_if_called_in_the_autocast_dtype(options, device):
     leaves = make_qkv(dtype=torch.float32, requires_grad=True, device=device)
     mask = masks.causal() & masks.padding(torch.tensor([7, 4], device=device))
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        result = attention(*leaves, mask=mask, **options)
-    expected = attention(*(t.detach().bfloat16() for t in leaves), mask=mask, **options)
-    parts = ("output", "weights", "lse")  # an AttentionResult's fields; a lone output is the first
-    for name, got, want in zip(parts, *(r if isinstance(r, tuple) else (r,) for r in (result, expected)), strict=False):
+        result = attention_result(*leaves, mask=mask, **options)
+    expected = attention_result(*(t.detach().bfloat16() for t in leaves), mask=mask, **options)
+    for name, got, want in zip(("output", "weights", "lse"), result, expected, strict=True):
         if want is not None:
             assert got.dtype == (torch.float32 if name == "lse" else torch.bfloat16)  # the LSE is never half
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-    output = result if isinstance(result, torch.Tensor) else result.output
+    output = result.output
     output.float().sum().backward()
     assert all(t.grad is not None and t.grad.dtype == torch.float32 and t.grad.isfinite().all() for t in leaves)
 
@@ -64,7 +63,7 @@ def test_inputs_that_cannot_exist_in_memory_are_refused_before_any_kernel_runs(b
 def test_all_weights_that_cannot_fit_are_refused_with_the_selection_as_the_fix():
     q = torch.randn(1, 1, 1, 8).expand(1, 1, 2**17, 8)  # 2**34 weights of 4 bytes: 64 GiB
     with pytest.raises(ValueError, match="return_weights: expected the weights to fit") as info:
-        attention(q, q, q, return_weights=True)
+        attention_result(q, q, q, return_weights=True)
     assert "WeightSelection" in str(info.value)
     with pytest.raises(ValueError, match="return_weights: expected the weights to fit"):
         explain(q, q, q, return_weights=True)
@@ -80,8 +79,10 @@ def _meta_call():
 def test_meta_tensors_give_results_of_the_right_shape(backend):
     """Shape inference on the meta device (deferred initialisation) works with every mask kind."""
     q, k, v, mask = _meta_call()
-    result = attention(q, k, v, mask=mask, backend=backend, return_weights=backend in ("materialized", "reference"))
-    output = result if isinstance(result, torch.Tensor) else result.output
+    result = attention_result(
+        q, k, v, mask=mask, backend=backend, return_weights=backend in ("materialized", "reference")
+    )
+    output = result.output
     assert output.device.type == "meta" and output.shape == (2, 6, 5, 3)
 
 
@@ -97,7 +98,7 @@ def test_meta_tensors_give_results_of_the_right_shape(backend):
 @pytest.mark.portable
 def test_bad_query_slices_are_refused_in_the_callers_terms(queries, kind, fragment, device):
     with pytest.raises(kind) as info:
-        attention(*make_qkv(device=device), return_weights=WeightSelection(queries=queries))
+        attention_result(*make_qkv(device=device), return_weights=WeightSelection(queries=queries))
     assert is_input_error(info.value, kind) and fragment in str(info.value), str(info.value)
 
 
@@ -106,10 +107,10 @@ def test_bad_query_slices_are_refused_in_the_callers_terms(queries, kind, fragme
 def test_a_stepped_query_slice_selects_those_rows_with_any_mask(backend, device):
     q, k, v = make_qkv(device=device)
     mask = masks.causal() & masks.padding(torch.tensor([7, 5], device=device))
-    selected = attention(
+    selected = attention_result(
         q, k, v, mask=mask, backend=backend, return_weights=WeightSelection(queries=slice(None, None, 2))
     )
-    every = attention(q, k, v, mask=mask, backend="reference", return_weights=True)
+    every = attention_result(q, k, v, mask=mask, backend="reference", return_weights=True)
     torch.testing.assert_close(selected.weights, every.weights[:, :, ::2], rtol=0, atol=1e-12)
 
 

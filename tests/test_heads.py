@@ -18,9 +18,10 @@ def make_layer(device: torch.device | str = "cpu", **options) -> MultiHeadAttent
 
 
 def per_head(layer, x, **kwargs):
-    """The per-head outputs (b, h, i, e) as the layer computes them, via a forward hook on its attend step."""
+    """The per-head outputs (b, h, i, e) as the layer computes them, via a forward hook on its attend step (which
+    returns an AttentionResult)."""
     seen = {}
-    handle = layer.attend.register_forward_hook(lambda module, args, output: seen.setdefault("out", output))
+    handle = layer.attend.register_forward_hook(lambda module, args, result: seen.setdefault("out", result.output))
     layer(x, **kwargs)
     handle.remove()
     return seen["out"], seen

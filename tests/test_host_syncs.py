@@ -130,18 +130,17 @@ def run_everything(q, k, v, mask, backends: list[str]) -> dict[str, dict[str, to
     for name in served:
         caps = get_backend(name).capabilities
         extra = dict(return_lse=caps.lse, return_weights=caps.weights)
-        result = multihead.attention(q, k, v, mask=mask, backend=name, **extra)
-        out = result if isinstance(result, torch.Tensor) else result.output
+        result = multihead.attention_result(q, k, v, mask=mask, backend=name, **extra)
+        out = result.output
         grads = torch.autograd.grad(out.sum(), (q, k, v))
         results[name] = {"output": out, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
-        if not isinstance(result, torch.Tensor):
-            extras = {"lse": result.lse, "weights": result.weights}
-            results[name].update({part: t for part, t in extras.items() if t is not None})
+        extras = {"lse": result.lse, "weights": result.weights}
+        results[name].update({part: t for part, t in extras.items() if t is not None})
         if caps.dropout:
             dropped = multihead.attention(q, k, v, mask=mask, backend=name, dropout=0.25, training=True)
             torch.autograd.grad(dropped.sum(), (q, k, v))
     # auto's choice, its estimates (block counts over the mask) and the weights of a backend without native ones
-    auto = multihead.attention(q, k, v, mask=mask, return_weights=True, return_lse=True)
+    auto = multihead.attention_result(q, k, v, mask=mask, return_weights=True, return_lse=True)
     torch.autograd.grad(auto.output.sum(), (q, k, v))
     return results
 

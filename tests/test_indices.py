@@ -30,8 +30,8 @@ def test_the_validator_counts_negatives_from_the_end_and_names_the_range():
 def test_minus_one_is_the_last_head_and_row_everywhere(device):
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4, 5, 8, device=device) for _ in range(3))
-    full = multihead.attention(q, k, v, return_weights=True).weights  # (1, 4, 5, 5)
-    last = multihead.attention(q, k, v, return_weights=WeightSelection(heads=[-1], queries=[-1])).weights
+    full = multihead.attention_result(q, k, v, return_weights=True).weights  # (1, 4, 5, 5)
+    last = multihead.attention_result(q, k, v, return_weights=WeightSelection(heads=[-1], queries=[-1])).weights
     torch.testing.assert_close(last, full[:, 3:, 4:])
 
     layer = multihead.MultiHeadAttention(16, 4, device=device)

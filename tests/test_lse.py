@@ -24,7 +24,7 @@ LSE_BACKENDS = [name for name in available_backends() if get_backend(name).capab
 
 
 def lse_of(q, k, v, mask, backend: str) -> torch.Tensor:
-    result = multihead.attention(q, k, v, mask=mask, backend=backend, return_lse=True)
+    result = multihead.attention_result(q, k, v, mask=mask, backend=backend, return_lse=True)
     assert result.lse is not None
     return result.lse
 
@@ -69,7 +69,7 @@ def test_the_lse_keeps_the_dtype_of_float32_and_float64_inputs(device):
 def test_the_lse_under_autocast_is_float32(device):
     q, k, v = make_qkv(dtype=torch.float32, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        result = multihead.attention(q, k, v, causal=True, return_lse=True)
+        result = multihead.attention_result(q, k, v, causal=True, return_lse=True)
     assert result.output.dtype == torch.bfloat16 and result.lse.dtype == torch.float32
 
 
@@ -77,9 +77,9 @@ def test_ring_merges_keep_float32(device):
     """Two halves of the keys merged by their LSEs (ring attention's step) give the whole call's output and LSE,
     in float32, from bfloat16 inputs."""
     q, k, v = make_qkv(b=2, h=6, g=3, i=5, j=8, dtype=torch.bfloat16, device=device)
-    whole = multihead.attention(q, k, v, backend="reference", return_lse=True)
+    whole = multihead.attention_result(q, k, v, backend="reference", return_lse=True)
     halves = [
-        multihead.attention(q, k[:, :, cols], v[:, :, cols], backend="reference", return_lse=True)
+        multihead.attention_result(q, k[:, :, cols], v[:, :, cols], backend="reference", return_lse=True)
         for cols in (slice(0, 4), slice(4, 8))
     ]
     out, lse = None, None

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multihead import _memory, attention
+from multihead import _memory, attention_result
 from support import make_qkv
 
 
@@ -62,11 +62,11 @@ def test_large_fresh_tensor_lands_on_huge_pages_where_the_kernel_offers_them():
 
 def test_materialized_weights_are_the_same_with_and_without_huge_pages(monkeypatch):
     q, k, v = make_qkv(b=1, h=4, g=4, i=2100, j=1100, d=8, e=8, dtype=torch.float32)  # 37 MB of weights
-    advised = attention(q, k, v, causal=True, backend="materialized", return_weights=True)
+    advised = attention_result(q, k, v, causal=True, backend="materialized", return_weights=True)
     monkeypatch.setattr(_memory, "MIN_ADVISED_BYTES", 1 << 62)
-    plain = attention(q, k, v, causal=True, backend="materialized", return_weights=True)
+    plain = attention_result(q, k, v, causal=True, backend="materialized", return_weights=True)
     assert torch.equal(advised.output, plain.output) and torch.equal(advised.weights, plain.weights)
     # rows 0-999 attend no key under bottom-right causal (j < i): the live key spans at the real block sizes
-    oracle = attention(*(t.double() for t in (q, k, v)), causal=True, backend="reference", return_weights=True)
+    oracle = attention_result(*(t.double() for t in (q, k, v)), causal=True, backend="reference", return_weights=True)
     torch.testing.assert_close(advised.weights.double(), oracle.weights, atol=1e-5, rtol=0)
     torch.testing.assert_close(advised.output.double(), oracle.output, atol=1e-5, rtol=0)

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from multihead import MultiHeadAttention, attention
-from multihead.paged import PagedKVCache, paged_attention
+from multihead.backends.paged import PageTable
+from multihead.paged import PagedKVCache
 from support import is_input_error
 
 pytestmark = pytest.mark.portable
@@ -142,12 +143,12 @@ def test_a_failed_call_leaves_the_pool_and_the_tables_as_they_were(monkeypatch):
         assert is_input_error(raised.value, kind)
         assert_same_snapshot(before, snapshot(paged))
     # a failure after the keys were written (the kernel raising): nothing counts
-    import multihead.paged
+    import multihead.backends.paged
 
     def broken(*args, **kwargs):
         raise RuntimeError("the kernel failed")
 
-    monkeypatch.setattr(multihead.paged, "paged_attention", broken)
+    monkeypatch.setattr(multihead.backends.paged, "_paged_kernel", broken)
     with pytest.raises(RuntimeError):
         layer(tokens(1, 6, "cpu", rows=2), causal=True, cache=paged.batch([first, second]))
     assert_same_snapshot(before, snapshot(paged))
@@ -172,11 +173,11 @@ def test_pages_come_back_when_a_sequence_is_freed_and_are_reused():
 
 
 @pytest.mark.parametrize("keys_per_step", [3, 7, 256], ids=["a page a step", "two pages a step", "all at once"])
-def test_paged_attention_equals_dense_attention_over_each_sequences_keys(keys_per_step, monkeypatch, device):
+def test_the_paged_backend_equals_dense_attention_over_each_sequences_keys(keys_per_step, monkeypatch, device):
     # three sequences of 7, 2 and 5 keys on pages of 3, scattered over the pool, queried by their last 2 tokens
-    import multihead.paged
+    import multihead.backends.paged
 
-    monkeypatch.setattr(multihead.paged, "KEYS_PER_STEP", keys_per_step)
+    monkeypatch.setattr(multihead.backends.paged, "KEYS_PER_STEP", keys_per_step)
     generator = torch.Generator().manual_seed(0)
     pool_k = torch.randn(9, 2, 3, 4, generator=generator, dtype=torch.float64).to(device)
     pool_v = torch.randn(9, 2, 3, 5, generator=generator, dtype=torch.float64).to(device)
@@ -184,7 +185,10 @@ def test_paged_attention_equals_dense_attention_over_each_sequences_keys(keys_pe
     ends = torch.tensor([7, 2, 5], device=device)
     positions = torch.stack([ends - 2, ends - 1], 1)
     q = torch.randn(3, 6, 2, 4, generator=generator, dtype=torch.float64).to(device)
-    out = paged_attention(q, pool_k, pool_v, tables, torch.zeros(3, dtype=torch.long, device=device), ends, positions)
+    first = torch.zeros(3, dtype=torch.long, device=device)
+    pages = PageTable(tables, first, ends, positions, width=7)
+    assert multihead.explain(q, pool_k, pool_v, pages=pages, causal=True).chosen == "paged"
+    out = attention(q, pool_k, pool_v, pages=pages, causal=True)
     for row in range(3):
         pages = tables[row][tables[row] >= 0]
         keys = pool_k[pages].transpose(0, 1).reshape(2, -1, 4)[:, : ends[row]]  # (g, L, d)
@@ -193,15 +197,11 @@ def test_paged_attention_equals_dense_attention_over_each_sequences_keys(keys_pe
         torch.testing.assert_close(out[row : row + 1], expected, atol=1e-12, rtol=0)
 
 
-def test_a_paged_call_takes_no_mask_and_gives_no_weights():
+def test_a_paged_call_takes_no_mask():
     layer = make_layer("cpu")
     paged = layer.new_paged_cache(num_pages=4, page_size=4)
     handle = paged.add()
-    for option, fragment in (
-        ({"need_weights": True}, "need_weights: expected no mask and no weights"),
-        ({"mask": torch.ones(3, 3, dtype=torch.bool)}, "mask: expected no mask"),
-    ):
-        with pytest.raises(ValueError) as raised:
-            layer(tokens(3, 0, "cpu"), causal=True, cache=paged.batch([handle]), **option)
-        assert is_input_error(raised.value, ValueError) and fragment in str(raised.value)
-    assert paged.seen(handle) == 0
+    with pytest.raises(ValueError) as raised:
+        layer(tokens(3, 0, "cpu"), causal=True, cache=paged.batch([handle]), mask=torch.ones(3, 3, dtype=torch.bool))
+    assert is_input_error(raised.value, ValueError) and "mask: expected None in a paged call" in str(raised.value)
+    assert paged.seen(handle) == 0 and paged.pages_in_use == 0

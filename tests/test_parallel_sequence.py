@@ -136,7 +136,7 @@ def check_rank(rank: int, world: int) -> dict:
     # Ring: point-to-point exchanges (calls and bytes) counted by a wrapper; kernel calls per rank show the zigzag
     # balance; the bytes autograd saves in the forward (each storage once) show the O(n/P) training memory
     exchanges, sent, kernels = [], [], []
-    original_exchange, original_attention = sequence._exchange, sequence.attention
+    original_exchange, original_attention = sequence._exchange, sequence.attention_result
 
     def counting_exchange(send, *args, **kwargs):
         exchanges.append(1)
@@ -153,7 +153,7 @@ def check_rank(rank: int, world: int) -> dict:
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    sequence._exchange, sequence.attention = counting_exchange, counting_attention
+    sequence._exchange, sequence.attention_result = counting_exchange, counting_attention
     try:
         for layout in ("contiguous", "zigzag"):
             q, k, v, grad, _ = problem(6, 2, 0)
@@ -172,7 +172,7 @@ def check_rank(rank: int, world: int) -> dict:
         report["counts"]["kv bytes"] = sum(t.numel() * t.element_size() for t in local[1:])
         report["counts"]["shard bytes"] = sum(t.numel() * t.element_size() for t in (*local, out))
     finally:
-        sequence._exchange, sequence.attention = original_exchange, original_attention
+        sequence._exchange, sequence.attention_result = original_exchange, original_attention
 
     # the layer: projections local, attention across ranks; weight gradients summed over the ranks
     for method in ("ring", "ulysses"):

@@ -15,7 +15,7 @@ import torch
 import multihead
 from multihead import masks
 from multihead.backends import Capabilities, registry
-from multihead.functional import WeightSelection, attention
+from multihead.functional import WeightSelection, attention, attention_result
 from support import assert_within_rule, is_input_error, make_qkv, randn
 
 CAP = 2.0  # small enough that the scaled scores below (|s| up to ~10) reach tanh's flat part
@@ -100,7 +100,7 @@ def test_forward_matches_the_plain_oracle(backend, kind, lengths, small_blocks, 
     mask, keep, bias = plain_mask(kind, SIZES["b"], SIZES["h"], i, j, device=device)
     want_out, want_weights, want_lse = oracle(q, k, v, keep=keep, bias=bias)
     lse_too = backend != "materialized"  # materialized returns no LSE
-    got = attention(q, k, v, mask=mask, backend=backend, return_weights=True, return_lse=lse_too)
+    got = attention_result(q, k, v, mask=mask, backend=backend, return_weights=True, return_lse=lse_too)
     torch.testing.assert_close(got.output, want_out, rtol=0, atol=1e-12)
     torch.testing.assert_close(got.weights, want_weights, rtol=0, atol=1e-12)
     if lse_too:
@@ -143,7 +143,7 @@ def test_weight_selection_matches_the_oracle(backend, needs_grad, small_blocks, 
     mask, keep, bias = plain_mask("combo", 3, 4, 5, 7, device)
     heads, queries = [3, 0], [4, 1, 2]
     leaves = [t.clone().requires_grad_(needs_grad) for t in (q, k, v)]
-    got = attention(*leaves, mask=mask, backend=backend, return_weights=WeightSelection(heads, queries)).weights
+    got = attention_result(*leaves, mask=mask, backend=backend, return_weights=WeightSelection(heads, queries)).weights
     oracle_leaves = [t.clone().requires_grad_(needs_grad) for t in (q, k, v)]
     want = oracle(*oracle_leaves, keep=keep, bias=bias)[1][:, heads][:, :, queries]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
@@ -181,8 +181,8 @@ def with_finite_lse(res):
 def differentiable(backend: str, mask):
     """The backend's outputs as a function of (q, k, v): output and LSE (tiled, reference) or weights."""
     if backend == "materialized":
-        return lambda q, k, v: tuple(attention(q, k, v, mask=mask, backend=backend, return_weights=True)[:2])
-    return lambda q, k, v: with_finite_lse(attention(q, k, v, mask=mask, backend=backend, return_lse=True))
+        return lambda q, k, v: tuple(attention_result(q, k, v, mask=mask, backend=backend, return_weights=True)[:2])
+    return lambda q, k, v: with_finite_lse(attention_result(q, k, v, mask=mask, backend=backend, return_lse=True))
 
 
 @pytest.mark.portable

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from multihead import attention, attention_stats, masks
+from multihead import attention_result, attention_stats, masks
 from multihead.streamed_stats import DISTANCE_BANDS, PoolGrid
 from support import is_input_error
 
@@ -108,7 +108,7 @@ def mask_cases(device, b, h, i, j):
 def test_every_mask_kind_equals_the_dense_weights(case, device):
     q, k, v = inputs(device)
     mask = mask_cases(device, 2, 4, 37, 37)[case]
-    expected = attention(q, k, v, mask=mask, return_weights=True)
+    expected = attention_result(q, k, v, mask=mask, return_weights=True)
     stats = attention_stats(q, k, v, mask=mask, sinks=3, far=10, top_k=5, pooled=8, pool="mean")
     assert_stats_equal(stats, expected.weights, sinks=3, far=10, top_k=5, pooled=8, pool="mean")
     torch.testing.assert_close(stats.output, expected.output, rtol=0, atol=1e-12)
@@ -117,7 +117,7 @@ def test_every_mask_kind_equals_the_dense_weights(case, device):
 def test_queries_after_the_keys_they_extend_and_max_pooling(device):
     # 5 queries at the end of 300 keys (a prefix cached), bottom-right causal: distances from position 295 on
     q, k, v = inputs(device, i=5, j=300)
-    weights = attention(q, k, v, causal=True, return_weights=True).weights
+    weights = attention_result(q, k, v, causal=True, return_weights=True).weights
     stats = attention_stats(q, k, v, causal=True, far=64, top_k=3, pooled=4, pool="max")
     assert_stats_equal(stats, weights, far=64, top_k=3, pooled=4, pool="max")
     assert stats.pooled is not None and stats.pooled.shape == (2, 4, 3, 4)  # 5 rows in bins of 2, 300 keys of 75
@@ -125,7 +125,7 @@ def test_queries_after_the_keys_they_extend_and_max_pooling(device):
 
 def test_heads_and_rows_are_selected_and_only_those_rows_add_to_the_columns(device):
     q, k, v = inputs(device)
-    weights = attention(q, k, v, causal=True, return_weights=True).weights
+    weights = attention_result(q, k, v, causal=True, return_weights=True).weights
     rows = [36, 0, 10]
     stats = attention_stats(q, k, v, causal=True, heads=[3, -4], rows=rows, top_k=2, far=5, pooled=6, pool="mean")
     assert stats.heads == [3, 0] and stats.rows == rows
@@ -162,7 +162,7 @@ def test_a_pool_grid_places_each_row_and_key_in_its_cell(pool, device):
     # leading special piece, a stretch from the middle, a cell that nothing falls in, a query row counted twice
     # as far along), across several 128 x 256 blocks
     q, k, v = inputs(device, b=1, h=2, g=1, i=300, j=300, d=8, seed=3)
-    weights = attention(q, k, v, causal=True, return_weights=True).weights
+    weights = attention_result(q, k, v, causal=True, return_weights=True).weights
     places = torch.cat([torch.zeros(1, dtype=torch.long), 1000 + torch.arange(299)])
     grid = PoolGrid(rows=places // 97, keys=(places // 160).flip(0), shape=(14, 9))
     rows = list(range(40, 300))
@@ -178,7 +178,7 @@ def test_a_pool_grid_places_each_row_and_key_in_its_cell(pool, device):
 
 def test_sum_pooling_totals_each_even_cell(device):
     q, k, v = inputs(device)
-    weights = attention(q, k, v, mask=masks.window(5, 0), return_weights=True).weights
+    weights = attention_result(q, k, v, mask=masks.window(5, 0), return_weights=True).weights
     stats = attention_stats(q, k, v, mask=masks.window(5, 0), pooled=5, pool="sum")
     mean = dense(weights, sinks=4, far=512, top_k=0, pooled=5, pool="mean")["pooled"]
     cells = torch.tensor([8, 8, 8, 8, 5], dtype=torch.float64, device=weights.device)  # 37 rows/keys in 8s
@@ -206,7 +206,7 @@ def test_two_thousand_tokens_in_float32_and_unbatched(both_sides, device):
     # blocks far from the diagonal lie in one band (and, two-sided, wholly ahead of their queries): summed whole
     q, k, v = inputs(device, b=1, h=2, g=1, i=2048, j=2048, d=16, dtype=torch.float32, seed=1)
     mask = masks.window(600, 900) if both_sides else masks.causal() & masks.window(700, 0)
-    weights = attention(q, k, v, mask=mask, return_weights=True).weights
+    weights = attention_result(q, k, v, mask=mask, return_weights=True).weights
     stats = attention_stats(q[0], k[0], v[0], mask=mask, top_k=4, pooled=512)
     assert stats.entropy.shape == (2, 2048) and stats.pooled is not None and stats.pooled.shape == (2, 512, 512)
     expected = dense(weights, sinks=4, far=512, top_k=4, pooled=512, pool="max")

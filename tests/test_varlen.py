@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from multihead import attention, attention_varlen, masks
+from multihead import attention, attention_result, attention_varlen, attention_varlen_result, masks
 from multihead.masks import STATE_PARTIAL, AttentionShape, bind_mask
 from multihead.masks._documents import ragged_documents
 from support import is_input_error, tiny_blocks
@@ -38,8 +38,10 @@ def alone(q, k, v, mask=None, **kwargs):
     or the AttentionResult in the (1, h, ...) layout when more is asked for. A document with no key gives 0."""
     if k.shape[0] == 0:
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
-    result = attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), mask=mask, backend="reference", **kwargs)
-    return result[0].transpose(0, 1) if isinstance(result, torch.Tensor) else result
+    packed = [t.transpose(0, 1)[None] for t in (q, k, v)]
+    if kwargs:
+        return attention_result(*packed, mask=mask, backend="reference", **kwargs)
+    return attention(*packed, mask=mask, backend="reference")[0].transpose(0, 1)
 
 
 def document(tensors, cu_q, cu_k, n):
@@ -112,7 +114,7 @@ def test_random_documents_equal_each_alone_property(lengths, band, backend):
 
 def test_lse_and_weights_come_in_flash_attentions_layout(device):
     (q, k, v), cu_q, cu_k = packed([2, 3], [4, 3], device=device)
-    result = attention_varlen(q, k, v, cu_q, cu_k, 3, 4, causal=True, return_weights=True, return_lse=True)
+    result = attention_varlen_result(q, k, v, cu_q, cu_k, 3, 4, causal=True, return_weights=True, return_lse=True)
     assert result.lse.shape == (4, 5) and result.weights.shape == (4, 5, 7)
     for n in range(2):
         rows, keys = slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])

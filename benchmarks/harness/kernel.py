@@ -104,7 +104,7 @@ MULTIHEAD_BACKEND = {"auto": "auto", "tiled": "tiled"}
 
 def weights_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """multihead.attention(return_weights=True) -> out (b, h, n, d), weights (b, h, n, n)."""
-    result = multihead.attention(q, k, v, causal=causal, return_weights=True)
+    result = multihead.attention_result(q, k, v, causal=causal, return_weights=True)
     return result.output, result.weights
 
 
@@ -112,7 +112,7 @@ def weights_one_head(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """multihead.attention(return_weights=WeightSelection(heads=[0])) -> out (b, h, n, d), weights (b, 1, n, n)."""
-    result = multihead.attention(q, k, v, causal=causal, return_weights=multihead.WeightSelection(heads=[0]))
+    result = multihead.attention_result(q, k, v, causal=causal, return_weights=multihead.WeightSelection(heads=[0]))
     return result.output, result.weights
 
 

@@ -9,10 +9,10 @@ import importlib
 
 from multihead import backends, masks, positional
 from multihead.cache import KVCache
-from multihead.functional import AttentionResult, WeightSelection, attention, explain
+from multihead.functional import AttentionResult, WeightSelection, attention, attention_result, explain
 from multihead.layer import MultiHeadAttention
 from multihead.streamed_stats import AttentionStats, attention_stats
-from multihead.varlen import attention_varlen
+from multihead.varlen import attention_varlen, attention_varlen_result
 
 __version__ = "0.1.0"
 
@@ -28,12 +28,14 @@ def __getattr__(name: str):
 
 __all__ = [
     "attention",
+    "attention_result",
     "explain",
     "AttentionResult",
     "WeightSelection",
     "attention_stats",
     "AttentionStats",
     "attention_varlen",
+    "attention_varlen_result",
     "MultiHeadAttention",
     "KVCache",
     "masks",

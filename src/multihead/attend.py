@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from multihead.functional import AttentionResult, WeightSelection, attention
+from multihead.backends.paged import PageTable
+from multihead.functional import AttentionResult, WeightSelection, attention_result
 from multihead.heads import HeadAblation, ablate_outputs, check_gate
 from multihead.masks import Mask
 
@@ -28,9 +29,11 @@ from multihead.masks import Mask
 class Attend(nn.Module):
     """``multihead.attention`` over projected heads, then the layer's head gate and ablation, if any.
 
-    Inputs q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) after projection and rotary; output
-    (b, h, i, e) before the heads are concatenated (an :class:`AttentionResult` when weights are asked
-    for). The weights returned are the kernel's: a gate or ablation changes outputs, not weights.
+    Inputs q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) after projection and rotary (in a paged call, k and v
+    are the cache's page pools and ``pages`` its table); returns an :class:`AttentionResult` whose output is
+    (b, h, i, e), before the heads are concatenated, with the weights and log-sum-exp asked for. The weights are
+    the kernel's: a gate or ablation changes outputs, not weights. Every attention a layer runs (no cache, a
+    contiguous, window or paged cache; prefill or decode) is a call of this module.
     """
 
     def __init__(self, dropout: float = 0.0, backend: str = "auto"):
@@ -52,13 +55,15 @@ class Attend(nn.Module):
         dropout: float | None = None,
         training: bool | None = None,
         return_weights: bool | WeightSelection = False,
-    ) -> torch.Tensor | AttentionResult:
+        return_lse: bool = False,
+        pages: PageTable | None = None,
+    ) -> AttentionResult:
         """Attention with this step's dropout (in training mode) and backend, then its head surgery.
 
         ``scale`` (default 1/sqrt(d)), ``dropout`` and ``training`` (default: this module's) are for a
         step owned by another library's module, which passes its own on every call.
         """
-        result = attention(
+        result = attention_result(
             q,
             k,
             v,
@@ -68,17 +73,20 @@ class Attend(nn.Module):
             dropout=self.dropout if dropout is None else dropout,
             training=self.training if training is None else training,
             backend=self.backend,
+            pages=pages,
             return_weights=return_weights,
+            return_lse=return_lse,
         )
         if self.head_gate is None and self.head_ablation is None:
             return result
-        out = result.output if isinstance(result, AttentionResult) else result
+        out = result.output
         if self.head_ablation is not None:
-            out = ablate_outputs(out, self.head_ablation, q, k, v, mask=mask, causal=causal, backend=self.backend)
+            ablation = self.head_ablation
+            out = ablate_outputs(out, ablation, q, k, v, mask=mask, causal=causal, backend=self.backend, pages=pages)
         gate = check_gate(q.shape[1], self.head_gate)  # checked again here: the tensor may have been resized
         if gate is not None:
             out = out * gate.to(out.dtype)[None, :, None, None]
-        return result._replace(output=out) if isinstance(result, AttentionResult) else out
+        return result._replace(output=out)
 
 
 @dataclass(frozen=True)

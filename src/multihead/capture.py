@@ -27,7 +27,7 @@ from torch import nn
 from multihead._errors import bad_argument, describe
 from multihead._indices import checked_indices
 from multihead.attend import AttentionSite, find_sites
-from multihead.functional import AttentionResult, WeightSelection, attention
+from multihead.functional import AttentionResult, WeightSelection, attention_result
 from multihead.layer import MultiHeadAttention
 from multihead.streamed_stats import AttentionStats, StatsSettings, attention_stats
 
@@ -194,28 +194,34 @@ class Recorder:
         return hook
 
     def _after(self, record: _LayerRecord, pending: list[bool]):
-        def hook(module, args, kwargs, result):
+        def hook(module, args, kwargs, result: AttentionResult):
             injected = pending.pop()
             q, k, v = args[:3]  # (b, h, i, d), (b, g, j, d), (b, g, j, e)
-            output = result.output if isinstance(result, AttentionResult) else result  # (b, h, i, e)
+            mask, causal, pages = kwargs.get("mask"), kwargs.get("causal", False), kwargs.get("pages")
+            if pages is not None:  # a paged call: what is recorded is of its dense equivalent (each sequence's keys)
+                k, v, mask = pages.dense(k, v, causal)
+                causal = False
+            output = result.output  # (b, h, i, e)
             heads, kv_heads = record.heads, record.kv_heads
             if self.record_weights:
                 if injected:
                     weights = result.weights
                 elif kwargs.get("return_weights") is True:  # the caller asked for every weight: slice ours
+                    assert result.weights is not None  # asked for
                     weights = result.weights[:, heads]
                     weights = weights if self.queries is None else weights[:, :, self.queries]
                 else:  # the caller asked for a selection of its own: one more call for ours
-                    weights = attention(
+                    weights = attention_result(
                         q,
                         k,
                         v,
-                        mask=kwargs.get("mask"),
-                        causal=kwargs.get("causal", False),
+                        mask=mask,
+                        causal=causal,
                         scale=kwargs.get("scale"),
                         backend=module.backend,
                         return_weights=self._selection(record),
                     ).weights
+                assert weights is not None  # asked for
                 record.weights.append(weights.detach())
             if self.record_qkv:
                 record.q.append(q[:, heads].detach())
@@ -231,16 +237,16 @@ class Recorder:
                     q,
                     k,
                     v,
-                    mask=kwargs.get("mask"),
-                    causal=kwargs.get("causal", False),
+                    mask=mask,
+                    causal=causal,
                     scale=kwargs.get("scale"),
                     heads=heads,
                     rows=rows,
                     **self.stats_settings.options(),
                 )
                 record.stats.append(found)
-            if injected:  # hand the layer what it asked for: the output alone
-                return output
+            if injected:  # hand the layer what it asked for: no weights
+                return result._replace(weights=None)
             return None
 
         return hook

@@ -51,7 +51,7 @@ from multihead._errors import (
 )
 from multihead._inputs import like_parameters, matching, tensor_argument
 from multihead._limits import check_fits
-from multihead.functional import AttentionResult, attention, autocast_on
+from multihead.functional import attention_result, autocast_on
 from multihead.layer import MultiHeadAttention
 from multihead.masks import Mask, as_mask
 
@@ -245,7 +245,6 @@ def _check_sizes(
 ) -> _Call:
     """Sizes, dtypes and devices of dense inputs, in the caller's layout. Returns the call's sizes."""
     batched = query.dim() == 3
-    layout = ("(N, L, E)" if batch_first else "(L, N, E)") if batched else "(L, E)"
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.is_nested:
             raise _error(
@@ -255,11 +254,25 @@ def _check_sizes(
                 _text(t),
                 "pass query, key and value all nested or all dense",
             )
-    embed_dim, kdim, vdim = params.embed_dim, params.w_k.shape[1], params.w_v.shape[1]
-    h = num_heads
     seq_axis, batch_axis = (1, 0) if batch_first else (0, 1)
     target_len = query.shape[seq_axis] if batched else query.shape[0]
     batch = query.shape[batch_axis] if batched else 1
+    _check_features(query, key, value, params, batched, batch_first, batch)
+    key_len = key.shape[seq_axis] if batched else key.shape[0]
+    value_len = value.shape[seq_axis] if batched else value.shape[0]
+    _check_static(params, num_heads, batch, static_k, static_v)
+    source_len = _checked_source_len(key, value, static_k, static_v, key_len, value_len)
+    _check_mask_shapes(key_padding_mask, attn_mask, batched, batch, num_heads, target_len, source_len)
+    _check_dtypes(query, key, value, params, key_padding_mask, attn_mask, static_k, static_v)
+    _check_allocations(query, params, num_heads, batch, target_len, source_len, need_weights, add_zero_attn)
+    return _Call(batched, batch, target_len, source_len)
+
+
+def _check_features(query, key, value, params: _Params, batched: bool, batch_first: bool, batch: int) -> None:
+    """The feature sizes of query (E = embed_dim), key (kdim) and value (vdim), and their batch sizes (N)."""
+    embed_dim, kdim, vdim = params.embed_dim, params.w_k.shape[1], params.w_v.shape[1]
+    layout = ("(N, L, E)" if batch_first else "(L, N, E)") if batched else "(L, E)"
+    batch_axis = 0 if batch_first else 1
     if query.shape[-1] != embed_dim:
         raise _error(
             ShapeError,
@@ -282,8 +295,11 @@ def _check_sizes(
                 _shape(t),
                 "give query, key and value the same batch size; check batch_first",
             )
-    key_len = key.shape[seq_axis] if batched else key.shape[0]
-    value_len = value.shape[seq_axis] if batched else value.shape[0]
+
+
+def _check_static(params: _Params, num_heads: int, batch: int, static_k, static_v) -> None:
+    """static_k / static_v: None or (N * num_heads, S, head_dim) tensors, and never beside bias_k / bias_v."""
+    h = num_heads
     for name, static in (("static_k", static_k), ("static_v", static_v)):
         if static is None:
             continue
@@ -291,7 +307,7 @@ def _check_sizes(
             raise bad_argument(
                 name, "None or a tensor (N * num_heads, S, head_dim)", describe(static), "pass a tensor", kind=TypeError
             )
-        head_dim = embed_dim // h
+        head_dim = params.embed_dim // h
         if static.dim() != 3 or static.shape[0] != batch * h or static.shape[2] != head_dim:
             says = (
                 f"expecting {name}.size(0) of {batch * h}, but got {static.shape[0]}"
@@ -318,6 +334,10 @@ def _check_sizes(
             "project the static keys with the bias appended yourself, or drop bias_k and bias_v",
             f"bias cannot be added to static {'key' if name == 'static_k' else 'value'}.",
         )
+
+
+def _checked_source_len(key, value, static_k, static_v, key_len: int, value_len: int) -> int:
+    """S, the number of keys (static_k's when given), once the values are checked to have as many."""
     source_len = static_k.shape[1] if static_k is not None else key_len
     values_len = static_v.shape[1] if static_v is not None else value_len
     if values_len != source_len:
@@ -333,6 +353,14 @@ def _check_sizes(
             if static_k is None and static_v is None
             else None,
         )
+    return source_len
+
+
+def _check_mask_shapes(
+    key_padding_mask, attn_mask, batched: bool, batch: int, num_heads: int, target_len: int, source_len: int
+) -> None:
+    """key_padding_mask (N, S) or (S,); attn_mask (L, S), or (N * num_heads, L, S) ((num_heads, L, S) unbatched)."""
+    h = num_heads
     if key_padding_mask is not None:
         expected = (batch, source_len) if batched else (source_len,)
         if tuple(key_padding_mask.shape) != expected:
@@ -362,7 +390,21 @@ def _check_sizes(
                 "build the mask for these lengths",
                 says,
             )
-    _check_dtypes(query, key, value, params, key_padding_mask, attn_mask, static_k, static_v)
+
+
+def _check_allocations(
+    query,
+    params: _Params,
+    num_heads: int,
+    batch: int,
+    target_len: int,
+    source_len: int,
+    need_weights: bool,
+    add_zero_attn: bool,
+) -> None:
+    """Refuse, before anything is allocated, a call whose projections (N, L, E), (N, S', E) or weights
+    (N, h, L, S') cannot fit (S' = S plus bias_k's key and the zero key)."""
+    embed_dim = params.embed_dim
     # what the call will allocate: projections, and the (N, h, L, S') weights when asked for
     keys = source_len + int(params.bias_k is not None) + int(add_zero_attn)
     fix = "split the batch or the sequences into chunks that fit"
@@ -371,13 +413,12 @@ def _check_sizes(
     if need_weights:
         check_fits(
             "need_weights",
-            (batch, h, target_len, keys),
+            (batch, num_heads, target_len, keys),
             query.dtype,
             query.device,
             "pass need_weights=False (the output does not need them), or " + fix,
             what="the attention weights",
         )
-    return _Call(batched, batch, target_len, source_len)
 
 
 def _check_dtypes(query, key, value, params: _Params, key_padding_mask, attn_mask, static_k, static_v) -> None:
@@ -508,11 +549,10 @@ def _attend(
         out = weights @ v  # (N, h, L, d): zeros, or empty
         weights = weights if need_weights else None
     else:
-        result = attention(
+        result = attention_result(
             q, k, v, mask=_combine(masks), dropout=dropout, training=training, return_weights=need_weights
         )
-        # an AttentionResult exactly when need_weights
-        out, weights = (result.output, result.weights) if isinstance(result, AttentionResult) else (result, None)
+        out, weights = result.output, result.weights  # weights None unless need_weights
     out = out.permute(2, 0, 1, 3).reshape(L, n, E)  # (L, N, E): heads concatenated
     out = F.linear(out, params.out_w, params.out_b)
     if call.batched and batch_first:
@@ -822,6 +862,102 @@ class MultiheadAttention(nn.Module):
         return _nested_like(query.layout, out, query_len), weights
 
 
+def _weight_argument(name: str, t: object, rows: int, cols: int | None, embed_dim: int) -> torch.Tensor:
+    """A (rows, cols) tensor (any cols when None) of an embed_dim-wide module."""
+    if not isinstance(t, torch.Tensor):
+        raise bad_argument(
+            name,
+            f"a tensor ({rows}, {'in_features' if cols is None else cols})",
+            describe(t),
+            f"pass {name}"
+            + (
+                " (use_separate_proj_weight=True needs q/k/v_proj_weight)"
+                if name.endswith("_proj_weight") and name != "out_proj_weight"
+                else ""
+            ),
+            kind=TypeError,
+        )
+    if t.dim() != 2 or t.shape[0] != rows or (cols is not None and t.shape[1] != cols):
+        raise _error(
+            ShapeError,
+            name,
+            f"shape ({rows}, {'in_features' if cols is None else cols})",
+            _shape(t),
+            f"pass the {name} of an embed_dim = {embed_dim} module",
+        )
+    return t
+
+
+def _vector_argument(name: str, t: object, shape: tuple[int, ...], embed_dim: int) -> torch.Tensor | None:
+    """None, or a tensor of exactly ``shape`` (a bias of an embed_dim-wide module)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise bad_argument(name, f"None or a tensor {shape}", describe(t), f"pass {name}", kind=TypeError)
+    if tuple(t.shape) != shape:
+        raise _error(
+            ShapeError, name, f"shape {shape}", _shape(t), f"pass the {name} of an embed_dim = {embed_dim} module"
+        )
+    return t
+
+
+def _functional_params(
+    embed_dim: int,
+    use_separate_proj_weight: bool,
+    in_proj_weight,
+    q_proj_weight,
+    k_proj_weight,
+    v_proj_weight,
+    in_proj_bias,
+    bias_k,
+    bias_v,
+    out_proj_weight,
+    out_proj_bias,
+) -> _Params:
+    """The weights given to :func:`multi_head_attention_forward`, checked in torch's argument order, as _Params.
+
+    in_proj_weight (3E, E), or q_proj_weight (E, E), k_proj_weight (E, kdim), v_proj_weight (E, vdim);
+    in_proj_bias (3E,); bias_k, bias_v (1, 1, E); out_proj_weight (E, E), out_proj_bias (E,).
+    """
+    if use_separate_proj_weight:
+        w_q = _weight_argument("q_proj_weight", q_proj_weight, embed_dim, embed_dim, embed_dim)
+        w_k = _weight_argument("k_proj_weight", k_proj_weight, embed_dim, None, embed_dim)
+        w_v = _weight_argument("v_proj_weight", v_proj_weight, embed_dim, None, embed_dim)
+        named = [("q_proj_weight", w_q), ("k_proj_weight", w_k), ("v_proj_weight", w_v)]
+    else:
+        packed = _weight_argument("in_proj_weight", in_proj_weight, 3 * embed_dim, embed_dim, embed_dim)
+        w_q, w_k, w_v = packed.chunk(3)
+        named = [("in_proj_weight", packed)]
+    in_bias = _vector_argument("in_proj_bias", in_proj_bias, (3 * embed_dim,), embed_dim)
+    if (bias_k is None) != (bias_v is None):
+        name = "bias_v" if bias_v is None else "bias_k"
+        raise _error(
+            CompatValueError,
+            name,
+            "a tensor (1, 1, E) like the other of bias_k / bias_v",
+            None,
+            "pass both bias_k and bias_v, or neither",
+            f"{'bias_k' if name == 'bias_v' else 'bias_v'} is set but {name} is None",
+        )
+    extra_k = _vector_argument("bias_k", bias_k, (1, 1, embed_dim), embed_dim)
+    extra_v = _vector_argument("bias_v", bias_v, (1, 1, embed_dim), embed_dim)
+    out_w = _weight_argument("out_proj_weight", out_proj_weight, embed_dim, embed_dim, embed_dim)
+    out_b = _vector_argument("out_proj_bias", out_proj_bias, (embed_dim,), embed_dim)
+    named += [
+        (name, t)
+        for name, t in (
+            ("in_proj_bias", in_bias),
+            ("bias_k", extra_k),
+            ("bias_v", extra_v),
+            ("out_proj_weight", out_w),
+            ("out_proj_bias", out_b),
+        )
+        if t is not None
+    ]
+    b_q, b_k, b_v = (None, None, None) if in_bias is None else in_bias.chunk(3)
+    return _Params(w_q, w_k, w_v, b_q, b_k, b_v, extra_k, extra_v, out_w, out_b, named)
+
+
 def multi_head_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -871,79 +1007,19 @@ def multi_head_attention_forward(
         )
     checked_flag("use_separate_proj_weight", use_separate_proj_weight)
     checked_flag("add_zero_attn", add_zero_attn)
-
-    def weight(name: str, t: object, rows: int, cols: int | None) -> torch.Tensor:
-        """A (rows, cols) tensor (any cols when None)."""
-        if not isinstance(t, torch.Tensor):
-            raise bad_argument(
-                name,
-                f"a tensor ({rows}, {'in_features' if cols is None else cols})",
-                describe(t),
-                f"pass {name}"
-                + (
-                    " (use_separate_proj_weight=True needs q/k/v_proj_weight)"
-                    if name.endswith("_proj_weight") and name != "out_proj_weight"
-                    else ""
-                ),
-                kind=TypeError,
-            )
-        if t.dim() != 2 or t.shape[0] != rows or (cols is not None and t.shape[1] != cols):
-            raise _error(
-                ShapeError,
-                name,
-                f"shape ({rows}, {'in_features' if cols is None else cols})",
-                _shape(t),
-                f"pass the {name} of an embed_dim = {embed_dim} module",
-            )
-        return t
-
-    def vector(name: str, t: object, shape: tuple[int, ...]) -> torch.Tensor | None:
-        if t is None:
-            return None
-        if not isinstance(t, torch.Tensor):
-            raise bad_argument(name, f"None or a tensor {shape}", describe(t), f"pass {name}", kind=TypeError)
-        if tuple(t.shape) != shape:
-            raise _error(
-                ShapeError, name, f"shape {shape}", _shape(t), f"pass the {name} of an embed_dim = {embed_dim} module"
-            )
-        return t
-
-    if use_separate_proj_weight:
-        w_q = weight("q_proj_weight", q_proj_weight, embed_dim, embed_dim)
-        w_k = weight("k_proj_weight", k_proj_weight, embed_dim, None)
-        w_v = weight("v_proj_weight", v_proj_weight, embed_dim, None)
-        named = [("q_proj_weight", w_q), ("k_proj_weight", w_k), ("v_proj_weight", w_v)]
-    else:
-        packed = weight("in_proj_weight", in_proj_weight, 3 * embed_dim, embed_dim)
-        w_q, w_k, w_v = packed.chunk(3)
-        named = [("in_proj_weight", packed)]
-    in_bias = vector("in_proj_bias", in_proj_bias, (3 * embed_dim,))
-    if (bias_k is None) != (bias_v is None):
-        name = "bias_v" if bias_v is None else "bias_k"
-        raise _error(
-            CompatValueError,
-            name,
-            "a tensor (1, 1, E) like the other of bias_k / bias_v",
-            None,
-            "pass both bias_k and bias_v, or neither",
-            f"{'bias_k' if name == 'bias_v' else 'bias_v'} is set but {name} is None",
-        )
-    extra_k, extra_v = vector("bias_k", bias_k, (1, 1, embed_dim)), vector("bias_v", bias_v, (1, 1, embed_dim))
-    out_w = weight("out_proj_weight", out_proj_weight, embed_dim, embed_dim)
-    out_b = vector("out_proj_bias", out_proj_bias, (embed_dim,))
-    named += [
-        (name, t)
-        for name, t in (
-            ("in_proj_bias", in_bias),
-            ("bias_k", extra_k),
-            ("bias_v", extra_v),
-            ("out_proj_weight", out_w),
-            ("out_proj_bias", out_b),
-        )
-        if t is not None
-    ]
-    b_q, b_k, b_v = (None, None, None) if in_bias is None else in_bias.chunk(3)
-    params = _Params(w_q, w_k, w_v, b_q, b_k, b_v, extra_k, extra_v, out_w, out_b, named)
+    params = _functional_params(
+        embed_dim,
+        use_separate_proj_weight,
+        in_proj_weight,
+        q_proj_weight,
+        k_proj_weight,
+        v_proj_weight,
+        in_proj_bias,
+        bias_k,
+        bias_v,
+        out_proj_weight,
+        out_proj_bias,
+    )
     return _attend(
         query,
         key,

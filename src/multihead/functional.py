@@ -21,7 +21,7 @@ import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, NamedTuple, overload
+from typing import NamedTuple
 
 import torch
 
@@ -30,18 +30,12 @@ from multihead._indices import checked_indices
 from multihead._inputs import floating_argument, matching, tensor_argument
 from multihead._limits import check_fits, device_memory
 from multihead.backends import policy, registry
-from multihead.backends._blocks import (
-    autocast_device,
-    autocast_inputs,
-    compute_dtype,
-    mask_scores_,
-    masked_scores,
-    softmax_rows_,
-)
-from multihead.backends.reference import masked_softmax
+from multihead.backends.paged import BoundPages, PageTable
+from multihead.backends.precision import autocast_device, autocast_inputs
+from multihead.backends.weights import selected_weights
 from multihead.masks import AttentionShape, BoundMask, Mask, bind_mask, to_device
 
-__all__ = ["attention", "explain", "AttentionResult", "WeightSelection"]
+__all__ = ["attention", "attention_result", "explain", "AttentionResult", "WeightSelection"]
 
 
 class AttentionResult(NamedTuple):
@@ -75,6 +69,15 @@ class _Prepared:
     selection: WeightSelection | None
     unbatched: bool
     call: registry.AttentionCall
+    pages: BoundPages | None = None  # a paged call: k and v are page pools
+
+    def dense_keys(self) -> torch.Tensor:
+        """(b, g, j, d): the keys, gathered from the pool in a paged call."""
+        return self.k if self.pages is None else self.pages.table.gather(self.k)
+
+    def dense_values(self) -> torch.Tensor:
+        """(b, g, j, e): the values, gathered from the pool in a paged call."""
+        return self.v if self.pages is None else self.pages.table.gather(self.v)
 
 
 def _check_tensors(q_arg: object, k_arg: object, v_arg: object) -> None:
@@ -212,7 +215,7 @@ def _check_selection(selection: WeightSelection, heads: int, q_len: int) -> Weig
     return replace(selection, **chosen)
 
 
-def _check_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_weights: object) -> None:
+def _check_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, j: int, return_weights: object) -> None:
     """Refuse, before any kernel allocates, inputs and results that cannot exist in the device's memory.
 
     Inputs count at their full logical size: an expanded view (k.expand(...) over 2**40 keys) costs
@@ -224,7 +227,7 @@ def _check_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_weight
     limit = device_memory(q.device)
     if limit is None:
         return
-    (b, h, i, _), j, e, itemsize = q.shape, k.shape[2], v.shape[3], q.element_size()
+    (b, h, i, _), e, itemsize = q.shape, v.shape[3], q.element_size()
     weights = b * h * i * j * itemsize if return_weights is True else 0
     if (
         max(q.numel() * itemsize, k.numel() * itemsize, v.numel() * itemsize, b * h * i * e * itemsize, weights)
@@ -245,16 +248,28 @@ def _check_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_weight
     )
 
 
-def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return_weights, return_lse) -> _Prepared:
+class _Checked(NamedTuple):
+    """A call's inputs after every check of :func:`_check_call`: batched ((h, i, d) -> (1, h, i, d)), its key
+    length j (a paged call's: its table's width) and its page table bound to the causal flag."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    unbatched: bool
+    j: int
+    pages: BoundPages | None
+
+
+def _check_call(
+    q, k, v, *, mask, causal, scale, dropout, training, backend, return_weights, return_lse, pages
+) -> _Checked:
+    """Every check of a call's arguments, run on every call (a kept plan skips binding and dispatch, never these):
+    raises the argument's error, else the checked inputs."""
     _check_tensors(q, k, v)
     _check_options(scale, dropout, training, causal, backend, return_weights, return_lse)
-    unbatched = q.ndim == 3
+    unbatched = q.ndim == 3 and pages is None
     if unbatched:  # (h, i, d) -> (1, h, i, d)
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    _check_sizes(q, k, v)
-    b, h, i, d = q.shape
-    g, j, e = k.shape[1], k.shape[2], v.shape[3]
-    _check_fits(q, k, v, return_weights)
     if mask is not None and not isinstance(mask, (Mask, torch.Tensor)):
         raise bad_argument(
             "mask",
@@ -263,7 +278,38 @@ def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return
             "build one with multihead.masks.causal(), padding(...), or pass a tensor",
             kind=TypeError,
         )
-    bound = bind_mask(mask, causal, AttentionShape(b, h, i, j, q.device))
+    bound_pages = None
+    if pages is None:
+        _check_sizes(q, k, v)
+        j = k.shape[2]
+    else:
+        bound_pages = _check_pages(pages, q, k, v, mask, causal)
+        j = pages.width
+    _check_fits(q, k, v, j, return_weights)
+    return _Checked(q, k, v, unbatched, j, bound_pages)
+
+
+def _prepare(
+    q, k, v, *, mask, causal, scale, dropout, training, backend, return_weights, return_lse, pages=None
+) -> _Prepared:
+    """The call checked (:func:`_check_call`), its mask bound and described for the registry."""
+    options = dict(scale=scale, dropout=dropout, training=training, backend=backend)
+    checked = _check_call(
+        q, k, v, mask=mask, causal=causal, **options, return_weights=return_weights, return_lse=return_lse, pages=pages
+    )
+    return _bind(checked, mask, causal, scale, dropout, training, return_weights, return_lse)
+
+
+def _bind(checked: _Checked, mask, causal, scale, dropout, training, return_weights, return_lse) -> _Prepared:
+    q, k, v, unbatched, j, bound_pages = checked
+    b, h, i, d = q.shape
+    g, e = k.shape[1], v.shape[3]
+    shape = AttentionShape(b, h, i, j, q.device)
+    # a paged call's mask is its table's (causal included): the dense equivalent every backend but the paged reads
+    if bound_pages is None:
+        bound = bind_mask(mask, causal, shape)
+    else:
+        bound = bind_mask(bound_pages.table.keeps(causal), False, shape)
     selection = None
     if isinstance(return_weights, WeightSelection):
         selection = _check_selection(return_weights, h, i)
@@ -285,6 +331,7 @@ def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return
         weights=weights,
         need_lse=return_lse,
         requires_grad=requires_grad or (bound.bias_requires_grad and torch.is_grad_enabled()),
+        paged=bound_pages is not None,
         kind=policy.current_policy().kind_of(q.device),
     )
     return _Prepared(
@@ -297,7 +344,31 @@ def _prepare(q, k, v, *, mask, causal, scale, dropout, training, backend, return
         selection,
         unbatched,
         call,
+        bound_pages,
     )
+
+
+def _check_pages(
+    pages: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, causal: bool
+) -> BoundPages:
+    """A paged call's table checked against q (S, h, i, d) and the pools, bound to the call's causal flag."""
+    if not isinstance(pages, PageTable):
+        raise bad_argument(
+            "pages",
+            "a multihead.backends.paged.PageTable, or None",
+            describe(pages),
+            "pass a paged cache's table (cache.batch(handles).stage(keys, values).pages)",
+            kind=TypeError,
+        )
+    if mask is not None:
+        raise bad_argument(
+            "mask",
+            "None in a paged call (the table says which keys each query sees: causal and its window)",
+            describe(mask),
+            "drop the mask, or attend over contiguous keys",
+        )
+    pages.check(q, k, v)
+    return BoundPages(pages, causal)
 
 
 def _index_tensor(selected: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -342,27 +413,12 @@ def bound_call(
 
 
 def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
-    """Exact weights for the selected heads and rows only: cost proportional to the selection.
-
-    Returns (b, n_heads, n_queries, j) in q's dtype.
-    """
-    b, h, i, d = p.q.shape
-    group = h // p.k.shape[1]
+    """Exact weights for the selected heads and rows only: (b, n_heads, n_queries, j) in q's dtype."""
+    h = p.q.shape[1]
     heads = (
         torch.arange(h, device=p.q.device) if selection.heads is None else _index_tensor(selection.heads, p.q.device)
     )
-    queries = _index(selection.queries, p.q.device)
-    work = compute_dtype(p.q.dtype)
-    q_sel = p.q.index_select(1, heads)  # (b, n_heads, i, d)
-    q_sel = q_sel[:, :, queries] if isinstance(queries, slice) else q_sel.index_select(2, queries)
-    k_sel = p.k.index_select(1, heads // group)  # (b, n_heads, j, d): each selected head's own key head
-    scores = (q_sel.to(work) * p.scale) @ k_sel.to(work).transpose(-2, -1)  # (b, n_heads, n_queries, j)
-    if not (torch.is_grad_enabled() and (scores.requires_grad or p.mask.bias_requires_grad)):
-        # nothing to differentiate: mask and softmax in place, no i x j temporaries beyond the result
-        return softmax_rows_(
-            mask_scores_(scores, p.mask, queries, slice(None), heads), rows_may_be_empty=p.mask.may_empty_rows()
-        ).to(p.q.dtype)
-    return masked_softmax(masked_scores(scores, p.mask, queries, slice(None), heads))[0].to(p.q.dtype)
+    return selected_weights(p.q, p.dense_keys(), p.mask, p.scale, heads, _index(selection.queries, p.q.device))
 
 
 def autocast_on(device: torch.device) -> bool:
@@ -370,9 +426,6 @@ def autocast_on(device: torch.device) -> bool:
     return autocast_device(device) is not None
 
 
-# The return type follows the flags: the output alone when neither weights nor the LSE are asked for,
-# an AttentionResult when either is; the last overload serves flags known only at run time.
-@overload
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -384,68 +437,8 @@ def attention(
     dropout: float = 0.0,
     training: bool = False,
     backend: str = "auto",
-    return_weights: Literal[False] = False,
-    return_lse: Literal[False] = False,
-) -> torch.Tensor: ...
-@overload
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: Mask | torch.Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    dropout: float = 0.0,
-    training: bool = False,
-    backend: str = "auto",
-    return_weights: Literal[True] | WeightSelection,
-    return_lse: bool = False,
-) -> AttentionResult: ...
-@overload
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: Mask | torch.Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    dropout: float = 0.0,
-    training: bool = False,
-    backend: str = "auto",
-    return_weights: bool | WeightSelection = False,
-    return_lse: Literal[True],
-) -> AttentionResult: ...
-@overload
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: Mask | torch.Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    dropout: float = 0.0,
-    training: bool = False,
-    backend: str = "auto",
-    return_weights: bool | WeightSelection = False,
-    return_lse: bool = False,
-) -> torch.Tensor | AttentionResult: ...
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: Mask | torch.Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    dropout: float = 0.0,
-    training: bool = False,
-    backend: str = "auto",
-    return_weights: bool | WeightSelection = False,
-    return_lse: bool = False,
-) -> torch.Tensor | AttentionResult:
+    pages: PageTable | None = None,
+) -> torch.Tensor:
     """Scaled dot-product attention: softmax(q k^T * scale + mask) v.
 
     With a logit soft-cap in the mask (``masks.softcap(cap)``) the scaled scores are capped first:
@@ -466,29 +459,71 @@ def attention(
         scale: multiplies q k^T; default 1/sqrt(d).
         dropout: probability of dropping a weight; applied only when ``training`` is True.
         backend: "auto" (fastest that serves the call; see :func:`explain`) or a registered name.
-        return_weights: True for all weights (b, h, i, j), or a :class:`WeightSelection` for some heads
-            and query rows. Asking never changes the output. Under dropout (training) the weights
-            returned are those applied, after dropout, as torch.nn.MultiheadAttention returns them.
-        return_lse: also return the log-sum-exp of the masked scaled (and soft-capped) scores, (b, h, i).
+        pages: a :class:`~multihead.backends.paged.PageTable` for a paged call: q (S, h, i, d) is one row per
+            sequence, k and v are page pools (P, g, page, d) and (P, g, page, e), and the table says where each
+            sequence's keys are and where its queries sit (causal and a window count positions; no mask).
 
     Under ``torch.autocast``, q, k and v are cast to the autocast dtype first (float64 excepted), as
     torch's scaled_dot_product_attention is, and the kernel runs with autocast off: its blocks keep
     their own precision (float32 for half types).
 
     Returns:
-        The output (b, h, i, e) alone, or an :class:`AttentionResult` (output, weights, lse) when
-        weights or the LSE are asked for. Rows whose keys are all masked give output 0, weights 0,
-        gradient 0 and LSE -inf.
+        The output (b, h, i, e). Rows whose keys are all masked give output 0 and gradient 0. For the
+        weights or the log-sum-exp as well, call :func:`attention_result`.
 
     Example:
         >>> q = torch.randn(2, 8, 5, 16); k = v = torch.randn(2, 2, 7, 16)
         >>> attention(q, k, v, causal=True).shape
         torch.Size([2, 8, 5, 16])
     """
+    options = dict(mask=mask, causal=causal, scale=scale, dropout=dropout, training=training, backend=backend)
+    return _run(q, k, v, **options, pages=pages, return_weights=False, return_lse=False).output
+
+
+def attention_result(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+    backend: str = "auto",
+    pages: PageTable | None = None,
+    return_weights: bool | WeightSelection = False,
+    return_lse: bool = False,
+) -> AttentionResult:
+    """:func:`attention` with its weights and log-sum-exp: an :class:`AttentionResult` (output, weights, lse).
+
+    Args (past :func:`attention`'s):
+        return_weights: True for all weights (b, h, i, j), or a :class:`WeightSelection` for some heads
+            and query rows; False for none (``weights`` is None). Asking never changes the output. Under
+            dropout (training) the weights returned are those applied, after dropout, as
+            torch.nn.MultiheadAttention returns them. In a paged call, weight column c of row s is the key at
+            position ``pages.first_slots[s] + c`` (0 past the sequence's own keys).
+        return_lse: the log-sum-exp of the masked scaled (and soft-capped) scores, (b, h, i); else None.
+
+    Rows whose keys are all masked give output 0, weights 0, gradient 0 and LSE -inf.
+
+    Example:
+        >>> q = torch.randn(2, 8, 5, 16); k = v = torch.randn(2, 2, 7, 16)
+        >>> result = attention_result(q, k, v, causal=True, return_weights=True, return_lse=True)
+        >>> result.weights.shape, result.lse.shape
+        (torch.Size([2, 8, 5, 7]), torch.Size([2, 8, 5]))
+    """
+    options = dict(mask=mask, causal=causal, scale=scale, dropout=dropout, training=training, backend=backend)
+    return _run(q, k, v, **options, pages=pages, return_weights=return_weights, return_lse=return_lse)
+
+
+def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, return_weights, return_lse):
+    """The one path of :func:`attention` and :func:`attention_result`: check and bind the call (or take its kept
+    plan), choose the backend, run it, and select the weights asked for."""
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)) and autocast_on(q.device):
         q, k, v = autocast_inputs(q, k, v)  # as torch's SDPA casts its inputs under autocast
         with torch.autocast(q.device.type, enabled=False):  # the kernels pick their own block precision
-            return attention(
+            return _run(
                 q,
                 k,
                 v,
@@ -498,38 +533,40 @@ def attention(
                 dropout=dropout,
                 training=training,
                 backend=backend,
+                pages=pages,
                 return_weights=return_weights,
                 return_lse=return_lse,
             )
-    current = policy.current_policy()
-    key = None
-    if mask is None and not current.autotune:
-        key = _plan_key(q, k, v, causal, scale, dropout, training, backend, return_weights, return_lse)
-    plan = None if key is None else _PLANS.get(key)
-    if plan is not None and plan.policy is current:
-        p, chosen = plan.prepared(q, k, v), plan.chosen
-    else:
-        p = _prepare(
-            q,
-            k,
-            v,
-            mask=mask,
-            causal=causal,
-            scale=scale,
-            dropout=dropout,
-            training=training,
-            backend=backend,
-            return_weights=return_weights,
-            return_lse=return_lse,
-        )
-        chosen = registry.choose(p.call, backend)
-        if backend == "auto" and current.autotune:
-            chosen = _autotuned(p, chosen)
-        elif key is not None:
-            _keep_plan(key, _Plan(p.mask, p.scale, p.dropout, p.unbatched, p.call, chosen, current))
+    p, chosen = _prepared_and_chosen(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout=dropout,
+        training=training,
+        backend=backend,
+        pages=pages,
+        return_weights=return_weights,
+        return_lse=return_lse,
+    )
     native_weights = p.call.weights != "none" and chosen.capabilities.weights
+    keys, values, paged = p.k, p.v, {}
+    if p.pages is not None and chosen.capabilities.paged:
+        paged = {"pages": p.pages}  # the registry's contract: a paged backend reads the pools through the table
+    elif p.pages is not None:
+        keys, values = p.dense_keys(), p.dense_values()  # (S, g, width, d), (S, g, width, e): its dense equivalent
     result = chosen.fn(
-        p.q, p.k, p.v, mask=p.mask, scale=p.scale, dropout=p.dropout, need_weights=native_weights, need_lse=return_lse
+        p.q,
+        keys,
+        values,
+        mask=p.mask,
+        scale=p.scale,
+        dropout=p.dropout,
+        need_weights=native_weights,
+        need_lse=return_lse,
+        **paged,
     )
     output, weights, lse = result.output, None, result.lse
     if native_weights:
@@ -542,30 +579,50 @@ def attention(
         output = output.squeeze(0)
         weights = None if weights is None else weights.squeeze(0)
         lse = None if lse is None else lse.squeeze(0)
-    if p.call.weights == "none" and not return_lse:
-        return output
-    return AttentionResult(output, weights, lse)
+    return AttentionResult(output, weights, lse if return_lse else None)
+
+
+def _prepared_and_chosen(
+    q, k, v, *, mask, causal, scale, dropout, training, backend, pages, return_weights, return_lse
+) -> tuple[_Prepared, registry.Backend]:
+    """The checked call and its backend. Every call runs every check (:func:`_check_call`); a call with no mask and
+    no page table then takes the binding and the backend kept for its signature, when there is one (a decode step
+    runs the same call each token), else they are made now and kept."""
+    flags = dict(causal=causal, scale=scale, dropout=dropout, training=training, backend=backend)
+    wants = dict(return_weights=return_weights, return_lse=return_lse)
+    checked = _check_call(q, k, v, mask=mask, **flags, **wants, pages=pages)
+    current = policy.current_policy()
+    key = None
+    if mask is None and pages is None and not current.autotune:
+        key = _plan_key(q, k, v, **flags, **wants)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is not None and plan.policy is current:
+        return plan.prepared(checked), plan.chosen
+    p = _bind(checked, mask, causal, scale, dropout, training, return_weights, return_lse)
+    chosen = registry.choose(p.call, backend)
+    if backend == "auto" and current.autotune:
+        chosen = _autotuned(p, chosen)
+    elif key is not None:
+        _keep_plan(key, _Plan(p.mask, p.scale, p.dropout, p.call, chosen, current))
+    return p, chosen
 
 
 @dataclass(frozen=True)
 class _Plan:
     """What :func:`attention` worked out for a call with no mask, kept per call signature (:func:`_plan_key`): the
     bound mask (causal or none: no data), the call's description, the backend, and the policy it was chosen under.
-    A decode step runs the same call each token; with its plan it skips validation (the signature fixes every
-    outcome of it) and dispatch: about 8 us of a 23 us step at 1 x 128 keys."""
+    A call with a plan is checked as every call is, then skips binding and dispatch."""
 
     mask: BoundMask
     scale: float
     dropout: float
-    unbatched: bool
     call: registry.AttentionCall
     chosen: registry.Backend
     policy: policy.DispatchPolicy
 
-    def prepared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Prepared:
-        if self.unbatched:  # (h, i, d) -> (1, h, i, d)
-            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        return _Prepared(q, k, v, self.mask, self.scale, self.dropout, None, self.unbatched, self.call)
+    def prepared(self, checked: _Checked) -> _Prepared:
+        q, k, v = checked.q, checked.k, checked.v
+        return _Prepared(q, k, v, self.mask, self.scale, self.dropout, None, checked.unbatched, self.call)
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -576,6 +633,7 @@ def _plan_key(
     q: object,
     k: object,
     v: object,
+    *,
     causal: object,
     scale: object,
     dropout: object,
@@ -674,10 +732,12 @@ def explain(
     dropout: float = 0.0,
     training: bool = False,
     backend: str = "auto",
+    pages: PageTable | None = None,
     return_weights: bool | WeightSelection = False,
     return_lse: bool = False,
 ) -> registry.Explanation:
-    """Which backend :func:`attention` with these arguments would run, and why each other was not chosen."""
+    """Which backend :func:`attention` (or :func:`attention_result`, with ``return_weights`` and ``return_lse``)
+    with these arguments would run, and why each other was not chosen."""
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         q, k, v = autocast_inputs(q, k, v)
     p = _prepare(
@@ -692,5 +752,6 @@ def explain(
         backend=backend,
         return_weights=return_weights,
         return_lse=return_lse,
+        pages=pages,
     )
     return registry.explain_call(p.call, backend)

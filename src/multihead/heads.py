@@ -16,18 +16,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from multihead._errors import bad_argument, describe
 from multihead._indices import checked_indices
+from multihead.backends.paged import PageTable
 from multihead.functional import attention
 from multihead.masks import Mask, to_device
 
-if TYPE_CHECKING:  # annotations only: the layer imports this module, not the other way round
-    from multihead.layer import MultiHeadAttention
+
+class PrunableLayer(Protocol):
+    """What pruning reads and rewrites of a layer (a :class:`multihead.MultiHeadAttention`): its projections, its
+    head counts and sizes, and how it drops its head surgery. Named here, so this module needs no layer."""
+
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    out_proj: nn.Linear
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+
+    def restore_heads(self) -> None: ...
+
 
 __all__ = ["ABLATIONS", "HeadAblation", "ablate_outputs", "check_gate", "check_heads", "make_ablation", "prune_layer"]
 
@@ -94,11 +109,12 @@ def ablate_outputs(
     mask: Mask | torch.Tensor | None,
     causal: bool,
     backend: str,
+    pages: PageTable | None = None,
 ) -> torch.Tensor:
     """The per-head outputs ``out`` (b, h, i, e) with ``ablation.heads`` replaced as ``ablation.how`` says.
 
-    q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), mask and causal are the attention call's own:
-    "uniform" attends again from all-zero queries.
+    q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), mask, causal and pages are the attention call's own (in a
+    paged call, k and v are page pools): "uniform" attends again from all-zero queries.
     """
     num_heads = out.shape[1]
     # the indices go to the device without waiting for it (a Python list as an index is a blocking copy)
@@ -110,7 +126,7 @@ def ablate_outputs(
     elif ablation.how == "uniform":
         # all-zero queries score every allowed key the same: softmax is uniform over the keys the
         # mask allows (an additive bias such as ALiBi still applies)
-        replacement = attention(torch.zeros_like(q), k, v, mask=mask, causal=causal, backend=backend)
+        replacement = attention(torch.zeros_like(q), k, v, mask=mask, causal=causal, backend=backend, pages=pages)
     else:
         assert ablation.mean_outputs is not None  # make_ablation requires them for how="mean"
         replacement = torch.zeros(num_heads, out.shape[-1], dtype=out.dtype, device=out.device)
@@ -119,7 +135,7 @@ def ablate_outputs(
     return torch.where(ablated[None, :, None, None], replacement, out)
 
 
-def prune_layer(layer: MultiHeadAttention, heads: Sequence[int] | int) -> list[int]:
+def prune_layer(layer: PrunableLayer, heads: Sequence[int] | int) -> list[int]:
     """Remove ``heads`` from ``layer`` in place; returns the indices (before pruning) of the heads kept.
 
     Rows of W^Q (and its bias) and columns of W^O go with each head. Under grouped-query attention

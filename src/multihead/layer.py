@@ -469,46 +469,49 @@ class MultiHeadAttention(nn.Module):
             cache: a :class:`KVCache` from :meth:`new_cache`: this call's keys/values are appended
                 and the queries attend over everything cached so far. Or a paged cache's
                 ``batch(handles)`` (:meth:`new_paged_cache`): batch row s appends to sequence handles[s]
-                and attends over its own keys at its own length (causal, no mask, no weights).
+                and attends over its own keys at its own length (no mask: causal and the cache's window say
+                which keys; weight column c is the key at the sequence's c-th held position, 0 past its length).
             positions: absolute positions of the new tokens for rotary, (i,) or (b, i); default:
                 ``cache.seen + arange(i)`` with a cache, ``arange(i)`` without.
 
         Returns:
             (output (b, i, out_dim), weights or None)
         """
+        self._check_call(query, key, value, causal, need_weights, average_weights, cache, positions)
+        (b, i), h, g, d, e = query.shape[:2], self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+        q, k, v = self._project(query, key, value)
+        q = q.view(b, i, h, d).transpose(1, 2)  # (b, h, i, d)
+        k = k.view(b, -1, g, d).transpose(1, 2)  # (b, g, j, d)
+        v = v.view(b, -1, g, e).transpose(1, 2)  # (b, g, j, e)
+        rotary_end = None  # positions the rotary tables must cover after this call
+        if self.rotary is not None:
+            where = self._positions(positions, b, i, cache)
+            # tables grow only once the call has succeeded (below): a failed call leaves them as they were
+            q, k = self.rotary.rotate(q, where, grow=False), self.rotary.rotate(k, where, grow=False)
+            rotary_end = where + i if isinstance(where, int) else None
+        # staged, not appended: the keys count only once the whole call has succeeded (commit below), so a call
+        # that raises leaves the cache exactly as it was
+        pending, k, v, seen = self._staged(cache, k, v, mask)  # the hooks on Attend read q, k, v as positionals
+        result = self.attend(q, k, v, **seen, causal=causal, return_weights=need_weights)  # output (b, h, i, e)
+        out = self.out_proj(result.output.transpose(1, 2).reshape(b, i, h * e))  # heads concatenated, then W^O
+        weights = result.weights
+        if weights is not None and average_weights:
+            weights = weights.mean(dim=1)  # (b, i, j)
+        if self.rotary is not None and rotary_end is not None:  # rotary_end is set only with a rotary
+            self.rotary.reserve(rotary_end, q)
+        if pending is not None:
+            pending.commit()
+        return out, weights
+
+    def _check_call(self, query, key, value, causal, need_weights, average_weights, cache, positions) -> None:
+        """Every check of a forward call that is the layer's own, before the first matmul: the inputs' shapes,
+        dtypes and devices, key and value given together, the flags, and the cache's sizes and room (the
+        attention call's own checks follow in :func:`multihead.attention`)."""
         self._check_input("query", query, self.embed_dim, None)
-        b, i = query.shape[:2]
         if key is None:
-            if value is not None:
-                raise bad_argument(
-                    "key", "a key tensor when value is given", None, "pass key= too, or neither for self-attention"
-                )
-            if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
-                raise bad_argument(
-                    "key",
-                    f"a key tensor (b, j, {self.kdim}) since kdim/vdim differ from embed_dim",
-                    None,
-                    "pass key= (and value=) for cross-attention",
-                )
+            self._check_self_attention(value)
         else:
-            self._check_input("key", key, self.kdim, query)
-            if value is None and self.vdim != self.kdim:
-                raise bad_argument(
-                    "value",
-                    f"a value tensor (b, j, {self.vdim}): vdim = {self.vdim} differs from "
-                    f"kdim = {self.kdim}, so the key cannot serve as value",
-                    None,
-                    "pass value= explicitly",
-                )
-            if value is not None:
-                self._check_input("value", value, self.vdim, query)
-                if value.shape[1] != key.shape[1]:
-                    raise bad_argument(
-                        "value",
-                        f"length j = {key.shape[1]} (from key)",
-                        value.shape[1],
-                        "give key and value the same length",
-                    )
+            self._check_cross_attention(query, key, value)
         for name, switch in (("need_weights", need_weights), ("average_weights", average_weights), ("causal", causal)):
             checked_flag(name, switch)
         if cache is not None and not isinstance(cache, (KVCache, PagedBatch)):
@@ -519,70 +522,81 @@ class MultiHeadAttention(nn.Module):
                 "build one with layer.new_cache(batch_size, max_len) or layer.new_paged_cache(num_pages, page_size)",
                 kind=TypeError,
             )
-        if isinstance(cache, PagedBatch) and (mask is not None or need_weights):
-            raise bad_argument(
-                "mask" if mask is not None else "need_weights",
-                "no mask and no weights with a paged cache (its kernel reads causal and the cache's window)",
-                "a mask" if mask is not None else "need_weights=True",
-                "decode with causal=True alone, or use a contiguous KVCache for masks and weights",
-            )
-        h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
         if cache is not None:
             # the projections' dtype: autocast's for float32 and half inputs (it leaves float64 alone)
             autocast = autocast_on(query.device) and query.dtype != torch.float64
             compute_dtype = torch.get_autocast_dtype(query.device.type) if autocast else query.dtype
-            cache.check_compatible(b, g, d, e, compute_dtype, query.device)
+            b, i = query.shape[:2]
+            cache.check_compatible(
+                b, self.num_kv_heads, self.head_dim, self.value_head_dim, compute_dtype, query.device
+            )
             cache.check_room(i)
-
-        rotary_end = None  # positions the rotary tables must cover after this call
-        q, k, v = self._project(query, key, value)
-        q = q.view(b, i, h, d).transpose(1, 2)  # (b, h, i, d)
-        k = k.view(b, -1, g, d).transpose(1, 2)  # (b, g, j, d)
-        v = v.view(b, -1, g, e).transpose(1, 2)  # (b, g, j, e)
-        if self.rotary is not None:
-            if key is not None:
-                raise bad_argument(
-                    "key",
-                    "None: rotary positions are defined for self-attention",
-                    "a key tensor",
-                    "build the layer without rotary for cross-attention",
-                )
-            where = self._positions(positions, b, i, cache)
-            # tables grow only once the call has succeeded (below): a failed call leaves them as they were
-            q, k = self.rotary.rotate(q, where, grow=False), self.rotary.rotate(k, where, grow=False)
-            rotary_end = where + i if isinstance(where, int) else None
-        elif positions is not None:
+        if self.rotary is not None and key is not None:
+            raise bad_argument(
+                "key",
+                "None: rotary positions are defined for self-attention",
+                "a key tensor",
+                "build the layer without rotary for cross-attention",
+            )
+        if self.rotary is None and positions is not None:
             raise bad_argument(
                 "positions",
                 "None (the layer has no rotary embedding)",
                 describe(positions),
                 "build the layer with rotary=True, or drop positions",
             )
-        pending: PendingAppend | PagedPending | None = None
-        if isinstance(cache, PagedBatch):
-            pending = cache.stage(k, v)  # written where nothing counts yet; commit below
-        elif cache is not None:
-            # staged, not appended: the keys count only once the whole call has succeeded (commit below),
-            # so a call that raises leaves the cache exactly as it was
-            pending = cache.stage(k, v)
-            k, v = pending.keys, pending.values  # (b, g, L, d), (b, g, L, e): every key attended
-            if cache.window is not None:  # a window cache: each query sees its last `window` keys
-                sliding = window(cache.window - 1, 0)
-                mask = sliding if mask is None else as_mask(mask) & sliding
-        if isinstance(pending, PagedPending):  # through the block table, a few pages of every sequence at a time
-            out, weights = pending.attend(q, causal=causal), None
-        else:
-            result = self.attend(q, k, v, mask=mask, causal=causal, return_weights=need_weights)
-            out, weights = (result.output, result.weights) if need_weights else (result, None)
-        out = out.transpose(1, 2).reshape(b, i, h * e)  # (b, i, h*e): heads concatenated
-        if weights is not None and average_weights:
-            weights = weights.mean(dim=1)  # (b, i, j)
-        out = self.out_proj(out)
-        if self.rotary is not None and rotary_end is not None:  # rotary_end is set only with a rotary
-            self.rotary.reserve(rotary_end, q)
-        if pending is not None:
-            pending.commit()
-        return out, weights
+
+    def _check_self_attention(self, value: object) -> None:
+        if value is not None:
+            raise bad_argument(
+                "key", "a key tensor when value is given", None, "pass key= too, or neither for self-attention"
+            )
+        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            raise bad_argument(
+                "key",
+                f"a key tensor (b, j, {self.kdim}) since kdim/vdim differ from embed_dim",
+                None,
+                "pass key= (and value=) for cross-attention",
+            )
+
+    def _check_cross_attention(self, query: torch.Tensor, key: object, value: object) -> None:
+        self._check_input("key", key, self.kdim, query)
+        assert isinstance(key, torch.Tensor)  # _check_input raised otherwise
+        if value is None and self.vdim != self.kdim:
+            raise bad_argument(
+                "value",
+                f"a value tensor (b, j, {self.vdim}): vdim = {self.vdim} differs from "
+                f"kdim = {self.kdim}, so the key cannot serve as value",
+                None,
+                "pass value= explicitly",
+            )
+        if value is not None:
+            self._check_input("value", value, self.vdim, query)
+            assert isinstance(value, torch.Tensor)
+            if value.shape[1] != key.shape[1]:
+                raise bad_argument(
+                    "value",
+                    f"length j = {key.shape[1]} (from key)",
+                    value.shape[1],
+                    "give key and value the same length",
+                )
+
+    @staticmethod
+    def _staged(
+        cache: KVCache | PagedBatch | None, k: torch.Tensor, v: torch.Tensor, mask: Mask | torch.Tensor | None
+    ) -> tuple[PendingAppend | PagedPending | None, torch.Tensor, torch.Tensor, dict]:
+        """The cache's staged append (None without a cache), the keys and values ``Attend`` reads (a paged cache's
+        pools), and which of them each query sees: the mask, and a paged cache's table."""
+        if cache is None:
+            return None, k, v, {"mask": mask}
+        if isinstance(cache, PagedBatch):  # written where nothing counts yet; read in place through the table
+            paged = cache.stage(k, v)
+            return paged, cache.cache.keys, cache.cache.values, {"mask": mask, "pages": paged.pages}
+        pending = cache.stage(k, v)  # keys (b, g, L, d), values (b, g, L, e): every key attended
+        if cache.window is not None:  # a window cache: each query sees its last `window` keys
+            sliding = window(cache.window - 1, 0)
+            mask = sliding if mask is None else as_mask(mask) & sliding
+        return pending, pending.keys, pending.values, {"mask": mask}
 
     def _positions(
         self, positions: torch.Tensor | None, b: int, i: int, cache: KVCache | PagedBatch | None

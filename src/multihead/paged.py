@@ -10,9 +10,11 @@ FlashAttention's ``block_table``).
 
 A server decodes many sequences of different lengths at once and retires them as they finish. One contiguous
 (b, g, max_len, d) tensor per layer reserves max_len for every row; the pool holds pages of ``page_size`` keys
-and each sequence takes pages as it grows. :func:`paged_attention` attends through the block table a few columns
-of pages at a time (about 256 keys of every sequence), with an online softmax: nothing gathers a sequence's whole
-cache.
+and each sequence takes pages as it grows. A staged append's :class:`~multihead.backends.paged.PageTable` is what
+the layer attends through: ``attention(q, cache.keys, cache.values, pages=table)`` runs the ``paged`` backend, which
+reads a few columns of pages at a time (about 256 keys of every sequence) with an online softmax: nothing gathers a
+sequence's whole cache. The layer makes that call through its ``Attend`` step, so head gates, ablations, capture
+and weights act on paged calls as on contiguous ones.
 
 Nothing is lost on failure, as with :class:`~multihead.KVCache`: :meth:`PagedBatch.stage` writes the new keys
 into slots nothing counts yet (the free part of a sequence's last page, and pages it reserves but leaves in the
@@ -33,13 +35,11 @@ import torch
 from multihead._errors import bad_argument, describe, positive_int
 from multihead._inputs import matching, tensor_argument
 from multihead._limits import check_fits
-from multihead.backends._blocks import compute_dtype
+from multihead.backends.paged import PageTable
 from multihead.cache import check_fitting, checked_layout
 from multihead.masks import to_device
 
-__all__ = ["PagedKVCache", "PagedBatch", "PagedPending", "paged_attention", "KEYS_PER_STEP"]
-
-KEYS_PER_STEP = 256  # keys of each sequence paged_attention reads per step (whole pages): few steps, bounded memory
+__all__ = ["PagedKVCache", "PagedBatch", "PagedPending"]
 
 
 @dataclass
@@ -169,34 +169,15 @@ class PagedKVCache:
 
 @dataclass
 class PagedPending:
-    """An append staged by :meth:`PagedBatch.stage`: the block table (S, M) and key counts to attend through,
-    and what :meth:`commit` makes count."""
+    """An append staged by :meth:`PagedBatch.stage`: the page table to attend through, and what :meth:`commit`
+    makes count."""
 
     batch: PagedBatch
     new: int  # tokens appended to every sequence
     reserved: list[list[int]]  # per sequence, the pages taken from the free list (still in it until commit)
-    tables: torch.Tensor  # (S, M) pool pages of each sequence, -1 past its last
-    first_slots: torch.Tensor  # (S,) the position of each sequence's first held key
-    key_ends: torch.Tensor  # (S,) one past each sequence's last key position after the append (seen + new)
-    positions: torch.Tensor  # (S, new) the new tokens' positions
+    pages: PageTable  # every sequence's pages after the append, its key range and its new queries' positions
     state: tuple  # the cache's free list and sequences when staged (checked at commit)
     committed: bool = False
-
-    def attend(self, q: torch.Tensor, *, causal: bool, scale: float | None = None) -> torch.Tensor:
-        """q (S, h, new, d) -> (S, h, new, e) through the block table (:func:`paged_attention`)."""
-        cache = self.batch.cache
-        return paged_attention(
-            q,
-            cache.keys,
-            cache.values,
-            self.tables,
-            self.first_slots,
-            self.key_ends,
-            self.positions,
-            causal=causal,
-            window=cache.window,
-            scale=scale,
-        )
 
     def commit(self) -> None:
         """Make the append count: the reserved pages join the tables, the lengths grow, and with a window the
@@ -309,9 +290,9 @@ class PagedBatch:
         reserved = self._reservations(new)
         sequences = [cache._sequences[handle] for handle in self.handles]
         tables = [sequence.pages + pages for sequence, pages in zip(sequences, reserved, strict=True)]
-        padded = torch.full((len(tables), max(len(table) for table in tables)), -1, dtype=torch.long)  # (S, M)
-        for row, table in enumerate(tables):
-            padded[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+        padded = torch.full((len(tables), max(len(pages) for pages in tables)), -1, dtype=torch.long)  # (S, M)
+        for row, pages in enumerate(tables):
+            padded[row, : len(pages)] = torch.tensor(pages, dtype=torch.long)
         firsts = [sequence.first_slot(cache.page_size) for sequence in sequences]
         # the new keys' slots in each table: positions seen .. seen + new - 1, counted from its first held key
         offsets = torch.stack(
@@ -323,16 +304,15 @@ class PagedBatch:
         # keys (S, g, n, d) -> pool[page, :, slot]: one write of every new key
         cache.keys[page_index, :, slot_index] = keys.permute(0, 2, 1, 3)
         cache.values[page_index, :, slot_index] = values.permute(0, 2, 1, 3)
-        return PagedPending(
-            self,
-            new,
-            reserved,
-            to_device(padded, device),
-            to_device(torch.tensor(firsts, dtype=torch.long), device),
-            to_device(torch.tensor([s.seen + new for s in sequences], dtype=torch.long), device),
-            self.positions(new, device),
-            state,
+        held = PageTable(
+            tables=to_device(padded, device),
+            first_slots=to_device(torch.tensor(firsts, dtype=torch.long), device),
+            key_ends=to_device(torch.tensor([s.seen + new for s in sequences], dtype=torch.long), device),
+            positions=self.positions(new, device),
+            width=max(s.seen + new - first for s, first in zip(sequences, firsts, strict=True)),
+            window=cache.window,
         )
+        return PagedPending(self, new, reserved, held, state)
 
     def _check(self, name: str, t: object, last_axis: str, last: int) -> torch.Tensor:
         cache = self.cache
@@ -349,69 +329,3 @@ class PagedBatch:
                 name, f"shape {layout} with n >= 1", f"shape {tuple(t.shape)}", "one row per sequence of the batch"
             )
         return t
-
-
-def paged_attention(
-    q: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    tables: torch.Tensor,
-    first_slots: torch.Tensor,
-    key_ends: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    causal: bool = True,
-    window: int | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Attention of S sequences' new queries over their keys in a page pool, a few columns of pages at a time
-    (about :data:`KEYS_PER_STEP` keys of each sequence), with an online softmax.
-
-    Args:
-        q: (S, h, i, d) queries; row s's query t sits at position ``positions[s, t]``.
-        key_pool, value_pool: (P, g, page, d) and (P, g, page, e); h % g == 0.
-        tables: (S, M) pool pages of each sequence in order, -1 past its last.
-        first_slots: (S,) the position of the first key of table column 0 (pages dropped before it).
-        key_ends: (S,) keys first_slots[s] .. key_ends[s] - 1 exist.
-        positions: (S, i) the queries' positions.
-        causal: keys at or before the query only; ``window``: only the last ``window`` of those.
-        scale: multiplies q k^T; default 1/sqrt(d).
-
-    Returns:
-        (S, h, i, e) in q's dtype; a query with no key gets 0.
-    """
-    s, h, i, d = q.shape
-    pages, g, page_size, e = value_pool.shape
-    group = h // g
-    work = compute_dtype(q.dtype)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    queries = q.to(work).reshape(s, g, group * i, d) * scale  # (S, g, group * i, d): a key head's queries together
-    at = positions.repeat(1, group)[:, None, :, None]  # (S, 1, group * i, 1): each query's position
-    best = torch.full((s, g, group * i, 1), -math.inf, dtype=work, device=q.device)
-    total = torch.zeros_like(best)
-    out = torch.zeros(s, g, group * i, e, dtype=work, device=q.device)
-    step = max(1, KEYS_PER_STEP // page_size)  # table columns read at once: about KEYS_PER_STEP keys per sequence
-    for column in range(0, tables.shape[1], step):
-        page = tables[:, column : column + step]  # (S, C): these columns' pages of every sequence
-        width = page.shape[1] * page_size
-        # (S, C, g, page, d) -> (S, g, C * page, d): a few pages of each sequence, never its whole cache
-        keys = key_pool[page.clamp(min=0)].transpose(1, 2).reshape(s, g, width, d).to(work)
-        values = value_pool[page.clamp(min=0)].transpose(1, 2).reshape(s, g, width, e).to(work)
-        scores = queries @ keys.transpose(-1, -2)  # (S, g, group * i, C * page)
-        key_at = (first_slots[:, None] + column * page_size + torch.arange(width, device=q.device))[:, None, None, :]
-        real = (page >= 0).repeat_interleave(page_size, dim=1)[:, None, None, :]  # (S, 1, 1, C * page)
-        keep = real & (key_at < key_ends[:, None, None, None])
-        if causal:
-            keep = keep & (key_at <= at)
-        if window is not None:
-            keep = keep & (key_at > at - window)
-        scores = scores.masked_fill(~keep, -math.inf)
-        new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
-        safe = torch.where(new_best == -math.inf, torch.zeros_like(new_best), new_best)  # no key yet: no shift
-        weights = torch.exp(scores - safe)
-        rescale = torch.exp(best - safe)
-        total = total * rescale + weights.sum(-1, keepdim=True)
-        out = out * rescale + weights @ values
-        best = new_best
-    out = torch.where(total > 0, out / total.clamp_min(torch.finfo(work).tiny), torch.zeros_like(out))
-    return out.reshape(s, h, i, e).to(q.dtype)

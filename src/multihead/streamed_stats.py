@@ -23,7 +23,6 @@ ALiBi, soft-cap, documents, a caller's bias), GQA, and rows with every key maske
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,9 +30,10 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead._indices import checked_indices
-from multihead.backends._blocks import Blocks, compute_dtype, mask_scores_
-from multihead.functional import attention, bound_call
-from multihead.masks import BlockState, Mask, to_device
+from multihead.backends.precision import compute_dtype
+from multihead.backends.weights import weight_blocks
+from multihead.functional import attention_result, bound_call
+from multihead.masks import Mask, to_device
 
 __all__ = ["AttentionStats", "StatsSettings", "PoolGrid", "attention_stats", "DISTANCE_BANDS", "POOLS"]
 
@@ -177,32 +177,20 @@ def attention_stats(
         raise bad_argument("pool", f"one of {list(POOLS)}", repr(pool), 'pass pool="max", "mean" or "sum"')
 
     b = call.q.shape[0]
-    result = attention(q, k, v, mask=mask, causal=causal, scale=scale, return_lse=True)
+    result = attention_result(q, k, v, mask=mask, causal=causal, scale=scale, return_lse=True)
     assert result.lse is not None
     output, lse = result.output, result.lse
     if call.unbatched:
         output, lse = output.unsqueeze(0), lse.unsqueeze(0)
     work = compute_dtype(call.q.dtype)
     head_index = torch.tensor(chosen_heads, device=call.q.device)
-    group = h // call.k.shape[1]
-    qs = call.q.index_select(1, head_index).to(work) * call.scale  # (b, H, i, d)
-    ks = call.k.index_select(1, head_index // group).to(work)  # (b, H, j, d): each chosen head's own key head
-    lse = lse.index_select(1, head_index).to(work)
-    safe_lse = lse.masked_fill(lse == -math.inf, 0.0).unsqueeze(-1)  # (b, H, i, 1): a row all masked gives p = 0
     acc = _Accumulators(b, len(chosen_heads), i, j, work, call.q.device, sinks, far, top_k, grid, pool)
     if rows is not None:  # only the chosen rows add to the column sums and the map
         acc.row_weight = torch.zeros(i, dtype=work, device=call.q.device)
         acc.row_weight[torch.tensor(chosen_rows, device=call.q.device)] = 1.0
-    offset = j - i
-    for qb in Blocks(i, BLOCK_Q):
-        for kb in Blocks(j, BLOCK_K):
-            if call.mask.state(qb, kb) is BlockState.EMPTY:
-                continue
-            scores = qs[:, :, qb.start : qb.stop] @ ks[:, :, kb.start : kb.stop].transpose(-1, -2)
-            mask_scores_(scores, call.mask, slice(qb.start, qb.stop), slice(kb.start, kb.stop), head_index)
-            log_weights = scores.sub_(safe_lse[:, :, qb.start : qb.stop])  # log p: -inf where masked
-            weights = log_weights.exp()  # (b, H, n, m): the exact weights, 0 where masked
-            acc.add(qb, kb, weights, log_weights, offset)
+    blocks = weight_blocks(call.q, call.k, lse, call.mask, call.scale, head_index, block_q=BLOCK_Q, block_k=BLOCK_K)
+    for qb, kb, weights, log_weights in blocks:  # (b, H, n, m): the exact weights, 0 where masked
+        acc.add(qb, kb, weights, log_weights, j - i)
     return acc.result(output, chosen_heads, chosen_rows, far, call.unbatched)
 
 

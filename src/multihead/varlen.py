@@ -10,7 +10,8 @@ last key), as FlashAttention aligns them since v2.1.
 
 The call runs as one packed row on :func:`multihead.attention` with a documents mask: the tiled and flex kernels
 skip every block between two documents, and every backend serves it (the output, gradients, the LSE and the weights
-as :func:`~multihead.attention` gives them).
+as :func:`~multihead.attention` gives them). :func:`attention_varlen` returns the output;
+:func:`attention_varlen_result` the output with the weights and LSE asked for, as :func:`multihead.attention_result`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from __future__ import annotations
 import torch
 
 from multihead._errors import bad_argument, describe
-from multihead.functional import AttentionResult, WeightSelection, attention
-from multihead.masks import Mask, alibi, band_intersection, host_readable, softcap
-from multihead.masks._documents import ragged_documents
+from multihead.functional import AttentionResult, WeightSelection, attention_result
+from multihead.masks import Mask, alibi, band_intersection, host_readable, ragged_documents, softcap
 
-__all__ = ["attention_varlen"]
+__all__ = ["attention_varlen", "attention_varlen_result"]
 
 
 def attention_varlen(
@@ -42,9 +42,7 @@ def attention_varlen(
     dropout: float = 0.0,
     training: bool = False,
     backend: str = "auto",
-    return_weights: bool | WeightSelection = False,
-    return_lse: bool = False,
-) -> torch.Tensor | AttentionResult:
+) -> torch.Tensor:
     """Attention within each packed document (see the module docstring).
 
     Args:
@@ -60,11 +58,10 @@ def attention_varlen(
         softcap_to: cap the scaled scores to cap * tanh(s / cap) (FlashAttention's ``softcap``; None: none).
         alibi_slopes: (h,) ALiBi slopes, -slope * |distance| within each document; its documents must have as
             many queries as keys (cu_seqlens_q equal to cu_seqlens_k).
-        dropout, training, backend, return_weights, return_lse: as for :func:`multihead.attention`; the weights
-            are (h, total_q, total_k) and the LSE (h, total_q), FlashAttention's ``softmax_lse`` layout.
+        dropout, training, backend: as for :func:`multihead.attention`.
 
     Returns:
-        The output (total_q, h, e), or an :class:`~multihead.AttentionResult` with weights or LSE asked for.
+        The output (total_q, h, e); :func:`attention_varlen_result` gives the weights and LSE too.
 
     Raises:
         ValueError or TypeError naming the argument: shapes, boundaries, lengths, window, slopes.
@@ -75,6 +72,88 @@ def attention_varlen(
         >>> attention_varlen(q, k, v, cu, cu, 4, 4, causal=True).shape
         torch.Size([7, 4, 16])
     """
+    options = dict(causal=causal, window=window, scale=scale, softcap_to=softcap_to, alibi_slopes=alibi_slopes)
+    limits = (max_seqlen_q, max_seqlen_k)
+    result = _packed_call(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        *limits,
+        **options,
+        dropout=dropout,
+        training=training,
+        backend=backend,
+        return_weights=False,
+        return_lse=False,
+    )
+    return result.output
+
+
+def attention_varlen_result(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    softcap_to: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+    backend: str = "auto",
+    return_weights: bool | WeightSelection = False,
+    return_lse: bool = False,
+) -> AttentionResult:
+    """:func:`attention_varlen` with the weights (h, total_q, total_k) and the LSE (h, total_q), FlashAttention's
+    ``softmax_lse`` layout, asked for as in :func:`multihead.attention_result`: an :class:`~multihead.AttentionResult`
+    whose output is (total_q, h, e)."""
+    options = dict(causal=causal, window=window, scale=scale, softcap_to=softcap_to, alibi_slopes=alibi_slopes)
+    limits = (max_seqlen_q, max_seqlen_k)
+    return _packed_call(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        *limits,
+        **options,
+        dropout=dropout,
+        training=training,
+        backend=backend,
+        return_weights=return_weights,
+        return_lse=return_lse,
+    )
+
+
+def _packed_call(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal,
+    window,
+    scale,
+    softcap_to,
+    alibi_slopes,
+    dropout,
+    training,
+    backend,
+    return_weights,
+    return_lse,
+) -> AttentionResult:
+    """Both varlen calls: the documents checked, one packed row through :func:`multihead.attention_result`, the
+    result in the varlen layout."""
     for name, tensor, layout in (("q", q, "(total_q, h, d)"), ("k", k, "(total_k, g, d)"), ("v", v, "(total_k, g, e)")):
         if not isinstance(tensor, torch.Tensor) or tensor.ndim != 3:
             raise bad_argument(
@@ -115,7 +194,7 @@ def attention_varlen(
             )
         mask = mask & alibi(alibi_slopes)  # one alignment for every document: each starts at the same place
     packed = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # (1, heads, total, dim): views
-    result = attention(
+    result = attention_result(
         *packed,
         mask=mask,
         scale=scale,
@@ -125,8 +204,6 @@ def attention_varlen(
         return_weights=return_weights,
         return_lse=return_lse,
     )
-    if isinstance(result, torch.Tensor):
-        return result[0].transpose(0, 1)
     return AttentionResult(
         result.output[0].transpose(0, 1),
         None if result.weights is None else result.weights[0],

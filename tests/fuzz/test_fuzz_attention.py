@@ -83,10 +83,7 @@ def textbook(q, k, v, spec: MaskSpec, shape: Shape, scale: float | None):
 
 
 def unpack(result, return_weights, return_lse):
-    """(output, weights, lse) from attention's result; raises AssertionError on a wrong result type."""
-    if return_weights is False and not return_lse:
-        assert isinstance(result, torch.Tensor), f"expected a tensor, got {type(result).__name__}"
-        return result, None, None
+    """(output, weights, lse) from attention_result's result; raises AssertionError on a wrong result type."""
     assert isinstance(result, multihead.AttentionResult), f"expected AttentionResult, got {type(result).__name__}"
     out, weights, lse = result
     assert (weights is None) == (return_weights is False), "weights returned iff asked for"
@@ -195,7 +192,7 @@ class Call:
         """(output, weights, lse, grads or None), computed by ``backend`` in ``dtype``."""
         qkv = self.inputs(dtype)
         with tiny_blocks():
-            result = multihead.attention(*qkv, **self.kwargs(backend))
+            result = multihead.attention_result(*qkv, **self.kwargs(backend))
         out, weights, lse = unpack(result, self.return_weights, self.return_lse)
         grads = None
         if self.grad:
@@ -315,7 +312,7 @@ def check_backend(call: Call, backend: str, ref64, baselines) -> list[tuple[str,
     if call.return_weights is not False or call.return_lse or call.dropout:
         try:
             with tiny_blocks():
-                plain = multihead.attention(*call.inputs(), **call.kwargs(backend, plain=True)).detach()
+                plain = multihead.attention_result(*call.inputs(), **call.kwargs(backend, plain=True)).output.detach()
         except Exception as error:  # noqa: BLE001
             problems.append(("crash", f"the plain call raised {type(error).__name__}: {error}"))
         else:
@@ -455,13 +452,15 @@ def test_stepped_query_selection_under_masks(tally, request):
     ):
         for queries in (slice(None, None, 2), slice(1, None, 3), slice(0, 5, 4)):
             selection = multihead.WeightSelection(heads=[3, 0], queries=queries)
-            expected = multihead.attention(
+            expected = multihead.attention_result(
                 q.double(), k.double(), v.double(), mask=mask, backend="reference", return_weights=True
             ).weights[:, [3, 0]][:, :, queries]
             for backend in backends_or_auto():
                 where = f"{backend} mask={mask!r} queries={queries}"
                 try:
-                    weights = multihead.attention(q, k, v, mask=mask, backend=backend, return_weights=selection).weights
+                    weights = multihead.attention_result(
+                        q, k, v, mask=mask, backend=backend, return_weights=selection
+                    ).weights
                 except Exception as error:  # noqa: BLE001 - a valid call: any error is a defect
                     tally.record(request.node.name, "crash", f"{where}: {type(error).__name__}: {error}")
                     findings.add(f"[crash] {where}: {type(error).__name__}: {error}")
@@ -589,10 +588,10 @@ def test_low_precision_oracle_is_robust(tally, request):
         v = v / magnitude  # values of ordinary size: the bound below is relative to them
         scale = 1.0 / math.sqrt(shape.d)
         kwargs = {"mask": spec.build(), "causal": spec.causal, "backend": "reference", "return_weights": True}
-        ref64 = multihead.attention(q.double(), k.double(), v.double(), **kwargs)
+        ref64 = multihead.attention_result(q.double(), k.double(), v.double(), **kwargs)
         detail = f"shape={shape} dtype={dtype} magnitude={magnitude} mask={spec}"
         try:
-            lowp = multihead.attention(q, k, v, **kwargs)
+            lowp = multihead.attention_result(q, k, v, **kwargs)
         except Exception as error:  # noqa: BLE001
             tally.record(test, "crash", f"{type(error).__name__}: {error}")
             findings.add(f"reference in {dtype} raised {type(error).__name__}: {error}: {detail}")
@@ -633,12 +632,12 @@ def test_float16_score_that_overflows_only_unscaled(tally, request):
     for backend in backends_or_auto():
         for return_weights in (False, True):
             try:
-                result = multihead.attention(q, k, v, backend=backend, return_weights=return_weights)
+                result = multihead.attention_result(q, k, v, backend=backend, return_weights=return_weights)
             except Exception as error:  # noqa: BLE001
                 tally.record(request.node.name, "crash", f"{backend}: {type(error).__name__}: {error}")
                 failures.append(f"{backend}: {type(error).__name__}: {error}")
                 continue
-            out = result.output if return_weights else result
+            out = result.output
             ok = torch.equal(out.float(), torch.ones(1, 1, 1, 3))
             outcome = "ok" if ok else ("nan" if out.isnan().any() else "wrong")
             tally.record(request.node.name, outcome, f"{backend} weights={return_weights}: {out.flatten().tolist()}")

@@ -354,7 +354,7 @@ def selection_cases(draw) -> Bad:
     return Bad(
         "WeightSelection",
         f"{label} on {shape}, backend={backend!r}",
-        lambda: multihead.attention(q, k, v, backend=backend, return_weights=WeightSelection(**kwargs)),
+        lambda: multihead.attention_result(q, k, v, backend=backend, return_weights=WeightSelection(**kwargs)),
     )
 
 
@@ -784,7 +784,7 @@ ISSUE_CASES: list[tuple[str, Callable[[], object]]] = [
     ("alibi_slopes(2**40)", lambda: masks.alibi_slopes(HUGE)),
     (
         "WeightSelection(queries=slice(0, 2.5))",
-        lambda: multihead.attention(
+        lambda: multihead.attention_result(
             *make_inputs(shapes_fixed(), torch.float32, 0), return_weights=WeightSelection(queries=slice(0, 2.5))
         ),
     ),

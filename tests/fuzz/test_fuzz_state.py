@@ -449,7 +449,7 @@ def test_attention_failure_changes_no_input(tally, request):
         saved = [t.clone() for t in (q, k, v, bias)]
         error = None
         try:
-            multihead.attention(q, k, v, mask=masks.bias(bias), backend=backend, return_lse=True)
+            multihead.attention_result(q, k, v, mask=masks.bias(bias), backend=backend, return_lse=True)
         except Exception as raised:  # noqa: BLE001
             error = raised
         unchanged = all(torch.equal(a, b) for a, b in zip(saved, (q, k, v, bias), strict=True))
@@ -496,7 +496,6 @@ def paged_unchanged(before: tuple, after: tuple) -> bool:
 PAGED_FAILURES = (
     "a row more than sequences",
     "a mask",
-    "weights asked for",
     "a freed sequence",
     "a sequence twice",
     "float32 input to a float64 layer",
@@ -511,7 +510,6 @@ def paged_failing_call(kind, layer, cache, handles, freed, x, page_size):
     calls = {
         "a row more than sequences": lambda: layer(torch.cat([x, x[:1]]), causal=True, cache=batch),
         "a mask": lambda: layer(x, causal=True, cache=batch, mask=masks.causal()),
-        "weights asked for": lambda: layer(x, causal=True, cache=batch, need_weights=True),
         "a freed sequence": lambda: cache.batch([*handles, *(freed or [10**6])]),
         "a sequence twice": lambda: cache.batch([handles[0], *handles]),
         "float32 input to a float64 layer": lambda: layer(x.float(), causal=True, cache=batch),
@@ -527,10 +525,10 @@ def test_failed_paged_calls_leave_the_pool_and_tables_unchanged(tally, request, 
     """Sequences added, decoded together and freed, with failing calls in between: after each failure the free
     pages, every block table, length and held key are as before, and every good call gives what each sequence's
     own contiguous cache gives."""
-    import multihead.paged
+    import multihead.backends.paged
 
     test = request.node.name
-    real_kernel = multihead.paged.paged_attention
+    real_kernel = multihead.backends.paged._paged_kernel
 
     @given(
         page_size=st.sampled_from((1, 2, 3, 5)),
@@ -563,7 +561,7 @@ def test_failed_paged_calls_leave_the_pool_and_tables_unchanged(tally, request, 
                     raise RuntimeError("the kernel failed")
 
                 if kind == "the kernel failing":
-                    monkeypatch.setattr(multihead.paged, "paged_attention", broken)
+                    monkeypatch.setattr(multihead.backends.paged, "_paged_kernel", broken)
                 before = paged_snapshot(cache)
                 error = None
                 try:
@@ -572,7 +570,7 @@ def test_failed_paged_calls_leave_the_pool_and_tables_unchanged(tally, request, 
                 except Exception as raised:  # noqa: BLE001
                     error = raised
                 finally:
-                    monkeypatch.setattr(multihead.paged, "paged_attention", real_kernel)
+                    monkeypatch.setattr(multihead.backends.paged, "_paged_kernel", real_kernel)
                 where = f"step {step}: {kind} (page {page_size}, window {window}, {len(handles)} sequences)"
                 if error is None:
                     tally.record(test, "bad_input_accepted", where)

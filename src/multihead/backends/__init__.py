@@ -8,9 +8,12 @@ Built in, in the order ``backend="auto"`` considers them:
   once per mask structure (any length), forward only on CPU; auto skips it until its kernel is compiled.
 - ``materialized``: one pass that writes all weights once; auto's pick when every weight is asked for.
 - ``reference``: the readable oracle, any dtype, everything (including gradients to a bias).
+- ``paged``: keys and values in a page pool, read in place through a block table (``attention(..., pages=...)``);
+  it serves paged calls only, and auto ranks it first for them.
 """
 
-from multihead.backends import flex, materialized, policy, reference, sdpa, tiled
+from multihead.backends import flex, materialized, paged, policy, reference, sdpa, tiled
+from multihead.backends.paged import PageTable
 from multihead.backends.policy import DispatchPolicy, autotune, set_policy, use_policy
 from multihead.backends.registry import (
     AttentionCall,
@@ -27,6 +30,7 @@ from multihead.backends.registry import (
 __all__ = [
     "AttentionCall",
     "DispatchPolicy",
+    "PageTable",
     "autotune",
     "policy",
     "set_policy",
@@ -46,3 +50,4 @@ register("tiled", tiled.tiled_attention, tiled.CAPABILITIES, priority=20)
 register("flex", flex.flex_attention_backend, flex.CAPABILITIES, priority=25)
 register("materialized", materialized.materialized_attention, materialized.CAPABILITIES, priority=30)
 register("reference", reference.reference_attention, reference.CAPABILITIES, priority=100)
+register("paged", paged.paged_attention_backend, paged.CAPABILITIES, priority=90)

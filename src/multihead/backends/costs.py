@@ -43,16 +43,13 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from multihead.backends.call import AttentionCall
 from multihead.backends.policy import DeviceKind, current_policy
 from multihead.backends.rates import KernelRates
 from multihead.masks import STATE_EMPTY, STATE_PARTIAL, BlockGrid, BoundMask
-
-if TYPE_CHECKING:
-    from multihead.backends.registry import AttentionCall
 
 __all__ = [
     "Estimate",
@@ -66,7 +63,35 @@ __all__ = [
     "live_fraction",
     "masked_fraction",
     "native_precision",
+    "pair_flops",
+    "score_flops",
+    "mix_flops",
+    "SOFTMAX_FLOPS_FORWARD",
+    "SOFTMAX_FLOPS_BACKWARD",
+    "BACKWARD_MATMUL_FACTOR",
 ]
+
+# The counting vocabulary, said once: what one (query, key) pair of one head costs. The cost model (multihead.cost)
+# counts a configuration's FLOPs with these, and the estimates below time kernels with them.
+SOFTMAX_FLOPS_FORWARD = 5  # per score: scale, running max, subtract-and-exp, sum, divide
+SOFTMAX_FLOPS_BACKWARD = 4  # per score: dP * P, row sum, subtract, times P
+BACKWARD_MATMUL_FACTOR = 2  # the backward's matmuls over the forward's: dQ and dK from dS, dP and dV from dO
+
+
+def score_flops(d: int) -> int:
+    """FLOPs of one score q . k (a pair's Q K^T) over head dim d."""
+    return 2 * d
+
+
+def mix_flops(e: int) -> int:
+    """FLOPs of one weight times its value row (a pair's weights x V) over value dim e."""
+    return 2 * e
+
+
+def pair_flops(d: int, e: int) -> int:
+    """A pair's forward matmul FLOPs: its score and its share of the weighted sum of values."""
+    return score_flops(d) + mix_flops(e)
+
 
 BACKWARD_FLOP_FACTOR = 2.5  # a backward's n x n FLOPs over the forward's (recompute q k^T, then dV, dP, dQ, dK)
 MAX_GRID = 32  # blocks per side looked at by live_fraction: coarser cells past this (an estimate, cheap per call)
@@ -186,7 +211,7 @@ def _sized_compute_dtype(
     if fraction is None or torch.compiler.is_compiling():  # the rates alone: the work's size cancels out
         return faster_compute_dtype(backend, dtype, kind, requires_grad, flops=1.0, cast_bytes=0)
     b, h, g, i, j, d, e = sizes
-    flops = 2.0 * (d + e) * b * h * fraction() * i * j
+    flops = float(pair_flops(d, e)) * b * h * fraction() * i * j
     written = cast_bytes(b, h, g, i, j, d, e, requires_grad)
     return faster_compute_dtype(backend, dtype, kind, requires_grad, flops=flops, cast_bytes=written, rows=b * h * i)
 
@@ -277,7 +302,7 @@ def kernel_seconds(
 
 
 def _flops_per_pair(call: AttentionCall) -> float:
-    return 2.0 * (call.qk_dim + call.v_dim) * call.batch * call.heads
+    return float(pair_flops(call.qk_dim, call.v_dim)) * call.batch * call.heads
 
 
 HALF_CALL_HANDLING = ("per call", "by rates", "float32 blocks", "as given")

@@ -46,8 +46,8 @@ import torch.fx.experimental._config as fx_config
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention, noop_mask
 
 from multihead._errors import bad_argument, describe
-from multihead.backends._blocks import autocast_inputs
 from multihead.backends.costs import block_kernel_estimate, call_compute_dtype, inputs_in_faster_dtype
+from multihead.backends.precision import autocast_inputs
 from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities, changed
 from multihead.masks import (
     STATE_EMPTY,

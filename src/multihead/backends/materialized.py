@@ -33,9 +33,6 @@ from multihead.backends._blocks import (
     Blocks,
     FoldedMask,
     KernelFunction,
-    autocast_inputs,
-    autocast_off,
-    compute_dtype,
     dense_input_grads,
     double_backward,
     fold,
@@ -47,6 +44,7 @@ from multihead.backends._blocks import (
     unfold,
 )
 from multihead.backends.costs import block_kernel_estimate
+from multihead.backends.precision import autocast_inputs, autocast_off, compute_dtype
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BlockState, BoundMask
 

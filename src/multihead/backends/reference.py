@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from multihead.backends._blocks import apply_mask as apply_mask  # re-exported: scores + bias, -inf where masked
-from multihead.backends._blocks import autocast_inputs, autocast_off, compute_dtype, masked_scores
+from multihead.backends._blocks import masked_scores
+from multihead.backends.precision import autocast_inputs, autocast_off, compute_dtype
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BoundMask
 

@@ -8,6 +8,11 @@ with q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), ``mask`` a bound
 :class:`multihead.masks.BoundMask`, ``dropout`` the probability actually applied
 (0.0 outside training), and returns output (b, h, i, e), plus weights (b, h, i, j)
 when ``need_weights`` and the log-sum-exp (b, h, i) when ``need_lse``.
+
+A paged call (``attention(..., pages=PageTable(...))``, :mod:`multihead.backends.paged`) has page pools for k and
+v. A backend whose capabilities say ``paged`` reads them in place and is called with ``pages=`` (the table and
+the call's causal flag) as well; any other backend serves it on each sequence's keys gathered in order, with the
+table's mask (``PageTable.keeps``), and auto ranks it after the paged ones.
 """
 
 from __future__ import annotations
@@ -19,38 +24,15 @@ from typing import NamedTuple
 import torch
 
 from multihead._errors import bad_argument
+from multihead.backends.call import AttentionCall
 from multihead.backends.costs import Estimate, call_kind
-from multihead.backends.policy import DeviceKind, current_policy
-from multihead.masks import BoundMask
+from multihead.backends.policy import current_policy
 
 
 class BackendOutput(NamedTuple):
     output: torch.Tensor  # (b, h, i, e)
     weights: torch.Tensor | None = None  # (b, h, i, j)
     lse: torch.Tensor | None = None  # (b, h, i)
-
-
-@dataclass(frozen=True)
-class AttentionCall:
-    """What one call asks for: enough for a backend to say whether it can serve it."""
-
-    batch: int
-    heads: int
-    kv_heads: int
-    q_len: int
-    k_len: int
-    qk_dim: int
-    v_dim: int
-    dtype: torch.dtype
-    device: torch.device
-    mask: BoundMask
-    dropout: float  # probability applied; 0.0 outside training
-    weights: str  # "none", "all" or "subset"
-    need_lse: bool
-    requires_grad: bool
-    # the kind of device auto plans the call for; None: the current policy's kind of ``device`` (set it to ask what
-    # auto would pick on another kind, e.g. a CUDA call described on a CPU-only machine)
-    kind: DeviceKind | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +65,9 @@ class Capabilities:
     python_block_loop: bool = False
     # runs the call as one fused kernel (torch's SDPA, compiled FlexAttention)
     fused: bool = False
+    # reads keys and values in a page pool through a block table (and is called with pages=); the others serve a
+    # paged call on gathered keys
+    paged: bool = False
 
     def reasons(self, call: AttentionCall, *, for_auto: bool = False) -> list[str]:
         missing = []
@@ -170,7 +155,8 @@ def _fused_first(call: AttentionCall, serving: list[Backend], missing: dict[str,
     """The policy's rule: on its ``fused_first`` device types, a backend looping over blocks in Python is passed
     over (its reason added to ``missing``) wherever a fused one serves the call."""
     policy, device_type = current_policy(), call.device.type
-    fused = [backend for backend in serving if backend.capabilities.fused]
+    # a fused kernel serves a paged call only on a copy of every sequence's cache: the paged kernel is not passed over
+    fused = [backend for backend in serving if backend.capabilities.fused and backend.capabilities.paged == call.paged]
     if device_type not in policy.fused_first or not fused:
         return serving
     kept = []
@@ -293,6 +279,8 @@ def get_backend(name: str) -> Backend:
 
 def _auto_order(call: AttentionCall) -> list[Backend]:
     by_priority = sorted(_REGISTRY.values(), key=lambda b: b.priority)
+    if call.paged:  # the backends reading the pages in place before those that would gather every sequence's keys
+        by_priority = sorted(by_priority, key=lambda b: not b.capabilities.paged)
     if call.weights == "all":
         # with every weight asked for, one materialised pass beats a fused kernel plus recomputing them
         return sorted(by_priority, key=lambda b: not b.capabilities.weights)
@@ -323,6 +311,11 @@ def explain_call(call: AttentionCall, backend: str) -> Explanation:
             explanation.rejected[name] = missing[name]
         elif name == chosen.name:
             continue
+        elif call.paged and not candidate.capabilities.paged:
+            explanation.rejected[name] = [
+                f"could serve on gathered keys (a copy of every sequence's cache), but {chosen.name!r} reads the pages "
+                "in place"
+            ]
         elif call.weights == "all" and not candidate.capabilities.weights:
             explanation.rejected[name] = [
                 f"could serve, but it does not return weights itself and {chosen.name!r} writes all of them in one pass"

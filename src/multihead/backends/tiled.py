@@ -38,9 +38,6 @@ from multihead.backends._blocks import (
     Blocks,
     FoldedMask,
     KernelFunction,
-    autocast_inputs,
-    autocast_off,
-    compute_dtype,
     dense_input_grads,
     double_backward,
     dropout_keep,
@@ -53,6 +50,7 @@ from multihead.backends._blocks import (
     vmap_by_loop,
 )
 from multihead.backends.costs import block_kernel_estimate, inputs_in_faster_dtype
+from multihead.backends.precision import autocast_inputs, autocast_off, compute_dtype
 from multihead.backends.registry import BackendOutput, Capabilities
 from multihead.masks import BlockState, BoundMask, is_fake
 

@@ -18,7 +18,7 @@ from torch import nn
 from multihead._errors import bad_argument, describe
 from multihead.attend import AttentionSite
 from multihead.capture import part_sites
-from multihead.functional import AttentionResult, attention
+from multihead.functional import attention_result
 
 WHATS = ("z", "pattern", "q", "k", "v")  # the activations of a step a tool can read or patch
 BYS = ("head", "position")  # what one patch covers: a head at every position, or every head at one position
@@ -125,7 +125,7 @@ def step_weights(module, args: tuple, kwargs: dict) -> torch.Tensor:
     """The attention weights (b, h, i, j) of one step's call, from its own inputs and mask: one more kernel call,
     made only where a pattern is read."""
     q, k, v = args[:3]
-    weights = attention(
+    weights = attention_result(
         q,
         k,
         v,
@@ -139,18 +139,12 @@ def step_weights(module, args: tuple, kwargs: dict) -> torch.Tensor:
     return weights
 
 
-def step_output(result) -> torch.Tensor:
-    """The per-head outputs (b, h, i, e) of a step's result (an AttentionResult where the caller asked for
-    weights)."""
-    return result.output if isinstance(result, AttentionResult) else result
-
-
 def _recorder(what: str, layer: int, values: dict[int, torch.Tensor]):
     def hook(module, args, kwargs, result):
         if what in INPUTS:
             value = args[INPUTS[what]]
         elif what == "z":
-            value = step_output(result)
+            value = result.output
         else:
             value = step_weights(module, args, kwargs)
         values[layer] = value.detach().clone()

@@ -29,7 +29,7 @@ from torch import nn
 from multihead._errors import bad_argument, describe
 from multihead.attend import AttentionSite
 from multihead.capture import part_sites
-from multihead.circuits._runs import checked_ids, checked_tokens, logits_of, step_output
+from multihead.circuits._runs import checked_ids, checked_tokens, logits_of
 from multihead.models.contract import evaluating
 
 __all__ = ["LensParts", "lens_parts", "LogitAttribution", "direct_logit_attribution", "LogitLens", "logit_lens"]
@@ -202,7 +202,7 @@ def _residuals(model: nn.Module, parts: LensParts, ids: torch.Tensor, outputs: b
 
     def step(layer):
         def hook(module, args, kwargs, result):
-            heads[layer] = step_output(result).detach()
+            heads[layer] = result.output.detach()
 
         return hook
 

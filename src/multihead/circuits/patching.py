@@ -37,10 +37,8 @@ from multihead.circuits._runs import (
     logit_difference,
     logits_of,
     prepare,
-    step_output,
     step_weights,
 )
-from multihead.functional import AttentionResult
 from multihead.models.contract import evaluating
 
 __all__ = ["PatchingResult", "activation_patching", "attribution_patching", "Agreement", "agreement", "BYS"]
@@ -203,7 +201,7 @@ def _output_patch(what: str, patches: list[tuple[slice, int]], source: torch.Ten
     this run's values."""
 
     def hook(module, args, kwargs, result):
-        out = step_output(result).clone()
+        out = result.output.clone()
         if what == "z":
             for rows, index in patches:
                 _place(out, rows, index, source.to(out.dtype), by)
@@ -215,7 +213,7 @@ def _output_patch(what: str, patches: list[tuple[slice, int]], source: torch.Ten
                     out[rows, index] = clean[:, index] @ v[rows, index]
                 else:
                     out[rows, :, index] = torch.einsum("bhj,bhje->bhe", clean[:, :, index], v[rows])
-        return result._replace(output=out) if isinstance(result, AttentionResult) else out
+        return result._replace(output=out)
 
     return hook
 
@@ -290,7 +288,7 @@ def _output_leaf(what: str, layer: int, leaves: dict, corrupt: dict, per_group: 
     metric's gradient there."""
 
     def hook(module, args, kwargs, result):
-        out = step_output(result)
+        out = result.output
         if what == "z":
             corrupt[layer] = out.detach().clone()
             leaves[layer] = leaf = torch.zeros_like(out, requires_grad=True)
@@ -300,7 +298,7 @@ def _output_leaf(what: str, layer: int, leaves: dict, corrupt: dict, per_group: 
             corrupt[layer] = weights.detach().clone()
             leaves[layer] = leaf = torch.zeros_like(weights, requires_grad=True)
             out = out + leaf @ args[2].repeat_interleave(per_group, dim=1)
-        return result._replace(output=out) if isinstance(result, AttentionResult) else out
+        return result._replace(output=out)
 
     return hook
 

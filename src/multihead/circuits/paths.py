@@ -33,10 +33,8 @@ from multihead.circuits._runs import (
     logits_of,
     prepare,
     record,
-    step_output,
 )
 from multihead.circuits.patching import PatchingResult
-from multihead.functional import AttentionResult
 from multihead.models.contract import evaluating
 
 __all__ = ["path_patching"]
@@ -138,11 +136,11 @@ def _sent(model, run, corrupt, chunk, receiving, what) -> dict[int, torch.Tensor
 
     def held(layer: int):
         def hook(module, args, kwargs, result):
-            out = corrupt[layer].to(step_output(result).dtype).repeat(copies, 1, 1, 1)
+            out = corrupt[layer].to(result.output.dtype).repeat(copies, 1, 1, 1)
             for copy, (sender_layer, head) in enumerate(chunk):
                 if sender_layer == layer:
                     out[copy * b : (copy + 1) * b, head] = run.clean[layer][:, head]
-            return result._replace(output=out) if isinstance(result, AttentionResult) else out
+            return result._replace(output=out)
 
         return hook
 

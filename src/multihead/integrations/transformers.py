@@ -34,7 +34,6 @@ from transformers import PreTrainedModel
 from multihead import masks
 from multihead._errors import bad_argument
 from multihead.attend import Attend, AttentionSite, register_site_finder
-from multihead.functional import AttentionResult
 from multihead.integrations.transformers_internals import (
     AttentionInterface,
     AttentionMaskInterface,
@@ -103,8 +102,7 @@ def attention_forward(
         training=module.training,
         return_weights=_weights_asked(module, kwargs),
     )
-    output, weights = (result.output, result.weights) if isinstance(result, AttentionResult) else (result, None)
-    return output.transpose(1, 2).contiguous(), weights
+    return result.output.transpose(1, 2).contiguous(), result.weights
 
 
 def _weights_asked(module: nn.Module, kwargs: dict) -> bool:

@@ -62,7 +62,7 @@ from multihead.masks._binding import bind_mask  # noqa: F401
 from multihead.masks._bound_mask import BoundMask
 from multihead.masks._custom import custom
 from multihead.masks._diagonal import band_intersection, causal, window  # noqa: F401
-from multihead.masks._documents import document_positions, documents
+from multihead.masks._documents import document_positions, documents, ragged_documents  # noqa: F401
 from multihead.masks._mask import Combined, Mask, all_of, allowed, as_mask, bias  # noqa: F401
 from multihead.masks._padding import padding
 from multihead.masks._softcap import softcap

@@ -47,7 +47,7 @@ class BoundMask:
     and a float tensor, each broadcastable to (b, h, rows, cols), or None when the
     block needs none. ``state(rows, cols)`` says whether the block can be skipped.
     ``softcap`` is the cap applied to the scaled scores before the bias (None: no cap);
-    kernels apply all three through ``backends._blocks`` (``mask_scores_``, ``masked_scores``).
+    every kernel applies all three in that order, on its own blocks.
     """
 
     def __init__(self, terms: list[BoundTerm], shape: AttentionShape):

@@ -49,7 +49,7 @@ from torch.autograd.function import once_differentiable
 from multihead import masks
 from multihead._errors import bad_argument, describe
 from multihead._inputs import tensor_argument
-from multihead.functional import AttentionResult, attention
+from multihead.functional import attention, attention_result
 from multihead.layer import MultiHeadAttention
 from multihead.parallel._group import resolve_group
 from multihead.parallel.split import ulysses_kv_heads
@@ -517,7 +517,7 @@ class _RingAttention(torch.autograd.Function):
             pending = _Pending(held, ring, tag=_KV_TAG) if step < ring.world - 1 else None  # overlaps the blocks
             k_src, v_src, valid = ring.unpack(held.to(q_blocks.dtype))
             for rows, cols, block_mask in ring.blocks((ring.rank - step) % ring.world, valid, q.device):
-                result = attention(
+                result = attention_result(
                     q_blocks[:, :, rows],
                     k_src[:, :, cols],
                     v_src[:, :, cols],
@@ -526,7 +526,7 @@ class _RingAttention(torch.autograd.Function):
                     backend=ring.backend,
                     return_lse=True,
                 )
-                assert isinstance(result, AttentionResult) and result.lse is not None
+                assert result.lse is not None  # asked for
                 qi = 0 if rows.start == 0 else 1
                 block_out = result.output.to(torch.promote_types(result.output.dtype, torch.float32))  # merge in fp32+
                 outs[qi], lses[qi] = _merge(outs[qi], lses[qi], block_out, result.lse)
@@ -572,7 +572,7 @@ class _RingAttention(torch.autograd.Function):
                     q_blk = q_blocks[:, :, rows].detach().requires_grad_()
                     k_blk = k_src[:, :, cols].detach().requires_grad_()
                     v_blk = v_src[:, :, cols].detach().requires_grad_()
-                    result = attention(
+                    result = attention_result(
                         q_blk,
                         k_blk,
                         v_blk,
@@ -581,7 +581,7 @@ class _RingAttention(torch.autograd.Function):
                         backend=ring.backend,
                         return_lse=True,
                     )
-                    assert isinstance(result, AttentionResult) and result.lse is not None
+                    assert result.lse is not None  # asked for
                     out_blk, lse_blk = result.output, result.lse
                     # O = sum_b w_b o_b with w_b = exp(lse_b - L): dL/do_b = w_b dO, dL/dlse_b = w_b (dO.o_b - dO.O)
                     weight = torch.where(
@@ -646,7 +646,7 @@ def ring_attention(
 
     Forward: P steps; at each of the first P - 1 the K/V (and key_padding) this rank holds go to rank + 1 as one
     packed buffer, and rank - 1's come in, point to point, while the rank attends to the block it holds. Each
-    (query chunk, key chunk) pair runs ``multihead.attention(..., return_lse=True)``, skipped where the
+    (query chunk, key chunk) pair runs ``multihead.attention_result(..., return_lse=True)``, skipped where the
     causal/window bounds rule it out, and the partial outputs merge by their log-sum-exp. No autograd graph is
     kept: only this rank's q, k, v, key_padding, merged output and merged LSE are saved, so memory per rank is
     O(n/P) in training as in inference.

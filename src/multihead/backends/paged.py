@@ -1,0 +1,239 @@
+"""The paged backend: attention of S sequences' new queries over keys held in a page pool, read in place through a
+block table (vLLM's PagedAttention, FlashAttention's ``block_table``).
+
+A paged call is ``attention(q, key_pool, value_pool, pages=PageTable(...))``: q (S, h, i, d), the pools
+(P, g, page, d) and (P, g, page, e), and a :class:`PageTable` saying which pages hold each sequence's keys. Its
+dense equivalent is the call over each sequence's keys gathered in order, (S, g, width, d), with the mask
+:meth:`PageTable.keeps` (column c of row s is the key at position ``first_slots[s] + c``): that is how every other
+backend serves a paged call, how the weights of a paged call are computed, and what the paged kernel is tested
+against. The kernel itself never gathers a sequence's whole cache: it reads a few columns of pages at a time
+(about :data:`KEYS_PER_STEP` keys of every sequence) with an online softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from multihead._errors import bad_argument, describe, positive_int
+from multihead._inputs import tensor_argument
+from multihead.backends.precision import compute_dtype
+from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities
+from multihead.masks import Mask, custom
+
+__all__ = ["PageTable", "KEYS_PER_STEP", "CAPABILITIES", "paged_attention_backend"]
+
+KEYS_PER_STEP = 256  # keys of each sequence the kernel reads per step (whole pages): few steps, bounded memory
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """Where S sequences' keys sit in a page pool, and where their new queries sit.
+
+    ``tables`` (S, M): pool pages of each sequence in order, -1 past its last; ``first_slots`` (S,): the position
+    of the first key of table column 0 (pages dropped before it by a window); ``key_ends`` (S,): keys
+    first_slots[s] .. key_ends[s] - 1 exist; ``positions`` (S, i): the queries' positions; ``width``: the most keys
+    any sequence holds, max(key_ends - first_slots), known on the host (the dense equivalent's key length j);
+    ``window``: a query at position p sees keys after p - window only (None: every key).
+    """
+
+    tables: torch.Tensor
+    first_slots: torch.Tensor
+    key_ends: torch.Tensor
+    positions: torch.Tensor
+    width: int
+    window: int | None = None
+
+    def check(self, q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor) -> None:
+        """Raise unless q (S, h, i, d) and the pools (P, g, page, d), (P, g, page, e) fit this table (shapes only:
+        nothing is read from a device)."""
+        if q.ndim != 4:
+            raise bad_argument(
+                "q", "shape (S, h, i, d) for a paged call", f"shape {tuple(q.shape)}", "give one row per sequence"
+            )
+        s, h, i, d = q.shape
+        for name, pool, last in (("k", key_pool, "d"), ("v", value_pool, "e")):
+            if pool.ndim != 4:
+                raise bad_argument(
+                    name,
+                    f"a page pool (P, g, page, {last}) for a paged call",
+                    f"shape {tuple(pool.shape)}",
+                    "pass the cache's pools (cache.keys, cache.values)",
+                )
+        if tuple(value_pool.shape[:3]) != tuple(key_pool.shape[:3]):
+            raise bad_argument(
+                "v",
+                f"(P, g, page) = {tuple(key_pool.shape[:3])} (from k)",
+                tuple(value_pool.shape[:3]),
+                "pass the value pool of the same cache",
+            )
+        g, page = key_pool.shape[1], key_pool.shape[2]
+        if h % g != 0:
+            raise bad_argument("k", f"g key/value heads dividing h = {h}", f"g = {g}", "use a pool of fitting heads")
+        if key_pool.shape[3] != d:
+            raise bad_argument("k", f"head dim d = {d} (from q)", key_pool.shape[3], "use a pool of fitting dims")
+        layouts = (
+            ("pages.tables", self.tables, 2, s),
+            ("pages.first_slots", self.first_slots, 1, s),
+            ("pages.key_ends", self.key_ends, 1, s),
+            ("pages.positions", self.positions, 2, s),
+        )
+        for name, t, ndim, rows in layouts:
+            t = tensor_argument(name, t)
+            if t.dtype not in (torch.int32, torch.int64) or t.ndim != ndim or t.shape[0] != rows:
+                raise bad_argument(
+                    name,
+                    f"an integer tensor of {ndim} dims with S = {rows} rows (one per sequence of q)",
+                    describe(t),
+                    "build the table from a paged cache (cache.batch(handles).stage(...).pages)",
+                )
+            if t.device != q.device:
+                raise bad_argument(
+                    name, f"a tensor on {q.device} (q's device)", str(t.device), "move it with .to(q.device)"
+                )
+        if self.positions.shape[1] != i:
+            raise bad_argument(
+                "pages.positions", f"shape (S, i) = ({s}, {i})", tuple(self.positions.shape), "one per query"
+            )
+        columns = self.tables.shape[1] * page
+        width = positive_int("pages.width", self.width)
+        if width > columns:
+            raise bad_argument(
+                "pages.width",
+                f"at most the {columns} keys the table's {self.tables.shape[1]} columns of {page} hold",
+                width,
+                "pass the most keys any sequence holds",
+            )
+        if self.window is not None:
+            positive_int("pages.window", self.window)
+
+    def gather(self, pool: torch.Tensor) -> torch.Tensor:
+        """Each sequence's keys (or values) in order: (P, g, page, x) -> (S, g, width, x); column c holds the key at
+        position first_slots[s] + c (past a sequence's own keys, whatever its padding pages hold: masked)."""
+        page = pool.shape[2]
+        columns = self.tables[:, : math.ceil(self.width / page)].clamp(min=0)  # (S, C): -1 reads page 0, masked
+        s, c = columns.shape
+        gathered = pool[columns]  # (S, C, g, page, x)
+        return gathered.transpose(1, 2).reshape(s, pool.shape[1], c * page, pool.shape[3])[:, :, : self.width]
+
+    def keeps(self, causal: bool) -> Mask:
+        """The mask of the dense equivalent over (S, h, i, width): key column c of row s (position first_slots[s]
+        + c) exists, and with ``causal`` is at or before the query's position, within the window if any."""
+        first, end, at, window = self.first_slots, self.key_ends, self.positions, self.window
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            position = first[b] + kv
+            keep = position < end[b]
+            if causal:
+                keep = keep & (position <= at[b, q])
+            if window is not None:
+                keep = keep & (position > at[b, q] - window)
+            return keep
+
+        # no block rule: the positions are the caller's, in any order; this mask serves the weights and the
+        # backends that gather, which read every pair of the call anyway
+        return custom(mask_mod)
+
+    def dense(
+        self, key_pool: torch.Tensor, value_pool: torch.Tensor, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, Mask]:
+        """The dense equivalent of a paged call over these pools: keys (S, g, width, d), values (S, g, width, e)
+        and the mask (causal included) with which ``attention`` over them gives the paged call's output."""
+        return self.gather(key_pool), self.gather(value_pool), self.keeps(causal)
+
+
+@dataclass(frozen=True)
+class BoundPages:
+    """A paged call's table with the call's causal flag: what :func:`paged_attention_backend` reads."""
+
+    table: PageTable
+    causal: bool
+
+
+def _paged_kernel(
+    q: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    pages: BoundPages,
+    scale: float,
+    need_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q (S, h, i, d) over the pools through the table, a few page columns at a time: output (S, h, i, e) in q's
+    dtype (0 for a query with no key) and, with ``need_lse``, the log-sum-exp (S, h, i) (-inf with no key)."""
+    table = pages.table
+    s, h, i, d = q.shape
+    _, g, page_size, e = value_pool.shape
+    group = h // g
+    work = compute_dtype(q.dtype)
+    queries = q.to(work).reshape(s, g, group * i, d) * scale  # (S, g, group * i, d): a key head's queries together
+    at = table.positions.repeat(1, group)[:, None, :, None]  # (S, 1, group * i, 1): each query's position
+    best = torch.full((s, g, group * i, 1), -math.inf, dtype=work, device=q.device)
+    total = torch.zeros_like(best)
+    out = torch.zeros(s, g, group * i, e, dtype=work, device=q.device)
+    step = max(1, KEYS_PER_STEP // page_size)  # table columns read at once: about KEYS_PER_STEP keys per sequence
+    tables = table.tables[:, : math.ceil(table.width / page_size)]  # the columns any sequence's keys reach
+    for column in range(0, tables.shape[1], step):
+        page = tables[:, column : column + step]  # (S, C): these columns' pages of every sequence
+        width = page.shape[1] * page_size
+        # (S, C, g, page, d) -> (S, g, C * page, d): a few pages of each sequence, never its whole cache
+        keys = key_pool[page.clamp(min=0)].transpose(1, 2).reshape(s, g, width, d).to(work)
+        values = value_pool[page.clamp(min=0)].transpose(1, 2).reshape(s, g, width, e).to(work)
+        scores = queries @ keys.transpose(-1, -2)  # (S, g, group * i, C * page)
+        offsets = column * page_size + torch.arange(width, device=q.device)
+        key_at = (table.first_slots[:, None] + offsets)[:, None, None, :]  # (S, 1, 1, C * page)
+        real = (page >= 0).repeat_interleave(page_size, dim=1)[:, None, None, :]
+        keep = real & (key_at < table.key_ends[:, None, None, None])
+        if pages.causal:
+            keep = keep & (key_at <= at)
+        if table.window is not None:
+            keep = keep & (key_at > at - table.window)
+        scores = scores.masked_fill(~keep, -math.inf)
+        new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
+        safe = torch.where(new_best == -math.inf, torch.zeros_like(new_best), new_best)  # no key yet: no shift
+        weights = torch.exp(scores - safe)
+        rescale = torch.exp(best - safe)
+        total = total * rescale + weights.sum(-1, keepdim=True)
+        out = out * rescale + weights @ values
+        best = new_best
+    out = torch.where(total > 0, out / total.clamp_min(torch.finfo(work).tiny), torch.zeros_like(out))
+    lse = None
+    if need_lse:  # log sum exp(s) = best + log(total); -inf where no key was seen (total 0)
+        lse = torch.where(total > 0, best + torch.log(total.clamp_min(torch.finfo(work).tiny)), best)
+        lse = lse.reshape(s, h, i)
+    return out.reshape(s, h, i, e).to(q.dtype), lse
+
+
+def paged_attention_backend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask,
+    scale: float,
+    dropout: float,
+    need_weights: bool,
+    need_lse: bool,
+    pages: BoundPages,
+) -> BackendOutput:
+    """The registered backend: k and v are the page pools, ``pages`` the call's table (``mask`` is its dense
+    equivalent, which the kernel applies itself)."""
+    out, lse = _paged_kernel(q, k, v, pages, scale, need_lse)
+    return BackendOutput(out, None, lse)
+
+
+def _only_paged_calls(call: AttentionCall) -> list[str]:
+    if call.paged:
+        return []
+    return ["dense keys (it reads keys in a page pool: attention(q, key_pool, value_pool, pages=PageTable(...)))"]
+
+
+CAPABILITIES = Capabilities(
+    lse=True,
+    backward=True,  # plain tensor ops: autograd differentiates them
+    compiles_dynamic=False,  # a Python loop over page columns
+    python_block_loop=True,
+    paged=True,
+    check=_only_paged_calls,
+)
