@@ -203,3 +203,84 @@ def test_the_layers_run_in_the_documented_order():
     ]
     ranks = [ORDER.index(layer_of(module)) for module in chain]
     assert ranks == sorted(set(ranks)), dict(zip(chain, ranks, strict=True))
+
+
+def _package_of(module: str) -> str:
+    """The package a module belongs to: itself for a package's __init__, else its parent."""
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def test_a_private_module_is_imported_only_inside_its_own_package():
+    # backends/_blocks, masks/_documents, ...: what a package keeps private stays behind its public modules
+    leaks = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        for target in targets
+        if target.rpartition(".")[2].startswith("_") and not (module + ".").startswith(target.rpartition(".")[0] + ".")
+    )
+    assert not leaks, leaks
+
+
+def test_masks_import_nothing_above_them():
+    above = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.startswith("multihead.masks")
+        for target in targets
+        if not (target.startswith("multihead.masks") or target.startswith("multihead._"))
+    )
+    assert not above, above
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Which packages' modules import which other packages' modules (a module at the root is its own node)."""
+
+    def node(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 else module
+
+    graph: dict[str, set[str]] = {node(module): set() for module in MODULES}
+    for module, targets in GRAPH.items():
+        graph[node(module)] |= {node(target) for target in targets if node(target) != node(module)}
+    return graph
+
+
+def test_no_cycle_between_packages():
+    cycle = find_cycle(package_graph())
+    assert cycle is None, "import cycle between packages: " + " -> ".join(cycle or [])
+
+
+def test_no_cycle_even_through_annotations():
+    # an import under TYPE_CHECKING still ties two files together for a reader: no cycle counts them either
+    graph = {module: set(imports_of(module)) | annotation_imports(module) for module in MODULES}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle (annotations included): " + " -> ".join(cycle or [])
+
+
+def annotation_imports(module: str) -> set[str]:
+    """The multihead modules ``module`` imports under ``if TYPE_CHECKING:``."""
+    path = MODULES[module]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if _type_checking_block(node):
+            for child in node.body:
+                if isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                    for alias in child.names:
+                        target = _resolve(f"{child.module}.{alias.name}")
+                        if target is not None and target != module:
+                            found.add(target)
+    return found
+
+
+MAX_FUNCTION_LINES = 100  # a function reads in one screen: past this, its parts get names of their own
+
+
+def test_no_function_in_the_package_is_over_100_lines():
+    long = sorted(
+        f"{module}.{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})"
+        for module, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    )
+    assert not long, long

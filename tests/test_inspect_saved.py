@@ -19,9 +19,9 @@ from multihead.inspect.html import render_html
 from multihead.inspect.importance import HeadImportance
 from multihead.integrations import load_text_model
 from multihead.models import Encoder, EncoderConfig
+from multihead.models.tasks import example_text
 from multihead.train.induction import InductionSettings, run_induction
 from multihead.train.reverse import ReverseSettings, run_reverse
-from multihead.train.tasks import example_text
 
 # two updates of tiny models: the files and their reading are under test, not what the heads learn
 INDUCTION = InductionSettings(

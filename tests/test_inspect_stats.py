@@ -619,7 +619,9 @@ def test_real_model_padding_is_masked(minilm):
     together = head_stats(minilm, texts, batch_size=3)
     one_by_one = head_stats(minilm, texts, batch_size=1)
     for name in together.values:
-        torch.testing.assert_close(together.values[name], one_by_one.values[name], rtol=0, atol=1e-6, msg=name)
+        # float32 rounding, relative to each statistic's size: a batch of 3 and of 1 run other matmul kernels, and a
+        # mean distance of 8.9 tokens came out 1.2e-6 apart on an AVX-512 machine (2e-7 of it)
+        torch.testing.assert_close(together.values[name], one_by_one.values[name], rtol=1e-6, atol=1e-6, msg=name)
     torch.testing.assert_close(together.patterns, one_by_one.patterns, rtol=0, atol=1e-6)
     # the token-weighted average: the short text alone and the long ones alone, recombined
     short, longer = head_stats(minilm, [SHORT]), head_stats(minilm, LONGER, batch_size=2)

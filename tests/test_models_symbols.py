@@ -22,8 +22,8 @@ from multihead.models.symbols import (
     load_decoder_reader,
     task_symbols,
 )
+from multihead.models.tasks import example_text
 from multihead.train.induction import InductionSettings
-from multihead.train.tasks import example_text
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ from torch import nn
 
 from multihead._errors import InputError
 from multihead._figures import MissingExtraError
+from multihead.models import tasks
 from multihead.train import (
     BOS,
     alignment_accuracy,
@@ -28,7 +29,6 @@ from multihead.train import (
     previous_token_score,
     repeated_half_loss,
     reverse_batch,
-    tasks,
     train,
 )
 

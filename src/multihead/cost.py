@@ -43,6 +43,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from multihead._errors import bad_argument, describe, positive_int
+from multihead.backends.costs import (
+    BACKWARD_MATMUL_FACTOR,
+    SOFTMAX_FLOPS_BACKWARD,
+    SOFTMAX_FLOPS_FORWARD,
+    mix_flops,
+    pair_flops,
+    score_flops,
+)
 from multihead.layer import FUSED_QKV_MIN_ROWS
 
 __all__ = [
@@ -70,8 +78,6 @@ __all__ = [
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MODES = ("forward", "forward+backward", "decode")
-SOFTMAX_FLOPS_FORWARD = 5  # per score: scale, running max, subtract-and-exp, sum, divide
-SOFTMAX_FLOPS_BACKWARD = 4  # per score: dP * P, row sum, subtract, times P
 LSE_BYTES = 4  # torch's CPU SDPA keeps a float32 log-sum-exp per query row
 
 TERMS = ("Q/K/V projections", "Q K^T", "softmax", "weights x V", "output projection")
@@ -431,9 +437,9 @@ def _forward_flops(s: LayerShape, b: int, i: int, j: int, new_kv: int) -> dict[s
     h, g, d, e = s.h, s.g, s.d, s.e
     return {
         "Q/K/V projections": 2 * b * (i * s.embed_dim * h * d + new_kv * kdim * g * d + new_kv * vdim * g * e),
-        "Q K^T": 2 * b * h * i * j * d,
+        "Q K^T": score_flops(d) * b * h * i * j,
         "softmax": SOFTMAX_FLOPS_FORWARD * b * h * i * j,
-        "weights x V": 2 * b * h * i * j * e,
+        "weights x V": mix_flops(e) * b * h * i * j,
         "output projection": 2 * b * i * h * e * s.out,
     }
 
@@ -446,9 +452,9 @@ def _backward_flops(
     kv_input_grad = 2 * b * new_kv * (kdim * s.g * s.d + vdim * s.g * s.e) if input_requires_grad else 0
     return {
         "Q/K/V projections": forward["Q/K/V projections"] + q_input_grad + kv_input_grad,  # dW always, dX if needed
-        "Q K^T": 2 * forward["Q K^T"],  # dQ = dS K, dK = dS^T Q
+        "Q K^T": BACKWARD_MATMUL_FACTOR * forward["Q K^T"],  # dQ = dS K, dK = dS^T Q
         "softmax": SOFTMAX_FLOPS_BACKWARD * b * s.h * i * j,
-        "weights x V": 2 * forward["weights x V"],  # dP = dO V^T, dV = P^T dO
+        "weights x V": BACKWARD_MATMUL_FACTOR * forward["weights x V"],  # dP = dO V^T, dV = P^T dO
         "output projection": 2 * forward["output projection"],  # dW and the per-head outputs' gradient
     }
 
@@ -604,7 +610,7 @@ def crossover(shape: LayerShape) -> float:
         + vdim * shape.g * shape.e
         + shape.h * shape.e * shape.out
     )
-    return projections / ((2 * shape.d + SOFTMAX_FLOPS_FORWARD + 2 * shape.e) * shape.h)
+    return projections / ((pair_flops(shape.d, shape.e) + SOFTMAX_FLOPS_FORWARD) * shape.h)
 
 
 # ----------------------------------------------------------------------------- the roofline
@@ -701,10 +707,10 @@ def attention_kernel_cost(
     g = kv_heads or heads
     size = DTYPES[dtype_name(dtype)].itemsize
     scores = batch * heads * q_len * k_len * _attended_pairs(q_len, k_len, causal) / (q_len * k_len)
-    flops = scores * (2 * head_dim + SOFTMAX_FLOPS_FORWARD + 2 * e)
+    flops = scores * (pair_flops(head_dim, e) + SOFTMAX_FLOPS_FORWARD)
     q, kv, out = batch * heads * q_len * head_dim, batch * g * k_len * (head_dim + e), batch * heads * q_len * e
     traffic = (q + kv + out) * size
     if mode == "forward+backward":
-        flops += scores * (4 * head_dim + SOFTMAX_FLOPS_BACKWARD + 4 * e)
+        flops += scores * (BACKWARD_MATMUL_FACTOR * pair_flops(head_dim, e) + SOFTMAX_FLOPS_BACKWARD)
         traffic += (q + kv + 2 * out) * size + batch * heads * q_len * LSE_BYTES + (q + kv) * size
     return round(flops), traffic

@@ -111,34 +111,8 @@ def _ring_all_reduce_bytes(elements: int, ranks: int, itemsize: int) -> int:
     return 2 * (ranks - 1) * elements * itemsize // ranks
 
 
-def parallel_cost(
-    shape: LayerShape,
-    *,
-    seq: int,
-    batch: int = 1,
-    causal: bool = False,
-    dtype: str = "float32",
-    mode: str = "forward",
-    tp: int = 1,
-    cp: int = 1,
-    cp_method: str = "ring",
-    layout: str = "zigzag",
-) -> ParallelCost:
-    """Per-rank FLOPs, memory and communication of one self-attention call of a layer of ``shape`` on n = ``seq``
-    positions over ``tp`` head-parallel x ``cp`` sequence-parallel ranks (formulas: the module docstring).
-
-    Args:
-        shape: the layer's sizes (self-attention: kdim = vdim = embed_dim).
-        seq: n, the whole sequence; it must split into cp shards (2 cp with ``layout="zigzag"``).
-        batch, causal, dtype, mode: as :func:`multihead.cost.estimate` ("forward" or "forward+backward").
-        tp: ranks the heads are split over; it must divide h and g.
-        cp: ranks the sequence is split over, with ``cp_method`` "ring" or "ulysses" (Ulysses: cp must divide h/tp,
-            and divide g/tp or be a multiple of it).
-        layout: "zigzag" or "contiguous", the sequence layout (only the divisibility of n depends on it).
-
-    Returns:
-        :class:`ParallelCost`.
-    """
+def _check_parallel_options(shape: LayerShape, tp: int, cp: int, cp_method: str, layout: str, mode: str) -> None:
+    """The arguments of :func:`parallel_cost` that ``estimate`` and the split checks do not see, in order."""
     if not isinstance(shape, LayerShape):
         raise bad_argument(
             "shape", "a multihead.cost.LayerShape", describe(shape), "build one with LayerShape(D, h)", kind=TypeError
@@ -160,36 +134,45 @@ def parallel_cost(
         raise bad_argument(
             "mode", '"forward" or "forward+backward"', repr(mode), "model a decode step with multihead.cost.estimate"
         )
-    h, g, d, e = shape.h, shape.g, shape.d, shape.e
-    check_head_split(h, g, tp, argument="tp")
-    hl, gl = h // tp, g // tp
-    m = check_sequence_split(seq, cp, parts_per_rank=2 if layout == "zigzag" and cp > 1 else 1)
-    report = estimate(shape, seq=seq, batch=batch, causal=causal, dtype=dtype, mode=mode)
-    s = DTYPES[dtype_name(dtype)].itemsize
-    b, world = batch, tp * cp
-    backward = mode == "forward+backward"
 
-    # FLOPs: the layer's needed FLOPs split evenly; ring's backward recomputes the blocks' forward
+
+def _rank_attention_flops(report: CostReport, world: int, recompute: bool) -> tuple[int, dict[str, int]]:
+    """(needed FLOPs of one rank, its n x n FLOPs by "forward" / "backward"): the layer's split evenly over
+    ``world`` ranks, the attention's forward counted once more in the backward when ``recompute`` (ring)."""
     attention_forward = round(report.attended_fraction * sum(report.flops[term] for term in QUADRATIC_TERMS))
     attention_backward = round(report.attended_fraction * sum(report.backward_flops[term] for term in QUADRATIC_TERMS))
-    recompute = attention_forward if backward and cp > 1 and cp_method == "ring" else 0
-    flops = (report.needed_flops + recompute) // world
-    attention_flops = {"forward": attention_forward // world, "backward": (attention_backward + recompute) // world}
+    extra = attention_forward if recompute else 0
+    flops = (report.needed_flops + extra) // world
+    return flops, {"forward": attention_forward // world, "backward": (attention_backward + extra) // world}
 
-    # Each rank's own layer: h/tp heads on n/cp positions (its parameters, activations, kernel buffers)
-    local_shape = LayerShape(
-        shape.embed_dim,
-        hl,
-        num_kv_heads=gl,
-        head_dim=d,
-        value_head_dim=e,
-        out_dim=shape.out,
-        bias=shape.bias,
-    )
-    local = estimate(local_shape, seq=m, batch=b, causal=causal, dtype=dtype, mode=mode)
-    weight_bytes = local.bytes.weights
-    traffic = weight_bytes + b * m * (shape.embed_dim + shape.out) * s
 
+@dataclass
+class _Communication:
+    """What one rank sends per call, and the buffers the sends and receives add to its peak."""
+
+    sent: dict[str, int]  # bytes by "forward", "backward"
+    collectives: dict[str, int]  # by "all_reduce", "all_to_all", "send"
+    buffers: int  # bytes
+    kv_shard: int  # one rank's K/V block, b g' m (d + e) s: what one ring step sends
+    all_reduce_bytes: int  # the part of sent that head parallelism's all-reduces send
+
+
+def _communication(
+    shape: LayerShape,
+    *,
+    b: int,
+    m: int,
+    hl: int,
+    gl: int,
+    s: int,
+    tp: int,
+    cp: int,
+    cp_method: str,
+    backward: bool,
+) -> _Communication:
+    """One rank's sends for b sequences of m local positions with hl query and gl key/value heads of itemsize s
+    (the formulas of the module docstring)."""
+    d, e = shape.d, shape.e
     sent = {"forward": 0, "backward": 0}
     collectives = {"all_reduce": 0, "all_to_all": 0, "send": 0}
     q_shard, out_shard = b * m * hl * d * s, b * m * hl * e * s
@@ -220,6 +203,65 @@ def parallel_cost(
             sent["backward"] += (2 * cp - 1) * kv_shard
             collectives["send"] += 2 * cp - 1
             buffers += 2 * kv_shard  # the dK/dV travelling with the block, and the one arriving
+    return _Communication(sent, collectives, buffers, kv_shard, all_reduce_bytes)
+
+
+def parallel_cost(
+    shape: LayerShape,
+    *,
+    seq: int,
+    batch: int = 1,
+    causal: bool = False,
+    dtype: str = "float32",
+    mode: str = "forward",
+    tp: int = 1,
+    cp: int = 1,
+    cp_method: str = "ring",
+    layout: str = "zigzag",
+) -> ParallelCost:
+    """Per-rank FLOPs, memory and communication of one self-attention call of a layer of ``shape`` on n = ``seq``
+    positions over ``tp`` head-parallel x ``cp`` sequence-parallel ranks (formulas: the module docstring).
+
+    Args:
+        shape: the layer's sizes (self-attention: kdim = vdim = embed_dim).
+        seq: n, the whole sequence; it must split into cp shards (2 cp with ``layout="zigzag"``).
+        batch, causal, dtype, mode: as :func:`multihead.cost.estimate` ("forward" or "forward+backward").
+        tp: ranks the heads are split over; it must divide h and g.
+        cp: ranks the sequence is split over, with ``cp_method`` "ring" or "ulysses" (Ulysses: cp must divide h/tp,
+            and divide g/tp or be a multiple of it).
+        layout: "zigzag" or "contiguous", the sequence layout (only the divisibility of n depends on it).
+
+    Returns:
+        :class:`ParallelCost`.
+    """
+    _check_parallel_options(shape, tp, cp, cp_method, layout, mode)
+    h, g, d, e = shape.h, shape.g, shape.d, shape.e
+    check_head_split(h, g, tp, argument="tp")
+    hl, gl = h // tp, g // tp
+    m = check_sequence_split(seq, cp, parts_per_rank=2 if layout == "zigzag" and cp > 1 else 1)
+    report = estimate(shape, seq=seq, batch=batch, causal=causal, dtype=dtype, mode=mode)
+    s = DTYPES[dtype_name(dtype)].itemsize
+    b, world = batch, tp * cp
+    backward = mode == "forward+backward"
+
+    # FLOPs: the layer's needed FLOPs split evenly; ring's backward recomputes the blocks' forward
+    flops, attention_flops = _rank_attention_flops(report, world, recompute=backward and cp > 1 and cp_method == "ring")
+
+    # Each rank's own layer: h/tp heads on n/cp positions (its parameters, activations, kernel buffers)
+    local_shape = LayerShape(
+        shape.embed_dim,
+        hl,
+        num_kv_heads=gl,
+        head_dim=d,
+        value_head_dim=e,
+        out_dim=shape.out,
+        bias=shape.bias,
+    )
+    local = estimate(local_shape, seq=m, batch=b, causal=causal, dtype=dtype, mode=mode)
+    weight_bytes = local.bytes.weights
+    traffic = weight_bytes + b * m * (shape.embed_dim + shape.out) * s
+
+    sends = _communication(shape, b=b, m=m, hl=hl, gl=gl, s=s, tp=tp, cp=cp, cp_method=cp_method, backward=backward)
     return ParallelCost(
         report=report,
         tp=tp,
@@ -232,11 +274,11 @@ def parallel_cost(
         attention_flops=attention_flops,
         traffic=traffic,
         weight_bytes=weight_bytes,
-        peak_bytes=local.bytes.peak + buffers,
-        sent_bytes=sent,
-        collectives=collectives,
-        kv_shard_bytes=kv_shard,
-        all_reduce_bytes=all_reduce_bytes,
+        peak_bytes=local.bytes.peak + sends.buffers,
+        sent_bytes=sends.sent,
+        collectives=sends.collectives,
+        kv_shard_bytes=sends.kv_shard,
+        all_reduce_bytes=sends.all_reduce_bytes,
     )
 
 

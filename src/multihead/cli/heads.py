@@ -88,28 +88,13 @@ def _parse_removal(spec: str) -> dict[int, list[int]]:
 
 
 def run_heads(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
-
-    from multihead._userfiles import writing
     from multihead.inspect import headreport
-    from multihead.inspect.importance import ablation_importance, check_prune_fraction, prune_by_importance
-    from multihead.inspect.inspection import bundled_corpus, read_corpus
     from multihead.inspect.recording import head_numbers
     from multihead.integrations import load_text_model
     from multihead.models import Encoder
 
     console = make_console()
-    plan = None
-    if args.mode == "prune":
-        if (args.fraction is None) == (args.remove is None):
-            raise bad_argument(
-                "--fraction", "either --fraction F or --remove L:H,...", "both or neither", "pass e.g. --fraction 0.3"
-            )
-        if args.fraction is not None:  # checked now, before any measuring
-            with from_options(PRUNE_OPTIONS):
-                check_prune_fraction(args.fraction)
-        if args.remove is not None:
-            plan = _parse_removal(args.remove)
+    plan = _removal_plan(args)
     out_dir = output_folder("--out", args.out, create=False)  # checked now; made when a file is written
     if args.mode == "syntax":
         return run_syntax(args, console, out_dir)
@@ -120,12 +105,7 @@ def run_heads(args: argparse.Namespace) -> int:
             trained = read_task(args.model)
         if trained is not None:  # a `multihead train` checkpoint: its heads' cost to its own task
             return _task_importance(args, console, out_dir, *trained)
-    texts = read_corpus(args.corpus, argument="--corpus") if args.corpus else bundled_corpus()
-    if len(texts) < 2:  # embedding fidelity compares each text's nearest neighbour
-        raise bad_argument(
-            "--corpus", "at least two texts, one per line", f"{len(texts)} in {args.corpus!r}", "add texts to the file"
-        )
-    source = args.corpus or f"bundled corpus ({len(texts)} sentences)"
+    texts, source = _corpus_texts(args)
     with from_option("--model"):
         model = load_text_model(args.model)
     numbers, checkpoint_heads = head_numbers(model)  # scores are by layer and the checkpoint's head numbers
@@ -139,24 +119,13 @@ def run_heads(args: argparse.Namespace) -> int:
         )
     if plan is not None:
         assert isinstance(model, Encoder)  # refused above otherwise
-        with from_option("--remove"):
-            model.prune_heads(plan)
-        model_dir = output_folder("--out", out_dir / "model")
-        with writing("--out", model_dir):
-            path = model.save(model_dir)
-        removed = sum(counts) - sum(len(heads) for heads in head_numbers(model)[0])
-        console.print(f"pruned {removed} heads; model saved to {path.resolve()} (load it with --model)", soft_wrap=True)
-        return 0
+        return _remove_listed_heads(console, model, plan, out_dir, sum(counts))
     if args.mode == "prune" and args.importance:
         scores = headreport.load_importance(
             args.importance, argument="--importance", shape=(len(counts), checkpoint_heads)
         )
     else:
-        with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
-            task = bar.add_task("ablating heads", total=None)
-            importance = ablation_importance(
-                model, texts, how=args.how, progress=lambda done, total: bar.update(task, completed=done, total=total)
-            )
+        importance = _measure_importance(args, console, model, texts)
         paths = headreport.write_importance(importance, out_dir, source=source)
         scores = importance.scores
         if args.mode == "importance":
@@ -172,6 +141,81 @@ def run_heads(args: argparse.Namespace) -> int:
             headreport.print_written(console, paths)
             return 0
     assert isinstance(model, Encoder)  # prune on another model was refused before any work
+    return _prune_by_fraction(args, console, model, texts, scores, out_dir, sum(counts))
+
+
+def _removal_plan(args: argparse.Namespace) -> dict[int, list[int]] | None:
+    """`heads prune`'s --fraction or --remove, checked now, before any measuring: the heads --remove names
+    ({layer: heads}), or None (--fraction, or another mode)."""
+    from multihead.inspect.importance import check_prune_fraction
+
+    plan = None
+    if args.mode == "prune":
+        if (args.fraction is None) == (args.remove is None):
+            raise bad_argument(
+                "--fraction", "either --fraction F or --remove L:H,...", "both or neither", "pass e.g. --fraction 0.3"
+            )
+        if args.fraction is not None:  # checked now, before any measuring
+            with from_options(PRUNE_OPTIONS):
+                check_prune_fraction(args.fraction)
+        if args.remove is not None:
+            plan = _parse_removal(args.remove)
+    return plan
+
+
+def _corpus_texts(args: argparse.Namespace) -> tuple[list[str], str]:
+    """The texts of --corpus (default: the bundled corpus), at least two, and how the reports name them."""
+    from multihead.inspect.inspection import bundled_corpus, read_corpus
+
+    texts = read_corpus(args.corpus, argument="--corpus") if args.corpus else bundled_corpus()
+    if len(texts) < 2:  # embedding fidelity compares each text's nearest neighbour
+        raise bad_argument(
+            "--corpus", "at least two texts, one per line", f"{len(texts)} in {args.corpus!r}", "add texts to the file"
+        )
+    return texts, args.corpus or f"bundled corpus ({len(texts)} sentences)"
+
+
+def _remove_listed_heads(console, model, plan: dict[int, list[int]], out_dir: Path, heads: int) -> int:
+    """`heads prune --remove`: the ``plan``'s heads removed from ``model`` (an Encoder of ``heads`` heads in all),
+    which is saved to ``out_dir``/model."""
+    from multihead._userfiles import writing
+    from multihead.inspect.recording import head_numbers
+
+    with from_option("--remove"):
+        model.prune_heads(plan)
+    model_dir = output_folder("--out", out_dir / "model")
+    with writing("--out", model_dir):
+        path = model.save(model_dir)
+    removed = heads - sum(len(kept) for kept in head_numbers(model)[0])
+    console.print(f"pruned {removed} heads; model saved to {path.resolve()} (load it with --model)", soft_wrap=True)
+    return 0
+
+
+def _measure_importance(args: argparse.Namespace, console, model, texts: list[str]):
+    """Every head's ablation importance over ``texts`` (ablated as --how says), a progress bar on a terminal."""
+    from rich.progress import Progress
+
+    from multihead.inspect.importance import ablation_importance
+
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("ablating heads", total=None)
+        return ablation_importance(
+            model, texts, how=args.how, progress=lambda done, total: bar.update(task, completed=done, total=total)
+        )
+
+
+def _prune_by_fraction(
+    args: argparse.Namespace, console, model, texts: list[str], scores, out_dir: Path, heads: int
+) -> int:
+    """`heads prune --fraction`: the least important heads of ``model`` (an Encoder of ``heads`` heads in all; by
+    the (layers, heads) ``scores``) removed a step at a time, the fidelity and speed curve printed and written,
+    and the model pruned by --fraction saved to ``out_dir``/model."""
+    from rich.progress import Progress
+
+    from multihead._userfiles import writing
+    from multihead.inspect import headreport
+    from multihead.inspect.importance import prune_by_importance
+
     with Progress(console=console, transient=True, disable=not console.is_terminal) as bar, from_options(PRUNE_OPTIONS):
         task = bar.add_task("pruning curve", total=None)
         pruned = prune_by_importance(
@@ -185,7 +229,7 @@ def run_heads(args: argparse.Namespace) -> int:
     best = headreport.heads_at_fidelity(pruned.curve)
     if best is not None:
         console.print(
-            f"at mean cosine >= 0.99: {best['heads_removed']} of {sum(counts)} heads removed "
+            f"at mean cosine >= 0.99: {best['heads_removed']} of {heads} heads removed "
             f"(fraction {best['fraction']:.2f}), attention {headreport.speed_words(best)}",
             soft_wrap=True,
         )

@@ -31,12 +31,12 @@ from multihead._errors import bad_argument, describe
 from multihead._userfiles import read_text
 from multihead._words import counted
 from multihead.inspect.notebook import shorten
-from multihead.inspect.recording import _causal, head_grid, record_grid
+from multihead.inspect.recording import HeadGrid, _causal, head_grid, record_grid
 from multihead.inspect.roles import HeadRelation
 from multihead.inspect.similarity import HeadSimilarity
 from multihead.inspect.stats import DECIMALS, HeadStats, head_stats, weight_stats
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
-from multihead.models.tokenizer import Pieces
+from multihead.models.tokenizer import Pieces, TokenBatch
 
 __all__ = [
     "Inspection",
@@ -523,12 +523,7 @@ def inspect_text(
         :class:`Inspection` with (layers, heads, i, j) weights (0 in the cells of pruned heads; 0 above the
         diagonal of a causal part): i query pieces (``tokens``), j key pieces (``key_tokens``).
     """
-    if not isinstance(text, str):
-        raise bad_argument(
-            "text", "a string", describe(text), 'pass e.g. "The bank was full of money."', kind=TypeError
-        )
-    if not text.strip():
-        raise bad_argument("text", "a non-empty text", repr(text), 'pass e.g. "The bank was full of money."')
+    _check_text(text)
     tokenizer = text_tokenizer(model)
     grid = head_grid(model, layers, heads, part=part)  # resolves the part's sites once for the whole call
     chosen = grid.part or "self"
@@ -538,20 +533,8 @@ def inspect_text(
     pieces, key_pieces = queries[0], keys[0]
     tokens, key_tokens = list(pieces.tokens), list(key_pieces.tokens)
     selected = pick_token(pieces, token, causal=causal)
-    with evaluating(model), record_grid(model, grid) as rec:
-        model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
-    recorded = rec.weights()  # per layer (1, its heads, i, j); None for a layer with none of the heads
-    weights = grid.pad([None if w is None else w[0].float() for w in recorded])  # (layers, heads, i, j)
-    stats = weight_stats(
-        [torch.zeros(1, 0, len(tokens), len(key_tokens)) if w is None else w for w in recorded],
-        [pieces],
-        layers=grid.layers,
-        heads=grid.heads,
-        layer_heads=grid.layer_heads if grid.ragged else None,
-        max_offset=tokenizer.max_length,
-        source="this text",
-        key_tokens=[key_pieces],
-        causal=causal,
+    weights, stats = _recorded_text(
+        model, grid, batch, pieces, key_pieces, causal=causal, max_offset=tokenizer.max_length
     )
     corpus_stats = None
     if corpus is not None:
@@ -563,29 +546,7 @@ def inspect_text(
             source=corpus_source or f"{len(corpus)} corpus texts",
             progress=progress,
         )
-    role_stats = corpus_stats or stats
-    if relations is not None:
-        role_stats = role_stats.with_relations(
-            [[relations.get((layer, head)) for head in grid.heads] for layer in grid.layers]
-        )
-    if behaviours is not None:
-        rows, cols = torch.tensor(grid.layers), torch.tensor(grid.heads)
-        chosen_behaviours = {}
-        for name, values in behaviours.items():
-            if (
-                not isinstance(values, torch.Tensor)
-                or values.ndim != 2
-                or values.shape[0] <= max(grid.layers)
-                or (values.shape[1] <= max(grid.heads))
-            ):
-                raise bad_argument(
-                    f"behaviours[{name!r}]",
-                    "a tensor (layers, heads) over every layer of the part and the checkpoint's head numbers",
-                    describe(values),
-                    "pass the probe measures of this model",
-                )
-            chosen_behaviours[name] = values[rows][:, cols]  # (chosen layers, chosen heads)
-        role_stats = role_stats.with_behaviours(chosen_behaviours)
+    role_stats = _role_stats(corpus_stats or stats, grid, relations, behaviours)
     return Inspection(
         model_name=model.name,
         text=batch.analysed[0],
@@ -604,3 +565,81 @@ def inspect_text(
         key_pieces=key_pieces,
         truncated_from=batch.full_lengths[0] if batch.truncated[0] else None,
     )
+
+
+def _check_text(text: object) -> None:
+    """Refuse what :func:`inspect_text` cannot read: anything but a string (TypeError), or a blank one."""
+    if not isinstance(text, str):
+        raise bad_argument(
+            "text", "a string", describe(text), 'pass e.g. "The bank was full of money."', kind=TypeError
+        )
+    if not text.strip():
+        raise bad_argument("text", "a non-empty text", repr(text), 'pass e.g. "The bank was full of money."')
+
+
+def _recorded_text(
+    model: TextEncoder,
+    grid: HeadGrid,
+    batch: TokenBatch,
+    pieces: Pieces,
+    key_pieces: Pieces,
+    *,
+    causal: bool,
+    max_offset: int,
+) -> tuple[torch.Tensor, HeadStats]:
+    """One text's ``batch`` through ``model``, the grid's heads recorded: returns their weights (layers, heads, i,
+    j), 0 in the cells of pruned heads, for the i query ``pieces`` and j ``key_pieces``, and the text's statistics
+    of them."""
+    with evaluating(model), record_grid(model, grid) as rec:
+        model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+    recorded = rec.weights()  # per layer (1, its heads, i, j); None for a layer with none of the heads
+    weights = grid.pad([None if w is None else w[0].float() for w in recorded])  # (layers, heads, i, j)
+    stats = weight_stats(
+        [torch.zeros(1, 0, len(pieces.tokens), len(key_pieces.tokens)) if w is None else w for w in recorded],
+        [pieces],
+        layers=grid.layers,
+        heads=grid.heads,
+        layer_heads=grid.layer_heads if grid.ragged else None,
+        max_offset=max_offset,
+        source="this text",
+        key_tokens=[key_pieces],
+        causal=causal,
+    )
+    return weights, stats
+
+
+def _role_stats(
+    stats: HeadStats,
+    grid: HeadGrid,
+    relations: Mapping[tuple[int, int], HeadRelation] | None,
+    behaviours: Mapping[str, torch.Tensor] | None,
+) -> HeadStats:
+    """The statistics the roles are labelled from (the corpus's, else the text's ``stats``), with the grid's heads'
+    syntactic ``relations`` and ``behaviours`` weighed in when given (see :func:`inspect_text`)."""
+    if relations is not None:
+        stats = stats.with_relations([[relations.get((layer, head)) for head in grid.heads] for layer in grid.layers])
+    if behaviours is not None:
+        stats = stats.with_behaviours(_chosen_behaviours(behaviours, grid))
+    return stats
+
+
+def _chosen_behaviours(behaviours: Mapping[str, torch.Tensor], grid: HeadGrid) -> dict[str, torch.Tensor]:
+    """Each behaviour measure {name: (layers, heads)}, over every layer of the part and the checkpoint's head
+    numbers, cut to the grid's cells: {name: (chosen layers, chosen heads)}."""
+    rows, cols = torch.tensor(grid.layers), torch.tensor(grid.heads)
+    chosen = {}
+    for name, values in behaviours.items():
+        if (
+            not isinstance(values, torch.Tensor)
+            or values.ndim != 2
+            or values.shape[0] <= max(grid.layers)
+            or (values.shape[1] <= max(grid.heads))
+        ):
+            raise bad_argument(
+                f"behaviours[{name!r}]",
+                "a tensor (layers, heads) over every layer of the part and the checkpoint's head numbers",
+                describe(values),
+                "pass the probe measures of this model",
+            )
+        chosen[name] = values[rows][:, cols]  # (chosen layers, chosen heads)
+    return chosen

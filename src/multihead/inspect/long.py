@@ -39,7 +39,7 @@ from multihead._indices import checked_indices
 from multihead.capture import capture, part_sites
 from multihead.inspect.recording import head_numbers, is_causal_part
 from multihead.models.contract import evaluating, text_tokenizer
-from multihead.streamed_stats import DISTANCE_BANDS, PoolGrid, StatsSettings
+from multihead.streamed_stats import DISTANCE_BANDS, AttentionStats, PoolGrid, StatsSettings
 
 __all__ = [
     "LONG_ROLES",
@@ -240,39 +240,130 @@ def inspect_long(
     chosen_part, sites = part_sites(model, part)
     numbers, _ = head_numbers(model, sites=sites)
     chosen_layers = checked_indices("layers", layers, len(sites), "layer")
-    limit = tokenizer.max_length
-    size = limit if window is None else window
-    if not isinstance(size, int) or isinstance(size, bool) or not 2 <= size <= limit:
-        raise bad_argument(
-            "window", f"an int in [2, {limit}] (the model's positions)", describe(window), f"pass e.g. window={limit}"
-        )
+    size = _checked_window(window, tokenizer.max_length)
     map_side = positive_int("map_side", map_side)
     if pool not in MAP_POOLS:
         raise bad_argument("pool", f"one of {list(MAP_POOLS)}", repr(pool), 'pass pool="max" or pool="mean"')
     batch = tokenizer.batch([text], max_length=_WHOLE)
     ids = batch.input_ids[0]
     pieces = batch.pieces[0]
-    word_ids = pieces.word_ids
-    lead = next((index for index, word in enumerate(word_ids) if word is not None), len(word_ids))
-    trail = next((index for index, word in enumerate(reversed(word_ids)) if word is not None), 0)
+    lead, trail = _special_ends(pieces.word_ids)
     body = len(ids) - lead - trail
     if size <= lead + trail:
         raise bad_argument("window", f"more than the {lead + trail} special pieces", size, "pass a larger window")
     stretches = windows_of(body, size - lead - trail)
-    device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
-    per_layer: dict[int, dict[str, list[torch.Tensor]]] = {
-        layer: {"bands": [], "sink": [], "entropy": []} for layer in chosen_layers
-    }
-    # the weight each piece of the text receives from the queries measured, per layer: (heads, n)
-    received: dict[int, torch.Tensor] = {}
     causal = is_causal_part(model, chosen_part)
     cell = -(-len(ids) // min(map_side, len(ids)))  # pieces per stretch of the map
     side = -(-len(ids) // cell)
-    maps: dict[int, torch.Tensor] = {}  # per layer: (heads, side, side), the windows' cells max-ed or summed
-    heavy: dict[int, torch.Tensor] = {}  # per layer: (heads,), the weight on each window's heaviest body pieces
-    reachable = torch.zeros(side, side, dtype=torch.bool)
     # each layer's heads as capture reads `heads`: indices into the layer's own heads
     layer_heads = {layer: checked_indices("heads", heads, len(numbers[layer]), "head") for layer in chosen_layers}
+    reading = _WindowReading(
+        part=chosen_part, layers=chosen_layers, heads=heads, causal=causal, cell=cell, side=side, pool=pool
+    )
+    totals, reachable = _read_windows(model, ids, lead, trail, stretches, reading, progress)
+    if pool == "mean":  # the summed weights over every (query, piece) pair of the two stretches
+        per_cell = torch.bincount(torch.arange(len(ids)) // cell, minlength=side).double()
+        for found in totals.values():
+            assert found.map is not None
+            found.map = found.map / (per_cell[:, None] * per_cell[None, :])
+    profiles = [
+        profile
+        for layer in chosen_layers
+        for profile in _head_profiles(layer, totals[layer], layer_heads[layer], numbers[layer], pieces.tokens)
+    ]
+    return LongInspection(
+        model=getattr(model, "name", type(model).__name__),
+        part=chosen_part,
+        causal=causal,
+        pieces=list(pieces.tokens),
+        windows=stretches,
+        heads=profiles,
+        pool=pool,
+        pieces_per_cell=cell,
+        reachable=reachable,
+    )
+
+
+def _checked_window(window: int | None, limit: int) -> int:
+    """The pieces per window, specials included: ``window``, or the model's ``limit`` positions when None."""
+    size = limit if window is None else window
+    if not isinstance(size, int) or isinstance(size, bool) or not 2 <= size <= limit:
+        raise bad_argument(
+            "window", f"an int in [2, {limit}] (the model's positions)", describe(window), f"pass e.g. window={limit}"
+        )
+    return size
+
+
+def _special_ends(word_ids: Sequence[int | None]) -> tuple[int, int]:
+    """(lead, trail): how many special pieces (no word) open and close the text; every window keeps them."""
+    lead = next((index for index, word in enumerate(word_ids) if word is not None), len(word_ids))
+    trail = next((index for index, word in enumerate(reversed(word_ids)) if word is not None), 0)
+    return lead, trail
+
+
+@dataclass(frozen=True)
+class _WindowReading:
+    """How :func:`_read_windows` reads each window: the ``part``, ``layers`` and ``heads`` captured (``heads`` as
+    :func:`~multihead.capture.capture` reads it), whether the part is ``causal``, and the pooled map's ``cell``
+    (pieces per stretch), ``side`` (stretches a side) and ``pool`` ("max" or "mean")."""
+
+    part: str
+    layers: list[int]
+    heads: Sequence[int] | int | None
+    causal: bool
+    cell: int
+    side: int
+    pool: str
+
+
+@dataclass
+class _LayerTotals:
+    """One layer's statistics for its h chosen heads, over the windows read so far (on the CPU, float64)."""
+
+    bands: list[torch.Tensor] = field(default_factory=list)  # per window (h, rows, 6): each band's weight
+    sink: list[torch.Tensor] = field(default_factory=list)  # per window (h, rows): the weight on its first piece
+    entropy: list[torch.Tensor] = field(default_factory=list)  # per window (h, rows), nats
+    received: torch.Tensor | None = None  # (h, n): the weight each piece of the text receives from the queries
+    heavy: torch.Tensor | None = None  # (h,): the weight on each window's heaviest body pieces, summed
+    map: torch.Tensor | None = None  # (h, side, side): the windows' cells max-ed (pool "max") or summed ("mean")
+
+    def add(self, stats: AttentionStats, places: torch.Tensor, lead: int, trail: int, pieces: int, pool: str) -> None:
+        """Add one window's statistics: ``stats`` of one text, the measured rows, (1, h, rows, ...), and the
+        columns from them; ``places`` (window,) each window piece's position in the text of ``pieces``."""
+        self.bands.append(stats.bands[0].double().cpu())
+        self.sink.append(stats.first[0, :, :, 0].double().cpu())
+        self.entropy.append(stats.entropy[0].double().cpu())
+        if self.received is None:
+            self.received = torch.zeros(stats.received.shape[1], pieces, dtype=torch.float64)
+        self.received.index_add_(1, places, stats.received[0].double().cpu())
+        window_body = stats.received[0, :, lead : len(places) - trail].double().cpu()
+        heaviest = window_body.topk(min(HEAVY_HITTERS, window_body.shape[-1])).values.sum(-1)
+        self.heavy = heaviest if self.heavy is None else self.heavy + heaviest
+        assert stats.pooled is not None
+        window_map = stats.pooled[0].double().cpu()
+        if self.map is None:
+            self.map = window_map
+        elif pool == "max":
+            torch.maximum(self.map, window_map, out=self.map)
+        else:
+            self.map += window_map
+
+
+def _read_windows(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    lead: int,
+    trail: int,
+    stretches: list[tuple[int, int]],
+    reading: _WindowReading,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[dict[int, _LayerTotals], torch.Tensor]:
+    """Every window of the text's (n,) ``ids`` through ``model``, each body ``stretches`` between the ``lead`` and
+    ``trail`` specials: returns ({layer: its totals}, reachable (side, side) bool, see :class:`LongInspection`)."""
+    device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
+    totals = {layer: _LayerTotals() for layer in reading.layers}
+    cell, side = reading.cell, reading.side
+    reachable = torch.zeros(side, side, dtype=torch.bool)
     measured_until = 0
     for index, (start, stop) in enumerate(stretches):
         window_ids = torch.cat([ids[:lead], ids[lead + start : lead + stop], ids[len(ids) - trail :]])
@@ -287,76 +378,61 @@ def inspect_long(
             [torch.arange(lead), lead + torch.arange(start, stop), len(ids) - trail + torch.arange(trail)]
         )
         grid = PoolGrid(rows=places // cell, keys=places // cell, shape=(side, side))
-        settings = StatsSettings(sinks=1, pooled=grid, pool="max" if pool == "max" else "sum")
-        reachable |= _reachable(places, places[rows], cell, side, causal)
+        settings = StatsSettings(sinks=1, pooled=grid, pool="max" if reading.pool == "max" else "sum")
+        reachable |= _reachable(places, places[rows], cell, side, reading.causal)
         with (
             evaluating(model),
             torch.no_grad(),
             capture(
-                model, part=chosen_part, layers=chosen_layers, heads=heads, queries=rows, weights=False, stats=settings
+                model,
+                part=reading.part,
+                layers=reading.layers,
+                heads=reading.heads,
+                queries=rows,
+                weights=False,
+                stats=settings,
             ) as rec,
         ):
             model(window_ids[None].to(device))
-        for layer in chosen_layers:
-            stats = rec.stats(layer)  # one text, the measured rows: (1, heads, rows, ...); the columns from them
-            found = per_layer[layer]
-            found["bands"].append(stats.bands[0].double().cpu())
-            found["sink"].append(stats.first[0, :, :, 0].double().cpu())
-            found["entropy"].append(stats.entropy[0].double().cpu())
-            totals = received.setdefault(layer, torch.zeros(stats.received.shape[1], len(ids), dtype=torch.float64))
-            totals.index_add_(1, places, stats.received[0].double().cpu())
-            window_body = stats.received[0, :, lead : len(window_ids) - trail].double().cpu()
-            heaviest = window_body.topk(min(HEAVY_HITTERS, window_body.shape[-1])).values.sum(-1)
-            heavy[layer] = heavy.get(layer, 0) + heaviest
-            assert stats.pooled is not None
-            window_map = stats.pooled[0].double().cpu()
-            if layer not in maps:
-                maps[layer] = window_map
-            elif pool == "max":
-                torch.maximum(maps[layer], window_map, out=maps[layer])
-            else:
-                maps[layer] += window_map
+        for layer in reading.layers:
+            totals[layer].add(rec.stats(layer), places, lead, trail, len(ids), reading.pool)
         if progress is not None:
             progress(index + 1, len(stretches))
-    if pool == "mean":  # the summed weights over every (query, piece) pair of the two stretches
-        per_cell = torch.bincount(torch.arange(len(ids)) // cell, minlength=side).double()
-        maps = {layer: cells / (per_cell[:, None] * per_cell[None, :]) for layer, cells in maps.items()}
+    return totals, reachable
+
+
+def _head_profiles(
+    layer: int, totals: _LayerTotals, heads: list[int], numbers: Sequence[int], tokens: Sequence[str]
+) -> list[HeadProfile]:
+    """A :class:`HeadProfile` for each of a layer's chosen ``heads`` (indices into its own heads, whose checkpoint
+    numbers ``numbers`` gives) from its ``totals`` over the text's pieces (``tokens``)."""
+    bands = torch.cat(totals.bands, 1)  # (heads, measured, 6)
+    sink = torch.cat(totals.sink, 1)
+    entropy = torch.cat(totals.entropy, 1)
+    assert totals.received is not None and totals.heavy is not None and totals.map is not None
+    n = totals.received.shape[1]  # the text's pieces
+    shares = totals.received / n  # each piece's share of all the attention measured (one per query)
     profiles = []
-    for layer in chosen_layers:
-        bands = torch.cat(per_layer[layer]["bands"], 1)  # (heads, measured, 6)
-        sink = torch.cat(per_layer[layer]["sink"], 1)
-        entropy = torch.cat(per_layer[layer]["entropy"], 1)
-        shares = received[layer] / len(ids)  # each piece's share of all the attention measured (one per query)
-        for position, head in enumerate(layer_heads[layer]):
-            mean_bands = bands[position].mean(0).tolist()
-            top = shares[position].topk(min(HEAVY_HITTERS, len(ids)))
-            profiles.append(
-                HeadProfile(
-                    layer=layer,
-                    head=numbers[layer][head],
-                    bands=mean_bands,
-                    sink=float(sink[position].mean()),
-                    entropy=float(entropy[position].mean()),
-                    entropy_profile=_profile(entropy[position]),
-                    heavy_hitters=[
-                        {"position": int(where), "piece": pieces.tokens[int(where)], "share": float(share)}
-                        for share, where in zip(top.values, top.indices, strict=True)
-                    ],
-                    heavy_share=float(heavy[layer][position] / len(ids)),
-                    pooled_map=maps[layer][position],
-                )
+    for position, head in enumerate(heads):
+        mean_bands = bands[position].mean(0).tolist()
+        top = shares[position].topk(min(HEAVY_HITTERS, n))
+        profiles.append(
+            HeadProfile(
+                layer=layer,
+                head=numbers[head],
+                bands=mean_bands,
+                sink=float(sink[position].mean()),
+                entropy=float(entropy[position].mean()),
+                entropy_profile=_profile(entropy[position]),
+                heavy_hitters=[
+                    {"position": int(where), "piece": tokens[int(where)], "share": float(share)}
+                    for share, where in zip(top.values, top.indices, strict=True)
+                ],
+                heavy_share=float(totals.heavy[position] / n),
+                pooled_map=totals.map[position],
             )
-    return LongInspection(
-        model=getattr(model, "name", type(model).__name__),
-        part=chosen_part,
-        causal=causal,
-        pieces=list(pieces.tokens),
-        windows=stretches,
-        heads=profiles,
-        pool=pool,
-        pieces_per_cell=cell,
-        reachable=reachable,
-    )
+        )
+    return profiles
 
 
 def _reachable(places: torch.Tensor, measured: torch.Tensor, cell: int, side: int, causal: bool) -> torch.Tensor:

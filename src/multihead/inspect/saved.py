@@ -30,7 +30,7 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead.capture import part_sites
 from multihead.inspect.behaviours import BEHAVIOURS_FILE, read_behaviours, read_task
-from multihead.train.tasks import example_text
+from multihead.models.tasks import example_text
 
 __all__ = ["SavedModelExtras", "saved_model_extras"]
 

@@ -47,6 +47,7 @@ from multihead.inspect.recording import HeadGrid, head_grid, record_grid
 from multihead.inspect.roles import HeadRelation
 from multihead.inspect.stats import DECIMALS
 from multihead.models.contract import TextEncoder, evaluating, text_tokenizer
+from multihead.models.tokenizer import TextTokenizer
 
 __all__ = [
     "head_relations",
@@ -689,6 +690,32 @@ def syntax_scores(
         True
     """
     tokenizer = text_tokenizer(model)
+    sentences, source = _chosen_sentences(sentences, max_sentences)
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise bad_argument("batch_size", "a positive int", describe(batch_size), "pass e.g. batch_size=16")
+    chosen = _relations(relations, sentences)
+
+    # Piece counts first: sentences over the model's positions are skipped, the rest batched by length.
+    order = _fitting_by_length(tokenizer, sentences)
+    skipped = len(sentences) - len(order)
+    grid = head_grid(model, layers, heads)
+    scorer = _scored_batches(
+        model, tokenizer, grid, sentences, order, chosen, batch_size=batch_size, skipped=skipped, progress=progress
+    )
+    return scorer.result(
+        grid.layers,
+        grid.heads,
+        skipped=skipped,
+        source=source,
+        layer_heads=grid.layer_heads if grid.ragged else None,
+    )
+
+
+def _chosen_sentences(
+    sentences: Sequence[Sentence] | str | Path | None, max_sentences: int | None
+) -> tuple[Sequence[Sentence], str]:
+    """The sentences :func:`syntax_scores` reads (the bundled treebank for None, a .conllu file read for a path;
+    the first ``max_sentences`` of them), checked, and the source they came from."""
     if sentences is None:
         sentences, source = bundled_treebank(), "UD English EWT dev"
     elif isinstance(sentences, (str, Path)):
@@ -716,11 +743,12 @@ def syntax_scores(
         sentences = sentences[:max_sentences]
     if not sentences:
         raise bad_argument("sentences", "at least one sentence", "none", "pass e.g. bundled_treebank()")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise bad_argument("batch_size", "a positive int", describe(batch_size), "pass e.g. batch_size=16")
-    chosen = _relations(relations, sentences)
+    return sentences, source
 
-    # Piece counts first: sentences over the model's positions are skipped, the rest batched by length.
+
+def _fitting_by_length(tokenizer: TextTokenizer, sentences: Sequence[Sentence]) -> list[int]:
+    """The indices of the sentences that fit the model's positions with every word given a piece, shortest first
+    (in pieces): batched so, a batch pads little. The others are skipped."""
     words = [s.words for s in sentences]
     lengths, keep = [], []
     for start in range(0, len(words), 256):
@@ -731,15 +759,28 @@ def syntax_scores(
             if len(ids) <= tokenizer.max_length and covered:
                 keep.append(index)
                 lengths.append(len(ids))
-    skipped = len(sentences) - len(keep)
-    order = [index for _, index in sorted(zip(lengths, keep, strict=True))]
+    return [index for _, index in sorted(zip(lengths, keep, strict=True))]
 
-    grid = head_grid(model, layers, heads)
+
+def _scored_batches(
+    model: TextEncoder,
+    tokenizer: TextTokenizer,
+    grid: HeadGrid,
+    sentences: Sequence[Sentence],
+    order: Sequence[int],
+    relations: Sequence[str],
+    *,
+    batch_size: int,
+    skipped: int,
+    progress: Callable[[int], None] | None,
+) -> _Scorer:
+    """The sentences at ``order`` through ``model``, ``batch_size`` a pass, the grid's heads recorded and their
+    word attention scored for ``relations``; ``progress`` counts the ``skipped`` sentences as done."""
     with evaluating(model), record_grid(model, grid) as rec:
-        scorer = _Scorer(chosen, len(grid.layers) * len(grid.heads))
+        scorer = _Scorer(relations, len(grid.layers) * len(grid.heads))
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
-            batch = tokenizer.batch([words[i] for i in chunk])
+            batch = tokenizer.batch([sentences[i].words for i in chunk])
             model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
             # per layer (b, its heads, n, n) -> (L, H, b, n, n), zeros in the cells of pruned heads
             padded = grid.pad([None if w is None else w.transpose(0, 1) for w in rec.weights()])
@@ -747,17 +788,12 @@ def syntax_scores(
             rec.clear()
             for row, index in enumerate(chunk):
                 n = len(batch.word_ids[row])
-                attention = word_attention(weights[row, :, :n, :n], batch.word_ids[row], num_words=len(words[index]))
+                words = sentences[index].words
+                attention = word_attention(weights[row, :, :n, :n], batch.word_ids[row], num_words=len(words))
                 scorer.add(attention, sentences[index])
             if progress is not None:
                 progress(skipped + min(start + batch_size, len(order)))
-    return scorer.result(
-        grid.layers,
-        grid.heads,
-        skipped=skipped,
-        source=source,
-        layer_heads=grid.layer_heads if grid.ragged else None,
-    )
+    return scorer
 
 
 MIN_RELATION_COUNT = 10  # relations with fewer dependents are too noisy to name a head after

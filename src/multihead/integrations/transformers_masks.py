@@ -196,6 +196,77 @@ def _follows_positions(ids: torch.Tensor, positions: torch.Tensor) -> bool:
         return False
 
 
+def _packed_documents(
+    packed: tuple[Band, torch.Tensor, torch.Tensor],
+    config: object,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int,
+    kv_offset: int,
+    device: torch.device | str,
+) -> Mask | None:
+    """``documents(ids)`` (ids broadcast to (b, j)) for a packed-sequence call, or None when it must stay dense:
+    no config or a model that edits the mask, offsets, i != j, or ids (1 or b, j) that do not follow the
+    position ids (see the module docstring)."""
+    _, ids, positions = packed
+    if (
+        config is None
+        or getattr(config, "model_type", None) in EDITS_THE_MASK
+        or (q_offset, kv_offset) != (0, 0)
+        or q_length != kv_length
+        or ids.ndim != 2
+        or ids.shape[1] != kv_length
+        or ids.shape[0] not in (1, batch_size)
+        or not _follows_positions(ids, positions)
+    ):
+        return None
+    return documents(ids.expand(batch_size, kv_length).to(device))
+
+
+def _band_terms(band: Band, q_length: int, kv_length: int, q_offset: int, kv_offset: int) -> list[Mask] | None:
+    """The band as a typed diagonal ([] for full attention), or None when no typed diagonal says it: an offset
+    relation other than bottom-right or top-left alignment, or an empty band."""
+    if band == (None, None):
+        return []
+    # aligned query position p = q_idx + d: the band keeps keys p - left ... p + right
+    distance = q_offset - kv_offset
+    if distance == kv_length - q_length:
+        align = "bottom_right"
+    elif distance == 0:
+        align = "top_left"
+    else:
+        return None
+    left, right = band
+    if (left is not None and left < 0) or (right is not None and right < 0):
+        return None  # an empty band: rare enough to leave to the dense path
+    return [causal(align) if band == (None, 0) else window(left, right, align=align)]
+
+
+def _padding_terms(
+    attention_mask: object, batch_size: int, kv_length: int, kv_offset: int, device: torch.device | str
+) -> list[Mask] | None:
+    """The 2-D (b, n) bool padding mask as ``padding(valid)`` over the call's j keys ([] when there is none or
+    every key is real), or None when it is not such a mask and must go to the dense path."""
+    if attention_mask is None:
+        return []
+    if (
+        not isinstance(attention_mask, torch.Tensor)
+        or attention_mask.ndim != 2
+        or attention_mask.dtype != torch.bool
+        or attention_mask.shape[0] != batch_size
+    ):
+        return None
+    # the columns sdpa_mask reads: padded with False up to kv_offset + j, then from kv_offset on
+    short = kv_offset + kv_length - attention_mask.shape[1]
+    padded = torch.nn.functional.pad(attention_mask, (0, short)) if short > 0 else attention_mask
+    valid = padded[:, kv_offset : kv_offset + kv_length].to(device)  # (b, j)
+    readable = valid.device.type != "meta" and not torch.compiler.is_compiling()
+    if readable and bool(valid.all()):  # one sync per mask built, as sdpa_mask's own skip check
+        return []
+    return [padding(valid)]
+
+
 def typed_mask(
     batch_size: int,
     q_length: int,
@@ -248,20 +319,13 @@ def typed_mask(
     parts: list[Mask] = []
     packed = _packed(mask_function)
     if packed is not None:  # transformers turns the skip off for packed sequences: see the module docstring
-        band, ids, positions = packed
-        config = kwargs.get("config")
-        if (
-            config is None
-            or getattr(config, "model_type", None) in EDITS_THE_MASK
-            or (q_offset, kv_offset) != (0, 0)
-            or q_length != kv_length
-            or ids.ndim != 2
-            or ids.shape[1] != kv_length
-            or ids.shape[0] not in (1, batch_size)
-            or not _follows_positions(ids, positions)
-        ):
+        same_document = _packed_documents(
+            packed, kwargs.get("config"), batch_size, q_length, kv_length, q_offset, kv_offset, device
+        )
+        if same_document is None:
             return dense()
-        parts.append(documents(ids.expand(batch_size, kv_length).to(device)))
+        band = packed[0]
+        parts.append(same_document)
     elif not (allow_is_causal_skip or allow_is_bidirectional_skip):
         return dense()  # the caller wants a tensor to work on
     else:
@@ -269,34 +333,14 @@ def typed_mask(
         if recognised is None:
             return dense()
         band = recognised
-    if band != (None, None):
-        # aligned query position p = q_idx + d: the band keeps keys p - left ... p + right
-        distance = q_offset - kv_offset
-        if distance == kv_length - q_length:
-            align = "bottom_right"
-        elif distance == 0:
-            align = "top_left"
-        else:
-            return dense()
-        left, right = band
-        if (left is not None and left < 0) or (right is not None and right < 0):
-            return dense()  # an empty band: rare enough to leave to the dense path
-        parts.append(causal(align) if band == (None, 0) else window(left, right, align=align))
-    if attention_mask is not None:
-        if (
-            not isinstance(attention_mask, torch.Tensor)
-            or attention_mask.ndim != 2
-            or attention_mask.dtype != torch.bool
-            or attention_mask.shape[0] != batch_size
-        ):
-            return dense()
-        # the columns sdpa_mask reads: padded with False up to kv_offset + j, then from kv_offset on
-        short = kv_offset + kv_length - attention_mask.shape[1]
-        padded = torch.nn.functional.pad(attention_mask, (0, short)) if short > 0 else attention_mask
-        valid = padded[:, kv_offset : kv_offset + kv_length].to(device)
-        readable = valid.device.type != "meta" and not torch.compiler.is_compiling()
-        if not (readable and bool(valid.all())):  # one sync per mask built, as sdpa_mask's own skip check
-            parts.append(padding(valid))
+    band_terms = _band_terms(band, q_length, kv_length, q_offset, kv_offset)
+    if band_terms is None:
+        return dense()
+    parts += band_terms
+    padding_terms = _padding_terms(attention_mask, batch_size, kv_length, kv_offset, device)
+    if padding_terms is None:
+        return dense()
+    parts += padding_terms
     if not parts and allow_is_bidirectional_skip:
         return None
     return TransformersMask(

@@ -629,9 +629,9 @@ class Decoder(nn.Module):
         """Continue every prompt, decoding up to ``max_batch`` of them at once (continuous batching).
 
         Each prompt is prefilled alone into a paged KV cache, then joins the running batch; every step decodes one
-        token for every sequence in it, each at its own length (:func:`multihead.paged.paged_attention`). A
-        sequence stops at its own ``eos_id`` or length, its pages go back to the pool, and the next prompt
-        waiting takes its place. Each sequence gets the tokens :meth:`generate` gives its prompt alone (greedy,
+        token for every sequence in it, each at its own length (the ``paged`` backend, through each layer's
+        ``Attend``). A sequence stops at its own ``eos_id`` or length, its pages go back to the pool, and the next
+        prompt waiting takes its place. Each sequence gets the tokens :meth:`generate` gives its prompt alone (greedy,
         or sampled with its own seed), cut after its first ``eos_id``.
 
         Args:
@@ -647,6 +647,40 @@ class Decoder(nn.Module):
             A list of 1-D id tensors, in the prompts' order: each prompt followed by its new tokens.
         """
         device = self.token_embeddings.weight.device
+        ids, budgets = self._batch_prompts(prompts, max_new_tokens)
+        self._check_batch_options(budgets, eos_id, temperature, top_k, seeds)
+        max_batch = positive_int("max_batch", max_batch)
+        longest = max(len(p) + budget for p, budget in zip(ids, budgets, strict=True))
+        if self.positions is not None and longest > self.config.max_positions:
+            raise bad_argument(
+                "max_new_tokens",
+                f"prompt + new tokens <= max_positions = {self.config.max_positions} (learned positions)",
+                longest,
+                "shorten the prompts or ask for fewer tokens",
+            )
+        generators = _seeded_generators(seeds, len(ids), device)
+        # pages for max_batch sequences at their longest: the pool never runs out mid-way
+        pages = min(max_batch, len(ids)) * -(-longest // positive_int("page_size", page_size))
+        with evaluating(self):
+            cache = self.new_paged_cache(pages, page_size)
+            outputs = self._decode_continuously(
+                cache,
+                ids,
+                budgets,
+                generators,
+                max_batch=max_batch,
+                eos_id=eos_id,
+                temperature=temperature,
+                top_k=top_k,
+            )
+        return [torch.tensor(tokens, dtype=torch.long, device=device) for tokens in outputs]
+
+    def _batch_prompts(
+        self, prompts: object, max_new_tokens: int | Sequence[int]
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """generate_batch's prompts as 1-D id tensors (n_i,) on the model's device, and the number of tokens to add
+        to each, one per prompt (their values are checked by :meth:`_check_batch_options`)."""
+        device = self.token_embeddings.weight.device
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise bad_argument(
                 "prompts", "a non-empty list of token id lists", describe(prompts), "pass e.g. [[1, 2], [3]]"
@@ -659,11 +693,23 @@ class Decoder(nn.Module):
             raise bad_argument(
                 "max_new_tokens", f"one int, or {len(ids)} (one per prompt)", len(budgets), "give one per prompt"
             )
+        return ids, budgets
+
+    def _check_batch_options(
+        self,
+        budgets: list[int],
+        eos_id: int | None,
+        temperature: float,
+        top_k: int | None,
+        seeds: Sequence[int] | None,
+    ) -> None:
+        """generate_batch's per-prompt budgets and sampling options (as for :meth:`generate`), one seed per prompt
+        when seeds are given, and eos_id; an InputError naming the first bad one."""
         for budget in budgets:
             _check_generation(budget, temperature, top_k, None, True, self.config.vocab_size)
-        if seeds is not None and (not isinstance(seeds, (list, tuple)) or len(seeds) != len(ids)):
+        if seeds is not None and (not isinstance(seeds, (list, tuple)) or len(seeds) != len(budgets)):
             raise bad_argument(
-                "seeds", f"{len(ids)} seeds (one per prompt), or None", describe(seeds), "one per prompt"
+                "seeds", f"{len(budgets)} seeds (one per prompt), or None", describe(seeds), "one per prompt"
             )
         for seed in seeds or []:
             Decoder._check_sampling(temperature, top_k, seed)
@@ -671,54 +717,54 @@ class Decoder(nn.Module):
             raise bad_argument(
                 "eos_id", f"a token id in [0, {self.config.vocab_size})", describe(eos_id), "pass the EOS token's id"
             )
-        max_batch = positive_int("max_batch", max_batch)
-        longest = max(len(p) + budget for p, budget in zip(ids, budgets, strict=True))
-        if self.positions is not None and longest > self.config.max_positions:
-            raise bad_argument(
-                "max_new_tokens",
-                f"prompt + new tokens <= max_positions = {self.config.max_positions} (learned positions)",
-                longest,
-                "shorten the prompts or ask for fewer tokens",
-            )
-        generators: list[torch.Generator | None] = [None] * len(ids)
-        for index, seed in enumerate(seeds or []):
-            generator = torch.Generator(device=device)
-            generator.manual_seed(seed)
-            generators[index] = generator
-        # pages for max_batch sequences at their longest: the pool never runs out mid-way
-        pages = min(max_batch, len(ids)) * -(-longest // positive_int("page_size", page_size))
+
+    def _decode_continuously(
+        self,
+        cache: PagedDecoderCache,
+        ids: list[torch.Tensor],
+        budgets: list[int],
+        generators: list[torch.Generator | None],
+        *,
+        max_batch: int,
+        eos_id: int | None,
+        temperature: float,
+        top_k: int | None,
+    ) -> list[list[int]]:
+        """generate_batch's decoding loop over ``cache`` (in eval mode): each prompt ids[i] (n_i,) with tokens still
+        to add is prefilled alone, then decoded one token per step with the running batch of at most ``max_batch``
+        sequences until it reaches budgets[i] new tokens or eos_id. Returns every prompt's ids followed by its new
+        tokens, in the prompts' order."""
+        device = self.token_embeddings.weight.device
         outputs: list[list[int]] = [p.tolist() for p in ids]
         waiting = [index for index, budget in enumerate(budgets) if budget > 0]
         running: dict[int, int] = {}  # handle -> prompt index
-        with evaluating(self):
-            cache = self.new_paged_cache(pages, page_size)
 
-            def take(index: int, logits: torch.Tensor) -> bool:
-                """Append the next token of prompt ``index`` from its logits (1, vocab); whether it is done."""
-                token = int(self._pick(logits, float(temperature), top_k, generators[index])[0])
-                outputs[index].append(token)
-                new = len(outputs[index]) - len(ids[index])
-                return new == budgets[index] or token == eos_id
+        def take(index: int, logits: torch.Tensor) -> bool:
+            """Append the next token of prompt ``index`` from its logits (1, vocab); whether it is done."""
+            token = int(self._pick(logits, float(temperature), top_k, generators[index])[0])
+            outputs[index].append(token)
+            new = len(outputs[index]) - len(ids[index])
+            return new == budgets[index] or token == eos_id
 
-            while waiting or running:
-                while waiting and len(running) < max_batch:  # admit: prefill alone, then join the batch
-                    index = waiting.pop(0)
-                    handle = cache.add()
-                    logits = self(ids[index][None], cache=cache.batch([handle]))[:, -1]
-                    if take(index, logits):
-                        cache.free(handle)
-                    else:
-                        running[handle] = index
-                if not running:
-                    continue
-                handles = list(running)
-                last = torch.tensor([[outputs[running[h]][-1]] for h in handles], device=device)  # (S, 1)
-                logits = self(last, cache=cache.batch(handles))[:, -1]  # (S, vocab)
-                for row, handle in enumerate(handles):
-                    if take(running[handle], logits[row : row + 1]):
-                        cache.free(handle)
-                        del running[handle]
-        return [torch.tensor(tokens, dtype=torch.long, device=device) for tokens in outputs]
+        while waiting or running:
+            while waiting and len(running) < max_batch:  # admit: prefill alone, then join the batch
+                index = waiting.pop(0)
+                handle = cache.add()
+                logits = self(ids[index][None], cache=cache.batch([handle]))[:, -1]
+                if take(index, logits):
+                    cache.free(handle)
+                else:
+                    running[handle] = index
+            if not running:
+                continue
+            handles = list(running)
+            last = torch.tensor([[outputs[running[h]][-1]] for h in handles], device=device)  # (S, 1)
+            logits = self(last, cache=cache.batch(handles))[:, -1]  # (S, vocab)
+            for row, handle in enumerate(handles):
+                if take(running[handle], logits[row : row + 1]):
+                    cache.free(handle)
+                    del running[handle]
+        return outputs
 
     # ------------------------------------------------------------------------------ saving
 
@@ -747,6 +793,17 @@ def _check_generation(
         raise bad_argument("top_k", f"at most vocab_size = {vocab_size}", top_k, "pass a smaller top_k, or None")
     if not isinstance(use_cache, bool):
         raise bad_argument("use_cache", "True or False", describe(use_cache), "pass use_cache=True", kind=TypeError)
+
+
+def _seeded_generators(seeds: Sequence[int] | None, count: int, device: torch.device) -> list[torch.Generator | None]:
+    """One torch.Generator on ``device`` per prompt, seeded with its seed; ``count`` Nones (the global RNG) when
+    ``seeds`` is None."""
+    generators: list[torch.Generator | None] = [None] * count
+    for index, seed in enumerate(seeds or []):
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        generators[index] = generator
+    return generators
 
 
 _PROBABILITY = Rule(

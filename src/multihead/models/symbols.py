@@ -28,7 +28,7 @@ from multihead.models.tokenizer import Pieces, TextTokenizer, TokenBatch
 
 __all__ = ["BOS_SYMBOL", "SYMBOLS_FILE", "task_symbols", "SymbolTokenizer", "DecoderReader", "load_decoder_reader"]
 
-BOS_SYMBOL = "<bos>"  # id 0: the tasks' BOS (multihead.train.tasks.BOS) and a decoder's start token
+BOS_SYMBOL = "<bos>"  # id 0: the tasks' BOS (multihead.models.tasks.BOS) and a decoder's start token
 SYMBOLS_FILE = "symbols.json"  # a checkpoint's symbols, id by id, beside its weights
 
 

@@ -17,6 +17,7 @@ from multihead._lab import require_lab
 
 require_lab("multihead.train")  # one line naming the extra, before any lab import fails
 
+from multihead.models.tasks import BOS, InductionBatch, ReverseBatch, induction_batch, reverse_batch
 from multihead.train.induction import InductionRun, InductionSettings, run_induction
 from multihead.train.loop import count_tokens, history_to_json, plot_history, train
 from multihead.train.reverse import ReverseRun, ReverseSettings, run_reverse
@@ -36,7 +37,6 @@ from multihead.train.symmetry import (
     run_symmetry,
     symmetry_experiment,
 )
-from multihead.train.tasks import BOS, InductionBatch, ReverseBatch, induction_batch, reverse_batch
 
 __all__ = [
     "InductionRun",

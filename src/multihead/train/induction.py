@@ -49,6 +49,7 @@ from multihead.inspect.importance import ablated
 from multihead.models.contract import evaluating
 from multihead.models.decoder import Decoder, DecoderConfig
 from multihead.models.symbols import SymbolTokenizer, task_symbols
+from multihead.models.tasks import InductionBatch, induction_batch
 from multihead.train.loop import History, check_run_settings, history_to_json, plot_history, train_run
 from multihead.train.scores import (
     in_context_learning_score,
@@ -57,7 +58,6 @@ from multihead.train.scores import (
     previous_token_score,
     repeated_tokens_loss,
 )
-from multihead.train.tasks import InductionBatch, induction_batch
 
 __all__ = [
     "BEHAVIOURS_FILE",

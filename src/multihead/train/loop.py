@@ -92,6 +92,114 @@ def _plain(value: object, name: str) -> Any:
     return value
 
 
+def _trainable_parameters(model: object) -> list[nn.Parameter]:
+    """The parameters of ``model`` that require grad: the ones AdamW updates (and clips)."""
+    if not isinstance(model, nn.Module):
+        raise bad_argument("model", "a torch.nn.Module", describe(model), "pass the model to train", kind=TypeError)
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    if not parameters:
+        raise bad_argument(
+            "model", "a module with trainable parameters", "none that require grad", "unfreeze the parameters"
+        )
+    return parameters
+
+
+def _check_callbacks(make_batch: object, loss_fn: object, count_tokens: object, on_log: object) -> None:
+    """Each function :func:`train` calls back is callable (``on_log`` may be None)."""
+    _callable("make_batch", make_batch, "lambda generator: batch")
+    _callable("loss_fn", loss_fn, "lambda model, batch: loss")
+    _callable("count_tokens", count_tokens, "lambda batch: int")
+    if on_log is not None:
+        _callable("on_log", on_log, "lambda model, step: {name: value}")
+
+
+def _check_seed(seed: object) -> None:
+    """``seed`` is an int that ``torch.Generator.manual_seed`` takes: 0..2**63 - 1."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise bad_argument("seed", "an int", describe(seed), "pass seed=0", kind=TypeError)
+    if not 0 <= seed < 2**63:
+        raise bad_argument("seed", "an int in 0..2**63 - 1", seed, "pass seed=0")
+
+
+def _checked_loss(loss: object, lr: float, step: int) -> torch.Tensor:
+    """``loss_fn``'s result, checked: a one-element tensor with a graph to the parameters, and finite (a loss
+    that is not finite means the learning rate blew the parameters up, so the error names ``lr``)."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise bad_argument(
+            "loss_fn",
+            "a function returning a scalar tensor that depends on the model's parameters",
+            describe(loss),
+            "return the mean loss of the batch, computed from the model's output",
+            kind=TypeError,
+        )
+    if not bool(torch.isfinite(loss.detach())):
+        raise bad_argument(
+            "lr",
+            "a learning rate at which the loss stays finite",
+            f"{lr} (the loss was {loss.item()} at update {step})",
+            "lower lr (or set max_grad_norm)",
+        )
+    return loss
+
+
+def _update(
+    optimizer: torch.optim.Optimizer,
+    parameters: list[nn.Parameter],
+    loss: torch.Tensor,
+    max_grad_norm: float | None,
+) -> None:
+    """One optimizer update on ``loss`` (one element, any shape): fresh gradients, clipped to ``max_grad_norm``
+    (their global norm; None: not clipped), then the step."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.reshape(()).backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
+    optimizer.step()
+
+
+def _log_entry(step: int, losses: list[torch.Tensor], tokens: int, elapsed: float) -> dict[str, Any]:
+    """A log's reserved fields from the updates since the previous log: ``losses``, their () losses; ``tokens``
+    and ``elapsed`` (seconds), what they read and took."""
+    return {
+        "step": step,
+        "loss": torch.stack(losses).double().mean().item(),
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else math.inf,
+    }
+
+
+def _measurements(
+    model: nn.Module, step: int, on_log: Callable[[nn.Module, int], Mapping[str, Any] | None]
+) -> dict[str, Any]:
+    """What ``on_log(model, step)`` measured, JSON-ready, with ``model`` in eval mode and gradients off for the
+    call (back in training mode afterwards); {} when it returned None."""
+    model.eval()
+    with torch.no_grad():
+        measured = on_log(model, step)
+    model.train()
+    if measured is None:
+        return {}
+    if not isinstance(measured, Mapping):
+        raise bad_argument(
+            "on_log",
+            "a function returning a dict (or None)",
+            describe(measured),
+            "return {name: value}",
+            kind=TypeError,
+        )
+    plain: dict[str, Any] = {}
+    for name, value in measured.items():
+        # the reserved keys are train's own: a measurement must not overwrite them
+        if not isinstance(name, str) or name in RESERVED:
+            raise bad_argument(
+                "on_log",
+                f"a dict with string keys other than {', '.join(RESERVED)}",
+                f"the key {name!r}",
+                "rename the measurement",
+            )
+        plain[name] = _plain(value, name)
+    return plain
+
+
 def train(
     model: nn.Module,
     make_batch: Callable[[torch.Generator], Any],
@@ -132,28 +240,15 @@ def train(
         ValueError naming ``lr`` when the loss stops being finite (the model's parameters are then not trusted:
         the run stops at that update, before stepping on it).
     """
-    if not isinstance(model, nn.Module):
-        raise bad_argument("model", "a torch.nn.Module", describe(model), "pass the model to train", kind=TypeError)
-    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    if not parameters:
-        raise bad_argument(
-            "model", "a module with trainable parameters", "none that require grad", "unfreeze the parameters"
-        )
-    _callable("make_batch", make_batch, "lambda generator: batch")
-    _callable("loss_fn", loss_fn, "lambda model, batch: loss")
-    _callable("count_tokens", count_tokens, "lambda batch: int")
-    if on_log is not None:
-        _callable("on_log", on_log, "lambda model, step: {name: value}")
+    parameters = _trainable_parameters(model)
+    _check_callbacks(make_batch, loss_fn, count_tokens, on_log)
     steps = positive_int("steps", steps)
     log_every = positive_int("log_every", log_every)
     lr = _number("lr", lr, low=0.0, inclusive=False)
     weight_decay = _number("weight_decay", weight_decay, low=0.0, inclusive=True)
     if max_grad_norm is not None:
         max_grad_norm = _number("max_grad_norm", max_grad_norm, low=0.0, inclusive=False)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise bad_argument("seed", "an int", describe(seed), "pass seed=0", kind=TypeError)
-    if not 0 <= seed < 2**63:
-        raise bad_argument("seed", "an int in 0..2**63 - 1", seed, "pass seed=0")
+    _check_seed(seed)
 
     device = parameters[0].device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -171,59 +266,15 @@ def train(
             for step in range(1, steps + 1):
                 batch = make_batch(generator)
                 tokens += count_tokens(batch)
-                loss = loss_fn(model, batch)
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-                    raise bad_argument(
-                        "loss_fn",
-                        "a function returning a scalar tensor that depends on the model's parameters",
-                        describe(loss),
-                        "return the mean loss of the batch, computed from the model's output",
-                        kind=TypeError,
-                    )
-                if not bool(torch.isfinite(loss.detach())):
-                    raise bad_argument(
-                        "lr",
-                        "a learning rate at which the loss stays finite",
-                        f"{lr} (the loss was {loss.item()} at update {step})",
-                        "lower lr (or set max_grad_norm)",
-                    )
-                optimizer.zero_grad(set_to_none=True)
-                loss.reshape(()).backward()
-                if max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
-                optimizer.step()
+                loss = _checked_loss(loss_fn(model, batch), lr, step)
+                _update(optimizer, parameters, loss, max_grad_norm)
                 losses.append(loss.detach().reshape(()))
                 if step % log_every and step != steps:
                     continue
-                elapsed = time.perf_counter() - started
-                entry: dict[str, Any] = {
-                    "step": step,
-                    "loss": torch.stack(losses).double().mean().item(),
-                    "tokens_per_s": tokens / elapsed if elapsed > 0 else math.inf,
-                }
+                # timed before on_log, so that tokens_per_s measures the updates only
+                entry = _log_entry(step, losses, tokens, time.perf_counter() - started)
                 if on_log is not None:
-                    model.eval()
-                    with torch.no_grad():
-                        measured = on_log(model, step)
-                    model.train()
-                    if measured is not None:
-                        if not isinstance(measured, Mapping):
-                            raise bad_argument(
-                                "on_log",
-                                "a function returning a dict (or None)",
-                                describe(measured),
-                                "return {name: value}",
-                                kind=TypeError,
-                            )
-                        for name, value in measured.items():
-                            if not isinstance(name, str) or name in RESERVED:
-                                raise bad_argument(
-                                    "on_log",
-                                    f"a dict with string keys other than {', '.join(RESERVED)}",
-                                    f"the key {name!r}",
-                                    "rename the measurement",
-                                )
-                            entry[name] = _plain(value, name)
+                    entry.update(_measurements(model, step, on_log))
                 history.append(entry)
                 losses, tokens = [], 0
                 started = time.perf_counter()

@@ -47,9 +47,9 @@ from multihead.inspect.importance import ablated
 from multihead.models.contract import evaluating
 from multihead.models.seq2seq import Seq2Seq, Seq2SeqConfig
 from multihead.models.symbols import SymbolTokenizer, task_symbols
+from multihead.models.tasks import BOS, ReverseBatch, reverse_batch
 from multihead.train.loop import History, check_run_settings, history_to_json, plot_history, train_run
 from multihead.train.scores import alignment_accuracy
-from multihead.train.tasks import BOS, ReverseBatch, reverse_batch
 
 __all__ = ["ReverseSettings", "ReverseRun", "probe_batch", "probe_scores", "ablation_scores", "run_reverse"]
 

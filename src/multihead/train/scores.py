@@ -14,7 +14,7 @@ batch and the positions it reads, per head:
     weights (layers, b, h, i, j)    a stack of layers                         -> score (layers, h)
     [weights (b, h, i, j), ...]     a list of layers                          -> score (layers, h)
 
-Positions use the indexing of :mod:`multihead.train.tasks`: with bos, position 0 is BOS and the two copies of the
+Positions use the indexing of :mod:`multihead.models.tasks`: with bos, position 0 is BOS and the two copies of the
 segment x_1..x_L sit at 1..L and L+1..2L; without it they sit at 0..L-1 and L..2L-1.
 """
 
@@ -135,7 +135,7 @@ def previous_token_score(weights: Weights) -> torch.Tensor:
 def induction_score(weights: Weights, half_length: int, *, bos: bool = True) -> torch.Tensor:
     """Mean attention from each position t of the second copy to t - L + 1 (TransformerLens' induction score).
 
-    On ``[BOS] x_1..x_L x_1..x_L`` (:func:`multihead.train.tasks.induction_batch`) the second copy is at positions
+    On ``[BOS] x_1..x_L x_1..x_L`` (:func:`multihead.models.tasks.induction_batch`) the second copy is at positions
     t = L + 1 .. 2L (with bos; L .. 2L - 1 without). Position t holds the token whose previous occurrence is at
     t - L; an induction head attends to the token that came right after it, at key position t - L + 1 (in both
     indexings). TransformerLens reads the same diagonal (``pattern.diagonal(offset=1 - L)``) but averages it over
@@ -202,7 +202,7 @@ def prefix_matching_score(weights: Weights, previous: torch.Tensor) -> torch.Ten
 
     Args:
         weights: self-attention weights (b, n, n), (b, h, n, n), (layers, b, h, n, n) or a list of (b, h, n, n).
-        previous: (b, n) int64, the batch's :attr:`~multihead.train.tasks.InductionBatch.previous` (-1: not a
+        previous: (b, n) int64, the batch's :attr:`~multihead.models.tasks.InductionBatch.previous` (-1: not a
             repeat).
 
     Returns:
@@ -252,7 +252,7 @@ def alignment_accuracy(weights: Weights, alignment: torch.Tensor) -> torch.Tenso
         weights: cross-attention weights, target positions as queries i and source positions as keys j:
             (b, i, j), (b, h, i, j), (layers, b, h, i, j) or a list of (b, h, i, j).
         alignment: (i,) or (b, i) int64, the source position each query position should attend to
-            (:attr:`multihead.train.tasks.ReverseBatch.alignment`).
+            (:attr:`multihead.models.tasks.ReverseBatch.alignment`).
 
     Returns:
         The accuracy in [0, 1] per head: (), (h,) or (layers, h).

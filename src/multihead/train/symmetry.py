@@ -36,7 +36,7 @@ import copy
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -51,10 +51,10 @@ from multihead.inspect.similarity import DivergenceAccumulator
 from multihead.layer import MultiHeadAttention
 from multihead.models.contract import evaluating
 from multihead.models.decoder import Decoder, DecoderConfig
+from multihead.models.tasks import induction_batch
 from multihead.train.induction import InductionSettings
 from multihead.train.loop import train
 from multihead.train.scores import induction_score, per_position_loss, repeated_half_loss
-from multihead.train.tasks import induction_batch
 
 __all__ = [
     "make_heads_identical",
@@ -269,6 +269,89 @@ def _measure(model: Decoder, ids: torch.Tensor, half_length: int, identical: lis
     return entry
 
 
+def _checked_config(config: object, vocab_size: int | None) -> DecoderConfig:
+    """``config``, or for None the experiment's default decoder: 2 attention-only layers of 4 heads, hidden 64,
+    vocabulary ``vocab_size`` or 32."""
+    if config is None:
+        config = DecoderConfig(
+            vocab_size=32 if vocab_size is None else vocab_size, hidden=64, layers=2, heads=4, mlp=None
+        )
+    if not isinstance(config, DecoderConfig):
+        raise bad_argument(
+            "config", "a DecoderConfig or None", describe(config), "pass DecoderConfig(...)", kind=TypeError
+        )
+    return config
+
+
+def _checked_vocab_size(vocab_size: int | None, config: DecoderConfig) -> int:
+    """The tokens the task draws: ``vocab_size`` (None: the config's), which the decoder must be able to embed."""
+    if vocab_size is None:
+        vocab_size = config.vocab_size
+    vocab_size = positive_int("vocab_size", vocab_size)
+    if vocab_size > config.vocab_size:
+        raise bad_argument(
+            "vocab_size",
+            f"at most config.vocab_size = {config.vocab_size}",
+            vocab_size,
+            "pass a smaller vocab_size, or a config with a larger vocabulary",
+        )
+    return vocab_size
+
+
+def _checked_half_length(half_length: int, config: DecoderConfig) -> int:
+    """The task's L, whose sequences of 2L + 1 tokens must fit the decoder's learned positions (if it has them)."""
+    half_length = positive_int("half_length", half_length)
+    if config.positions == "learned" and 2 * half_length + 1 > config.max_positions:
+        raise bad_argument(
+            "half_length",
+            f"2 * half_length + 1 <= config.max_positions = {config.max_positions} (learned positions)",
+            half_length,
+            "pass a smaller half_length",
+        )
+    return half_length
+
+
+def _random_and_identical_models(
+    config: DecoderConfig, dtype: torch.dtype, seed: int, identical: list[int]
+) -> tuple[Decoder, Decoder]:
+    """One decoder drawn from ``seed`` (torch's global generator put back afterwards) and a copy of it whose
+    ``identical`` layers have every head made a copy of head 0: the two runs start from the same parameters."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        random_model = Decoder(config).to(dtype)
+    identical_model = copy.deepcopy(random_model)
+    for index in identical:
+        make_heads_identical(identical_model.attention_layers[index])
+    return random_model, identical_model
+
+
+def _train_logging_divergence(
+    model: Decoder,
+    measured: list[int] | None,
+    evaluation_ids: torch.Tensor,
+    *,
+    half_length: int,
+    make_batch: Callable[[torch.Generator], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    steps: int,
+    lr: float,
+    seed: int,
+    log_every: int,
+) -> dict[str, Any]:
+    """One run of :func:`symmetry_experiment`: train ``model`` in place, measuring :func:`_measure` on
+    ``evaluation_ids`` (b, 2L + 1) before any update and at every log. ``measured``: the layers whose heads'
+    parameter difference is logged (None: none, the random run). Returns ``{"history": [logs]}``."""
+
+    def on_log(model: nn.Module, step: int) -> dict[str, Any]:
+        return _measure(cast(Decoder, model), evaluation_ids, half_length, measured)
+
+    first = {"step": 0, "loss": None, "tokens_per_s": None, **on_log(model, 0)}  # before any update
+    history = train(
+        model, make_batch, steps=steps, lr=lr, seed=seed, loss_fn=loss_fn, log_every=log_every, on_log=on_log
+    )
+    return {"history": [first, *history]}
+
+
 def symmetry_experiment(
     config: DecoderConfig | None = None,
     *,
@@ -310,33 +393,10 @@ def symmetry_experiment(
         absolute difference between a head's parameters and head 0's. ``identical_stayed_identical``: every
         identical layer's heads were bitwise equal at every log.
     """
-    if config is None:
-        config = DecoderConfig(
-            vocab_size=32 if vocab_size is None else vocab_size, hidden=64, layers=2, heads=4, mlp=None
-        )
-    if not isinstance(config, DecoderConfig):
-        raise bad_argument(
-            "config", "a DecoderConfig or None", describe(config), "pass DecoderConfig(...)", kind=TypeError
-        )
+    config = _checked_config(config, vocab_size)
     dtype = floating_dtype("dtype", dtype, allow_none=False)
-    if vocab_size is None:
-        vocab_size = config.vocab_size
-    vocab_size = positive_int("vocab_size", vocab_size)
-    if vocab_size > config.vocab_size:
-        raise bad_argument(
-            "vocab_size",
-            f"at most config.vocab_size = {config.vocab_size}",
-            vocab_size,
-            "pass a smaller vocab_size, or a config with a larger vocabulary",
-        )
-    half_length = positive_int("half_length", half_length)
-    if config.positions == "learned" and 2 * half_length + 1 > config.max_positions:
-        raise bad_argument(
-            "half_length",
-            f"2 * half_length + 1 <= config.max_positions = {config.max_positions} (learned positions)",
-            half_length,
-            "pass a smaller half_length",
-        )
+    vocab_size = _checked_vocab_size(vocab_size, config)
+    half_length = _checked_half_length(half_length, config)
     batch = positive_int("batch", batch)
     log_every = positive_int("log_every", log_every)
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -346,13 +406,7 @@ def symmetry_experiment(
     # the task's own checks (half_length >= 2, min_half_length in 2..L, vocab_size) before anything is built
     induction_batch(1, half_length, vocab_size, generator=torch.Generator(), min_half_length=min_half_length)
     evaluation = induction_batch(batch, half_length, vocab_size, generator=torch.Generator().manual_seed(seed + 1))
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        random_model = Decoder(config).to(dtype)
-    identical_model = copy.deepcopy(random_model)
-    for index in identical:
-        make_heads_identical(identical_model.attention_layers[index])
+    random_model, identical_model = _random_and_identical_models(config, dtype, seed, identical)
 
     def make_batch(generator: torch.Generator):
         return induction_batch(batch, half_length, vocab_size, generator=generator, min_half_length=min_half_length)
@@ -362,15 +416,18 @@ def symmetry_experiment(
 
     runs: dict[str, Any] = {}
     for name, model, measured in (("random", random_model, None), ("identical", identical_model, identical)):
-
-        def on_log(model: nn.Module, step: int, measured: list[int] | None = measured) -> dict[str, Any]:
-            return _measure(cast(Decoder, model), evaluation.ids, half_length, measured)
-
-        first = {"step": 0, "loss": None, "tokens_per_s": None, **on_log(model, 0)}  # before any update
-        history = train(
-            model, make_batch, steps=steps, lr=lr, seed=seed, loss_fn=loss_fn, log_every=log_every, on_log=on_log
+        runs[name] = _train_logging_divergence(
+            model,
+            measured,
+            evaluation.ids,
+            half_length=half_length,
+            make_batch=make_batch,
+            loss_fn=loss_fn,
+            steps=steps,
+            lr=lr,
+            seed=seed,
+            log_every=log_every,
         )
-        runs[name] = {"history": [first, *history]}
     identical_history = runs["identical"]["history"]
     return {
         "config": dataclasses.asdict(config),
