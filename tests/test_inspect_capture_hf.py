@@ -32,13 +32,13 @@ def pair(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
 def kernel_requests(monkeypatch) -> list[object]:
     """What every kernel call of every attention step was asked to return, from now on."""
     asked = []
-    original = multihead.attend.attention
+    original = multihead.attend.attention_result
 
     def recording(q, k, v, **options):
         asked.append(options.get("return_weights", False))
         return original(q, k, v, **options)
 
-    monkeypatch.setattr(multihead.attend, "attention", recording)
+    monkeypatch.setattr(multihead.attend, "attention_result", recording)
     return asked
 
 

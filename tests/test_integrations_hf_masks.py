@@ -394,16 +394,15 @@ def batch(padding_side: str | None) -> dict[str, torch.Tensor]:
 def kernel_masks(monkeypatch) -> list[tuple[type, list[str]]]:
     """(type of the mask, kinds of its bound terms) of every kernel call the integration makes from now on."""
     calls = []
-    original = multihead.functional.attention
+    original = multihead.functional.attention_result
 
     def recording(q, k, v, *, mask=None, causal=False, **options):
         shape = AttentionShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
         calls.append((type(mask), bind_mask(mask, causal, shape).kinds()))
         return original(q, k, v, mask=mask, causal=causal, **options)
 
-    # where the kernel is called: the integration itself, or the attention step it routes every call through
-    owner = integration if hasattr(integration, "attention") else multihead.attend
-    monkeypatch.setattr(owner, "attention", recording)
+    # where the kernel is called: the attention step every call of the integration goes through
+    monkeypatch.setattr(multihead.attend, "attention_result", recording)
     return calls
 
 
@@ -467,13 +466,13 @@ def test_packed_sequences_match_transformers_with_a_documents_mask(monkeypatch):
 def test_mistrals_window_is_typed_and_shorter_than_the_sequence(monkeypatch):
     _, ours = pair("mistral")
     seen = []
-    original = multihead.functional.attention
+    original = multihead.functional.attention_result
 
     def recording(q, k, v, *, mask=None, **options):
         seen.append(repr(mask))
         return original(q, k, v, mask=mask, **options)
 
-    monkeypatch.setattr(integration if hasattr(integration, "attention") else multihead.attend, "attention", recording)
+    monkeypatch.setattr(multihead.attend, "attention_result", recording)  # where every step calls the kernel
     with torch.no_grad():
         ours(**batch(None))
     assert seen and all("window(left=2, right=0" in text for text in seen)

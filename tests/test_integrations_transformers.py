@@ -130,13 +130,13 @@ def test_forward_matches_transformers_own_attention(name, dtype, padded, device)
 def kernel_calls(monkeypatch) -> list[tuple[torch.Size, torch.Size]]:
     """(query shape, key shape) of every multihead.attention call the integration makes from now on."""
     calls = []
-    original = multihead.attend.attention
+    original = multihead.attend.attention_result
 
     def recording(q, k, v, **options):
         calls.append((q.shape, k.shape))
         return original(q, k, v, **options)
 
-    monkeypatch.setattr(multihead.attend, "attention", recording)  # where every step calls the kernel
+    monkeypatch.setattr(multihead.attend, "attention_result", recording)  # where every step calls the kernel
     return calls
 
 
