@@ -206,3 +206,34 @@ def test_any_page_size_and_surgery_equals_contiguous_caches(page_size, lengths, 
     prompts = [tokens(n, 20 + seed, "cpu") for seed, n in enumerate(lengths)]
     for got, want in run_both(layer, prompts, decode_steps, page_size, "cpu", need_weights=True):
         assert_same(got, want)
+
+
+def test_autotune_leaves_a_paged_call_to_the_paged_backend(device):
+    """Under autotune a paged decode still runs (timing would call a dense backend with the pools) and gives what a
+    contiguous cache gives."""
+    layer = make_layer(device)
+    prompts = [tokens(4, 30, device), tokens(6, 31, device)]
+    expected = [got[0] for got, _ in run_both(layer, prompts, 2, page_size=3, device=device)]
+    with multihead.backends.autotune():
+        tuned = [got[0] for got, _ in run_both(layer, prompts, 2, page_size=3, device=device)]
+    for got, want in zip(tuned, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_capture_of_a_paged_call_whose_caller_asked_a_selection_of_its_own(device):
+    """The recorder's own weights come from one more call through the table when the caller asked for others."""
+    layer = make_layer(device)
+    pool = layer.new_paged_cache(16, 2)
+    handle = pool.add()
+    layer(tokens(5, 0, device), causal=True, cache=pool.batch([handle]))
+    pending = pool.batch([handle]).stage(
+        torch.randn(1, 2, 1, 6, dtype=torch.float64, device=device),
+        torch.randn(1, 2, 1, 6, dtype=torch.float64, device=device),
+    )
+    q = torch.randn(1, HEADS, 1, 6, dtype=torch.float64, device=device)
+    own = multihead.WeightSelection(heads=[0])
+    with capture(layer, heads=[2, 5]) as rec:
+        layer.attend(q, pool.keys, pool.values, pages=pending.pages, causal=True, return_weights=own)
+    k, v, mask = pending.pages.dense(pool.keys, pool.values, causal=True)
+    want = multihead.attention_result(q, k, v, mask=mask, return_weights=multihead.WeightSelection(heads=[2, 5]))
+    torch.testing.assert_close(rec.weights(0), want.weights, atol=1e-12, rtol=0)

@@ -196,11 +196,9 @@ class Recorder:
     def _after(self, record: _LayerRecord, pending: list[bool]):
         def hook(module, args, kwargs, result: AttentionResult):
             injected = pending.pop()
-            q, k, v = args[:3]  # (b, h, i, d), (b, g, j, d), (b, g, j, e)
-            mask, causal, pages = kwargs.get("mask"), kwargs.get("causal", False), kwargs.get("pages")
-            if pages is not None:  # a paged call: what is recorded is of its dense equivalent (each sequence's keys)
-                k, v, mask = pages.dense(k, v, causal)
-                causal = False
+            q, k, v = args[:3]  # (b, h, i, d), (b, g, j, d), (b, g, j, e); a paged call's page pools
+            call = {name: kwargs.get(name) for name in ("mask", "scale", "pages")}
+            call["causal"] = kwargs.get("causal", False)
             output = result.output  # (b, h, i, e)
             heads, kv_heads = record.heads, record.kv_heads
             if self.record_weights:
@@ -211,18 +209,16 @@ class Recorder:
                     weights = result.weights[:, heads]
                     weights = weights if self.queries is None else weights[:, :, self.queries]
                 else:  # the caller asked for a selection of its own: one more call for ours
+                    selection = self._selection(record)
                     weights = attention_result(
-                        q,
-                        k,
-                        v,
-                        mask=mask,
-                        causal=causal,
-                        scale=kwargs.get("scale"),
-                        backend=module.backend,
-                        return_weights=self._selection(record),
+                        q, k, v, **call, backend=module.backend, return_weights=selection
                     ).weights
                 assert weights is not None  # asked for
                 record.weights.append(weights.detach())
+            if call["pages"] is not None and (self.record_qkv or self.stats_settings is not None):
+                # what is recorded of a paged call's keys is its dense equivalent: each sequence's keys in order
+                k, v, call["mask"] = call["pages"].dense(k, v, call["causal"])
+                call["causal"], call["pages"] = False, None
             if self.record_qkv:
                 record.q.append(q[:, heads].detach())
                 record.k.append(k[:, kv_heads].detach())
@@ -237,9 +233,9 @@ class Recorder:
                     q,
                     k,
                     v,
-                    mask=mask,
-                    causal=causal,
-                    scale=kwargs.get("scale"),
+                    mask=call["mask"],
+                    causal=call["causal"],
+                    scale=call["scale"],
                     heads=heads,
                     rows=rows,
                     **self.stats_settings.options(),

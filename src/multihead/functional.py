@@ -71,13 +71,13 @@ class _Prepared:
     call: registry.AttentionCall
     pages: BoundPages | None = None  # a paged call: k and v are page pools
 
-    def dense_keys(self) -> torch.Tensor:
-        """(b, g, j, d): the keys, gathered from the pool in a paged call."""
-        return self.k if self.pages is None else self.pages.table.gather(self.k)
-
-    def dense_values(self) -> torch.Tensor:
-        """(b, g, j, e): the values, gathered from the pool in a paged call."""
-        return self.v if self.pages is None else self.pages.table.gather(self.v)
+    def dense(self) -> _Prepared:
+        """This call over dense keys: a paged call's own equivalent, each sequence's keys (S, g, width, d) and
+        values (S, g, width, e) gathered from the pools (its mask already is the table's); any other call itself."""
+        if self.pages is None:
+            return self
+        table = self.pages.table
+        return replace(self, k=table.gather(self.k), v=table.gather(self.v), pages=None)
 
 
 def _check_tensors(q_arg: object, k_arg: object, v_arg: object) -> None:
@@ -413,12 +413,13 @@ def bound_call(
 
 
 def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
-    """Exact weights for the selected heads and rows only: (b, n_heads, n_queries, j) in q's dtype."""
+    """Exact weights for the selected heads and rows only of a call over dense keys (:meth:`_Prepared.dense`):
+    (b, n_heads, n_queries, j) in q's dtype."""
     h = p.q.shape[1]
     heads = (
         torch.arange(h, device=p.q.device) if selection.heads is None else _index_tensor(selection.heads, p.q.device)
     )
-    return selected_weights(p.q, p.dense_keys(), p.mask, p.scale, heads, _index(selection.queries, p.q.device))
+    return selected_weights(p.q, p.k, p.mask, p.scale, heads, _index(selection.queries, p.q.device))
 
 
 def autocast_on(device: torch.device) -> bool:
@@ -552,15 +553,14 @@ def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, ret
         return_lse=return_lse,
     )
     native_weights = p.call.weights != "none" and chosen.capabilities.weights
-    keys, values, paged = p.k, p.v, {}
-    if p.pages is not None and chosen.capabilities.paged:
-        paged = {"pages": p.pages}  # the registry's contract: a paged backend reads the pools through the table
-    elif p.pages is not None:
-        keys, values = p.dense_keys(), p.dense_values()  # (S, g, width, d), (S, g, width, e): its dense equivalent
+    if not chosen.capabilities.paged:
+        p = p.dense()  # gathered once, for the kernel and the weights alike
+    # the registry's contract: a paged backend reads the pools through the table it is given
+    paged = {} if p.pages is None else {"pages": p.pages}
     result = chosen.fn(
         p.q,
-        keys,
-        values,
+        p.k,
+        p.v,
         mask=p.mask,
         scale=p.scale,
         dropout=p.dropout,
@@ -574,7 +574,7 @@ def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, ret
         assert result.weights is not None, f"backend {chosen.name!r} was asked for weights and returned none"
         weights = result.weights if p.selection is None else _select_weights(result.weights, p.selection)
     elif p.call.weights != "none":
-        weights = _weights_for(p, p.selection or WeightSelection())
+        weights = _weights_for(p.dense(), p.selection or WeightSelection())
     if p.unbatched:
         output = output.squeeze(0)
         weights = None if weights is None else weights.squeeze(0)
@@ -667,8 +667,9 @@ def _keep_plan(key: tuple, plan: _Plan) -> None:
 def _autotuned(p: _Prepared, estimated: registry.Backend) -> registry.Backend:
     """Under :func:`multihead.backends.policy.autotune`: the serving backend measured fastest for this call's
     signature on this device (timed once, on copies of the call's inputs), else ``estimated``. Calls with dropout
-    (timing would draw random numbers), traced calls, and calls only one backend serves keep ``estimated``."""
-    if p.dropout > 0 or torch.compiler.is_compiling():
+    (timing would draw random numbers), paged calls (only the paged backend reads the pools in place), traced calls,
+    and calls only one backend serves keep ``estimated``."""
+    if p.dropout > 0 or p.pages is not None or torch.compiler.is_compiling():
         return estimated
     serving = registry.serving_for_auto(p.call)
     if len(serving) < 2:
