@@ -21,7 +21,11 @@ def per_head(layer, x, **kwargs):
     """The per-head outputs (b, h, i, e) as the layer computes them, via a forward hook on its attend step (which
     returns an AttentionResult)."""
     seen = {}
-    handle = layer.attend.register_forward_hook(lambda module, args, result: seen.setdefault("out", result.output))
+
+    def keep(module, args, result):  # returns None: the step's own result goes on
+        seen.setdefault("out", result.output)
+
+    handle = layer.attend.register_forward_hook(keep)
     layer(x, **kwargs)
     handle.remove()
     return seen["out"], seen
@@ -193,7 +197,7 @@ def test_surgery_lives_on_the_attention_step_and_hooks_there_see_the_gated_outpu
     # layer.attend (what capture uses) sees the per-head outputs the layer concatenates
     layer = make_layer(device)
     seen = []
-    handle = layer.attend.register_forward_hook(lambda module, args, output: seen.append(output))
+    handle = layer.attend.register_forward_hook(lambda module, args, result: seen.append(result.output))
     try:
         plain, _ = layer(x)
         layer.head_gate = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64, device=device)

@@ -629,7 +629,8 @@ def test_real_model_padding_is_masked(minilm):
         combined = (short.values[name] * short.tokens + longer.values[name] * longer.tokens) / (
             short.tokens + longer.tokens
         )
-        torch.testing.assert_close(together.values[name], combined, rtol=0, atol=1e-6, msg=name)
+        # float32 rounding relative to the statistic, as above (the mean distance: 1.2e-6 apart, 2e-7 of it)
+        torch.testing.assert_close(together.values[name], combined, rtol=1e-6, atol=1e-6, msg=name)
 
 
 def test_real_model_layer_and_head_subset(minilm):
