@@ -1,10 +1,10 @@
-"""What patching one head costs on a Hugging Face Llama: multihead.circuits on the kernel vs the eager path.
+"""What patching one head costs on a Hugging Face Llama: multihead.lab.circuits on the kernel vs the eager path.
 
 The random 6-layer Llama of benchmarks/hf.py (its ``llama()``: hidden 256, 8 query heads over 2 key/value heads,
 RoPE), batch 1, float32, at n = 1024 and 4096, loaded twice with the same weights. Patching head H of layer L's
 output z from a clean prompt into a corrupted one (the last 16 tokens changed) takes three forwards: record the
 clean run, run the corrupted one, run it patched. Three ways to do it, timed in one interleaved run
-(multihead.bench.interleave: rounds of one block each, the order rotating):
+(multihead.lab.bench.interleave: rounds of one block each, the order rotating):
 
     (a) multihead            activation_patching(sites=[(L, H)]) with attn_implementation="multihead": every
                              head on the kernel, the head's output swapped at its Attend step
@@ -33,8 +33,8 @@ from hf import llama
 from hf_capture import Call, load_average, machine, machine_line, ratio_text, ratios_of, source_state
 
 import multihead.integrations.transformers as integration
-from multihead.bench import interleave
-from multihead.circuits import activation_patching
+from multihead.lab.bench import interleave
+from multihead.lab.circuits import activation_patching
 
 LAYER, HEAD = 3, 5
 ANSWER, WRONG = 7, 11

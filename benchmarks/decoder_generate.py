@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from multihead.models import Decoder, DecoderConfig
+from multihead.lab.models import Decoder, DecoderConfig
 
 
 def cpu_name() -> str:

@@ -2,7 +2,7 @@
 
 A randomly initialised 6-layer Llama (hidden 256, 8 query heads over 2 key/value heads, RoPE), batch 1,
 float32, forward under torch.no_grad() at n = 512 and 2048. The three models share their weights
-(deep copies of one). They are timed in one interleaved run (multihead.bench.interleave: rounds of one
+(deep copies of one). They are timed in one interleaved run (multihead.lab.bench.interleave: rounds of one
 block each, the order rotating), and each ratio is multihead / peer per round: median, lowest, highest.
 
     python benchmarks/hf.py [--quick]      # writes benchmarks/results/hf.{json,md}
@@ -20,7 +20,7 @@ import transformers
 from harness.common import save_results
 
 import multihead.integrations.transformers as integration
-from multihead.bench import interleave
+from multihead.lab.bench import interleave
 from multihead.machine import identity
 
 IMPLEMENTATIONS = (integration.IMPLEMENTATION, "sdpa", "eager")

@@ -2,7 +2,7 @@
 
 The random 6-layer Llama of benchmarks/hf.py (its ``llama()``: hidden 256, 8 query heads over 2 key/value
 heads, RoPE), batch 1, float32, forward under torch.no_grad() at n = 512 and 2048, loaded three times with the
-same weights. Six ways to run it, timed in one interleaved run (multihead.bench.interleave: rounds of one block
+same weights. Six ways to run it, timed in one interleaved run (multihead.lab.bench.interleave: rounds of one block
 each, the order rotating):
 
     (a) multihead                 attn_implementation="multihead", plain forward
@@ -41,8 +41,8 @@ from hf import llama
 
 import multihead
 import multihead.integrations.transformers as integration
-from multihead.bench import interleave
-from multihead.inspect import capture
+from multihead.lab.bench import interleave
+from multihead.lab.inspect import capture
 from multihead.machine import identity
 
 REPO = Path(__file__).resolve().parent.parent

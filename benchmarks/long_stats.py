@@ -12,7 +12,7 @@ at 64k and 128k. Three ways:
                          statistics than (b): the bands would need an (n, n) distance matrix as well)
 
 (c) runs while its weights fit comfortably (n <= 16k: 1 GiB); past that the table gives what its weights alone
-would take, n^2 x 4 bytes. Up to 8k the three are timed in one interleaved run (multihead.bench.interleave: rounds
+would take, n^2 x 4 bytes. Up to 8k the three are timed in one interleaved run (multihead.lab.bench.interleave: rounds
 of one block each, the order rotating), each ratio x / y per round: median, lowest, highest. Past 8k one call of
 each is timed. Peak memory is one call per way (harness.common.peak_memory: VmHWM above the RSS before the call).
 
@@ -31,7 +31,7 @@ from harness.common import ensure_malloc_env, peak_memory, prepare_allocator, sa
 from hf_capture import Call, load_average, machine, machine_line, ratio_text, ratios_of, source_state
 
 import multihead
-from multihead.bench import interleave
+from multihead.lab.bench import interleave
 
 WAYS = {"forward": ("a", "forward"), "streamed": ("b", "streamed stats"), "dense": ("c", "dense weights")}
 RATIOS = (("streamed", "forward"), ("streamed", "dense"))

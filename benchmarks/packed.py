@@ -9,7 +9,7 @@ picks for it (named in the table):
     (b) padded    multihead.attention on (documents, h, longest, d), each row padded to the longest document
                   with masks.padding(lengths) and causal
 
-Timed forward, and forward + backward (the gradient of the output's sum), interleaved (multihead.bench.interleave:
+Timed forward, and forward + backward (the gradient of the output's sum), interleaved (multihead.lab.bench.interleave:
 rounds of one block each, the order rotating); tokens/s counts the real tokens only. The share of 128 x 128 tiles
 each way skips (BoundMask.block_states: empty tiles over all tiles, the padded way over its padded grid) comes from
 the masks themselves.
@@ -28,7 +28,7 @@ from hf_capture import load_average, machine, machine_line, ratio_text, ratios_o
 
 import multihead
 from multihead import masks
-from multihead.bench import interleave
+from multihead.lab.bench import interleave
 from multihead.masks import STATE_EMPTY, AttentionShape, bind_mask
 from multihead.masks._documents import ragged_documents
 

@@ -3,7 +3,7 @@ the prompts one by one, and the paged cache's peak memory against contiguous cac
 
 A randomly initialised decoder (4 layers, 8 query heads over 2 key/value heads, width 256, MLP 1024, rotary,
 float32) continues 16 prompts of mixed lengths (16 to 256 tokens, drawn once from a seeded generator) by 32 greedy
-tokens each. Ways, interleaved (multihead.bench.interleave: rounds of one block each, the order rotating):
+tokens each. Ways, interleaved (multihead.lab.bench.interleave: rounds of one block each, the order rotating):
 
     one by one     Decoder.generate(prompt, 32) for each prompt in turn (its contiguous KV cache)
     batch of B     Decoder.generate_batch(prompts, 32, max_batch=B, page_size=16), B = 1, 4 and 16
@@ -25,8 +25,8 @@ import torch
 from harness.common import ensure_malloc_env, prepare_allocator, save_results
 from hf_capture import load_average, machine, machine_line, ratio_text, ratios_of, source_state
 
-from multihead.bench import interleave
-from multihead.models.decoder import Decoder, DecoderConfig
+from multihead.lab.bench import interleave
+from multihead.lab.models.decoder import Decoder, DecoderConfig
 
 NEW_TOKENS = 32
 MIB = 2**20

@@ -6,7 +6,7 @@ Usage:
 
 torch's ``nn.MultiheadAttention`` returns weights by default (``need_weights=True``), averaged over heads,
 (b, n, n). multihead's layer returns every head's exact weights, (b, h, n, n), 12x as many. Both layers hold
-the same parameters (multihead.bench.attention_layers) and agree to 1e-4 before timing (ours averaged over
+the same parameters (multihead.lab.bench.attention_layers) and agree to 1e-4 before timing (ours averaged over
 heads against torch's). The contestants, per shape (BERT-base: 768 wide, 12 heads, full; GPT-2 small: the same,
 causal) and mode (forward under no_grad; forward+backward of out.sum() + weights.sum()):
 
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from harness import common
 
-from multihead.bench import attention_layers
+from multihead.lab.bench import attention_layers
 
 SHAPES = {"bert-base": (768, 12, False), "gpt2-small": (768, 12, True)}
 CONTESTANTS = ("ours_weights", "torch_weights", "ours", "torch")

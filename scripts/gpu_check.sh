@@ -19,7 +19,7 @@
 # step's status, exit code and seconds; the script exits 1 when a step failed, 0 otherwise.
 #
 # --smoke runs the same steps on the CPU with tiny sizes (n = 64/128, 1-2 rounds, a small test selection), so
-# tests/test_gpu_check.py keeps this script from rotting on machines without a GPU.
+# tests/core/test_gpu_check.py keeps this script from rotting on machines without a GPU.
 set -uo pipefail
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -195,7 +195,9 @@ def imports_transformers(module):
         module.startswith("multihead.integrations.transformers") and not (module + ".").startswith(SAFE + ".")
     )
 
-modules = {path.stem: path for path in Path("tests").glob("*.py")}
+# the helpers at tests/ and the tests of each wing (core, lab, cli); tests/fuzz keeps to the packages it imports
+files = [*Path("tests").glob("*.py"), *(path for wing in ("core", "lab", "cli") for path in Path("tests", wing).glob("*.py"))]
+modules = {path.stem: path for path in files}
 local = {*modules, *(path.stem for path in Path("benchmarks").glob("*.py")), "harness"}  # on PYTHONPATH or sys.path
 imports = {}
 for name, path in modules.items():
@@ -253,7 +255,7 @@ portable_tests() {
     local selection=(tests)
     if [ "$SMOKE" = 1 ]; then
         # a small fast selection on the CPU: the functional entry's portable tests
-        selection=(tests/test_functional.py)
+        selection=(tests/core/test_functional.py)
     fi
     # shellcheck disable=SC2086  # $ignores is a list of --ignore=PATH words
     "$PY" -m pytest -m portable --device "$DEVICE" -q -p no:cacheprovider -o timeout=300 \

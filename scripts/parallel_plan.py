@@ -3,7 +3,7 @@ on NVLink and on InfiniBand, from :mod:`multihead.cost_parallel` (the same model
 
     .venv/bin/python scripts/parallel_plan.py        # prints the markdown table docs/parallel.md carries
 
-tests/test_cost_parallel.py checks that the table in docs/parallel.md is this script's output.
+tests/core/test_cost_parallel.py checks that the table in docs/parallel.md is this script's output.
 """
 
 from __future__ import annotations

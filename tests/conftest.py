@@ -4,13 +4,22 @@ rule that no test reads state outside the checkout."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from multihead.backends import policy
 from support import tiny_blocks
+
+# The tests live in one folder per wing (core, lab, cli), as src/ does; some import another's helpers by module name
+# (test_integrations_transformers' tiny models, test_cli_errors' checkpoints), whichever wing they sit in
+for wing in ("core", "lab", "cli"):
+    folder = str(Path(__file__).resolve().parent / wing)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 # The rule: no outcome depends on what the user's earlier commands left in their home (a `multihead bench
 # --calibrate` result, a matplotlib, Hugging Face or torch.compile cache). `make test` already runs pytest with

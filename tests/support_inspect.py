@@ -1,4 +1,4 @@
-"""A synthetic :class:`~multihead.inspect.inspection.Inspection` for the renderer tests (no model run).
+"""A synthetic :class:`~multihead.lab.inspect.inspection.Inspection` for the renderer tests (no model run).
 
 2 layers x 3 heads that are non-contiguous subsets ([2, 5] and [0, 3, 7]), so a renderer that confuses a
 layer's value with its position in ``inspection.layers`` fails. Weights are random softmax rows; statistics
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from multihead.inspect.inspection import Inspection
-from multihead.inspect.stats import HeadStats, weight_stats
+from multihead.lab.inspect.inspection import Inspection
+from multihead.lab.inspect.stats import HeadStats, weight_stats
 
 TOKENS = ["[CLS]", "the", "bank", "was", "full", "of", "money", ".", "[SEP]"]
 TEXT = "The bank was full of money."

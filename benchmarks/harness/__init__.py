@@ -14,6 +14,6 @@ returns the markdown), ``write_json``, ``plot`` and ``main(argv)``. Memory numbe
 MALLOC_MMAP_THRESHOLD_ set before the process starts: ``main`` (and ``common.ensure_malloc_env()``)
 re-executes the process with it.
 
-What users run is ``multihead bench`` (multihead.bench): a short interleaved comparison with the same
-peers, built on torch.utils.benchmark. The textbook peers are multihead.bench's, so both time the same code.
+What users run is ``multihead bench`` (multihead.lab.bench): a short interleaved comparison with the same
+peers, built on torch.utils.benchmark. The textbook peers are multihead.lab.bench's, so both time the same code.
 """

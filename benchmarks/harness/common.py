@@ -1,6 +1,6 @@
 """What the kernel and layer benchmarks of this repository share: the allocator setting, measurement,
 machine info, records, targets, reports and the command line. (The harness is not installed with
-multihead; ``multihead bench`` is the short comparison users run, see multihead.bench.)
+multihead; ``multihead bench`` is the short comparison users run, see multihead.lab.bench.)
 
 Measurement (see kernel.py's docstring for the reasons):
 

@@ -41,7 +41,7 @@ never overwrites a full one). Importable: ``run(config, progress=None) -> dict``
 ``Config.quick_config(**overrides)``, ``write_reports(results, out_dir, stem) -> str`` (markdown),
 ``write_json``, ``plot`` (PNG), ``markdown_report`` and ``main(argv)``. The measurement, machine info
 and report helpers it shares with the layer benchmark are in harness.common; the textbook code is
-multihead.bench's, which ``multihead bench`` times too.
+multihead.lab.bench's, which ``multihead bench`` times too.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ import multihead
 from harness import common
 from harness.common import DTYPES, MIB, MODES, find, fmt, ratio
 from multihead import _figures
-from multihead.bench import textbook_attention
+from multihead.lab.bench import textbook_attention
 
 WEIGHTS_SHAPE = {"batch": 1, "heads": 12, "n": 2048, "head_dim": 64, "dtype": "float32"}
 BH1_SHAPE = {"n": 16384, "dtype": "float32", "mode": "forward+backward"}  # textbook at b*h = 1
@@ -73,7 +73,7 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], object]
 
 
 def textbook(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Textbook attention (multihead.bench.textbook_attention), output only: (b, h, n, d)."""
+    """Textbook attention (multihead.lab.bench.textbook_attention), output only: (b, h, n, d)."""
     return textbook_attention(q, k, v, causal)[0]
 
 

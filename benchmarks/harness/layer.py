@@ -6,7 +6,7 @@ the biases are set to small random values so their mapping is exercised too):
 
     multihead            multihead.MultiHeadAttention: layer(x, causal=c)                       -> out
     multihead_weights    the same with need_weights=True                 -> out, weights (b, h, n, n) per head
-    textbook             multihead.bench.TextbookMHA: four nn.Linear, view/transpose, q k^T / sqrt(d), causal
+    textbook             multihead.lab.bench.TextbookMHA: four nn.Linear, view/transpose, q k^T / sqrt(d), causal
                          masked_fill, softmax, @ v, concat, out proj -> out, weights (b, h, n, n)
     torch_mha_weights    torch.nn.MultiheadAttention(batch_first=True)(x, x, x), need_weights=True (its
                          default)                                        -> out, weights (b, n, n) averaged
@@ -67,7 +67,7 @@ import multihead
 from harness import common
 from harness.common import DTYPES, MIB, MODES, find, fmt, ratio
 from multihead import _figures
-from multihead.bench import TextbookMHA, attention_layers
+from multihead.lab.bench import TextbookMHA, attention_layers
 
 SHAPES = {
     "bert-base": {"embed_dim": 768, "heads": 12, "causal": False},
@@ -106,7 +106,7 @@ class Models:
 
 
 def build_models(embed_dim: int, heads: int, seed: int) -> Models:
-    """float32 modules (multihead.bench.attention_layers): ours (Xavier weights, small random biases), then its
+    """float32 modules (multihead.lab.bench.attention_layers): ours (Xavier weights, small random biases), then its
     weights copied into the textbook module and torch's."""
     ours, torch_mha, textbook = attention_layers(embed_dim, heads, torch.float32, seed)
     return Models(ours, textbook, torch_mha)

@@ -1,8 +1,8 @@
 """multihead: multi-head attention for PyTorch: correct in every corner, fast, and transparent.
 
 ``import multihead`` loads the core: the kernel, masks, backends, the layer, positions and the cache. The lab
-(``multihead.inspect``, ``multihead.models``) loads on first use, as an attribute (``multihead.inspect``) or an
-import (``import multihead.inspect``).
+(:mod:`multihead.lab`: inspect, models, circuits, train, the reports; ``pip install 'multihead[lab]'``) loads on
+first use, as an attribute (``multihead.lab.inspect``) or an import (``import multihead.lab.inspect``).
 """
 
 import importlib
@@ -16,8 +16,8 @@ from multihead.varlen import attention_varlen, attention_varlen_result
 
 __version__ = "0.1.0"
 
-# subpackages loaded on first use: they build on the core and need more than torch
-_ON_FIRST_USE = ("inspect", "models")
+# the lab, loaded on first use: it builds on the core and needs more than torch
+_ON_FIRST_USE = ("lab",)
 
 
 def __getattr__(name: str):
@@ -41,7 +41,6 @@ __all__ = [
     "masks",
     "backends",
     "positional",
-    "models",
-    "inspect",
+    "lab",
     "__version__",
 ]

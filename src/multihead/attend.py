@@ -3,7 +3,7 @@
 :class:`Attend` sits between the projections and the concatenation of the heads. It has no parameters;
 it holds the step's dropout and backend, and the head surgery of :mod:`multihead.heads` (a gate and an
 ablation on the per-head outputs). Forward hooks on it see the per-head tensors, which is how
-:func:`multihead.inspect.capture` records a layer without anything threaded through the layer's forward.
+:func:`multihead.lab.inspect.capture` records a layer without anything threaded through the layer's forward.
 
 An :class:`AttentionSite` names one such step in a model: its :class:`Attend`, its head counts, and
 where it sits (the part of the model and the layer index). Our own layers are sites; another
@@ -91,7 +91,7 @@ class Attend(nn.Module):
 
 @dataclass(frozen=True)
 class AttentionSite:
-    """One attention step of a model: where :func:`multihead.inspect.capture` and head surgery act.
+    """One attention step of a model: where :func:`multihead.lab.inspect.capture` and head surgery act.
 
     ``attend``: the step; ``num_heads`` h and ``num_kv_heads`` g (h % g == 0) of its calls;
     ``part``: "self" for the self-attention of a one-stack model, "encoder", "decoder" and "cross"

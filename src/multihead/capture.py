@@ -52,7 +52,7 @@ def _check_model(model: object) -> nn.Module:
 def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
     """The model's attention layers, in order: layer index l is the l-th :class:`MultiHeadAttention`.
 
-    A model with an ``attention_layers`` attribute (such as :class:`multihead.models.Encoder`) gives
+    A model with an ``attention_layers`` attribute (such as :class:`multihead.lab.models.Encoder`) gives
     its own order; otherwise the order of ``model.modules()``.
     """
     model = _check_model(model)
@@ -373,8 +373,8 @@ def capture(
             runs its kernel once more for the log-sum-exp, then one pass over its blocks.
 
     Example:
-        >>> model, tokenizer = multihead.models.load_minilm()
-        >>> with multihead.inspect.capture(model, layers=[2], heads=[0, 5]) as rec:
+        >>> model, tokenizer = multihead.lab.models.load_minilm()
+        >>> with multihead.lab.inspect.capture(model, layers=[2], heads=[0, 5]) as rec:
         ...     _ = model.encode("The bank was full of money.")
         >>> rec.weights(2, 5).shape            # (b, i, j): 9 word pieces with [CLS] and [SEP]
         torch.Size([1, 9, 9])

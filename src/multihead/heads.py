@@ -80,7 +80,7 @@ def make_ablation(
                 "mean_outputs",
                 f"a tensor of shape (len(heads), e) = {expected}",
                 describe(mean_outputs),
-                "average each head's outputs over a corpus (multihead.inspect.importance.mean_head_outputs)",
+                "average each head's outputs over a corpus (multihead.lab.inspect.importance.mean_head_outputs)",
             )
     elif mean_outputs is not None:
         raise bad_argument("mean_outputs", 'None unless how="mean"', describe(mean_outputs), "drop mean_outputs")

@@ -153,7 +153,7 @@ def calibrate(
     Each is timed in blocks by ``torch.utils.benchmark`` for about ``min_run_time`` seconds. The rate is a
     ceiling for the roofline, so it is the fastest block of the fastest size (2 n^3 FLOPs per matmul: a
     square that fits the caches runs faster than a large one; read plus written bytes per copy). A busy
-    machine measures low, which shows later as a measured time under the bound (see multihead.bench). With
+    machine measures low, which shows later as a measured time under the bound (see multihead.lab.bench). With
     ``kernels``, each backend's rate for ``backend="auto"`` too (:func:`calibrate_kernels`, about 50 s), kept in
     ``details["kernel_rates"]``.
     """

@@ -107,13 +107,13 @@ def make_inputs(
 
 
 # backends that compile a kernel per new head shape, dtype and mask structure (flex: ~10 s each on a small CPU):
-# random calls would spend the budget compiling; tests/test_backends_flex.py covers them on shared kernels
+# random calls would spend the budget compiling; tests/core/test_backends_flex.py covers them on shared kernels
 COMPILING_BACKENDS = ("flex",)
 
 
 def backends_or_auto() -> list[str]:
     """'auto' and every registered backend of dense keys but the compiling ones, in auto's order (the paged backend
-    serves paged calls only: tests/test_paged_seam.py and the state fuzz cover it)."""
+    serves paged calls only: tests/core/test_paged_seam.py and the state fuzz cover it)."""
     return [
         "auto",
         *(

@@ -14,7 +14,7 @@ checkpoint (2 layers x 2 heads, 8 wide, the real tokenizer) in both folder forma
 with a damage: a truncated or garbage model.safetensors, tensors dropped, added, reshaped or NaN, a
 config.json or multihead_config.json with a field removed or replaced, a corrupt tokenizer.json.
 
-Nothing here may start a real benchmark run or measure the machine: ``multihead.bench.run`` is replaced by
+Nothing here may start a real benchmark run or measure the machine: ``multihead.lab.bench.run`` is replaced by
 one tiny run's results, and calibration by fixed rates.
 """
 
@@ -38,8 +38,8 @@ from hypothesis import strategies as st
 from multihead._errors import InputError
 from multihead.cli import main
 from multihead.cost import MachineRates
+from multihead.lab.models import load_minilm
 from multihead.machine import save_calibration
-from multihead.models import load_minilm
 from test_cli_errors import write_tiny_checkpoints
 
 MESSAGE_FORM = re.compile(r"^\S.*: expected .+, got .+\. Fix: .+")
@@ -122,7 +122,8 @@ def workspace(tmp_path_factory):
     run replaced by one tiny run's results, the
     working folder moved here (default --out folders land in it), and one torch thread (tiny models gain
     nothing from threads, and other tests may share the cores)."""
-    from multihead import bench, machine
+    from multihead import machine
+    from multihead.lab import bench
 
     root = tmp_path_factory.mktemp("fuzz-cli")
     patch = pytest.MonkeyPatch()

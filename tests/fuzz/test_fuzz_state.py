@@ -32,7 +32,7 @@ from strategies import Findings, seeds
 import multihead
 from multihead import KVCache, MultiHeadAttention, masks
 from multihead._errors import InputError
-from multihead.inspect import capture
+from multihead.lab.inspect import capture
 
 # --------------------------------------------------------------------------- snapshots
 

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 from multihead._errors import InputError
 from multihead._figures import print_written
-from multihead._lab import lab_missing_error, lab_module_of
 from multihead._limits import format_bytes
 from multihead._stdout import discard_stdout
 from multihead.cli import bench, circuits, cost, heads, inspect, train
@@ -32,6 +31,7 @@ from multihead.cli._shared import (
 )
 from multihead.cli.cost import COST_OPTIONS
 from multihead.cli.train import training_progress
+from multihead.lab.extra import lab_missing_error, lab_module_of
 
 __all__ = [
     "COST_OPTIONS",

@@ -50,9 +50,9 @@ def add_parser(subparsers) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from multihead import bench
     from multihead._userfiles import writing
-    from multihead.bench_report import print_report
+    from multihead.lab import bench
+    from multihead.lab.bench_report import print_report
     from multihead.machine import calibrate, calibration_path, identity, save_calibration
 
     console = make_console()

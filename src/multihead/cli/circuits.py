@@ -143,8 +143,8 @@ def _parse_receivers(spec: str) -> list[tuple[int, int]]:
 def run_patch(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from multihead.circuits import activation_patching, attribution_patching, path_patching
-    from multihead.circuits.report import patching_data, patching_page, print_page, write_report
+    from multihead.lab.circuits import activation_patching, attribution_patching, path_patching
+    from multihead.lab.circuits.report import patching_data, patching_page, print_page, write_report
 
     receivers = None
     if args.receivers is not None:
@@ -212,8 +212,8 @@ def run_patch(args: argparse.Namespace) -> int:
 def _opened(args: argparse.Namespace, allowed: tuple[str, ...] | None = None):
     """The formats checked (among ``allowed``, default all), the output folder checked (made when written), the
     model loaded: (formats, lm)."""
-    from multihead.circuits.report import FORMATS, check_formats
     from multihead.integrations import load_causal_lm
+    from multihead.lab.circuits.report import FORMATS, check_formats
 
     with from_option("--format", names=("format",)):
         formats = check_formats(args.format, allowed or FORMATS)
@@ -237,8 +237,8 @@ def _answers(lm, text: str, answer: str | None, wrong: str | None) -> tuple[int 
 
 
 def run_dla(args: argparse.Namespace) -> int:
-    from multihead.circuits import direct_logit_attribution
-    from multihead.circuits.report import dla_page, print_page, write_report
+    from multihead.lab.circuits import direct_logit_attribution
+    from multihead.lab.circuits.report import dla_page, print_page, write_report
 
     formats, lm = _opened(args)
     with from_options({"text": "--text"}):
@@ -257,8 +257,8 @@ def run_dla(args: argparse.Namespace) -> int:
 
 
 def run_lens(args: argparse.Namespace) -> int:
-    from multihead.circuits import logit_lens
-    from multihead.circuits.report import lens_page, print_page, write_report
+    from multihead.lab.circuits import logit_lens
+    from multihead.lab.circuits.report import lens_page, print_page, write_report
 
     formats, lm = _opened(args, allowed=("terminal", "html", "json"))
     if (args.answer is None) != (args.wrong is None):
@@ -285,8 +285,8 @@ def run_lens(args: argparse.Namespace) -> int:
 
 
 def run_detect(args: argparse.Namespace) -> int:
-    from multihead.circuits import probe_heads
-    from multihead.circuits.report import detect_page, print_page, write_report
+    from multihead.lab.circuits import probe_heads
+    from multihead.lab.circuits.report import detect_page, print_page, write_report
 
     formats, lm = _opened(args)
     with from_options({"half_length": "--half-length", "batch": "--batch"}):

@@ -88,10 +88,10 @@ def _parse_removal(spec: str) -> dict[int, list[int]]:
 
 
 def run_heads(args: argparse.Namespace) -> int:
-    from multihead.inspect import headreport
-    from multihead.inspect.recording import head_numbers
     from multihead.integrations import load_text_model
-    from multihead.models import Encoder
+    from multihead.lab.inspect import headreport
+    from multihead.lab.inspect.recording import head_numbers
+    from multihead.lab.models import Encoder
 
     console = make_console()
     plan = _removal_plan(args)
@@ -99,7 +99,7 @@ def run_heads(args: argparse.Namespace) -> int:
     if args.mode == "syntax":
         return run_syntax(args, console, out_dir)
     if args.mode == "importance" and args.model is not None:
-        from multihead.inspect.behaviours import read_task
+        from multihead.lab.inspect.behaviours import read_task
 
         with from_option("--model"):
             trained = read_task(args.model)
@@ -147,7 +147,7 @@ def run_heads(args: argparse.Namespace) -> int:
 def _removal_plan(args: argparse.Namespace) -> dict[int, list[int]] | None:
     """`heads prune`'s --fraction or --remove, checked now, before any measuring: the heads --remove names
     ({layer: heads}), or None (--fraction, or another mode)."""
-    from multihead.inspect.importance import check_prune_fraction
+    from multihead.lab.inspect.importance import check_prune_fraction
 
     plan = None
     if args.mode == "prune":
@@ -165,7 +165,7 @@ def _removal_plan(args: argparse.Namespace) -> dict[int, list[int]] | None:
 
 def _corpus_texts(args: argparse.Namespace) -> tuple[list[str], str]:
     """The texts of --corpus (default: the bundled corpus), at least two, and how the reports name them."""
-    from multihead.inspect.inspection import bundled_corpus, read_corpus
+    from multihead.lab.inspect.inspection import bundled_corpus, read_corpus
 
     texts = read_corpus(args.corpus, argument="--corpus") if args.corpus else bundled_corpus()
     if len(texts) < 2:  # embedding fidelity compares each text's nearest neighbour
@@ -179,7 +179,7 @@ def _remove_listed_heads(console, model, plan: dict[int, list[int]], out_dir: Pa
     """`heads prune --remove`: the ``plan``'s heads removed from ``model`` (an Encoder of ``heads`` heads in all),
     which is saved to ``out_dir``/model."""
     from multihead._userfiles import writing
-    from multihead.inspect.recording import head_numbers
+    from multihead.lab.inspect.recording import head_numbers
 
     with from_option("--remove"):
         model.prune_heads(plan)
@@ -195,7 +195,7 @@ def _measure_importance(args: argparse.Namespace, console, model, texts: list[st
     """Every head's ablation importance over ``texts`` (ablated as --how says), a progress bar on a terminal."""
     from rich.progress import Progress
 
-    from multihead.inspect.importance import ablation_importance
+    from multihead.lab.inspect.importance import ablation_importance
 
     with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("ablating heads", total=None)
@@ -213,8 +213,8 @@ def _prune_by_fraction(
     from rich.progress import Progress
 
     from multihead._userfiles import writing
-    from multihead.inspect import headreport
-    from multihead.inspect.importance import prune_by_importance
+    from multihead.lab.inspect import headreport
+    from multihead.lab.inspect.importance import prune_by_importance
 
     with Progress(console=console, transient=True, disable=not console.is_terminal) as bar, from_options(PRUNE_OPTIONS):
         task = bar.add_task("pruning curve", total=None)
@@ -247,9 +247,9 @@ def _prune_by_fraction(
 
 
 def _task_importance(args: argparse.Namespace, console, out_dir: Path, task: str, settings) -> int:
-    from multihead.inspect import headreport
     from multihead.integrations import load_text_model
-    from multihead.train.checkpoints import task_importance
+    from multihead.lab.inspect import headreport
+    from multihead.lab.train.checkpoints import task_importance
 
     with from_option("--model"):
         model = load_text_model(args.model)
@@ -264,13 +264,13 @@ def _task_importance(args: argparse.Namespace, console, out_dir: Path, task: str
 
 
 def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
-    """`multihead heads syntax`: every head scored on the treebank by :func:`multihead.inspect.syntax.syntax_scores`,
-    the table printed, JSON and PNG written."""
+    """`multihead heads syntax`: every head scored on the treebank by
+    :func:`multihead.lab.inspect.syntax.syntax_scores`, the table printed, JSON and PNG written."""
     from rich.progress import Progress
 
-    from multihead.inspect.headreport import syntax_table, write_syntax
-    from multihead.inspect.syntax import RELATIONS, bundled_treebank, read_conllu, syntax_scores
     from multihead.integrations import load_text_model
+    from multihead.lab.inspect.headreport import syntax_table, write_syntax
+    from multihead.lab.inspect.syntax import RELATIONS, bundled_treebank, read_conllu, syntax_scores
 
     relations = RELATIONS if args.relations is None else [r.strip() for r in args.relations.split(",") if r.strip()]
     with from_option("--treebank"):

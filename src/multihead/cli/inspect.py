@@ -103,14 +103,14 @@ def run_inspect(args: argparse.Namespace) -> int:
         return run_long(args)
     from rich.progress import Progress
 
-    from multihead.circuits import detector_behaviours
-    from multihead.inspect.behaviours import BEHAVIOURS_FILE
-    from multihead.inspect.headreport import read_scores_folder
-    from multihead.inspect.inspection import bundled_corpus, inspect_text, read_corpus
-    from multihead.inspect.recording import head_numbers
-    from multihead.inspect.saved import saved_model_extras
-    from multihead.inspect.write import check_formats, write_reports
     from multihead.integrations import load_text_model
+    from multihead.lab.circuits import detector_behaviours
+    from multihead.lab.inspect.behaviours import BEHAVIOURS_FILE
+    from multihead.lab.inspect.headreport import read_scores_folder
+    from multihead.lab.inspect.inspection import bundled_corpus, inspect_text, read_corpus
+    from multihead.lab.inspect.recording import head_numbers
+    from multihead.lab.inspect.saved import saved_model_extras
+    from multihead.lab.inspect.write import check_formats, write_reports
 
     with from_option("--format"):
         formats = check_formats(args.format or "terminal,html")
@@ -193,10 +193,10 @@ def run_long(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from multihead._userfiles import read_text
-    from multihead.inspect.long import inspect_long
-    from multihead.inspect.long_report import print_long, write_long
-    from multihead.inspect.write import check_formats
     from multihead.integrations import load_text_model
+    from multihead.lab.inspect.long import inspect_long
+    from multihead.lab.inspect.long_report import print_long, write_long
+    from multihead.lab.inspect.write import check_formats
 
     for option, value in (("text", args.text), ("--token", args.token), ("--corpus", args.corpus)):
         if value is not None:

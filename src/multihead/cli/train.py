@@ -62,8 +62,8 @@ def _train_settings(task: str, args: argparse.Namespace):
     """The task's settings with the options given; an error about a field names the option the user typed."""
     import dataclasses
 
-    from multihead.train.induction import InductionSettings
-    from multihead.train.reverse import ReverseSettings
+    from multihead.lab.train.induction import InductionSettings
+    from multihead.lab.train.reverse import ReverseSettings
 
     given = {
         "steps": args.steps,
@@ -109,8 +109,8 @@ def _starting_decoder(args: argparse.Namespace, settings):
         raise bad_argument(
             "--from", f"no {', '.join(given)} beside it", args.start, "drop them: the checkpoint sets the model"
         )
-    from multihead.models.decoder import load_decoder
-    from multihead.train.induction import config_for_task
+    from multihead.lab.models.decoder import load_decoder
+    from multihead.lab.train.induction import config_for_task
 
     try:
         model = load_decoder(args.start)
@@ -145,8 +145,8 @@ def training_progress(console):
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from multihead.train.induction import run_induction
-    from multihead.train.reverse import run_reverse
+    from multihead.lab.train.induction import run_induction
+    from multihead.lab.train.reverse import run_reverse
 
     settings = _train_settings("reverse" if args.task == "reverse" else "induction", args)
     start = _starting_decoder(args, settings)
@@ -186,7 +186,7 @@ def run_train(args: argparse.Namespace) -> int:
             "prev: attention from t to t - 1. induction: attention from a repeated token to the token after its "
             "earlier occurrence (prefix matching, TransformerLens' induction score). copies: predictions at repeated "
             "tokens the head's own logits get right. ablated: repeated-token loss with the head zeroed "
-            f"(unablated {final['loss']:.3f}). role: multihead.inspect.roles on these probes."
+            f"(unablated {final['loss']:.3f}). role: multihead.lab.inspect.roles on these probes."
         )
     else:
         console.print(
@@ -197,7 +197,7 @@ def run_train(args: argparse.Namespace) -> int:
         note = (
             "aligned: target positions whose largest cross-attention weight falls on the source token they reverse "
             f"(chance {1 / settings.length:.0%}). ablated: loss with the head zeroed (unablated "
-            f"{final['loss']:.4f}). role: multihead.inspect.roles on these probes."
+            f"{final['loss']:.4f}). role: multihead.lab.inspect.roles on these probes."
         )
     console.print(_probe_table(run, induction))
     console.print(note, markup=False)  # prose: wrapped at the console's width between words
@@ -208,13 +208,13 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _train_symmetry(settings, out: Path) -> int:
-    """`multihead train symmetry`: :func:`multihead.train.symmetry.run_symmetry`, the heads' mean pairwise
+    """`multihead train symmetry`: :func:`multihead.lab.train.symmetry.run_symmetry`, the heads' mean pairwise
     divergence over training in a table; symmetry.json and symmetry.png written."""
     from rich import box
     from rich.status import Status
     from rich.table import Table
 
-    from multihead.train.symmetry import run_symmetry
+    from multihead.lab.train.symmetry import run_symmetry
 
     console = make_console()
     with Status("training twice: random heads, then identical heads", console=console):
@@ -254,7 +254,7 @@ def _probe_table(run, induction: bool):
     from rich import box
     from rich.table import Table
 
-    from multihead.inspect.roles import label_head
+    from multihead.lab.inspect.roles import label_head
 
     final = run.final
     columns = ("prev", "induction", "copies") if induction else ("aligned",)

@@ -16,13 +16,13 @@ import torch
 from multihead._errors import bad_argument
 from multihead._userfiles import path_kind
 from multihead.integrations.transformers_versions import TRANSFORMERS_TESTED, UnsupportedTransformersError
-from multihead.models.bert import SAVED_CONFIG
-from multihead.models.contract import CausalLM, TextEncoder
-from multihead.models.decoder import DECODER_CONFIG
-from multihead.models.loading import SERVED_MODEL_TYPES, conversion_fix, load_encoder, other_formats
-from multihead.models.seq2seq import SEQ2SEQ_CONFIG
-from multihead.models.seq2seq_reader import load_seq2seq_reader
-from multihead.models.symbols import load_decoder_reader
+from multihead.lab.models.bert import SAVED_CONFIG
+from multihead.lab.models.contract import CausalLM, TextEncoder
+from multihead.lab.models.decoder import DECODER_CONFIG
+from multihead.lab.models.loading import SERVED_MODEL_TYPES, conversion_fix, load_encoder, other_formats
+from multihead.lab.models.seq2seq import SEQ2SEQ_CONFIG
+from multihead.lab.models.seq2seq_reader import load_seq2seq_reader
+from multihead.lab.models.symbols import load_decoder_reader
 
 __all__ = ["TRANSFORMERS_TESTED", "UnsupportedTransformersError", "load_text_model", "load_causal_lm"]
 
@@ -49,9 +49,9 @@ def load_text_model(path: str | Path | None = None, *, dtype: torch.dtype = torc
     """The text model in folder ``path`` (None: the bundled all-MiniLM-L6-v2), on multihead's kernel.
 
     A checkpoint of a BERT-style encoder (config.json's model_type "bert", or a save of ours) loads on our
-    own :class:`~multihead.models.Encoder`; a folder written by :meth:`multihead.models.Decoder.save` (such as
-    ``multihead train``'s checkpoints) as a :class:`~multihead.models.DecoderReader`, one written by
-    :meth:`multihead.models.Seq2Seq.save` as a :class:`~multihead.models.Seq2SeqReader`; any other
+    own :class:`~multihead.lab.models.Encoder`; a folder written by :meth:`multihead.lab.models.Decoder.save` (such as
+    ``multihead train``'s checkpoints) as a :class:`~multihead.lab.models.DecoderReader`, one written by
+    :meth:`multihead.lab.models.Seq2Seq.save` as a :class:`~multihead.lab.models.Seq2SeqReader`; any other
     model_type through transformers (:func:`multihead.integrations.transformers_models.load_model`), which must
     then be installed; so does a BERT folder whose weights are pytorch_model.bin or whose tokenizer is vocab.txt
     (without transformers, the error gives the commands that convert them to the files our encoder reads).
@@ -91,7 +91,7 @@ def load_text_model(path: str | Path | None = None, *, dtype: torch.dtype = torc
 
 def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> CausalLM:
     """The causal language model in folder ``path`` on multihead's kernel, with its tokenizer: a folder written by
-    :meth:`multihead.models.Decoder.save` (``multihead train``'s checkpoints, with their symbols), or a
+    :meth:`multihead.lab.models.Decoder.save` (``multihead train``'s checkpoints, with their symbols), or a
     transformers causal LM (GPT-2, Llama, Mistral, ...; transformers must then be installed). Anything else (an
     encoder, an encoder-decoder) is one error naming ``model``."""
     if not isinstance(path, (str, Path)):

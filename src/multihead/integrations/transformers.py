@@ -14,7 +14,7 @@ bias table). What the kernel cannot honour yet (attention sinks) is refused with
 and the model's class: never dropped silently.
 
 Every call runs through an :class:`multihead.attend.Attend` step kept for the module that makes it, and
-importing this module registers a site finder (:func:`attention_sites`), so :func:`multihead.inspect.capture`,
+importing this module registers a site finder (:func:`attention_sites`), so :func:`multihead.lab.inspect.capture`,
 head gates and ablations work on these models as on ours: layers numbered by the model's ``layer_idx``,
 cross-attention apart in part "cross", an encoder-decoder's stacks in parts "encoder" and "decoder".
 

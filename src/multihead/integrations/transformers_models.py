@@ -1,13 +1,13 @@
-"""Any local transformers checkpoint as a :class:`multihead.models.TextEncoder`, on multihead's kernel.
+"""Any local transformers checkpoint as a :class:`multihead.lab.models.TextEncoder`, on multihead's kernel.
 
     model = load_model("path/to/checkpoint")      # config.json, weights, tokenizer files
-    inspection = multihead.inspect.inspect_text(model, "The bank was full of money.")
+    inspection = multihead.lab.inspect.inspect_text(model, "The bank was full of money.")
 
 :func:`load_model` reads the folder with transformers' ``AutoModel`` and ``AutoTokenizer`` (local files only,
 ``attn_implementation="multihead"``) and wraps them so every reader of a text model (``inspect_text``,
 ``head_stats``, the ablation tools, ``multihead inspect --model``) serves it as it serves our own encoder:
 :class:`TransformersTokenizer` gives the readers' batches, and the model's attention steps are its
-:func:`multihead.inspect.attention_sites` (registered here for the wrapper). An encoder-decoder reads the
+:func:`multihead.lab.inspect.attention_sites` (registered here for the wrapper). An encoder-decoder reads the
 text as its source and, unless told otherwise, the same text shifted right as its target (as BART's
 denoising does): its parts are "encoder", "decoder" and "cross".
 
@@ -34,10 +34,10 @@ from multihead._errors import bad_argument, describe, floating_dtype, whole_sent
 from multihead._userfiles import path_kind
 from multihead.attend import AttentionSite, register_site_finder
 from multihead.integrations.transformers import IMPLEMENTATION, attention_sites
+from multihead.lab.models.contract import CausalLM, TextEncoder
+from multihead.lab.models.files import model_folder, reading
+from multihead.lab.models.tokenizer import Pieces, TextTokenizer, TokenBatch
 from multihead.layer import MultiHeadAttention
-from multihead.models.contract import CausalLM, TextEncoder
-from multihead.models.files import model_folder, reading
-from multihead.models.tokenizer import Pieces, TextTokenizer, TokenBatch
 
 __all__ = ["TransformersModel", "TransformersTokenizer", "load_model", "load_causal_lm"]
 
@@ -150,7 +150,7 @@ class TransformersModel(TextEncoder):
 
     ``model``: the transformers model (base model: its forward gives ``last_hidden_state``); forward takes
     (b, n) ids, mask and segment ids and returns (b, n, hidden) states (an encoder-decoder's: the decoder's,
-    reading the text shifted right). Its attention steps are ``multihead.inspect.attention_sites(wrapper)``.
+    reading the text shifted right). Its attention steps are ``multihead.lab.inspect.attention_sites(wrapper)``.
     """
 
     def __init__(self, model: PreTrainedModel, *, tokenizer: TextTokenizer | None, name: str):
@@ -170,7 +170,7 @@ class TransformersModel(TextEncoder):
             "model",
             "a model built from multihead.MultiHeadAttention",
             f"a transformers {type(self.model).__name__}",
-            "use multihead.inspect.attention_sites(model) for its attention steps",
+            "use multihead.lab.inspect.attention_sites(model) for its attention steps",
             kind=TypeError,
         )
 

@@ -137,7 +137,7 @@ class HeadParallelAttention(MultiHeadAttention):
       :func:`gather_head_weights`); with ``average_weights=True`` the average over all h heads, (b, i, j), at the
       cost of one more all-reduce.
     - ``new_cache`` gives a :class:`KVCache` of this rank's g/P key/value heads, (b, g/P, max_len, d).
-    - :func:`multihead.inspect.capture` on this layer records its local heads, numbered 0 .. h/P - 1; local head
+    - :func:`multihead.lab.inspect.capture` on this layer records its local heads, numbered 0 .. h/P - 1; local head
       m is global head ``head_offset + m``.
     - a tensor ``mask`` with a head axis of size h, (b or 1, h, i, j), is cut to this rank's heads; typed masks
       with per-head parts (ALiBi) must be built for the local heads (``alibi(slopes[heads])``).
@@ -281,7 +281,7 @@ def gather_head_weights(
     """Every rank's heads of a per-head tensor, in global head order, on every rank (one all-gather).
 
     ``weights``: this rank's heads along ``dim``, e.g. the (b, h/P, i, j) weights of
-    ``sharded(x, need_weights=True)``, or a stack of :func:`multihead.inspect.capture`'s per-head
+    ``sharded(x, need_weights=True)``, or a stack of :func:`multihead.lab.inspect.capture`'s per-head
     ``rec.weights(0, m)`` for m in 0 .. h/P - 1 (``torch.stack(..., dim=1)``). Returns (b, h, i, j): the
     same tensor a single-process layer gives. The same size on every rank; not differentiable (for inspection).
     """

@@ -1,0 +1,322 @@
+"""A static HTML page of grids and tables: `multihead circuits` writes one per command (patching.html, dla.html,
+lens.html, detect.html), `multihead inspect --long` its long.html. Each opens offline.
+
+    page = Page("activation patching of each head's output z", facts={"model": "gpt2", ...}, grids=[grid])
+    html = render_page(page)
+
+A page is a header (its title, then ``facts``: the model, the prompts, the logit differences), its ``notes``, its
+grids and its tables, drawn by the jinja2 template ``templates/page.html.j2`` with its stylesheet inline: no
+script, no external URL, no web font, and pure ASCII (see :mod:`multihead.lab._html`), so it reads the same in any
+browser, a notebook that strips scripts, or a mail attachment.
+
+**A grid** is a layer x head (or layer x position) heatmap as an HTML table, ``table.grid``: a ``td.cell`` per
+score with ``data-row``, ``data-column`` and ``data-value`` (the score as JSON writes it; empty where the layer
+has no such head or position), its text the score to two decimals, its ``title`` naming the cell in full
+("layer 1, head 0: +0.532"), and its background the score's colour on the diverging scale of
+:func:`multihead.lab.inspect.colours.score_rgb` over [-bound, bound] (the PNG's scale; dark cells get light text).
+The legend under it (``.legend``) gives the scale's ends and what it measures.
+
+**A mosaic** is small pictures in a grid (``table.mosaic``; the long report's pooled maps, a layer x head grid of
+them): each an inline PNG (``<img src="data:image/png;base64,...">``, drawn pixel for pixel and scaled up) with
+its full name as its ``title`` and ``alt``.
+
+**A table** is rows of text and numbers (the logit lens); a number is printed signed to three decimals and
+shaded on the same scale, bounded by the largest magnitude in its table.
+
+The same page goes to the terminal (:func:`print_page`: a table per grid, the larger half by magnitude in bold)
+and to a PNG (:func:`plot_grids`: the grids as heatmaps on the same colour scale, then the mosaics);
+:func:`write_report` writes ``<name>.json`` (the data), ``<name>.html`` and ``<name>.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich import box
+from rich.console import Console
+from rich.table import Table as RichTable
+from rich.text import Text
+
+from multihead._figures import Written, draw_figure, pyplot, save_figure
+from multihead._userfiles import output_folder, writing
+from multihead.lab._html import template_environment
+from multihead.lab._png import png_data_uri
+from multihead.lab.inspect.colours import SCORE_STOPS, score_colormap, score_rgb
+
+__all__ = ["Grid", "Table", "Mosaic", "Page", "render_page", "print_page", "plot_grids", "write_report", "TEMPLATE"]
+
+TEMPLATE = "page.html.j2"
+_LIGHT_TEXT_FROM = 0.6  # a cell whose |score| / bound is at least this is dark: its text is drawn light
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One heatmap: ``scores`` (rows, columns) float (NaN where there is no such cell), the rows ``down`` (layers
+    unless said) labelled ``rows`` (None: their numbers) and the columns ``across`` ("head" or "position")
+    labelled ``columns`` (e.g. the prompt's tokens; None: their numbers), coloured over [-bound, bound] (None: the
+    largest |score|, at least 1e-9) with ``label`` saying what the colour measures. ``numbers``: print each score
+    in its cell (False: colour alone, for a wide grid; the cell's title still gives it)."""
+
+    title: str
+    scores: torch.Tensor
+    across: str = "head"
+    label: str = "score"
+    columns: Sequence[str] | None = None
+    bound: float | None = None
+    down: str = "layer"
+    rows: Sequence[str] | None = None
+    numbers: bool = True
+
+    def colour_bound(self) -> float:
+        """The end of the colour scale: ``bound``, or the largest |score| (1 when every score is NaN), at least
+        1e-9."""
+        if self.bound is not None:
+            return max(self.bound, 1e-9)
+        finite = self.scores[~self.scores.isnan()]
+        return max(float(finite.abs().max()) if finite.numel() else 1.0, 1e-9)
+
+
+@dataclass(frozen=True)
+class Table:
+    """Rows of cells under ``header``: a string is shown as it is; a float is a signed number, shaded."""
+
+    title: str
+    header: Sequence[str]
+    rows: Sequence[Sequence[str | float]]
+
+
+@dataclass(frozen=True)
+class Mosaic:
+    """Small pictures in a grid: ``tiles[r][c]`` an (h, w, 3) uint8 RGB picture (None: no such tile, e.g. a head
+    not chosen) named in full by ``titles[r][c]``, the rows labelled ``rows`` and the columns ``columns``;
+    ``note`` says how to read them (the colour scale)."""
+
+    title: str
+    tiles: Sequence[Sequence[torch.Tensor | None]]
+    titles: Sequence[Sequence[str]]
+    rows: Sequence[str]
+    columns: Sequence[str]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Page:
+    """A whole page: ``title``, ``facts`` ({name: value}, shown in order under it), then ``notes`` (lines),
+    ``grids``, ``tables`` and ``mosaics``."""
+
+    title: str
+    facts: Mapping[str, str] = field(default_factory=dict)
+    grids: Sequence[Grid] = ()
+    tables: Sequence[Table] = ()
+    notes: Sequence[str] = ()
+    mosaics: Sequence[Mosaic] = ()
+
+
+def render_page(page: Page) -> str:
+    """``page`` as one self-contained HTML document (str, pure ASCII)."""
+    template = template_environment("multihead.lab.inspect").get_template(TEMPLATE)
+    return template.render(
+        page=page,
+        grids=[_grid_view(grid) for grid in page.grids],
+        tables=[_table_view(table) for table in page.tables],
+        mosaics=[_mosaic_view(mosaic) for mosaic in page.mosaics],
+        ramp=", ".join(_css(rgb) for rgb in SCORE_STOPS),
+    )
+
+
+def _css(rgb: tuple[int, int, int]) -> str:
+    return f"rgb({rgb[0]}, {rgb[1]}, {rgb[2]})"
+
+
+def _shaded(value: float, bound: float) -> dict:
+    """A number's cell: its background on the score scale, light text on a dark one."""
+    style = f"background: {_css(score_rgb(value, bound))}"
+    if abs(value) / bound >= _LIGHT_TEXT_FROM:
+        style += "; color: #fff"
+    return {"style": style}
+
+
+def _grid_view(grid: Grid) -> dict:
+    scores = grid.scores.detach().double().cpu()
+    bound = grid.colour_bound()
+    prefix = "H" if grid.across == "head" else "pos "
+    columns = list(grid.columns) if grid.columns is not None else [f"{prefix}{i}" for i in range(scores.shape[1])]
+    row_labels = list(grid.rows) if grid.rows is not None else [str(i) for i in range(scores.shape[0])]
+    rows = []
+    for index, row in enumerate(scores.tolist()):
+        cells = []
+        down = f"{grid.down} {index}" if grid.rows is None else row_labels[index]
+        for column, value in enumerate(row):
+            where = f"{down}, {grid.across} {column}" + (f" ({columns[column]})" if grid.columns is not None else "")
+            if math.isnan(value):
+                cells.append({"value": "", "text": "", "title": f"{where}: none", "style": ""})
+                continue
+            text = f"{value:+.2f}" if grid.numbers else ""
+            cells.append(
+                {"value": repr(value), "text": text, "title": f"{where}: {value:+.3f}"} | _shaded(value, bound)
+            )
+        rows.append({"label": row_labels[index], "cells": cells})
+    return {"grid": grid, "columns": columns, "rows": rows, "bound": f"{bound:.3g}"}
+
+
+def _table_view(table: Table) -> dict:
+    numbers = [abs(cell) for row in table.rows for cell in row if isinstance(cell, float) and not math.isnan(cell)]
+    bound = max(max(numbers, default=1.0), 1e-9)
+    rows = [
+        [
+            {"text": f"{cell:+.3f}", "number": True} | _shaded(cell, bound)
+            if isinstance(cell, float)
+            else {"text": cell, "number": False, "style": ""}
+            for cell in row
+        ]
+        for row in table.rows
+    ]
+    return {"table": table, "rows": rows}
+
+
+def _mosaic_view(mosaic: Mosaic) -> dict:
+    rows = [
+        {
+            "label": label,
+            "tiles": [
+                {"source": None if tile is None else png_data_uri(tile), "title": title}
+                for tile, title in zip(tiles, titles, strict=True)
+            ],
+        }
+        for label, tiles, titles in zip(mosaic.rows, mosaic.tiles, mosaic.titles, strict=True)
+    ]
+    return {"mosaic": mosaic, "rows": rows}
+
+
+def print_page(console: Console, page: Page) -> None:
+    """The page's grids and tables as terminal tables, then its notes."""
+    for grid in page.grids:
+        _print_grid(console, grid)
+    for table in page.tables:
+        console.print(table.title, soft_wrap=True, markup=False, highlight=False)
+        shown = RichTable(box=box.SIMPLE_HEAD, pad_edge=False)
+        for name in table.header:
+            shown.add_column(name, justify="left" if name == "likeliest tokens" else "right")
+        for row in table.rows:  # Text: a token such as "[b]" is not rich markup
+            shown.add_row(*(Text(f"{cell:+.3f}" if isinstance(cell, float) else cell) for cell in row))
+        console.print(shown)
+    for note in page.notes:
+        console.print(note, soft_wrap=True, markup=False, highlight=False)
+
+
+def _print_grid(console: Console, grid: Grid) -> None:
+    """A grid as a table: a row per layer, a column per head (or position), the larger half by |score| in bold."""
+    console.print(grid.title, soft_wrap=True, markup=False, highlight=False)
+    table = RichTable(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column(grid.down, justify="right")
+    prefix = "H" if grid.across == "head" else "pos "
+    for index in range(grid.scores.shape[1]):
+        table.add_column(f"{prefix}{index}", justify="right")
+    finite = grid.scores[~grid.scores.isnan()]
+    largest = float(finite.abs().max()) if finite.numel() else 0.0
+    for index, row in enumerate(grid.scores.tolist()):
+        cells = [
+            ""
+            if value != value
+            else (f"[bold]{value:+.2f}[/bold]" if largest and abs(value) >= 0.5 * largest else f"{value:+.2f}")
+            for value in row
+        ]
+        table.add_row(grid.rows[index] if grid.rows is not None else str(index), *cells)
+    console.print(table)
+
+
+def plot_grids(grids: Sequence[Grid], path: str | Path, mosaics: Sequence[Mosaic] = ()) -> Path:
+    """The grids as heatmaps, one above the other (layers down, heads or positions across), on the score scale
+    of :func:`multihead.lab.inspect.colours.score_colormap` symmetric around 0 (red positive, blue negative); then
+    each mosaic as one picture of its tiles, its rows and columns labelled."""
+    plt = pyplot("the heatmap")
+    columns = min(max((grid.scores.shape[1] for grid in grids), default=0), 40)  # a wider grid: narrower cells
+    heights = [max(2.6, 1.4 + 0.3 * grid.scores.shape[0]) for grid in grids]
+    heights += [1.2 + 1.6 * len(mosaic.rows) for mosaic in mosaics]
+    width = max([5.0, 1.8 + 0.45 * columns, *(1.5 + 1.6 * len(mosaic.columns) for mosaic in mosaics)])
+    figure, axes_list = plt.subplots(
+        len(heights), 1, figsize=(width, sum(heights)), squeeze=False, gridspec_kw={"height_ratios": heights}
+    )
+    for mosaic, axes in zip(mosaics, axes_list[len(grids) :, 0], strict=True):
+        _plot_mosaic(axes, mosaic)
+    for grid, axes in zip(grids, axes_list[:, 0], strict=False):
+        scores = grid.scores.detach().double().cpu()
+        bound = grid.colour_bound()
+        layers, count = scores.shape
+        image = axes.imshow(scores.numpy(), cmap=score_colormap(), vmin=-bound, vmax=bound, aspect="auto")
+        axes.set_xlabel(grid.across)
+        axes.set_ylabel(grid.down)
+        if count <= 40:  # a wider grid (a profile along the text) keeps matplotlib's own ticks
+            axes.set_xticks(range(count))
+            if grid.columns is not None:
+                axes.set_xticklabels(list(grid.columns), rotation=60, ha="right", fontsize=7)
+        axes.set_yticks(range(layers))
+        if grid.rows is not None:
+            axes.set_yticklabels(list(grid.rows), fontsize=7)
+        axes.set_title("\n".join(textwrap.wrap(grid.title, 80)), fontsize=8)
+        figure.colorbar(image, ax=axes, label=grid.label)
+    return save_figure(figure, Path(path))
+
+
+def _plot_mosaic(axes: Any, mosaic: Mosaic) -> None:
+    """The mosaic's tiles side by side in one picture (white between them and where a tile is missing)."""
+    shown = [tile for row in mosaic.tiles for tile in row if tile is not None]
+    height = max((tile.shape[0] for tile in shown), default=1)
+    width = max((tile.shape[1] for tile in shown), default=1)
+    gap = max(1, width // 16)
+    canvas = torch.full(
+        (len(mosaic.rows) * (height + gap), len(mosaic.columns) * (width + gap), 3), 255, dtype=torch.uint8
+    )
+    for r, row in enumerate(mosaic.tiles):
+        for c, tile in enumerate(row):
+            if tile is not None:
+                top, left = r * (height + gap), c * (width + gap)
+                canvas[top : top + tile.shape[0], left : left + tile.shape[1]] = tile.cpu()
+    axes.imshow(canvas.numpy(), interpolation="nearest")
+    axes.set_xticks([c * (width + gap) + width / 2 for c in range(len(mosaic.columns))])
+    axes.set_xticklabels(list(mosaic.columns), fontsize=7)
+    axes.set_yticks([r * (height + gap) + height / 2 for r in range(len(mosaic.rows))])
+    axes.set_yticklabels(list(mosaic.rows), fontsize=7)
+    axes.tick_params(length=0)
+    axes.set_title(
+        "\n".join(textwrap.wrap(f"{mosaic.title} ({mosaic.note})" if mosaic.note else mosaic.title, 100)), fontsize=8
+    )
+
+
+def write_report(
+    data: Mapping[str, object],
+    name: str,
+    folder: str | Path,
+    formats: Sequence[str],
+    page: Page,
+    *,
+    argument: str = "folder",
+) -> Written:
+    """Write ``data`` as ``<name>.json``, ``page`` as ``<name>.html`` and its grids as ``<name>.png`` (those of
+    ``formats`` asked for; a page without grids or mosaics has no PNG) into ``folder``, created if missing. Returns
+    {format: path}; a PNG left out without matplotlib is in ``skipped``. A folder that cannot be written raises
+    ValueError naming ``argument``."""
+    written = Written()
+    if not any(kind in ("json", "html", "png") for kind in formats):
+        return written
+    out = output_folder(argument, folder)
+    if "json" in formats:
+        path = out / f"{name}.json"
+        with writing(argument, path):
+            path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        written["json"] = path
+    if "html" in formats:
+        path = out / f"{name}.html"
+        with writing(argument, path):
+            path.write_text(render_page(page), encoding="ascii")
+        written["html"] = path
+    if "png" in formats and (page.grids or page.mosaics):
+        draw_figure(written, "png", out / f"{name}.png", lambda target: plot_grids(page.grids, target, page.mosaics))
+    return written
