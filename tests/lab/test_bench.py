@@ -333,8 +333,8 @@ def test_calibration_with_flex_times_its_forward_and_its_score_mod(monkeypatch):
 def test_the_installed_package_has_no_benchmark_harness():
     """The harness (allocator tuning, a self re-exec, git, full runs) stays in benchmarks/; the package keeps a
     small comparison and the machine measurement."""
-    assert not (SRC / "bench").exists()
-    for name in ("bench.py", "machine.py"):
+    assert not (SRC / "lab" / "bench").exists()
+    for name in ("lab/bench.py", "machine.py"):
         source = (SRC / name).read_text()
         assert len(source.splitlines()) < 500, name
         imported = {

@@ -44,7 +44,7 @@ def test_parts_causality_and_pieces_follow_the_architecture(folders):
     assert pieces[:3] == ["The", "bank", "was"] and not any(p.startswith("Ġ") and len(p) > 1 for p in pieces)
     pieces = bert.tokenizer.tokenize("The bank was full of money.")
     assert pieces[0] == "[CLS]" and pieces[-1] == "[SEP]" and "bank" in pieces
-    with pytest.raises(TypeError, match=r"use multihead\.inspect\.attention_sites\(model\)"):
+    with pytest.raises(TypeError, match=r"use multihead\.lab\.inspect\.attention_sites\(model\)"):
         _ = bert.attention_layers
 
 
