@@ -57,11 +57,13 @@ class Attend(nn.Module):
         return_weights: bool | WeightSelection = False,
         return_lse: bool = False,
         pages: PageTable | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> AttentionResult:
         """Attention with this step's dropout (in training mode) and backend, then its head surgery.
 
         ``scale`` (default 1/sqrt(d)), ``dropout`` and ``training`` (default: this module's) are for a
-        step owned by another library's module, which passes its own on every call.
+        step owned by another library's module, which passes its own on every call. ``sinks`` (h,): the layer's
+        learned sink logits (:func:`multihead.attention`'s); the weights returned are those applied, over the keys.
         """
         result = attention_result(
             q,
@@ -74,6 +76,7 @@ class Attend(nn.Module):
             training=self.training if training is None else training,
             backend=self.backend,
             pages=pages,
+            sinks=sinks,
             return_weights=return_weights,
             return_lse=return_lse,
         )

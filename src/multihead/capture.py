@@ -197,7 +197,7 @@ class Recorder:
         def hook(module, args, kwargs, result: AttentionResult):
             injected = pending.pop()
             q, k, v = args[:3]  # (b, h, i, d), (b, g, j, d), (b, g, j, e); a paged call's page pools
-            call = {name: kwargs.get(name) for name in ("mask", "scale", "pages")}
+            call = {name: kwargs.get(name) for name in ("mask", "scale", "pages", "sinks")}
             call["causal"] = kwargs.get("causal", False)
             output = result.output  # (b, h, i, e)
             heads, kv_heads = record.heads, record.kv_heads
@@ -236,6 +236,7 @@ class Recorder:
                     mask=call["mask"],
                     causal=call["causal"],
                     scale=call["scale"],
+                    sinks=call["sinks"],
                     heads=heads,
                     rows=rows,
                     **self.stats_settings.options(),

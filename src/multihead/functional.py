@@ -32,6 +32,7 @@ from multihead._limits import check_fits, device_memory
 from multihead.backends import policy, registry
 from multihead.backends.paged import BoundPages, PageTable
 from multihead.backends.precision import autocast_device, autocast_inputs
+from multihead.backends.sinks import check_sinks, kept_share, sink_lse
 from multihead.backends.weights import selected_weights
 from multihead.masks import AttentionShape, BoundMask, Mask, bind_mask, to_device
 
@@ -43,7 +44,8 @@ class AttentionResult(NamedTuple):
 
     output: torch.Tensor  # (b, h, i, e)
     weights: torch.Tensor | None  # (b, h, i, j), or (b, len(heads), len(queries), j) for a selection
-    lse: torch.Tensor | None  # (b, h, i), float32 for half inputs; -inf on rows with every key masked
+    # (b, h, i), float32 for half inputs; -inf on rows with every key masked; with sinks, over the keys and the sink
+    lse: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class _Prepared:
     unbatched: bool
     call: registry.AttentionCall
     pages: BoundPages | None = None  # a paged call: k and v are page pools
+    sinks: torch.Tensor | None = None  # (h,) learned sink logits (backends.sinks)
 
     def dense(self) -> _Prepared:
         """This call over dense keys: a paged call's own equivalent, each sequence's keys (S, g, width, d) and
@@ -258,10 +261,11 @@ class _Checked(NamedTuple):
     unbatched: bool
     j: int
     pages: BoundPages | None
+    sinks: torch.Tensor | None
 
 
 def _check_call(
-    q, k, v, *, mask, causal, scale, dropout, training, backend, return_weights, return_lse, pages
+    q, k, v, *, mask, causal, scale, dropout, training, backend, return_weights, return_lse, pages, sinks
 ) -> _Checked:
     """Every check of a call's arguments, run on every call (a kept plan skips binding and dispatch, never these):
     raises the argument's error, else the checked inputs."""
@@ -285,23 +289,27 @@ def _check_call(
     else:
         bound_pages = _check_pages(pages, q, k, v, mask, causal)
         j = pages.width
+    if sinks is not None:
+        if unbatched and isinstance(sinks, torch.Tensor) and sinks.ndim == 2:  # per-row (h, i) -> (1, h, i)
+            sinks = sinks.unsqueeze(0)
+        check_sinks(sinks, q)
     _check_fits(q, k, v, j, return_weights)
-    return _Checked(q, k, v, unbatched, j, bound_pages)
+    return _Checked(q, k, v, unbatched, j, bound_pages, sinks)
 
 
 def _prepare(
-    q, k, v, *, mask, causal, scale, dropout, training, backend, return_weights, return_lse, pages=None
+    q, k, v, *, mask, causal, scale, dropout, training, backend, return_weights, return_lse, pages=None, sinks=None
 ) -> _Prepared:
     """The call checked (:func:`_check_call`), its mask bound and described for the registry."""
-    options = dict(scale=scale, dropout=dropout, training=training, backend=backend)
+    options = dict(scale=scale, dropout=dropout, training=training, backend=backend, pages=pages, sinks=sinks)
     checked = _check_call(
-        q, k, v, mask=mask, causal=causal, **options, return_weights=return_weights, return_lse=return_lse, pages=pages
+        q, k, v, mask=mask, causal=causal, **options, return_weights=return_weights, return_lse=return_lse
     )
     return _bind(checked, mask, causal, scale, dropout, training, return_weights, return_lse)
 
 
 def _bind(checked: _Checked, mask, causal, scale, dropout, training, return_weights, return_lse) -> _Prepared:
-    q, k, v, unbatched, j, bound_pages = checked
+    q, k, v, unbatched, j, bound_pages, sinks = checked
     b, h, i, d = q.shape
     g, e = k.shape[1], v.shape[3]
     shape = AttentionShape(b, h, i, j, q.device)
@@ -330,8 +338,9 @@ def _bind(checked: _Checked, mask, causal, scale, dropout, training, return_weig
         dropout=applied_dropout,
         weights=weights,
         need_lse=return_lse,
-        requires_grad=requires_grad or (bound.bias_requires_grad and torch.is_grad_enabled()),
+        requires_grad=requires_grad or (sinks_need_grad(sinks) or bound.bias_requires_grad) and torch.is_grad_enabled(),
         paged=bound_pages is not None,
+        sinks=sinks is not None,
         kind=policy.current_policy().kind_of(q.device),
     )
     return _Prepared(
@@ -345,7 +354,12 @@ def _bind(checked: _Checked, mask, causal, scale, dropout, training, return_weig
         unbatched,
         call,
         bound_pages,
+        sinks,
     )
+
+
+def sinks_need_grad(sinks: torch.Tensor | None) -> bool:
+    return sinks is not None and sinks.requires_grad
 
 
 def _check_pages(
@@ -392,7 +406,14 @@ def _select_weights(weights: torch.Tensor, selection: WeightSelection) -> torch.
 
 
 def bound_call(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | torch.Tensor | None, causal: bool, scale
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | torch.Tensor | None,
+    causal: bool,
+    scale,
+    sinks: torch.Tensor | None = None,
 ) -> _Prepared:
     """A forward call checked and its mask bound as :func:`attention` does (the same errors), for a kernel that
     reads the weights itself (:func:`multihead.attention_stats`): q, k, v batched ((h, i, d) -> (1, h, i, d),
@@ -409,6 +430,7 @@ def bound_call(
         backend="auto",
         return_weights=False,
         return_lse=True,
+        sinks=sinks,
     )
 
 
@@ -439,6 +461,7 @@ def attention(
     training: bool = False,
     backend: str = "auto",
     pages: PageTable | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention: softmax(q k^T * scale + mask) v.
 
@@ -463,6 +486,10 @@ def attention(
         pages: a :class:`~multihead.backends.paged.PageTable` for a paged call: q (S, h, i, d) is one row per
             sequence, k and v are page pools (P, g, page, d) and (P, g, page, e), and the table says where each
             sequence's keys are and where its queries sit (causal and a window count positions; no mask).
+        sinks: learned sink logits, (h,) one per query head (gpt-oss) or (b, h, i) one per query row: each
+            row's softmax runs over its keys and a sink column of that logit and value 0, which is then dropped,
+            so a row's weights sum to 1 - its sink share, and a row with every key masked gives 0.
+            Differentiable (a Parameter learns).
 
     Under ``torch.autocast``, q, k and v are cast to the autocast dtype first (float64 excepted), as
     torch's scaled_dot_product_attention is, and the kernel runs with autocast off: its blocks keep
@@ -478,7 +505,7 @@ def attention(
         torch.Size([2, 8, 5, 16])
     """
     options = dict(mask=mask, causal=causal, scale=scale, dropout=dropout, training=training, backend=backend)
-    return _run(q, k, v, **options, pages=pages, return_weights=False, return_lse=False).output
+    return _run(q, k, v, **options, pages=pages, sinks=sinks, return_weights=False, return_lse=False).output
 
 
 def attention_result(
@@ -493,6 +520,7 @@ def attention_result(
     training: bool = False,
     backend: str = "auto",
     pages: PageTable | None = None,
+    sinks: torch.Tensor | None = None,
     return_weights: bool | WeightSelection = False,
     return_lse: bool = False,
 ) -> AttentionResult:
@@ -504,9 +532,11 @@ def attention_result(
             dropout (training) the weights returned are those applied, after dropout, as
             torch.nn.MultiheadAttention returns them. In a paged call, weight column c of row s is the key at
             position ``pages.first_slots[s] + c`` (0 past the sequence's own keys).
-        return_lse: the log-sum-exp of the masked scaled (and soft-capped) scores, (b, h, i); else None.
+        return_lse: the log-sum-exp of the masked scaled (and soft-capped) scores, (b, h, i); else None. With
+            ``sinks``, over the keys and the sink: logaddexp(lse, sinks[h]), so exp(score - lse) is each weight.
 
-    Rows whose keys are all masked give output 0, weights 0, gradient 0 and LSE -inf.
+    Rows whose keys are all masked give output 0, weights 0, gradient 0 and LSE -inf (with sinks: the sink's
+    logit, its whole weight on the sink).
 
     Example:
         >>> q = torch.randn(2, 8, 5, 16); k = v = torch.randn(2, 2, 7, 16)
@@ -515,10 +545,10 @@ def attention_result(
         (torch.Size([2, 8, 5, 7]), torch.Size([2, 8, 5]))
     """
     options = dict(mask=mask, causal=causal, scale=scale, dropout=dropout, training=training, backend=backend)
-    return _run(q, k, v, **options, pages=pages, return_weights=return_weights, return_lse=return_lse)
+    return _run(q, k, v, **options, pages=pages, sinks=sinks, return_weights=return_weights, return_lse=return_lse)
 
 
-def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, return_weights, return_lse):
+def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, sinks, return_weights, return_lse):
     """The one path of :func:`attention` and :func:`attention_result`: check and bind the call (or take its kept
     plan), choose the backend, run it, and select the weights asked for."""
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)) and autocast_on(q.device):
@@ -535,6 +565,7 @@ def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, ret
                 training=training,
                 backend=backend,
                 pages=pages,
+                sinks=sinks,
                 return_weights=return_weights,
                 return_lse=return_lse,
             )
@@ -549,6 +580,7 @@ def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, ret
         training=training,
         backend=backend,
         pages=pages,
+        sinks=sinks,
         return_weights=return_weights,
         return_lse=return_lse,
     )
@@ -565,7 +597,7 @@ def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, ret
         scale=p.scale,
         dropout=p.dropout,
         need_weights=native_weights,
-        need_lse=return_lse,
+        need_lse=return_lse or p.sinks is not None,  # sinks are folded in from the LSE
         **paged,
     )
     output, weights, lse = result.output, None, result.lse
@@ -575,6 +607,8 @@ def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, ret
         weights = result.weights if p.selection is None else _select_weights(result.weights, p.selection)
     elif p.call.weights != "none":
         weights = _weights_for(p.dense(), p.selection or WeightSelection())
+    if p.sinks is not None:
+        output, weights, lse = _with_sinks(output, weights, lse, p.sinks, p.selection)
     if p.unbatched:
         output = output.squeeze(0)
         weights = None if weights is None else weights.squeeze(0)
@@ -582,19 +616,37 @@ def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, ret
     return AttentionResult(output, weights, lse if return_lse else None)
 
 
+def _with_sinks(
+    output: torch.Tensor,
+    weights: torch.Tensor | None,
+    lse: torch.Tensor,
+    sinks: torch.Tensor,
+    selection: WeightSelection | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A sink-free result (output (b, h, i, e), weights (b, h, i, j) or those selected, lse (b, h, i)) made the
+    sinks' (h,): output and weights scaled by each row's share kept on its keys, the LSE over keys and sink."""
+    share = kept_share(lse, sinks)  # (b, h, i)
+    # scaled in the share's precision and rounded once (float32 for half outputs)
+    output = (output.to(share.dtype) * share.unsqueeze(-1)).to(output.dtype)
+    if weights is not None:
+        rows = share.unsqueeze(-1) if selection is None else _select_weights(share.unsqueeze(-1), selection)
+        weights = (weights.to(share.dtype) * rows).to(weights.dtype)
+    return output, weights, sink_lse(lse, sinks)
+
+
 def _prepared_and_chosen(
-    q, k, v, *, mask, causal, scale, dropout, training, backend, pages, return_weights, return_lse
+    q, k, v, *, mask, causal, scale, dropout, training, backend, pages, sinks, return_weights, return_lse
 ) -> tuple[_Prepared, registry.Backend]:
     """The checked call and its backend. Every call runs every check (:func:`_check_call`); a call with no mask and
     no page table then takes the binding and the backend kept for its signature, when there is one (a decode step
     runs the same call each token), else they are made now and kept."""
     flags = dict(causal=causal, scale=scale, dropout=dropout, training=training, backend=backend)
     wants = dict(return_weights=return_weights, return_lse=return_lse)
-    checked = _check_call(q, k, v, mask=mask, **flags, **wants, pages=pages)
+    checked = _check_call(q, k, v, mask=mask, **flags, **wants, pages=pages, sinks=sinks)
     current = policy.current_policy()
     key = None
     if mask is None and pages is None and not current.autotune:
-        key = _plan_key(q, k, v, **flags, **wants)
+        key = _plan_key(q, k, v, **flags, **wants, sinks=sinks)
     plan = None if key is None else _PLANS.get(key)
     if plan is not None and plan.policy is current:
         return plan.prepared(checked), plan.chosen
@@ -622,7 +674,8 @@ class _Plan:
 
     def prepared(self, checked: _Checked) -> _Prepared:
         q, k, v = checked.q, checked.k, checked.v
-        return _Prepared(q, k, v, self.mask, self.scale, self.dropout, None, checked.unbatched, self.call)
+        unbatched, sinks = checked.unbatched, checked.sinks
+        return _Prepared(q, k, v, self.mask, self.scale, self.dropout, None, unbatched, self.call, None, sinks)
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -641,6 +694,7 @@ def _plan_key(
     backend: object,
     return_weights: object,
     return_lse: object,
+    sinks: torch.Tensor | None,
 ) -> tuple | None:
     """The signature a call's plan is kept under: everything validation and dispatch read (shapes, dtypes, devices,
     options, whether gradients are needed, the registry's epoch), or None where no plan is kept: tensors of a
@@ -653,9 +707,10 @@ def _plan_key(
         return None
     if (scale is not None and type(scale) is not float) or torch.compiler.is_compiling():
         return None
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sinks_need_grad(sinks))
     shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
-    return (*shapes, causal, scale, dropout, training, backend, return_weights, return_lse, grad, registry.epoch())
+    options = (causal, scale, dropout, training, backend, return_weights, return_lse, sinks is not None)
+    return (*shapes, *options, grad, registry.epoch())
 
 
 def _keep_plan(key: tuple, plan: _Plan) -> None:
@@ -703,7 +758,12 @@ def _timer(p: _Prepared, backend: registry.Backend) -> Callable[[], float]:
         start = time.perf_counter()
         with torch.set_grad_enabled(p.call.requires_grad):
             result = backend.fn(
-                *leaves, mask=p.mask, scale=p.scale, dropout=0.0, need_weights=native_weights, need_lse=p.call.need_lse
+                *leaves,
+                mask=p.mask,
+                scale=p.scale,
+                dropout=0.0,
+                need_weights=native_weights,
+                need_lse=p.call.need_lse or p.call.sinks,
             )
             if p.call.weights != "none" and not native_weights:
                 copies = replace(p, q=leaves[0], k=leaves[1], v=leaves[2])
@@ -734,6 +794,7 @@ def explain(
     training: bool = False,
     backend: str = "auto",
     pages: PageTable | None = None,
+    sinks: torch.Tensor | None = None,
     return_weights: bool | WeightSelection = False,
     return_lse: bool = False,
 ) -> registry.Explanation:
@@ -754,5 +815,6 @@ def explain(
         return_weights=return_weights,
         return_lse=return_lse,
         pages=pages,
+        sinks=sinks,
     )
     return registry.explain_call(p.call, backend)

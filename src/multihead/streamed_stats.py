@@ -31,6 +31,7 @@ import torch
 from multihead._errors import bad_argument, describe
 from multihead._indices import checked_indices
 from multihead.backends.precision import compute_dtype
+from multihead.backends.sinks import heads_of, per_row
 from multihead.backends.weights import weight_blocks
 from multihead.functional import attention_result, bound_call
 from multihead.masks import Mask, to_device
@@ -69,17 +70,23 @@ class PoolGrid:
 @dataclass(frozen=True)
 class StatsSettings:
     """The options of :func:`attention_stats` beyond the call itself, for a recorder that runs it on every layer
-    (:func:`multihead.capture`'s ``stats``): ``sinks``, ``far``, ``top_k``, ``pooled`` and ``pool``, checked
-    when a layer runs."""
+    (:func:`multihead.capture`'s ``stats``): ``first_keys``, ``far``, ``top_k``, ``pooled`` and ``pool``,
+    checked when a layer runs."""
 
-    sinks: int = 4
+    first_keys: int = 4
     far: int = 512
     top_k: int = 0
     pooled: int | PoolGrid | None = None
     pool: str = "max"
 
     def options(self) -> dict:
-        return {"sinks": self.sinks, "far": self.far, "top_k": self.top_k, "pooled": self.pooled, "pool": self.pool}
+        return {
+            "first_keys": self.first_keys,
+            "far": self.far,
+            "top_k": self.top_k,
+            "pooled": self.pooled,
+            "pool": self.pool,
+        }
 
 
 @dataclass(frozen=True)
@@ -91,8 +98,10 @@ class AttentionStats:
     Per query row (b, heads, rows): ``entropy`` (nats), ``max_weight`` and ``max_key`` (the key holding it, -1
     for a row with every key masked), ``ahead`` (the weight on keys after the query). ``bands`` (b, heads, rows,
     6): the weight at each distance band of :data:`DISTANCE_BANDS` (absolute distance). ``first`` (b, heads,
-    rows, sinks): the weight on each of the first ``sinks`` keys. ``top_weights``, ``top_keys`` (b, heads, rows,
-    top_k): the ``top_k`` largest weights and their keys, largest first (None without ``top_k``).
+    rows, first_keys): the weight on each of the first ``first_keys`` keys. ``sink_share`` (b, heads, rows): the
+    weight on the call's learned sink (``sinks``; 0 without one), which the keys' weights leave. ``top_weights``,
+    ``top_keys`` (b, heads, rows, top_k): the ``top_k`` largest weights and their keys, largest first (None
+    without ``top_k``).
 
     Per key (b, heads, j): ``received``, the weight the key gets summed over the query rows ``rows`` (every row
     unless chosen); ``received_far``, the same from those of them at least ``far`` tokens after it.
@@ -111,6 +120,7 @@ class AttentionStats:
     ahead: torch.Tensor
     bands: torch.Tensor
     first: torch.Tensor
+    sink_share: torch.Tensor
     received: torch.Tensor
     received_far: torch.Tensor
     top_weights: torch.Tensor | None
@@ -132,7 +142,8 @@ def attention_stats(
     scale: float | None = None,
     heads: Sequence[int] | int | None = None,
     rows: Sequence[int] | int | None = None,
-    sinks: int = 4,
+    sinks: torch.Tensor | None = None,
+    first_keys: int = 4,
     far: int = 512,
     top_k: int = 0,
     pooled: int | PoolGrid | None = None,
@@ -146,7 +157,9 @@ def attention_stats(
         heads: the query heads to measure (None: all; negative indices count from the end).
         rows: the query rows measured (None: all): their per-row statistics come back, and only they add to the
             column sums and the pooled map.
-        sinks: how many leading keys ``first`` covers (Gu et al. 2024 measure the first one).
+        sinks: (h,) or (b, h, i) learned sink logits, as :func:`multihead.attention` takes them: the weights are
+            those it applies (each row's sum to 1 - ``sink_share``); the entropy counts the sink as one outcome.
+        first_keys: how many leading keys ``first`` covers (Gu et al. 2024 measure the first one).
         far: the distance at or past which a query counts toward ``received_far``.
         top_k: the largest weights kept per row (0: none).
         pooled: the side of the pooled map, or a :class:`PoolGrid` placing each row and key in its cells (None:
@@ -157,7 +170,7 @@ def attention_stats(
 
     Raises:
         What :func:`multihead.attention` raises for its arguments, and ValueError or TypeError naming ``heads``,
-        ``rows``, ``sinks``, ``far``, ``top_k``, ``pooled`` or ``pool``.
+        ``rows``, ``first_keys``, ``far``, ``top_k``, ``pooled`` or ``pool``.
 
     Example:
         >>> q = torch.randn(1, 2, 6, 8); k = v = torch.randn(1, 2, 6, 8)
@@ -165,11 +178,11 @@ def attention_stats(
         >>> torch.allclose(stats.received.sum(-1), torch.tensor(6.0))  # each row's weights sum to 1: 6 rows
         True
     """
-    call = bound_call(q, k, v, mask=mask, causal=causal, scale=scale)
+    call = bound_call(q, k, v, mask=mask, causal=causal, scale=scale, sinks=sinks)
     h, i, j = call.q.shape[1], call.q.shape[2], call.k.shape[2]
     chosen_heads = checked_indices("heads", heads, h, "head")
     chosen_rows = checked_indices("rows", rows, i, "query")
-    sinks = _count("sinks", sinks, 0, j, "e.g. sinks=4")
+    first_keys = _count("first_keys", first_keys, 0, j, "e.g. first_keys=4")
     far = _count("far", far, 0, None, "e.g. far=512")
     top_k = _count("top_k", top_k, 0, j, "e.g. top_k=8, or 0 for none")
     grid = None if pooled is None else _pool_grid(pooled, i, j)
@@ -177,20 +190,23 @@ def attention_stats(
         raise bad_argument("pool", f"one of {list(POOLS)}", repr(pool), 'pass pool="max", "mean" or "sum"')
 
     b = call.q.shape[0]
-    result = attention_result(q, k, v, mask=mask, causal=causal, scale=scale, return_lse=True)
+    # with sinks, the LSE over keys and sink: the blocks' exp(s - lse) are then the weights applied
+    result = attention_result(q, k, v, mask=mask, causal=causal, scale=scale, sinks=sinks, return_lse=True)
     assert result.lse is not None
     output, lse = result.output, result.lse
     if call.unbatched:
         output, lse = output.unsqueeze(0), lse.unsqueeze(0)
     work = compute_dtype(call.q.dtype)
     head_index = torch.tensor(chosen_heads, device=call.q.device)
-    acc = _Accumulators(b, len(chosen_heads), i, j, work, call.q.device, sinks, far, top_k, grid, pool)
+    acc = _Accumulators(b, len(chosen_heads), i, j, work, call.q.device, first_keys, far, top_k, grid, pool)
     if rows is not None:  # only the chosen rows add to the column sums and the map
         acc.row_weight = torch.zeros(i, dtype=work, device=call.q.device)
         acc.row_weight[torch.tensor(chosen_rows, device=call.q.device)] = 1.0
     blocks = weight_blocks(call.q, call.k, lse, call.mask, call.scale, head_index, block_q=BLOCK_Q, block_k=BLOCK_K)
     for qb, kb, weights, log_weights in blocks:  # (b, H, n, m): the exact weights, 0 where masked
         acc.add(qb, kb, weights, log_weights, j - i)
+    if sinks is not None:
+        acc.add_sinks(lse.index_select(1, head_index).to(work), heads_of(sinks, head_index))
     return acc.result(output, chosen_heads, chosen_rows, far, call.unbatched)
 
 
@@ -237,16 +253,17 @@ def _count(name: str, value: object, low: int, high: int | None, fix: str) -> in
 class _Accumulators:
     """The running statistics of one call, filled block by block (:meth:`add`), all rows and the chosen heads."""
 
-    def __init__(self, b, heads, i, j, dtype, device, sinks, far, top_k, grid, pool):
+    def __init__(self, b, heads, i, j, dtype, device, first_keys, far, top_k, grid, pool):
         zeros = {"dtype": dtype, "device": device}
-        self.far, self.top_k, self.pool, self.sinks = far, top_k, pool, sinks
+        self.far, self.top_k, self.pool, self.first_keys = far, top_k, pool, first_keys
         self.row_weight: torch.Tensor | None = None  # (i,) 1 on the rows that add to the columns; None: every row
         self.neg_plogp = torch.zeros(b, heads, i, **zeros)  # the entropy: sum over keys of -p log p
         self.max_weight = torch.zeros(b, heads, i, **zeros)
         self.max_key = torch.full((b, heads, i), -1, dtype=torch.long, device=device)
         self.ahead = torch.zeros(b, heads, i, **zeros)
         self.bands = torch.zeros(b, heads, i, len(DISTANCE_BANDS), **zeros)
-        self.first = torch.zeros(b, heads, i, sinks, **zeros)
+        self.first = torch.zeros(b, heads, i, first_keys, **zeros)
+        self.sink_share = torch.zeros(b, heads, i, **zeros)
         self.received = torch.zeros(b, heads, j, **zeros)
         self.received_far = torch.zeros(b, heads, j, **zeros)
         self.edges = torch.tensor(DISTANCE_BANDS[1:], device=device)
@@ -301,8 +318,8 @@ class _Accumulators:
         elif farthest >= self.far:
             distance = self._distance(qb, kb, offset, p.device) if distance is None else distance
             self.received_far[:, :, cols] += (counted * (distance >= self.far)).sum(-2)
-        if kb.start < self.sinks:
-            count = min(self.sinks, kb.stop) - kb.start
+        if kb.start < self.first_keys:
+            count = min(self.first_keys, kb.stop) - kb.start
             self.first[:, :, rows, kb.start : kb.start + count] += p[..., :count]
         if self.top_k:
             block = p.topk(min(self.top_k, p.shape[-1]), dim=-1)
@@ -313,6 +330,13 @@ class _Accumulators:
             self.top_keys[:, :, rows] = keys.gather(-1, kept.indices)
         if self.pooled is not None:
             self._pool(qb, kb, counted)
+
+    def add_sinks(self, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+        """Fold in the learned sinks ((heads,) or (b, heads, i)), from the LSE over keys and sink (b, heads, i):
+        each row's share on its sink, p = exp(s - lse), and its term of the entropy."""
+        log_share = per_row(sinks, lse) - lse  # (b, heads, i): log p_sink <= 0
+        self.sink_share = log_share.exp()
+        self.neg_plogp -= self.sink_share * log_share
 
     @staticmethod
     def _distance(qb: range, kb: range, offset: int, device: torch.device) -> torch.Tensor:
@@ -365,6 +389,7 @@ class _Accumulators:
             "ahead": self.ahead,
             "bands": self.bands,
             "first": self.first,
+            "sink_share": self.sink_share,
         }
         fields: dict[str, torch.Tensor | None] = {name: t.index_select(2, chosen) for name, t in per_row.items()}
         fields["received"], fields["received_far"] = self.received, self.received_far

@@ -39,6 +39,7 @@ def attention_varlen(
     scale: float | None = None,
     softcap_to: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     dropout: float = 0.0,
     training: bool = False,
     backend: str = "auto",
@@ -58,6 +59,8 @@ def attention_varlen(
         softcap_to: cap the scaled scores to cap * tanh(s / cap) (FlashAttention's ``softcap``; None: none).
         alibi_slopes: (h,) ALiBi slopes, -slope * |distance| within each document; its documents must have as
             many queries as keys (cu_seqlens_q equal to cu_seqlens_k).
+        sinks: (h,) learned sink logits, one per query head, as :func:`multihead.attention` takes them (gpt-oss;
+            FlashAttention's ``s_aux``).
         dropout, training, backend: as for :func:`multihead.attention`.
 
     Returns:
@@ -73,6 +76,7 @@ def attention_varlen(
         torch.Size([7, 4, 16])
     """
     options = dict(causal=causal, window=window, scale=scale, softcap_to=softcap_to, alibi_slopes=alibi_slopes)
+    options["sinks"] = sinks
     limits = (max_seqlen_q, max_seqlen_k)
     result = _packed_call(
         q,
@@ -105,6 +109,7 @@ def attention_varlen_result(
     scale: float | None = None,
     softcap_to: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     dropout: float = 0.0,
     training: bool = False,
     backend: str = "auto",
@@ -115,6 +120,7 @@ def attention_varlen_result(
     ``softmax_lse`` layout, asked for as in :func:`multihead.attention_result`: an :class:`~multihead.AttentionResult`
     whose output is (total_q, h, e)."""
     options = dict(causal=causal, window=window, scale=scale, softcap_to=softcap_to, alibi_slopes=alibi_slopes)
+    options["sinks"] = sinks
     limits = (max_seqlen_q, max_seqlen_k)
     return _packed_call(
         q,
@@ -146,6 +152,7 @@ def _packed_call(
     scale,
     softcap_to,
     alibi_slopes,
+    sinks,
     dropout,
     training,
     backend,
@@ -198,6 +205,7 @@ def _packed_call(
         *packed,
         mask=mask,
         scale=scale,
+        sinks=sinks,
         dropout=dropout,
         training=training,
         backend=backend,

@@ -23,7 +23,7 @@ def inputs(device, b=2, h=4, g=2, i=37, j=37, d=8, dtype=torch.float64, seed=0):
     return q.to(device), k.to(device), v.to(device)
 
 
-def dense(weights: torch.Tensor, *, sinks: int, far: int, top_k: int, pooled: int | None, pool: str) -> dict:
+def dense(weights: torch.Tensor, *, first_keys: int, far: int, top_k: int, pooled: int | None, pool: str) -> dict:
     """The statistics of (b, h, i, j) weights, computed from the whole matrix (positions aligned bottom-right)."""
     i, j = weights.shape[-2:]
     distance = (torch.arange(i, device=weights.device) + j - i)[:, None] - torch.arange(j, device=weights.device)
@@ -38,7 +38,7 @@ def dense(weights: torch.Tensor, *, sinks: int, far: int, top_k: int, pooled: in
         "max_key": torch.where(best > 0, where, torch.full_like(where, -1)),
         "ahead": (weights * (distance < 0)).sum(-1),
         "bands": torch.stack([(weights * band).sum(-1) for band in in_band], -1),
-        "first": weights[..., :sinks],
+        "first": weights[..., :first_keys],
         "received": weights.sum(-2),
         "received_far": (weights * (distance >= far)).sum(-2),
     }
@@ -57,8 +57,8 @@ def dense(weights: torch.Tensor, *, sinks: int, far: int, top_k: int, pooled: in
     return found
 
 
-def assert_stats_equal(stats, weights, *, sinks=4, far=512, top_k=0, pooled=None, pool="max", atol=1e-10):
-    expected = dense(weights, sinks=sinks, far=far, top_k=top_k, pooled=pooled, pool=pool)
+def assert_stats_equal(stats, weights, *, first_keys=4, far=512, top_k=0, pooled=None, pool="max", atol=1e-10):
+    expected = dense(weights, first_keys=first_keys, far=far, top_k=top_k, pooled=pooled, pool=pool)
     for name, value in expected.items():
         got = getattr(stats, name)
         assert got is not None, name
@@ -109,8 +109,8 @@ def test_every_mask_kind_equals_the_dense_weights(case, device):
     q, k, v = inputs(device)
     mask = mask_cases(device, 2, 4, 37, 37)[case]
     expected = attention_result(q, k, v, mask=mask, return_weights=True)
-    stats = attention_stats(q, k, v, mask=mask, sinks=3, far=10, top_k=5, pooled=8, pool="mean")
-    assert_stats_equal(stats, expected.weights, sinks=3, far=10, top_k=5, pooled=8, pool="mean")
+    stats = attention_stats(q, k, v, mask=mask, first_keys=3, far=10, top_k=5, pooled=8, pool="mean")
+    assert_stats_equal(stats, expected.weights, first_keys=3, far=10, top_k=5, pooled=8, pool="mean")
     torch.testing.assert_close(stats.output, expected.output, rtol=0, atol=1e-12)
 
 
@@ -130,14 +130,14 @@ def test_heads_and_rows_are_selected_and_only_those_rows_add_to_the_columns(devi
     stats = attention_stats(q, k, v, causal=True, heads=[3, -4], rows=rows, top_k=2, far=5, pooled=6, pool="mean")
     assert stats.heads == [3, 0] and stats.rows == rows
     chosen = weights[:, [3, 0]]
-    expected = dense(chosen, sinks=4, far=512, top_k=2, pooled=None, pool="max")
+    expected = dense(chosen, first_keys=4, far=512, top_k=2, pooled=None, pool="max")
     torch.testing.assert_close(stats.entropy, expected["entropy"][:, :, rows], rtol=0, atol=1e-10)
     torch.testing.assert_close(stats.bands, expected["bands"][:, :, rows], rtol=0, atol=1e-10)
     assert torch.equal(stats.top_keys, expected["top_keys"][:, :, rows])
     # the columns and the map: the weights of the three rows, the other rows counting as 0
     only_rows = torch.zeros_like(chosen)
     only_rows[:, :, rows] = chosen[:, :, rows]
-    columns = dense(only_rows, sinks=4, far=5, top_k=0, pooled=6, pool="mean")
+    columns = dense(only_rows, first_keys=4, far=5, top_k=0, pooled=6, pool="mean")
     for name in ("received", "received_far", "pooled"):
         torch.testing.assert_close(getattr(stats, name), columns[name], rtol=0, atol=1e-10, msg=name)
     assert float(stats.received.sum()) == pytest.approx(2 * 2 * 3)  # 2 texts x 2 heads x 3 rows of weight 1
@@ -180,7 +180,7 @@ def test_sum_pooling_totals_each_even_cell(device):
     q, k, v = inputs(device)
     weights = attention_result(q, k, v, mask=masks.window(5, 0), return_weights=True).weights
     stats = attention_stats(q, k, v, mask=masks.window(5, 0), pooled=5, pool="sum")
-    mean = dense(weights, sinks=4, far=512, top_k=0, pooled=5, pool="mean")["pooled"]
+    mean = dense(weights, first_keys=4, far=512, top_k=0, pooled=5, pool="mean")["pooled"]
     cells = torch.tensor([8, 8, 8, 8, 5], dtype=torch.float64, device=weights.device)  # 37 rows/keys in 8s
     torch.testing.assert_close(stats.pooled, mean * cells[:, None] * cells[None, :], rtol=0, atol=1e-10)
 
@@ -209,7 +209,7 @@ def test_two_thousand_tokens_in_float32_and_unbatched(both_sides, device):
     weights = attention_result(q, k, v, mask=mask, return_weights=True).weights
     stats = attention_stats(q[0], k[0], v[0], mask=mask, top_k=4, pooled=512)
     assert stats.entropy.shape == (2, 2048) and stats.pooled is not None and stats.pooled.shape == (2, 512, 512)
-    expected = dense(weights, sinks=4, far=512, top_k=4, pooled=512, pool="max")
+    expected = dense(weights, first_keys=4, far=512, top_k=4, pooled=512, pool="max")
     for name in ("entropy", "max_weight", "ahead", "bands", "received", "received_far", "first", "pooled"):
         torch.testing.assert_close(getattr(stats, name), expected[name][0], rtol=0, atol=2e-5, msg=name)
     torch.testing.assert_close(stats.top_weights, expected["top_weights"][0], rtol=0, atol=2e-5)
@@ -238,7 +238,7 @@ def test_rows_sum_to_one_and_entropy_is_within_its_bounds(device):
     [
         ({"heads": [4]}, ValueError, "heads: expected head indices in 0..3"),
         ({"rows": [37]}, ValueError, "rows: expected query indices in 0..36"),
-        ({"sinks": -1}, ValueError, "sinks: expected an int in [0, 37]"),
+        ({"first_keys": -1}, ValueError, "first_keys: expected an int in [0, 37]"),
         ({"top_k": 38}, ValueError, "top_k: expected an int in [0, 37]"),
         ({"top_k": 1.5}, TypeError, "top_k: expected an int"),
         ({"far": -2}, ValueError, "far: expected an int >= 0"),

@@ -529,6 +529,7 @@ CAPABILITIES = Capabilities(
     check=_flex_limits,
     auto_skip=_cold,
     softcap=True,
+    sinks=True,  # its LSE is differentiable
     # the live blocks of its BlockMask, in the dtype it computes in
     estimate=lambda call: block_kernel_estimate(call, "flex", BLOCK, BLOCK, half="by rates", scores_modded=True),
 )

@@ -235,5 +235,6 @@ CAPABILITIES = Capabilities(
     compiles_dynamic=False,  # a Python loop over page columns
     python_block_loop=True,
     paged=True,
+    sinks=True,  # its LSE is differentiable
     check=_only_paged_calls,
 )

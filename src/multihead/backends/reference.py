@@ -86,4 +86,6 @@ def _reference(
     return BackendOutput(output.to(q.dtype), weights.to(q.dtype) if need_weights else None, lse if need_lse else None)
 
 
-CAPABILITIES = Capabilities(lse=True, weights=True, dropout=True, backward=True, bias_grad=True, softcap=True)
+CAPABILITIES = Capabilities(
+    lse=True, weights=True, dropout=True, backward=True, bias_grad=True, softcap=True, sinks=True
+)

@@ -68,6 +68,9 @@ class Capabilities:
     # reads keys and values in a page pool through a block table (and is called with pages=); the others serve a
     # paged call on gathered keys
     paged: bool = False
+    # learned attention sinks (backends.sinks): the call folds them in from the LSE this backend returns, which it
+    # must differentiate (a gradient on the LSE); False by default, so a backend registered before sinks refuses them
+    sinks: bool = False
 
     def reasons(self, call: AttentionCall, *, for_auto: bool = False) -> list[str]:
         missing = []
@@ -85,6 +88,8 @@ class Capabilities:
             missing.append("backward (inputs require grad)")
         if call.requires_grad and call.mask.bias_requires_grad and not self.bias_grad:
             missing.append("gradient with respect to an additive bias that requires grad")
+        if call.sinks and not self.sinks:
+            missing.append("learned attention sinks (it returns no differentiable log-sum-exp to fold them into)")
         if call.mask.softcap is not None and not self.softcap:
             missing.append("logit soft-capping (it applies no transform to the scores)")
         if self.check is not None:

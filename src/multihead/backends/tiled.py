@@ -363,6 +363,7 @@ CAPABILITIES = Capabilities(
     compiles_dynamic=False,
     python_block_loop=True,  # a few small kernels per block: passed over on CUDA where a fused kernel serves
     softcap=True,
+    sinks=True,  # its LSE is differentiable
     # skips the masked-out blocks, masks the partial (or biased) ones apart; in the dtype it computes in
     estimate=lambda call: block_kernel_estimate(
         call, "tiled", BLOCK_Q, BLOCK_K, half="float32 blocks", masks_blocks=True

@@ -378,7 +378,7 @@ def _read_windows(
             [torch.arange(lead), lead + torch.arange(start, stop), len(ids) - trail + torch.arange(trail)]
         )
         grid = PoolGrid(rows=places // cell, keys=places // cell, shape=(side, side))
-        settings = StatsSettings(sinks=1, pooled=grid, pool="max" if reading.pool == "max" else "sum")
+        settings = StatsSettings(first_keys=1, pooled=grid, pool="max" if reading.pool == "max" else "sum")
         reachable |= _reachable(places, places[rows], cell, side, reading.causal)
         with (
             evaluating(model),
