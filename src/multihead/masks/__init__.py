@@ -14,6 +14,7 @@ block at a time, and skips blocks they rule out entirely.
     alibi(slopes)            additive -slope_h * |i - j| (Press et al., 2022)
     bias(tensor)             any additive float tensor broadcastable to (b, h, i, j)
     allowed(tensor)          any boolean tensor broadcastable to (b, h, i, j), True = may attend
+    selected(indices)        sparse-index attention: each query sees only the keys (or key blocks) picked for it
     softcap(cap)             logit soft-capping: score -> cap * tanh(score / cap), before the bias
     custom(mask_mod, score_mod, block_mod)
                              your own, as functions of (b, h, q_idx, kv_idx): FlexAttention's model, on every backend
@@ -65,6 +66,7 @@ from multihead.masks._diagonal import band_intersection, causal, window  # noqa:
 from multihead.masks._documents import document_positions, documents, ragged_documents  # noqa: F401
 from multihead.masks._mask import Combined, Mask, all_of, allowed, as_mask, bias  # noqa: F401
 from multihead.masks._padding import padding
+from multihead.masks._selected import selected
 from multihead.masks._softcap import softcap
 
 __all__ = [
@@ -82,6 +84,7 @@ __all__ = [
     "bias",
     "allowed",
     "softcap",
+    "selected",
     "as_mask",
     "custom",
 ]
