@@ -23,6 +23,7 @@ import pytest
 import torch
 import transformers  # the test extra installs it; the package itself never needs it
 
+import multihead
 import multihead.attend
 from multihead._errors import InputError
 from multihead.integrations import TRANSFORMERS_TESTED, UnsupportedTransformersError
@@ -219,18 +220,29 @@ def test_static_cache_generation_matches_transformers_own_attention(name, device
 
 
 @pytest.mark.portable
-@pytest.mark.parametrize(
-    "option, value, what",
-    [
-        ("s_aux", torch.zeros(4), "attention sinks"),
-    ],
-)
-def test_what_the_kernel_cannot_serve_is_refused_not_dropped(option, value, what, device):
+def test_block_indices_without_a_block_size_are_refused_not_guessed(device):
     q, k, v = (torch.randn(1, h, 3, 8).to(device) for h in (4, 2, 2))
     module = torch.nn.Linear(1, 1, device=device)  # stands for the model's attention module: its class is named
-    value = value.to(device)
-    with pytest.raises(ValueError, match=rf"attn_implementation='multihead': .*Linear asks for {what}.*Fix: load"):
-        integration.attention_forward(module, q, k, v, None, **{option: value})
+    picks = torch.zeros(1, 1, 3, 1, dtype=torch.long, device=device)
+    fragment = r"attn_implementation='multihead': expected a Linear whose indexer says its key blocks' size"
+    with pytest.raises(ValueError, match=fragment + r".*Fix: load"):
+        integration.attention_forward(module, q, k, v, None, block_indices=picks)
+
+
+@pytest.mark.portable
+def test_sinks_and_picked_keys_reach_the_kernel(device):
+    """s_aux (an (h,) parameter), sinks (Inkling 2's (b, h, i, 1) column) and indices each change the output."""
+    q, k, v = (torch.randn(1, h, 3, 8).to(device) for h in (4, 2, 2))
+    module = torch.nn.Linear(1, 1, device=device)
+    plain, _ = integration.attention_forward(module, q, k, v, None)
+    with_sinks, _ = integration.attention_forward(module, q, k, v, None, s_aux=torch.ones(4, device=device))
+    per_row, _ = integration.attention_forward(module, q, k, v, None, sinks=torch.ones(1, 4, 3, 1, device=device))
+    torch.testing.assert_close(with_sinks, per_row)
+    lse = multihead.attention_result(q, k, v, return_lse=True).lse
+    torch.testing.assert_close(with_sinks, plain * torch.sigmoid(lse - 1).transpose(1, 2)[..., None])
+    first_key_only = torch.zeros(1, 3, 1, dtype=torch.int32, device=device)
+    picked, _ = integration.attention_forward(module, q, k, v, None, indices=first_key_only)
+    torch.testing.assert_close(picked, v[:, [0, 0, 1, 1], :1].expand(1, 4, 3, 8).transpose(1, 2))
 
 
 def current(module: str):

@@ -10,8 +10,8 @@ the name "multihead": causal, sliding-window, bidirectional and padding masks re
 polarity). Every attention call of the model then runs through :func:`multihead.attention`. Grouped
 key/value heads go in as g heads, never repeated. Logit soft-capping (Gemma 2) becomes the typed mask
 ``masks.softcap``, T5's relative position bias the typed mask ``masks.bias`` (its gradient reaches the
-bias table). What the kernel cannot honour yet (attention sinks) is refused with an error naming the option
-and the model's class: never dropped silently.
+bias table), learned attention sinks (gpt-oss's ``s_aux``) the kernel's ``sinks``, and a sparse-index
+indexer's picks (DeepSeek-V3.2's ``indices``) the typed mask ``masks.selected``.
 
 Every call runs through an :class:`multihead.attend.Attend` step kept for the module that makes it, and
 importing this module registers a site finder (:func:`attention_sites`), so :func:`multihead.lab.inspect.capture`,
@@ -26,6 +26,10 @@ the installed version and the tested range.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
+import re
 
 import torch
 from torch import nn
@@ -45,11 +49,9 @@ __all__ = ["IMPLEMENTATION", "attention_forward", "attention_sites"]
 
 IMPLEMENTATION = "multihead"
 
-# keyword arguments an architecture may pass that change the scores: the kernel has no equivalent yet
-_NOT_YET = {
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
-}
+# the names architectures pass learned attention sinks under: gpt-oss and most (h,) parameters as s_aux, Inkling 2
+# a (b, h, i, 1) logit per query row as sinks
+_SINK_NAMES = ("s_aux", "sinks")
 
 
 def attention_forward(
@@ -70,15 +72,10 @@ def attention_forward(
     boolean (True = may attend) or additive float; ``softcap`` (Gemma 2) caps the scores. Returns (output
     (b, i, h, e), weights (b, h, i, j) when ``output_attentions`` was asked, else None).
     """
-    for name, what in _NOT_YET.items():
-        if kwargs.get(name) is not None:
-            raise bad_argument(
-                f"attn_implementation={IMPLEMENTATION!r}",
-                f"attention multihead's kernel can serve ({type(module).__name__} asks for {what})",
-                f"{name}={kwargs[name]!r}" if not isinstance(kwargs[name], torch.Tensor) else f"a {name} tensor",
-                'load this model with attn_implementation="eager" or "sdpa"',
-            )
     mask = kernel_mask(attention_mask, key.shape[-2])
+    picked = _sparse_indices(module, kwargs)
+    if picked is not None:  # DeepSeek-V3.2's DSA, MiniMax-M3: each query sees only the keys its indexer picked
+        mask = picked if mask is None else masks.all_of(mask, picked)
     causal = False
     if mask is None:  # transformers leaves the mask out when it is only causal (and the module is a decoder)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
@@ -101,8 +98,40 @@ def attention_forward(
         dropout=dropout,
         training=module.training,
         return_weights=_weights_asked(module, kwargs),
+        sinks=_sinks(kwargs),
     )
     return result.output.transpose(1, 2).contiguous(), result.weights
+
+
+def _sparse_indices(module: nn.Module, kwargs: dict) -> masks.Mask | None:
+    """The indexer's picks as a mask term: ``indices`` (b, i, k) key positions (DeepSeek-V3.2, GLM-MoE-DSA,
+    AXK2, HY-V4), or ``block_indices`` (b, s, i, k) blocks of ``module.indexer.block_size`` keys, -1 empty
+    (MiniMax-M3). A model that passes blocks without saying their size is refused: guessing it would be wrong."""
+    if kwargs.get("indices") is not None:
+        return masks.selected(kwargs["indices"])
+    if kwargs.get("block_indices") is None:
+        return None
+    block_size = getattr(getattr(module, "indexer", None), "block_size", None)
+    if not isinstance(block_size, int):
+        raise bad_argument(
+            f"attn_implementation={IMPLEMENTATION!r}",
+            f"a {type(module).__name__} whose indexer says its key blocks' size (module.indexer.block_size)",
+            "block_indices without a block size",
+            'load this model with attn_implementation="eager" or "sdpa"',
+        )
+    return masks.selected(kwargs["block_indices"], block_size=block_size)
+
+
+def _sinks(kwargs: dict) -> torch.Tensor | None:
+    """The call's learned sink logits for the kernel: an (h,) parameter as it is, a (b, h, i, 1) column of one logit
+    per query row (the column eager concatenates to the scores) as (b, h, i); the kernel checks the shape."""
+    given = [kwargs[name] for name in _SINK_NAMES if kwargs.get(name) is not None]
+    if not given:
+        return None
+    sinks = given[0]
+    if isinstance(sinks, torch.Tensor) and sinks.ndim == 4 and sinks.shape[-1] == 1:
+        sinks = sinks.squeeze(-1)
+    return sinks
 
 
 def _weights_asked(module: nn.Module, kwargs: dict) -> bool:
@@ -148,10 +177,32 @@ def _head_counts(module: nn.Module) -> tuple[int, int] | None:
     return heads, heads // groups
 
 
+# a module's forward calls the attention function where its code looks it up in transformers' interface (or calls the
+# eager fallback itself); an indexer, a router, a Mamba mixer, a convolution or a linear attention never does
+_CALLS_ATTENTION = re.compile(r"ALL_ATTENTION_FUNCTIONS|eager_attention_forward\(|attention_interface\(")
+
+
+@functools.cache
+def _class_calls_attention(cls: type) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source at hand (a compiled or dynamically built class): not found by it
+        return False
+    return bool(_CALLS_ATTENTION.search(source))
+
+
+def calls_attention(module: nn.Module) -> bool:
+    """Whether ``module`` runs an attention step through transformers' attention function: it has called
+    :func:`attention_forward` already (its step is kept on it), or its class's forward looks the function up."""
+    return SEAM_ATTRIBUTE in module.__dict__ or _class_calls_attention(type(module))
+
+
 def attention_sites(model: nn.Module) -> list[AttentionSite] | None:
     """The attention modules of a transformers model on "multihead", as sites; None for any other model.
 
-    An attention module is an innermost module with a ``layer_idx`` and a head count. Parts: "cross" for a
+    An attention module is one whose forward calls transformers' attention function (:func:`calls_attention`),
+    found by that and never by its name, so a hybrid's Mamba mixers, convolutions, linear attentions, routers and
+    indexers are not taken for one; its head counts come from its attributes or config. Parts: "cross" for a
     decoder's attention over the encoder (``is_cross_attention``, or named like ``encoder_attn``),
     "encoder" and "decoder" for the two stacks of an encoder-decoder, "self" otherwise; layers are
     numbered by ``layer_idx``. A transformers model on another implementation is refused: its attention
@@ -173,11 +224,8 @@ def attention_sites(model: nn.Module) -> list[AttentionSite] | None:
     found = [
         (name, module, counts)
         for name, module in model.named_modules()
-        if isinstance(getattr(module, "layer_idx", None), int) and (counts := _head_counts(module)) is not None
+        if calls_attention(module) and (counts := _head_counts(module)) is not None
     ]
-    # innermost only: a decoder layer may carry a layer_idx and the config's head count too
-    names = [name for name, _, _ in found]
-    found = [entry for entry in found if not any(other.startswith(entry[0] + ".") for other in names)]
     for name, module, _ in found:  # a stack with a config of its own may run another implementation
         elsewhere = attn_implementation(getattr(module, "config", None))
         if elsewhere not in (None, IMPLEMENTATION):
@@ -202,8 +250,8 @@ def attention_sites(model: nn.Module) -> list[AttentionSite] | None:
     sites = []
     for part in dict.fromkeys(parts):
         members = [entry for entry, entry_part in zip(found, parts, strict=True) if entry_part == part]
-        numbers = [module.layer_idx for _, module, _ in members]
-        if sorted(numbers) != list(range(len(members))):  # not a numbering of this part: number in order
+        numbers = [getattr(module, "layer_idx", None) for _, module, _ in members]
+        if None in numbers or sorted(numbers) != list(range(len(members))):  # not this part's numbering: in order
             numbers = list(range(len(members)))
         for (name, module, (heads, kv_heads)), number in zip(members, numbers, strict=True):
             sites.append(AttentionSite(_seam(module), heads, kv_heads, part, number, name))

@@ -1,0 +1,94 @@
+"""Tiny random models of any architecture the installed transformers has, built from its own config defaults shrunk
+to a few dozen features (nothing downloaded): for the tests that hold an architecture's eager attention against
+ours. Sizes a config derives from others keep the relation its defaults have, so MLA's rotary part, a head of
+nope + rope and one key/value head per query head survive the shrinking."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 97
+
+# a config field -> its tiny size, where the config has the field
+SMALL = {
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "sliding_window": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
+    "qk_head_dim": 8,
+    "index_topk": 4,
+    "index_n_heads": 2,
+    "index_head_dim": 8,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "swa_head_dim": 8,
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2,
+    "sliding_window_size": 4,
+}
+
+# (derived, source): set derived to source's tiny size where the defaults have them equal
+_KEPT_EQUAL = (
+    ("head_dim", "qk_rope_head_dim"),
+    ("v_head_dim", "qk_head_dim"),
+    ("num_key_value_heads", "num_attention_heads"),
+)
+
+
+def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
+    """``model_type``'s config (its text config where it has one shrunk) at the sizes of :data:`SMALL`."""
+    config = transformers.AutoConfig.for_model(model_type)
+    text = getattr(config, "text_config", None) or config
+    default = {key: getattr(text, key, None) for key in SMALL}
+    for key, value in {**SMALL, **overrides}.items():
+        if hasattr(text, key):
+            setattr(text, key, value)
+    parts = (default.get("qk_head_dim"), default.get("qk_nope_head_dim"), default.get("qk_rope_head_dim"))
+    if None not in parts and parts[0] == parts[1] + parts[2]:
+        text.qk_head_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
+    for derived, source in _KEPT_EQUAL:
+        if derived not in overrides and default.get(derived) is not None and default[derived] == default.get(source):
+            setattr(text, derived, getattr(text, source))
+    for key, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
+        if getattr(text, key, None) is not None:
+            setattr(text, key, value)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:  # the first layers' kinds, as many as the tiny model has
+        kinds = list(layer_types[: text.num_hidden_layers])
+        text.layer_types = kinds + [kinds[-1]] * (text.num_hidden_layers - len(kinds))
+    return config
+
+
+def tiny_model(model_type: str, *, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random model of ``model_type`` in eval mode: its causal LM where it has one, else its base model."""
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError:  # no causal LM head for this config (an encoder, a multimodal base)
+        model = transformers.AutoModel.from_config(config)
+    return model.eval()
+
+
+def first_output(model: torch.nn.Module, **batch) -> torch.Tensor:
+    out = model(**batch)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
