@@ -54,25 +54,42 @@ _KEPT_EQUAL = (
 )
 
 
+def _get(config: object, key: str) -> object:
+    """``config.key``, or None where the config has no such field (some configs raise other errors than
+    AttributeError for a field that varies per layer)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:
+        return None
+
+
+def _has(config: object, key: str) -> bool:
+    try:
+        return hasattr(config, key)
+    except Exception:
+        return False
+
+
 def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
-    """``model_type``'s config (its text config where it has one shrunk) at the sizes of :data:`SMALL`."""
+    """``model_type``'s config (its text config where it has one shrunk) at the sizes of :data:`SMALL`, with
+    ``overrides`` set last."""
     config = transformers.AutoConfig.for_model(model_type)
-    text = getattr(config, "text_config", None) or config
-    default = {key: getattr(text, key, None) for key in SMALL}
+    text = _get(config, "text_config") or config
+    default = {key: _get(text, key) for key in SMALL}
     for key, value in {**SMALL, **overrides}.items():
-        if hasattr(text, key):
+        if _has(text, key) or key in overrides:
             setattr(text, key, value)
     parts = (default.get("qk_head_dim"), default.get("qk_nope_head_dim"), default.get("qk_rope_head_dim"))
     if None not in parts and parts[0] == parts[1] + parts[2]:
         text.qk_head_dim = text.qk_nope_head_dim + text.qk_rope_head_dim
     for derived, source in _KEPT_EQUAL:
         if derived not in overrides and default.get(derived) is not None and default[derived] == default.get(source):
-            setattr(text, derived, getattr(text, source))
+            setattr(text, derived, _get(text, source))
     for key, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
-        if getattr(text, key, None) is not None:
+        if _get(text, key) is not None:
             setattr(text, key, value)
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None:  # the first layers' kinds, as many as the tiny model has
+    layer_types = _get(text, "layer_types")
+    if layer_types is not None and "layer_types" not in overrides:  # the first layers' kinds, as many as it has
         kinds = list(layer_types[: text.num_hidden_layers])
         text.layer_types = kinds + [kinds[-1]] * (text.num_hidden_layers - len(kinds))
     return config

@@ -608,6 +608,7 @@ def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, sin
     elif p.call.weights != "none":
         weights = _weights_for(p.dense(), p.selection or WeightSelection())
     if p.sinks is not None:
+        assert lse is not None  # asked for: every backend that serves sinks returns its LSE (the registry contract)
         output, weights, lse = _with_sinks(output, weights, lse, p.sinks, p.selection)
     if p.unbatched:
         output = output.squeeze(0)

@@ -590,3 +590,45 @@ def test_a_compiled_model_does_not_recompile_when_another_model_runs_or_is_freed
         gc.collect()
         with torch.compiler.set_stance("fail_on_recompile"):
             torch.testing.assert_close(compiled(ids).logits, expected)
+
+
+# the parameters every attention function takes by name (attention_forward's own)
+NAMED = {"module", "query", "key", "value", "attention_mask", "dropout", "scaling"}
+
+
+def attention_keywords() -> dict[str, set[str]]:
+    """keyword -> the model types whose attention is called with it, or whose eager attention function takes it,
+    over every modeling file of the installed transformers."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((Path(transformers.__file__).parent / "models").glob("*/modeling_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.FunctionDef) and node.name == "eager_attention_forward":
+                names = [a.arg for a in node.args.args + node.args.kwonlyargs]
+            elif isinstance(node, ast.Call):
+                fn = node.func
+                called = fn.id if isinstance(fn, ast.Name) else getattr(fn, "attr", "")
+                if called in ("attention_interface", "eager_attention_forward"):
+                    names = [kw.arg for kw in node.keywords if kw.arg]
+            for name in names:
+                found.setdefault(name, set()).add(path.parent.name)
+    return found
+
+
+def test_every_attention_keyword_of_the_installed_transformers_is_served_or_carried():
+    """A keyword neither served nor known to change nothing would be refused at run time (or, before, dropped)."""
+    found = attention_keywords()
+    assert {"s_aux", "indices", "softcap", "position_bias"} <= set(found)  # the walk reads what it should
+    known = NAMED | integration.KEYWORDS_SERVED | integration.KEYWORDS_CARRIED
+    unknown = {name: sorted(models)[:3] for name, models in found.items() if name not in known}
+    assert not unknown, f"attention keywords multihead neither serves nor carries: {unknown}"
+
+
+@pytest.mark.portable
+def test_a_tensor_keyword_neither_served_nor_carried_is_refused(device):
+    q, k, v = (torch.randn(1, h, 3, 8).to(device) for h in (4, 2, 2))
+    module = torch.nn.Linear(1, 1, device=device)
+    with pytest.raises(ValueError, match=r"Linear passes 'score_scale', which it does not.*got a score_scale tensor"):
+        integration.attention_forward(module, q, k, v, None, score_scale=torch.ones(4, device=device))
+    out, _ = integration.attention_forward(module, q, k, v, None, position_ids=torch.arange(3, device=device))
+    assert out.shape == (1, 3, 4, 8)

@@ -45,9 +45,55 @@ from multihead.integrations.transformers_internals import (
 )
 from multihead.integrations.transformers_masks import kernel_mask, typed_mask
 
-__all__ = ["IMPLEMENTATION", "attention_forward", "attention_sites"]
+__all__ = [
+    "IMPLEMENTATION",
+    "KEYWORDS_CARRIED",
+    "KEYWORDS_SERVED",
+    "attention_forward",
+    "attention_sites",
+    "calls_attention",
+]
 
 IMPLEMENTATION = "multihead"
+
+# What an attention function may be passed past query, key, value, attention_mask, dropout and scaling. SERVED change
+# the scores and reach the kernel; CARRIED change nothing eager computes from them (the mask already says what they
+# say: the window, packed documents' boundaries, positions; or they are flags for other kernels and outputs). Any
+# other tensor is refused, naming it: a keyword we would drop might change the model. A test walks every model class
+# of the installed transformers for the keywords its attention is called with and its eager function reads.
+KEYWORDS_SERVED = frozenset(
+    {"softcap", "position_bias", "s_aux", "sinks", "indices", "block_indices", "output_attentions", "is_causal"}
+)
+KEYWORDS_CARRIED = frozenset(
+    {
+        "sliding_window",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "position_ids",
+        "cache_position",
+        "seq_idx",
+        "num_items_in_batch",
+        "output_hidden_states",
+        "output_router_logits",
+        "deterministic",
+    }
+)
+
+
+def _check_keywords(module: nn.Module, kwargs: dict) -> None:
+    """Refuse a tensor keyword neither served nor carried (see KEYWORDS_SERVED), naming it and the module."""
+    for name, value in kwargs.items():
+        if name in KEYWORDS_SERVED or name in KEYWORDS_CARRIED or not isinstance(value, torch.Tensor):
+            continue
+        raise bad_argument(
+            f"attn_implementation={IMPLEMENTATION!r}",
+            f"keywords multihead's kernel serves ({type(module).__name__} passes {name!r}, which it does not)",
+            f"a {name} tensor of shape {tuple(value.shape)}",
+            'load this model with attn_implementation="eager" or "sdpa"',
+        )
+
 
 # the names architectures pass learned attention sinks under: gpt-oss and most (h,) parameters as s_aux, Inkling 2
 # a (b, h, i, 1) logit per query row as sinks
@@ -72,6 +118,7 @@ def attention_forward(
     boolean (True = may attend) or additive float; ``softcap`` (Gemma 2) caps the scores. Returns (output
     (b, i, h, e), weights (b, h, i, j) when ``output_attentions`` was asked, else None).
     """
+    _check_keywords(module, kwargs)
     mask = kernel_mask(attention_mask, key.shape[-2])
     picked = _sparse_indices(module, kwargs)
     if picked is not None:  # DeepSeek-V3.2's DSA, MiniMax-M3: each query sees only the keys its indexer picked
@@ -183,7 +230,7 @@ _CALLS_ATTENTION = re.compile(r"ALL_ATTENTION_FUNCTIONS|eager_attention_forward\
 
 
 @functools.cache
-def _class_calls_attention(cls: type) -> bool:
+def _class_calls_attention(cls: type[nn.Module]) -> bool:
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):  # no source at hand (a compiled or dynamically built class): not found by it
@@ -194,7 +241,7 @@ def _class_calls_attention(cls: type) -> bool:
 def calls_attention(module: nn.Module) -> bool:
     """Whether ``module`` runs an attention step through transformers' attention function: it has called
     :func:`attention_forward` already (its step is kept on it), or its class's forward looks the function up."""
-    return SEAM_ATTRIBUTE in module.__dict__ or _class_calls_attention(type(module))
+    return SEAM_ATTRIBUTE in module.__dict__ or _class_calls_attention(type(module))  # type: ignore[arg-type]
 
 
 def attention_sites(model: nn.Module) -> list[AttentionSite] | None:
@@ -250,9 +297,11 @@ def attention_sites(model: nn.Module) -> list[AttentionSite] | None:
     sites = []
     for part in dict.fromkeys(parts):
         members = [entry for entry, entry_part in zip(found, parts, strict=True) if entry_part == part]
-        numbers = [getattr(module, "layer_idx", None) for _, module, _ in members]
-        if None in numbers or sorted(numbers) != list(range(len(members))):  # not this part's numbering: in order
-            numbers = list(range(len(members)))
+        given = [getattr(module, "layer_idx", None) for _, module, _ in members]
+        numbers = list(range(len(members)))  # in order, unless the modules' layer_idx number this part
+        layer_indices = [n for n in given if isinstance(n, int)]
+        if len(layer_indices) == len(members) and sorted(layer_indices) == numbers:
+            numbers = layer_indices
         for (name, module, (heads, kv_heads)), number in zip(members, numbers, strict=True):
             sites.append(AttentionSite(_seam(module), heads, kv_heads, part, number, name))
     if not sites:

@@ -104,6 +104,12 @@ class TransformersMask(Mask):
             return torch.ones(full, dtype=torch.bool, device=self.device)
         return keep.expand(full)
 
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """The dense mask (b, 1, i, j) indexed as a model indexes the tensor it stands for (Gemma 4's KV-shared layers
+        keep the last query rows, ``mask[:, :, -n:, :]``; DeepSeek-V3.2's indexer reads ``mask[:, 0]``): exact, as a
+        bool tensor (True = may attend) that the attention takes as any dense mask."""
+        return self.dense()[index]
+
     def __repr__(self) -> str:
         terms = " & ".join(repr(term) for term in self.parts) or "no terms (full attention)"
         return f"TransformersMask({terms}; i={self.q_length}, j={self.kv_length})"
