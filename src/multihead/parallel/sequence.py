@@ -49,6 +49,7 @@ from torch.autograd.function import once_differentiable
 from multihead import masks
 from multihead._errors import bad_argument, describe
 from multihead._inputs import tensor_argument
+from multihead.backends.sinks import check_sinks, kept_share, per_row, sink_lse
 from multihead.functional import attention, attention_result
 from multihead.layer import MultiHeadAttention
 from multihead.parallel._group import resolve_group
@@ -297,6 +298,7 @@ def ulysses_attention(
     scale: float | None = None,
     layout: str = "contiguous",
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DeepSpeed-Ulysses attention: all-to-all from sequence shards to head shards, attend, all-to-all back.
 
@@ -312,6 +314,9 @@ def ulysses_attention(
         scale: multiplies q k^T; default 1/sqrt(d).
         layout: "contiguous" or "zigzag": which positions every rank's shard holds (the module docstring).
         backend: the kernel backend run on each rank's heads (see :func:`multihead.explain`).
+        sinks: learned sink logits as :func:`multihead.attention` takes them: (h,), each rank attending with its
+            own heads' (a slice: the other heads' gradient is 0 here), or (b, h, n/P) per row, sharded like q and
+            sent to the head shards with it.
 
     Returns:
         (b, h, n/P, e): this rank's shard of the output, in the same layout as q.
@@ -345,7 +350,14 @@ def ulysses_attention(
         valid = torch.cat(pieces, dim=1)  # (b, n) in shard order
         terms.append(masks.padding(valid if inverse is None else valid.index_select(1, inverse)))
     combined = _combine(terms)
-    out = attention(q_heads, k_heads, v_heads, mask=combined, scale=scale, backend=backend)  # (b, h/P, n, e)
+    local_sinks = None
+    if sinks is not None:
+        check_sinks(sinks, q)
+        if sinks.ndim == 1:  # this rank's heads: those the all-to-all sent it
+            local_sinks = sinks[rank * (h // world) : (rank + 1) * (h // world)]
+        else:  # (b, h, n/P) -> (b, h/P, n), as q went
+            local_sinks = natural(_seq_to_heads(sinks.unsqueeze(-1), world, group)).squeeze(-1)
+    out = attention(q_heads, k_heads, v_heads, mask=combined, scale=scale, backend=backend, sinks=local_sinks)
     assert isinstance(out, torch.Tensor)
     if order is not None:
         out = out.index_select(2, order)  # back to shard order
@@ -505,7 +517,13 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding: torch.Tensor | None, ring: _Ring
+        ctx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding: torch.Tensor | None,
+        ring: _Ring,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         b, h, m, e = q.shape[0], q.shape[1], ring.m, ring.e
         outs: list[torch.Tensor | None] = [None] * 2
@@ -541,17 +559,23 @@ class _RingAttention(torch.autograd.Function):
             lse_parts.append(
                 part_lse if part_lse is not None else q.new_full((b, h, length), -math.inf, dtype=lse_dtype)
             )
-        out = torch.cat([part.to(q.dtype) for part in out_parts], dim=2)  # (b, h, n/P, e)
+        out = torch.cat(out_parts, dim=2)  # (b, h, n/P, e), merged in float32 at least
         lse = torch.cat(lse_parts, dim=2)  # (b, h, n/P)
+        if sinks is not None:  # at the final merge: every key's block is in, the sink joins each row's softmax
+            out = out * kept_share(lse, sinks).to(out.dtype).unsqueeze(-1)
+            lse = sink_lse(lse, sinks)  # the backward's weights exp(lse_block - lse) are then the sinks' own
+        out = out.to(q.dtype)
         ctx.ring = ring
-        ctx.save_for_backward(q, k, v, key_padding, out, lse)
+        ctx.save_for_backward(q, k, v, key_padding, out, lse, sinks)
         return out
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    def backward(
+        ctx, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, torch.Tensor | None]:
         ring: _Ring = ctx.ring
-        q, k, v, key_padding, out, lse = ctx.saved_tensors
+        q, k, v, key_padding, out, lse, sinks = ctx.saved_tensors
         b, g, m, d = ring.b, ring.g, ring.m, ring.d
         finite = torch.isfinite(lse)  # False on rows no key may serve: their gradient is 0
         lse_safe = torch.where(finite, lse, torch.zeros_like(lse))
@@ -611,7 +635,19 @@ class _RingAttention(torch.autograd.Function):
             dkv = grads_pending.wait()  # this rank's own dK/dV, summed over every rank's queries
         dk = dkv[: b * g * m * d].view_as(k)
         dv = dkv[b * g * m * d :].view_as(v)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        d_sinks = _sinks_grad(sinks, lse, delta) if ctx.needs_input_grad[5] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, d_sinks
+
+
+def _sinks_grad(sinks: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
+    """This rank's share of the sinks' gradient, -sum over its rows of p_sink * rowsum(dO * O), from the LSE over
+    keys and sink (b, h, n/P) and delta = rowsum(dO * O) (b, h, n/P): (h,) summed over b and rows for per-head sinks,
+    (b, h, n/P) for per-row ones. Replicated sinks sum it over the ranks as any replicated parameter does."""
+    if sinks is None:
+        return None
+    p_sink = torch.exp(per_row(sinks, lse) - lse)  # (b, h, n/P)
+    grad = -(p_sink * delta.to(p_sink.dtype))
+    return (grad.sum((0, 2)) if sinks.ndim == 1 else grad).to(sinks.dtype)
 
 
 def ring_attention(
@@ -626,6 +662,7 @@ def ring_attention(
     scale: float | None = None,
     layout: str = "contiguous",
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ring attention: each rank keeps its queries; K/V shards go round the ring; partials merge by their LSE.
 
@@ -640,6 +677,10 @@ def ring_attention(
         layout: "contiguous" or "zigzag" (the module docstring). With ``causal`` use "zigzag": every rank then
             computes the same number of blocks; with "contiguous" rank P - 1 does P times the work of rank 0.
         backend: the kernel backend for each block; it must return the LSE (see :func:`multihead.explain`).
+        sinks: learned sink logits as :func:`multihead.attention` takes them, (h,) or (b, h, n/P) sharded like q:
+            applied at the final merge, once every key's block is in (the backward's block weights are then the
+            sinks' own). The gradient of (h,) sinks is this rank's rows' share, summed over ranks as any
+            replicated parameter's.
 
     Returns:
         (b, h, n/P, e): this rank's shard of the output, in the same layout as q.
@@ -669,7 +710,9 @@ def ring_attention(
     b, h, g, m = _check_inputs(q, k, v, key_padding, layout, world, "ring_attention")
     diagonals = _check_mask(mask, causal, "ring_attention")
     ring = _Ring(group, rank, world, layout, diagonals, scale, backend, b, g, m, k.shape[-1], v.shape[-1])
-    out = _RingAttention.apply(q, k, v, key_padding, ring)
+    if sinks is not None:
+        check_sinks(sinks, q)
+    out = _RingAttention.apply(q, k, v, key_padding, ring, sinks)
     assert isinstance(out, torch.Tensor)
     return out  # (b, h, n/P, e)
 
