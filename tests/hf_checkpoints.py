@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 import transformers
+
+from hf_tiny import tiny_config
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -177,6 +179,16 @@ def build(name: str) -> tuple[transformers.PreTrainedModel, transformers.PreTrai
             decoder_start_token_id=tokenizer.eos_token_id,
         )
         return transformers.BartForConditionalGeneration(config), tokenizer
+    if name == "gpt_oss":  # learned sinks: head 0 of each layer parks its weight on its sink, the others keep theirs
+        tokenizer = _byte_bpe("<s>", "</s>", "<pad>", wrap=False)
+        ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+        config = tiny_config("gpt_oss", vocab_size=len(tokenizer), max_position_embeddings=64, **ids)
+        config.pad_token_id = tokenizer.pad_token_id
+        model = transformers.GptOssForCausalLM(config)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.tensor([8.0] + [-8.0] * (config.num_attention_heads - 1)))
+        return model, tokenizer
     raise AssertionError(name)
 
 

@@ -36,6 +36,9 @@ dup-tok        with the head detectors: on those tokens, the share of       0.40
                attention to earlier copies of the same token
 sink           with the head detectors: on those tokens, the weight on      0.30       Gu et al. 2024
                the first token, averaged over the queries
+learned sink   the weight on the layer's learned sink logit (gpt-oss'         0.50       gpt-oss (OpenAI 2025)
+               ``sinks``), 1 - the row's weight on its keys; a head whose
+               share stays under 0.001 has no such signal
 =============  ==========================================================  =========  ==========================
 
 Each signal's **evidence** is its measure over its threshold. The head's label is its strongest signal
@@ -185,6 +188,13 @@ ROLE_RULES: dict[str, RoleRule] = {
         ),
         RoleRule("sink", "sink", 0.3, "attention on the first token, on repeated random tokens", "Gu et al. 2024"),
         RoleRule(
+            "learned sink",
+            "learned_sink",
+            0.5,
+            "weight on the layer's learned sink logit (1 - the weight on the keys)",
+            "gpt-oss (OpenAI 2025)",
+        ),
+        RoleRule(
             "alignment",
             "alignment",
             0.5,
@@ -197,6 +207,7 @@ ROLE_RULES: dict[str, RoleRule] = {
 BEHAVIOUR_STATISTICS = ("prefix_matching", "copying", "alignment", "previous_token", "duplicate_token", "sink")
 # the detectors' rules (multihead.lab.circuits.probe_heads measures them on repeated random tokens), by label
 _DETECTOR_RULES = ("prev-tok", "dup-tok", "sink")
+NO_LEARNED_SINK = 1e-3  # below this share on its learned sink a head is taken to have none
 CLEAR_MARGIN = 0.8  # high confidence: the runner-up's evidence is under 0.8 x the label's
 MEDIUM_EVIDENCE = 0.75  # below this share of its threshold, a label is low confidence
 CONFIDENCES = ("high", "medium", "low")
@@ -304,6 +315,7 @@ def _signals(stat: dict[str, float], relation: HeadRelation | None) -> list[Sign
         "rare": "rare",
         "broad": "broad",
         "focused": "focused",
+        "learned sink": "learned sink",
         **{rule: rule for rule in _DETECTOR_RULES},
     }
     signals = []
@@ -312,6 +324,8 @@ def _signals(stat: dict[str, float], relation: HeadRelation | None) -> list[Sign
         if rule.statistic not in stat or stat[rule.statistic] != stat[rule.statistic]:  # absent or NaN
             continue
         value = stat[rule.statistic] if rule_name != "focused" else 1.0 - stat[rule.statistic]
+        if rule_name == "learned sink" and value < NO_LEARNED_SINK:
+            continue  # a layer without sinks (its rows sum to 1 but for rounding): no evidence either way
         signals.append(Signal(name, rule_name, value, value / rule.threshold))
     prefix = stat.get("prefix_matching", math.nan)
     if prefix == prefix:  # an induction head matches prefixes and copies; without copying it only matches
@@ -377,6 +391,8 @@ def label_head(stat: dict[str, float], pattern_shares: dict[str, float], relatio
         what = f"largest cross-attention weight on the aligned source token for {top.value:.0%} of target positions"
     elif top.rule in _DETECTOR_RULES:
         what = f"{top.value:.0%} of attention {_DETECTOR_WHERE[top.rule]}, on repeated random tokens"
+    elif top.rule == "learned sink":
+        what = f"{top.value:.0%} of attention on its learned sink, off every key"
     elif top.rule == "rare":
         what = f"largest weight on the sentence's rarest word for {top.value:.0%} of words"
     elif top.rule in ("broad", "focused"):

@@ -10,6 +10,8 @@ counting once), computed from the weights a (i, j) of one head on one text, from
     punct          attention to punctuation tokens
     prev, next, self   a_{i,i-1}, a_{i,i+1}, a_ii
     max_weight     max_j a_ij: Clark et al.'s broad heads put at most ~10% on any token
+    learned_sink   1 - sum_j a_ij: the weight on the layer's learned sink (gpt-oss), which its keys leave; 0 in
+                   a layer without one
     positional     the share of word tokens whose largest weight falls on the head's most common
                    relative position, and that position (best_offset) (Voita et al. 2019)
     rare           the share of word tokens (outside the rarest word) whose largest weight falls on the
@@ -116,6 +118,7 @@ STAT_NAMES = {
     "next": "to next token",
     "self": "to same token",
     "max_weight": "max weight",
+    "learned_sink": "to its learned sink",
     "positional": "argmax at best offset",
     "best_offset": "best offset",
     "rare": "argmax on rarest word",
@@ -132,6 +135,7 @@ _AVERAGED = (
     "next",
     "self",
     "max_weight",
+    "learned_sink",
 )
 _SENTENCE_ENDS = {".", "!", "?"}
 PRUNED = "pruned"  # the role label (and pattern) of a head a layer no longer has
@@ -269,6 +273,7 @@ class _Accumulator:
             "next": at_offset(1),
             "self": at_offset(0),
             "max_weight": a.amax(-1),
+            "learned_sink": (1.0 - a.sum(-1)).clamp_min(0.0),  # the weights are those applied, over the keys
         }
         if causal:  # query i sees keys 0 .. i + (keys - queries) of its text
             query_lengths = real.sum(dim=1).to(a.dtype)  # (b,)

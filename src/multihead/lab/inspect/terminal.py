@@ -33,6 +33,7 @@ from multihead._console import MIN_WIDTH, PIPED_WIDTH, make_console, report_widt
 from multihead._stdout import discard_stdout
 from multihead.lab._words import counted
 from multihead.lab.inspect.inspection import SPECIAL_TOKENS, Inspection
+from multihead.lab.inspect.roles import NO_LEARNED_SINK
 from multihead.lab.inspect.stats import PRUNED, Role
 
 __all__ = [
@@ -73,6 +74,15 @@ BEHAVIOUR_LEGEND = (
     "; prefix/induction: prefix matching, and copying (Olsson 2022); prev-tok/dup-tok: previous- and "
     "duplicate-token heads (TransformerLens' detectors); sink: first-token share (Gu 2024)"
 )
+
+# added when a head's weight goes to its layer's learned sink (a model with sinks: gpt-oss and its kin)
+LEARNED_SINK_LEGEND = "; learned sink: the weight a head leaves its keys for the layer's learned sink logit (gpt-oss)"
+
+
+def _has_learned_sinks(inspection: Inspection) -> bool:
+    """Whether any head of the statistics the roles come from puts a measurable share on a learned sink."""
+    shares = inspection.role_stats.values.get("learned_sink")
+    return shares is not None and bool((shares > NO_LEARNED_SINK).any())
 
 
 # --------------------------------------------------------------------------- the console
@@ -296,6 +306,7 @@ def print_inspection(inspection: Inspection, console: Console | None = None) -> 
         Text(
             LEGEND
             + (BEHAVIOUR_LEGEND if inspection.role_stats.behaviours else "")
+            + (LEARNED_SINK_LEGEND if _has_learned_sinks(inspection) else "")
             + ("; pruned: the layer no longer has this head" if pruned else "")
             + ("; prev/next/self are the source positions i-1, i+1, i" if not same else "")
             + ".",
