@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 import transformers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from hf_tiny import tiny_config
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
