@@ -89,7 +89,9 @@ class LayerShape:
     """The sizes of a :class:`multihead.MultiHeadAttention` (same names and defaults).
 
     ``head_dim`` defaults to embed_dim / num_heads, ``value_head_dim`` to head_dim, ``num_kv_heads``
-    to num_heads, kdim / vdim / out_dim to embed_dim.
+    to num_heads, kdim / vdim / out_dim to embed_dim. ``output_gate`` ("headwise": 1 gate row per head,
+    "elementwise": e), ``qk_norm`` (two (d,) weights) and ``sinks`` (h logits) are the layer's options: the gate's
+    rows are W^Q's too, in its parameters, FLOPs and activations; the norms and sinks add their parameters.
     """
 
     embed_dim: int
@@ -101,6 +103,9 @@ class LayerShape:
     value_head_dim: int | None = None
     out_dim: int | None = None
     bias: bool = True
+    output_gate: str | None = None
+    qk_norm: bool = False
+    sinks: bool = False
 
     def __post_init__(self):
         positive_int("embed_dim", self.embed_dim)
@@ -120,8 +125,18 @@ class LayerShape:
             raise bad_argument(
                 "num_kv_heads", f"a divisor of num_heads = {self.num_heads}", self.g, f"use one of {divisors}"
             )
-        if not isinstance(self.bias, bool):
-            raise bad_argument("bias", "True or False", describe(self.bias), "pass bias=True", kind=TypeError)
+        for name in ("bias", "qk_norm", "sinks"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad_argument(
+                    name, "True or False", describe(getattr(self, name)), f"pass {name}=True", kind=TypeError
+                )
+        if self.output_gate not in (None, "headwise", "elementwise"):
+            raise bad_argument(
+                "output_gate",
+                'None, "headwise" or "elementwise"',
+                describe(self.output_gate),
+                'pass output_gate="elementwise"',
+            )
 
     # the axis letters of multihead's docstrings
     @property
@@ -139,6 +154,11 @@ class LayerShape:
     @property
     def e(self) -> int:
         return self.value_head_dim or self.d
+
+    @property
+    def q_rows(self) -> int:
+        """W^Q's rows per head: d, and the output gate's rows (1 headwise, e elementwise)."""
+        return self.d + {None: 0, "headwise": 1, "elementwise": self.e}[self.output_gate]
 
     @property
     def kv_in(self) -> tuple[int, int]:
@@ -166,6 +186,9 @@ class LayerShape:
             value_head_dim=layer.value_head_dim,
             out_dim=layer.out_dim,
             bias=layer.q_proj.bias is not None,
+            output_gate=layer.output_gate,
+            qk_norm=layer.q_norm is not None,
+            sinks=layer.sinks is not None,
         )
 
 
@@ -423,12 +446,16 @@ def _check_call(
 def _parameters(s: LayerShape) -> Params:
     kdim, vdim = s.kv_in
     per_projection = {
-        "W^Q": s.embed_dim * s.h * s.d,
+        "W^Q": s.embed_dim * s.h * s.q_rows,
         "W^K": kdim * s.g * s.d,
         "W^V": vdim * s.g * s.e,
         "W^O": s.h * s.e * s.out,
     }
-    biases = (s.h * s.d + s.g * s.d + s.g * s.e + s.out) if s.bias else 0
+    if s.qk_norm:
+        per_projection["q/k norms"] = 2 * s.d
+    if s.sinks:
+        per_projection["sinks"] = s.h
+    biases = (s.h * s.q_rows + s.g * s.d + s.g * s.e + s.out) if s.bias else 0
     return Params(sum(per_projection.values()), biases, per_projection)
 
 
@@ -436,7 +463,7 @@ def _forward_flops(s: LayerShape, b: int, i: int, j: int, new_kv: int) -> dict[s
     kdim, vdim = s.kv_in
     h, g, d, e = s.h, s.g, s.d, s.e
     return {
-        "Q/K/V projections": 2 * b * (i * s.embed_dim * h * d + new_kv * kdim * g * d + new_kv * vdim * g * e),
+        "Q/K/V projections": 2 * b * (i * s.embed_dim * h * s.q_rows + new_kv * kdim * g * d + new_kv * vdim * g * e),
         "Q K^T": score_flops(d) * b * h * i * j,
         "softmax": SOFTMAX_FLOPS_FORWARD * b * h * i * j,
         "weights x V": mix_flops(e) * b * h * i * j,
@@ -448,7 +475,7 @@ def _backward_flops(
     s: LayerShape, forward: dict[str, int], b: int, i: int, j: int, new_kv: int, input_requires_grad: bool
 ) -> dict[str, int]:
     kdim, vdim = s.kv_in
-    q_input_grad = 2 * b * i * s.embed_dim * s.h * s.d if input_requires_grad else 0
+    q_input_grad = 2 * b * i * s.embed_dim * s.h * s.q_rows if input_requires_grad else 0
     kv_input_grad = 2 * b * new_kv * (kdim * s.g * s.d + vdim * s.g * s.e) if input_requires_grad else 0
     return {
         "Q/K/V projections": forward["Q/K/V projections"] + q_input_grad + kv_input_grad,  # dW always, dX if needed
@@ -474,7 +501,7 @@ def _layer_bytes(
     b, i, j, g, d, e, size = sizes.b, sizes.i, sizes.j, sizes.g, sizes.d, sizes.e, sizes.itemsize
     kdim, vdim = s.kv_in
     kernel = KERNEL_BUFFERS[layer_kernel(need_weights)](sizes)
-    q_bytes, kv_bytes = b * i * sizes.h * d * size, b * new_kv * g * (d + e) * size
+    q_bytes, kv_bytes = b * i * sizes.h * s.q_rows * size, b * new_kv * g * (d + e) * size
     head_out, out = sizes.head_outputs, b * i * s.out * size
     weights_bytes = sizes.weights if need_weights else 0
     activations = q_bytes + kv_bytes + head_out + out + weights_bytes

@@ -4,7 +4,7 @@
     layer.ablate_heads([2], how="uniform")      # head 2 attends uniformly over the keys it may see
     layer.ablate_heads([5], how="mean", mean_outputs=m)   # head 5 outputs its corpus mean m (1, e)
     layer.head_gate = torch.ones(h, requires_grad=True)   # differentiable gate on every head's output
-    kept = layer.prune_heads([3, 7])            # remove them: W^Q rows, W^K/W^V rows, W^O columns
+    kept = layer.prune_heads([3, 7])            # remove them: W^Q rows, W^K/W^V rows, W^O columns, sinks
 
 Gates and ablations act on the per-head outputs (b, h, i, e) before they are concatenated and projected
 by W^O: they live on the layer's attention step (:class:`multihead.attend.Attend`), so the layer's forward
@@ -30,12 +30,14 @@ from multihead.masks import Mask, to_device
 
 class PrunableLayer(Protocol):
     """What pruning reads and rewrites of a layer (a :class:`multihead.MultiHeadAttention`): its projections, its
-    head counts and sizes, and how it drops its head surgery. Named here, so this module needs no layer."""
+    per-head sink logits (or None), its head counts and sizes, and how it drops its head surgery. Named here, so
+    this module needs no layer. W^Q's rows come in one block per query head (an output gate's rows inside it)."""
 
     q_proj: nn.Linear
     k_proj: nn.Linear
     v_proj: nn.Linear
     out_proj: nn.Linear
+    sinks: nn.Parameter | None
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -138,7 +140,8 @@ def ablate_outputs(
 def prune_layer(layer: PrunableLayer, heads: Sequence[int] | int) -> list[int]:
     """Remove ``heads`` from ``layer`` in place; returns the indices (before pruning) of the heads kept.
 
-    Rows of W^Q (and its bias) and columns of W^O go with each head. Under grouped-query attention
+    Rows of W^Q (and its bias: a head's query rows and its output gate's, one block per head), columns of W^O and
+    the head's sink logit go with each head. Under grouped-query attention
     a key/value head goes when all its query heads go; every group kept must keep the same number
     of query heads, so h % g == 0 still holds.
     """
@@ -174,12 +177,15 @@ def prune_layer(layer: PrunableLayer, heads: Sequence[int] | int) -> list[int]:
             linear.bias = nn.Parameter(linear.bias.detach()[index].clone())
         linear.out_features = len(index)
 
-    rows(layer.q_proj, kept, d)
+    rows(layer.q_proj, kept, layer.q_proj.out_features // h)  # per head: d query rows (then any gate rows)
     rows(layer.k_proj, kept_groups, d)
     rows(layer.v_proj, kept_groups, e)
     columns = torch.cat([torch.arange(n * e, (n + 1) * e) for n in kept]).to(layer.out_proj.weight.device)
     layer.out_proj.weight = nn.Parameter(layer.out_proj.weight.detach()[:, columns].clone())
     layer.out_proj.in_features = len(columns)
+    if layer.sinks is not None:  # (h,) -> (len(kept),)
+        index = torch.tensor(kept, device=layer.sinks.device)
+        layer.sinks = nn.Parameter(layer.sinks.detach()[index].clone())
     layer.num_heads, layer.num_kv_heads = len(kept), len(kept_groups)
     layer.restore_heads()
     return kept

@@ -5,9 +5,17 @@
 Each projection is one matrix for all heads: W^Q (h*d, embed_dim), W^K (g*d, kdim),
 W^V (g*e, vdim), W^O (out_dim, h*e). With the defaults, d = e = embed_dim / h,
 g = h and out_dim = embed_dim: the classic layer, 4 * embed_dim^2 weights.
+
+Options of recent models, each equal to the transformers module that ships it with the same weights copied in
+(tests/lab/test_layer_options_hf.py): ``qk_norm`` (Qwen3's per-head RMSNorm of q and k), ``output_gate`` (Qwen3-Next's
+sigmoid gate on each head's output), ``rotary_dim`` (partial rotary, Qwen3-Next's partial_rotary_factor) and
+``sinks`` (gpt-oss's learned sink logit per head).
 """
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +57,74 @@ def _size(name: str, value: object, *, default: int | None = None) -> int:
 # 15.5 ms both; at embed 64 the stack was 3-4% faster from 2048 rows on
 FUSED_QKV_MIN_ROWS = 2048
 
+# output_gate's kinds: one gate logit per head, or one per output element of each head
+OUTPUT_GATES = ("headwise", "elementwise")
+QK_NORM_EPS = 1e-6  # transformers' default rms_norm_eps (Qwen3, Qwen3-Next, Gemma 3)
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over each head's d values with a learned weight (d,) initialised to ones (Qwen3's q_norm/k_norm)::
+
+        y = x / sqrt(mean(x^2 over d) + eps) * weight
+
+    This is the plain-weight convention of Qwen3 (and OLMo 2/3, though their norm spans all h*d values of a token
+    at once, which a per-head norm does not reproduce). Gemma 3 and Qwen3-Next store the weight as an offset from 1
+    (``x_normed * (1 + w)``, w initialised to zeros): load theirs as ``weight = w + 1``. Computed in float32 for
+    half-precision inputs (float64 stays float64), cast back to x's dtype, then scaled, as Qwen3RMSNorm does.
+
+    Args:
+        head_dim: d. eps: added to the mean square (transformers' default 1e-6).
+    """
+
+    def __init__(
+        self, head_dim: int, eps: float, *, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(head_dim, device=device, dtype=dtype))  # (d,)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., d) -> (..., d) in x's dtype: q (b, h, i, d) or k (b, g, j, d)."""
+        xt = x if x.dtype == torch.float64 else x.float()
+        normed = xt * torch.rsqrt(xt.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., d)
+        return normed.to(x.dtype) * self.weight.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def _norm_eps(qk_norm: object, qk_norm_eps: object) -> float | None:
+    """The qk_norm epsilon (None without qk_norm), checked: a positive finite float, given only with qk_norm."""
+    checked_flag("qk_norm", qk_norm)
+    if qk_norm_eps is None:
+        return QK_NORM_EPS if qk_norm else None
+    if not qk_norm:
+        raise bad_argument(
+            "qk_norm_eps", "None unless qk_norm=True", describe(qk_norm_eps), "pass qk_norm=True, or drop qk_norm_eps"
+        )
+    expected = "a positive finite float (added to the mean square)"
+    if isinstance(qk_norm_eps, bool) or not isinstance(qk_norm_eps, numbers.Real):
+        raise bad_argument("qk_norm_eps", expected, describe(qk_norm_eps), "pass e.g. qk_norm_eps=1e-6", kind=TypeError)
+    if not math.isfinite(qk_norm_eps) or qk_norm_eps <= 0:
+        raise bad_argument("qk_norm_eps", expected, qk_norm_eps, "pass e.g. qk_norm_eps=1e-6")
+    return float(qk_norm_eps)
+
+
+def _gate_kind(output_gate: object) -> str | None:
+    """output_gate checked: None, "headwise" or "elementwise"."""
+    expected = 'None, "headwise" or "elementwise"'
+    if output_gate is not None and not isinstance(output_gate, str):
+        raise bad_argument(
+            "output_gate", expected, describe(output_gate), 'pass output_gate="elementwise"', kind=TypeError
+        )
+    if output_gate is not None and output_gate not in OUTPUT_GATES:
+        raise bad_argument("output_gate", expected, repr(output_gate), 'pass output_gate="headwise" or "elementwise"')
+    return output_gate
+
+
 # what from_torch reads of a torch-layout module (torch.nn.MultiheadAttention, multihead.compat.MultiheadAttention)
 _TORCH_LAYOUT = (
     "embed_dim",
@@ -78,8 +154,25 @@ class MultiHeadAttention(nn.Module):
             g == 1 multi-query.
         bias: biases on all four projections.
         dropout: dropout on the attention weights, in training mode only.
-        rotary: True (or a :class:`RotaryEmbedding` of size head_dim) to rotate queries and keys by
-            position (self-attention only).
+        rotary: True (or a :class:`RotaryEmbedding` of size head_dim, or of size rotary_dim) to rotate queries
+            and keys by position (self-attention only).
+        qk_norm: RMS-normalise each head's query and key over d after the projections and before rotary, each with
+            a learned weight (d,) initialised to ones: parameters ``q_norm.weight`` and ``k_norm.weight``, Qwen3's
+            q_norm/k_norm (see :class:`HeadRMSNorm`; Gemma 3 / Qwen3-Next's (1 + w) weights load as w + 1).
+        qk_norm_eps: the norm's epsilon (default 1e-6, transformers' default); only with qk_norm.
+        output_gate: "elementwise" or "headwise": W^Q also produces, per head, e gate logits (one per output
+            element) or 1 (one per head), and each head's output is multiplied by sigmoid(gate) before W^O
+            (Qwen3-Next's gated attention). q_proj then has h * (d + c) rows, c = e or 1, laid out per head:
+            head n's d query rows, then its c gate rows (Qwen3-Next's q_proj layout: view(..., h, 2d), chunk).
+            The gate acts after the attention step: weights, captured outputs, head gates and ablations are the
+            ungated ones.
+        rotary_dim: partial rotary: rotate only the first rotary_dim of each head's d query/key dims (even,
+            <= head_dim; frequencies base^(-2m/rotary_dim) over them), the rest pass through unrotated, as
+            Qwen3-Next's partial_rotary_factor (rotary_dim = d * factor). Needs rotary. (Gemma 4's "proportional"
+            RoPE is another layout: pairs (m, m + d/2) with frequencies over the whole d.)
+        sinks: a learned sink logit per query head, parameter ``sinks`` (h,) initialised to 0, which joins every
+            row's softmax and is dropped (gpt-oss's sinks; :func:`multihead.attention`'s ``sinks=``): rows then
+            sum to less than 1, the rest on a zero value.
         backend: attention kernel, "auto" or a registered name (see :func:`multihead.explain`).
 
     Example:
@@ -89,6 +182,8 @@ class MultiHeadAttention(nn.Module):
         >>> out.shape, weights.shape                         # (b, i, out_dim), (b, h, i, j)
         (torch.Size([3, 10, 64]), torch.Size([3, 8, 10, 10]))
     """
+
+    sinks: nn.Parameter | None  # (h,) learned sink logits, registered as a parameter when asked for
 
     def __init__(
         self,
@@ -104,6 +199,11 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: bool | RotaryEmbedding | None = None,
+        qk_norm: bool = False,
+        qk_norm_eps: float | None = None,
+        output_gate: str | None = None,
+        rotary_dim: int | None = None,
+        sinks: bool = False,
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -139,10 +239,13 @@ class MultiHeadAttention(nn.Module):
             registry.get_backend(backend)  # raises with the list of names
         # the attention step: holds dropout, backend and head surgery (see the properties below)
         self.attend = Attend(float(dropout), backend)
-        self.rotary = self._rotary(rotary)
+        eps, self.output_gate = _norm_eps(qk_norm, qk_norm_eps), _gate_kind(output_gate)
+        self.rotary = self._rotary(rotary, rotary_dim)
+        checked_flag("sinks", sinks)
         device, dtype = usable_device("device", device), floating_dtype("dtype", dtype)
         h, g, d, e = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
-        weights = h * d * self.embed_dim + g * d * self.kdim + g * e * self.vdim + self.out_dim * h * e
+        c = {None: 0, "headwise": 1, "elementwise": e}[self.output_gate]  # gate logits per head
+        weights = h * (d + c) * self.embed_dim + g * d * self.kdim + g * e * self.vdim + self.out_dim * h * e
         check_fits(
             "embed_dim",
             (weights,),
@@ -151,18 +254,20 @@ class MultiHeadAttention(nn.Module):
             "use smaller sizes (embed_dim, num_heads, head_dim, kdim, vdim, out_dim)",
             what="the projection weights",
         )
-        self.q_proj = nn.Linear(embed_dim, h * d, bias=bias, device=device, dtype=dtype)  # W^Q of every head, stacked
+        # W^Q of every head, stacked; with an output gate each head's d rows are followed by its c gate rows
+        self.q_proj = nn.Linear(embed_dim, h * (d + c), bias=bias, device=device, dtype=dtype)
         self.k_proj = nn.Linear(self.kdim, g * d, bias=bias, device=device, dtype=dtype)
         self.v_proj = nn.Linear(self.vdim, g * e, bias=bias, device=device, dtype=dtype)
         self.out_proj = nn.Linear(h * e, self.out_dim, bias=bias, device=device, dtype=dtype)
+        # (d,) weights shared by the heads, or None; (h,) sink logits, or None (not in the state dict then)
+        self.q_norm = None if eps is None else HeadRMSNorm(d, eps, device=device, dtype=dtype)
+        self.k_norm = None if eps is None else HeadRMSNorm(d, eps, device=device, dtype=dtype)
+        self.register_parameter("sinks", nn.Parameter(torch.empty(h, device=device, dtype=dtype)) if sinks else None)
         self.reset_parameters()
 
-    def _rotary(self, rotary: bool | RotaryEmbedding | None) -> RotaryEmbedding | None:
-        if rotary is None or rotary is False:
-            return None
-        if rotary is True:
-            return RotaryEmbedding(self.head_dim)
-        if not isinstance(rotary, RotaryEmbedding):
+    def _rotary(self, rotary: bool | RotaryEmbedding | None, rotary_dim: int | None) -> RotaryEmbedding | None:
+        """The rotary embedding (None without), of size rotary_dim (partial) or head_dim."""
+        if rotary is not None and not isinstance(rotary, (bool, RotaryEmbedding)):
             raise bad_argument(
                 "rotary",
                 "True, False/None or a multihead.positional.RotaryEmbedding",
@@ -170,14 +275,50 @@ class MultiHeadAttention(nn.Module):
                 "pass rotary=True",
                 kind=TypeError,
             )
-        if rotary.head_dim != self.head_dim:
+        if rotary is None or rotary is False:
+            if rotary_dim is not None:
+                raise bad_argument(
+                    "rotary_dim",
+                    "None without rotary positions (rotary_dim is the part of each head that rotary rotates)",
+                    describe(rotary_dim),
+                    "pass rotary=True too, or drop rotary_dim",
+                )
+            return None
+        size = self.head_dim if rotary_dim is None else self._rotary_size(rotary_dim)
+        if rotary is True:
+            return RotaryEmbedding(size)
+        if rotary.head_dim != size:
+            partial = rotary.head_dim < self.head_dim
             raise bad_argument(
                 "rotary",
-                f"a RotaryEmbedding of head_dim = {self.head_dim}",
+                f"a RotaryEmbedding of head_dim = {size} ({'rotary_dim' if rotary_dim else 'the head_dim'})",
                 f"one of head_dim = {rotary.head_dim}",
-                f"use RotaryEmbedding({self.head_dim})",
+                f"use RotaryEmbedding({size})" + (f", or pass rotary_dim={rotary.head_dim}" if partial else ""),
             )
         return rotary
+
+    def _rotary_size(self, rotary_dim: object) -> int:
+        """rotary_dim checked: a positive even int, at most head_dim."""
+        size = positive_int("rotary_dim", rotary_dim)
+        if size % 2 or size > self.head_dim:
+            raise bad_argument(
+                "rotary_dim",
+                f"an even int <= head_dim = {self.head_dim} (rotary turns pairs of dims)",
+                size,
+                f"pass an even rotary_dim up to {self.head_dim}, e.g. {max(2, min(size - size % 2, self.head_dim))}",
+            )
+        return size
+
+    @property
+    def rotary_dim(self) -> int | None:
+        """The dims of each head that rotary rotates (the first ones): head_dim, fewer when partial, None without
+        rotary."""
+        return None if self.rotary is None else self.rotary.head_dim
+
+    @property
+    def qk_norm_eps(self) -> float | None:
+        """The epsilon of the query/key RMSNorm, or None without ``qk_norm``."""
+        return None if self.q_norm is None else self.q_norm.eps
 
     @property
     def dropout(self) -> float:
@@ -226,6 +367,11 @@ class MultiHeadAttention(nn.Module):
             "bias": self.q_proj.bias is not None,
             "dropout": self.dropout,
             "rotary": self.rotary is not None,
+            "qk_norm": self.q_norm is not None,
+            "qk_norm_eps": self.qk_norm_eps,
+            "output_gate": self.output_gate,
+            "rotary_dim": self.rotary_dim if self.rotary_dim != self.head_dim else None,
+            "sinks": self.sinks is not None,
             "backend": self.backend,
         }
 
@@ -240,18 +386,25 @@ class MultiHeadAttention(nn.Module):
         self.attend.head_gate = None
 
     def prune_heads(self, heads: list[int] | int) -> list[int]:
-        """Remove ``heads`` (W^Q/W^K/W^V rows, W^O columns); returns the old indices of the heads kept.
+        """Remove ``heads`` (W^Q/W^K/W^V rows with their gate rows, W^O columns, sink logits); returns the old
+        indices of the heads kept.
 
         Same outputs as zero-ablating them, with proportionally less work. See :func:`multihead.heads.prune_layer`.
         """
         return prune_layer(self, heads)
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform projection weights and zero biases (torch.nn.MultiheadAttention's scheme)."""
+        """Xavier-uniform projection weights and zero biases (torch.nn.MultiheadAttention's scheme); norm weights
+        of ones and sink logits of zero."""
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             nn.init.xavier_uniform_(proj.weight)
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
 
     def extra_repr(self) -> str:
         parts = [f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"]
@@ -260,6 +413,12 @@ class MultiHeadAttention(nn.Module):
         parts.append(f"head_dim={self.head_dim}")
         if self.value_head_dim != self.head_dim:
             parts.append(f"value_head_dim={self.value_head_dim}")
+        if self.rotary_dim is not None and self.rotary_dim != self.head_dim:
+            parts.append(f"rotary_dim={self.rotary_dim}")
+        if self.output_gate is not None:
+            parts.append(f"output_gate={self.output_gate!r}")
+        if self.sinks is not None:
+            parts.append("sinks=True")
         if self.dropout:
             parts.append(f"dropout={self.dropout}")
         if self.backend != "auto":
@@ -314,7 +473,7 @@ class MultiHeadAttention(nn.Module):
 
     def to_torch(self) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention(batch_first=True)`` with these weights, where torch can express them
-        (h = g heads of size embed_dim / h, out_dim = embed_dim, no rotary)."""
+        (h = g heads of size embed_dim / h, out_dim = embed_dim, no rotary, qk_norm, output_gate or sinks)."""
         unsupported = []
         if self.num_kv_heads != self.num_heads:
             unsupported.append(f"num_kv_heads = {self.num_kv_heads} != num_heads")
@@ -324,6 +483,11 @@ class MultiHeadAttention(nn.Module):
             unsupported.append(f"out_dim = {self.out_dim} != embed_dim")
         if self.rotary is not None:
             unsupported.append("rotary embedding")
+        unsupported += [
+            name
+            for name, used in (("qk_norm", self.q_norm), ("output_gate", self.output_gate), ("sinks", self.sinks))
+            if used is not None
+        ]
         if unsupported:
             raise bad_argument(
                 "layer",
@@ -419,7 +583,7 @@ class MultiHeadAttention(nn.Module):
             )
 
     def _project(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None):
-        """q (b, i, h*d), k (b, j, g*d), v (b, j, g*e): one fused matmul for self-attention of at least
+        """q (b, i, h*(d + c)), k (b, j, g*d), v (b, j, g*e): one fused matmul for self-attention of at least
         FUSED_QKV_MIN_ROWS rows, else three."""
         # surely: for a traced length (torch.compile, torch.export) the three matmuls, with no guard
         if key is None and surely(query.shape[0] * query.shape[1] >= FUSED_QKV_MIN_ROWS):
@@ -430,8 +594,31 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         return self.q_proj(query), self.k_proj(key), self.v_proj(key if value is None else value)
 
+    def _heads(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None):
+        """Per head: q (b, h, i, d), the output gate's logits (b, h, i, c) (c = 1 headwise, e elementwise) or None,
+        k (b, g, j, d), v (b, g, j, e); q and k RMS-normed over d with ``qk_norm`` (before rotary, as Qwen3)."""
+        (b, i), h, g, d, e = query.shape[:2], self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+        q, k, v = self._project(query, key, value)
+        q = q.view(b, i, h, -1).transpose(1, 2)  # (b, h, i, d + c): each head's query, then its gate logits
+        gate = None if self.output_gate is None else q[..., d:]  # (b, h, i, c)
+        q = q[..., :d]  # (b, h, i, d)
+        k = k.view(b, -1, g, d).transpose(1, 2)  # (b, g, j, d)
+        v = v.view(b, -1, g, e).transpose(1, 2)  # (b, g, j, e)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, gate, k, v
+
+    def _rotate(self, x: torch.Tensor, where: int | torch.Tensor) -> torch.Tensor:
+        """x (b, h or g, n, d) with its first rotary_dim dims rotated to positions ``where``, the rest as they are."""
+        assert self.rotary is not None  # called only with a rotary
+        r = self.rotary.head_dim
+        if r == self.head_dim:
+            return self.rotary.rotate(x, where, grow=False)
+        return torch.cat((self.rotary.rotate(x[..., :r], where, grow=False), x[..., r:]), dim=-1)  # (.., n, d)
+
     def _fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """W^Q, W^K, W^V stacked (h*d + g*d + g*e, embed_dim), and their biases, for one self-attention matmul.
+        """W^Q, W^K, W^V stacked (h*(d + c) + g*d + g*e, embed_dim; c gate rows per head with an output gate), and
+        their biases, for one self-attention matmul.
 
         Stacked on every call: a cached stack cannot see in-place updates made through ``.data`` (they
         do not bump the version counter), and a silently stale weight is worse than copying 3 d^2 values.
@@ -478,22 +665,20 @@ class MultiHeadAttention(nn.Module):
             (output (b, i, out_dim), weights or None)
         """
         self._check_call(query, key, value, causal, need_weights, average_weights, cache, positions)
-        (b, i), h, g, d, e = query.shape[:2], self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
-        q, k, v = self._project(query, key, value)
-        q = q.view(b, i, h, d).transpose(1, 2)  # (b, h, i, d)
-        k = k.view(b, -1, g, d).transpose(1, 2)  # (b, g, j, d)
-        v = v.view(b, -1, g, e).transpose(1, 2)  # (b, g, j, e)
+        (b, i), h, e = query.shape[:2], self.num_heads, self.value_head_dim
+        q, gate, k, v = self._heads(query, key, value)  # (b, h, i, d), (b, h, i, c) or None, (b, g, j, d), (b, g, j, e)
         rotary_end = None  # positions the rotary tables must cover after this call
         if self.rotary is not None:
             where = self._positions(positions, b, i, cache)
             # tables grow only once the call has succeeded (below): a failed call leaves them as they were
-            q, k = self.rotary.rotate(q, where, grow=False), self.rotary.rotate(k, where, grow=False)
+            q, k = self._rotate(q, where), self._rotate(k, where)
             rotary_end = where + i if isinstance(where, int) else None
         # staged, not appended: the keys count only once the whole call has succeeded (commit below), so a call
         # that raises leaves the cache exactly as it was
         pending, k, v, seen = self._staged(cache, k, v, mask)  # the hooks on Attend read q, k, v as positionals
-        result = self.attend(q, k, v, **seen, causal=causal, return_weights=need_weights)  # output (b, h, i, e)
-        out = self.out_proj(result.output.transpose(1, 2).reshape(b, i, h * e))  # heads concatenated, then W^O
+        result = self.attend(q, k, v, **seen, causal=causal, return_weights=need_weights, sinks=self.sinks)
+        out = result.output if gate is None else result.output * torch.sigmoid(gate)  # (b, h, i, e)
+        out = self.out_proj(out.transpose(1, 2).reshape(b, i, h * e))  # heads concatenated, then W^O
         weights = result.weights
         if weights is not None and average_weights:
             weights = weights.mean(dim=1)  # (b, i, j)

@@ -258,3 +258,26 @@ def test_half_precision_work_is_bounded_by_the_faster_of_its_rate_and_float32():
     assert bound_bf16.compute_s == pytest.approx(report.needed_flops / 150e9)  # not the 1.3 GFLOP/s bf16 matmul
     faster = MachineRates({"float32": 150.0, "bfloat16": 600.0}, bandwidth_gbs=25.0, threads=2)
     assert roofline(report, faster).compute_s == pytest.approx(report.needed_flops / 600e9)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(output_gate="elementwise"),
+        dict(output_gate="headwise"),
+        dict(qk_norm=True),
+        dict(sinks=True),
+        dict(output_gate="elementwise", qk_norm=True, sinks=True, rotary=True, rotary_dim=2),
+    ],
+    ids=["elementwise-gate", "headwise-gate", "qk-norm", "sinks", "all"],
+)
+def test_the_layer_options_are_counted_as_the_layer_holds_and_runs_them(options):
+    """Parameters equal the layer's own, and the matmul FLOPs torch counts (the gate's rows are W^Q's); on the
+    reference backend, whose products torch's counter sees one by one."""
+    sizes = dict(num_kv_heads=2, head_dim=6, value_head_dim=4, dtype=torch.float64, backend="reference")
+    layer = MultiHeadAttention(24, 4, **sizes, **options)
+    report = estimate(LayerShape.of(layer), seq=9, batch=2, dtype="float64")
+    assert report.params.total == sum(p.numel() for p in layer.parameters())
+    with torch.no_grad(), FlopCounterMode(display=False) as count:
+        layer(torch.randn(2, 9, 24, dtype=torch.float64))
+    assert count.get_total_flops() == report.matmul_flops

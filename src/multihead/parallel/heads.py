@@ -200,8 +200,9 @@ def shard_heads(
     """This rank's head-parallel part of ``layer``: a new module; ``layer`` itself is never changed.
 
     Call it on every rank of ``group`` (default: the default group) with the same ``layer`` (same seed or the same
-    state dict). Rank r of P keeps query heads r*h/P .. (r+1)*h/P - 1, the key/value heads they read, the
-    matching W^O columns and the whole W^O bias. No communication happens here.
+    state dict). Rank r of P keeps query heads r*h/P .. (r+1)*h/P - 1 (with their output-gate rows and sink
+    logits), the key/value heads they read, the matching W^O columns, the whole W^O bias and the q/k norms' weights
+    (one per layer). No communication happens here.
 
     Args:
         layer: a :class:`multihead.MultiHeadAttention` (not already sharded; no head gate or ablation: restore
@@ -250,13 +251,15 @@ def shard_heads(
 
     hp, gp = h // world_size, g // world_size
     config = layer.config()
-    config.update(num_heads=hp, num_kv_heads=gp, head_dim=d, value_head_dim=e, rotary=False)
+    # the rotary embedding is copied below (rotary_dim with it: the layer's own property reads it from there)
+    config.update(num_heads=hp, num_kv_heads=gp, head_dim=d, value_head_dim=e, rotary=False, rotary_dim=None)
     weight = layer.out_proj.weight
     sharded = HeadParallelAttention(**config, device=weight.device, dtype=weight.dtype)
     sharded.train(layer.training)
     if layer.rotary is not None:  # the same base and tables (its buffers are not parameters: shared is fine)
         sharded.rotary = copy.deepcopy(layer.rotary)
-    q_rows = slice(rank * hp * d, (rank + 1) * hp * d)
+    per_head = layer.q_proj.out_features // h  # d query rows, and its output gate's rows where it has one
+    q_rows = slice(rank * hp * per_head, (rank + 1) * hp * per_head)
     k_rows = slice(rank * gp * d, (rank + 1) * gp * d)
     v_rows = slice(rank * gp * e, (rank + 1) * gp * e)
     with torch.no_grad():
@@ -268,6 +271,11 @@ def shard_heads(
             target.weight.copy_(source.weight[rows])  # (heads on this rank * size, in_features)
             if source.bias is not None:
                 target.bias.copy_(source.bias[rows])
+        for norm, whole in ((sharded.q_norm, layer.q_norm), (sharded.k_norm, layer.k_norm)):
+            if norm is not None and whole is not None:
+                norm.weight.copy_(whole.weight)  # (d,): one norm for every head
+        if sharded.sinks is not None and layer.sinks is not None:
+            sharded.sinks.copy_(layer.sinks[rank * hp : (rank + 1) * hp])  # this rank's heads' sink logits
     sharded.out_proj = _RowParallelLinear(layer.out_proj, slice(rank * hp * e, (rank + 1) * hp * e), group)
     sharded.global_num_heads, sharded.global_num_kv_heads = h, g
     sharded.head_offset, sharded.kv_head_offset = rank * hp, rank * gp

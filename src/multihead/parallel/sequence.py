@@ -777,17 +777,16 @@ class SequenceParallelAttention(nn.Module):
             )
         group, rank, world = _group_size(self.group, "SequenceParallelAttention")
         b, m, _ = x.shape
-        h, g, d, e = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.value_head_dim
-        q, k, v = layer._project(x, None, None)
-        q = q.view(b, m, h, d).transpose(1, 2)  # (b, h, n/P, d)
-        k = k.view(b, m, g, d).transpose(1, 2)  # (b, g, n/P, d)
-        v = v.view(b, m, g, e).transpose(1, 2)  # (b, g, n/P, e)
+        h, e = layer.num_heads, layer.value_head_dim
+        # the layer's own heads: q (b, h, n/P, d) with its output gate's logits, k (b, g, n/P, d), v (b, g, n/P, e),
+        # q and k normed where the layer norms them
+        q, gate, k, v = layer._heads(x, None, None)
         if layer.rotary is not None:
             if self.layout == "zigzag" and m % 2:
                 _check_inputs(q, k, v, key_padding, self.layout, world, "SequenceParallelAttention")
             spans = _spans(self.layout, rank, world, m)
             where = torch.cat([torch.arange(start, start + length, device=x.device) for start, length in spans])
-            q, k = layer.rotary.rotate(q, where, grow=False), layer.rotary.rotate(k, where, grow=False)
+            q, k = layer._rotate(q, where), layer._rotate(k, where)  # its rotary_dim, where partial
         fn = ring_attention if self.method == "ring" else ulysses_attention
         out = fn(
             q,
@@ -799,5 +798,8 @@ class SequenceParallelAttention(nn.Module):
             key_padding=key_padding,
             layout=self.layout,
             backend=layer.backend,
+            sinks=layer.sinks,
         )  # (b, h, n/P, e)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)  # the layer's output gate, before W^O
         return layer.out_proj(out.transpose(1, 2).reshape(b, m, h * e))  # (b, n/P, out_dim)
