@@ -10,6 +10,7 @@ import importlib
 from multihead import backends, masks, positional
 from multihead.cache import KVCache
 from multihead.functional import AttentionResult, WeightSelection, attention, attention_result, explain
+from multihead.latent import LatentAttention, LatentCache
 from multihead.layer import MultiHeadAttention
 from multihead.streamed_stats import AttentionStats, attention_stats
 from multihead.varlen import attention_varlen, attention_varlen_result
@@ -38,6 +39,8 @@ __all__ = [
     "attention_varlen_result",
     "MultiHeadAttention",
     "KVCache",
+    "LatentAttention",
+    "LatentCache",
     "masks",
     "backends",
     "positional",

@@ -28,6 +28,7 @@ from multihead._errors import bad_argument, describe
 from multihead._indices import checked_indices
 from multihead.attend import AttentionSite, find_sites
 from multihead.functional import AttentionResult, WeightSelection, attention_result
+from multihead.latent import LatentAttention
 from multihead.layer import MultiHeadAttention
 from multihead.streamed_stats import AttentionStats, StatsSettings, attention_stats
 
@@ -49,16 +50,19 @@ def _check_model(model: object) -> nn.Module:
     return model
 
 
-def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
-    """The model's attention layers, in order: layer index l is the l-th :class:`MultiHeadAttention`.
+def attention_layers(model: nn.Module, *, latent: bool = False) -> list:
+    """The model's attention layers, in order: layer index l is the l-th :class:`MultiHeadAttention` (with
+    ``latent``, :class:`multihead.LatentAttention` layers count too: capture reads them, head surgery that needs a
+    MultiHeadAttention's weights does not).
 
     A model with an ``attention_layers`` attribute (such as :class:`multihead.lab.models.Encoder`) gives
     its own order; otherwise the order of ``model.modules()``.
     """
     model = _check_model(model)
     layers = getattr(model, "attention_layers", None)
+    kinds = (MultiHeadAttention, LatentAttention) if latent else (MultiHeadAttention,)
     if layers is None:
-        layers = [module for module in model.modules() if isinstance(module, MultiHeadAttention)]
+        layers = [module for module in model.modules() if isinstance(module, kinds)]
     if not layers:
         raise bad_argument("model", _SUPPORTED, f"a {type(model).__name__} with no attention layer of ours", _HOW)
     return list(layers)
@@ -76,9 +80,10 @@ def attention_sites(model: nn.Module) -> list[AttentionSite]:
     if sites is not None:
         return sites
     names = {id(module): name for name, module in model.named_modules()}
+    layers: list[MultiHeadAttention | LatentAttention] = attention_layers(model, latent=True)
     return [
         AttentionSite(layer.attend, layer.num_heads, layer.num_kv_heads, "self", index, names.get(id(layer), ""))
-        for index, layer in enumerate(attention_layers(model))
+        for index, layer in enumerate(layers)
     ]
 
 
@@ -100,7 +105,6 @@ class _LayerRecord:
     """What one layer recorded, one list entry per forward call."""
 
     heads: list[int]
-    kv_heads: list[int]  # the key/value head each recorded query head reads (GQA)
     weights: list[torch.Tensor] = field(default_factory=list)  # (b, len(heads), i', j)
     q: list[torch.Tensor] = field(default_factory=list)  # (b, len(heads), i, d)
     k: list[torch.Tensor] = field(default_factory=list)  # (b, len(heads), j, d): each head's key head
@@ -157,9 +161,7 @@ class Recorder:
         self._sites = {index: sites[index] for index in self.layers}
         self._records: dict[int, _LayerRecord] = {}
         for index, site in self._sites.items():
-            layer_heads = checked_indices("heads", heads, site.num_heads, "head")
-            per_group = site.num_heads // site.num_kv_heads
-            self._records[index] = _LayerRecord(layer_heads, [head // per_group for head in layer_heads])
+            self._records[index] = _LayerRecord(checked_indices("heads", heads, site.num_heads, "head"))
         self._handles: list = []
 
     # -------------------------------------------------------------------- hooks
@@ -200,7 +202,10 @@ class Recorder:
             call = {name: kwargs.get(name) for name in ("mask", "scale", "pages", "sinks")}
             call["causal"] = kwargs.get("causal", False)
             output = result.output  # (b, h, i, e)
-            heads, kv_heads = record.heads, record.kv_heads
+            heads = record.heads
+            # the key/value head each recorded query head reads in this call (a layer may make calls with other
+            # groupings: LatentAttention's absorbed path is one key head for every query head)
+            kv_heads = [head // (q.shape[1] // k.shape[1]) for head in heads]
             if self.record_weights:
                 if injected:
                     weights = result.weights

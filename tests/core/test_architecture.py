@@ -40,6 +40,7 @@ LAYERS = [
     ("multihead.backend_rates", "counting and measuring"),
     ("multihead.compat", "the layer"),
     ("multihead.layer", "the layer"),
+    ("multihead.latent", "the layer"),
     ("multihead.attend", "the layer"),
     ("multihead.capture", "the layer"),
     ("multihead.heads", "the layer"),
