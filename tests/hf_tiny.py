@@ -91,7 +91,10 @@ def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
     layer_types = _get(text, "layer_types")
     if layer_types is not None and "layer_types" not in overrides:  # the first layers' kinds, as many as it has
         kinds = list(layer_types[: text.num_hidden_layers])
-        text.layer_types = kinds + [kinds[-1]] * (text.num_hidden_layers - len(kinds))
+        try:
+            text.layer_types = kinds + [kinds[-1]] * (text.num_hidden_layers - len(kinds))
+        except AttributeError:  # derived from other fields, with no setter (Falcon-H1's layers_block_type)
+            pass
     return config
 
 

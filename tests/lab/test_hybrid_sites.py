@@ -15,20 +15,30 @@ import multihead.integrations.transformers as integration
 from hf_tiny import VOCAB, tiny_model
 from multihead.lab.inspect import attention_sites, capture
 
-# family -> its layer kinds, the attention one second (so its layer number differs from its site number)
+ALTERNATING = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+# the Mamba sizes of a tiny model (its heads times their size are the mixer's width, expand x hidden_size)
+TINY_MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8)
+
+# family -> (its layer kinds, the attention one second so its layer number differs from its site number, or None
+# where every layer attends beside its other mixer; the config's other tiny sizes)
 HYBRIDS = {
-    "qwen3_next": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    "nemotron_h": ["linear_attention", "full_attention", "moe", "full_attention"],
-    "minimax": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    "kimi_linear": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    "bailing_hybrid": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    "hy_v4": None,  # every layer attends; each holds an indexer beside its attention
+    "qwen3_next": (ALTERNATING, {}),
+    "nemotron_h": (["linear_attention", "full_attention", "moe", "full_attention"], {}),
+    "minimax": (ALTERNATING, {}),
+    "kimi_linear": (ALTERNATING, {}),
+    "bailing_hybrid": (ALTERNATING, {}),
+    "granitemoehybrid": (ALTERNATING, TINY_MAMBA),
+    "lfm2": (["conv", "full_attention", "conv", "full_attention"], {}),
+    "lfm3": (["conv", "full_attention", "conv", "full_attention"], {}),
+    "falcon_h1": (None, {**TINY_MAMBA, "mamba_d_ssm": 64}),  # a Mamba mixer beside the attention of every layer
+    "zaya": (None, {}),
+    "hy_v4": (None, {}),  # every layer attends; each holds an indexer beside its attention
 }
 
 
 def build(family: str) -> torch.nn.Module:
-    kinds = HYBRIDS[family]
-    overrides = {} if kinds is None else {"num_hidden_layers": len(kinds), "layer_types": kinds}
+    kinds, sizes = HYBRIDS[family]
+    overrides = dict(sizes) if kinds is None else {**sizes, "num_hidden_layers": len(kinds), "layer_types": kinds}
     model = tiny_model(family, **overrides)
     if kinds is not None:  # the kinds asked for survive the config's own checks
         assert list(model.config.layer_types) == kinds
@@ -42,7 +52,7 @@ def test_sites_are_the_modules_that_call_attention_in_order(family, device):
     theirs.set_attn_implementation("eager")
     ours = copy.deepcopy(theirs)
     ours.set_attn_implementation(integration.IMPLEMENTATION)
-    kinds = HYBRIDS[family] or ["full_attention"] * theirs.config.num_hidden_layers
+    kinds = HYBRIDS[family][0] or ["full_attention"] * theirs.config.num_hidden_layers
     attending = [n for n, kind in enumerate(kinds) if kind == "full_attention"]
     sites = attention_sites(ours)
     assert [site.index for site in sites] == list(range(len(attending)))

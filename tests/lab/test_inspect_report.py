@@ -46,6 +46,7 @@ def test_an_inspection_is_frozen_data():
         "pieces",
         "key_pieces",
         "truncated_from",
+        "layer_modules",
     ]
 
 

@@ -211,7 +211,9 @@ class Inspection:
     ``pieces``, ``key_pieces``: the words of each axis as the tokenizer made them
     (:class:`~multihead.lab.models.Pieces`); left out, they are read from the pieces' markers.
     ``truncated_from``: the text's piece count before truncation cut it (None when it was read whole; ``text``
-    is then the part analysed).
+    is then the part analysed). ``layer_modules``: each row's module path in the model (``model.layers.3.self_attn``:
+    a hybrid's attention layers are numbered 0..n-1 in order, their paths say where they are); empty when the
+    weights were not taken from a model.
     """
 
     model_name: str
@@ -230,6 +232,7 @@ class Inspection:
     pieces: Pieces | None = None
     key_pieces: Pieces | None = None
     truncated_from: int | None = None
+    layer_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.key_tokens:  # self-attention: the queries' pieces on both axes
@@ -406,6 +409,7 @@ class Inspection:
             "key_word_ids": self.words[1].word_ids,
             "key_words": self.words[1].words,
             "layers": self.layers,
+            "layer_modules": self.layer_modules,
             "heads": self.heads,
         }
         if self.pruned:
@@ -554,6 +558,7 @@ def inspect_text(
         layers=grid.layers,
         heads=grid.heads,
         weights=weights,
+        layer_modules=[] if grid.sites is None else [grid.sites[layer].name for layer in grid.layers],
         stats=stats,
         role_stats=role_stats,
         corpus=corpus_stats,

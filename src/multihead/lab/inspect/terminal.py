@@ -20,6 +20,7 @@ under the query pieces.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable, Sequence
 
 from rich import box
@@ -270,6 +271,19 @@ def near_duplicates_line(inspection: Inspection, shown: int = 8) -> str:
     return head + listed + (f" and {len(pairs) - shown} more pairs" if len(pairs) > shown else "")
 
 
+def _layers_elsewhere(inspection: Inspection) -> str:
+    """A line naming each layer's module where the model's own layer numbers are not these (a hybrid's attention
+    layers among its Mamba or linear-attention ones: "layers: 0 = model.layers.1.self_attn, ..."), else ""."""
+    modules = inspection.layer_modules
+    numbers = [re.search(r"\.(\d+)\.", f".{name}.") for name in modules]
+    if not modules or all(
+        found is not None and int(found.group(1)) == layer
+        for found, layer in zip(numbers, inspection.layers, strict=True)
+    ):
+        return ""
+    return "layers: " + ", ".join(f"{layer} = {name}" for layer, name in zip(inspection.layers, modules, strict=True))
+
+
 def print_inspection(inspection: Inspection, console: Console | None = None) -> None:
     """Print the header, the role grid and the token table to ``console`` (default: :func:`make_console`), fitted
     to its width."""
@@ -295,6 +309,9 @@ def print_inspection(inspection: Inspection, console: Console | None = None) -> 
     )
     for note in inspection.notes:
         console.print(Text(note, style="bold", overflow="fold"))
+    moved = _layers_elsewhere(inspection)
+    if moved:
+        console.print(Text(moved, overflow="fold"))
     if same:
         console.print(Text(" ".join(inspection.tokens), overflow="fold"))
     else:
