@@ -112,3 +112,17 @@ def tiny_model(model_type: str, *, seed: int = 0, **overrides) -> torch.nn.Modul
 def first_output(model: torch.nn.Module, **batch) -> torch.Tensor:
     out = model(**batch)
     return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def assert_outputs_and_gradients_equal(theirs: torch.nn.Module, ours: torch.nn.Module, tolerance: float, **batch):
+    """``ours`` gives ``theirs``' logits (or last hidden states) on ``batch``, and every parameter's gradient of one
+    random projection of them, within ``tolerance``."""
+    expected, got = first_output(theirs, **batch), first_output(ours, **batch)
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2)).to(expected.device)
+    (expected * weights).sum().backward()
+    (got * weights).sum().backward()
+    named = dict(ours.named_parameters())
+    for name, parameter in theirs.named_parameters():
+        if parameter.grad is not None:
+            torch.testing.assert_close(named[name].grad, parameter.grad, atol=tolerance, rtol=tolerance, msg=name)

@@ -59,7 +59,7 @@ from multihead.cache import check_fitting
 from multihead.functional import autocast_on
 from multihead.heads import HeadAblation, check_gate, make_ablation
 from multihead.masks import Mask
-from multihead.positional import RotaryEmbedding
+from multihead.positional import RotaryEmbedding, check_positions
 
 __all__ = ["LatentAttention", "LatentCache", "PendingLatent"]
 
@@ -677,7 +677,7 @@ class LatentAttention(nn.Module):
         if cache is not None:
             self._check_cache(cache, x, b, i)
         if positions is not None:
-            self._check_positions(positions, b, i)
+            check_positions(positions, b, i)
         if absorb is None:
             return cache is not None and not mean_ablation
         return absorb
@@ -696,20 +696,3 @@ class LatentAttention(nn.Module):
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
         cache.check_compatible(b, self.kv_lora_rank, self.qk_rope_head_dim, dtype, x.device)
         cache.check_room(i)
-
-    def _check_positions(self, positions: object, b: int, i: int) -> None:
-        if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
-            raise bad_argument(
-                "positions",
-                "an integer tensor (i,) or (b, i)",
-                describe(positions),
-                "pass torch.arange(start, start + i)",
-                kind=TypeError,
-            )
-        if tuple(positions.shape) not in ((i,), (b, i)):
-            raise bad_argument(
-                "positions",
-                f"shape (i,) = ({i},) or (b, i) = ({b}, {i})",
-                tuple(positions.shape),
-                "give one position per new token",
-            )

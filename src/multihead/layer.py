@@ -40,7 +40,7 @@ from multihead.functional import autocast_on
 from multihead.heads import HeadAblation, check_gate, make_ablation, prune_layer
 from multihead.masks import Mask, as_mask, window
 from multihead.paged import PagedBatch, PagedKVCache, PagedPending
-from multihead.positional import RotaryEmbedding
+from multihead.positional import RotaryEmbedding, check_positions
 
 
 def _size(name: str, value: object, *, default: int | None = None) -> int:
@@ -791,21 +791,7 @@ class MultiHeadAttention(nn.Module):
         start = 0 if cache is None or isinstance(cache, PagedBatch) else cache.seen
         if positions is None:
             return start
-        if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
-            raise bad_argument(
-                "positions",
-                "an integer tensor (i,) or (b, i)",
-                describe(positions),
-                "pass torch.arange(start, start + i)",
-                kind=TypeError,
-            )
-        if tuple(positions.shape) not in ((i,), (b, i)):
-            raise bad_argument(
-                "positions",
-                f"shape (i,) = ({i},) or (b, i) = ({b}, {i})",
-                tuple(positions.shape),
-                "give one position per new token",
-            )
+        check_positions(positions, b, i)
         # left where it is: rotate reads a CPU tensor's values (to check them and size its tables) before moving it
         # to the device itself without waiting; a tensor already on the device is never read
         return positions

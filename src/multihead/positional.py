@@ -162,6 +162,25 @@ def _table_for(
 # --------------------------------------------------------------------------- rotary
 
 
+def check_positions(positions: object, b: int, i: int) -> None:
+    """A layer call's ``positions`` checked for its b rows of i new tokens: an integer tensor (i,) or (b, i)."""
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
+        raise bad_argument(
+            "positions",
+            "an integer tensor (i,) or (b, i)",
+            describe(positions),
+            "pass torch.arange(start, start + i)",
+            kind=TypeError,
+        )
+    if tuple(positions.shape) not in ((i,), (b, i)):
+        raise bad_argument(
+            "positions",
+            f"shape (i,) = ({i},) or (b, i) = ({b}, {i})",
+            tuple(positions.shape),
+            "give one position per new token",
+        )
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoPE; Su et al., 2021, RoFormer) in the "rotate half" layout.
 

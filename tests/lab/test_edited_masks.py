@@ -64,3 +64,22 @@ def test_gemma4_kv_shared_generates_and_captures_as_eager(device):
     assert len(sites) == len(eager) == 4
     for site in sites:
         torch.testing.assert_close(recorder.weights(site.index), eager[site.index], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.portable
+def test_gemma4_kv_shared_gradients_equal_transformers_own_attention(device):
+    """Against sdpa, whose float32 softmax rounds as ours (eager's differs from both by 8e-5 of the largest
+    gradient here, its own rounding)."""
+    theirs, ours = gemma4_twins(device)
+    theirs.set_attn_implementation("sdpa")
+    batch = {"input_ids": ids(device)}
+    expected, got = first_output(theirs, **batch), first_output(ours, **batch)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2)).to(device)
+    (expected * weights).sum().backward()
+    (got * weights).sum().backward()
+    named = dict(ours.named_parameters())
+    for name, parameter in theirs.named_parameters():
+        if parameter.grad is not None:
+            scale = float(parameter.grad.abs().max()) + 1.0
+            torch.testing.assert_close(named[name].grad, parameter.grad, atol=1e-5 * scale, rtol=1e-5, msg=name)

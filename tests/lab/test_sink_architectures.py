@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import multihead.integrations.transformers as integration
-from hf_tiny import VOCAB, first_output, tiny_model
+from hf_tiny import VOCAB, assert_outputs_and_gradients_equal, tiny_model
 from multihead.lab.inspect import attention_sites, capture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,16 +61,7 @@ def has_sinks(model: torch.nn.Module) -> bool:
 def test_logits_and_gradients_equal_eager(model_type, device):
     theirs, ours = twins(model_type, device)
     assert has_sinks(theirs)
-    inputs = batch(device)
-    expected, got = first_output(theirs, **inputs), first_output(ours, **inputs)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2)).to(device)
-    (expected * weights).sum().backward()
-    (got * weights).sum().backward()
-    named = dict(ours.named_parameters())
-    for name, parameter in theirs.named_parameters():
-        if parameter.grad is not None:
-            torch.testing.assert_close(named[name].grad, parameter.grad, atol=1e-4, rtol=1e-4, msg=name)
+    assert_outputs_and_gradients_equal(theirs, ours, 1e-4, **batch(device))
 
 
 @pytest.mark.portable

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import multihead.integrations.transformers as integration
-from hf_tiny import VOCAB, first_output, tiny_model
+from hf_tiny import VOCAB, assert_outputs_and_gradients_equal, tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -29,12 +29,4 @@ def test_logits_and_gradients_equal_eager_past_index_topk(model_type, device):
     ours = copy.deepcopy(theirs)
     ours.set_attn_implementation(integration.IMPLEMENTATION)
     ids = torch.randint(3, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(1)).to(device)
-    expected, got = first_output(theirs, input_ids=ids), first_output(ours, input_ids=ids)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2)).to(device)
-    (expected * weights).sum().backward()
-    (got * weights).sum().backward()
-    named = dict(ours.named_parameters())
-    for name, parameter in theirs.named_parameters():
-        if parameter.grad is not None:
-            torch.testing.assert_close(named[name].grad, parameter.grad, atol=1e-4, rtol=1e-4, msg=name)
+    assert_outputs_and_gradients_equal(theirs, ours, 1e-4, input_ids=ids)
