@@ -193,9 +193,7 @@ def build(name: str) -> tuple[transformers.PreTrainedModel, transformers.PreTrai
         tokenizer = _byte_bpe("<s>", "</s>", "<pad>", wrap=False)
         ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         kinds = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
-        config = tiny_config(
-            "qwen3_next", vocab_size=len(tokenizer), num_hidden_layers=4, layer_types=kinds, **ids
-        )
+        config = tiny_config("qwen3_next", vocab_size=len(tokenizer), num_hidden_layers=4, layer_types=kinds, **ids)
         config.pad_token_id = tokenizer.pad_token_id
         return transformers.Qwen3NextForCausalLM(config), tokenizer
     raise AssertionError(name)
