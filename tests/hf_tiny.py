@@ -89,10 +89,13 @@ def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
         if _get(text, key) is not None:
             setattr(text, key, value)
     layer_types = _get(text, "layer_types")
-    if layer_types is not None and "layer_types" not in overrides:  # the first layers' kinds, as many as it has
-        kinds = list(layer_types[: text.num_hidden_layers])
+    if layer_types is not None and "layer_types" not in overrides:
+        # each kind of layer the defaults have, in the order they first come (a hybrid's attention layer may come
+        # only fourth), as many as the tiny model has layers, the pattern repeated to fill them
+        distinct = list(dict.fromkeys(layer_types))
+        kinds = (distinct * text.num_hidden_layers)[: text.num_hidden_layers]
         try:
-            text.layer_types = kinds + [kinds[-1]] * (text.num_hidden_layers - len(kinds))
+            text.layer_types = kinds
         except AttributeError:  # derived from other fields, with no setter (Falcon-H1's layers_block_type)
             pass
     return config

@@ -35,8 +35,8 @@ LENGTH = 12
 SINK_FREE_WEIGHTS = {"granite_swa", "granitemoe_swa"}  # past the tiny sliding windows (4 keys)
 
 
-def twins(model_type: str, device) -> tuple[torch.nn.Module, torch.nn.Module]:
-    theirs = tiny_model(model_type).to(device)
+def twins(model_type: str, device, **overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
+    theirs = tiny_model(model_type, **overrides).to(device)
     with torch.no_grad():  # sinks large enough to take a visible share (their initial values are often 0)
         for name, parameter in theirs.named_parameters():
             if name.endswith("sinks"):
@@ -62,6 +62,21 @@ def test_logits_and_gradients_equal_eager(model_type, device):
     theirs, ours = twins(model_type, device)
     assert has_sinks(theirs)
     assert_outputs_and_gradients_equal(theirs, ours, 1e-4, **batch(device))
+
+
+@pytest.mark.portable
+def test_deepseek_v4_compressed_keys_equal_eager(device):
+    """DeepSeek-V4's compressed layers append compressed keys to the window's and their 0/-inf block bias to the
+    mask, in the mask's dtype: a bool mask would turn that bias around, a typed one would miss the keys. Both kinds
+    of compressed layer compress here (every 4 tokens), the indexer picking fewer blocks than there are."""
+    kinds = ["compressed_sparse_attention", "heavily_compressed_attention"]
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 4}
+    theirs, ours = twins("deepseek_v4", device, layer_types=kinds, compress_rates=rates)
+    assert_outputs_and_gradients_equal(theirs, ours, 1e-4, **batch(device))
+    prompt = batch(device)["input_ids"][:, :5]
+    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        assert torch.equal(ours.generate(prompt, **settings), theirs.generate(prompt, **settings))
 
 
 @pytest.mark.portable

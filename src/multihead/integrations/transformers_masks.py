@@ -53,15 +53,21 @@ from multihead.integrations.transformers_internals import (  # transformers' int
     SLIDING_WINDOW_BIDIRECTIONAL,
     bidirectional_mask_function,
     causal_mask_function,
+    eager_mask,
     sdpa_mask,
 )
 from multihead.masks import AttentionShape, Mask, causal, documents, host_readable, padding, window
 
-__all__ = ["TransformersMask", "typed_mask", "kernel_mask", "EDITS_THE_MASK"]
+__all__ = ["TransformersMask", "typed_mask", "kernel_mask", "EDITS_THE_MASK", "WANTS_A_TENSOR"]
 
 # Models whose code asks create_causal_mask for a tensor (allow_is_causal_skip=False) and edits it (transformers
 # 5.24): their packed calls look like any model's, so they stay dense
 EDITS_THE_MASK = ("falcon", "doge", "dots3_note", "diffusion_gemma", "mistral_large4")
+# Models whose attention edits the mask only when it is a tensor, in eager's additive form (DeepSeek-V4's compressed
+# layers append their compressed keys' 0/-inf block bias to it, cast to the mask's dtype; it has no sdpa path): they
+# always get eager's float mask. A typed mask would reach the kernel with fewer keys than the call has, and a bool
+# one would turn the appended bias around (0 -> False, masked; -inf -> True, kept).
+WANTS_A_TENSOR = ("deepseek_v4",)
 
 # The band of relative positions r = (kv_idx + kv_offset) - (q_idx + q_offset) a mask function allows:
 # -left <= r <= right, None = unbounded on that side
@@ -297,7 +303,8 @@ def typed_mask(
     to the call's sizes by the kernel); None for full attention without padding when
     ``allow_is_bidirectional_skip`` (what ``sdpa_mask`` returns there); otherwise, for what is not recognised,
     ``sdpa_mask``'s own result with the same arguments: a (b, 1, i, j) bool tensor or None (see the module
-    docstring for what goes which way).
+    docstring for what goes which way); for the models of :data:`WANTS_A_TENSOR`, ``eager_mask``'s (b, 1, i, j)
+    additive float mask.
     """
 
     def dense() -> torch.Tensor | None:
@@ -319,6 +326,20 @@ def typed_mask(
 
     if isinstance(attention_mask, TransformersMask):
         return attention_mask  # already prepared (by generate, for a static cache): as transformers returns a 4-D one
+    if getattr(kwargs.get("config"), "model_type", None) in WANTS_A_TENSOR:
+        return eager_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+            use_vmap=use_vmap,
+            device=device,
+            **kwargs,
+        )
     sizes = (batch_size, q_length, kv_length, q_offset, kv_offset)
     if not all(_whole(size) for size in sizes) or q_offset < 0 or kv_offset < 0:
         return dense()  # tensor or symbolic offsets (static caches, tracing), or positions before the first
