@@ -9,7 +9,9 @@ block computes only the keys its mask leaves alive and masks only the band the
 mask partly keeps (:func:`_key_spans`); the returned tensor is advised onto huge
 pages before its first write (:mod:`multihead._memory`). The only i x j memory is
 the tensor returned to the caller. Backward reads the
-saved weights (no recomputation) block by block; with a logit soft-cap
+saved weights (no recomputation) block by block. Asked for the log-sum-exp (the call's LSE, or learned sinks
+folded in from it), each row's is one more pass over the row block's scores before their softmax (which stays
+the same: the output and weights do not depend on whether it was asked for); its gradient adds P * dlse to dS. With a logit soft-cap
 (masks.softcap) it also recomputes each row block's scores, since dS is
 multiplied by the cap's derivative 1 - (t / cap)^2 at the capped score t.
 
@@ -84,15 +86,17 @@ def _key_spans(mask: BoundMask | FoldedMask, rows: slice, j: int) -> tuple[range
 
 
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BoundMask | FoldedMask, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (b, h, i, e) and weights (b, h, i, j), both in q's dtype."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BoundMask | FoldedMask, scale: float, need_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Output (b, h, i, e) and weights (b, h, i, j), both in q's dtype; with ``need_lse`` each row's log-sum-exp
+    (b, h, i) in the compute dtype (float32 for half inputs, -inf for a row with no key), else None."""
     b, h, i, _ = q.shape
     g, j, e = k.shape[1], k.shape[2], v.shape[3]
     work = compute_dtype(q.dtype)
     q_scaled, k_work, v_work = q.to(work) * scale, k.to(work), v.to(work)  # scale after the upcast
     weights = empty_written_once(b, h, i, j, dtype=q.dtype, device=q.device)  # first touch on huge pages
     out = torch.empty(b, h, i, e, dtype=work, device=q.device)
+    lse = torch.full((b, h, i), -math.inf, dtype=work, device=q.device) if need_lse else None
     heads = _heads(b, h, h // g)
     rows_may_be_empty = mask.may_empty_rows()
     cap = mask.softcap
@@ -124,11 +128,13 @@ def _forward(
                 scores.add_(_head_slice(bias, bb, hh))
             if drop is not None:
                 scores[:, band].masked_fill_(_head_slice(drop, bb, hh), -math.inf)
+            if lse is not None:  # a pass of its own: the weights stay those of the call without it, to the bit
+                torch.logsumexp(scores, dim=-1, out=lse[bb, hh, rows])
             softmax_rows_(scores, rows_may_be_empty=rows_may_be_empty)
             torch.mm(scores, v_work[bb, kv, cols], out=out[bb, hh, rows])
             if buffer is not None:
                 weights[bb, hh, rows, cols] = scores
-    return out.to(q.dtype), weights
+    return out.to(q.dtype), weights, lse
 
 
 def _backward(
@@ -138,10 +144,12 @@ def _backward(
     weights: torch.Tensor,
     grad_out: torch.Tensor | None,
     grad_weights: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
     mask: BoundMask | FoldedMask,
     scale: float,
 ):
-    """Gradients for q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) from the saved weights (b, h, i, j).
+    """Gradients for q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) from the saved weights (b, h, i, j), given
+    those of the output (b, h, i, e), the weights and the log-sum-exp (b, h, i), each None where none flows.
 
     Half-precision weights are not read back: rounded to 8 bits of mantissa, they would make
     dS = P * (dP - rowsum(P * dP)) about 20 times less accurate than the other kernels' gradients. Each
@@ -176,7 +184,10 @@ def _backward(
             for bb, hh, kv in heads:
                 dv[bb, kv].addmm_(p[bb, hh].t(), d_out[bb, hh, rows])
                 dp[bb, hh].addmm_(d_out[bb, hh, rows], v_work[bb, kv].t())
-        ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p)  # dS = P * (dP - rowsum(P * dP))
+        ds = dp.sub_((p * dp).sum(-1, keepdim=True))
+        if grad_lse is not None:  # d lse / dS = P
+            ds.add_(grad_lse[:, :, rows].to(work).unsqueeze(-1))
+        ds.mul_(p)  # dS = P * (dP - rowsum(P * dP) + d lse)
         if slope is not None:
             ds.mul_(slope)  # through the soft-cap: dS with respect to the raw scaled scores
         for bb, hh, kv in heads:
@@ -188,7 +199,7 @@ def _backward(
 
 
 class _MaterializedAttention(KernelFunction):
-    """(q, k, v) -> (output, weights); backward is :class:`_MaterializedBackward`.
+    """(q, k, v) -> (output, weights, lse or None); backward is :class:`_MaterializedBackward`.
 
     The torch.func-style Function (forward without ctx, setup_context, an explicit vmap rule), so it
     works under vmap, grad, vjp and jacrev as well as under plain autograd.
@@ -196,39 +207,43 @@ class _MaterializedAttention(KernelFunction):
 
     @staticmethod
     @autocast_off
-    def forward(q, k, v, mask: BoundMask, scale: float):
-        return _forward(q, k, v, mask, scale)
+    def forward(q, k, v, mask: BoundMask, scale: float, need_lse: bool):
+        return _forward(q, k, v, mask, scale, need_lse)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, mask, scale = inputs
+        q, k, v, mask, scale, _ = inputs
         ctx.save_for_backward(q, k, v, output[1])
         ctx.mask, ctx.scale = mask, scale
         ctx.set_materialize_grads(False)  # a gradient on only one of output / weights arrives as None
 
     @staticmethod
     @autocast_off
-    def backward(ctx, grad_out, grad_weights):
-        if grad_out is None and grad_weights is None:  # reached from a double backward, which returns None for weights
-            return None, None, None, None, None
+    def backward(ctx, grad_out, grad_weights, grad_lse):
+        if grad_out is None and grad_weights is None and grad_lse is None:  # from a double backward (None for them)
+            return None, None, None, None, None, None
         q, k, v, weights = ctx.saved_tensors
-        if legacy_batched(grad_out, grad_weights):
-            dq, dk, dv = dense_input_grads(q, k, v, grad_out, grad_weights, None, mask=ctx.mask, scale=ctx.scale)
-            return dq, dk, dv, None, None
+        if legacy_batched(grad_out, grad_weights, grad_lse):
+            dq, dk, dv = dense_input_grads(q, k, v, grad_out, grad_weights, grad_lse, mask=ctx.mask, scale=ctx.scale)
+            return dq, dk, dv, None, None, None
         # a Function of its own, so that the gradients are differentiable (double backward) and batchable
         # (vmap over vjp); with create_graph=False and no transform it just runs the kernel
-        dq, dk, dv = _MaterializedBackward.call_or_run(q, k, v, weights, grad_out, grad_weights, ctx.mask, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _MaterializedBackward.call_or_run(
+            q, k, v, weights, grad_out, grad_weights, grad_lse, ctx.mask, ctx.scale
+        )
+        return dq, dk, dv, None, None, None
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, mask, scale):
+    def vmap(info, in_dims, q, k, v, mask, scale, need_lse):
         q, k, v = (fold(t, dim, info.batch_size) for t, dim in zip((q, k, v), in_dims[:3], strict=True))
-        out, weights = _MaterializedAttention.apply(q, k, v, FoldedMask(mask, info.batch_size), scale)
-        return (unfold(out, info.batch_size), unfold(weights, info.batch_size)), (0, 0)
+        out, weights, lse = _MaterializedAttention.apply(q, k, v, FoldedMask(mask, info.batch_size), scale, need_lse)
+        size = info.batch_size
+        unfolded = (unfold(out, size), unfold(weights, size), None if lse is None else unfold(lse, size))
+        return unfolded, (0, 0, None if lse is None else 0)
 
 
 class _MaterializedBackward(KernelFunction):
-    """(q, k, v, weights, grad_out, grad_weights) -> (dq, dk, dv): the blocked backward kernel.
+    """(q, k, v, weights, grad_out, grad_weights, grad_lse) -> (dq, dk, dv): the blocked backward kernel.
 
     Its own backward (double backward) differentiates the dense closed-form gradients
     (:func:`~multihead.backends._blocks.dense_input_grads`), recomputing the weights from q and k: the
@@ -237,32 +252,30 @@ class _MaterializedBackward(KernelFunction):
 
     @staticmethod
     @autocast_off
-    def forward(q, k, v, weights, grad_out, grad_weights, mask: BoundMask, scale: float):
-        return _backward(q, k, v, weights, grad_out, grad_weights, mask, scale)
+    def forward(q, k, v, weights, grad_out, grad_weights, grad_lse, mask: BoundMask, scale: float):
+        return _backward(q, k, v, weights, grad_out, grad_weights, grad_lse, mask, scale)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, weights, grad_out, grad_weights, mask, scale = inputs
-        ctx.save_for_backward(q, k, v, grad_out, grad_weights)
+        q, k, v, weights, grad_out, grad_weights, grad_lse, mask, scale = inputs
+        ctx.save_for_backward(q, k, v, grad_out, grad_weights, grad_lse)
         ctx.mask, ctx.scale = mask, scale
 
     @staticmethod
     @autocast_off
     def backward(ctx, grad_dq, grad_dk, grad_dv):
-        q, k, v, grad_out, grad_weights = ctx.saved_tensors
-        dq, dk, dv, d_grad_out, d_grad_weights = double_backward(
-            {"q": q, "k": k, "v": v, "grad_out": grad_out, "grad_weights": grad_weights},
-            (grad_dq, grad_dk, grad_dv),
-            mask=ctx.mask,
-            scale=ctx.scale,
+        q, k, v, grad_out, grad_weights, grad_lse = ctx.saved_tensors
+        given = {"q": q, "k": k, "v": v, "grad_out": grad_out, "grad_weights": grad_weights, "grad_lse": grad_lse}
+        dq, dk, dv, d_grad_out, d_grad_weights, d_grad_lse = double_backward(
+            given, (grad_dq, grad_dk, grad_dv), mask=ctx.mask, scale=ctx.scale
         )
-        return dq, dk, dv, None, d_grad_out, d_grad_weights, None, None
+        return dq, dk, dv, None, d_grad_out, d_grad_weights, d_grad_lse, None, None
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, weights, grad_out, grad_weights, mask, scale):
+    def vmap(info, in_dims, q, k, v, weights, grad_out, grad_weights, grad_lse, mask, scale):
         tensors = (
             fold(t, dim, info.batch_size)
-            for t, dim in zip((q, k, v, weights, grad_out, grad_weights), in_dims[:6], strict=True)
+            for t, dim in zip((q, k, v, weights, grad_out, grad_weights, grad_lse), in_dims[:7], strict=True)
         )
         grads = _MaterializedBackward.apply(*tensors, FoldedMask(mask, info.batch_size), scale)
         return tuple(unfold(t, info.batch_size) for t in grads), (0, 0, 0)
@@ -279,17 +292,19 @@ def materialized_attention(
     need_weights: bool,
     need_lse: bool,
 ) -> BackendOutput:
-    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), weights (b, h, i, j).
+    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), weights (b, h, i, j), and with
+    ``need_lse`` the log-sum-exp (b, h, i) (differentiable: learned sinks are folded in from it).
 
-    Both in q's dtype; under torch.autocast, in the autocast dtype (float64 excepted), as torch's SDPA.
+    Output and weights in q's dtype; under torch.autocast, in the autocast dtype (float64 excepted), as torch's
+    SDPA; the LSE in float32 for half inputs.
     """
     q, k, v = autocast_inputs(q, k, v)
-    output, weights = _MaterializedAttention.call(q, k, v, mask, scale)
-    return BackendOutput(output, weights if need_weights else None, None)
+    output, weights, lse = _MaterializedAttention.call(q, k, v, mask, scale, need_lse)
+    return BackendOutput(output, weights if need_weights else None, lse)
 
 
 CAPABILITIES = Capabilities(
-    lse=False,
+    lse=True,
     weights=True,
     dropout=False,
     backward=True,
@@ -297,6 +312,7 @@ CAPABILITIES = Capabilities(
     compiles_dynamic=False,
     python_block_loop=True,  # a few small kernels per block: passed over on CUDA where a fused kernel serves
     softcap=True,
+    sinks=True,  # folded in from its differentiable LSE
     # each row block's live key span, masked apart; weights written once, into a new (b, h, i, j) tensor; its
     # backward masks again only when it recomputes half-precision weights in float32
     estimate=lambda call: block_kernel_estimate(
