@@ -27,7 +27,6 @@ from multihead.backends.paged import PageTable
 from multihead.functional import attention
 from multihead.masks import Mask, to_device
 
-
 class PrunableLayer(Protocol):
     """What pruning reads and rewrites of a layer (a :class:`multihead.MultiHeadAttention`): its projections, its
     per-head sink logits (or None), its head counts and sizes, and how it drops its head surgery. Named here, so
@@ -46,7 +45,16 @@ class PrunableLayer(Protocol):
     def restore_heads(self) -> None: ...
 
 
-__all__ = ["ABLATIONS", "HeadAblation", "ablate_outputs", "check_gate", "check_heads", "make_ablation", "prune_layer"]
+__all__ = [
+    "ABLATIONS",
+    "HeadAblation",
+    "HeadSurgery",
+    "ablate_outputs",
+    "check_gate",
+    "check_heads",
+    "make_ablation",
+    "prune_layer",
+]
 
 ABLATIONS = ("zero", "uniform", "mean")
 
@@ -99,6 +107,48 @@ def check_gate(num_heads: int, gate: object) -> torch.Tensor | None:
             f"set layer.head_gate = torch.ones({num_heads}, requires_grad=True), or None",
         )
     return gate
+
+
+class GatedStep(Protocol):
+    """What head surgery sets on a layer's attention step (a :class:`multihead.attend.Attend`, which imports this
+    module): the gate and the ablation it applies to each head's output."""
+
+    head_gate: torch.Tensor | None
+    head_ablation: HeadAblation | None
+
+
+class HeadSurgery:
+    """The head gate and ablations of a layer whose ``attend`` (its :class:`multihead.attend.Attend`) applies them to
+    each head's output: for :class:`multihead.MultiHeadAttention` and :class:`multihead.LatentAttention`, which
+    have ``num_heads`` query heads and ``value_head_dim`` features per head's output."""
+
+    attend: GatedStep
+    num_heads: int
+    value_head_dim: int
+
+    @property
+    def head_gate(self) -> torch.Tensor | None:
+        """(h,) factors on each head's output (may need a gradient), or None; see :mod:`multihead.heads`."""
+        return self.attend.head_gate
+
+    @head_gate.setter
+    def head_gate(self, value: torch.Tensor | None) -> None:
+        self.attend.head_gate = check_gate(self.num_heads, value)
+
+    @property
+    def head_ablation(self) -> HeadAblation | None:
+        """The heads ablated by :meth:`ablate_heads` and how, or None."""
+        return self.attend.head_ablation
+
+    def ablate_heads(self, heads: Sequence[int] | int, how: str = "zero", mean_outputs: torch.Tensor | None = None):
+        """Ablate ``heads`` until :meth:`restore_heads`: how="zero" zeroes their outputs, "uniform" makes
+        them attend uniformly over the keys they may see, "mean" outputs ``mean_outputs`` (len(heads), e)."""
+        self.attend.head_ablation = make_ablation(self.num_heads, self.value_head_dim, heads, how, mean_outputs)
+
+    def restore_heads(self) -> None:
+        """Undo :meth:`ablate_heads` and remove ``head_gate``."""
+        self.attend.head_ablation = None
+        self.attend.head_gate = None
 
 
 def ablate_outputs(

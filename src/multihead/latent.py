@@ -57,7 +57,7 @@ from multihead.attend import Attend
 from multihead.backends import registry
 from multihead.cache import check_fitting
 from multihead.functional import autocast_on
-from multihead.heads import HeadAblation, check_gate, make_ablation
+from multihead.heads import HeadSurgery
 from multihead.masks import Mask
 from multihead.positional import RotaryEmbedding, check_positions
 
@@ -269,9 +269,13 @@ def _even(name: str, value: object) -> int:
     return size
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(HeadSurgery, nn.Module):
     """Multi-head Latent Attention over batch-first inputs (b, i, hidden_size): transformers'
     ``DeepseekV3Attention`` (the same module names and weights), with its attention run by :class:`Attend`.
+
+    Head surgery (``head_gate``, ``ablate_heads``) is :class:`multihead.heads.HeadSurgery`'s. Zero, uniform and a
+    gate act the same on the plain and the absorbed call (W^UV is linear); a mean of values (e) has no latent (c)
+    counterpart, so a layer with a mean ablation runs the plain call.
 
     Args:
         hidden_size: input and output features.
@@ -329,6 +333,7 @@ class LatentAttention(nn.Module):
         self.qk_nope_head_dim = positive_int("qk_nope_head_dim", qk_nope_head_dim)
         self.qk_rope_head_dim = _even("qk_rope_head_dim", qk_rope_head_dim)
         self.v_head_dim = positive_int("v_head_dim", v_head_dim)
+        self.value_head_dim = self.v_head_dim  # the name head surgery reads (HeadSurgery, as MultiHeadAttention's)
         self.q_lora_rank = None if q_lora_rank is None else positive_int("q_lora_rank", q_lora_rank)
         self.rope_interleave = checked_flag("rope_interleave", rope_interleave)
         checked_flag("bias", bias)
@@ -347,7 +352,7 @@ class LatentAttention(nn.Module):
             )
         if backend != "auto":
             registry.get_backend(backend)  # raises with the list of names
-        self.attend = Attend(float(dropout), backend)  # every attention of the layer: hooks, gates, ablations
+        self.attend: Attend = Attend(float(dropout), backend)  # every attention of the layer: hooks, gates, ablations
         self.rotary = RotaryEmbedding(self.qk_rope_head_dim, base)  # DeepSeek's frequencies: base^(-2m/r)
         self._build(bias, float(eps), usable_device("device", device), floating_dtype("dtype", dtype))
         self.reset_parameters()
@@ -481,35 +486,6 @@ class LatentAttention(nn.Module):
         )
         layer.load_state_dict(module.state_dict())
         return layer
-
-    # ----------------------------------------------------------------------- head surgery
-
-    @property
-    def head_gate(self) -> torch.Tensor | None:
-        """(h,) factors on each head's output (may need a gradient), or None; see :mod:`multihead.heads`."""
-        return self.attend.head_gate
-
-    @head_gate.setter
-    def head_gate(self, value: torch.Tensor | None) -> None:
-        self.attend.head_gate = check_gate(self.num_heads, value)
-
-    @property
-    def head_ablation(self) -> HeadAblation | None:
-        """The heads ablated by :meth:`ablate_heads` and how, or None."""
-        return self.attend.head_ablation
-
-    def ablate_heads(self, heads: list[int] | int, how: str = "zero", mean_outputs: torch.Tensor | None = None) -> None:
-        """Ablate ``heads`` until :meth:`restore_heads`: how="zero" zeroes their outputs, "uniform" makes them
-        attend uniformly over the keys they may see, "mean" outputs ``mean_outputs`` (len(heads), e).
-
-        Zero, uniform and a gate act the same on both calls (W^UV is linear). A mean of values (e) has no latent
-        (c) counterpart, so a layer with a mean ablation runs the plain call."""
-        self.attend.head_ablation = make_ablation(self.num_heads, self.v_head_dim, heads, how, mean_outputs)
-
-    def restore_heads(self) -> None:
-        """Undo :meth:`ablate_heads` and remove ``head_gate``."""
-        self.attend.head_ablation = None
-        self.attend.head_gate = None
 
     # ----------------------------------------------------------------------- forward
 

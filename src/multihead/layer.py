@@ -37,7 +37,7 @@ from multihead.attend import Attend
 from multihead.backends import registry
 from multihead.cache import KVCache, PendingAppend
 from multihead.functional import autocast_on
-from multihead.heads import HeadAblation, check_gate, make_ablation, prune_layer
+from multihead.heads import HeadSurgery, prune_layer
 from multihead.masks import Mask, as_mask, window
 from multihead.paged import PagedBatch, PagedKVCache, PagedPending
 from multihead.positional import RotaryEmbedding, check_positions
@@ -140,7 +140,7 @@ _TORCH_LAYOUT = (
 )
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(HeadSurgery, nn.Module):
     """Multi-head attention over batch-first inputs (b, seq, features).
 
     Args:
@@ -237,8 +237,8 @@ class MultiHeadAttention(nn.Module):
             )
         if backend != "auto":
             registry.get_backend(backend)  # raises with the list of names
-        # the attention step: holds dropout, backend and head surgery (see the properties below)
-        self.attend = Attend(float(dropout), backend)
+        # the attention step: holds dropout, backend and head surgery (HeadSurgery's properties)
+        self.attend: Attend = Attend(float(dropout), backend)
         eps, self.output_gate = _norm_eps(qk_norm, qk_norm_eps), _gate_kind(output_gate)
         self.rotary = self._rotary(rotary, rotary_dim)
         checked_flag("sinks", sinks)
@@ -338,20 +338,6 @@ class MultiHeadAttention(nn.Module):
     def backend(self, value: str) -> None:
         self.attend.backend = value
 
-    @property
-    def head_gate(self) -> torch.Tensor | None:
-        """(h,) factors on each head's output (may need a gradient), or None; see :mod:`multihead.heads`."""
-        return self.attend.head_gate
-
-    @head_gate.setter
-    def head_gate(self, value: torch.Tensor | None) -> None:
-        self.attend.head_gate = check_gate(self.num_heads, value)
-
-    @property
-    def head_ablation(self) -> HeadAblation | None:
-        """The heads ablated by :meth:`ablate_heads` and how, or None."""
-        return self.attend.head_ablation
-
     def config(self) -> dict:
         """The constructor arguments that rebuild this layer's shape: ``MultiHeadAttention(**layer.config())``
         then ``load_state_dict`` restores it (a pruned layer included)."""
@@ -374,16 +360,6 @@ class MultiHeadAttention(nn.Module):
             "sinks": self.sinks is not None,
             "backend": self.backend,
         }
-
-    def ablate_heads(self, heads: list[int] | int, how: str = "zero", mean_outputs: torch.Tensor | None = None) -> None:
-        """Ablate ``heads`` until :meth:`restore_heads`: how="zero" zeroes their outputs, "uniform" makes
-        them attend uniformly over the keys they may see, "mean" outputs ``mean_outputs`` (len(heads), e)."""
-        self.attend.head_ablation = make_ablation(self.num_heads, self.value_head_dim, heads, how, mean_outputs)
-
-    def restore_heads(self) -> None:
-        """Undo :meth:`ablate_heads` and remove ``head_gate``."""
-        self.attend.head_ablation = None
-        self.attend.head_gate = None
 
     def prune_heads(self, heads: list[int] | int) -> list[int]:
         """Remove ``heads`` (W^Q/W^K/W^V rows with their gate rows, W^O columns, sink logits); returns the old
