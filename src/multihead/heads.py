@@ -27,6 +27,7 @@ from multihead.backends.paged import PageTable
 from multihead.functional import attention
 from multihead.masks import Mask, to_device
 
+
 class PrunableLayer(Protocol):
     """What pruning reads and rewrites of a layer (a :class:`multihead.MultiHeadAttention`): its projections, its
     per-head sink logits (or None), its head counts and sizes, and how it drops its head surgery. Named here, so

@@ -11,9 +11,9 @@ pages before its first write (:mod:`multihead._memory`). The only i x j memory i
 the tensor returned to the caller. Backward reads the
 saved weights (no recomputation) block by block. Asked for the log-sum-exp (the call's LSE, or learned sinks
 folded in from it), each row's is one more pass over the row block's scores before their softmax (which stays
-the same: the output and weights do not depend on whether it was asked for); its gradient adds P * dlse to dS. With a logit soft-cap
-(masks.softcap) it also recomputes each row block's scores, since dS is
-multiplied by the cap's derivative 1 - (t / cap)^2 at the capped score t.
+the same: the output and weights do not depend on whether it was asked for); its gradient adds P * dlse to dS.
+With a logit soft-cap (masks.softcap) it also recomputes each row block's scores, since dS is multiplied by the
+cap's derivative 1 - (t / cap)^2 at the capped score t.
 
 The autograd stack, as in tiled.py: the backward kernel is an autograd Function
 of its own whose backward (double backward) differentiates the dense closed-form
