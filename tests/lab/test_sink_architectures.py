@@ -52,6 +52,14 @@ def batch(device) -> dict:
     return {"input_ids": ids}
 
 
+def assert_greedy_generation_equal(theirs: torch.nn.Module, ours: torch.nn.Module, device) -> None:
+    """8 greedy new tokens after the first 5 of :func:`batch`: the same from both models."""
+    prompt = batch(device)["input_ids"][:, :5]
+    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        assert torch.equal(ours.generate(prompt, **settings), theirs.generate(prompt, **settings))
+
+
 def has_sinks(model: torch.nn.Module) -> bool:
     return any(name.endswith("sinks") or "sink_proj" in name for name, _ in model.named_parameters())
 
@@ -73,20 +81,14 @@ def test_deepseek_v4_compressed_keys_equal_eager(device):
     rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 4}
     theirs, ours = twins("deepseek_v4", device, layer_types=kinds, compress_rates=rates)
     assert_outputs_and_gradients_equal(theirs, ours, 1e-4, **batch(device))
-    prompt = batch(device)["input_ids"][:, :5]
-    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
-    with torch.no_grad():
-        assert torch.equal(ours.generate(prompt, **settings), theirs.generate(prompt, **settings))
+    assert_greedy_generation_equal(theirs, ours, device)
 
 
 @pytest.mark.portable
 @pytest.mark.parametrize("model_type", GENERATING)
 def test_greedy_generation_equals_eager(model_type, device):
     theirs, ours = twins(model_type, device)
-    prompt = batch(device)["input_ids"][:, :5]
-    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
-    with torch.no_grad():
-        assert torch.equal(ours.generate(prompt, **settings), theirs.generate(prompt, **settings))
+    assert_greedy_generation_equal(theirs, ours, device)
 
 
 @pytest.mark.portable

@@ -58,16 +58,17 @@ from multihead.integrations.transformers_internals import (  # transformers' int
 )
 from multihead.masks import AttentionShape, Mask, causal, documents, host_readable, padding, window
 
-__all__ = ["TransformersMask", "typed_mask", "kernel_mask", "EDITS_THE_MASK", "WANTS_A_TENSOR"]
+__all__ = ["TransformersMask", "typed_mask", "kernel_mask", "EDITS_THE_MASK", "NEEDS_EAGER_MASK"]
 
 # Models whose code asks create_causal_mask for a tensor (allow_is_causal_skip=False) and edits it (transformers
 # 5.24): their packed calls look like any model's, so they stay dense
 EDITS_THE_MASK = ("falcon", "doge", "dots3_note", "diffusion_gemma", "mistral_large4")
-# Models whose attention edits the mask only when it is a tensor, in eager's additive form (DeepSeek-V4's compressed
-# layers append their compressed keys' 0/-inf block bias to it, cast to the mask's dtype; it has no sdpa path): they
-# always get eager's float mask. A typed mask would reach the kernel with fewer keys than the call has, and a bool
-# one would turn the appended bias around (0 -> False, masked; -inf -> True, kept).
-WANTS_A_TENSOR = ("deepseek_v4",)
+# Models with no sdpa path that work on the mask tensor themselves, in eager's additive form (transformers 5.24):
+# DeepSeek-V4's compressed layers append their compressed keys' 0/-inf block bias to it, cast to the mask's dtype;
+# GIT's text layers add it to their own scores (only its vision tower calls the attention function). They always
+# get eager's float mask: a typed mask would reach the kernel with fewer keys than the call has, or fail to add,
+# and a bool one would turn the appended bias around (0 -> False, masked) or add 1 to every kept score.
+NEEDS_EAGER_MASK = ("deepseek_v4", "git")
 
 # The band of relative positions r = (kv_idx + kv_offset) - (q_idx + q_offset) a mask function allows:
 # -left <= r <= right, None = unbounded on that side
@@ -303,43 +304,32 @@ def typed_mask(
     to the call's sizes by the kernel); None for full attention without padding when
     ``allow_is_bidirectional_skip`` (what ``sdpa_mask`` returns there); otherwise, for what is not recognised,
     ``sdpa_mask``'s own result with the same arguments: a (b, 1, i, j) bool tensor or None (see the module
-    docstring for what goes which way); for the models of :data:`WANTS_A_TENSOR`, ``eager_mask``'s (b, 1, i, j)
+    docstring for what goes which way); for the models of :data:`NEEDS_EAGER_MASK`, ``eager_mask``'s (b, 1, i, j)
     additive float mask.
     """
 
+    # what sdpa_mask and eager_mask both take
+    common: dict[str, Any] = {
+        "batch_size": batch_size,
+        "q_length": q_length,
+        "kv_length": kv_length,
+        "q_offset": q_offset,
+        "kv_offset": kv_offset,
+        "mask_function": mask_function,
+        "attention_mask": attention_mask,
+        "allow_is_bidirectional_skip": allow_is_bidirectional_skip,
+        "use_vmap": use_vmap,
+        "device": device,
+        **kwargs,
+    }
+
     def dense() -> torch.Tensor | None:
-        return sdpa_mask(
-            batch_size=batch_size,
-            q_length=q_length,
-            kv_length=kv_length,
-            q_offset=q_offset,
-            kv_offset=kv_offset,
-            mask_function=mask_function,
-            attention_mask=attention_mask,
-            local_size=local_size,
-            allow_is_causal_skip=allow_is_causal_skip,
-            allow_is_bidirectional_skip=allow_is_bidirectional_skip,
-            use_vmap=use_vmap,
-            device=device,
-            **kwargs,
-        )
+        return sdpa_mask(local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **common)
 
     if isinstance(attention_mask, TransformersMask):
         return attention_mask  # already prepared (by generate, for a static cache): as transformers returns a 4-D one
-    if getattr(kwargs.get("config"), "model_type", None) in WANTS_A_TENSOR:
-        return eager_mask(
-            batch_size=batch_size,
-            q_length=q_length,
-            kv_length=kv_length,
-            q_offset=q_offset,
-            kv_offset=kv_offset,
-            mask_function=mask_function,
-            attention_mask=attention_mask,
-            allow_is_bidirectional_skip=allow_is_bidirectional_skip,
-            use_vmap=use_vmap,
-            device=device,
-            **kwargs,
-        )
+    if getattr(kwargs.get("config"), "model_type", None) in NEEDS_EAGER_MASK:
+        return eager_mask(**common)
     sizes = (batch_size, q_length, kv_length, q_offset, kv_offset)
     if not all(_whole(size) for size in sizes) or q_offset < 0 or kv_offset < 0:
         return dense()  # tensor or symbolic offsets (static caches, tracing), or positions before the first
