@@ -23,7 +23,7 @@ LOCK_TOOLS := pip==26.3 pip-tools==7.6.2
 COMPILE := CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile --quiet --upgrade --generate-hashes --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links
 
-.PHONY: install install-test browser lock lint test test-latest test-floors test-other-cpu fuzz bench bench-kernel bench-layer bench-parallel \
+.PHONY: install install-test browser lock lint test test-latest test-floors test-other-cpu fuzz architectures bench bench-kernel bench-layer bench-parallel \
 	demo clean
 
 # The checkpoint package (lock/checkpoint.txt) declares sentence-transformers as a dependency; the demo only reads
@@ -123,6 +123,11 @@ bench-kernel: install
 
 bench-layer: install
 	$(PY) benchmarks/layer.py
+
+# Every architecture of the installed transformers built tiny on attn_implementation="multihead" beside its eager
+# attention: rewrites docs/architectures.md (about 12 minutes on 2 cores; make test re-runs a sample of its rows)
+architectures: install-test
+	$(ISOLATED_HOME) $(TEST_PY) scripts/architectures.py
 
 # Head- and sequence-parallel attention on 1, 2 and 4 gloo ranks (torchrun, loopback): bytes sent, peak memory, time.
 bench-parallel: install
