@@ -141,7 +141,9 @@ class HeadSurgery:
         """The heads ablated by :meth:`ablate_heads` and how, or None."""
         return self.attend.head_ablation
 
-    def ablate_heads(self, heads: Sequence[int] | int, how: str = "zero", mean_outputs: torch.Tensor | None = None):
+    def ablate_heads(
+        self, heads: Sequence[int] | int, how: str = "zero", mean_outputs: torch.Tensor | None = None
+    ) -> None:
         """Ablate ``heads`` until :meth:`restore_heads`: how="zero" zeroes their outputs, "uniform" makes
         them attend uniformly over the keys they may see, "mean" outputs ``mean_outputs`` (len(heads), e)."""
         self.attend.head_ablation = make_ablation(self.num_heads, self.value_head_dim, heads, how, mean_outputs)
