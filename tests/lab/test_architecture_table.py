@@ -43,6 +43,9 @@ def test_the_table_lists_every_architecture_that_calls_the_attention_function():
     assert sorted(rows) == SCRIPT.attention_architectures()
     counts = re.search(r"^(\d+) architectures: (.*)\.$", TABLE.read_text(), re.MULTILINE)
     assert counts is not None and int(counts.group(1)) == len(rows)
+    said = {status: int(count) for count, status in re.findall(r"(\d+) ([a-z ]+?)(?:,|$)", counts.group(2))}
+    statuses = [status for status, _ in rows.values()]
+    assert said == {status: statuses.count(status) for status in set(statuses)}
 
 
 # the architectures issue 45 served, and the two that need eager's mask (NEEDS_EAGER_MASK)
