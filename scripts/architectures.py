@@ -21,6 +21,7 @@ import resource
 import sys
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,8 +62,8 @@ def attention_architectures() -> list[str]:
 
 
 def _first_line(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}".splitlines()[0]
-    return (text[:150] + "...") if len(text) > 150 else text.replace("|", "/")
+    text = f"{type(error).__name__}: {error}".splitlines()[0].replace("|", "/")  # a "|" would split the table row
+    return (text[:150] + "...") if len(text) > 150 else text
 
 
 def compare(model_type: str, device: torch.device | str = "cpu") -> Row:
@@ -122,10 +123,7 @@ def rows(model_types: list[str], processes: int) -> list[Row]:
 
 
 def table(found: list[Row]) -> str:
-    counts: dict[str, int] = {}
-    for row in found:
-        counts[row.status] = counts.get(row.status, 0) + 1
-    summary = ", ".join(f"{count} {status}" for status, count in sorted(counts.items(), key=lambda kv: -kv[1]))
+    summary = ", ".join(f"{count} {status}" for status, count in Counter(row.status for row in found).most_common())
     lines = [
         '# Architectures on `attn_implementation="multihead"`',
         "",
