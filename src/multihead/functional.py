@@ -341,6 +341,7 @@ def _bind(checked: _Checked, mask, causal, scale, dropout, training, return_weig
         requires_grad=requires_grad or (sinks_need_grad(sinks) or bound.bias_requires_grad) and torch.is_grad_enabled(),
         paged=bound_pages is not None,
         sinks=sinks is not None,
+        sinks_need_grad=sinks_need_grad(sinks) and torch.is_grad_enabled(),
         kind=policy.current_policy().kind_of(q.device),
     )
     return _Prepared(
@@ -441,7 +442,8 @@ def _weights_for(p: _Prepared, selection: WeightSelection) -> torch.Tensor:
     heads = (
         torch.arange(h, device=p.q.device) if selection.heads is None else _index_tensor(selection.heads, p.q.device)
     )
-    return selected_weights(p.q, p.k, p.mask, p.scale, heads, _index(selection.queries, p.q.device))
+    queries = _index(selection.queries, p.q.device)
+    return selected_weights(p.q, p.k, p.mask, p.scale, heads, queries, sinks=p.sinks)
 
 
 def autocast_on(device: torch.device) -> bool:
@@ -587,34 +589,52 @@ def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, sin
     native_weights = p.call.weights != "none" and chosen.capabilities.weights
     if not chosen.capabilities.paged:
         p = p.dense()  # gathered once, for the kernel and the weights alike
-    # the registry's contract: a paged backend reads the pools through the table it is given
-    paged = {} if p.pages is None else {"pages": p.pages}
-    result = chosen.fn(
-        p.q,
-        p.k,
-        p.v,
-        mask=p.mask,
-        scale=p.scale,
-        dropout=p.dropout,
-        need_weights=native_weights,
-        need_lse=return_lse or p.sinks is not None,  # sinks are folded in from the LSE
-        **paged,
-    )
+    result = _call_backend(chosen, p, p.q, p.k, p.v, dropout=p.dropout, need_weights=native_weights)
     output, weights, lse = result.output, None, result.lse
     if native_weights:
         # a backend with capabilities.weights returns them when need_weights is True (the registry contract)
         assert result.weights is not None, f"backend {chosen.name!r} was asked for weights and returned none"
         weights = result.weights if p.selection is None else _select_weights(result.weights, p.selection)
-    elif p.call.weights != "none":
-        weights = _weights_for(p.dense(), p.selection or WeightSelection())
-    if p.sinks is not None:
+    if p.sinks is not None and not chosen.capabilities.takes_sinks:
         assert lse is not None  # asked for: every backend that serves sinks returns its LSE (the registry contract)
         output, weights, lse = _with_sinks(output, weights, lse, p.sinks, p.selection)
+    if p.call.weights != "none" and not native_weights:
+        weights = _weights_for(p.dense(), p.selection or WeightSelection())  # over the keys and any sink
     if p.unbatched:
         output = output.squeeze(0)
         weights = None if weights is None else weights.squeeze(0)
         lse = None if lse is None else lse.squeeze(0)
     return AttentionResult(output, weights, lse if return_lse else None)
+
+
+def _call_backend(
+    backend: registry.Backend,
+    p: _Prepared,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    dropout: float,
+    need_weights: bool,
+) -> registry.BackendOutput:
+    """``backend`` run on q, k, v (p's, or copies of them) as the registry's contract says: a paged backend reads
+    the pools through p's table; a backend that takes learned sinks is handed them, and one that serves them from
+    its log-sum-exp is asked for it (the call folds them in: :func:`_with_sinks`)."""
+    extra: dict[str, object] = {} if p.pages is None else {"pages": p.pages}
+    folds_sinks = p.sinks is not None and not backend.capabilities.takes_sinks
+    if p.sinks is not None and backend.capabilities.takes_sinks:
+        extra["sinks"] = p.sinks
+    return backend.fn(
+        q,
+        k,
+        v,
+        mask=p.mask,
+        scale=p.scale,
+        dropout=dropout,
+        need_weights=need_weights,
+        need_lse=p.call.need_lse or folds_sinks,
+        **extra,
+    )
 
 
 def _with_sinks(
@@ -711,7 +731,8 @@ def _plan_key(
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sinks_need_grad(sinks))
     shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
     options = (causal, scale, dropout, training, backend, return_weights, return_lse, sinks is not None)
-    return (*shapes, *options, grad, registry.epoch())
+    sinks_grad = torch.is_grad_enabled() and sinks_need_grad(sinks)
+    return (*shapes, *options, grad, sinks_grad, registry.epoch())
 
 
 def _keep_plan(key: tuple, plan: _Plan) -> None:
@@ -758,14 +779,7 @@ def _timer(p: _Prepared, backend: registry.Backend) -> Callable[[], float]:
         _synchronize(p.q.device)
         start = time.perf_counter()
         with torch.set_grad_enabled(p.call.requires_grad):
-            result = backend.fn(
-                *leaves,
-                mask=p.mask,
-                scale=p.scale,
-                dropout=0.0,
-                need_weights=native_weights,
-                need_lse=p.call.need_lse or p.call.sinks,
-            )
+            result = _call_backend(backend, p, *leaves, dropout=0.0, need_weights=native_weights)
             if p.call.weights != "none" and not native_weights:
                 copies = replace(p, q=leaves[0], k=leaves[1], v=leaves[2])
                 _weights_for(copies, p.selection or WeightSelection())

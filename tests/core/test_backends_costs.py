@@ -254,6 +254,20 @@ def test_sdpa_reads_a_mask_of_one_row_at_its_unmasked_rate(rates):
     assert windowed is not None and windowed.seconds == pytest.approx(flops / 50e9 + 4 * 2 * n * n / 1e9)
 
 
+def test_sdpa_with_sinks_estimates_its_mask_of_every_head_and_one_more_key(rates):
+    """Its sinks go in as one more key scored by a float mask column (1, h, i or 1, j + 1), and every pair is
+    computed: no mask reads that mask at the unmasked rate (one row), a causal one at the masked rate, with no
+    blocks skipped (torch's own causal is not used)."""
+    n, h = 1024, 4
+    flops = 2 * (16 + 16) * h * n * n
+    plain = sdpa._estimate(dataclasses.replace(call_for(None, n, h=h), sinks=True))
+    assert plain is not None and plain.dense_mask_bytes == h * (n + 1) * 4
+    assert plain.seconds == pytest.approx(flops / 100e9 + 4 * h * (n + 1) / 1e9)
+    causal = sdpa._estimate(dataclasses.replace(call_for(None, n, causal=True, h=h), sinks=True))
+    assert causal is not None and causal.computed_fraction == 1.0 and causal.dense_mask_bytes == h * n * (n + 1) * 4
+    assert causal.seconds == pytest.approx(flops / 50e9 + 4 * h * n * (n + 1) / 1e9)
+
+
 def test_the_shipped_rates_send_padded_training_to_sdpa_when_short_and_to_tiled_when_long():
     """benchmarks/dispatch.py, padding (70% real) forward+backward at h = 16, float32: SDPA took 117 ms against
     tiled's 134 at n = 1024, and 29.3 s against tiled's 25.8 at n = 16384. Tiled skips the padded keys' blocks;

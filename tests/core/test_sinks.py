@@ -20,9 +20,19 @@ from multihead.varlen import attention_varlen_result
 from support import assert_within_rule, is_input_error, make_qkv, randn, textbook_lowp, tiny_blocks
 
 SIZES = dict(b=3, h=4, g=2, i=5, j=7, d=6, e=9)  # pairwise distinct but for the GQA grouping h = 4, g = 2
-# flex serves sinks where it returns the LSE (CUDA); sdpa never (torch's kernel returns no LSE): see the refusal test
-SERVING = ["reference", "tiled", "materialized", "auto"]
+# flex serves sinks where it returns the LSE (CUDA), and refuses them on the CPU (see the refusal test); sdpa takes
+# them as one more key, with no LSE and no soft-cap of its own
+SERVING = ["reference", "tiled", "materialized", "sdpa", "auto"]
 MASK_KINDS = ["none", "causal", "window", "padding", "documents", "alibi", "softcap", "bool", "bias"]
+
+
+def served(backends: list[str], kinds: list[str]) -> list[tuple[str, str]]:
+    """Every (backend, mask kind) pair the backend serves: sdpa applies no soft-cap (auto sends it elsewhere)."""
+    return [(backend, kind) for backend in backends for kind in kinds if (backend, kind) != ("sdpa", "softcap")]
+
+
+def returns_lse(backend: str) -> bool:
+    return backend == "auto" or multihead.backends.registry.get_backend(backend).capabilities.lse
 
 
 def plain_mask(kind: str, b: int, h: int, i: int, j: int, device):
@@ -85,18 +95,22 @@ def inputs(*, per_row: bool = False, dtype=torch.float64, device="cpu", seed=0, 
 
 @pytest.mark.portable
 @pytest.mark.parametrize("per_row", [False, True], ids=["per-head", "per-row"])
-@pytest.mark.parametrize("kind", MASK_KINDS)
-@pytest.mark.parametrize("backend", SERVING)
+@pytest.mark.parametrize("backend, kind", served(SERVING, MASK_KINDS))
 def test_output_weights_and_lse_equal_the_oracle(backend, kind, per_row, device):
+    """The weights of a backend that returns none (sdpa) come from the call's own pass, sinks included."""
     q, k, v, sinks = inputs(per_row=per_row, device=device)
     mask, _, _ = plain_mask(kind, SIZES["b"], SIZES["h"], SIZES["i"], SIZES["j"], device)
     with tiny_blocks():
-        got = attention_result(q, k, v, mask=mask, sinks=sinks, backend=backend, return_weights=True, return_lse=True)
-    expected = oracle(q, k, v, sinks, kind=kind, **{n: SIZES[n] for n in "bhij"})
-    for name, value, want in zip(("output", "weights", "lse"), got, expected, strict=True):
-        torch.testing.assert_close(value, want, atol=1e-12, rtol=1e-12, msg=name)
+        got = attention_result(
+            q, k, v, mask=mask, sinks=sinks, backend=backend, return_weights=True, return_lse=returns_lse(backend)
+        )
+    output, weights, lse = oracle(q, k, v, sinks, kind=kind, **{n: SIZES[n] for n in "bhij"})
+    torch.testing.assert_close(got.output, output, atol=1e-12, rtol=1e-12, msg="output")
+    torch.testing.assert_close(got.weights, weights, atol=1e-12, rtol=1e-12, msg="weights")
+    if returns_lse(backend):
+        torch.testing.assert_close(got.lse, lse, atol=1e-12, rtol=1e-12, msg="lse")
     # each row's weights sum to 1 - its sink share, exp(s - lse)
-    share = (sinks.double()[None, :, None] if sinks.ndim == 1 else sinks) - got.lse
+    share = (sinks.double()[None, :, None] if sinks.ndim == 1 else sinks) - lse
     torch.testing.assert_close(got.weights.sum(-1), 1 - share.exp(), atol=1e-12, rtol=0)
 
 
@@ -105,14 +119,17 @@ def test_output_weights_and_lse_equal_the_oracle(backend, kind, per_row, device)
 def test_a_row_with_no_key_puts_its_whole_weight_on_the_sink(backend, device):
     q, k, v, sinks = inputs(device=device)
     nothing = torch.zeros(SIZES["b"], 1, SIZES["i"], SIZES["j"], dtype=torch.bool, device=device)
-    result = attention_result(q, k, v, mask=nothing, sinks=sinks, backend=backend, return_weights=True, return_lse=True)
+    lse = returns_lse(backend)
+    result = attention_result(q, k, v, mask=nothing, sinks=sinks, backend=backend, return_weights=True, return_lse=lse)
     assert result.output.eq(0).all() and result.weights.eq(0).all()
-    torch.testing.assert_close(result.lse, sinks[None, :, None].expand_as(result.lse))
+    if lse:
+        torch.testing.assert_close(result.lse, sinks[None, :, None].expand_as(result.lse))
 
 
 @pytest.mark.portable
-@pytest.mark.parametrize("kind", ["causal", "padding", "alibi", "softcap"])
-@pytest.mark.parametrize("backend", ["reference", "tiled", "materialized"])
+@pytest.mark.parametrize(
+    "backend, kind", served(["reference", "tiled", "materialized", "sdpa"], ["causal", "padding", "alibi", "softcap"])
+)
 @pytest.mark.parametrize("per_row", [False, True], ids=["per-head", "per-row"])
 def test_gradients_pass_gradcheck_sinks_included(backend, kind, per_row, device):
     q, k, v, sinks = inputs(per_row=per_row, device=device, requires_grad=True)
@@ -123,6 +140,20 @@ def test_gradients_pass_gradcheck_sinks_included(backend, kind, per_row, device)
             return attention(q, k, v, mask=mask, sinks=sinks, backend=backend)
 
     assert torch.autograd.gradcheck(run, (q, k, v, sinks))
+
+
+@pytest.mark.portable
+@pytest.mark.parametrize("per_row", [False, True], ids=["per-head", "per-row"])
+def test_sdpas_sink_gradients_are_differentiable_at_every_order(per_row, device):
+    """sdpa holds the sinks constant in its kernel and moves the output by their offset (1 / (1 + p expm1(ds))):
+    second derivatives in the sinks pass gradgradcheck, where a detached first-order trick would give 0. (Torch's
+    CPU kernel has no double backward in q, k, v, and says so, sinks or not.)"""
+    q, k, v, sinks = inputs(per_row=per_row, device=device, requires_grad=True)
+
+    def run(sinks):
+        return attention(q, k, v, causal=True, sinks=sinks, backend="sdpa")
+
+    assert torch.autograd.gradgradcheck(run, (sinks,))
 
 
 @pytest.mark.portable
@@ -234,15 +265,46 @@ def test_the_attend_seam_takes_sinks_and_its_hooks_see_the_weights_applied(devic
 
 
 @pytest.mark.portable
-@pytest.mark.parametrize("backend", ["sdpa"])
-def test_backends_without_a_differentiable_lse_refuse_sinks_and_auto_passes_them_over(backend, device):
+def test_a_backend_registered_without_sinks_refuses_them_and_auto_passes_it_over(device, monkeypatch):
+    """Capabilities default to no sinks: a backend written before them is never handed a call it would serve
+    without them."""
+    from multihead.backends import registry
+
+    def never_called(*args, **kwargs):
+        raise AssertionError("a backend without sinks was run on a call with sinks")
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    registry.register("old", never_called, multihead.backends.Capabilities(lse=True, weights=True), priority=0)
+    monkeypatch.setattr(registry, "_REGISTRY", registry._REGISTRY)  # restored (and the epoch moved) afterwards
     q, k, v, sinks = inputs(device=device)
-    with pytest.raises(ValueError, match=rf"{backend} lacks .*learned attention sinks") as raised:
-        attention(q, k, v, sinks=sinks, backend=backend)
+    with pytest.raises(ValueError, match=r"old lacks .*learned attention sinks") as raised:
+        attention(q, k, v, sinks=sinks, backend="old")
     assert is_input_error(raised.value, ValueError)
     explanation = multihead.explain(q, k, v, sinks=sinks)
-    assert "learned attention sinks" in " ".join(explanation.rejected[backend])
-    assert explanation.chosen != backend
+    assert "learned attention sinks" in " ".join(explanation.rejected["old"])
+    assert explanation.chosen != "old"
+
+
+@pytest.mark.portable
+def test_flex_refuses_sinks_on_the_cpu_where_it_returns_no_lse():
+    """torch 2.13's compiled CPU FlexAttention returns no LSE to fold the sinks into: refused with the reason,
+    before anything compiles (it used to fail inside the compiler, blaming the mask)."""
+    q, k, v, sinks = (t.float() for t in inputs())
+    explanation = multihead.explain(q, k, v, causal=True, sinks=sinks, backend="flex")
+    assert any("learned sinks on CPU" in reason for reason in explanation.rejected["flex"])
+    with pytest.raises(ValueError, match="learned sinks on CPU"):
+        attention(q, k, v, causal=True, sinks=sinks, backend="flex")
+
+
+@pytest.mark.portable
+def test_sdpa_refuses_learned_sinks_under_dropout_and_auto_passes_it_over(device):
+    """Its sinks' gradient reads each row's sink share back from the kernel's output, which dropout would drop."""
+    q, k, v, sinks = inputs(device=device, requires_grad=True)
+    options = dict(causal=True, dropout=0.3, training=True, sinks=sinks)
+    with pytest.raises(ValueError, match=r"sdpa lacks .*learned sinks that need a gradient under dropout"):
+        attention(q, k, v, **options, backend="sdpa")
+    assert multihead.explain(q, k, v, **options).chosen != "sdpa"
+    attention(q, k, v, **{**options, "sinks": sinks.detach()}, backend="sdpa")  # constant sinks: served
 
 
 @pytest.mark.parametrize(

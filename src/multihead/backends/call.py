@@ -33,8 +33,10 @@ class AttentionCall:
     requires_grad: bool
     # k and v are page pools read through a block table (k_len: the most keys a sequence holds)
     paged: bool = False
-    # learned sink logits (backends.sinks) are folded into the output from the LSE the backend returns
+    # learned sink logits (backends.sinks): folded into the output from the LSE the backend returns, or served by a
+    # backend that takes them (Capabilities.takes_sinks); ``sinks_need_grad``: the logits require a gradient
     sinks: bool = False
+    sinks_need_grad: bool = False
     # the kind of device auto plans the call for; None: the current policy's kind of ``device`` (set it to ask what
     # auto would pick on another kind, e.g. a CUDA call described on a CPU-only machine)
     kind: DeviceKind | None = None

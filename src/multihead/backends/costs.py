@@ -373,13 +373,14 @@ def dense_mask_bytes(call: AttentionCall, dtype: torch.dtype | None = None) -> i
     return _dense_mask_entries(call) * element
 
 
-def dense_mask_seconds(call: AttentionCall) -> float:
+def dense_mask_seconds(call: AttentionCall, entries: int | None = None) -> float:
     """Building the dense mask SDPA is handed for ``call.mask`` (``BoundMask.additive``), once a call: SDPA's
     backward reads the mask its forward was given. Its time goes with its entries, whatever their dtype: a
     bfloat16 ALiBi bias is computed in float32 and rounded, and took as long as a float32 one here (0.87 against
     1.89 GB/s of the bytes kept). Measured against torch SDPA given the same mask prebuilt, our sdpa's extra time
     for causal & ALiBi was one build forward and forward+backward alike (n = 1024, 4096)."""
-    return _dense_mask_entries(call) * 4 / (kernel_rates(call_kind(call)).mask_gbs * 1e9)
+    entries = _dense_mask_entries(call) if entries is None else entries  # given: a mask other than call.mask's
+    return entries * 4 / (kernel_rates(call_kind(call)).mask_gbs * 1e9)
 
 
 def dense_kernel_estimate(
@@ -388,13 +389,15 @@ def dense_kernel_estimate(
     *,
     fraction: float = 1.0,
     mask_bytes: int = 0,
+    mask_entries: int | None = None,
     compute_dtype: torch.dtype | None = None,
     casts: bool | None = None,
     extra_seconds: float = 0.0,
 ) -> Estimate | None:
     """A kernel that computes ``fraction`` of the pairs (every one unless it skips some itself) at ``backend``'s
     rate in ``compute_dtype`` (default: the call's), plus its cost per query row and head, plus building the dense
-    mask of ``mask_bytes`` (:func:`dense_mask_seconds`; 0: none is built), plus the casts of a half CPU call to
+    mask of ``mask_bytes`` (:func:`dense_mask_seconds` of ``mask_entries``, by default call.mask's; 0: none is
+    built), plus the casts of a half CPU call to
     float32 and back (``casts``: None, where ``compute_dtype`` is not the call's; True, whatever it is; False,
     never), plus ``extra_seconds``."""
     dtype = call.dtype if compute_dtype is None else compute_dtype
@@ -407,7 +410,7 @@ def dense_kernel_estimate(
         return None
     seconds += extra_seconds
     if mask_bytes:
-        seconds += dense_mask_seconds(call)
+        seconds += dense_mask_seconds(call, mask_entries)
     half_on_cpu = call.dtype in HALF_DTYPES and kind.type == "cpu"
     if half_on_cpu and (dtype != call.dtype if casts is None else casts):
         seconds += cast_bytes(*_sizes(call), call.requires_grad) / (rates.fresh_gbs * 1e9)

@@ -20,9 +20,10 @@ blocks do not pin a kernel to each other.
 What it serves here (torch 2.13):
 
 - CPU (x86 with AVX2): forward only. FlexAttention has no CPU backward, and its compiled CPU kernel
-  returns no log-sum-exp and fails to compile a mod that reads a tensor by query position (bias or
-  allowed tensors): those calls are refused with the reason. float32, bfloat16, float16.
-- CUDA: forward and backward, LSE, every mask kind (not run in this project's tests: no GPU).
+  returns no log-sum-exp (so no learned sinks either: they are folded in from it) and fails to compile a
+  mod that reads a tensor by query position (bias or allowed tensors): those calls are refused with the
+  reason. float32, bfloat16, float16.
+- CUDA: forward and backward, LSE, sinks, every mask kind (not run in this project's tests: no GPU).
 
 The first call of each cache key compiles for about :data:`TYPICAL_COMPILE_S` seconds, so ``auto``
 passes flex over until a kernel for the call exists (:func:`flex_is_warm`); :func:`warm_up` compiles one
@@ -503,6 +504,11 @@ def _flex_limits(call: AttentionCall) -> list[str]:
             missing.append("backward on CPU (FlexAttention has no CPU backward in torch 2.13)")
         if call.need_lse:
             missing.append("return_lse on CPU (torch 2.13's compiled CPU FlexAttention returns no log-sum-exp)")
+        if call.sinks:
+            missing.append(
+                "learned sinks on CPU (they are folded in from the log-sum-exp, which torch 2.13's compiled CPU "
+                "FlexAttention does not return)"
+            )
     missing.extend(_unsupported_terms(call.mask, call.device))
     return missing
 

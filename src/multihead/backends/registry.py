@@ -71,6 +71,9 @@ class Capabilities:
     # learned attention sinks (backends.sinks): the call folds them in from the LSE this backend returns, which it
     # must differentiate (a gradient on the LSE); False by default, so a backend registered before sinks refuses them
     sinks: bool = False
+    # serves learned sinks itself instead: it is called with sinks= (the (h,) or (b, h, i) logits) and returns the
+    # output (and any weights and LSE) over the keys and the sink, differentiable in the sinks
+    takes_sinks: bool = False
 
     def reasons(self, call: AttentionCall, *, for_auto: bool = False) -> list[str]:
         missing = []
@@ -88,7 +91,7 @@ class Capabilities:
             missing.append("backward (inputs require grad)")
         if call.requires_grad and call.mask.bias_requires_grad and not self.bias_grad:
             missing.append("gradient with respect to an additive bias that requires grad")
-        if call.sinks and not self.sinks:
+        if call.sinks and not (self.sinks or self.takes_sinks):
             missing.append("learned attention sinks (it returns no differentiable log-sum-exp to fold them into)")
         if call.mask.softcap is not None and not self.softcap:
             missing.append("logit soft-capping (it applies no transform to the scores)")

@@ -14,6 +14,11 @@ What differs from ours, and how this backend bridges it:
   weights are then uniform and finite, and its output is set to 0.
 - Dropout is passed only when it applies (training); GQA uses enable_gqa where a
   fused kernel takes it (:func:`kv_heads_for_kernel`).
+- Learned sinks (backends.sinks) go in as one more key: a zero key and a zero value scored by one more mask column
+  holding each row's sink logit, so each row's softmax runs over its keys and the sink, which adds nothing to the
+  output (:func:`sink_key_inputs`). Where the sinks need a gradient, every head dim gains a column that makes the
+  kernel return each row's sink share too, from which their gradient follows; under dropout that share would be
+  dropped with the weights, so such calls go elsewhere.
 - Logit soft-capping (masks.softcap) is not served: SDPA takes no score transform
   (its Capabilities leave ``softcap`` False, so auto picks another backend).
 - Half-precision calls on the CPU run in float32 where this machine's rates say torch's kernel is faster there,
@@ -81,15 +86,79 @@ def sdpa_mask(mask: BoundMask, dtype: torch.dtype) -> tuple[torch.Tensor | None,
     return mask.additive(dtype), False
 
 
-def rates_label(mask: BoundMask) -> str:
+def rates_label(mask: BoundMask, sinks: bool = False) -> str:
     """The kernel's entry in the measured rates: SDPA alone, or reading a dense mask row by row ("sdpa masked",
     measured with an (i, j) mask). A mask with one row for every query (padding: (b, 1, 1, j)) runs at SDPA's
     unmasked speed: 0.95-1.06x its time without a mask here, where an (i, j) mask took 1.05-1.20x (medians of
-    interleaved rounds, n = 1024 and 4096, h = 16, float32, forward and forward+backward)."""
-    if sdpa_computes_mask(mask):
+    interleaved rounds, n = 1024 and 4096, h = 16, float32, forward and forward+backward). With ``sinks`` the
+    kernel is always handed the mask with its sink column (:func:`sink_mask_extent`)."""
+    if sdpa_computes_mask(mask) and not sinks:
         return "sdpa"
-    _, _, rows = mask.dense_extent()
+    rows = sink_mask_extent(mask)[2] if sinks else mask.dense_extent()[2]
     return "sdpa" if rows == 1 else "sdpa masked"
+
+
+def sink_mask_extent(mask: BoundMask, per_row: bool = False) -> tuple[int, int, int]:
+    """(b or 1, h, i or 1) of the mask with a sink column (:func:`sink_attn_mask`) for a call of ``mask``: its
+    own extent with the heads, and every batch and row when the sinks are one per row (``per_row``)."""
+    shape = mask.shape
+    batch, _, rows = mask.dense_extent()
+    if per_row:
+        batch, rows = shape.batch, shape.q_len
+    return batch, shape.heads, rows
+
+
+def sink_attn_mask(mask: BoundMask, sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The call's mask as an additive ``dtype`` tensor (0 where a key may be seen, -inf where masked, plus any bias)
+    with one more column holding each row's sink logit (``sinks`` (h,) or (b, h, i)):
+    (:func:`sink_mask_extent`, j + 1)."""
+    shape = mask.shape
+    per_row = sinks.ndim == 3
+    batch, heads, rows = sink_mask_extent(mask, per_row)
+    keys = None if mask.is_empty else mask.additive(dtype)
+    if keys is None:
+        keys = torch.zeros((1, 1, 1, shape.k_len), dtype=dtype, device=shape.device)
+    elif keys.dtype == torch.bool:
+        keys = torch.zeros(keys.shape, dtype=dtype, device=keys.device).masked_fill_(keys.logical_not(), -math.inf)
+    column = (sinks if per_row else sinks[None, :, None]).to(dtype).unsqueeze(-1)  # (b or 1, h, i or 1, 1)
+    return torch.cat([keys.expand(batch, heads, rows, shape.k_len), column.expand(batch, heads, rows, 1)], dim=-1)
+
+
+def sink_key_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BoundMask, sinks: torch.Tensor, learned: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) and SDPA's attn_mask for a call with learned sinks: the sink
+    is key j, a zero key and a zero value scored by the mask's last column (:func:`sink_attn_mask`), so the scores
+    of the keys are unchanged and the sink's weight adds nothing to the output. The mask holds the sinks as
+    constants; where they need a gradient (``learned``) q, k and v are widened to one width w (the next multiple of
+    8 past max(d, e), for the fused kernels): q and k with zeros (the scores unchanged), v with a 1 on the sink key
+    alone in column e, so output column e is each row's sink share (:func:`with_learned_sinks`)."""
+    b, g = k.shape[0], k.shape[1]
+    d, e = q.shape[-1], v.shape[-1]
+    attn_mask = sink_attn_mask(mask, sinks.detach() if learned else sinks, q.dtype)
+    width = (max(d, e) // 8 + 1) * 8 if learned else None
+    if width is None:
+        k = torch.cat([k, k.new_zeros(b, g, 1, d)], dim=2)
+        v = torch.cat([v, v.new_zeros(b, g, 1, e)], dim=2)
+        return q, k, v, attn_mask
+    q = F.pad(q, (0, width - d))
+    k = F.pad(k, (0, width - d, 0, 1))  # one more zero key, the sink
+    sink_value = v.new_zeros(b, g, 1, width)
+    sink_value[..., e] = 1.0
+    v = torch.cat([F.pad(v, (0, width - e)), sink_value], dim=2)
+    return q, k, v, attn_mask
+
+
+def with_learned_sinks(output: torch.Tensor, sinks: torch.Tensor, e: int) -> torch.Tensor:
+    """The kernel's output of :func:`sink_key_inputs` (b, h, i, w), computed with the sinks held constant at s0,
+    as (b, h, i, e) differentiable in ``sinks`` s ((h,) or (b, h, i)). Moving a sink by delta = s - s0 moves its
+    share p to p e^delta / (1 - p + p e^delta) and scales every key's weight, so the output, by
+    1 / (1 + p expm1(delta)): exactly 1 at s = s0 (the forward is the kernel's), with the derivative -p at every
+    order of differentiation (d out / ds = -p out)."""
+    share = output[..., e]  # (b, h, i): each row's weight on the sink
+    offset = sinks - sinks.detach()  # 0, with gradient 1 (NaN for an infinite sink, whose gradient is 0)
+    offset = (offset if sinks.ndim == 3 else offset[None, :, None]).nan_to_num(0.0).to(share.dtype)
+    return output[..., :e] / (1.0 + share * torch.expm1(offset)).unsqueeze(-1)
 
 
 def sdpa_attention(
@@ -102,11 +171,19 @@ def sdpa_attention(
     dropout: float,
     need_weights: bool,
     need_lse: bool,
+    sinks: torch.Tensor | None = None,
 ) -> BackendOutput:
-    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), in q's dtype."""
-    given = q.dtype
-    q, k, v = inputs_in_faster_dtype(rates_label(mask), q, k, v, lambda: computed_fraction(mask))
-    attn_mask, is_causal = sdpa_mask(mask, q.dtype)
+    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e), in q's dtype; with learned ``sinks``
+    ((h,) or (b, h, i)) over the keys and the sink."""
+    given, e = q.dtype, v.shape[-1]
+    label = rates_label(mask, sinks is not None)
+    q, k, v = inputs_in_faster_dtype(label, q, k, v, lambda: computed_fraction(mask, sinks is not None))
+    learned = sinks is not None and sinks.requires_grad and torch.is_grad_enabled()
+    if sinks is None:
+        attn_mask, is_causal = sdpa_mask(mask, q.dtype)
+    else:
+        q, k, v, attn_mask = sink_key_inputs(q, k, v, mask, sinks, learned)
+        is_causal = False
     empty_rows = None  # (.., i, 1): rows with every key masked, where the mask may leave some
     if attn_mask is not None and mask.may_empty_rows():
         # SDPA adds the mask to q k^T: a fully masked row whose scores overflow to +inf gets inf - inf = NaN.
@@ -130,6 +207,9 @@ def sdpa_attention(
     )
     if empty_rows is not None and q.device.type not in VERIFIED_EMPTY_ROW_DEVICES:
         output = output.masked_fill(empty_rows, 0.0)  # their uniform weights' output: 0, as every backend gives
+    if learned:
+        assert sinks is not None
+        output = with_learned_sinks(output, sinks, e)
     return BackendOutput(output if output.dtype == given else output.to(given))  # .to costs a call even as a no-op
 
 
@@ -170,21 +250,37 @@ def kv_heads_for_kernel(
 SDPA_CAUSAL_BLOCK = 128  # about the query/key blocks torch's CPU flash kernel skips under is_causal
 
 
-def computed_fraction(mask: BoundMask) -> float:
+def computed_fraction(mask: BoundMask, sinks: bool = False) -> float:
     """The share of pairs torch's kernel computes: its own causal (either corner) skips the blocks past the diagonal;
-    given a dense mask it computes every pair."""
-    if not mask.is_empty and sdpa_computes_mask(mask):
+    given a dense mask (every call with sinks) it computes every pair."""
+    if not mask.is_empty and sdpa_computes_mask(mask) and not sinks:
         return live_fraction(mask, mask.shape.q_len, mask.shape.k_len, SDPA_CAUSAL_BLOCK, SDPA_CAUSAL_BLOCK)
     return 1.0
 
 
 def _estimate(call: AttentionCall) -> Estimate | None:
-    """Its own causal skips the blocks above the diagonal; any other mask is one dense tensor and every pair."""
+    """Its own causal skips the blocks above the diagonal; any other mask is one dense tensor and every pair. With
+    sinks the mask gains the heads and a column (:func:`sink_mask_extent`, taking one sink per head), always float;
+    the copies of k and v with the sink key, and the one wider head dim where the sinks learn, are left out."""
     mask = call.mask
-    label, fraction = rates_label(mask), computed_fraction(mask)
+    label, fraction = rates_label(mask, call.sinks), computed_fraction(mask, call.sinks)
     work = call_compute_dtype(label, call, lambda: fraction)
-    mask_bytes = 0 if sdpa_computes_mask(mask) else dense_mask_bytes(call, work)
-    return dense_kernel_estimate(call, label, fraction=fraction, mask_bytes=mask_bytes, compute_dtype=work)
+    if call.sinks:
+        batch, heads, rows = sink_mask_extent(mask)
+        entries = batch * heads * rows * (call.k_len + 1)
+        mask_bytes = entries * work.itemsize
+    else:
+        entries = None
+        mask_bytes = 0 if sdpa_computes_mask(mask) else dense_mask_bytes(call, work)
+    return dense_kernel_estimate(
+        call, label, fraction=fraction, mask_bytes=mask_bytes, mask_entries=entries, compute_dtype=work
+    )
+
+
+def _check(call: AttentionCall) -> list[str]:
+    if call.sinks_need_grad and call.dropout > 0:
+        return ["learned sinks that need a gradient under dropout (the sink share it reads back is dropped too)"]
+    return []
 
 
 CAPABILITIES = Capabilities(
@@ -194,5 +290,7 @@ CAPABILITIES = Capabilities(
     dropout=True,
     backward=True,
     bias_grad=False,
+    takes_sinks=True,
+    check=_check,
     estimate=_estimate,
 )

@@ -12,6 +12,7 @@ import torch
 from multihead.backends._blocks import Blocks, mask_scores_, masked_scores, softmax_rows_
 from multihead.backends.precision import compute_dtype
 from multihead.backends.reference import masked_softmax
+from multihead.backends.sinks import heads_of, kept_share
 from multihead.masks import BlockState, BoundMask
 
 __all__ = ["selected_weights", "weight_blocks"]
@@ -24,22 +25,35 @@ def selected_weights(
     scale: float,
     heads: torch.Tensor,
     queries: torch.Tensor | slice,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) of the query heads ``heads`` (n_heads,) and the rows ``queries`` only, q
     (b, h, i, d) and k (b, g, j, d): (b, n_heads, n_queries, j) in q's dtype, at a cost proportional to the
-    selection. Differentiable where q, k or the mask's bias need a gradient."""
+    selection. With learned ``sinks`` ((h,) or (b, h, i)) each row's softmax runs over its keys and its sink, and
+    the weights are over the keys (a row sums to 1 - its sink's share). Differentiable where q, k, the mask's bias
+    or the sinks need a gradient."""
     group = q.shape[1] // k.shape[1]
     work = compute_dtype(q.dtype)
     q_sel = q.index_select(1, heads)  # (b, n_heads, i, d)
     q_sel = q_sel[:, :, queries] if isinstance(queries, slice) else q_sel.index_select(2, queries)
     k_sel = k.index_select(1, heads // group)  # (b, n_heads, j, d): each selected head's own key head
     scores = (q_sel.to(work) * scale) @ k_sel.to(work).transpose(-2, -1)  # (b, n_heads, n_queries, j)
-    if not (torch.is_grad_enabled() and (scores.requires_grad or mask.bias_requires_grad)):
+    needs_grad = scores.requires_grad or mask.bias_requires_grad or (sinks is not None and sinks.requires_grad)
+    if not (torch.is_grad_enabled() and needs_grad):
         # nothing to differentiate: mask and softmax in place, no i x j temporaries beyond the result
-        return softmax_rows_(
-            mask_scores_(scores, mask, queries, slice(None), heads), rows_may_be_empty=mask.may_empty_rows()
-        ).to(q.dtype)
-    return masked_softmax(masked_scores(scores, mask, queries, slice(None), heads))[0].to(q.dtype)
+        scores = mask_scores_(scores, mask, queries, slice(None), heads)
+        lse = None if sinks is None else torch.logsumexp(scores, dim=-1)  # before the softmax overwrites them
+        weights = softmax_rows_(scores, rows_may_be_empty=mask.may_empty_rows())
+    else:
+        weights, lse = masked_softmax(masked_scores(scores, mask, queries, slice(None), heads))
+    if sinks is not None:
+        assert lse is not None
+        selected = heads_of(sinks, heads)
+        if selected.ndim == 3:  # one sink per row: the selected rows'
+            selected = selected[:, :, queries] if isinstance(queries, slice) else selected.index_select(2, queries)
+        weights = weights * kept_share(lse, selected).unsqueeze(-1)  # each row's share on its keys
+    return weights.to(q.dtype)
 
 
 def weight_blocks(
