@@ -76,11 +76,14 @@ def is_input_error(exc: BaseException, kind: type[Exception]) -> bool:
 def textbook_lowp(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, causal: bool = False, scale: float | None = None
 ):
-    """softmax(q k^T * scale + mask) v computed in q's dtype throughout, no upcast (differentiable).
+    """softmax(q k^T * scale + mask) v computed in q's dtype throughout, no upcast (differentiable); a mask's
+    soft-cap applied to the scaled scores first.
 
     Returns (output (b, h, i, e), weights (b, h, i, j), lse (b, h, i)). This is the low-precision
     baseline of the tolerance rule (FlashAttention's ``attention_ref(upcast=False)``): the oracle
-    itself upcasts half types to float32, so it is no measure of what low precision costs.
+    itself upcasts half types to float32, so it is no measure of what low precision costs. A bias (ALiBi, a
+    tensor) is added in float32, as attention_ref adds its float32 ALiBi bias to the half scores: the scores are
+    then float32, and the weights are rounded to v's dtype before they meet v.
     """
     from multihead.backends.reference import apply_mask, masked_softmax
     from multihead.masks import AttentionShape, bind_mask
@@ -88,8 +91,13 @@ def textbook_lowp(
     b, h, i, d = q.shape
     g, j = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
-    keep, bias = bind_mask(mask, causal, AttentionShape(b, h, i, j, q.device)).dense(q.dtype)
+    bias_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    bound = bind_mask(mask, causal, AttentionShape(b, h, i, j, q.device))
+    keep, bias = bound.dense(bias_dtype)
     keys, values = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)  # (b, h, j, d|e)
     scores = q @ keys.transpose(-2, -1) * scale  # (b, h, i, j), rounded to q's dtype
+    if bound.softcap is not None:  # attention_ref's soft-cap, in q's dtype: cap * tanh(scores / cap)
+        scores = bound.softcap * torch.tanh(scores / bound.softcap)
     weights, lse = masked_softmax(apply_mask(scores, keep, bias))
+    weights = weights.to(values.dtype)
     return weights @ values, weights, lse

@@ -111,17 +111,12 @@ def sink_mask_extent(mask: BoundMask, per_row: bool = False) -> tuple[int, int, 
 def sink_attn_mask(mask: BoundMask, sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The call's mask as an additive ``dtype`` tensor (0 where a key may be seen, -inf where masked, plus any bias)
     with one more column holding each row's sink logit (``sinks`` (h,) or (b, h, i)):
-    (:func:`sink_mask_extent`, j + 1)."""
-    shape = mask.shape
-    per_row = sinks.ndim == 3
-    batch, heads, rows = sink_mask_extent(mask, per_row)
-    keys = None if mask.is_empty else mask.additive(dtype)
-    if keys is None:
-        keys = torch.zeros((1, 1, 1, shape.k_len), dtype=dtype, device=shape.device)
-    elif keys.dtype == torch.bool:
-        keys = torch.zeros(keys.shape, dtype=dtype, device=keys.device).masked_fill_(keys.logical_not(), -math.inf)
-    column = (sinks if per_row else sinks[None, :, None]).to(dtype).unsqueeze(-1)  # (b or 1, h, i or 1, 1)
-    return torch.cat([keys.expand(batch, heads, rows, shape.k_len), column.expand(batch, heads, rows, 1)], dim=-1)
+    (:func:`sink_mask_extent`, j + 1); in half precision each row is moved by its largest entry
+    (``BoundMask.additive``)."""
+    column = (sinks if sinks.ndim == 3 else sinks[None, :, None]).unsqueeze(-1)  # (b or 1, h, i or 1, 1)
+    attn_mask = mask.additive(dtype, extra_key=column)
+    assert attn_mask is not None  # with an extra key it is always a float tensor
+    return attn_mask
 
 
 def sink_key_inputs(

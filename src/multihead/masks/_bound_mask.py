@@ -38,6 +38,9 @@ def _merged(terms: list[BoundTerm]) -> list[BoundTerm]:
 
 EMPTY_ROW_BLOCK = 256  # rows and keys per block BoundMask.may_empty_rows looks at
 EMPTY_ROW_CHECK_ELEMENTS = 2**24  # the most (b, h, rows, keys) entries it builds at once
+# the most (b, h, rows, keys) float32 entries BoundMask.additive builds at once for a half-precision bias
+ADDITIVE_BLOCK_ELEMENTS = 2**24
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class BoundMask:
@@ -252,12 +255,19 @@ class BoundMask:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.block(slice(None), slice(None), dtype=dtype, minus_inf_as_keep=minus_inf_as_keep)
 
-    def additive(self, dtype: torch.dtype) -> torch.Tensor | None:
+    def additive(self, dtype: torch.dtype, extra_key: torch.Tensor | None = None) -> torch.Tensor | None:
         """The whole mask as one tensor for a kernel that adds it to the scores (SDPA's ``attn_mask``), shaped
         (b or 1, h or 1, i or 1, j): the bool keep-mask (True = may attend) where no term adds a bias, else the
         bias in ``dtype`` with -inf wherever a keep term masks. The -inf is written in place into a bias built
         for this call (ALiBi, a sum of terms), so the peak is one bias rather than two (a causal & ALiBi bias
-        at i = j = 16384 with 16 heads is 8 GiB in bfloat16); a caller's bias tensor is copied, never written."""
+        at i = j = 16384 with 16 heads is 8 GiB in bfloat16); a caller's bias tensor is copied, never written.
+
+        ``extra_key``: (b or 1, h or 1, i or 1, 1) scores of one more key, appended as column j (a learned sink's
+        logit); the result is then float, (.., j + 1). A half-precision bias (or extra key) is built in float32
+        and each row moved by its largest finite entry before it is rounded (:meth:`_additive_by_rows`)."""
+        half_bias = dtype in HALF_DTYPES and (bool(self.bias_terms) or extra_key is not None)
+        if extra_key is not None or (half_bias and not self.bias_requires_grad):
+            return self._additive_by_rows(dtype, extra_key, relative=half_bias)
         keep, bias = self.dense(dtype, minus_inf_as_keep=False)  # -inf stays in the one additive mask
         if bias is None or keep is None:
             return keep if bias is None else bias
@@ -266,6 +276,47 @@ class BoundMask:
         if callers or torch.broadcast_shapes(bias.shape, keep.shape) != bias.shape:
             return bias.masked_fill(keep.logical_not(), -math.inf)
         return bias.masked_fill_(keep.logical_not(), -math.inf)
+
+    def _additive_by_rows(self, dtype: torch.dtype, extra_key: torch.Tensor | None, *, relative: bool) -> torch.Tensor:
+        """:meth:`additive` as float32 blocks of rows, each then rounded into the ``dtype`` result. ``relative``:
+        each row less its largest finite entry, which a softmax does not see. A bias of a few hundred (ALiBi far
+        from every key: more queries than keys) has a spacing of 2 in bfloat16, where the differences between a
+        row's keys vanish; moved to its nearest key, the entries that weigh keep their precision, and those far
+        below it weigh nothing (exp(-M) against an error of M / 256)."""
+        shape = self.shape
+        batch, heads, rows = self.dense_extent()
+        columns = shape.k_len
+        if extra_key is not None:
+            batch, heads, rows = (max(a, n) for a, n in zip((batch, heads, rows), extra_key.shape[:3], strict=True))
+            columns += 1
+        result = torch.empty((batch, heads, rows, columns), dtype=dtype, device=shape.device)
+        step = max(1, ADDITIVE_BLOCK_ELEMENTS // (batch * heads * columns))
+        work = torch.promote_types(dtype, torch.float32)
+        callers = len(self.bias_terms) == 1 and self.bias_terms[0].callers_tensor() is not None
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            row_slice = slice(start, stop) if rows > 1 else slice(None)
+            keep, bias = self.block(row_slice, slice(None), dtype=work, minus_inf_as_keep=False)
+            # one float32 block of rows, written in place: a bias built for this block whole is written itself
+            # (no second block), a caller's bias is read, never written
+            block_shape = (batch, heads, stop - start, columns)
+            if bias is not None and not callers and tuple(bias.shape) == block_shape and bias.dtype == work:
+                scores = keys = bias
+            else:
+                scores = torch.zeros(block_shape, dtype=work, device=shape.device)
+                keys = scores[..., : shape.k_len]
+                if bias is not None:
+                    keys.copy_(bias.expand(keys.shape))
+            if keep is not None:
+                keys.masked_fill_(keep.logical_not(), -math.inf)
+            if extra_key is not None:
+                extra = extra_key[:, :, row_slice] if extra_key.shape[2] > 1 else extra_key
+                scores[..., shape.k_len :] = extra
+            if relative:
+                top = scores.amax(dim=-1, keepdim=True)
+                scores.sub_(top.masked_fill_(top.isinf(), 0.0))
+            result[:, :, start:stop] = scores
+        return result
 
     def kinds(self) -> list[str]:
         """The kinds of its terms, e.g. ``["diagonal", "alibi", "softcap"]`` (a soft-cap last)."""
