@@ -155,7 +155,8 @@ CPU_AVX2_RATES = KernelRates(
 # 2 cores, torch 2.13.0 CPU running its AVX512 kernels, 2 threads: the median of 3 calibrations on 2026-11-28, the
 # machine otherwise idle (every GFLOP/s within 15% of its median but materialized's float32 forward, 135-188). Its
 # bf16 units change what auto should do: SDPA's bf16 backward ran at 307 GFLOP/s against 185 in float32 (18 against
-# 135 on the AVX2 machine), so a half call stays in bf16 here
+# 135 on the AVX2 machine), so a half forward stays in bf16 here; a half backward runs in float32 all the same, for
+# accuracy (costs.HALF_BACKWARD_INACCURATE_ON_CPU)
 CPU_AVX512_BF16_RATES = KernelRates(
     gflops={
         "sdpa": {
