@@ -532,8 +532,13 @@ def attention_result(
         return_weights: True for all weights (b, h, i, j), or a :class:`WeightSelection` for some heads
             and query rows; False for none (``weights`` is None). Asking never changes the output. Under
             dropout (training) the weights returned are those applied, after dropout, as
-            torch.nn.MultiheadAttention returns them. In a paged call, weight column c of row s is the key at
-            position ``pages.first_slots[s] + c`` (0 past the sequence's own keys).
+            torch.nn.MultiheadAttention returns them, and auto keeps the backend it would run without them
+            where that backend returns the weights it applies (tiled, reference). A call auto gives SDPA,
+            which returns none, runs on the cheapest backend that does: where that is the reference, on the
+            CPU, both draw one Bernoulli mask over the (b, h, i, j) weights and the same weights are dropped
+            at the same RNG state; tiled draws its blocks' own stream, and on CUDA SDPA's fused kernels draw
+            theirs, so the output there is another sample of the same dropout. In a paged call, weight
+            column c of row s is the key at position ``pages.first_slots[s] + c`` (0 past the sequence's own keys).
         return_lse: the log-sum-exp of the masked scaled (and soft-capped) scores, (b, h, i); else None. With
             ``sinks``, over the keys and the sink: logaddexp(lse, sinks[h]), so exp(score - lse) is each weight.
 
@@ -586,7 +591,7 @@ def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, sin
         return_weights=return_weights,
         return_lse=return_lse,
     )
-    native_weights = p.call.weights != "none" and chosen.capabilities.weights
+    native_weights = _returns_weights(chosen, p.call)
     if not chosen.capabilities.paged:
         p = p.dense()  # gathered once, for the kernel and the weights alike
     result = _call_backend(chosen, p, p.q, p.k, p.v, dropout=p.dropout, need_weights=native_weights)
@@ -605,6 +610,14 @@ def _run(q, k, v, *, mask, causal, scale, dropout, training, backend, pages, sin
         weights = None if weights is None else weights.squeeze(0)
         lse = None if lse is None else lse.squeeze(0)
     return AttentionResult(output, weights, lse if return_lse else None)
+
+
+def _returns_weights(backend: registry.Backend, call: registry.AttentionCall) -> bool:
+    """Whether ``backend`` returns the call's weights itself: always where it materialises them, and under dropout
+    where it returns those it applied (Capabilities.dropout_weights); else the call computes them."""
+    if call.weights == "none":
+        return False
+    return backend.capabilities.weights or (call.dropout > 0 and backend.capabilities.dropout_weights)
 
 
 def _call_backend(
@@ -772,7 +785,7 @@ def _signature(call: registry.AttentionCall) -> tuple:
 def _timer(p: _Prepared, backend: registry.Backend) -> Callable[[], float]:
     """A call that runs ``backend`` on detached copies of the call's inputs (forward, and backward when the call
     needs gradients, as attention would run it) and returns its seconds (device work included)."""
-    native_weights = p.call.weights != "none" and backend.capabilities.weights
+    native_weights = _returns_weights(backend, p.call)
 
     def seconds() -> float:
         leaves = [t.detach().requires_grad_(p.call.requires_grad) for t in (p.q, p.k, p.v)]

@@ -335,6 +335,50 @@ def test_weights_under_dropout_are_the_applied_ones():
 
 
 @pytest.mark.portable
+@pytest.mark.parametrize("mask_kind", ["softcap", "softcap & causal", "window"])
+def test_under_dropout_asking_for_the_weights_never_changes_the_output(mask_kind, small_blocks, device):
+    """A soft-cap call went to tiled without weights and to reference with them, whose dropout streams differ: the
+    outputs were 0.30 apart at the same RNG state. auto now keeps tiled, which returns the weights it applied."""
+    q, k, v = make_qkv(b=2, h=4, g=2, i=6, j=9, device=device)
+    mask = {
+        "softcap": masks.softcap(2.0),
+        "softcap & causal": masks.softcap(2.0) & masks.causal(),
+        "window": masks.window(2, 1) & masks.softcap(5.0),
+    }[mask_kind]
+    options = dict(mask=mask, dropout=0.4, training=True)
+    selection = WeightSelection(heads=[3, 0], queries=[5, 1])
+    torch.manual_seed(7)
+    plain = attention(q, k, v, **options)
+    for asked in (True, selection):
+        torch.manual_seed(7)
+        result = attention_result(q, k, v, **options, return_weights=asked)
+        torch.testing.assert_close(result.output, plain, rtol=0, atol=0)
+        explanation = multihead.explain(q, k, v, **options, return_weights=asked)
+        assert explanation.chosen == multihead.explain(q, k, v, **options).chosen == "tiled"
+        assert any("returns the weights it applies under dropout" in note for note in explanation.notes)
+    # and the weights are those applied: after dropout, so that they give the output
+    torch.manual_seed(7)
+    result = attention_result(q, k, v, **options, return_weights=True)
+    group = q.shape[1] // k.shape[1]
+    torch.testing.assert_close(result.output, result.weights @ v.repeat_interleave(group, 1), rtol=0, atol=1e-12)
+
+
+def test_under_dropout_on_the_cpu_sdpa_and_the_weights_backend_drop_the_same_weights():
+    """torch's CPU SDPA draws its dropout as the reference does (one Bernoulli draw over the (b, h, i, j) weights),
+    so a call auto gives SDPA, asked for its weights (which SDPA does not return) and run by the reference instead,
+    drops the same weights at the same RNG state. On other devices SDPA's fused kernels draw their own stream."""
+    q, k, v = make_qkv(b=2, h=4, g=2, i=6, j=9, dtype=torch.float32)
+    options = dict(causal=True, dropout=0.4, training=True)
+    assert multihead.explain(q, k, v, **options).chosen == "sdpa"
+    assert multihead.explain(q, k, v, **options, return_weights=True).chosen == "reference"
+    torch.manual_seed(7)
+    plain = attention(q, k, v, **options)
+    torch.manual_seed(7)
+    weighted = attention_result(q, k, v, **options, return_weights=True)
+    torch.testing.assert_close(weighted.output, plain, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.portable
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "tiled", "materialized", "reference"])
 def test_weight_selection_equals_slice_of_all_weights(backend, small_blocks, device):
     q, k, v = make_qkv(b=2, h=6, g=3, i=5, j=7, device=device)

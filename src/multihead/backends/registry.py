@@ -18,7 +18,7 @@ table's mask (``PageTable.keeps``), and auto ranks it after the paged ones.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -44,6 +44,9 @@ class Capabilities:
     lse: bool = False  # returns the log-sum-exp
     weights: bool = False  # returns all weights itself (one materialised pass)
     dropout: bool = False
+    # under dropout returns the weights it applied when asked (need_weights), though it returns none otherwise:
+    # the call then keeps it, so asking for the weights never changes which weights were dropped
+    dropout_weights: bool = False
     backward: bool = True
     bias_grad: bool = False  # gradient with respect to an additive bias
     # whole-tensor ops only, so torch.compile traces one graph for every length; the blocked kernels' Python
@@ -85,7 +88,7 @@ class Capabilities:
             missing.append("return_lse (it does not compute the log-sum-exp)")
         if call.dropout > 0 and not self.dropout:
             missing.append("dropout")
-        if call.dropout > 0 and call.weights != "none" and not self.weights:
+        if call.dropout > 0 and call.weights != "none" and not (self.weights or self.dropout_weights):
             missing.append("returning the weights it applied under dropout (it never materialises them)")
         if call.requires_grad and not self.backward:
             missing.append("backward (inputs require grad)")
@@ -295,12 +298,31 @@ def _auto_order(call: AttentionCall) -> list[Backend]:
     return by_priority
 
 
+def _kept_without_weights(call: AttentionCall, backend: str) -> Backend | None:
+    """Under dropout asking for the weights must not change the output: auto chooses as for the call without them,
+    and keeps that backend where it returns the weights it applies (None where there is nothing to keep: no dropout,
+    no weights, a named backend, or a choice that cannot return them, such as SDPA, whose kernel draws torch's own
+    dropout stream and returns no weights: the cheapest backend that can serves the call, with its own stream)."""
+    if backend != "auto" or call.dropout == 0 or call.weights == "none":
+        return None
+    unweighted = choose(replace(call, weights="none"), backend)
+    return None if unweighted.capabilities.reasons(call, for_auto=True) else unweighted
+
+
 def explain_call(call: AttentionCall, backend: str) -> Explanation:
     """The backend that serves ``call`` and, for each other one, why not."""
     if backend != "auto":
         named = get_backend(backend)
         lacks = named.capabilities.reasons(call)
         return Explanation(None if lacks else named.name, {named.name: lacks} if lacks else {})
+    kept = _kept_without_weights(call, backend)
+    if kept is not None:
+        explanation = explain_call(replace(call, weights="none"), backend)
+        explanation.notes.append(
+            f"chosen as for the call without its weights ({kept.name!r} returns the weights it applies under dropout), "
+            "so that asking for them does not change which weights were dropped"
+        )
+        return explanation
     serving, missing = _serving(call, for_auto=True)
     policy = current_policy().describe(call_kind(call))
     if not serving:
@@ -341,8 +363,12 @@ def choose(call: AttentionCall, backend: str) -> Backend:
     """The backend to run, or a ValueError naming what the requested one lacks.
 
     Under auto, the cheapest serving backend by their estimates (:func:`_cheapest`); the full explanation is built
-    only to report failure.
+    only to report failure. Under dropout, a call with weights keeps the choice of the call without them where it
+    can (:func:`_kept_without_weights`).
     """
+    kept = _kept_without_weights(call, backend)
+    if kept is not None:
+        return kept
     if backend == "auto" and call.device.type in current_policy().fused_first:
         serving = _serving(call, for_auto=True)[0]
         if serving:

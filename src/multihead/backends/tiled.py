@@ -52,6 +52,7 @@ from multihead.backends._blocks import (
 from multihead.backends.costs import block_kernel_estimate, inputs_in_faster_dtype
 from multihead.backends.precision import autocast_inputs, autocast_off, compute_dtype
 from multihead.backends.registry import BackendOutput, Capabilities
+from multihead.backends.weights import selected_weights
 from multihead.masks import BlockState, BoundMask, is_fake
 
 BLOCK_Q = 256  # query positions per block
@@ -351,13 +352,19 @@ def tiled_attention(
     # the Function returns the compute dtype (float32 for half inputs), which backward reads; the output is cast
     # after, the LSE stays in it
     output, lse = _TiledAttention.call(q, k, v, mask, scale, dropout, seed)
-    return BackendOutput(output.to(given), None, lse if need_lse else None)
+    weights = None
+    if need_weights and dropout > 0:  # the weights its blocks applied: exact, times the multipliers they drew
+        every_head = torch.arange(q.shape[1], device=q.device)
+        exact = selected_weights(q, k, mask, scale, every_head, slice(None)).to(compute_dtype(q.dtype))
+        weights = (exact * _dropout_dense(q, k, dropout, _seed(seed))).to(given)
+    return BackendOutput(output.to(given), weights, lse if need_lse else None)
 
 
 CAPABILITIES = Capabilities(
     lse=True,
     weights=False,
     dropout=True,
+    dropout_weights=True,  # the exact weights times the multipliers its blocks drew (_dropout_dense)
     backward=True,
     bias_grad=False,
     compiles_dynamic=False,
