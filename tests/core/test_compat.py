@@ -1165,6 +1165,31 @@ BOTH_WAYS = {
 }
 
 
+@pytest.mark.portable
+@pytest.mark.parametrize("bias_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("which", ["in_proj_bias", "bias_k"])
+def test_a_bias_of_lower_precision_runs_as_in_torch(which, bias_dtype, device):
+    """torch's test_multihead_attn_fast_path_query_and_bias_have_different_dtypes: a double module whose in_proj_bias
+    is a half Parameter runs (torch adds it to the batched product, promoting it), as a half bias_k does (appended
+    by torch.cat). The drop-in raised DtypeError; it now gives torch's output, weights and gradients."""
+    theirs, ours = torch_and_compat(3, E, H, batch_first=True, add_bias_kv=True, device=device)
+    for module in (theirs, ours):
+        setattr(module, which, nn.Parameter(getattr(module, which).detach().to(bias_dtype)))
+    query = torch.randn(N, L, E, dtype=F64, generator=torch.Generator().manual_seed(4)).to(device)
+    with torch.no_grad():  # torch's test: eval, no grad (its fast path declines, its slow path runs)
+        expected, expected_weights = theirs(query, query, query)
+        got, weights = ours(query, query, query)
+    assert got.dtype == expected.dtype == F64
+    assert_close(got, expected, 1e-12, "output")
+    assert_close(weights, expected_weights, 1e-12, "weights")
+    for module in (theirs, ours):
+        out, _ = module.train()(query, query, query)
+        out.sum().backward()
+    grad, expected_grad = getattr(ours, which).grad, getattr(theirs, which).grad
+    assert grad.dtype == expected_grad.dtype == bias_dtype
+    assert_close(grad.double(), expected_grad.double(), 1e-3, f"{which}.grad")
+
+
 def test_error_classes_are_catchable_the_torch_way_and_ours():
     for cls, bases in BOTH_WAYS.items():
         assert issubclass(cls, InputError) and all(issubclass(cls, base) for base in bases), cls
@@ -1189,8 +1214,9 @@ def _jagged(*lengths, features=E):
     return torch.nested.nested_tensor([torch.randn(n, features) for n in lengths], layout=torch.jagged)
 
 
-def _half_bias(m):
-    m.in_proj_bias = nn.Parameter(m.in_proj_bias.detach().half())
+def _half_out_bias(m):
+    """A half out_proj.bias on a float32 module: torch's output projection (addmm) refuses it, as we do."""
+    m.out_proj.bias = nn.Parameter(m.out_proj.bias.detach().half())
     return m
 
 
@@ -1399,9 +1425,9 @@ BAD_CALLS = [
     ),
     (
         "parameter-dtype",
-        lambda m: _half_bias(m["bf"])(x3, x3, x3),
+        lambda m: _half_out_bias(m["bf"])(x3, x3, x3),
         compat.DtypeError,
-        ["in_proj_bias: expected dtype torch.float32 (the dtype of out_proj.weight), got torch.float16"],
+        ["out_proj.bias: expected dtype torch.float32 (the dtype of out_proj.weight), got torch.float16"],
     ),
     (
         "weights-too-big",
