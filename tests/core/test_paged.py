@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from multihead import MultiHeadAttention, attention
 from multihead.backends.paged import PageTable
 from multihead.paged import PagedKVCache
-from support import is_input_error
+from support import is_input_error, randn
 
 pytestmark = pytest.mark.portable
 
@@ -205,3 +205,28 @@ def test_a_paged_call_takes_no_mask():
         layer(tokens(3, 0, "cpu"), causal=True, cache=paged.batch([handle]), mask=torch.ones(3, 3, dtype=torch.bool))
     assert is_input_error(raised.value, ValueError) and "mask: expected None in a paged call" in str(raised.value)
     assert paged.seen(handle) == 0 and paged.pages_in_use == 0
+
+
+@pytest.mark.parametrize(
+    "ends, first, fragment",
+    [
+        ([7, 3], [0, 0], r"sequence 0's table holds: 6 .* got key_ends\[0\] - first_slots\[0\] = 7"),
+        ([5, 5], [0, 0], r"sequence 1's table holds: 4 \(2 pages of 2 before its first -1"),
+        ([5, 1], [0, 2], r"key_ends\[1\] = 1 below first_slots\[1\] = 2"),
+    ],
+    ids=["past-the-width", "into-a-missing-page", "end-before-start"],
+)
+def test_key_ends_past_what_the_table_holds_are_named(ends, first, fragment):
+    """FlashAttention's test_flash_attn_kvcache_paged_block_table_bounds: a key end past the table's pages was
+    served over the keys the table holds (fewer than asked). CPU tables are read on the host and refused."""
+    g, page = 2, 2
+    key_pool, value_pool = randn(6, g, page, 6, seed=1), randn(6, g, page, 9, seed=2)
+    tables = torch.tensor([[0, 3, 5], [2, 4, -1]])
+    ends_t = torch.tensor(ends)
+    pages = PageTable(tables, torch.tensor(first), ends_t, (ends_t - 1).clamp(min=0)[:, None], width=6)
+    with pytest.raises(ValueError, match=fragment) as raised:
+        attention(randn(2, 4, 1, 6, seed=3), key_pool, value_pool, pages=pages, causal=True)
+    assert is_input_error(raised.value, ValueError) and "pages.key_ends" in str(raised.value)
+    within = torch.tensor([6, 4])  # the same table with key ends it holds: served
+    table = PageTable(tables, torch.zeros(2, dtype=torch.long), within, (within - 1)[:, None], width=6)
+    attention(randn(2, 4, 1, 6, seed=3), key_pool, value_pool, pages=table, causal=True)

@@ -21,7 +21,7 @@ from multihead._errors import bad_argument, describe, positive_int
 from multihead._inputs import tensor_argument
 from multihead.backends.precision import compute_dtype
 from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities
-from multihead.masks import Mask, custom
+from multihead.masks import Mask, custom, host_readable
 
 __all__ = ["PageTable", "KEYS_PER_STEP", "CAPABILITIES", "paged_attention_backend"]
 
@@ -108,6 +108,36 @@ class PageTable:
             )
         if self.window is not None:
             positive_int("pages.window", self.window)
+        self._check_key_ends(page)
+
+    def _check_key_ends(self, page: int) -> None:
+        """Raise where a sequence's keys (first_slots[s] .. key_ends[s] - 1) run past what the table holds: past
+        ``width``, or into a column of -1 (no page). Read only where the table's values are on the host (CPU
+        tensors): a device's table is never waited for, as a padding mask's lengths are not."""
+        tables, first, ends = self.tables, self.first_slots, self.key_ends
+        if not all(host_readable(t) for t in (tables, first, ends)):
+            return
+        held = ends.long() - first.long()  # (S,) keys of each sequence
+        if bool((held < 0).any()):
+            s = int((held < 0).nonzero()[0])
+            raise bad_argument(
+                "pages.key_ends",
+                "key_ends[s] >= first_slots[s] (a sequence holds no fewer than 0 keys)",
+                f"key_ends[{s}] = {int(ends[s])} below first_slots[{s}] = {int(first[s])}",
+                "pass each sequence's end of keys (its length)",
+            )
+        paged = (tables >= 0).long().cumprod(dim=1).sum(dim=1) * page  # (S,) keys its leading pages hold
+        room = torch.clamp(paged, max=self.width)
+        over = held > room
+        if bool(over.any()):
+            s = int(over.nonzero()[0])
+            raise bad_argument(
+                "pages.key_ends",
+                f"at most the keys sequence {s}'s table holds: {int(room[s])} ({int(paged[s]) // page} pages of "
+                f"{page} before its first -1, and width {self.width})",
+                f"key_ends[{s}] - first_slots[{s}] = {int(held[s])}",
+                "give the table a page for every key (or a larger width), or a key end within it",
+            )
 
     def gather(self, pool: torch.Tensor) -> torch.Tensor:
         """Each sequence's keys (or values) in order: (P, g, page, x) -> (S, g, width, x); column c holds the key at
