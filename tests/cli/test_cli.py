@@ -564,6 +564,13 @@ def test_heads_syntax_table_and_files(tmp_path, capsys):
     assert (tmp_path / "syntax.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_heads_syntax_on_two_sentences_names_the_relations_it_left_out(tmp_path, capsys):
+    assert main(["heads", "syntax", "--max-sentences", "2", "--out", str(tmp_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "left out (no sentence of the 2 has them): advmod, aux, nmod:poss" in out
+    assert json.loads((tmp_path / "syntax.json").read_text())["left_out"] == ["advmod", "aux", "nmod:poss"]
+
+
 @pytest.mark.parametrize(
     "treebank, relations, message",
     [

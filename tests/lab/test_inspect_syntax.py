@@ -258,6 +258,21 @@ def test_syntax_scores_unknown_relation_lists_available(model):
         syntax_scores(model, bundled_treebank(), relations="root", max_sentences=20)
 
 
+def test_default_relations_absent_from_a_few_sentences_are_left_out_and_named(model):
+    """max_sentences=2 (a valid value) failed with an error about relations the two sentences lack; the defaults
+    they have are scored and the others named in left_out (and syntax.json)."""
+    sentences = bundled_treebank()[:2]
+    present = {r for s in sentences for h, r in zip(s.heads, s.relations, strict=True) if h > 0}
+    scores = syntax_scores(model, bundled_treebank(), max_sentences=2)
+    assert scores.relations == [r for r in RELATIONS if r in present]
+    assert scores.left_out == [r for r in RELATIONS if r not in present] == ["advmod", "aux", "nmod:poss"]
+    assert scores.as_dict()["left_out"] == scores.left_out
+    assert syntax_scores(model, bundled_treebank(), max_sentences=200).left_out == []
+    nothing = [Sentence(["Hi", "!"], [0, 1], ["root", "punct"])]  # no default relation at all
+    with pytest.raises(ValueError, match=r"sentences: expected sentences with at least one of the default"):
+        syntax_scores(model, nothing)
+
+
 def test_syntax_scores_skips_overlong_sentences_and_reports_progress(model):
     sentences = bundled_treebank()[:5]
     long = Sentence(["word"] * 600, [0] + [1] * 599, ["root"] + ["dep"] * 599)

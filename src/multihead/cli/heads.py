@@ -270,9 +270,10 @@ def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
 
     from multihead.integrations import load_text_model
     from multihead.lab.inspect.headreport import syntax_table, write_syntax
-    from multihead.lab.inspect.syntax import RELATIONS, bundled_treebank, read_conllu, syntax_scores
+    from multihead.lab.inspect.syntax import bundled_treebank, read_conllu, syntax_scores
 
-    relations = RELATIONS if args.relations is None else [r.strip() for r in args.relations.split(",") if r.strip()]
+    # not given: the default relations the sentences have (syntax_scores names those left out)
+    relations = None if args.relations is None else [r.strip() for r in args.relations.split(",") if r.strip()]
     with from_option("--treebank"):
         sentences = read_conllu(Path(args.treebank), argument="--treebank") if args.treebank else bundled_treebank()
     with from_option("--model"):

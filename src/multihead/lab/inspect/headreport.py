@@ -384,6 +384,12 @@ def syntax_table(scores: SyntaxScores) -> Table:
             f"{row['score']:.3f}",
             f"[{style}]{margin:+.3f}[/{style}]" if style else f"{margin:+.3f}",
         )
+    if scores.left_out:
+        table.caption = (
+            f"left out (no sentence of the {scores.sentences} has them): {', '.join(scores.left_out)}; "
+            "name relations with --relations"
+        )
+        table.caption_justify = "left"
     return table
 
 

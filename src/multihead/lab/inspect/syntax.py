@@ -396,6 +396,8 @@ class SyntaxScores:
         is right most often, and how often.
     sentences: sentences scored; skipped: sentences left out (over the model's positions, or a
         word the tokenizer drops entirely).
+    left_out: default relations (:data:`RELATIONS`) not scored because no sentence has them (a few sentences:
+        ``max_sentences=2``); relations asked for by name are never left out.
     """
 
     layers: list[int]
@@ -409,6 +411,7 @@ class SyntaxScores:
     skipped: int = 0
     source: str = field(default="sentences")
     layer_heads: list[list[int]] | None = None
+    left_out: list[str] = field(default_factory=list)
 
     def _check(self, relation: str) -> None:
         if relation not in self.relations:
@@ -514,6 +517,7 @@ class SyntaxScores:
             "heads": self.heads,
             **layer_heads,
             "relations": self.relations,
+            "left_out": self.left_out,
             "counts": dict(self.counts),
             "baseline": {r: {"offset": o, "score": plain(s)} for r, (o, s) in self.baseline.items()},
             "dependent_to_head": {r: grid(t) for r, t in self.dependent_to_head.items()},
@@ -612,8 +616,20 @@ def _score(
     return scorer.result(list(range(layers)), list(range(heads)))
 
 
-def _relations(relations: str | Sequence[str], sentences: Sequence[Sentence]) -> list[str]:
-    """Validated relation names: each must label at least one non-root word of ``sentences``."""
+def _relations(relations: str | Sequence[str] | None, sentences: Sequence[Sentence]) -> tuple[list[str], list[str]]:
+    """(validated relation names, defaults left out): each name asked for must label at least one non-root word
+    of ``sentences``; None asks for the defaults (:data:`RELATIONS`) those words have, leaving out the others."""
+    available = Counter(r for s in sentences for h, r in zip(s.heads, s.relations, strict=True) if h > 0)
+    if relations is None:
+        present = [r for r in RELATIONS if r in available]
+        if not present:
+            raise bad_argument(
+                "sentences",
+                "sentences with at least one of the default relations (" + ", ".join(RELATIONS) + ")",
+                "relations " + (", ".join(sorted(available)) or "none"),
+                "pass more sentences, or name relations they have",
+            )
+        return present, [r for r in RELATIONS if r not in available]
     chosen = [relations] if isinstance(relations, str) else relations
     try:
         chosen = list(dict.fromkeys(chosen))
@@ -633,7 +649,6 @@ def _relations(relations: str | Sequence[str], sentences: Sequence[Sentence]) ->
             'pass e.g. relations=["det", "nsubj"]',
             kind=TypeError if chosen else ValueError,
         )
-    available = Counter(r for s in sentences for h, r in zip(s.heads, s.relations, strict=True) if h > 0)
     unknown = [r for r in chosen if r not in available]
     if unknown:
         raise bad_argument(
@@ -642,14 +657,14 @@ def _relations(relations: str | Sequence[str], sentences: Sequence[Sentence]) ->
             ", ".join(map(repr, unknown)),
             "pick relations from that list (UD deprels, subtypes such as nmod:poss written out)",
         )
-    return chosen
+    return chosen, []
 
 
 def syntax_scores(
     model: TextEncoder,
     sentences: Sequence[Sentence] | str | Path | None = None,
     *,
-    relations: str | Sequence[str] = RELATIONS,
+    relations: str | Sequence[str] | None = None,
     layers: Sequence[int] | int | None = None,
     heads: Sequence[int] | int | None = None,
     batch_size: int = 16,
@@ -668,8 +683,9 @@ def syntax_scores(
     Args:
         model: a :class:`multihead.lab.models.Encoder` with its tokenizer (``load_minilm()``).
         sentences: :class:`Sentence` list, or a .conllu path; default :func:`bundled_treebank`.
-        relations: UD relations to score (default :data:`RELATIONS`); each must occur in the
-            sentences (a ValueError lists those that do).
+        relations: UD relations to score; each must occur in the sentences (a ValueError lists those that
+            do). None (the default): those of :data:`RELATIONS` the sentences have, the others named in
+            ``left_out``.
         layers, heads: which to score (default all): model layer indices, and the checkpoint's head numbers
             (a pruned model's heads keep theirs; a head pruned from a layer scores NaN there).
         batch_size: sentences per forward pass.
@@ -693,7 +709,7 @@ def syntax_scores(
     sentences, source = _chosen_sentences(sentences, max_sentences)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise bad_argument("batch_size", "a positive int", describe(batch_size), "pass e.g. batch_size=16")
-    chosen = _relations(relations, sentences)
+    chosen, left_out = _relations(relations, sentences)
 
     # Piece counts first: sentences over the model's positions are skipped, the rest batched by length.
     order = _fitting_by_length(tokenizer, sentences)
@@ -702,13 +718,15 @@ def syntax_scores(
     scorer = _scored_batches(
         model, tokenizer, grid, sentences, order, chosen, batch_size=batch_size, skipped=skipped, progress=progress
     )
-    return scorer.result(
+    scores = scorer.result(
         grid.layers,
         grid.heads,
         skipped=skipped,
         source=source,
         layer_heads=grid.layer_heads if grid.ragged else None,
     )
+    scores.left_out = left_out
+    return scores
 
 
 def _chosen_sentences(
