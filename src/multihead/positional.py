@@ -116,6 +116,21 @@ def _grown(current: int, needed: int, same_place: bool, cap: int | None = None) 
     return size if cap is None else min(size, cap)
 
 
+# A cached table covers every position up to the largest asked for: worth it while the positions asked are dense
+# (a prompt, decoding). Positions far apart (0 and 2**27) would build and keep a table of 2**27 rows for two of them
+# (15 s and 4 GiB for a rotary head of 8 here; gigabytes more at a real head size), so past TABLE_FLOOR rows a table
+# grows only to at most TABLE_ROWS_PER_POSITION rows per position a call asks for; the other calls compute their
+# own positions' values (the same float64 arithmetic, so the same numbers), at a cost that goes with what they ask.
+TABLE_FLOOR = 1 << 16  # rows any table may cover (a float32 rotary table of head size 128: 32 MiB)
+TABLE_ROWS_PER_POSITION = 16
+
+
+def worth_a_table(length: int, asked: int, current: int) -> bool:
+    """Whether a table of ``length`` rows is kept for a call asking for ``asked`` positions, the table holding
+    ``current`` rows (one that covers them already is always used)."""
+    return length <= max(current, TABLE_FLOOR + TABLE_ROWS_PER_POSITION * asked)
+
+
 # Growing a table is rare and cheap next to attention; one lock for every module keeps modules picklable.
 _GROWTH_LOCK = threading.Lock()
 
@@ -277,7 +292,9 @@ class RotaryEmbedding(nn.Module):
             positions: an int offset (rows at offset .. offset + n - 1), or an integer tensor
                 of non-negative positions, (n,) shared by the batch or (b, n) one row per
                 batch element (e.g. left-padded batches). A CPU tensor is read on the host: a
-                negative position is refused and the cached tables cover the largest. A tensor
+                negative position is refused and the cached tables cover the largest, where
+                that is worth it (:func:`worth_a_table`: positions far apart, such as 0 and
+                2**27, are computed for the call alone, at the cost of what they ask). A tensor
                 on a device (CUDA) is never read, as reading it would wait for the device: its
                 angles are computed on the device for this call, without the tables, and a
                 negative position there rotates by a negative angle (no check).
@@ -336,7 +353,7 @@ class RotaryEmbedding(nn.Module):
                     "count positions from 0, the first token of the sequence",
                 )
             positions = to_device(positions.long(), x.device)
-            if grow or self._covers(highest + 1, x):
+            if self._covers(highest + 1, x) or (grow and self._worth_a_table(highest + 1, positions.numel(), x)):
                 cos, sin = self._tables(highest + 1, x, "positions")
                 cos, sin = cos[positions], sin[positions]  # (n, d/2) or (b, n, d/2)
             else:
@@ -361,9 +378,15 @@ class RotaryEmbedding(nn.Module):
         table = self._cos_sin
         return table.device == x.device and table.dtype == _table_dtype(x.dtype) and table.shape[-2] >= length
 
+    def _worth_a_table(self, length: int, asked: int, x: torch.Tensor) -> bool:
+        table = self._cos_sin
+        same_place = table.device == x.device and table.dtype == _table_dtype(x.dtype)
+        return worth_a_table(length, asked, table.shape[-2] if same_place else 0)
+
     def _rotate_range(self, x: torch.Tensor, offset: int, name: str, grow: bool = True) -> torch.Tensor:
         n = x.shape[-2]
-        if torch.compiler.is_compiling() or not (grow or self._covers(offset + n, x)):
+        tabled = self._covers(offset + n, x) or (grow and self._worth_a_table(offset + n, n, x))
+        if torch.compiler.is_compiling() or not tabled:
             # no table growth: in a compiled graph the table's length would pin the sequence length, and
             # with grow=False the call must leave the tables as they are
             return self._rotate_pairs(x, *self._cos_sin_of(torch.arange(offset, offset + n, device=x.device), x))
@@ -486,11 +509,8 @@ class SinusoidalPositions(nn.Module):
         offset = _check_offset("offset", offset)
         n = x.shape[-2]
         _check_length("x", n, offset, self.max_len, "SinusoidalPositions")
-        if torch.compiler.is_compiling():  # computed in the graph: a cached table would pin the length
-            pe = _sinusoid(torch.arange(offset, offset + n, device=x.device), self.dim, self.base)
-            pe = pe.to(_table_dtype(x.dtype))  # (n, dim)
-        else:
-            pe = self._cached(offset + n, x.device, _table_dtype(x.dtype), "offset")[offset : offset + n]  # (n, dim)
+        # in a compiled graph a cached table would pin the length; far positions are computed for the call alone
+        pe = self._rows(offset, n, x.device, _table_dtype(x.dtype), cache=not torch.compiler.is_compiling())
         return (x + pe).to(x.dtype)  # one rounding for half-precision x
 
     def table(
@@ -520,7 +540,16 @@ class SinusoidalPositions(nn.Module):
         dtype = floating_dtype("dtype", dtype, allow_none=False)
         _check_length("n", n, offset, self.max_len, "SinusoidalPositions")
         where = self._table.device if device is None else usable_device("device", device, allow_none=False)
-        return self._cached(offset + n, where, _table_dtype(dtype), "offset")[offset : offset + n].to(dtype, copy=True)
+        return self._rows(offset, n, where, _table_dtype(dtype)).to(dtype, copy=True)
+
+    def _rows(self, offset: int, n: int, device: torch.device, dtype: torch.dtype, cache: bool = True) -> torch.Tensor:
+        """PE[offset : offset + n] (n, dim) in ``dtype``: from the cached table where it covers them or is worth
+        growing (:func:`worth_a_table`), else computed for these positions alone."""
+        table = self._table
+        current = table.shape[-2] if table.device == device and table.dtype == dtype else 0
+        if cache and worth_a_table(offset + n, n, current):
+            return self._cached(offset + n, device, dtype, "offset")[offset : offset + n]
+        return _sinusoid(torch.arange(offset, offset + n, device=device), self.dim, self.base).to(dtype)
 
     def _cached(self, length: int, device: torch.device, dtype: torch.dtype, name: str) -> torch.Tensor:
         """PE for positions 0 .. >= length - 1: (positions, dim)."""

@@ -783,12 +783,32 @@ def test_an_allocation_failing_while_a_table_grows_leaves_the_old_table_working(
 
 
 @pytest.mark.portable
-def test_positions_whose_table_cannot_fit_are_refused_before_allocating(device):
-    with pytest.raises(ValueError, match="positions: expected the position table to fit") as info:
-        RotaryEmbedding(8).rotate(torch.randn(1, 1, 2, 8, device=device), 2**40)
-    assert is_input_error(info.value, ValueError)
-    with pytest.raises(ValueError, match="offset: expected the position table to fit"):
-        SinusoidalPositions(8)(torch.randn(1, 2, 8, device=device), offset=2**40)
-    with pytest.raises(ValueError, match="offset: expected the position table to fit"):
-        x = torch.randn(1, 1, 2, 8, device=device)
-        RotaryEmbedding(8)(x, x, offset=2**40)
+@pytest.mark.parametrize("far", [2**27, 2**40])
+def test_positions_far_apart_cost_what_they_ask_not_a_table_up_to_the_largest(far, device):
+    """positions=[0, 2**27] built rotary tables for 2**27 positions (15 s and 4 GiB for a head of 8), and an offset
+    of 2**40 was refused as a table that cannot fit. Positions far apart are now computed for the call alone, with
+    the tables' float64 arithmetic (the same numbers), and the tables stay as small as before."""
+    x = randn(2, 3, 2, 8, seed=1, device=device)
+    rope = RotaryEmbedding(8)
+    positions = torch.tensor([0, far])
+    angles = positions.double()[:, None] * 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    cos, sin = (t.to(device)[None, None] for t in (angles.cos(), angles.sin()))  # (1, 1, 2, 4)
+    first, second = x[..., :4], x[..., 4:]
+    expected = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    torch.testing.assert_close(rope.rotate(x, positions.to(device)), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(rope.rotate(x[:, :, 1:], far), expected[:, :, 1:], rtol=0, atol=1e-12)
+    q = k = x[:, :, 1:]
+    rotated_q, _ = rope(q, k, offset=far)
+    torch.testing.assert_close(rotated_q, expected[:, :, 1:], rtol=0, atol=1e-12)
+    assert rope._cos_sin.shape[-2] <= positional.TABLE_FLOOR
+    pe = SinusoidalPositions(8)
+    row = pe.table(1, offset=far, dtype=torch.float64)
+    expected_row = torch.stack((angles[1].sin(), angles[1].cos()), dim=-1).reshape(1, 8)
+    torch.testing.assert_close(row, expected_row, rtol=0, atol=0)
+    torch.testing.assert_close(
+        pe(torch.zeros(1, 1, 8, dtype=torch.float64, device=device), offset=far)[0], row.to(device)
+    )
+    assert pe._table.shape[0] <= positional.TABLE_FLOOR
+    # dense positions still grow the tables: a prompt of 100 tokens keeps 100 rows
+    rope.rotate(randn(1, 1, 100, 8, device=device), 0)
+    assert rope._cos_sin.shape[-2] == 100
