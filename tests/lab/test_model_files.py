@@ -83,6 +83,30 @@ def test_other_damaged_files_of_a_transformers_checkpoint_are_named(folders, tmp
     assert "--model pytorch_model.bin: expected a weights file" in line and line.endswith(FIX)
 
 
+@pytest.mark.parametrize("name", ["bert", "gpt2"])  # bert: our own encoder reads it; gpt2: transformers
+def test_a_config_that_does_not_match_the_weights_is_one_line_naming_the_first_mismatch(
+    name, folders, tmp_path, capsys
+):
+    """A config.json whose sizes are not the weights': transformers raised pointing at a report it logged (one we
+    silence), and the line said the weights file cannot be read. Now one line names the first tensor of another
+    shape, both shapes, and how many differ."""
+    import json
+
+    folder = copy(folders[name], tmp_path / name)
+    config = json.loads((folder / "config.json").read_text())
+    size = "hidden_size" if "hidden_size" in config else "n_embd"
+    config[size] *= 2
+    config["intermediate_size" if name == "bert" else "n_inner"] = 4 * config[size]
+    (folder / "config.json").write_text(json.dumps(config))
+    line = one_line_error(capsys, folder)
+    assert "which cannot be read" not in line, line
+    if name == "gpt2":
+        assert re.search(r"got \d+ of another shape \(first: '[\w.]+' of shape \([\d, ]+\) in the weights", line), line
+        assert "from config.json)" in line and "Fix: check that config.json belongs to these weights" in line
+    else:
+        assert re.search(r"expected '[\w.]+' of shape \(\d+, \d+\) \(from config.json's sizes\)", line), line
+
+
 # --------------------------------------------------------------- row 7: BERT in the formats transformers reads
 
 

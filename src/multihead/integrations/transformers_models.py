@@ -16,7 +16,9 @@ transformers is an optional extra (``pip install 'multihead[hf]'``).
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -253,6 +255,21 @@ def load_causal_lm(path: str | Path, *, dtype: torch.dtype = torch.float32) -> C
     return CausalLM(model.eval(), tokenizer, folder.name)
 
 
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Within: transformers logs errors only and shows no progress bars (the caller's output is a report: no loading
+    bars or notes in it); its settings come back after."""
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def _load_pretrained(
     path: str | Path, dtype: torch.dtype, auto_class
 ) -> tuple[PreTrainedModel, TransformersTokenizer, Path]:
@@ -266,7 +283,8 @@ def _load_pretrained(
     except (ValueError, UnicodeDecodeError, AttributeError):
         raise bad_argument("config.json", "a JSON object", "a file that is not one", _FIX) from None
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        with _quiet_transformers():  # its notes on a config (token ids past a tiny vocabulary) are not the report's
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, KeyError, OSError) as error:
         reason = whole_sentences(str(error)) if str(error).strip() else type(error).__name__
         raise bad_argument(
@@ -282,34 +300,39 @@ def _load_pretrained(
             f"{folder} without any",
             "save the tokenizer into the folder (tokenizer.save_pretrained(folder))",
         )
-    with reading(folder, _TOKENIZER_READ, what="a tokenizer file transformers can read"):
+    with reading(folder, _TOKENIZER_READ, what="a tokenizer file transformers can read"), _quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()  # the caller's output is a report: no loading bars or notes in it
-    hf_logging.set_verbosity_error()
-    try:
-        with reading(folder, _weights_files(folder), what="a weights file transformers can read"):
-            model, loading = auto_class.from_pretrained(
-                folder,
-                config=config,
-                attn_implementation=IMPLEMENTATION,
-                local_files_only=True,
-                dtype=dtype,
-                output_loading_info=True,
-            )
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
+    with reading(folder, _weights_files(folder), what="a weights file transformers can read"), _quiet_transformers():
+        model, loading = auto_class.from_pretrained(
+            folder,
+            config=config,
+            attn_implementation=IMPLEMENTATION,
+            local_files_only=True,
+            dtype=dtype,
+            output_loading_info=True,
+            # transformers would raise on a shape that config.json does not give, pointing at a report it logs
+            # (silenced here): loaded, the mismatches are named below in one line
+            ignore_mismatched_sizes=True,
+        )
     # a pooler (BERT's [CLS] head) is absent from an MLM save and unused by the states we read: not missing
-    missing = [key for key in loading.get("missing_keys", []) if not str(key).startswith(_UNREAD)]
-    missing += [str(key) for key, *_ in loading.get("mismatched_keys", [])]
-    if missing:  # transformers would fill them with random values: a model that only looks loaded
-        shown = ", ".join(sorted(missing)[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    missing = sorted(str(key) for key in loading.get("missing_keys", []) if not str(key).startswith(_UNREAD))
+    mismatched = sorted(
+        (str(key), tuple(saved), tuple(wanted)) for key, saved, wanted in loading.get("mismatched_keys", [])
+    )
+    if missing or mismatched:  # transformers would fill them with random values: a model that only looks loaded
+        parts = []
+        if mismatched:
+            key, saved, wanted = mismatched[0]
+            parts.append(
+                f"{len(mismatched)} of another shape (first: {key!r} of shape {saved} in the weights, "
+                f"{wanted} from config.json)"
+            )
+        if missing:
+            parts.append(f"{len(missing)} missing (first: {missing[0]!r})")
         raise bad_argument(
             "model",
-            f"weights for every parameter of the {config.model_type} model config.json describes",
-            f"{len(missing)} missing or of the wrong shape in {folder} ({shown})",
+            f"weights for every parameter of the {config.model_type} model config.json describes, of its shape",
+            f"{' and '.join(parts)} in {folder}",
             "check that config.json belongs to these weights, or save the model again",
         )
     if not isinstance(model, PreTrainedModel):  # pragma: no cover - AutoModel always gives one
