@@ -7,21 +7,35 @@ own indexing does (-1 is the last head), each validated against the count it ind
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 from multihead._errors import bad_argument, describe
 
 __all__ = ["checked_indices"]
 
 
-def checked_indices(name: str, chosen: object, count: int, what: str, *, distinct: bool = False) -> list[int]:
+def checked_indices(
+    name: str, chosen: object, count: int, what: str, *, distinct: bool = False, ordered: bool = True
+) -> list[int]:
     """``chosen`` as indices into range(``count``), in the order given: an int is one index, None all of them,
-    a negative index counts from the end. ``distinct``: each index at most once. ``what`` names one index in
-    messages ("head", "layer", "query").
+    a negative index counts from the end. ``distinct``: each index at most once. ``ordered``: the result's order
+    is the caller's (rows of a result), so a set, which has none, is refused; False where the order does not
+    matter (heads to ablate). ``what`` names one index in messages ("head", "layer", "query").
 
-    Raises TypeError for anything but whole numbers, and ValueError for an empty list, an index outside
-    -count..count - 1 or, with ``distinct``, an index given twice (also as its negative twin).
+    Raises TypeError for anything but whole numbers (and, ``ordered``, for a set), and ValueError for an empty
+    list, an index outside -count..count - 1 or, with ``distinct``, an index given twice (also as its negative
+    twin).
     """
     if chosen is None:
         return list(range(count))
+    if ordered and isinstance(chosen, Set):
+        raise bad_argument(
+            name,
+            f"an ordered list of {what} indices (the result comes in their order)",
+            f"a {type(chosen).__name__}, whose order is its hashing's",
+            f"pass a list, e.g. {name}=sorted(...)",
+            kind=TypeError,
+        )
     values: list | None = None
     if isinstance(chosen, int):
         values = [chosen]

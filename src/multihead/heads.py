@@ -74,7 +74,7 @@ def check_heads(num_heads: int, heads: Sequence[int] | int, name: str = "heads")
     end: :func:`multihead._indices.checked_indices`)."""
     if heads is None:  # None means every head elsewhere; here, a head must be named
         raise bad_argument(name, "a list of head indices", "None", f"pass e.g. {name}=[0, 3]", kind=TypeError)
-    return sorted(checked_indices(name, heads, num_heads, "head", distinct=True))
+    return sorted(checked_indices(name, heads, num_heads, "head", distinct=True, ordered=False))
 
 
 def make_ablation(

@@ -493,6 +493,19 @@ ROWS = [
         id="selection-heads-float",
     ),
     pytest.param(
+        call(Q, K, V, return_weights=WeightSelection(heads={3, 1})),
+        TypeError,
+        "WeightSelection.heads: expected an ordered list of head indices (the result comes in their order), got a "
+        "set, whose order is its hashing's. Fix: pass a list",
+        id="selection-heads-set",
+    ),
+    pytest.param(
+        call(Q, K, V, return_weights=WeightSelection(queries=frozenset({4, 0}))),
+        TypeError,
+        "WeightSelection.queries: expected an ordered list of query indices",
+        id="selection-queries-frozenset",
+    ),
+    pytest.param(
         call(Q, K, V, return_weights=WeightSelection(heads=3)),
         TypeError,
         "WeightSelection.heads: expected a sequence of ints",

@@ -26,6 +26,17 @@ def test_the_validator_counts_negatives_from_the_end_and_names_the_range():
             checked_indices("heads", bad, 4, "head")
 
 
+def test_a_set_is_refused_where_the_order_is_the_results_and_taken_where_it_is_not():
+    """A WeightSelection given a set took the set's iteration order for its rows: refused wherever the result comes
+    in the order given; head surgery, whose order does not matter, takes a set."""
+    with pytest.raises(TypeError, match=r"^rows: expected an ordered list of query indices .* got a set"):
+        checked_indices("rows", {2, 0}, 4, "query")
+    assert checked_indices("heads", {2, 0}, 4, "head", ordered=False) in ([0, 2], [2, 0])
+    layer = multihead.MultiHeadAttention(16, 4)
+    layer.ablate_heads({3, 1})
+    assert layer.head_ablation is not None and layer.head_ablation.heads == (1, 3)
+
+
 @pytest.mark.portable
 def test_minus_one_is_the_last_head_and_row_everywhere(device):
     torch.manual_seed(0)
