@@ -101,3 +101,13 @@ def textbook_lowp(
     weights, lse = masked_softmax(apply_mask(scores, keep, bias))
     weights = weights.to(values.dtype)
     return weights @ values, weights, lse
+
+
+def auto_candidates(q, k, v, *, mask=None, return_lse: bool = False) -> list[str]:
+    """The backends ``auto`` may choose for this call: every one that serves it, as auto sees them."""
+    from multihead.backends import registry
+    from multihead.functional import _prepare
+
+    options = dict(causal=False, scale=None, dropout=0.0, training=False, backend="auto", return_weights=False)
+    call = _prepare(q, k, v, mask=mask, **options, return_lse=return_lse).call
+    return [backend.name for backend in registry.serving_for_auto(call)]

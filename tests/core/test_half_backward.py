@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import multihead
-from multihead.backends import costs, registry
-from multihead.functional import _prepare
-from support import assert_within_rule, randn, textbook_lowp
+from multihead.backends import costs
+from support import assert_within_rule, auto_candidates, randn, textbook_lowp
 
 HEADS, QUERIES, KEYS, DIM = 2, 20000, 16, 64
 
@@ -22,12 +21,6 @@ def gradients(run, q, k, v, grad_out):
     out = run(*leaves)
     out.backward(grad_out)
     return [t.grad for t in leaves]
-
-
-def auto_candidates(q, k, v) -> list[str]:
-    options = dict(mask=None, causal=False, scale=None, dropout=0.0, training=False, backend="auto")
-    call = _prepare(q, k, v, **options, return_weights=False, return_lse=False).call
-    return [backend.name for backend in registry.serving_for_auto(call)]
 
 
 @pytest.mark.portable

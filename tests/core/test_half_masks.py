@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 
 import multihead
 from multihead import masks
-from multihead.backends import registry
-from multihead.functional import _prepare, attention_result
-from support import assert_within_rule, randn, textbook_lowp
+from multihead.functional import attention_result
+from support import assert_within_rule, auto_candidates, randn, textbook_lowp
 
 KINDS = ["none", "causal", "window", "padding", "documents", "alibi", "causal & alibi", "softcap", "bool", "bias"]
 SHAPES = {"i > j": (160, 3), "i = j": (24, 24), "i < j": (3, 160)}
@@ -53,24 +52,6 @@ def make_mask(kind: str, i: int, j: int, slope_scale: float, seed: int, device):
     return 3 * randn(1, H, i, j, seed=seed + 2, device=device, dtype=torch.float32)
 
 
-def auto_candidates(q, k, v, mask, return_lse: bool) -> list[str]:
-    """The backends auto may choose for this call (every one that serves it, as auto sees them)."""
-    call = _prepare(
-        q,
-        k,
-        v,
-        mask=mask,
-        causal=False,
-        scale=None,
-        dropout=0.0,
-        training=False,
-        backend="auto",
-        return_weights=False,
-        return_lse=return_lse,
-    ).call
-    return [backend.name for backend in registry.serving_for_auto(call)]
-
-
 @pytest.mark.portable
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kind", KINDS)
@@ -85,7 +66,7 @@ def test_property_every_mask_kind_in_half_precision_is_within_the_rule(dtype, ki
     ref64 = multihead.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
     low = textbook_lowp(q, k, v, mask=mask)[0]
     for return_lse in (False, True):
-        for backend in ["auto", *auto_candidates(q, k, v, mask, return_lse)]:
+        for backend in ["auto", *auto_candidates(q, k, v, mask=mask, return_lse=return_lse)]:
             out = attention_result(q, k, v, mask=mask, backend=backend, return_lse=return_lse).output
             assert_within_rule(out, ref64, low, what=f"{backend} (return_lse={return_lse})")
 
