@@ -66,14 +66,31 @@ def _check_base(value: object) -> float:
     return float(value)
 
 
+# angles are computed in float64, which holds every integer position exactly only below 2**53
+EXACT_POSITIONS = 2**53
+
+
 def _check_offset(name: str, value: object) -> int:
-    return _check_int(
+    offset = _check_int(
         name,
         value,
         minimum=0,
         expected="a non-negative int (the position of the first row)",
         fix=f"pass the number of positions before this chunk, e.g. {name}=cache_length",
     )
+    _check_exact(name, offset)
+    return offset
+
+
+def _check_exact(name: str, highest: int) -> None:
+    """Refuse a position float64 cannot hold exactly (its angle would be another position's)."""
+    if highest >= EXACT_POSITIONS:
+        raise bad_argument(
+            name,
+            "positions below 2**53 (float64, in which the angles are computed, holds each of them exactly)",
+            highest,
+            "count positions from the start of the sequence",
+        )
 
 
 def _check_tensor(name: str, x: object, layout: str, ranks: tuple[int, ...], size: int, size_name: str) -> None:
@@ -352,6 +369,7 @@ class RotaryEmbedding(nn.Module):
                     f"a minimum of {lowest}",
                     "count positions from 0, the first token of the sequence",
                 )
+            _check_exact("positions", highest)
             positions = to_device(positions.long(), x.device)
             if self._covers(highest + 1, x) or (grow and self._worth_a_table(highest + 1, positions.numel(), x)):
                 cos, sin = self._tables(highest + 1, x, "positions")
@@ -385,8 +403,8 @@ class RotaryEmbedding(nn.Module):
 
     def _rotate_range(self, x: torch.Tensor, offset: int, name: str, grow: bool = True) -> torch.Tensor:
         n = x.shape[-2]
-        tabled = self._covers(offset + n, x) or (grow and self._worth_a_table(offset + n, n, x))
-        if torch.compiler.is_compiling() or not tabled:
+        compiling = torch.compiler.is_compiling()  # first: a graph must not branch on the length
+        if compiling or not (self._covers(offset + n, x) or (grow and self._worth_a_table(offset + n, n, x))):
             # no table growth: in a compiled graph the table's length would pin the sequence length, and
             # with grow=False the call must leave the tables as they are
             return self._rotate_pairs(x, *self._cos_sin_of(torch.arange(offset, offset + n, device=x.device), x))

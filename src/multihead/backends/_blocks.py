@@ -161,6 +161,12 @@ except ImportError:  # pragma: no cover - another torch
     _transforms_active = None
 
 
+def transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad) is running: a kernel's host reads (a dropout seed) are not
+    possible under it."""
+    return _transforms_active is None or bool(_transforms_active())
+
+
 def _plain_call() -> bool:
     """Whether a Function call can skip torch's apply: no torch.func transform and no torch.compile tracing
     (both need torch's apply: custom_function_call and the vmap rules; dynamo's autograd.Function support)."""

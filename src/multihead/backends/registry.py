@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from multihead._errors import bad_argument
+from multihead.backends._blocks import transforms_active
 from multihead.backends.call import AttentionCall
 from multihead.backends.costs import Estimate, call_kind
 from multihead.backends.policy import current_policy
@@ -88,7 +89,8 @@ class Capabilities:
             missing.append("return_lse (it does not compute the log-sum-exp)")
         if call.dropout > 0 and not self.dropout:
             missing.append("dropout")
-        if call.dropout > 0 and call.weights != "none" and not (self.weights or self.dropout_weights):
+        applied = self.weights or (self.dropout_weights and not transforms_active())
+        if call.dropout > 0 and call.weights != "none" and not applied:
             missing.append("returning the weights it applied under dropout (it never materialises them)")
         if call.requires_grad and not self.backward:
             missing.append("backward (inputs require grad)")

@@ -46,6 +46,7 @@ from multihead.backends._blocks import (
     legacy_batched,
     mask_scores_,
     mask_scores_and_slope_,
+    transforms_active,
     unfold,
     vmap_by_loop,
 )
@@ -353,7 +354,9 @@ def tiled_attention(
     # after, the LSE stays in it
     output, lse = _TiledAttention.call(q, k, v, mask, scale, dropout, seed)
     weights = None
-    if need_weights and dropout > 0:  # the weights its blocks applied: exact, times the multipliers they drew
+    # the weights its blocks applied: exact, times the multipliers they drew (their seed is read on the host, which
+    # a torch.func transform forbids: there the registry sends weights under dropout elsewhere)
+    if need_weights and dropout > 0 and not transforms_active():
         every_head = torch.arange(q.shape[1], device=q.device)
         exact = selected_weights(q, k, mask, scale, every_head, slice(None)).to(compute_dtype(q.dtype))
         weights = (exact * _dropout_dense(q, k, dropout, _seed(seed))).to(given)
