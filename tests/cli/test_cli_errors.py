@@ -328,7 +328,7 @@ MODEL_CASES = {
         "hf",
         lambda d: edit_json(d / "config.json", model_type="gpt2"),
         "model",
-        "expected weights for every parameter of the gpt2 model config.json describes, got 28 missing",
+        "expected weights for every parameter of the gpt2 model config.json describes, of its shape, got 28 missing",
     ),
     "config.json size of the wrong type": (
         "hf",
