@@ -3,11 +3,15 @@
 - terminal: a table per layer, a row per head: its role, the sink share, the weight on its window's heavy
   hitters, the mean entropy, the weight in each distance band, the piece that receives the most of its attention
   (a window's special pieces count as the text's own: [CLS] gathers what every window's [CLS] receives); then
-  each head's pooled map in shade characters, 16 x 8;
+  each head's pooled map in shade characters, 16 x 8. A table wider than the console (it takes about 100
+  columns) is split into blocks of neighbouring columns, each with the heads, by
+  :func:`~multihead.lab.inspect.terminal.paged_tables`, the way plain inspect splits its layers: no column is cut;
 - ``long.html`` (:func:`long_page`, drawn by :mod:`multihead.lab.inspect.page`: static, offline): the heads' roles,
   shares and three heaviest hitters, their distance profiles (head x band), their entropy along the text (head x
-  stretch) and their pooled maps (a layer x head mosaic of inline PNGs);
-- ``long.png``: the same two grids as heatmaps, and the maps;
+  stretch) and their pooled maps (a layer x head mosaic of inline PNGs). None of these numbers is negative, so
+  the page's one choice of scale (:func:`~multihead.lab.inspect.colours.value_scale`) colours them from 0 and
+  prints them unsigned;
+- ``long.png``: the same two grids as heatmaps on the same scales, and the maps;
 - ``long.json``: :meth:`~multihead.lab.inspect.LongInspection.to_dict`.
 
 Every format is kilobytes per head, whatever the text's length.
@@ -16,6 +20,7 @@ Every format is kilobytes per head, whatever the text's length.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,6 +35,7 @@ from multihead._figures import Written
 from multihead.lab.inspect.colours import MASKED_RGB, weight_rgb_pixels
 from multihead.lab.inspect.long import LONG_ROLES, PROFILE_POINTS, HeadProfile, LongInspection
 from multihead.lab.inspect.page import Grid, Mosaic, Page, Table, write_report
+from multihead.lab.inspect.terminal import paged_tables
 
 __all__ = ["print_long", "long_page", "write_long", "map_pixels", "shaded_map", "SHADES"]
 
@@ -38,7 +44,7 @@ _TERMINAL_MAP = (8, 16)  # character rows x columns of a head's map (a character
 
 
 def print_long(console: Console, found: LongInspection) -> None:
-    """A table per layer: a row per head."""
+    """A table per layer, a row per head (in blocks of columns that fit ``console.width``); then the maps."""
     windows = len(found.windows)
     console.print(
         Text(
@@ -47,34 +53,49 @@ def print_long(console: Console, found: LongInspection) -> None:
             style="bold",
         )
     )
-    bands = found.to_dict()["bands"]
+    # the weight within 8 pieces and beyond 512 (the role's measures) are the bands' own: 0 to 2-8, and 513+
+    columns = ("role", "sink", "hitters", "entropy", *found.to_dict()["bands"], "most received")
     for layer in dict.fromkeys(profile.layer for profile in found.heads):
-        table = RichTable(  # collapsed padding: two spaces between columns, so a row fits 100 columns
-            title=f"layer {layer}", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, title_justify="left"
-        )
-        # the weight within 8 pieces and beyond 512 (the role's measures) are the bands' own: 0 to 2-8, and 513+
-        for name in ("head", "role", "sink", "hitters", "entropy", *bands, "most received"):
-            # the role and the numbers keep their width; the piece most received wraps in what is left
-            table.add_column(
-                name,
-                justify="left" if name in ("role", "most received") else "right",
-                no_wrap=name != "most received",
-                min_width=max(len(rule.name) for rule in LONG_ROLES) if name == "role" else max(len(name), 4),
-            )
-        for profile in (p for p in found.heads if p.layer == layer):
-            table.add_row(
+        rows = [
+            (
                 str(profile.head),
                 profile.role or "",
                 f"{profile.sink:.0%}",
                 f"{profile.heavy_share:.0%}",
                 f"{profile.entropy:.2f}",
                 *(f"{value:.0%}" for value in profile.bands),
-                Text(_hitters(profile.heavy_hitters[:1])),
+                _hitters(profile.heavy_hitters[:1]),
             )
-        console.print(table)
+            for profile in found.heads
+            if profile.layer == layer
+        ]
+        # narrower than the table (100 columns): blocks of neighbouring columns, each with the heads, as plain
+        # inspect splits its layers
+        for table in paged_tables(range(len(columns)), console.width, partial(_layer_table, layer, columns, rows)):
+            console.print(table)
     legend = "; ".join(f"{r.name}: {r.measure} >= {r.threshold:.0%} ({r.source})" for r in LONG_ROLES)
     console.print(Text(f"roles, the first reached: {legend}. Distance bands in pieces back.", style="dim"))
     _print_maps(console, found)
+
+
+def _layer_table(layer: int, columns: Sequence[str], rows: Sequence[Sequence[str]], shown: list[int]) -> RichTable:
+    """One layer's table of its heads (``rows``: the head, then a cell per name of ``columns``), of the ``shown``
+    columns (indices into ``columns``) after the head; a block after the first is titled "continued"."""
+    title = f"layer {layer}" if shown[0] == 0 else f"layer {layer}, continued"
+    table = RichTable(  # collapsed padding: two spaces between columns, so a whole row fits 100 columns
+        title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, title_justify="left"
+    )
+    for name in ("head", *(columns[index] for index in shown)):
+        # the role and the numbers keep their width; the piece most received wraps in what is left
+        table.add_column(
+            name,
+            justify="left" if name in ("role", "most received") else "right",
+            no_wrap=name != "most received",
+            min_width=max(len(rule.name) for rule in LONG_ROLES) if name == "role" else max(len(name), 4),
+        )
+    for row in rows:  # Text: a piece such as "[CLS]" is not rich markup
+        table.add_row(row[0], *(Text(row[1 + index]) for index in shown))
+    return table
 
 
 def _print_maps(console: Console, found: LongInspection) -> None:

@@ -12,19 +12,22 @@ browser, a notebook that strips scripts, or a mail attachment.
 **A grid** is a layer x head (or layer x position) heatmap as an HTML table, ``table.grid``: a ``td.cell`` per
 score with ``data-row``, ``data-column`` and ``data-value`` (the score as JSON writes it; empty where the layer
 has no such head or position), its text the score to two decimals, its ``title`` naming the cell in full
-("layer 1, head 0: +0.532"), and its background the score's colour on the diverging scale of
-:func:`multihead.lab.inspect.colours.score_rgb` over [-bound, bound] (the PNG's scale; dark cells get light text).
-The legend under it (``.legend``) gives the scale's ends and what it measures.
+("layer 1, head 0: +0.532"), and its background the score's colour on the grid's scale (dark cells get light
+text). The scale is :func:`multihead.lab.inspect.colours.value_scale` of its scores, chosen once from their sign
+and shared by the HTML, the PNG and the terminal: diverging over [-bound, bound] with signed numbers when a score
+is negative, else sequential over [0, bound] with unsigned ones (a mean weight, an entropy). The legend under it
+(``.legend``) gives the scale's ends, its ramp and what it measures.
 
 **A mosaic** is small pictures in a grid (``table.mosaic``; the long report's pooled maps, a layer x head grid of
 them): each an inline PNG (``<img src="data:image/png;base64,...">``, drawn pixel for pixel and scaled up) with
 its full name as its ``title`` and ``alt``.
 
-**A table** is rows of text and numbers (the logit lens); a number is printed signed to three decimals and
-shaded on the same scale, bounded by the largest magnitude in its table.
+**A table** is rows of text and numbers (the logit lens); a number is printed to three decimals and shaded on
+the scale of its table's numbers (:func:`~multihead.lab.inspect.colours.value_scale`, bounded by their largest
+magnitude): signed when one is negative.
 
 The same page goes to the terminal (:func:`print_page`: a table per grid, the larger half by magnitude in bold)
-and to a PNG (:func:`plot_grids`: the grids as heatmaps on the same colour scale, then the mosaics);
+and to a PNG (:func:`plot_grids`: the grids as heatmaps on the same colour scales, then the mosaics);
 :func:`write_report` writes ``<name>.json`` (the data), ``<name>.html`` and ``<name>.png``.
 """
 
@@ -48,21 +51,21 @@ from multihead._figures import Written, draw_figure, pyplot, save_figure
 from multihead._userfiles import output_folder, writing
 from multihead.lab._html import template_environment
 from multihead.lab._png import png_data_uri
-from multihead.lab.inspect.colours import SCORE_STOPS, score_colormap, score_rgb
+from multihead.lab.inspect.colours import ValueScale, value_scale
 
 __all__ = ["Grid", "Table", "Mosaic", "Page", "render_page", "print_page", "plot_grids", "write_report", "TEMPLATE"]
 
 TEMPLATE = "page.html.j2"
-_LIGHT_TEXT_FROM = 0.6  # a cell whose |score| / bound is at least this is dark: its text is drawn light
 
 
 @dataclass(frozen=True)
 class Grid:
     """One heatmap: ``scores`` (rows, columns) float (NaN where there is no such cell), the rows ``down`` (layers
     unless said) labelled ``rows`` (None: their numbers) and the columns ``across`` ("head" or "position")
-    labelled ``columns`` (e.g. the prompt's tokens; None: their numbers), coloured over [-bound, bound] (None: the
-    largest |score|, at least 1e-9) with ``label`` saying what the colour measures. ``numbers``: print each score
-    in its cell (False: colour alone, for a wide grid; the cell's title still gives it)."""
+    labelled ``columns`` (e.g. the prompt's tokens; None: their numbers), coloured up to ``bound`` (None: the
+    largest |score|, at least 1e-9) on the scale :meth:`scale` picks from the scores' sign, with ``label`` saying
+    what the colour measures. ``numbers``: print each score in its cell (False: colour alone, for a wide grid;
+    the cell's title still gives it)."""
 
     title: str
     scores: torch.Tensor
@@ -74,22 +77,25 @@ class Grid:
     rows: Sequence[str] | None = None
     numbers: bool = True
 
-    def colour_bound(self) -> float:
-        """The end of the colour scale: ``bound``, or the largest |score| (1 when every score is NaN), at least
-        1e-9."""
-        if self.bound is not None:
-            return max(self.bound, 1e-9)
-        finite = self.scores[~self.scores.isnan()]
-        return max(float(finite.abs().max()) if finite.numel() else 1.0, 1e-9)
+    def scale(self) -> ValueScale:
+        """The grid's colour scale, for the HTML, the PNG and the terminal alike: diverging over [-bound, bound]
+        when a score is negative, else sequential over [0, bound] (``bound``, or the largest |score|: 1 when every
+        score is NaN)."""
+        return value_scale(self.scores, self.bound)
 
 
 @dataclass(frozen=True)
 class Table:
-    """Rows of cells under ``header``: a string is shown as it is; a float is a signed number, shaded."""
+    """Rows of cells under ``header``: a string is shown as it is; a float is a number, shaded on :meth:`scale`."""
 
     title: str
     header: Sequence[str]
     rows: Sequence[Sequence[str | float]]
+
+    def scale(self) -> ValueScale:
+        """The scale of the table's numbers (its float cells), bounded by their largest magnitude: diverging and
+        printed signed when one is negative, else sequential from 0 and unsigned."""
+        return value_scale([cell for row in self.rows for cell in row if isinstance(cell, float)])
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,6 @@ def render_page(page: Page) -> str:
         grids=[_grid_view(grid) for grid in page.grids],
         tables=[_table_view(table) for table in page.tables],
         mosaics=[_mosaic_view(mosaic) for mosaic in page.mosaics],
-        ramp=", ".join(_css(rgb) for rgb in SCORE_STOPS),
     )
 
 
@@ -135,17 +140,17 @@ def _css(rgb: tuple[int, int, int]) -> str:
     return f"rgb({rgb[0]}, {rgb[1]}, {rgb[2]})"
 
 
-def _shaded(value: float, bound: float) -> dict:
-    """A number's cell: its background on the score scale, light text on a dark one."""
-    style = f"background: {_css(score_rgb(value, bound))}"
-    if abs(value) / bound >= _LIGHT_TEXT_FROM:
+def _shaded(value: float, scale: ValueScale) -> dict:
+    """A number's cell: its background on ``scale``, light text on a dark one."""
+    style = f"background: {_css(scale.rgb(value))}"
+    if scale.dark(value):
         style += "; color: #fff"
     return {"style": style}
 
 
 def _grid_view(grid: Grid) -> dict:
     scores = grid.scores.detach().double().cpu()
-    bound = grid.colour_bound()
+    scale = grid.scale()
     prefix = "H" if grid.across == "head" else "pos "
     columns = list(grid.columns) if grid.columns is not None else [f"{prefix}{i}" for i in range(scores.shape[1])]
     row_labels = list(grid.rows) if grid.rows is not None else [str(i) for i in range(scores.shape[0])]
@@ -158,20 +163,20 @@ def _grid_view(grid: Grid) -> dict:
             if math.isnan(value):
                 cells.append({"value": "", "text": "", "title": f"{where}: none", "style": ""})
                 continue
-            text = f"{value:+.2f}" if grid.numbers else ""
-            cells.append(
-                {"value": repr(value), "text": text, "title": f"{where}: {value:+.3f}"} | _shaded(value, bound)
-            )
+            text = scale.number(value, 2) if grid.numbers else ""
+            title = f"{where}: {scale.number(value, 3)}"
+            cells.append({"value": repr(value), "text": text, "title": title} | _shaded(value, scale))
         rows.append({"label": row_labels[index], "cells": cells})
-    return {"grid": grid, "columns": columns, "rows": rows, "bound": f"{bound:.3g}"}
+    ends = (f"-{scale.bound:.3g}", f"+{scale.bound:.3g}") if scale.signed else ("0", f"{scale.bound:.3g}")
+    ramp = ", ".join(_css(rgb) for rgb in scale.stops)
+    return {"grid": grid, "columns": columns, "rows": rows, "low": ends[0], "high": ends[1], "ramp": ramp}
 
 
 def _table_view(table: Table) -> dict:
-    numbers = [abs(cell) for row in table.rows for cell in row if isinstance(cell, float) and not math.isnan(cell)]
-    bound = max(max(numbers, default=1.0), 1e-9)
+    scale = table.scale()
     rows = [
         [
-            {"text": f"{cell:+.3f}", "number": True} | _shaded(cell, bound)
+            {"text": scale.number(cell, 3), "number": True} | _shaded(cell, scale)
             if isinstance(cell, float)
             else {"text": cell, "number": False, "style": ""}
             for cell in row
@@ -202,10 +207,11 @@ def print_page(console: Console, page: Page) -> None:
     for table in page.tables:
         console.print(table.title, soft_wrap=True, markup=False, highlight=False)
         shown = RichTable(box=box.SIMPLE_HEAD, pad_edge=False)
+        scale = table.scale()
         for name in table.header:
             shown.add_column(name, justify="left" if name == "likeliest tokens" else "right")
         for row in table.rows:  # Text: a token such as "[b]" is not rich markup
-            shown.add_row(*(Text(f"{cell:+.3f}" if isinstance(cell, float) else cell) for cell in row))
+            shown.add_row(*(Text(scale.number(cell, 3) if isinstance(cell, float) else cell) for cell in row))
         console.print(shown)
     for note in page.notes:
         console.print(note, soft_wrap=True, markup=False, highlight=False)
@@ -221,11 +227,16 @@ def _print_grid(console: Console, grid: Grid) -> None:
         table.add_column(f"{prefix}{index}", justify="right")
     finite = grid.scores[~grid.scores.isnan()]
     largest = float(finite.abs().max()) if finite.numel() else 0.0
+    scale = grid.scale()
     for index, row in enumerate(grid.scores.tolist()):
         cells = [
             ""
             if value != value
-            else (f"[bold]{value:+.2f}[/bold]" if largest and abs(value) >= 0.5 * largest else f"{value:+.2f}")
+            else (
+                f"[bold]{scale.number(value, 2)}[/bold]"
+                if largest and abs(value) >= 0.5 * largest
+                else scale.number(value, 2)
+            )
             for value in row
         ]
         table.add_row(grid.rows[index] if grid.rows is not None else str(index), *cells)
@@ -233,9 +244,9 @@ def _print_grid(console: Console, grid: Grid) -> None:
 
 
 def plot_grids(grids: Sequence[Grid], path: str | Path, mosaics: Sequence[Mosaic] = ()) -> Path:
-    """The grids as heatmaps, one above the other (layers down, heads or positions across), on the score scale
-    of :func:`multihead.lab.inspect.colours.score_colormap` symmetric around 0 (red positive, blue negative); then
-    each mosaic as one picture of its tiles, its rows and columns labelled."""
+    """The grids as heatmaps, one above the other (layers down, heads or positions across), each on its
+    :meth:`Grid.scale` (the HTML's): diverging around 0 (red positive, blue negative) when a score is negative,
+    else sequential from 0; then each mosaic as one picture of its tiles, its rows and columns labelled."""
     plt = pyplot("the heatmap")
     columns = min(max((grid.scores.shape[1] for grid in grids), default=0), 40)  # a wider grid: narrower cells
     heights = [max(2.6, 1.4 + 0.3 * grid.scores.shape[0]) for grid in grids]
@@ -248,9 +259,9 @@ def plot_grids(grids: Sequence[Grid], path: str | Path, mosaics: Sequence[Mosaic
         _plot_mosaic(axes, mosaic)
     for grid, axes in zip(grids, axes_list[:, 0], strict=False):
         scores = grid.scores.detach().double().cpu()
-        bound = grid.colour_bound()
+        scale = grid.scale()
         layers, count = scores.shape
-        image = axes.imshow(scores.numpy(), cmap=score_colormap(), vmin=-bound, vmax=bound, aspect="auto")
+        image = axes.imshow(scores.numpy(), cmap=scale.colormap(), vmin=scale.low, vmax=scale.high, aspect="auto")
         axes.set_xlabel(grid.across)
         axes.set_ylabel(grid.down)
         if count <= 40:  # a wider grid (a profile along the text) keeps matplotlib's own ticks

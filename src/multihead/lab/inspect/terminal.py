@@ -47,6 +47,7 @@ __all__ = [
     "attention_tables",
     "strongest_links",
     "near_duplicates_line",
+    "paged_tables",
     "print_inspection",
     "PIPED_WIDTH",
     "MIN_WIDTH",
@@ -109,11 +110,13 @@ def _split(items: Sequence[int], groups: int) -> list[list[int]]:
     return runs
 
 
-def _paged(layers: Sequence[int], width: int, build: Callable[[list[int]], Table]) -> list[Table]:
-    """Tables of ``build(layers of a group)`` for the fewest groups of neighbouring layers that each fit ``width``
-    (one layer per table when even one layer is wider: rich then wraps its cells)."""
-    for groups in range(1, len(layers) + 1):
-        tables = [build(run) for run in _split(layers, groups)]
+def paged_tables(columns: Sequence[int], width: int, build: Callable[[list[int]], Table]) -> list[Table]:
+    """Tables of ``build(columns of a block)`` for the fewest blocks of neighbouring ``columns`` that each fit
+    ``width``: the one way every terminal table of the lab splits (the layers of the role grid and the token
+    table; the measures of ``inspect --long``'s table). ``build`` repeats the row labels in each block. One
+    column per table when even one is wider (rich then wraps its cells)."""
+    for groups in range(1, len(columns) + 1):
+        tables = [build(run) for run in _split(columns, groups)]
         if all(_table_width(table) <= width for table in tables):
             return tables
     return tables
@@ -159,7 +162,7 @@ def role_grid(inspection: Inspection, layers: Sequence[int] | None = None) -> Ta
 def role_grids(inspection: Inspection, width: int) -> list[Table]:
     """:func:`role_grid` in as few tables as fit ``width`` columns: all layers in one when they fit, else groups
     of neighbouring layers."""
-    return _paged(inspection.layers, width, lambda run: role_grid(inspection, run))
+    return paged_tables(inspection.layers, width, lambda run: role_grid(inspection, run))
 
 
 def role_title(inspection: Inspection) -> str:
@@ -212,7 +215,7 @@ def attention_tables(inspection: Inspection, width: int, top: int = 2) -> list[T
         table = attention_table(inspection, top, token_chars=chars)
         if _table_width(table) <= width:
             return [table]
-    return _paged(inspection.layers, width, lambda run: attention_table(inspection, top, run, token_chars=wanted))
+    return paged_tables(inspection.layers, width, lambda run: attention_table(inspection, top, run, token_chars=wanted))
 
 
 def attention_title(inspection: Inspection, top: int = 2) -> str:
