@@ -409,3 +409,17 @@ def test_chosen_sites_alone_are_patched_with_the_sweeps_scores():
     ):
         with pytest.raises(kind, match=fragment.replace("(", r"\(").replace(")", r"\)")):
             activation_patching(ours, clean, corrupt, answer=ANSWER, wrong=WRONG, what="k", sites=sites)
+
+
+@pytest.mark.parametrize(("clean", "corrupt", "noted"), [(0.031, 0.034, True), (-0.04, 0.05, True), (2.0, -1.5, False)])
+def test_the_page_notes_when_clean_minus_corrupt_is_too_small_to_divide_by(clean, corrupt, noted):
+    """Issue 47, row 17: shares of a 0.003-nat difference print with a note; a readable difference prints none."""
+    from multihead.lab.circuits.report import SMALL_DIFFERENCE, patching_page
+
+    result = PatchingResult("z", "head", "attention", "exact", torch.tensor([[-2.86, 4.71]]), clean, corrupt)
+    notes = patching_page(result).notes
+    small = [note for note in notes if "too noisy to read" in note]
+    assert bool(small) == noted
+    if noted:
+        assert small[0].startswith(f"note: clean - corrupt is only {abs(clean - corrupt):.3g} nats")
+        assert f"under {SMALL_DIFFERENCE}" in small[0] and "Fix:" in small[0]

@@ -41,6 +41,9 @@ __all__ = [
 
 FORMATS = ("terminal", "html", "json", "png")
 METHODS = {"exact": "activation patching", "attribution": "attribution patching", "path": "path patching"}
+# Below this |clean - corrupt| (in nats: the two runs' odds of answer over wrong differ by under 10%) a share divides
+# by a difference that one head's noise can match: the shares are printed with a note that they cannot be read.
+SMALL_DIFFERENCE = 0.1
 WHATS = {"z": "output z", "pattern": "pattern", "q": "queries", "k": "keys", "v": "values"}
 DETECTOR_TITLES = {
     "previous_token": "previous-token score (attention from each token to the one before it)",
@@ -82,6 +85,13 @@ def patching_page(
     notes = [
         "(patched - corrupt) / (clean - corrupt) at the last position: 1 restores the clean answer, 0 does nothing"
     ]
+    gap = abs(result.clean - result.corrupt)
+    if gap < SMALL_DIFFERENCE:
+        notes.append(
+            f"note: clean - corrupt is only {gap:.3g} nats (under {SMALL_DIFFERENCE}): the shares divide by it, so "
+            "they are too noisy to read. Fix: corrupt the part of the prompt the answer depends on, or choose an "
+            "answer and a wrong token the model tells apart"
+        )
     return Page(f"multihead circuits: {METHODS[result.method]}", dict(facts or {}), grids=[grid], notes=notes)
 
 
