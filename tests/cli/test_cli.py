@@ -551,6 +551,18 @@ def test_heads_mistakes_get_one_line(argv, message, capsys):
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
 
 
+def test_prune_names_the_kind_of_model_it_got(tmp_path, capsys):
+    """Issue 47, row 6: a `multihead train` checkpoint is named as one, not as a transformers checkpoint."""
+    run = tmp_path / "run"
+    tiny = ["--steps", "2", "--layers", "1", "--heads", "2", "--hidden", "16", "--out", str(run)]
+    assert main(["train", "induction", *tiny]) == 0
+    capsys.readouterr()
+    assert main(["heads", "prune", "--fraction", "0.5", "--model", str(run / "model")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a decoder saved by Decoder.save (a multihead train checkpoint)" in err, err
+    assert "transformers" not in err
+
+
 def test_heads_syntax_table_and_files(tmp_path, capsys):
     assert main(["heads", "syntax", "--max-sentences", "60", "--relations", "det,case", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out

@@ -114,7 +114,7 @@ def run_heads(args: argparse.Namespace) -> int:
         raise bad_argument(
             "--model",
             "a model on multihead's own layer, whose heads can be removed (all-MiniLM-L6-v2, a BERT-style checkpoint)",
-            f"{model.name}, a transformers checkpoint",
+            f"{model.name}, {model.described_as}",
             "rank its heads with `multihead heads importance --model ...` (ablation: nothing is removed)",
         )
     if plan is not None:

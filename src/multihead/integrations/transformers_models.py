@@ -155,6 +155,8 @@ class TransformersModel(TextEncoder):
     reading the text shifted right). Its attention steps are ``multihead.lab.inspect.attention_sites(wrapper)``.
     """
 
+    described_as = "a transformers checkpoint"
+
     def __init__(self, model: PreTrainedModel, *, tokenizer: TextTokenizer | None, name: str):
         super().__init__(tokenizer=tokenizer, name=name)
         self.model = model

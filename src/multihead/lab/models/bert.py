@@ -118,6 +118,8 @@ class Encoder(TextEncoder):
     to the constructor, as the loader does.
     """
 
+    described_as = "a BERT-style encoder on multihead's layer"
+
     tokenizer: Tokenizer | None  # the checkpoint's own WordPiece tokenizer, which save() writes
 
     def __init__(

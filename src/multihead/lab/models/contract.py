@@ -37,13 +37,16 @@ class TextEncoder(nn.Module, ABC):
 
     ``tokenizer``: the :class:`~multihead.lab.models.TextTokenizer` that makes its ids; None for a model built
     without one (it runs on token ids only, and text readers refuse it).
-    ``name``: what reports call it (the checkpoint's folder, e.g. "all-MiniLM-L6-v2").
+    ``name``: what reports call it (the checkpoint's folder, e.g. "all-MiniLM-L6-v2"); ``described_as``: what kind
+    of model it is, in words (each subclass says).
     ``attention_layers``: its :class:`multihead.MultiHeadAttention` layers in order (layer l is the l-th).
     ``forward(input_ids, attention_mask, token_type_ids)``: (b, n) ids -> (b, n, hidden) states.
     """
 
     tokenizer: TextTokenizer | None
     name: str
+    # what the model is, in the words a message uses ("..., got NAME, a multihead train checkpoint")
+    described_as: str = "a text model"
 
     def __init__(self, *, tokenizer: TextTokenizer | None = None, name: str = "encoder") -> None:
         super().__init__()

@@ -56,6 +56,7 @@ class Seq2SeqReader(TextEncoder):
     """
 
     is_causal = False  # the encoder and the cross-attention see every source token; the "decoder" part is causal
+    described_as = "an encoder-decoder saved by Seq2Seq.save (a multihead train reverse checkpoint)"
 
     def __init__(
         self,

@@ -158,6 +158,7 @@ class DecoderReader(TextEncoder):
     """
 
     is_causal = True
+    described_as = "a decoder saved by Decoder.save (a multihead train checkpoint)"
 
     def __init__(self, decoder: Decoder, *, tokenizer: TextTokenizer | None = None, name: str | None = None):
         if not isinstance(decoder, Decoder):
