@@ -23,7 +23,7 @@ LOCK_TOOLS := pip==26.3 pip-tools==7.6.2
 COMPILE := CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile --quiet --upgrade --generate-hashes --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links
 
-.PHONY: install install-test browser lock lint test test-latest test-floors test-other-cpu fuzz architectures bench bench-kernel bench-layer bench-parallel \
+.PHONY: install install-test browser lock lint test test-installs test-latest test-floors test-other-cpu fuzz architectures bench bench-kernel bench-layer bench-parallel \
 	demo clean
 
 # The checkpoint package (lock/checkpoint.txt) declares sentence-transformers as a dependency; the demo only reads
@@ -73,7 +73,12 @@ lint: install-test
 	$(TEST_VENV)/bin/mypy
 
 test: install-test lint
-	$(ISOLATED_HOME) $(TEST_PY) -m pytest -q tests
+	$(ISOLATED_HOME) $(TEST_PY) -m pytest -q -m "not installs" tests
+
+# Every install line README gives, each in a fresh venv of its own (tests/core/test_install_lines.py: the core, then
+# the lab, then plots; the hf extra alone), a few minutes of installs: CI runs it after make test.
+test-installs: install-test
+	$(ISOLATED_HOME) $(TEST_PY) -m pytest -q -m installs tests/core/test_install_lines.py
 
 # The suite on the newest versions pyproject allows (torch stays the machine's CPU build: no other CPU build of
 # torch can be installed here), in a venv of its own. Run it before `make lock` and when a dependency releases.

@@ -1,13 +1,13 @@
 """multihead: multi-head attention for PyTorch: correct in every corner, fast, and transparent.
 
-``import multihead`` loads the core: the kernel, masks, backends, the layer, positions and the cache. The lab
-(:mod:`multihead.lab`: inspect, models, circuits, train, the reports; ``pip install 'multihead[lab]'``) loads on
-first use, as an attribute (``multihead.lab.inspect``) or an import (``import multihead.lab.inspect``).
+``import multihead`` loads the core: the kernel, masks, backends, the layer, positions and the cache. Every other
+public module (``multihead.cost``, ``.compat``, ``.parallel``, ``.capture``, ``.paged``, ``.integrations``, ...) and
+the lab (:mod:`multihead.lab`: inspect, models, circuits, train, the reports; ``pip install 'multihead[lab]'``) load
+on first use, as an attribute (``multihead.cost.estimate``, ``multihead.lab.inspect``) or an import.
 """
 
-import importlib
-
 from multihead import backends, masks, positional
+from multihead._modules import submodule_on_first_use
 from multihead.cache import KVCache
 from multihead.functional import AttentionResult, WeightSelection, attention, attention_result, explain
 from multihead.latent import LatentAttention, LatentCache
@@ -17,14 +17,9 @@ from multihead.varlen import attention_varlen, attention_varlen_result
 
 __version__ = "0.1.0"
 
-# the lab, loaded on first use: it builds on the core and needs more than torch
-_ON_FIRST_USE = ("lab",)
-
 
 def __getattr__(name: str):
-    if name in _ON_FIRST_USE:
-        return importlib.import_module(f"multihead.{name}")
-    raise AttributeError(f"module 'multihead' has no attribute {name!r}")
+    return submodule_on_first_use(__name__, name)
 
 
 __all__ = [

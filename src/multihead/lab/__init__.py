@@ -11,15 +11,13 @@ Nothing in the core (every module of ``multihead`` outside ``lab``, ``cli`` and 
 (``multihead.lab.inspect``) or imports; each checks for the lab extra first (:func:`multihead.lab.extra.require_lab`).
 """
 
-import importlib
+from multihead._modules import submodule_on_first_use
 
-_SUBPACKAGES = ("inspect", "models", "circuits", "train")
+_SUBPACKAGES = ("inspect", "models", "circuits", "train", "bench")
 
 
 def __getattr__(name: str):
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"multihead.lab.{name}")
-    raise AttributeError(f"module 'multihead.lab' has no attribute {name!r}")
+    return submodule_on_first_use(__name__, name)
 
 
 __all__ = list(_SUBPACKAGES)
