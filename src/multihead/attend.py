@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from multihead.backends.paged import PageTable
 from multihead.functional import AttentionResult, WeightSelection, attention_result
 from multihead.heads import HeadAblation, ablate_outputs, check_gate
 from multihead.masks import Mask
+
+# What a step owned by another library may apply to the kernel's result: (result, the weights asked for) -> result
+Finish: TypeAlias = Callable[[AttentionResult, bool | WeightSelection], AttentionResult]
 
 
 class Attend(nn.Module):
@@ -58,12 +62,18 @@ class Attend(nn.Module):
         return_lse: bool = False,
         pages: PageTable | None = None,
         sinks: torch.Tensor | None = None,
+        finish: Finish | None = None,
     ) -> AttentionResult:
         """Attention with this step's dropout (in training mode) and backend, then its head surgery.
 
         ``scale`` (default 1/sqrt(d)), ``dropout`` and ``training`` (default: this module's) are for a
         step owned by another library's module, which passes its own on every call. ``sinks`` (h,): the layer's
         learned sink logits (:func:`multihead.attention`'s); the weights returned are those applied, over the keys.
+        ``finish(result, return_weights)``: applied to the kernel's result before the head surgery, so that the
+        gate, the ablation and forward hooks (capture) see what it returns; ``return_weights`` is what this call
+        asks for (a pre-hook may have changed it). For a step owned by another library whose attention differs
+        from the kernel's on some rows: the transformers integration gives rows with every key masked eager's
+        uniform weights there, where the kernel gives 0 (:mod:`multihead.integrations.transformers_rows`).
         """
         result = attention_result(
             q,
@@ -80,6 +90,8 @@ class Attend(nn.Module):
             return_weights=return_weights,
             return_lse=return_lse,
         )
+        if finish is not None:
+            result = finish(result, return_weights)
         if self.head_gate is None and self.head_ablation is None:
             return result
         out = result.output

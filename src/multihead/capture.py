@@ -215,9 +215,9 @@ class Recorder:
                     weights = weights if self.queries is None else weights[:, :, self.queries]
                 else:  # the caller asked for a selection of its own: one more call for ours
                     selection = self._selection(record)
-                    weights = attention_result(
-                        q, k, v, **call, backend=module.backend, return_weights=selection
-                    ).weights
+                    again = attention_result(q, k, v, **call, backend=module.backend, return_weights=selection)
+                    finish = kwargs.get("finish")  # the step's own change to the kernel's result (Attend.forward)
+                    weights = (again if finish is None else finish(again, selection)).weights
                 assert weights is not None  # asked for
                 record.weights.append(weights.detach())
             if call["pages"] is not None and (self.record_qkv or self.stats_settings is not None):

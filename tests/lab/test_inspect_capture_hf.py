@@ -45,8 +45,9 @@ def kernel_requests(monkeypatch) -> list[object]:
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "mistral"])
 def test_recorded_weights_are_transformers_own_from_the_same_call(name, monkeypatch):
     theirs, ours = pair(build(name))
-    # Mistral's eager attention turns a padded query row whose window holds only padding into NaN, which the
-    # next layer spreads through the whole text (ours gives that row 0): compare it on an unpadded batch
+    # Mistral's eager attention turns a padded query row whose window holds only padding into NaN in float64, which
+    # the next layer spreads through the whole text (ours gives that row eager's float32 result, uniform weights):
+    # compare it on an unpadded batch
     batch = inputs(padded=name != "mistral")
     with torch.no_grad():
         expected = theirs(**batch, output_attentions=True).attentions  # per layer (b, h, i, j)

@@ -11,7 +11,9 @@ polarity). Every attention call of the model then runs through :func:`multihead.
 key/value heads go in as g heads, never repeated. Logit soft-capping (Gemma 2) becomes the typed mask
 ``masks.softcap``, T5's relative position bias the typed mask ``masks.bias`` (its gradient reaches the
 bias table), learned attention sinks (gpt-oss's ``s_aux``) the kernel's ``sinks``, and a sparse-index
-indexer's picks (DeepSeek-V3.2's ``indices``) the typed mask ``masks.selected``.
+indexer's picks (DeepSeek-V3.2's ``indices``) the typed mask ``masks.selected``. A query row whose every key is
+masked (left padding) gets eager's result, uniform weights over the keys and the mean of the values, where the
+kernel gives 0 (:mod:`multihead.integrations.transformers_rows`).
 
 Every call runs through an :class:`multihead.attend.Attend` step kept for the module that makes it, and
 importing this module registers a site finder (:func:`attention_sites`), so :func:`multihead.lab.inspect.capture`,
@@ -44,6 +46,7 @@ from multihead.integrations.transformers_internals import (
     attn_implementation,
 )
 from multihead.integrations.transformers_masks import kernel_mask, typed_mask
+from multihead.integrations.transformers_rows import eager_rows
 
 __all__ = [
     "IMPLEMENTATION",
@@ -127,6 +130,7 @@ def attention_forward(
     if mask is None:  # transformers leaves the mask out when it is only causal (and the module is a decoder)
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
         causal = causal and query.shape[2] > 1
+    keys = mask  # what rules keys out; the terms below change the scores
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:  # T5: a learned (1 or b, h, i, j) bias on the scores, differentiable
         added = masks.bias(position_bias[..., : key.shape[-2]])
@@ -135,6 +139,9 @@ def attention_forward(
     if softcap is not None:  # Gemma 2: cap * tanh(s / cap) on the scaled scores, before the mask
         capped = masks.softcap(float(softcap))
         mask = capped if mask is None else masks.all_of(capped, mask)
+    sinks = _sinks(kwargs)
+    # rows with every key masked: eager's uniform weights over the keys, where the kernel gives 0 (transformers_rows)
+    finish = eager_rows(query, key, value, keys=keys, causal=causal, mask=mask, scale=scaling, sinks=sinks)
     result = _seam(module)(
         query,
         key,
@@ -145,7 +152,8 @@ def attention_forward(
         dropout=dropout,
         training=module.training,
         return_weights=_weights_asked(module, kwargs),
-        sinks=_sinks(kwargs),
+        sinks=sinks,
+        finish=finish,
     )
     return result.output.transpose(1, 2).contiguous(), result.weights
 

@@ -85,6 +85,9 @@ class TransformersMask(Mask):
     def __init__(self, parts: Sequence[Mask], *, batch: int, q_length: int, kv_length: int, device: torch.device):
         self.parts = tuple(parts)
         self.batch, self.q_length, self.kv_length, self.device = batch, q_length, kv_length, device
+        # the query rows with every key masked, (b, 1, i) bool or None, per way the attention calls use this mask:
+        # counted by the first call (multihead.integrations.transformers_rows), which every layer's call then reads
+        self.empty_rows: dict[tuple, torch.Tensor | None] = {}
 
     def terms(self) -> tuple[Mask, ...]:
         return tuple(term for part in self.parts for term in part.terms())
