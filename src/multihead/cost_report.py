@@ -55,9 +55,12 @@ def describe_config(report: CostReport) -> str:
     return f"embed_dim {s.embed_dim}, heads {s.h}{kv} ({sizes}), batch {report.batch}, {lengths}: " + ", ".join(extra)
 
 
-def print_cost(report: CostReport, rates: MachineRates | None, console: Any) -> None:
+def print_cost(
+    report: CostReport, rates: MachineRates | None, console: Any, *, rates_source: str | None = None
+) -> None:
     """The breakdown tables: parameters, FLOPs by term, memory, crossover and roofline, on ``console``
-    (:func:`multihead._console.make_console`'s: rich's, or plain text without the lab extra)."""
+    (:func:`multihead._console.make_console`'s: rich's, or plain text without the lab extra). The roofline is
+    priced at ``rates``, labelled ``rates_source`` ("the rates given"; default: "measured <when>", a calibration's)."""
     console.print(describe_config(report), style="bold", soft_wrap=True, markup=False)
     params = report.params
     console.print(
@@ -129,7 +132,7 @@ def print_cost(report: CostReport, rates: MachineRates | None, console: Any) -> 
         bound = roofline(report, rates)
         console.print(
             f"roofline ({compute_rate(report.dtype, rates):.1f} GFLOP/s for {report.dtype} work, "
-            f"{rates.bandwidth_gbs:.1f} GB/s, measured {rates.measured_at}): at least "
+            f"{rates.bandwidth_gbs:.1f} GB/s, {rates_source or f'measured {rates.measured_at}'}): at least "
             f"{_seconds(bound.bound_s)}, {bound.bound_by}-bound (compute {_seconds(bound.compute_s)}, "
             f"memory {_seconds(bound.memory_s)}; {bound.arithmetic_intensity:.1f} FLOP/byte vs ridge "
             f"{bound.ridge_point:.1f})",
@@ -195,7 +198,9 @@ def parallel_json(cost: ParallelCost, timing: ParallelTime | None) -> dict:
     return data
 
 
-def cost_json(report: CostReport, rates: MachineRates | None) -> dict:
+def cost_json(report: CostReport, rates: MachineRates | None, *, rates_source: str | None = None) -> dict:
+    """``report`` as JSON, with the crossover and, where ``rates`` has its dtype, the roofline priced at them
+    (``roofline.rates.source``: ``rates_source``, default "measured <when>" as :func:`print_cost` says)."""
     data = report.as_dict()
     data["crossover_n"] = crossover(report.shape)
     if rates is not None and report.dtype in rates.matmul_gflops:
@@ -207,7 +212,11 @@ def cost_json(report: CostReport, rates: MachineRates | None) -> dict:
             "bound_by": bound.bound_by,
             "arithmetic_intensity": bound.arithmetic_intensity,
             "ridge_point": bound.ridge_point,
-            "rates": {"matmul_gflops": rates.matmul_gflops, "bandwidth_gbs": rates.bandwidth_gbs},
+            "rates": {
+                "matmul_gflops": rates.matmul_gflops,
+                "bandwidth_gbs": rates.bandwidth_gbs,
+                "source": rates_source or f"measured {rates.measured_at}",
+            },
         }
     return data
 

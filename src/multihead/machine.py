@@ -3,10 +3,12 @@
     identity      :func:`identity`: the CPU model, its instruction-set flags (a hash of all, the notable ones by
                   name), torch's threads and version; :func:`identity_key` is what a calibration is keyed on
     calibration   :func:`calibrate`: dense matmul GFLOP/s per dtype and copy bandwidth, timed with
-                  ``torch.utils.benchmark``; :func:`cached_rates` reuses the cached ones when they are this
-                  machine's and recent, else measures again (saying why)
+                  ``torch.utils.benchmark``, with the spread of its timed blocks (:func:`calibration_noise`);
+                  :func:`cached_rates` reuses the cached ones when they are this machine's and recent, else
+                  measures again (saying why)
     the cache     :func:`save_calibration` / :func:`read_calibration`: one JSON file (``calibration_path``),
-                  stamped with the identity it was measured on and when
+                  stamped with the identity it was measured on and when; a noisy calibration is refused
+                  (:class:`NoisyCalibration`) unless forced
     memory        :func:`measure_peak_bytes`: the CPU allocator's peak during one call, from torch.profiler
 
 Each backend's rate for ``backend="auto"`` is timed by :mod:`multihead.backend_rates` and kept here with the rest.
@@ -20,6 +22,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 from torch.utils import benchmark
 
-from multihead._errors import InputError, bad_argument
+from multihead._errors import ArgumentValueError, InputError, bad_argument
 from multihead._userfiles import (
     ANY_OBJECT,
     POSITIVE_INT,
@@ -51,6 +54,11 @@ __all__ = [
     "identity_key",
     "calibrate",
     "calibrate_kernels",
+    "calibration_noise",
+    "calibration_spreads",
+    "spread_pct",
+    "NoisyCalibration",
+    "NOISY_SPREAD_PCT",
     "cached_kernel_rates",
     "cached_rates",
     "measured_policy",
@@ -64,6 +72,15 @@ __all__ = [
 
 MAX_AGE_S = 30 * 24 * 3600  # an older calibration is measured again: the machine or its load may have changed
 HALF_MATMUL_SIZE = 512  # half-precision matmuls are slow on CPUs without their units: a smaller square
+# Repeats of one measurement (a calibration's timed blocks, `multihead bench`'s rounds) whose half interquartile
+# range is above this share of their median, in %, were measured while something else used the CPU: such a
+# calibration is not cached (its ceiling sits low, and `multihead cost` would print a bound too slow for the 30
+# days a cache is kept), such a time is called out by `multihead bench`. One rule for both. On the project's
+# shared 2-core machine the blocks of a 1024 or 2048 matmul and of the copy strayed by ±0.2-5%, those of a 512
+# matmul, short enough to be cut by the other jobs, by ±31-167% (docs/cost.md).
+NOISY_SPREAD_PCT = 10.0
+MIN_BLOCKS = 3  # timed blocks per calibration measurement and round at least: fewer say little of their spread
+CALIBRATION_ROUNDS = 3  # each measurement timed once a round: its blocks spread over the calibration's seconds
 # instruction-set flags that change how fast attention runs (x86: /proc/cpuinfo "flags"; Arm: "Features")
 NOTABLE_FLAGS = (
     "avx",
@@ -133,10 +150,25 @@ def identity_key(machine: Identity | None = None) -> dict:
 # --------------------------------------------------------------------------- calibration
 
 
-def _fastest_call_s(stmt: str, names: dict, min_run_time: float) -> float:
-    """Seconds per call of ``stmt`` in its fastest block (torch.utils.benchmark, torch's threads, not 1)."""
+def _block_seconds(stmt: str, names: dict, min_run_time: float) -> list[float]:
+    """Seconds per call of ``stmt`` in each of its timed blocks (torch.utils.benchmark's ``blocked_autorange`` for
+    about ``min_run_time`` seconds, torch's threads, not 1), at least MIN_BLOCKS of them: a call slower than
+    ``min_run_time`` gets more blocks of the same size, so that the blocks' spread can be read."""
     timer = benchmark.Timer(stmt=stmt, globals=names, num_threads=torch.get_num_threads())
-    return min(timer.blocked_autorange(min_run_time=min_run_time).times)
+    measured = timer.blocked_autorange(min_run_time=min_run_time)
+    seconds = list(measured.times)
+    while len(seconds) < MIN_BLOCKS:
+        seconds.append(timer.timeit(measured.number_per_run).times[0])
+    return seconds
+
+
+def spread_pct(values: Sequence[float]) -> float:
+    """Half the interquartile range of ``values`` over their median, in % (0 for fewer than 2): how far repeats of
+    one measurement stray from each other, read against NOISY_SPREAD_PCT."""
+    if len(values) < 2:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return 50 * (q3 - q1) / median
 
 
 def calibrate(
@@ -146,47 +178,113 @@ def calibrate(
     copy_mib: int = 256,
     min_run_time: float = 0.3,
     kernels: bool = False,
+    refuse_noisy: bool = False,
 ) -> MachineRates:
     """Measure this machine now: ``torch.mm`` of two squares of each of ``matmul_sizes`` per dtype (half types:
     those up to 512, they are slow on CPUs without their units), and ``dst.copy_(src)`` of ``copy_mib`` MiB.
 
-    Each is timed in blocks by ``torch.utils.benchmark`` for about ``min_run_time`` seconds. The rate is a
-    ceiling for the roofline, so it is the fastest block of the fastest size (2 n^3 FLOPs per matmul: a
-    square that fits the caches runs faster than a large one; read plus written bytes per copy). A busy
-    machine measures low, which shows later as a measured time under the bound (see multihead.lab.bench). With
-    ``kernels``, each backend's rate for ``backend="auto"`` too (:func:`calibrate_kernels`, about 50 s), kept in
-    ``details["kernel_rates"]``.
+    Each is timed in blocks by ``torch.utils.benchmark`` for about ``min_run_time`` seconds in all, over
+    CALIBRATION_ROUNDS rounds that each time every measurement once (at least MIN_BLOCKS blocks a round), so that
+    its blocks spread over the whole calibration and a slow spell of the machine falls on some of them, not on one
+    measurement. The rate is a ceiling for the roofline, so it is the fastest block of the fastest size (2 n^3
+    FLOPs per matmul: a square that fits the caches runs faster than a large one; read plus written bytes per
+    copy). The rates of the blocks each cached rate comes from are kept in ``details["block_rates"]`` and their
+    spread in ``details["spread_pct"]`` (:func:`spread_pct`): a machine busy part of the time measures low and
+    strays, and :func:`save_calibration` refuses to cache such a calibration (:func:`calibration_noise`); one
+    busy all through measures low evenly, which shows later as a measured time under the bound (see
+    multihead.lab.bench).
+    With ``kernels``, each backend's rate for ``backend="auto"`` too (:func:`calibrate_kernels`, about 50 s), kept
+    in ``details["kernel_rates"]``; with ``refuse_noisy`` as well, a noisy calibration raises
+    :class:`NoisyCalibration` before that minute is spent.
     """
-    rates: dict[str, float] = {}
-    by_size: dict[str, dict[int, float]] = {}
+    # (dtype or "copy", size) -> the statement timed, its names and what one call does (FLOPs, or bytes moved)
+    timed: dict[tuple[str, int], tuple[str, dict, float]] = {}
     for name in dtypes:
         key = dtype_name(name)
         dtype = DTYPES[key]
         half = dtype not in (torch.float32, torch.float64)
-        sizes = [n for n in matmul_sizes if not half or n <= HALF_MATMUL_SIZE] or [min(matmul_sizes)]
-        by_size[key] = {}
-        for n in sizes:
+        for n in [n for n in matmul_sizes if not half or n <= HALF_MATMUL_SIZE] or [min(matmul_sizes)]:
             a, b, out = (torch.randn(n, n, dtype=dtype) for _ in range(3))
-            names = {"torch": torch, "a": a, "b": b, "out": out}
-            by_size[key][n] = 2 * n**3 / _fastest_call_s("torch.mm(a, b, out=out)", names, min_run_time) / 1e9
-        rates[key] = max(by_size[key].values())
+            timed[key, n] = ("torch.mm(a, b, out=out)", {"torch": torch, "a": a, "b": b, "out": out}, 2 * n**3)
     elements = copy_mib * 2**20 // 4
     src, dst = torch.randn(elements), torch.empty(elements)
-    bandwidth = 2 * elements * 4 / _fastest_call_s("dst.copy_(src)", {"src": src, "dst": dst}, min_run_time) / 1e9
-    return MachineRates(
+    timed["copy", copy_mib] = ("dst.copy_(src)", {"src": src, "dst": dst}, 2 * elements * 4)
+    blocks: dict[tuple[str, int], list[float]] = {measurement: [] for measurement in timed}  # each block's rate
+    for _ in range(CALIBRATION_ROUNDS):
+        for measurement, (stmt, names, work) in timed.items():
+            seconds = _block_seconds(stmt, names, min_run_time / CALIBRATION_ROUNDS)
+            blocks[measurement] += [work / s / 1e9 for s in seconds]
+    by_size: dict[str, dict[int, float]] = {}
+    for (key, n), values in blocks.items():
+        if key != "copy":
+            by_size.setdefault(key, {})[n] = max(values)
+    rates: dict[str, float] = {}
+    block_rates: dict[str, list[float]] = {}  # "float32 matmul" / "copy" -> the blocks its rate is the fastest of
+    for key, sizes in by_size.items():
+        fastest = max(sizes, key=sizes.__getitem__)
+        rates[key], block_rates[f"{key} matmul"] = sizes[fastest], blocks[key, fastest]
+    copies = block_rates["copy"] = blocks["copy", copy_mib]
+    measured = MachineRates(
         rates,
-        bandwidth,
+        max(copies),
         torch.get_num_threads(),
         time.strftime("%Y-%m-%d %H:%M:%S"),
         {
             "matmul_gflops_by_size": by_size,
             "copy_mib": copy_mib,
-            "timer": "torch.utils.benchmark, fastest block",
-            **({"kernel_rates": asdict(calibrate_kernels(where=identity().describe()))} if kernels else {}),
+            "timer": f"torch.utils.benchmark, fastest block of {CALIBRATION_ROUNDS} rounds",
+            "block_rates": block_rates,
+            "spread_pct": {what: spread_pct(values) for what, values in block_rates.items()},  # for people
         },
         identity_key(),
         time.time(),
     )
+    if not kernels:
+        return measured
+    if refuse_noisy and (noise := calibration_noise(measured)) is not None:
+        raise NoisyCalibration(noise)
+    return replace(
+        measured, details={**measured.details, "kernel_rates": asdict(calibrate_kernels(where=identity().describe()))}
+    )
+
+
+def calibration_spreads(rates: MachineRates) -> dict[str, float]:
+    """Each measurement's :func:`spread_pct` ("float32 matmul", "copy") from ``rates``' timed blocks
+    (``details["block_rates"]``); empty for rates without them (given by hand, or cached before they were kept)."""
+    blocks = rates.details.get("block_rates")
+    if not isinstance(blocks, dict):
+        return {}
+    return {
+        str(what): spread_pct([float(v) for v in values])
+        for what, values in blocks.items()
+        if isinstance(values, list) and values and all(isinstance(v, int | float) and v > 0 for v in values)
+    }
+
+
+def calibration_noise(rates: MachineRates) -> str | None:
+    """What strays in ``rates``' timed blocks ("float32 matmul ±23%, copy ±2%", the widest first), or None when
+    every measurement's :func:`spread_pct` is at most NOISY_SPREAD_PCT (and for rates without blocks)."""
+    spreads = calibration_spreads(rates)
+    if max(spreads.values(), default=0.0) <= NOISY_SPREAD_PCT:
+        return None
+    return ", ".join(f"{what} ±{spread:.0f}%" for what, spread in sorted(spreads.items(), key=lambda kv: -kv[1]))
+
+
+class NoisyCalibration(ArgumentValueError):
+    """A calibration whose timed blocks stray by more than NOISY_SPREAD_PCT (:func:`calibration_noise`), refused by
+    :func:`save_calibration` (and by :func:`calibrate` with ``refuse_noisy``): the machine was busy."""
+
+    def __init__(self, noise: str):
+        expected = f"timed blocks within ±{NOISY_SPREAD_PCT:.0f}% of their median (half the interquartile range)"
+        fix = "rerun on a quiet machine, or --force to keep it (force=True in Python)"
+        super().__init__(
+            f"calibration not saved: expected {expected}, got {noise}: something else was using the CPU, and a "
+            f"busy machine measures low. Fix: {fix}",
+            argument="calibration",
+            expected=expected,
+            got=noise,
+            fix=fix,
+        )
 
 
 # --------------------------------------------------------------------------- the cache
@@ -200,9 +298,13 @@ def calibration_path() -> Path:
     return Path(root) / "calibration.json"
 
 
-def save_calibration(rates: MachineRates, path: Path | None = None) -> Path:
+def save_calibration(rates: MachineRates, path: Path | None = None, *, force: bool = False) -> Path:
     """Write ``rates`` to the cache (or ``path``). Rates without a machine or a time are taken as this machine's,
-    now (stamped with :func:`identity_key` and the current time)."""
+    now (stamped with :func:`identity_key` and the current time). A noisy calibration (:func:`calibration_noise`)
+    raises :class:`NoisyCalibration` and writes nothing, unless ``force``."""
+    noise = calibration_noise(rates)
+    if noise is not None and not force:
+        raise NoisyCalibration(noise)
     stamped = replace(
         rates,
         machine=rates.machine or identity_key(),
@@ -291,11 +393,12 @@ def read_calibration(
 
 
 def cached_rates(
-    dtypes: Sequence[str], *, recalibrate: bool = False, say: Callable[[str], None] = print
+    dtypes: Sequence[str], *, recalibrate: bool = False, force: bool = False, say: Callable[[str], None] = print
 ) -> tuple[MachineRates, bool]:
     """(rates for ``dtypes``, whether they were measured just now): the cache when it is this machine's, recent
     and has every dtype (and ``recalibrate`` is False), else :func:`calibrate` (float32 always, and the cached
-    dtypes again) and save. A cache that cannot be written is said, not raised: the rates are still used."""
+    dtypes again) and save. A cache that cannot be written, or a noisy calibration (not saved unless ``force``:
+    :func:`save_calibration`), is said, not raised: the rates are still used, for this run."""
     cached, note = read_calibration()
     if note:
         say(note)
@@ -305,7 +408,9 @@ def cached_rates(
     say(f"calibrating this machine: matmul rate ({', '.join(wanted)}) and copy bandwidth ...")
     rates = calibrate(wanted)
     try:
-        say(f"calibration saved to {save_calibration(rates)}")
+        say(f"calibration saved to {save_calibration(rates, force=force)}")
+    except NoisyCalibration as error:  # "calibration not saved: ...", why and the fix
+        say(str(error))
     except OSError as error:
         say(f"calibration not saved ({error.strerror or error}); set MULTIHEAD_CACHE to a folder you can write to")
     return rates, True

@@ -69,6 +69,15 @@ def test_the_roofline_line_without_a_calibration():
     )
 
 
+def test_the_roofline_line_says_where_its_rates_come_from():
+    report = estimate(LayerShape(64, 4), seq=16)
+    assert "GB/s, measured test): at least" in printed(report, RATES)
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    print_cost(report, RATES, console, rates_source="the rates given")
+    text = console.file.getvalue()
+    assert "100.0 GFLOP/s for float32 work, 10.0 GB/s, the rates given): at least" in text and "measured" not in text
+
+
 def test_cost_json():
     report = estimate(LayerShape(64, 4, num_kv_heads=2), seq=16, batch=3)
     data = cost_json(report, None)
@@ -76,7 +85,13 @@ def test_cost_json():
     limit = roofline(report, RATES)
     with_rates = cost_json(report, RATES)["roofline"]
     assert with_rates["bound_s"] == limit.bound_s and with_rates["bound_by"] == limit.bound_by
-    assert with_rates["rates"] == {"matmul_gflops": {"float32": 100.0}, "bandwidth_gbs": 10.0}
+    assert with_rates["rates"] == {
+        "matmul_gflops": {"float32": 100.0},
+        "bandwidth_gbs": 10.0,
+        "source": "measured test",
+    }
+    given = cost_json(report, RATES, rates_source="the rates given")["roofline"]["rates"]
+    assert given["source"] == "the rates given"
     assert "roofline" not in cost_json(estimate(LayerShape(64, 4), seq=16, dtype="float64"), RATES)
 
 

@@ -156,3 +156,102 @@ def test_the_suite_reads_no_calibration_from_the_users_home():
     assert machine.calibration_path().is_relative_to(home)
     assert Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).is_relative_to(home)
     assert read_calibration()[0] is None and machine.cached_kernel_rates() is None
+
+
+# --------------------------------------------------------------------------- a noisy calibration is not cached
+
+QUIET_BLOCKS = [1.00, 1.01, 0.99, 1.00, 1.02]  # seconds per call of each timed block: their rates ±0.5%
+NOISY_BLOCKS = [1.0, 1.0, 2.5, 1.6, 1.1, 3.0]  # another process took the CPU in four of them: their rates ±39%
+
+
+def blocks_of(matmul: list[float], copy: list[float]):
+    """A stand-in for machine._block_seconds: these block times for every matmul and for the copy (no timing)."""
+
+    def block_seconds(stmt, names, min_run_time):
+        return list(copy if "copy_" in stmt else matmul)
+
+    return block_seconds
+
+
+def test_every_round_times_every_measurement_once(monkeypatch):
+    """The blocks of one measurement come from every round, so a slow spell of the machine falls on some of each."""
+    timed: list[tuple[str, int]] = []
+
+    def block_seconds(stmt, names, min_run_time):
+        timed.append(("copy", names["src"].numel()) if "copy_" in stmt else ("mm", names["a"].shape[0]))
+        return [1.0] * machine.MIN_BLOCKS
+
+    monkeypatch.setattr(machine, "_block_seconds", block_seconds)
+    calibrate(["float32"], matmul_sizes=(64, 128), copy_mib=4)
+    assert timed == [("mm", 64), ("mm", 128), ("copy", 2**20)] * machine.CALIBRATION_ROUNDS
+
+
+def test_spread_is_half_the_interquartile_range_over_the_median():
+    assert machine.spread_pct([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(100 / 3)  # (4 - 2) / 2 / 3
+    assert machine.spread_pct([7.0]) == 0.0 and machine.spread_pct([2.0, 2.0, 2.0]) == 0.0
+    assert machine.spread_pct(NOISY_BLOCKS) > machine.NOISY_SPREAD_PCT > machine.spread_pct(QUIET_BLOCKS)
+
+
+def test_a_calibration_keeps_its_block_rates_and_their_spread(cache, monkeypatch):
+    monkeypatch.setattr(machine, "_block_seconds", blocks_of(QUIET_BLOCKS, QUIET_BLOCKS))
+    rates = calibrate(["float32"], matmul_sizes=(64, 128), copy_mib=4)
+    blocks = rates.details["block_rates"]
+    assert set(blocks) == {"float32 matmul", "copy"}
+    assert len(blocks["copy"]) == machine.CALIBRATION_ROUNDS * len(QUIET_BLOCKS)  # every round times every one
+    # the cached rate is the fastest block of the fastest size, and the spread is of that size's blocks
+    assert rates.matmul_gflops["float32"] == max(blocks["float32 matmul"]) == 2 * 128**3 / 0.99 / 1e9
+    assert rates.bandwidth_gbs == max(blocks["copy"])
+    assert rates.details["spread_pct"] == {what: machine.spread_pct(values) for what, values in blocks.items()}
+    assert machine.calibration_noise(rates) is None
+    assert save_calibration(rates) == cache and read_calibration()[0] is not None
+
+
+@pytest.mark.parametrize(
+    ("matmul", "copy", "named"),
+    [(NOISY_BLOCKS, QUIET_BLOCKS, "float32 matmul ±"), (QUIET_BLOCKS, NOISY_BLOCKS, "copy ±")],
+)
+def test_a_noisy_calibration_is_refused_with_its_spread_and_the_fix(cache, monkeypatch, matmul, copy, named):
+    monkeypatch.setattr(machine, "_block_seconds", blocks_of(matmul, copy))
+    rates = calibrate(["float32"], matmul_sizes=(64,), copy_mib=4)
+    noise = machine.calibration_noise(rates)
+    assert noise is not None and noise.startswith(named)
+    spread = max(rates.details["spread_pct"].values())
+    assert f"±{spread:.0f}%" in noise and spread > machine.NOISY_SPREAD_PCT
+    with pytest.raises(machine.NoisyCalibration) as refused:
+        save_calibration(rates)
+    message = str(refused.value)
+    assert message.startswith("calibration not saved: expected timed blocks within ±10% of their median")
+    assert f"got {noise}" in message and "Fix: rerun on a quiet machine, or --force to keep it" in message
+    assert "\n" not in message and isinstance(refused.value, ValueError)
+    assert not cache.exists()  # nothing written
+    assert save_calibration(rates, force=True) == cache  # kept when asked
+    assert read_calibration()[0].matmul_gflops == rates.matmul_gflops
+
+
+def test_calibrate_refuses_a_noisy_one_before_timing_the_kernels(monkeypatch):
+    monkeypatch.setattr(machine, "_block_seconds", blocks_of(NOISY_BLOCKS, QUIET_BLOCKS))
+    monkeypatch.setattr(machine, "calibrate_kernels", lambda **kwargs: pytest.fail("the kernels were timed"))
+    with pytest.raises(machine.NoisyCalibration, match="float32 matmul ±"):
+        calibrate(["float32"], matmul_sizes=(64,), copy_mib=4, kernels=True, refuse_noisy=True)
+
+
+def test_cached_rates_use_a_noisy_calibration_but_do_not_save_it(cache, monkeypatch):
+    monkeypatch.setattr(machine, "_block_seconds", blocks_of(NOISY_BLOCKS, QUIET_BLOCKS))
+    small = calibrate  # the real calibration on injected blocks, small
+    monkeypatch.setattr(machine, "calibrate", lambda dtypes: small(dtypes, matmul_sizes=(64,), copy_mib=4))
+    lines: list[str] = []
+    rates, fresh = cached_rates(["float32"], say=lines.append)
+    assert fresh and rates.matmul_gflops["float32"] > 0 and not cache.exists()
+    assert lines[-1].startswith("calibration not saved: ") and "--force to keep it" in lines[-1]
+    rates, fresh = cached_rates(["float32"], force=True, say=lines.append)
+    assert fresh and lines[-1] == f"calibration saved to {cache}" and cache.exists()
+
+
+def test_hand_made_rates_have_no_blocks_and_are_saved(cache):
+    assert machine.calibration_noise(RATES) is None and save_calibration(RATES) == cache
+
+
+def test_a_measurement_gets_enough_blocks_for_its_spread():
+    """A call slower than min_run_time is one block for blocked_autorange: it gets more, of the same size."""
+    seconds = machine._block_seconds("time.sleep(0.002)", {"time": __import__("time")}, min_run_time=0.001)
+    assert len(seconds) >= machine.MIN_BLOCKS and all(s > 0 for s in seconds)

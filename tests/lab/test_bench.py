@@ -80,7 +80,7 @@ def test_interleave_rotates_the_order_and_warms_up_every_block():
 def test_a_noisy_run_says_so(monkeypatch):
     steady = {"multihead": [1.0] * 4, "torch SDPA": [2.0] * 4, "textbook": [1.0, 2.0, 3.0, 4.0]}  # ±31% spread
     monkeypatch.setattr(bench, "interleave", lambda steps, rounds, block_s: steady)
-    monkeypatch.setattr(bench, "cached_rates", lambda dtypes, recalibrate=False, say=print: (FAST, False))
+    monkeypatch.setattr(bench, "cached_rates", lambda dtypes, recalibrate=False, force=False, say=print: (FAST, False))
     results = bench.run(quick=True, only=TINY[:1], rounds=4, block_s=0.0, say=lambda line: None)
     assert results["notes"] == [
         "1 of 3 times vary by more than ±10% between rounds: something else was probably using the CPU. The "
@@ -105,7 +105,7 @@ def run_tiny(monkeypatch, *rates: tuple[MachineRates, bool]) -> dict:
     """bench.run on TINY with the calibrations ``rates`` handed out in turn (instead of the cache)."""
     handed: list[bool] = []
 
-    def cached_rates(dtypes, *, recalibrate=False, say=print):
+    def cached_rates(dtypes, *, recalibrate=False, force=False, say=print):
         handed.append(recalibrate)
         return rates[len(handed) - 1]
 
@@ -289,7 +289,8 @@ def test_calibrate_alone_saves_the_rates(tmp_path, monkeypatch, capsys):
     quick = functools.partial(machine.calibrate_kernels, ("float32",), repeats=1, flex=False)
     monkeypatch.setattr(backend_rates, "KERNEL_CASES", {"float32": (torch.float32, (64, 128))})
     monkeypatch.setattr(machine, "calibrate_kernels", quick)
-    assert main(["bench", "--calibrate"]) == 0
+    # --force: the machine running the tests may be busy (the refusal is tested on injected blocks, below)
+    assert main(["bench", "--calibrate", "--force"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("calibrated ") and "float32 matmul" in out and "calibration.json" in out
     assert "backends (float32 forward, GFLOP/s): sdpa " in out
@@ -319,6 +320,64 @@ def test_calibrate_alone_saves_the_rates(tmp_path, monkeypatch, capsys):
     assert main(["bench", "--calibrate", "--dtype", "int8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--dtype: expected one of float32" in err
+
+
+NOISY = MachineRates(
+    {"float32": 1e9},
+    bandwidth_gbs=1e9,
+    threads=2,
+    measured_at="busy",
+    details={"block_rates": {"float32 matmul": [1e9, 1e9, 4e8, 6e8, 9e8], "copy": [1e9] * 5}},
+)
+
+
+def test_a_noisy_calibration_serves_the_run_and_is_not_saved(tmp_path, monkeypatch):
+    monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(machine, "calibrate", lambda dtypes: NOISY)
+    results = bench.run(quick=True, only=TINY[1:], rounds=1, block_s=0.0, say=lambda line: None)
+    assert results["calibration"]["matmul_gflops"] == NOISY.matmul_gflops  # the shares are scored on it
+    assert results["calibration"]["spread_pct"] == {"float32 matmul": pytest.approx(200 / 9), "copy": 0.0}
+    assert results["notes"][0].startswith("calibration not saved: expected timed blocks within ±10%")
+    assert "got float32 matmul ±" in results["notes"][0] and "--force to keep it" in results["notes"][0]
+    assert not (tmp_path / "calibration.json").exists()
+    forced = bench.run(quick=True, only=TINY[1:], rounds=1, block_s=0.0, force=True, say=lambda line: None)
+    assert not any("not saved" in note for note in forced["notes"]) and (tmp_path / "calibration.json").exists()
+
+
+def noisy_blocks(stmt, names, min_run_time):
+    """machine._block_seconds on a busy machine: the matmuls' blocks stray (±39% over three rounds), the copy's
+    agree."""
+    return [1.0, 1.0, 2.5, 1.6, 1.1, 3.0] if "torch.mm" in stmt else [1.0] * 5
+
+
+def test_calibrate_refuses_a_noisy_calibration_in_one_line_unless_forced(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(machine, "_block_seconds", noisy_blocks)
+    monkeypatch.setattr(machine, "calibrate_kernels", lambda **kwargs: pytest.fail("the kernels were timed"))
+    assert main(["bench", "--calibrate"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("multihead bench: error: calibration not saved: expected timed")
+    assert "got float32 matmul ±39%, copy ±0%" in err and "Fix: rerun on a quiet machine, or --force to keep it" in err
+    assert not (tmp_path / "calibration.json").exists()
+    quick = functools.partial(backend_rates.calibrate_kernels, ("float32",), repeats=1, flex=False)
+    monkeypatch.setattr(backend_rates, "KERNEL_CASES", {"float32": (torch.float32, (64, 128))})
+    monkeypatch.setattr(machine, "calibrate_kernels", quick)
+    assert main(["bench", "--calibrate", "--force"]) == 0
+    out = capsys.readouterr().out
+    assert "(kept with --force, though its timed blocks strayed: float32 matmul ±39%, copy ±0%)" in " ".join(
+        out.split()
+    )
+    saved = json.loads((tmp_path / "calibration.json").read_text())
+    expected = machine.spread_pct([1 / t for t in noisy_blocks("torch.mm", {}, 0)] * machine.CALIBRATION_ROUNDS)
+    assert saved["details"]["spread_pct"]["float32 matmul"] == pytest.approx(expected)
+    assert f"±{machine.NOISY_SPREAD_PCT:.0f}%" in " ".join(main_help("bench").split())
+
+
+def main_help(command: str) -> str:
+    from multihead.cli import build_parser
+
+    parser = build_parser()
+    return next(a for a in parser._actions if a.dest == "command").choices[command].format_help()
 
 
 def test_calibration_with_flex_times_its_forward_and_its_score_mod(monkeypatch):

@@ -27,6 +27,7 @@ from multihead.cli._shared import (
     parse_dtype,
     parse_indices,
     parse_token,
+    torch_threads,
     usage_error,
 )
 from multihead.cli.cost import COST_OPTIONS
@@ -75,6 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     that cannot be used) is one line on stderr and exit status 2. Any other exception is a bug in
     multihead and propagates with its traceback.
 
+    A command that runs models runs with its ``--threads`` (torch.set_num_threads), and torch's count is put back
+    when it ends, however it ends.
+
     A reader of stdout that stops reading (``multihead inspect | head``, quitting ``less``) ends the command
     quietly, with exit status 0 and no message: the reports on stdout went where the reader wanted them, the
     files are written (the consoles go quiet and the command carries on; a plain ``print`` that meets the
@@ -86,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # --help (0), or a usage mistake argparse already printed as one line (2)
         return exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 2
     try:
-        return args.run(args)
+        with torch_threads(getattr(args, "threads", None)):  # a command that runs models has --threads
+            return args.run(args)
     except InputError as error:  # it says what to do: no traceback
         print(f"multihead {args.command}: error: {one_line(str(error))}", file=sys.stderr)
         return 2

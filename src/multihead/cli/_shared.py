@@ -1,10 +1,12 @@
-"""What every command shares: the option parsers (indices, tokens, dtypes), --model's help, and argparse's
-mistakes said in one line."""
+"""What every command shares: the option parsers (indices, tokens, dtypes), --model's help, --threads, and
+argparse's mistakes said in one line."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+from collections.abc import Iterator
 
 from multihead._errors import bad_argument
 
@@ -213,3 +215,57 @@ def usage_error(message: str, prog: str) -> str:
 def one_line(message: str) -> str:
     """``message`` on a single line (a quoted text or file line may carry line breaks)."""
     return " ".join(part.strip() for part in message.splitlines() if part.strip())
+
+
+# --------------------------------------------------------------------------- --threads
+
+
+def add_threads_option(parser: argparse.ArgumentParser, *, default: int | None = None) -> None:
+    """``--threads N`` on a command that runs models: :func:`multihead.cli.main` runs the command with
+    ``torch.set_num_threads(N)`` and puts torch's count back after it (:func:`torch_threads`). ``default``: the
+    command's count when the option is not given (None: torch's own, untouched)."""
+    told = "torch's, one per core" if default is None else f"{default}"
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=default,
+        metavar="N",
+        help=f"the CPU threads torch computes with, from 1 to this machine's CPUs (default: {told}); on a busy "
+        "machine 1 is often the fastest",
+    )
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it, else os.cpu_count())."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """The block with ``torch.set_num_threads(threads)``, torch's count from before put back after it (also when it
+    raises); None leaves torch's count as it is. ``threads`` is checked first: a whole number from 1 to
+    :func:`usable_cpus` (more threads than CPUs only wait for each other), else an error naming ``--threads``."""
+    if threads is None:
+        yield
+        return
+    cpus = usable_cpus()
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cpus:
+        raise bad_argument(
+            "--threads",
+            f"a whole number from 1 to {cpus} (the CPUs this process may use)",
+            repr(threads),
+            "pass e.g. --threads 1",
+        )
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -9,6 +9,7 @@ from multihead._figures import print_written  # "wrote <path>"; one line for a f
 from multihead._userfiles import output_folder
 from multihead.cli._shared import (
     DTYPE_HELP,
+    add_threads_option,
     parse_dtype,
 )
 
@@ -35,6 +36,12 @@ def add_parser(subparsers) -> None:
         help="measure this machine's matmul rate and bandwidth again (cached for `multihead cost`); alone, only that",
     )
     parser.add_argument(
+        "--force",
+        action="store_true",
+        help="cache a calibration even when its timed blocks stray by more than ±10%% (a busy machine), which is "
+        "refused otherwise",
+    )
+    parser.add_argument(
         "--dtype",
         action="append",
         help=DTYPE_HELP + "; default float32: the comparison's dtype and the one calibrated (repeatable)",
@@ -46,6 +53,7 @@ def add_parser(subparsers) -> None:
         help="where bench.json and bench.png go (bench_quick.json and bench_quick.png with --quick; "
         "default %(default)s)",
     )
+    add_threads_option(parser)  # the calibration is keyed on torch's threads: one per count
     parser.set_defaults(run=run_bench)
 
 
@@ -53,7 +61,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from multihead._userfiles import writing
     from multihead.lab import bench
     from multihead.lab.bench_report import print_report
-    from multihead.machine import calibrate, calibration_path, identity, save_calibration
+    from multihead.machine import calibrate, calibration_noise, calibration_path, identity, save_calibration
 
     console = make_console()
     dtypes = list(dict.fromkeys(parse_dtype(spec) for spec in args.dtype or ["float32"]))
@@ -62,9 +70,11 @@ def run_bench(args: argparse.Namespace) -> int:
         fix = "set MULTIHEAD_CACHE to a folder you can write to"
         output_folder("MULTIHEAD_CACHE", cache.parent, fix=fix)
         with console.status("calibrating: matmul rate, bandwidth, and each backend's rate for auto"):
-            rates = calibrate(dtypes, kernels=True)
+            # a noisy calibration is refused before the kernels' minute is spent (kept with --force)
+            rates = calibrate(dtypes, kernels=True, refuse_noisy=not args.force)
         with writing("MULTIHEAD_CACHE", cache, fix=fix):
-            path = save_calibration(rates)
+            path = save_calibration(rates, force=args.force)
+        noise = calibration_noise(rates)
         kernel = rates.details.get("kernel_rates", {}).get("gflops", {})
         backends = ", ".join(
             f"{name} {by_key['forward float32']:.1f}" for name, by_key in kernel.items() if "forward float32" in by_key
@@ -73,6 +83,7 @@ def run_bench(args: argparse.Namespace) -> int:
             f"calibrated {identity().describe()}: "
             + ", ".join(f"{k} matmul {v:.1f} GFLOP/s" for k, v in rates.matmul_gflops.items())
             + f", bandwidth {rates.bandwidth_gbs:.1f} GB/s"
+            + (f" (kept with --force, though its timed blocks strayed: {noise})" if noise else "")
             + (f"; backends (float32 forward, GFLOP/s): {backends}" if backends else "")
             + f"; saved to {path}"
             + (
@@ -87,7 +98,11 @@ def run_bench(args: argparse.Namespace) -> int:
     out_dir = output_folder("--out", args.out, create=False)  # before minutes of measuring, not after
     with console.status("starting") as status:
         results = bench.run(
-            quick=args.quick, dtypes=dtypes, recalibrate=args.calibrate, say=lambda line: status.update(line)
+            quick=args.quick,
+            dtypes=dtypes,
+            recalibrate=args.calibrate,
+            force=args.force,
+            say=lambda line: status.update(line),
         )
     with writing("--out", out_dir):
         written = bench.write_reports(results, out_dir)

@@ -8,6 +8,7 @@ from multihead._console import make_console
 from multihead._errors import bad_argument
 from multihead._figures import print_written
 from multihead._userfiles import from_option, from_options, output_folder
+from multihead.cli._shared import add_threads_option
 
 WHATS = ("z", "pattern", "q", "k", "v")
 
@@ -68,6 +69,7 @@ def add_parser(subparsers) -> None:
         help="path patching instead: each earlier head as a sender into these heads' --what (q, k or v) alone, "
         "e.g. 1:0,1:2",
     )
+    add_threads_option(patch)
     patch.set_defaults(run=run_patch)
     for mode, help_text in (
         ("dla", "each head's direct effect on logit(answer) - logit(wrong) at the last position"),
@@ -87,6 +89,7 @@ def add_parser(subparsers) -> None:
             help="any of terminal,html,json" + (",png" if mode == "dla" else "") + " (default terminal,json)",
         )
         sub.add_argument("--out", metavar="DIR", default="multihead-circuits", help="where the files go")
+        add_threads_option(sub)
         sub.set_defaults(run=run_dla if mode == "dla" else run_lens)
     detect = modes.add_parser(
         "detect",
@@ -110,6 +113,7 @@ def add_parser(subparsers) -> None:
         help="any of terminal,html,json,png (default terminal,json)",
     )
     detect.add_argument("--out", metavar="DIR", default="multihead-circuits", help="where the files go")
+    add_threads_option(detect)
     detect.set_defaults(run=run_detect)
 
 

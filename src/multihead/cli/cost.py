@@ -20,7 +20,8 @@ def add_parser(subparsers) -> None:
         "cost",
         help="parameters, FLOPs and bytes of an attention layer, exactly, and its roofline here",
         description="Count what one call of a multi-head attention layer costs: parameters, FLOPs by term, "
-        "memory, the n x n crossover, and (after `multihead bench --calibrate`) the roofline bound.",
+        "memory, the n x n crossover, and the roofline bound: on this machine's rates (after `multihead bench "
+        "--calibrate`), or on the rates --gflops and --memory-gbs give.",
     )
     parser.add_argument("--embed-dim", type=int, required=True, help="D, the query feature size")
     parser.add_argument("--heads", type=int, required=True, help="h, the query heads")
@@ -54,8 +55,21 @@ def add_parser(subparsers) -> None:
         metavar="GB/S",
         help="the --tp group's bandwidth when it differs (default: --link-gbs)",
     )
-    ranks.add_argument("--gflops", type=float, help="a rank's compute rate for the time (default: this machine's)")
-    ranks.add_argument("--memory-gbs", type=float, help="a rank's memory bandwidth (default: this machine's)")
+    rates = parser.add_argument_group(
+        "the rates every time is priced at (the roofline, and the time per rank)",
+    )
+    rates.add_argument(
+        "--gflops",
+        type=float,
+        metavar="GFLOP/S",
+        help="the compute rate in GFLOP/s for --dtype work (default: this machine's calibration)",
+    )
+    rates.add_argument(
+        "--memory-gbs",
+        type=float,
+        metavar="GB/S",
+        help="the memory bandwidth in GB/s (default: this machine's calibration)",
+    )
     parser.set_defaults(run=run_cost)
 
 
@@ -93,7 +107,6 @@ def _run_cost(args: argparse.Namespace) -> int:
     from multihead._figures import Written, draw_figure
     from multihead.cost import LayerShape, estimate
     from multihead.cost_report import cost_json, parallel_json, plot_cost, print_cost, print_parallel
-    from multihead.machine import read_calibration
 
     args.dtype = parse_dtype(args.dtype)
     if args.backward and args.decode_cache is not None:
@@ -136,14 +149,12 @@ def _run_cost(args: argparse.Namespace) -> int:
                 "drop --kv-seq / --decode-cache to plot against n",
             )
         plot_path = output_file("--plot", args.plot, suffixes=PLOT_SUFFIXES, fix="pass e.g. --plot cost.png")
-    rates, note = read_calibration()
-    if note:  # a damaged cache is not the user's argument: say it was ignored, and go on without it
-        print(f"multihead cost: note: {note}", file=sys.stderr)
-    split = _parallel_split(args, shape, mode) if args.tp > 1 or args.cp > 1 else None
-    if split is None and any(v is not None for v in (args.link_gbs, args.tp_link_gbs, args.gflops, args.memory_gbs)):
+    rates, source = _rates(args, report.dtype)
+    split = _parallel_split(args, shape, mode, rates) if args.tp > 1 or args.cp > 1 else None
+    if split is None and any(v is not None for v in (args.link_gbs, args.tp_link_gbs)):
         raise bad_argument(
             "--link-gbs",
-            "--tp or --cp above 1 with --link-gbs, --gflops, --memory-gbs",
+            "--tp or --cp above 1 with --link-gbs and --tp-link-gbs (the bandwidth between ranks)",
             "one rank",
             "add e.g. --cp 8",
         )
@@ -166,7 +177,7 @@ def _run_cost(args: argparse.Namespace) -> int:
         )
     skipped = skipped_note(plotted.skipped.values())
     if args.json:
-        data = cost_json(report, rates)
+        data = cost_json(report, rates, rates_source=source)
         if split is not None:
             data["parallel"] = parallel_json(split[0], split[1])
         print(json.dumps(data, indent=1))
@@ -174,9 +185,9 @@ def _run_cost(args: argparse.Namespace) -> int:
             print(skipped, file=sys.stderr)  # stdout stays the JSON
     else:
         console = make_console()
-        print_cost(report, rates, console)
+        print_cost(report, rates, console, rates_source=source)
         if split is not None:
-            print_parallel(split[0], split[1], console, rates_source=split[2])
+            print_parallel(split[0], split[1], console, rates_source=source)
         if "plot" in plotted:
             console.print(f"plot: {plotted['plot'].resolve()}", soft_wrap=True)
         if skipped is not None:
@@ -184,12 +195,45 @@ def _run_cost(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parallel_split(args: argparse.Namespace, shape, mode: str):
-    """(ParallelCost, ParallelTime or None, where the rates come from) for --tp/--cp; the rates are --gflops and
-    --memory-gbs where given, else this machine's calibration."""
+def _rates(args: argparse.Namespace, dtype: str):
+    """(the rates every time `multihead cost` prints is priced at, where they come from), or (None, None): --gflops
+    (for ``dtype`` work) and --memory-gbs where given, the rest from this machine's calibration. The one source of
+    the roofline line, its JSON and the time per rank, so that all of them say the same."""
     from multihead.cost import MachineRates
-    from multihead.cost_parallel import parallel_cost, parallel_time
     from multihead.machine import read_calibration
+
+    for name, value in (("--gflops", args.gflops), ("--memory-gbs", args.memory_gbs)):
+        if value is not None and not value > 0:
+            raise bad_argument(name, "a positive rate", value, f"pass e.g. {name} 450")
+    if args.gflops is not None and args.memory_gbs is not None:  # no calibration needed, none read
+        return MachineRates({dtype: args.gflops}, args.memory_gbs, threads=0), "the rates given"
+    calibrated, note = read_calibration()
+    if note:  # a damaged cache is not the user's argument: say it was ignored, and go on without it
+        print(f"multihead cost: note: {note}", file=sys.stderr)
+    given, missing = ("--gflops", "--memory-gbs") if args.gflops is not None else ("--memory-gbs", "--gflops")
+    if calibrated is None:
+        if args.gflops is None and args.memory_gbs is None:
+            return None, None
+        raise bad_argument(
+            missing,
+            f"it beside {given} (this machine has no calibration to take it from)",
+            f"{given} alone",
+            f"pass {missing} too (e.g. --gflops 989000 --memory-gbs 3350 for an H100 in bfloat16), or run "
+            "`multihead bench --calibrate`",
+        )
+    measured = f"measured {calibrated.measured_at}"
+    if args.gflops is not None:
+        return MachineRates({dtype: args.gflops}, calibrated.bandwidth_gbs, threads=0), f"--gflops given, {measured}"
+    if args.memory_gbs is not None:
+        rates = MachineRates(dict(calibrated.matmul_gflops), args.memory_gbs, threads=0)
+        return rates, f"--memory-gbs given, {measured}"
+    return calibrated, measured
+
+
+def _parallel_split(args: argparse.Namespace, shape, mode: str, rates):
+    """(ParallelCost, ParallelTime or None) for --tp/--cp; the time (with --link-gbs) is priced at ``rates``
+    (:func:`_rates`: --gflops and --memory-gbs where given, else this machine's calibration)."""
+    from multihead.cost_parallel import parallel_cost, parallel_time
 
     if args.decode_cache is not None or args.kv_seq is not None or args.need_weights:
         raise bad_argument(
@@ -198,12 +242,7 @@ def _parallel_split(args: argparse.Namespace, shape, mode: str):
             "--decode-cache, --kv-seq or --need-weights",
             "drop those options, or --tp/--cp",
         )
-    for name, value in (
-        ("--gflops", args.gflops),
-        ("--memory-gbs", args.memory_gbs),
-        ("--link-gbs", args.link_gbs),
-        ("--tp-link-gbs", args.tp_link_gbs),
-    ):
+    for name, value in (("--link-gbs", args.link_gbs), ("--tp-link-gbs", args.tp_link_gbs)):
         if value is not None and not value > 0:
             raise bad_argument(name, "a positive rate", value, f"pass e.g. {name} 450")
     cost = parallel_cost(
@@ -220,9 +259,8 @@ def _parallel_split(args: argparse.Namespace, shape, mode: str):
     if args.link_gbs is None:
         if args.tp_link_gbs is not None:
             raise bad_argument("--tp-link-gbs", "--link-gbs as well", "--tp-link-gbs alone", "add --link-gbs")
-        return cost, None, None
-    calibrated, _ = read_calibration()
-    if (args.gflops is None or args.memory_gbs is None) and calibrated is None:
+        return cost, None
+    if rates is None:
         raise bad_argument(
             "--link-gbs",
             "a rank's compute rate and memory bandwidth: --gflops and --memory-gbs, or this machine's calibration",
@@ -230,11 +268,4 @@ def _parallel_split(args: argparse.Namespace, shape, mode: str):
             "pass --gflops and --memory-gbs (e.g. 989000 and 3350 for an H100 in bfloat16), or run "
             "`multihead bench --calibrate`",
         )
-    gflops = dict(calibrated.matmul_gflops) if calibrated is not None else {}
-    if args.gflops is not None:
-        gflops = {cost.report.dtype: args.gflops}
-    bandwidth = args.memory_gbs if args.memory_gbs is not None else calibrated.bandwidth_gbs  # type: ignore[union-attr]
-    given = args.gflops is not None or args.memory_gbs is not None
-    rates = MachineRates(gflops, bandwidth, threads=0)
-    source = "the rates given" if given else "this machine's calibration"
-    return cost, parallel_time(cost, rates, args.link_gbs, tp_link_gbs=args.tp_link_gbs), source
+    return cost, parallel_time(cost, rates, args.link_gbs, tp_link_gbs=args.tp_link_gbs)

@@ -12,6 +12,7 @@ from multihead._figures import print_written  # "wrote <path>"; one line for a f
 from multihead._userfiles import from_option, from_options, output_folder
 from multihead.cli._shared import (
     MODEL_HELP,
+    add_threads_option,
 )
 
 
@@ -59,6 +60,7 @@ def add_parser(subparsers) -> None:
         default="multihead-heads",
         help="where JSON, PNG and the pruned model go (default: multihead-heads)",
     )
+    add_threads_option(parser)
     parser.set_defaults(run=run_heads)
 
 

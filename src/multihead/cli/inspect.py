@@ -12,6 +12,7 @@ from multihead._userfiles import from_option, from_options, output_folder
 from multihead.cli._shared import (
     BUNDLED,
     MODEL_HELP,
+    add_threads_option,
     parse_indices,
     parse_token,
 )
@@ -95,6 +96,7 @@ def add_parser(subparsers) -> None:
         "hitters, a pooled map of the whole text, and the sink, heavy-hitter, long-range and local roles; "
         "long.html, long.png and long.json as --format asks",
     )
+    add_threads_option(parser)
     parser.set_defaults(run=run_inspect)
 
 

@@ -10,6 +10,7 @@ from multihead._console import make_console
 from multihead._errors import InputError, bad_argument
 from multihead._figures import print_written  # "wrote <path>"; one line for a figure left out
 from multihead._userfiles import from_options, output_folder
+from multihead.cli._shared import add_threads_option
 
 
 def add_parser(subparsers) -> None:
@@ -55,6 +56,9 @@ def add_parser(subparsers) -> None:
         "--half-length (rotary positions carry over to any length); the model options then come from it",
     )
     parser.add_argument("--out", metavar="DIR", default="multihead-train", help="where the run goes")
+    # one thread: these models are too small to gain from more, and a busy machine's second thread makes every op
+    # wait (docs/train.md: 300 steps took 7-11 s on one thread and 34-90 s on two, interleaved)
+    add_threads_option(parser, default=1)
     parser.set_defaults(run=run_train)
 
 

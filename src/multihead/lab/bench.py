@@ -42,7 +42,10 @@ from torch.utils import benchmark
 import multihead
 from multihead._figures import Written, draw_figure, pyplot, save_figure
 from multihead.cost import DTYPES, LayerShape, MachineRates, Roofline, attention_kernel_cost, bound, estimate, roofline
-from multihead.machine import age_text, cached_rates, identity
+
+# a time whose half-IQR exceeds NOISY_SPREAD_PCT of its median is called out in a note: the rule by which a
+# calibration is too noisy to cache
+from multihead.machine import NOISY_SPREAD_PCT, age_text, cached_rates, calibration_spreads, identity
 
 __all__ = ["Case", "cases", "TextbookMHA", "textbook_attention", "interleave", "run", "tables", "write_reports"]
 
@@ -57,7 +60,6 @@ ROUNDS = {True: 5, False: 7}  # quick, full
 BLOCK_S = {True: 0.05, False: 0.1}
 WARMUP_CALLS = 2  # what torch.utils.benchmark's Timer.timeit calls before every timed block (at least)
 MAX_CALLS_PER_BLOCK = 10_000
-NOISY_SPREAD_PCT = 10.0  # a time whose half-IQR exceeds this share of its median is called out in a note
 MODES = ("forward", "forward+backward")
 
 Step = Callable[[], object]
@@ -315,12 +317,15 @@ def run(
     quick: bool,
     dtypes: Sequence[str] = ("float32",),
     recalibrate: bool = False,
+    force: bool = False,
     rounds: int | None = None,
     block_s: float | None = None,
     only: Sequence[Case] | None = None,
     say: Callable[[str], None] = print,
 ) -> dict:
-    """Calibrate (or reuse the cache), time every case, score it against the roofline; the results (bench.json)."""
+    """Calibrate (or reuse the cache), time every case, score it against the roofline; the results (bench.json).
+    A calibration measured here that is too noisy to cache (:func:`multihead.machine.calibration_noise`) serves this
+    run only, with a note, unless ``force``."""
     started = time.perf_counter()
     notes: list[str] = []
 
@@ -329,7 +334,7 @@ def run(
         if line.startswith(("ignored the calibration cache", "calibration not saved")):
             notes.append(line)
 
-    rates, measured_now = cached_rates(dtypes, recalibrate=recalibrate, say=calibration_say)
+    rates, measured_now = cached_rates(dtypes, recalibrate=recalibrate, force=force, say=calibration_say)
     rounds, block_s = rounds or ROUNDS[quick], BLOCK_S[quick] if block_s is None else block_s
     records = []
     todo = cases(quick, dtypes) if only is None else list(only)
@@ -342,7 +347,7 @@ def run(
             "the calibration was measured again"
         )
         say(notes[-1])
-        rates, measured_now = cached_rates(dtypes, recalibrate=True, say=calibration_say)
+        rates, measured_now = cached_rates(dtypes, recalibrate=True, force=force, say=calibration_say)
         score(records, rates)
     note = withhold_impossible_shares(records, rates)
     if note:
@@ -373,6 +378,7 @@ def run(
             "measured_at": rates.measured_at,
             "age_s": None if rates.measured_unix is None else time.time() - rates.measured_unix,
             "measured_in_this_run": measured_now,
+            "spread_pct": calibration_spreads(rates),  # of its timed blocks ({}: rates without them)
         },
         "method": {
             "timer": "torch.utils.benchmark.Timer.timeit, torch's threads",
