@@ -4,8 +4,12 @@ JupyterLab (packages/apputils/src/sanitizer.ts) passes an untrusted output throu
 allow-lists: a tag off the list is dropped and its children kept, except ``<script>``, ``<style>``,
 ``<textarea>`` and ``<option>`` off the list, whose content goes too (sanitize-html's "non-text tags"); an
 attribute off the list is dropped; ``<img src>`` keeps any scheme (``data:`` included). The lists below are
-JupyterLab's. Not emulated: its per-property check of inline CSS values (a declaration it refuses only loses
-that declaration, never an element).
+JupyterLab 4.6's. Two rules of sanitize-html matter as much: an attribute written without a value (or with an
+empty one) is dropped when sanitize-html counts it among the attributes that need a value
+(``nonBooleanAttributes``), whatever the allow-list says: so a bare ``hidden`` goes, ``hidden="hidden"`` stays;
+and JupyterLab renames ``id`` to ``data-jupyter-id`` (and makes every ``<input>`` disabled). Not emulated: its
+per-property check of inline CSS values (a declaration it refuses only loses that declaration, never an
+element). tests/lab/test_jupyterlab.py checks the real thing, in a JupyterLab driven by the browser.
 """
 
 from __future__ import annotations
@@ -22,8 +26,22 @@ ALLOWED_TAGS = frozenset(
     wbr""".split()
 )
 GLOBAL_ATTRIBUTES = frozenset(
-    "class dir draggable hidden id inert itemprop itemref itemscope lang spellcheck style title translate".split()
+    "class data-jupyter-id dir draggable hidden id inert itemprop itemref itemscope lang spellcheck style title "
+    "translate".split()
 )
+# sanitize-html's attributes that need a value (its list, less the event handlers, which no allow-list has): one of
+# them written bare or empty is dropped, unless it is in EMPTY_ALLOWED
+NON_BOOLEAN_ATTRIBUTES = frozenset(
+    """abbr accept accept-charset accesskey action allow alt as autocapitalize autocomplete blocking charset cite
+    class color cols colspan content contenteditable coords crossorigin data datetime decoding dir dirname download
+    draggable enctype enterkeyhint fetchpriority for form formaction formenctype formmethod formtarget headers
+    height hidden high href hreflang http-equiv id imagesizes imagesrcset inputmode integrity is itemid itemprop
+    itemref itemtype kind label lang list loading low max maxlength media method min minlength name nonce optimum
+    pattern ping placeholder popover popovertarget popovertargetaction poster preload referrerpolicy rel rows
+    rowspan sandbox scope shape size sizes slot span spellcheck src srcdoc srclang srcset start step style tabindex
+    target title translate type usemap value width wrap""".split()
+)
+EMPTY_ALLOWED = frozenset({"alt"})
 _CELL_ATTRIBUTES = frozenset(
     "abbr align axis bgcolor char charoff colspan headers height nowrap rowspan scope valign width".split()
 )
@@ -64,12 +82,21 @@ class _Sanitizer(HTMLParser):
                 self.skipping = tag
             return
         allowed = GLOBAL_ATTRIBUTES | TAG_ATTRIBUTES.get(tag, frozenset())
-        kept = "".join(
-            f" {name}" if value is None else f' {name}="{html.escape(value)}"'
-            for name, value in attrs
-            if name in allowed
+        kept = {}
+        for name, value in attrs:
+            if not value and name in NON_BOOLEAN_ATTRIBUTES and name not in EMPTY_ALLOWED:
+                continue  # `hidden` or `hidden=""`: dropped
+            if name in allowed:
+                kept["data-jupyter-id" if name == "id" else name] = value
+        if tag == "input":
+            kept["disabled"] = "disabled"
+        self.out.append(
+            f"<{tag}"
+            + "".join(
+                f" {name}" if value is None else f' {name}="{html.escape(value)}"' for name, value in kept.items()
+            )
+            + ">"
         )
-        self.out.append(f"<{tag}{kept}>")
 
     def handle_endtag(self, tag):
         if self.skipping:

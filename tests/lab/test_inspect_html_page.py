@@ -91,7 +91,9 @@ def test_a_fragment_is_one_scoped_element():
     inspection = synthetic_inspection()
     fragment = render_fragment(inspection)
     assert re.match(r'<div class="mh-report" id="mh-[0-9a-f]{16}"><div class="mh-static">', fragment)
-    assert '<div class="mh-markup" hidden><template>' in fragment  # the interactive markup, hidden without script
+    # the interactive markup, hidden without script: by an inline style and a valued hidden, both of which
+    # JupyterLab's sanitizer keeps (a bare `hidden` it drops)
+    assert '<div class="mh-markup" hidden="hidden" style="display:none"><template>' in fragment
     assert fragment.rstrip().endswith("</div>") and fragment.isascii()
     for tag in ("<html", "<head>", "<body", "<!DOCTYPE", "<title", "<link"):
         assert tag not in fragment, tag
@@ -794,3 +796,58 @@ def test_word_groups_join_gpt2_and_sentencepiece_pieces_as_the_roles_do():
         ["<s>", "Hello", "world", "</s>"],
         [True, False, False, True],
     )
+
+
+# --------------------------------------------------------------------------- as wide as its box, not the window
+
+# Where a drawn report's parts lie, relative to the boxes that would cut them off (all in its shadow root): the head
+# view's labels and its scroller, the visible bars, the heads grid's thumbnails and its scroller.
+FIT = """(report) => {
+  const shadow = report.shadowRoot;
+  const box = (node) => { const r = node.getBoundingClientRect(); return {left: r.left, right: r.right,
+    width: r.width}; };
+  const scroller = (id, outer) => { const node = shadow.getElementById(id).closest(outer);
+    return {box: box(node), scroll: node.scrollWidth, client: node.clientWidth}; };
+  return {
+    width: report.getBoundingClientRect().width,
+    headView: scroller('head-view', '.hv-wrap'),
+    labels: [...shadow.querySelectorAll('#head-view text.hv-token')].map(box),
+    bars: [...shadow.querySelectorAll('#attention-bars .weight-row:not([hidden]) .bar-track')].map(box),
+    grid: scroller('head-grid', '.grid-wrap'),
+    heads: [...shadow.querySelectorAll('#head-grid canvas.heatmap')].map(box),
+  };
+}"""
+
+
+def assert_fits(report, tokens: int, heads: int) -> dict:
+    """The drawn report (a locator of its .mh-report) lays out on its own width: no head view label cut off, bars
+    of a readable length (not the ~20 px of two columns squeezed into a notebook cell), every head of the grid in
+    view without scrolling. Returns the measures."""
+    layout = report.evaluate(FIT)
+    view = layout["headView"]
+    assert view["scroll"] <= view["client"] + 1, view
+    assert len(layout["labels"]) == 2 * tokens
+    assert all(
+        view["box"]["left"] - 1 <= label["left"] and label["right"] <= view["box"]["right"] + 1
+        for label in layout["labels"]
+    ), (view, layout["labels"])
+    assert len(layout["bars"]) == tokens and min(bar["width"] for bar in layout["bars"]) >= 200, layout["bars"]
+    grid = layout["grid"]
+    assert len(layout["heads"]) == heads
+    assert grid["scroll"] <= grid["client"] + 1, grid
+    assert all(head["right"] <= grid["box"]["right"] + 1 and head["width"] >= 24 for head in layout["heads"])
+    return layout
+
+
+@pytest.mark.parametrize("box_width", [800, 560])
+def test_a_fragment_in_a_narrow_box_of_a_wide_window_reflows_on_its_own_width(open_page, box_width):  # noqa: F811
+    """A notebook's output area: the window is 1280 px wide (over any viewport breakpoint), the report's box is not.
+    The report takes its one-column layout from its own width (issue 47, row 3)."""
+    body = f'<div style="width: {box_width}px">{render_fragment(many_heads())}</div>'
+    page = open_page(f"<!DOCTYPE html><html><body>{body}</body></html>", width=1280)
+    report = page.locator(".mh-report")
+    layout = assert_fits(report, len(TOKENS), 6 * 12)
+    assert layout["width"] == box_width
+    # the wide window itself keeps the two columns: the heatmap's card beside the bars
+    wide = open_page(render_html(many_heads()), width=1280)
+    assert wide.locator("#focus").evaluate("f => getComputedStyle(f).gridTemplateColumns.split(' ').length") == 2

@@ -19,7 +19,13 @@ within its own shadow tree: a second report never reads the first one's data or 
 the host page may use the same ids and classes. Without JavaScript (an untrusted notebook, whose sanitizer
 also drops ``<style>`` and ``<template>``), the root shows the static view of :mod:`multihead.lab.inspect.static`
 (the heads grid as inline images, the roles, a line on how to get the interactive report); the markup of the
-interactive report sits in a ``hidden`` element, so a sanitized page shows no empty skeleton.
+interactive report sits in an element hidden by its inline style (``display:none``, which JupyterLab's sanitizer
+keeps, as it keeps ``hidden="hidden"`` but not a bare ``hidden``), so a sanitized page shows no empty skeleton.
+
+**Its own width.** The report's layout follows the width of its root element, not the window's: the
+stylesheet's breakpoints are container queries on the root (``:host``), so a report in a notebook's ~850 px
+output area of a wide window takes the one-column layout (the heatmap under the bars and the head view), and the
+heads grid's thumbnails share the card's width before it scrolls.
 
 Inside a report (the ids below are those of its shadow tree):
 

@@ -2,13 +2,14 @@
 
 A notebook run by ``nbconvert --execute``, or received from someone, is not trusted: Jupyter runs none of its
 scripts and passes its HTML outputs through a sanitizer that drops ``<script>``, ``<style>`` and
-``<template>`` (keeping the template's markup as bare elements) and keeps inline ``style`` attributes, the
-``hidden`` attribute and ``<img>`` with a ``data:`` source. So every report fragment opens with this static
-view, built only from those: one line on top saying how to get the interactive report, one line of facts,
-and the heads grid, each head a thumbnail of its weights (an inline PNG, every query row by every key
-column, on the reports' one colour scale) over its role. The interactive markup sits in a ``hidden``
-element, so a sanitized page does not show it as an empty skeleton; with JavaScript the report draws into a
-shadow root, which hides this view.
+``<template>`` (keeping the template's markup as bare elements) and keeps inline ``style`` attributes and
+``<img>`` with a ``data:`` source (JupyterLab 4.6 drops a bare ``hidden``: sanitize-html counts it among the
+attributes that need a value). So every report fragment opens with this static view, built only from those:
+one line on top saying how to get the interactive report, one line of facts, and the heads grid, each head a
+thumbnail of its weights (an inline PNG, every query row by every key column, on the reports' one colour
+scale) over its role. The interactive markup sits in an element hidden by its inline style (and by
+``hidden="hidden"``, which the sanitizer keeps too), so a sanitized page does not show it as an empty
+skeleton; with JavaScript the report draws into a shadow root, which hides this view.
 
     static_view(inspection)      # the HTML (a str); html.render_fragment puts it first in every fragment
 """

@@ -194,7 +194,9 @@
 
   /* ---------------------------------------------------------------- heatmap grid */
   var grid = byId("head-grid"), cells = [];
-  grid.style.gridTemplateColumns = "auto repeat(" + report.heads.length + ", minmax(58px, 92px))";
+  /* Thumbnails share the card's width: 92 px at most, down to --thumb-min (report.css: less in a narrow report)
+     before the grid scrolls, so a notebook cell still shows every head of a 12-head layer. */
+  grid.style.gridTemplateColumns = "auto repeat(" + report.heads.length + ", minmax(var(--thumb-min), 92px))";
   grid.appendChild(el("div", "axis"));
   report.heads.forEach(function (head) { grid.appendChild(el("div", "axis", "head " + head)); });
   report.layers.forEach(function (layer, li) {
