@@ -7,8 +7,10 @@ command line tells a user's mistake (one line, no traceback) from a bug in multi
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import re
+from collections.abc import Callable, Iterator
 from typing import Literal, overload
 
 import torch
@@ -58,6 +60,23 @@ class InputError(Exception):
 
 def _rebuilt(kind: type[InputError], message: str, fields: dict) -> InputError:
     return kind(message, **fields)
+
+
+@contextlib.contextmanager
+def items_renamed(inner: str, label: Callable[[int], str], *, single: str | None = None) -> Iterator[None]:
+    """Within the block, an InputError about item i of a list the block handed on (argument ``inner``[i], or
+    ``single`` where the callee names a list of one item so) is about ``label(i)``: the caller's own name and
+    numbering of that item (``texts[5]`` of a batch -> the caller's ``texts[21]``; ``corpus[3]`` -> ``--corpus
+    line 7``). Other errors pass through as they are."""
+    try:
+        yield
+    except InputError as error:
+        found = re.fullmatch(rf"{re.escape(inner)}\[(\d+)\]", error.argument or "")
+        if found is not None:
+            raise error.about(label(int(found.group(1)))) from None
+        if single is not None and error.argument == single:
+            raise error.about(label(0)) from None
+        raise
 
 
 class ArgumentValueError(InputError, ValueError):

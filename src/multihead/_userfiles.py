@@ -292,6 +292,23 @@ def from_options(options: Mapping[str, str]) -> Iterator[None]:
         raise _spelled(error, options) from None
 
 
+@contextlib.contextmanager
+def spelled_as_options(options: Mapping[str, str]) -> Iterator[None]:
+    """Within the block, every InputError's expectation and fix say the library arguments ``options`` names
+    ({"truncate": "--truncate"}) as the command line's options (:func:`cli_spelling`: 'truncate=True' ->
+    '--truncate'), whatever argument it is about."""
+    try:
+        yield
+    except InputError as error:
+        if error.argument is None:
+            raise
+        raise error.about(
+            error.argument,
+            expected=cli_spelling(error.expected or "", options),
+            fix=cli_spelling(error.fix or "", options),
+        ) from None
+
+
 def _spelled(error: InputError, options: Mapping[str, str]) -> InputError:
     """``error`` about the command line's option for its argument, its expectation and fix in the command line's
     spelling (:func:`cli_spelling`)."""
@@ -303,8 +320,11 @@ def _spelled(error: InputError, options: Mapping[str, str]) -> InputError:
     )
 
 
-# name="encoder", name='float32', name=[0, 1], name=3: a library argument's value as Python spells it
-_PYTHON_VALUE = r"""=(?:"(?P<double>[^"]*)"|'(?P<single>[^']*)'|\[(?P<items>[0-9,\s]*)\]|(?P<number>-?[0-9.]+))"""
+# name="encoder", name='float32', name=[0, 1], name=3: a library argument's value as Python spells it; name=True
+# is a flag, given on the command line by the option alone
+_PYTHON_VALUE = (
+    r"""=(?:"(?P<double>[^"]*)"|'(?P<single>[^']*)'|\[(?P<items>[0-9,\s]*)\]|(?P<number>-?[0-9.]+)|(?P<flag>True))"""
+)
 
 
 def cli_spelling(message: str, options: Mapping[str, str]) -> str:
@@ -317,6 +337,8 @@ def cli_spelling(message: str, options: Mapping[str, str]) -> str:
     for name, option in options.items():
 
         def value(match: re.Match[str], option: str = option) -> str:
+            if match["flag"] is not None:
+                return option
             items = match["items"]
             given = ",".join(items.replace(" ", "").split(",")) if items is not None else None
             spelled = (match["double"], match["single"], given, match["number"])

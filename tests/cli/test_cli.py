@@ -124,7 +124,7 @@ def test_png_report_is_an_image(tmp_path):
             ["inspect", "word " * 600, "--format", "terminal"],
             "text: expected at most 512 tokens (the model's 512 "
             "positions), got 602 tokens. Fix: shorten the text, or "
-            "truncate it (truncate=True, or --truncate)",
+            "truncate it (--truncate)",
         ),
     ],
 )
@@ -412,6 +412,7 @@ def test_library_errors_reach_the_command_line_in_its_spelling(tmp_path, capsys)
     respelled = cli_spelling("pass e.g. heads=[0, 1]; or dtype='float32' for embed_dim", COST_OPTIONS)
     assert respelled == "pass e.g. heads=[0, 1]; or --dtype float32 for --embed-dim"  # heads is not a cost option
     assert cli_spelling('pass part="cross"', {"part": "--part"}) == "pass --part cross"
+    assert cli_spelling("or truncate it (truncate=True)", {"truncate": "--truncate"}) == "or truncate it (--truncate)"
 
 
 def test_errors_are_renamed_from_their_fields_never_from_their_message():
@@ -549,6 +550,30 @@ def test_heads_mistakes_get_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+def test_a_corpus_line_over_the_models_positions_is_named_by_its_line_in_cli_spelling(tmp_path, capsys):
+    """Issue 47, row 8: the 22nd line of the file (after 20 texts, two batches of corpus statistics, and a blank
+    line) is `--corpus line 22`, and the fix names --truncate, not truncate=True."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join([f"sentence number {n}." for n in range(20)] + ["", "word " * 600]), "utf-8")
+    assert main(["inspect", TEXT, "--corpus", str(corpus), "--format", "terminal"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "error: --corpus line 22: expected at most 512 tokens (the model's 512 positions), got 602 tokens" in err
+    assert err.rstrip().endswith("Fix: shorten the text, or truncate it (--truncate)") and "=True" not in err
+    assert main(["inspect", "word " * 600, "--format", "terminal"]) == 2
+    err = capsys.readouterr().err
+    assert "error: text: expected at most 512 tokens" in err and err.rstrip().endswith("(--truncate)"), err
+
+
+def test_head_stats_names_a_long_text_by_the_callers_number(minilm):
+    """The library's own numbering: texts[21] of the list given, whatever batch and blank texts came before."""
+    from multihead.lab.inspect.stats import head_stats
+
+    texts = [f"sentence number {n}." for n in range(20)] + ["  ", "word " * 600]
+    with pytest.raises(ValueError, match=r"^texts\[21\]: expected at most 512 tokens.*\(truncate=True\)$"):
+        head_stats(minilm[0], texts, batch_size=16)
 
 
 def test_prune_names_the_kind_of_model_it_got(tmp_path, capsys):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from multihead._console import make_console
-from multihead._errors import bad_argument
+from multihead._errors import bad_argument, items_renamed
 from multihead._figures import skipped_note  # "wrote <path>"; one line for a figure left out
 from multihead._limits import format_bytes
-from multihead._userfiles import from_option, from_options, output_folder
+from multihead._userfiles import from_option, from_options, output_folder, spelled_as_options
 from multihead.cli._shared import (
     BUNDLED,
     MODEL_HELP,
@@ -109,7 +109,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from multihead.lab.circuits import detector_behaviours
     from multihead.lab.inspect.behaviours import BEHAVIOURS_FILE
     from multihead.lab.inspect.headreport import read_scores_folder
-    from multihead.lab.inspect.inspection import bundled_corpus, inspect_text, read_corpus
+    from multihead.lab.inspect.inspection import bundled_corpus, inspect_text, read_corpus_lines
     from multihead.lab.inspect.recording import head_numbers
     from multihead.lab.inspect.saved import saved_model_extras
     from multihead.lab.inspect.write import check_formats, write_reports
@@ -124,12 +124,13 @@ def run_inspect(args: argparse.Namespace) -> int:
         raise bad_argument("text", "a non-empty text", repr(args.text), 'pass e.g. "The bank was full of money."')
     if any(name != "terminal" for name in formats):
         output_folder("--out", args.out, create=False)  # checked now; made when the reports are written
-    corpus, corpus_source = None, None
+    corpus, corpus_source, corpus_lines = None, None, []
     if args.corpus == BUNDLED:
         corpus = bundled_corpus()
         corpus_source = f"bundled corpus ({len(corpus)} sentences)"
     elif args.corpus is not None:
-        corpus = read_corpus(args.corpus, argument="--corpus")
+        corpus_lines = read_corpus_lines(args.corpus, argument="--corpus")
+        corpus = [text for _, text in corpus_lines]
         corpus_source = f"{args.corpus} ({len(corpus)} texts)"
     with from_option("--model"):
         model = load_text_model(args.model)
@@ -152,6 +153,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         from_option("--token", names=("token",)),
         from_option("--heads", names=("heads",)),
         from_option("--part", names=("part",)),
+        # a corpus text is its file's line; the bundled corpus's are the package's own (no line to name)
+        items_renamed("corpus", lambda index: f"--corpus line {corpus_lines[index][0]}" if corpus_lines else "corpus"),
+        spelled_as_options({"truncate": "--truncate"}),
     ):
         task = progress.add_task("corpus statistics", total=len(corpus or ()))
         inspection = inspect_text(

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from multihead._errors import bad_argument, describe
+from multihead._errors import bad_argument, describe, items_renamed
 from multihead._userfiles import read_text
 from multihead.lab._words import counted
 from multihead.lab.inspect.notebook import shorten
@@ -43,6 +43,7 @@ __all__ = [
     "inspect_text",
     "bundled_corpus",
     "read_corpus",
+    "read_corpus_lines",
     "pick_token",
     "compact_weights",
     "weights_from_dict",
@@ -98,19 +99,24 @@ def read_corpus(path: str | Path, *, argument: str = "corpus") -> list[str]:
     ``argument`` names the path in errors (the CLI passes "--corpus"). A missing file raises
     FileNotFoundError; a folder, an unreadable or non-UTF-8 file, or one without a text, ValueError.
     """
+    return [text for _, text in read_corpus_lines(path, argument=argument)]
+
+
+def read_corpus_lines(path: str | Path, *, argument: str = "corpus") -> list[tuple[int, str]]:
+    """:func:`read_corpus`'s texts, each with its line number in the file (from 1), for errors about a line."""
     text = read_text(
         argument,
         path,
         what="a text file with one sentence per line",
         fix="pass an existing UTF-8 text file, or --corpus alone for the bundled corpus",
     )
-    texts = [line.strip() for line in text.splitlines()]
-    texts = [text for text in texts if text and not text.startswith("# ")]
-    if not texts:
+    lines = [(number, line.strip()) for number, line in enumerate(text.splitlines(), start=1)]
+    lines = [(number, line) for number, line in lines if line and not line.startswith("# ")]
+    if not lines:
         raise bad_argument(
             argument, "at least one non-empty line", f"none in {str(path)!r}", "put one sentence per line in the file"
         )
-    return texts
+    return lines
 
 
 def bundled_corpus() -> list[str]:
@@ -542,14 +548,15 @@ def inspect_text(
     )
     corpus_stats = None
     if corpus is not None:
-        corpus_stats = head_stats(
-            model,
-            list(corpus),
-            grid=grid,
-            truncate=truncate,
-            source=corpus_source or f"{len(corpus)} corpus texts",
-            progress=progress,
-        )
+        with items_renamed("texts", lambda index: f"corpus[{index}]"):
+            corpus_stats = head_stats(
+                model,
+                list(corpus),
+                grid=grid,
+                truncate=truncate,
+                source=corpus_source or f"{len(corpus)} corpus texts",
+                progress=progress,
+            )
     role_stats = _role_stats(corpus_stats or stats, grid, relations, behaviours)
     return Inspection(
         model_name=model.name,

@@ -52,13 +52,14 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from multihead._errors import bad_argument, describe
+from multihead._errors import bad_argument, describe, items_renamed
 from multihead.lab._words import counted
 from multihead.lab.inspect.notebook import head_grid_html
 
@@ -583,7 +584,8 @@ def head_stats(
             "pass e.g. ['first text', 'second text']",
             kind=TypeError,
         )
-    batch_texts = [t for t in batch_texts if t.strip()]
+    numbers = [index for index, text in enumerate(batch_texts) if text.strip()]  # the caller's, for errors
+    batch_texts = [batch_texts[index] for index in numbers]
     if not batch_texts:
         raise bad_argument("texts", "at least one non-empty text", "none", "pass text with words in it")
     tokenizer = text_tokenizer(model)
@@ -601,7 +603,8 @@ def head_stats(
     divergence = DivergenceAccumulator(sum(len(kept) for kept in grid.layer_heads))
     with evaluating(model), record_grid(model, grid) as rec:
         for start in range(0, len(batch_texts), batch_size):
-            batch = tokenizer.batch(list(batch_texts[start : start + batch_size]), truncate=truncate)
+            with items_renamed("texts", functools.partial(_callers_name, numbers, start), single="text"):
+                batch = tokenizer.batch(list(batch_texts[start : start + batch_size]), truncate=truncate)
             model(batch.input_ids, batch.attention_mask, batch.token_type_ids)
             queries, keys = model.part_pieces(batch, part)
             recorded = rec.weights()
@@ -625,6 +628,11 @@ def head_stats(
         tokens=tokens_seen,
         source=source or f"{len(batch_texts)} text{'s' if len(batch_texts) != 1 else ''}",
     )
+
+
+def _callers_name(numbers: Sequence[int], start: int, index: int) -> str:
+    """Text ``index`` of the batch from ``start``, as the caller numbered it (``numbers``: each kept text's)."""
+    return f"texts[{numbers[start + index]}]"
 
 
 def weight_stats(

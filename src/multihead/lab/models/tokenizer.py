@@ -288,7 +288,7 @@ class TextTokenizer(ABC):
                 "text" if len(texts) == 1 else f"texts[{index}]",
                 f"at most {limit} tokens (the model's {self.max_length} positions)",
                 f"{length} tokens",
-                "shorten the text, or truncate it (truncate=True, or --truncate)",
+                "shorten the text, or truncate it (truncate=True)",
             )
         return [column[: limit - closing] + column[length - closing :] for column in columns]
 
