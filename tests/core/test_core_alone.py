@@ -138,9 +138,10 @@ def test_a_lab_command_without_the_extra_is_one_line_naming_it(command):
     assert result.stderr.rstrip().endswith(f"Fix: pip install 'multihead[{LAB_EXTRA}]'")
 
 
-def test_the_core_depends_on_torch_alone_and_the_lab_extra_lists_the_lab_modules():
+def test_the_core_depends_on_torch_and_numpy_alone_and_the_lab_extra_lists_the_lab_modules():
+    """numpy beside torch: without it torch warns "Failed to initialize NumPy" on every import (issue 47, row 13)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    assert [requirement.split(">")[0] for requirement in project["dependencies"]] == ["torch"]
+    assert [requirement.split(">")[0] for requirement in project["dependencies"]] == ["torch", "numpy"]
     lab = {requirement.split(">")[0].split("=")[0] for requirement in project["optional-dependencies"][LAB_EXTRA]}
     assert lab == set(LAB_MODULES)  # their import names are their distribution names
 

@@ -1,6 +1,6 @@
 """The lab's dependencies: what ``multihead[lab]`` installs on top of the core, and the one check that says so.
 
-``pip install multihead`` installs the core, which needs torch alone: attention, masks, backends, the layer,
+``pip install multihead`` installs the core, which needs torch and numpy alone: attention, masks, backends, the layer,
 positions, the cache, compat, capture and head surgery, parallel, and the cost model. The lab (inspect's
 statistics, roles and reports, the models and their tokenizers, train, syntax) needs the packages below; each of
 its packages calls :func:`require_lab` first, so a missing one is one line naming the extra, not an ImportError
