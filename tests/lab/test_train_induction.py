@@ -298,7 +298,9 @@ def test_cli_from_refuses_in_one_line(argv, fragment, tmp_path, capsys):
 
 def test_cli_reverse_refuses_a_half_length(tmp_path, capsys):
     assert main(["train", "reverse", "--half-length", "4", "--out", str(tmp_path / "x")]) == 2
-    assert "--half-length: expected no --half-length for reverse" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--half-length: expected an option of `multihead train induction` or `multihead train symmetry`" in err
+    assert "got `multihead train reverse --half-length 4`" in err
 
 
 def test_inspect_refuses_a_symbol_outside_the_vocabulary(two_layer, tmp_path, capsys):

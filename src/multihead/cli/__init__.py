@@ -90,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # --help (0), or a usage mistake argparse already printed as one line (2)
         return exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 2
     try:
+        if getattr(args, "mode_options", None) is not None:  # options of one mode, given in another: refused first
+            args.mode_options.check(args)
         with torch_threads(getattr(args, "threads", None)):  # a command that runs models has --threads
             return args.run(args)
     except InputError as error:  # it says what to do: no traceback

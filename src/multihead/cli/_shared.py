@@ -1,12 +1,13 @@
-"""What every command shares: the option parsers (indices, tokens, dtypes), --model's help, --threads, and
-argparse's mistakes said in one line."""
+"""What every command shares: the option parsers (indices, tokens, dtypes), --model's help, --threads, the
+options that belong to one mode of a command (:func:`mode_options`), and argparse's mistakes said in one line."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 from multihead._errors import bad_argument
 
@@ -269,3 +270,55 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------- options of one mode
+
+
+@dataclass(frozen=True)
+class ModeOptions:
+    """Which modes of a command each of its mode-bound options belongs to (see :func:`mode_options`)."""
+
+    command: str  # "heads", as the user types it
+    mode_of: Callable[[argparse.Namespace], str]  # the mode a parsed call is in ("importance")
+    modes: Mapping[str, tuple[str, ...]]  # option -> the modes it applies to: {"--max-sentences": ("syntax",)}
+    dests: Mapping[str, str]  # option -> its attribute on the parsed namespace
+    defaults: Mapping[str, object]  # option -> its value when not given
+
+    def check(self, args: argparse.Namespace) -> None:
+        """An option given in a mode it does not belong to is one error naming it and its modes, before anything
+        runs (a silently ignored --max-sentences made `heads importance` run for minutes)."""
+        mode = self.mode_of(args)
+        for option, modes in self.modes.items():
+            value = getattr(args, self.dests[option])
+            if mode in modes or value == self.defaults[option]:
+                continue
+            shown = option if value is True else f"{option} {value}"
+            belongs = " or ".join(f"`multihead {self.command} {name}`" for name in modes)
+            raise bad_argument(
+                option,
+                f"an option of {belongs}",
+                f"`multihead {self.command} {mode} {shown}`",
+                f"leave out {option} (it applies to {' and '.join(modes)} only)",
+            )
+
+
+def mode_options(
+    parser: argparse.ArgumentParser,
+    command: str,
+    mode_of: Callable[[argparse.Namespace], str],
+    modes: Mapping[str, tuple[str, ...]],
+) -> None:
+    """Declare, once per command, the modes each of ``modes``' options applies to; :func:`multihead.cli.main`
+    refuses an option given in another mode (any value but its default) before the command runs. ``mode_of``
+    reads the mode from the parsed options (``lambda args: args.mode``)."""
+    actions = {option: parser._option_string_actions[option] for option in modes}  # argparse's own index
+    parser.set_defaults(
+        mode_options=ModeOptions(
+            command,
+            mode_of,
+            dict(modes),
+            {option: action.dest for option, action in actions.items()},
+            {option: action.default for option, action in actions.items()},
+        )
+    )

@@ -13,6 +13,7 @@ from multihead._userfiles import from_option, from_options, output_folder
 from multihead.cli._shared import (
     MODEL_HELP,
     add_threads_option,
+    mode_options,
 )
 
 
@@ -61,6 +62,22 @@ def add_parser(subparsers) -> None:
         help="where JSON, PNG and the pruned model go (default: multihead-heads)",
     )
     add_threads_option(parser)
+    importance = ("importance", "prune")  # prune measures the importance it prunes by, unless --importance is given
+    mode_options(
+        parser,
+        "heads",
+        lambda args: args.mode,
+        {
+            "--corpus": importance,
+            "--how": importance,
+            "--importance": ("prune",),
+            "--fraction": ("prune",),
+            "--remove": ("prune",),
+            "--relations": ("syntax",),
+            "--treebank": ("syntax",),
+            "--max-sentences": ("syntax",),
+        },
+    )
     parser.set_defaults(run=run_heads)
 
 
@@ -169,12 +186,12 @@ def _corpus_texts(args: argparse.Namespace) -> tuple[list[str], str]:
     """The texts of --corpus (default: the bundled corpus), at least two, and how the reports name them."""
     from multihead.lab.inspect.inspection import bundled_corpus, read_corpus
 
-    texts = read_corpus(args.corpus, argument="--corpus") if args.corpus else bundled_corpus()
+    texts = read_corpus(args.corpus, argument="--corpus") if args.corpus is not None else bundled_corpus()
     if len(texts) < 2:  # embedding fidelity compares each text's nearest neighbour
         raise bad_argument(
             "--corpus", "at least two texts, one per line", f"{len(texts)} in {args.corpus!r}", "add texts to the file"
         )
-    return texts, args.corpus or f"bundled corpus ({len(texts)} sentences)"
+    return texts, f"bundled corpus ({len(texts)} sentences)" if args.corpus is None else args.corpus
 
 
 def _remove_listed_heads(console, model, plan: dict[int, list[int]], out_dir: Path, heads: int) -> int:
@@ -277,7 +294,8 @@ def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
     # not given: the default relations the sentences have (syntax_scores names those left out)
     relations = None if args.relations is None else [r.strip() for r in args.relations.split(",") if r.strip()]
     with from_option("--treebank"):
-        sentences = read_conllu(Path(args.treebank), argument="--treebank") if args.treebank else bundled_treebank()
+        given = args.treebank is not None
+        sentences = read_conllu(Path(args.treebank), argument="--treebank") if given else bundled_treebank()
     with from_option("--model"):
         model = load_text_model(args.model)
     shown = len(sentences) if args.max_sentences is None else max(0, min(len(sentences), args.max_sentences))
@@ -290,7 +308,7 @@ def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
             max_sentences=args.max_sentences,
             progress=lambda done: bar.update(task, completed=done),
         )
-    scores.source = args.treebank or "UD English EWT dev"
+    scores.source = "UD English EWT dev" if args.treebank is None else args.treebank
     console.print(syntax_table(scores))
     print_written(console, write_syntax(scores, out_dir))
     return 0

@@ -115,7 +115,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from multihead.lab.inspect.write import check_formats, write_reports
 
     with from_option("--format"):
-        formats = check_formats(args.format or "terminal,html")
+        formats = check_formats("terminal,html" if args.format is None else args.format)
     parse_indices("layers", args.layers)  # their form now, before the model loads; their range once it has
     parse_indices("heads", args.heads)
     token = parse_token(args.token)
@@ -147,7 +147,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     detected = detector_behaviours(model)
     behaviours = {**(detected or {}), **(saved.behaviours or {})} or None
     text = args.text if args.text is not None else saved.task_text or DEFAULT_TEXT
-    scores = read_scores_folder(args.scores, model, argument="--scores") if args.scores else None
+    scores = read_scores_folder(args.scores, model, argument="--scores") if args.scores is not None else None
     with (
         Progress(console=console, transient=True, disable=corpus is None or not console.is_terminal) as progress,
         from_option("--token", names=("token",)),
@@ -213,7 +213,7 @@ def run_long(args: argparse.Namespace) -> int:
         given = "--scores" if args.scores is not None else "--truncate"
         raise bad_argument("--long", f"no {given} beside it", given, f"leave out {given}")
     with from_option("--format"):
-        formats = check_formats(args.format or "terminal,html")
+        formats = check_formats("terminal,html" if args.format is None else args.format)
     if any(name != "terminal" for name in formats):
         output_folder("--out", args.out, create=False)
     text = read_text("--long", args.long, what="a UTF-8 text file", fix="pass --long FILE, a text file")

@@ -10,7 +10,7 @@ from multihead._console import make_console
 from multihead._errors import InputError, bad_argument
 from multihead._figures import print_written  # "wrote <path>"; one line for a figure left out
 from multihead._userfiles import from_options, output_folder
-from multihead.cli._shared import add_threads_option
+from multihead.cli._shared import add_threads_option, mode_options
 
 
 def add_parser(subparsers) -> None:
@@ -59,6 +59,9 @@ def add_parser(subparsers) -> None:
     # one thread: these models are too small to gain from more, and a busy machine's second thread makes every op
     # wait (docs/train.md: 300 steps took 7-11 s on one thread and 34-90 s on two, interleaved)
     add_threads_option(parser, default=1)
+    mode_options(
+        parser, "train", lambda args: args.task, {"--half-length": ("induction", "symmetry"), "--from": ("induction",)}
+    )
     parser.set_defaults(run=run_train)
 
 
@@ -81,12 +84,8 @@ def _train_settings(task: str, args: argparse.Namespace):
     }
     # the fields each option sets: the encoder-decoder's --layers sets both of its stacks
     fields: dict[str, tuple[str, ...]] = {name: (name,) for name in given}
-    if task == "reverse":
+    if task == "reverse":  # (--half-length, of the repeats, is refused for it by mode_options)
         fields["layers"] = ("encoder_layers", "decoder_layers")
-        if args.half_length is not None:
-            raise bad_argument(
-                "--half-length", "no --half-length for reverse", args.half_length, "drop it (reverse has no repeats)"
-            )
     chosen = {field: value for name, value in given.items() if value is not None for field in fields[name]}
     defaults = InductionSettings() if task == "induction" else ReverseSettings()
     shortest = getattr(defaults, "min_half_length", None)  # induction's shortest training repeat
@@ -104,10 +103,8 @@ def _train_settings(task: str, args: argparse.Namespace):
 def _starting_decoder(args: argparse.Namespace, settings):
     """The decoder ``--from`` names (None without it), checked against the task before any training: an induction
     run's, with no model option beside it (the checkpoint sets the model)."""
-    if args.start is None:
+    if args.start is None:  # (given for another task than induction, mode_options refused it)
         return None
-    if args.task != "induction":
-        raise bad_argument("--from", f"no --from for {args.task}", args.start, "drop --from, or train induction")
     given = [f"--{name.replace('_', '-')}" for name in ("layers", "heads", "kv_heads", "hidden") if getattr(args, name)]
     if given:
         raise bad_argument(
