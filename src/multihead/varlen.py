@@ -20,7 +20,17 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead.functional import AttentionResult, WeightSelection, attention_result
-from multihead.masks import Mask, alibi, band_intersection, host_readable, ragged_documents, softcap
+from multihead.masks import (
+    Mask,
+    aligned_alibi,
+    band_intersection,
+    host_readable,
+    ragged_documents,
+    ragged_rows,
+    slope_table,
+    softcap,
+    to_device,
+)
 
 __all__ = ["attention_varlen", "attention_varlen_result"]
 
@@ -57,8 +67,10 @@ def attention_varlen(
             ``window_size`` with -1 written None); with ``causal`` the tighter of both.
         scale: multiplies q k^T; default 1/sqrt(d).
         softcap_to: cap the scaled scores to cap * tanh(s / cap) (FlashAttention's ``softcap``; None: none).
-        alibi_slopes: (h,) ALiBi slopes, -slope * |distance| within each document; its documents must have as
-            many queries as keys (cu_seqlens_q equal to cu_seqlens_k).
+        alibi_slopes: ALiBi slopes, (h,) one per query head or (documents, h) one per document and head
+            (FlashAttention's (nheads,) or (batch_size, nheads)): query t and key c of a document score
+            -slope * |t + seqlen_k - seqlen_q - c|, the distance to the query's aligned key position (bottom-right
+            within the document, as causal; FlashAttention's bias).
         sinks: (h,) learned sink logits, one per query head, as :func:`multihead.attention` takes them (gpt-oss;
             FlashAttention's ``s_aux``).
         dropout, training, backend: as for :func:`multihead.attention`.
@@ -191,15 +203,7 @@ def _packed_call(
     if softcap_to is not None:
         mask = mask & softcap(softcap_to)
     if alibi_slopes is not None:
-        same = host_readable(cu_q) and host_readable(cu_k) and torch.equal(cu_q.cpu(), cu_k.cpu())
-        if not same:
-            raise bad_argument(
-                "alibi_slopes",
-                "documents with as many queries as keys (cu_seqlens_q equal to cu_seqlens_k, on the host)",
-                "boundaries that differ, or that live on a device",
-                "pass the same CPU boundaries on both sides, or leave ALiBi out",
-            )
-        mask = mask & alibi(alibi_slopes)  # one alignment for every document: each starts at the same place
+        mask = mask & _document_alibi(alibi_slopes, cu_q, cu_k, q)
     packed = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # (1, heads, total, dim): views
     result = attention_result(
         *packed,
@@ -217,6 +221,34 @@ def _packed_call(
         None if result.weights is None else result.weights[0],
         None if result.lse is None else result.lse[0],
     )
+
+
+def _document_alibi(slopes: object, cu_q: torch.Tensor, cu_k: torch.Tensor, q: torch.Tensor) -> Mask:
+    """ALiBi within each document, as FlashAttention's varlen adds it: -slope * |t + seqlen_k - seqlen_q - c| for
+    query t and key c of a document, i.e. the distance to the query's aligned key position, the one the documents
+    term aligns causal and windows by (``masks.ragged_rows``); ``slopes`` (h,), or (documents, h): each query row
+    reads its document's row. Built by ops on q's device: no boundary is read on the host."""
+    if not isinstance(slopes, torch.Tensor) or not slopes.is_floating_point():
+        raise bad_argument(
+            "alibi_slopes",
+            "a float tensor of slopes, (h,) or (documents, h)",
+            describe(slopes),
+            "use multihead.masks.alibi_slopes(h), or stack one row of it per document",
+            kind=TypeError,
+        )
+    documents, heads = cu_q.numel() - 1, q.shape[1]
+    if slopes.ndim not in (1, 2):
+        raise bad_argument(
+            "alibi_slopes",
+            f"(h,) = ({heads},) or (documents, h) = ({documents}, {heads})",
+            tuple(slopes.shape),
+            f"use multihead.masks.alibi_slopes({heads})",
+        )
+    table = slope_table("alibi_slopes", slopes, documents, heads, "document", "documents")  # (n or 1, h, 1)
+    document, positions = ragged_rows(to_device(cu_q, q.device), to_device(cu_k, q.device), q.shape[0])
+    if table.shape[0] > 1:  # (documents, h, 1) -> (1, h, total_q): each query row its document's slopes
+        table = to_device(table, q.device)[document, :, 0].transpose(0, 1)[None]
+    return aligned_alibi(table, positions[None], name="alibi_slopes")
 
 
 def _boundaries(name: str, values: object, total: int, longest: object, longest_name: str) -> torch.Tensor:

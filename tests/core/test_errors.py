@@ -311,14 +311,29 @@ ROWS = [
     pytest.param(
         call(Q, K, V, mask=masks.alibi(masks.alibi_slopes(4))),
         ValueError,
-        "alibi(slopes): expected one slope per query head (6,), got (4,). Fix: use multihead.masks.alibi_slopes(6)",
+        "alibi(slopes): expected (h,) = (6,) one slope per query head, or (b, h) = (2, 6) one per batch row and "
+        "head, got (4,). Fix: use multihead.masks.alibi_slopes(6)",
         id="alibi-wrong-number-of-slopes",
     ),
     pytest.param(
-        other(lambda: masks.alibi(torch.ones(H, 1))),
+        call(Q, K, V, mask=masks.alibi(torch.ones(1, H))),
         ValueError,
-        "alibi(slopes): expected a 1-D float tensor",
-        id="alibi-slopes-2d",
+        "alibi(slopes): expected (h,) = (6,) one slope per query head, or (b, h) = (2, 6) one per batch row and "
+        "head, got (1, 6). Fix: give one row per batch row (2 of them), or (h,) slopes shared by all",
+        id="alibi-slopes-one-row-for-a-batch-of-two",
+    ),
+    pytest.param(
+        call(Q, K, V, mask=masks.alibi(torch.ones(B, 4))),
+        ValueError,
+        "alibi(slopes): expected (h,) = (6,) one slope per query head, or (b, h) = (2, 6) one per batch row and "
+        "head, got (2, 4). Fix: give one column per query head: 6",
+        id="alibi-slopes-per-row-wrong-heads",
+    ),
+    pytest.param(
+        other(lambda: masks.alibi(torch.ones(B, H, 1))),
+        ValueError,
+        "alibi(slopes): expected a float tensor of slopes, (h,) one per query head or (b, h) one per batch row",
+        id="alibi-slopes-3d",
     ),
     pytest.param(
         other(lambda: masks.alibi(masks.alibi_slopes(H), align="left")),
@@ -329,7 +344,7 @@ ROWS = [
     pytest.param(
         other(lambda: masks.alibi(torch.arange(H))),
         TypeError,
-        "alibi(slopes): expected a 1-D float tensor",
+        "alibi(slopes): expected a float tensor of slopes",
         id="alibi-int-slopes",
     ),
     pytest.param(other(lambda: masks.alibi("steep")), TypeError, "alibi(slopes): expected", id="alibi-slopes-str"),

@@ -183,7 +183,10 @@ def test_boundaries_on_a_device_are_never_read():
         ({"cu_seqlens_k": [0, 3, 7]}, TypeError, "cu_seqlens_k: expected a 1-D integer tensor"),
         ({"max_seqlen_q": 3}, ValueError, "max_seqlen_q: expected at least the longest document, 4"),
         ({"window": (2,)}, ValueError, "window: expected (left, right)"),
-        ({"alibi_slopes": torch.ones(4), "cu_seqlens_k": torch.tensor([0, 4, 7])}, ValueError, "alibi_slopes:"),
+        ({"alibi_slopes": torch.ones(3, 4)}, ValueError, "alibi_slopes: expected (h,) = (4,) one slope per query"),
+        ({"alibi_slopes": torch.ones(2, 5)}, ValueError, "or (documents, h) = (2, 4) one per document and head"),
+        ({"alibi_slopes": torch.ones(2, 4, 1)}, ValueError, "alibi_slopes: expected (h,) = (4,) or (documents, h)"),
+        ({"alibi_slopes": torch.ones(4, dtype=torch.long)}, TypeError, "alibi_slopes: expected a float tensor"),
     ],
 )
 def test_bad_arguments_are_named(change, kind, fragment):

@@ -281,7 +281,7 @@ MASK_CASES: list[tuple[str, Callable[[], object]]] = [
     ("padding(0-d int)", lambda: masks.padding(torch.tensor(3))),
     ("padding(ragged list)", lambda: masks.padding([[1, 2], [3]])),
     ("alibi(int slopes)", lambda: masks.alibi(torch.tensor([1, 2]))),
-    ("alibi(2-D slopes)", lambda: masks.alibi(torch.ones(2, 2))),
+    ("alibi(3-D slopes)", lambda: masks.alibi(torch.ones(2, 2, 2))),  # (h,) and (b, h) are slopes
     ("alibi(0-d slope)", lambda: masks.alibi(torch.tensor(0.5))),
     ("alibi('x')", lambda: masks.alibi("x")),
     ("alibi(None)", lambda: masks.alibi(None)),

@@ -21,8 +21,8 @@ What it serves here (torch 2.13):
 
 - CPU (x86 with AVX2): forward only. FlexAttention has no CPU backward, and its compiled CPU kernel
   returns no log-sum-exp (so no learned sinks either: they are folded in from it) and fails to compile a
-  mod that reads a tensor by query position (bias or allowed tensors): those calls are refused with the
-  reason. float32, bfloat16, float16.
+  mod that reads a tensor by query position (bias or allowed tensors, ALiBi aligned row by row as varlen's and
+  the KV-cache call's): those calls are refused with the reason. float32, bfloat16, float16.
 - CUDA: forward and backward, LSE, sinks, every mask kind (not run in this project's tests: no GPU).
 
 The first call of each cache key compiles for about :data:`TYPICAL_COMPILE_S` seconds, so ``auto``
@@ -97,8 +97,8 @@ def _unsupported_terms(mask: BoundMask, device: torch.device) -> list[str]:
     if device.type != "cpu":
         return []
     return [
-        f"a dense {term.kind} tensor on CPU (torch 2.13's CPU FlexAttention kernel does not compile a mod that "
-        "reads a tensor by query position with dynamic shapes)"
+        f"a {term.kind} term whose mod reads a tensor by query position, on CPU (torch 2.13's CPU FlexAttention "
+        "kernel does not compile one with dynamic shapes)"
         for term in mask.terms
         if term.reads_pair_tensor
     ]

@@ -11,7 +11,7 @@ block at a time, and skips blocks they rule out entirely.
     padding(valid)           ... or from a (b, j) boolean of real tokens
     documents(ids)           packed documents: a query sees only keys of its own document (ids: (b, j), or
                              cu_seqlens=FlashAttention's boundaries for one packed row)
-    alibi(slopes)            additive -slope_h * |i - j| (Press et al., 2022)
+    alibi(slopes)            additive -slope[b, h] * |i - j| (Press et al., 2022); slopes (h,) or (b, h)
     bias(tensor)             any additive float tensor broadcastable to (b, h, i, j)
     allowed(tensor)          any boolean tensor broadcastable to (b, h, i, j), True = may attend
     selected(indices)        sparse-index attention: each query sees only the keys (or key blocks) picked for it
@@ -44,7 +44,7 @@ at all; such fully masked rows give output 0 on every backend.
 # One module per kind of term, each holding what the user builds and its bound term (its rule and block states): a
 # new kind is a new module. BoundMask combines bound terms through their attributes alone, never by their class.
 # Past __all__'s user-facing names, the ones kernels and integrations bind masks with are imported here too.
-from multihead.masks._alibi import alibi, alibi_slopes
+from multihead.masks._alibi import alibi, alibi_slopes, aligned_alibi, slope_table  # noqa: F401
 from multihead.masks._base import (  # noqa: F401
     STATE_EMPTY,
     STATE_FULL,
@@ -63,7 +63,14 @@ from multihead.masks._binding import bind_mask  # noqa: F401
 from multihead.masks._bound_mask import BoundMask
 from multihead.masks._custom import custom
 from multihead.masks._diagonal import band_intersection, causal, window  # noqa: F401
-from multihead.masks._documents import document_positions, documents, ragged_documents  # noqa: F401
+from multihead.masks._documents import (  # noqa: F401
+    document_positions,
+    documents,
+    key_range_positions,
+    key_ranges,
+    ragged_documents,
+    ragged_rows,
+)
 from multihead.masks._mask import Combined, Mask, all_of, allowed, as_mask, bias  # noqa: F401
 from multihead.masks._padding import padding
 from multihead.masks._selected import selected

@@ -192,7 +192,9 @@ class BoundTerm:
     requires_grad = False
     may_hold_minus_inf = False  # a bias term with -inf entries (pairs it masks)
     holds_data = True  # its meaning depends on tensor values, not only on sizes (padding, tensors, user functions)
-    reads_pair_tensor = False  # its mod reads a tensor at (query, key) positions (torch 2.13's CPU flex refuses it)
+    # its mod reads a tensor by query position (a dense tensor; ALiBi's own position or slopes per row): torch 2.13's
+    # CPU flex fails to compile it, and refuses it
+    reads_pair_tensor = False
 
     def rule(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         """The term's meaning as a function of batch rows ``b``, heads ``h``, query positions ``q`` and key

@@ -422,14 +422,84 @@ def ragged_documents(cu_q: torch.Tensor, cu_k: torch.Tensor, band: tuple[int | N
     return _RaggedDocuments(cu_q, cu_k, band)
 
 
+def ragged_rows(cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each packed query row's document n and aligned key position, two (i,) int64 tensors by ops on the
+    boundaries' device (both on one): row t of document n sits at key position t + cu_k[n + 1] - cu_q[n + 1], its
+    document's last query at its last key (FlashAttention's bottom-right alignment within every document). What the
+    varlen documents term and varlen's ALiBi (``masks.aligned_alibi``) both align by."""
+    documents = cu_q.numel() - 1
+    rows = torch.arange(q_len, device=cu_q.device)
+    query_ids = torch.bucketize(rows, cu_q[1:], right=True).clamp(max=documents - 1)
+    return query_ids, rows + cu_k[1:][query_ids] - cu_q[1:][query_ids]
+
+
 def _ragged(cu_q: torch.Tensor, cu_k: torch.Tensor, shape: AttentionShape) -> tuple[torch.Tensor, ...]:
     """(key_ids (1, j), query_ids (1, i), positions (1, i), first_key (1, i), last_key (1, i)) by ops on the
     boundaries' device: query row t of document n sits at key position t + cu_k[n + 1] - cu_q[n + 1]."""
-    documents = cu_q.numel() - 1
-    rows = torch.arange(shape.q_len, device=cu_q.device)
     keys = torch.arange(shape.k_len, device=cu_q.device)
-    query_ids = torch.bucketize(rows, cu_q[1:], right=True).clamp(max=documents - 1)
+    query_ids, positions = ragged_rows(cu_q, cu_k, shape.q_len)
     key_ids = torch.bucketize(keys, cu_k[1:], right=True)
-    positions = rows + cu_k[1:][query_ids] - cu_q[1:][query_ids]
     first_key, last_key = cu_k[:-1][query_ids], cu_k[1:][query_ids] - 1
     return tuple(t[None, :] for t in (key_ids, query_ids, positions, first_key, last_key))
+
+
+class _KeyRanges(Mask):
+    """Each batch row's own keys, ``first[b]`` .. ``end[b] - 1``, its queries aligned bottom-right at its end (query t
+    at key position end[b] - i + t, :func:`key_range_positions`), with a ``band`` (left, right) around that position:
+    one document per row, as varlen has one per packed span. FlashAttention's KV-cache call, whose rows hold keys
+    cache_leftpad[b] .. cache_seqlens[b] + new - 1 of one cache length. Built by :func:`key_ranges`."""
+
+    kind = "documents"
+
+    def __init__(self, first: torch.Tensor, end: torch.Tensor, band: tuple[int | None, int | None]):
+        self.first, self.end, self.band = first, end, band
+
+    def __repr__(self) -> str:
+        return f"key_ranges({self.first.numel()} rows, band={self.band})"
+
+    def _bind(self, shape: AttentionShape) -> BoundTerm:
+        for name, t in (("key_ranges(first)", self.first), ("key_ranges(end)", self.end)):
+            if tuple(t.shape) != (shape.batch,):
+                raise bad_argument(name, f"shape (b,) = ({shape.batch},)", tuple(t.shape), "give one per batch row")
+        moved = (
+            _moved("key_ranges(first)", self.first, shape.device),
+            _moved("key_ranges(end)", self.end, shape.device),
+        )
+        key_ids, query_ids, positions, first_key, last_key = _key_ranges(*moved, shape)
+        host = None
+        if host_readable(self.first) and host_readable(self.end):
+            host = _key_ranges(self.first.long(), self.end.long(), _on_cpu(shape))
+        return _BoundRaggedDocuments(
+            key_ids,
+            query_ids,
+            positions,
+            shape,
+            band=self.band,
+            host=None if host is None else (host[0], host[1], host[2]),
+            key_span=None if host is None else (host[3], host[4]),
+        )
+
+
+def key_ranges(first: torch.Tensor, end: torch.Tensor, band: tuple[int | None, int | None]) -> Mask:
+    """The mask of :func:`multihead.paged.attention_with_kvcache`: see :class:`_KeyRanges`; ``first`` and ``end``
+    (b,) integer tensors, checked by the caller (0 <= first <= end)."""
+    return _KeyRanges(first, end, band)
+
+
+def key_range_positions(end: torch.Tensor, q_len: int) -> torch.Tensor:
+    """(b, i) int64: the aligned key position of each batch row's queries when the row's keys end at ``end[b]``
+    ((b,)): query t at end[b] - i + t, its last query at its last key; by ops on end's device."""
+    return end.long()[:, None] - q_len + torch.arange(q_len, device=end.device)
+
+
+def _key_ranges(first: torch.Tensor, end: torch.Tensor, shape: AttentionShape) -> tuple[torch.Tensor, ...]:
+    """(key_ids (b, j): 0 for a row's own keys, -1 for the rest; query_ids (b, i): 0; positions (b, i); first_key
+    and last_key (b, i): the row's own key span) by ops on the tensors' device."""
+    b, i = shape.batch, shape.q_len
+    first, end = first.long(), end.long()
+    keys = torch.arange(shape.k_len, device=first.device)
+    inside = (keys[None, :] >= first[:, None]) & (keys[None, :] < end[:, None])  # (b, j)
+    key_ids = inside.long() - 1
+    query_ids = torch.zeros(b, i, dtype=torch.long, device=first.device)
+    positions = key_range_positions(end, i)
+    return key_ids, query_ids, positions, first[:, None].expand(b, i), (end - 1)[:, None].expand(b, i)
