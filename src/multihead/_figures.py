@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 from multihead._errors import InputError
+from multihead._limits import format_bytes
 
 PNG_DPI = 110
 INSTALL_HINT = "pip install 'multihead[plots]' (or pip install matplotlib)"
@@ -98,11 +99,18 @@ def skipped_note(skipped: Iterable[Path | str]) -> str | None:
     return f"note: {', '.join(names)} not drawn: matplotlib is not installed. Fix: {INSTALL_HINT}"
 
 
+def written_line(path: str | Path) -> str:
+    """The line every command prints for a file it wrote: ``wrote <absolute path> (<size>)``; a folder (a saved
+    model) has no size."""
+    path = Path(path).resolve()
+    return f"wrote {path} ({format_bytes(path.stat().st_size)})" if path.is_file() else f"wrote {path}"
+
+
 def print_written(console: Console, written: Mapping[str, Path] | Iterable[Path]) -> None:
-    """One line per file written, ``wrote <absolute path>`` (plain text: a folder named [x] is not rich markup),
-    then, when ``written`` is a :class:`Written` that left figures out, the one :func:`skipped_note` line."""
+    """One :func:`written_line` per file written (plain text: a folder named [x] is not rich markup), then, when
+    ``written`` is a :class:`Written` that left figures out, the one :func:`skipped_note` line."""
     paths = written.values() if isinstance(written, Mapping) else written
-    lines = [f"wrote {Path(path).resolve()}" for path in paths]
+    lines = [written_line(path) for path in paths]
     note = skipped_note(written.skipped.values()) if isinstance(written, Written) else None
     for line in [*lines, *([note] if note else [])]:
         console.print(line, soft_wrap=True, markup=False, highlight=False)

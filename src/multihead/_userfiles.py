@@ -292,6 +292,36 @@ def from_options(options: Mapping[str, str]) -> Iterator[None]:
         raise _spelled(error, options) from None
 
 
+# Python's words in a library message, as a command line's user reads them: "a positive int or None" is "a
+# positive whole number" there (an option left out is the None), "got int 0" is "got 0", "got str ''" is "got ''"
+_PLAIN_EXPECTED = (
+    (re.compile(r" or None\b"), ""),
+    (re.compile(r"\ban int\b"), "a whole number"),
+    (re.compile(r"\bints\b"), "whole numbers"),
+    (re.compile(r"\bint\b"), "whole number"),
+)
+_PLAIN_GOT = re.compile(r"(?:int|float|str|bool) (?P<value>.*)", flags=re.DOTALL)
+
+
+def in_plain_words(error: InputError) -> InputError:
+    """``error`` as the command line says it: its expectation and what came without Python's type names (see
+    above); the same error, argument and fix otherwise. An error without fields, or with a message of its own, is
+    as it was."""
+    fields = (error.argument, error.expected, error.got, error.fix)
+    if error.argument is None or str(error) != "{}: expected {}, got {}. Fix: {}".format(*fields):
+        return error  # no fields, or words of its own around them (kept as they are)
+    expected = error.expected or ""
+    for pattern, plain in _PLAIN_EXPECTED:
+        expected = pattern.sub(plain, expected)
+    got = _PLAIN_GOT.fullmatch(str(error.got or ""))
+    return type(error)(
+        argument=error.argument,
+        expected=expected,
+        got=error.got if got is None else got["value"],
+        fix=error.fix,
+    )
+
+
 @contextlib.contextmanager
 def spelled_as_options(options: Mapping[str, str]) -> Iterator[None]:
     """Within the block, every InputError's expectation and fix say the library arguments ``options`` names
@@ -321,9 +351,11 @@ def _spelled(error: InputError, options: Mapping[str, str]) -> InputError:
 
 
 # name="encoder", name='float32', name=[0, 1], name=3: a library argument's value as Python spells it; name=True
-# is a flag, given on the command line by the option alone
+# is a flag, given on the command line by the option alone; name=('bank', 2), a word and its occurrence, is
+# the command line's bank:2
 _PYTHON_VALUE = (
-    r"""=(?:"(?P<double>[^"]*)"|'(?P<single>[^']*)'|\[(?P<items>[0-9,\s]*)\]|(?P<number>-?[0-9.]+)|(?P<flag>True))"""
+    r"""=(?:"(?P<double>[^"]*)"|'(?P<single>[^']*)'|\[(?P<items>[0-9,\s]*)\]|(?P<number>-?[0-9.]+)|(?P<flag>True)"""
+    r"""|\('(?P<word>[^']*)', (?P<nth>[0-9]+)\))"""
 )
 
 
@@ -339,6 +371,8 @@ def cli_spelling(message: str, options: Mapping[str, str]) -> str:
         def value(match: re.Match[str], option: str = option) -> str:
             if match["flag"] is not None:
                 return option
+            if match["word"] is not None:
+                return f"{option} {match['word']}:{match['nth']}"
             items = match["items"]
             given = ",".join(items.replace(" ", "").split(",")) if items is not None else None
             spelled = (match["double"], match["single"], given, match["number"])

@@ -243,7 +243,7 @@ def test_the_followed_token_is_the_one_shown(tmp_path, capsys, monkeypatch):
             "The bank by the river bank was full.",
             "bank:3",
             "--token: expected an occurrence 1..2 of 'bank', got 3. Fix: 'bank' occurs 2 times in the text: "
-            "pass bank:2 or less (token=('bank', 2) in Python), or a token index 0..10",
+            "pass --token bank:2 or a lower occurrence, or a token index 0..10",
         ),
         (TEXT, "money:2", "--token: expected an occurrence 1..1 of 'money', got 2. Fix: 'money' occurs once"),
         (TEXT, "bank:0", "--token: expected an occurrence counted from 1, got 'bank:0'. Fix: pass bank:1"),
@@ -349,12 +349,12 @@ def test_cost_tables_and_plot(tmp_path, capsys):
     [
         (
             ["--embed-dim", "0", "--heads", "8", "--seq", "4"],
-            "--embed-dim: expected a positive int, got 0. Fix: pass --embed-dim >= 1",
+            "--embed-dim: expected a positive whole number, got 0. Fix: pass --embed-dim >= 1",
         ),
-        (["--embed-dim", "512", "--heads", "-8", "--seq", "4"], "--heads: expected a positive int, got -8"),
+        (["--embed-dim", "512", "--heads", "-8", "--seq", "4"], "--heads: expected a positive whole number, got -8"),
         (["--embed-dim", "512", "--heads", "7", "--seq", "4"], "--heads: expected a divisor of --embed-dim = 512"),
         (["--embed-dim", "512", "--heads", "8", "--kv-heads", "3", "--seq", "4"], "--kv-heads: expected a divisor"),
-        (["--embed-dim", "512", "--heads", "8", "--seq", "0"], "--seq: expected a positive int, got 0"),
+        (["--embed-dim", "512", "--heads", "8", "--seq", "0"], "--seq: expected a positive whole number, got 0"),
         (["--embed-dim", "512", "--heads", "8", "--seq", "4", "--dtype", "int4"], "--dtype: expected one of float32"),
         (
             ["--embed-dim", "512", "--heads", "8", "--seq", "4", "--backward", "--decode-cache", "3"],
@@ -637,6 +637,8 @@ def test_written_paths_print_as_plain_text(tmp_path):
     from multihead.cli import print_written
 
     folder = tmp_path / "[bold]results[/bold]"
+    folder.mkdir(parents=True)  # "[/bold]" is a folder inside "[bold]results["
+    (folder / "bench.json").write_text("{}", encoding="utf-8")
     console = Console(record=True, width=400)
     print_written(console, [folder / "bench.json"])
-    assert console.export_text().strip() == f"wrote {(folder / 'bench.json').resolve()}"
+    assert console.export_text().strip() == f"wrote {(folder / 'bench.json').resolve()} (2 bytes)"

@@ -159,7 +159,7 @@ def test_dla_lens_and_detect_write_what_python_gives(checkpoint, tmp_path, capsy
         (["lens", "--text", CLEAN, "--format", "png"], "--format", "one or more of terminal, html, json"),
         (["lens", "--text", CLEAN, "--top", "0"], "--top", "an int in [1,"),
         (["dla", "--text", CLEAN, "--answer", "h h", "--wrong", "p"], "--answer", "one token"),
-        (["detect", "--half-length", "0"], "--half-length", "a positive int"),
+        (["detect", "--half-length", "0"], "--half-length", "a positive whole number"),
     ],
 )
 def test_other_modes_mistakes_are_one_line(checkpoint, argv, option, fragment, tmp_path, capsys):

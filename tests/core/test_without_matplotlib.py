@@ -69,8 +69,8 @@ def test_inspect_writes_the_other_reports(no_matplotlib, tmp_path, capsys):
     printed = capsys.readouterr()
     assert printed.err == ""
     assert printed.out.startswith("all-MiniLM-L6-v2: 1 layer x 2 heads") and "Head roles" in printed.out  # terminal
-    assert f"html report: {(out / 'report.html').resolve()}" in printed.out
-    assert f"json report: {(out / 'inspect.json').resolve()}" in printed.out
+    assert f"wrote {(out / 'report.html').resolve()} (" in printed.out
+    assert f"wrote {(out / 'inspect.json').resolve()} (" in printed.out
     assert skipped_lines(printed.out) == [note("heads.png")]
     assert sorted(path.name for path in out.iterdir()) == ["inspect.json", "report.html"]
     assert json.loads((out / "inspect.json").read_text(encoding="utf-8"))["layers"] == [0]

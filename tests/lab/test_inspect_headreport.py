@@ -12,6 +12,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from multihead._figures import written_line
 from multihead.lab.inspect import headreport
 from multihead.lab.inspect.importance import HeadImportance
 from multihead.lab.inspect.syntax import Sentence, _score
@@ -199,7 +200,7 @@ def test_without_matplotlib_the_json_is_written_and_the_png_left_out_with_a_note
     out = console()
     headreport.print_written(out, paths)
     assert out.export_text().splitlines() == [
-        f"wrote {paths['json'].resolve()}",
+        written_line(paths["json"]),
         "note: importance.png not drawn: matplotlib is not installed. Fix: pip install 'multihead[plots]' "
         "(or pip install matplotlib)",
     ]
@@ -208,10 +209,7 @@ def test_without_matplotlib_the_json_is_written_and_the_png_left_out_with_a_note
 def test_print_written_lists_every_file(tmp_path):
     out = console()
     headreport.print_written(out, headreport.write_curve(CURVE, tmp_path))
-    assert out.export_text().splitlines() == [
-        f"wrote {(tmp_path / 'pruning.json').resolve()}",
-        f"wrote {(tmp_path / 'pruning.png').resolve()}",
-    ]
+    assert out.export_text().splitlines() == [written_line(tmp_path / name) for name in ("pruning.json", "pruning.png")]
 
 
 def test_nan_scores_never_reach_the_json_as_nan(tmp_path):

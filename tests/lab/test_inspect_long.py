@@ -225,7 +225,7 @@ def test_the_command_writes_what_python_gives(tmp_path, capsys):
     argv = ["inspect", "--long", str(source), "--layers", "0,5", "--heads", "1,2", "--format", formats]
     assert main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "all-MiniLM-L6-v2:" in printed and "layer 5" in printed and "json report:" in printed
+    assert "all-MiniLM-L6-v2:" in printed and "layer 5" in printed and "wrote " in printed and "long.json (" in printed
     assert " hitters  entropy " in printed and "most received" in printed  # every column whole
     model, _ = load_minilm()
     expected = inspect_long(model, text, layers=[0, 5], heads=[1, 2]).to_dict()
@@ -241,7 +241,7 @@ def test_the_command_writes_what_python_gives(tmp_path, capsys):
     assert page.rows[0][6]["text"].startswith(f"{first['piece']}@{first['position']} {first['share']:.0%}")
     profile = [float(cell["data-value"]) for cell in page.cells[: 4 * 6]]  # the first grid: 4 heads x 6 bands
     assert profile == pytest.approx([band for h in written["heads"] for band in h["bands"]], abs=1e-12)
-    assert (out / "long.png").stat().st_size > 0 and "png report:" in printed
+    assert (out / "long.png").stat().st_size > 0 and "long.png (" in printed
     # the maps: a tile per head, each the JSON's map on the weight ramp
     reachable = torch.tensor(written["map"]["reachable"], dtype=torch.bool)
     assert [image["title"].split(":")[0] for image in page.images] == [

@@ -18,6 +18,7 @@ from multihead._errors import InputError
 from multihead._figures import print_written
 from multihead._limits import format_bytes
 from multihead._stdout import discard_stdout
+from multihead._userfiles import in_plain_words
 from multihead.cli import bench, circuits, cost, heads, inspect, train
 from multihead.cli._shared import (
     MODEL_HELP,
@@ -85,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     closed pipe ends it here, with stdout sent to the null device so nothing fails again at exit).
     """
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else list(argv)):  # bare `multihead`: what it can do, not an error
+        parser.print_help()
+        return 0
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # --help (0), or a usage mistake argparse already printed as one line (2)
@@ -95,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with torch_threads(getattr(args, "threads", None)):  # a command that runs models has --threads
             return args.run(args)
     except InputError as error:  # it says what to do: no traceback
-        print(f"multihead {args.command}: error: {one_line(str(error))}", file=sys.stderr)
+        print(f"multihead {args.command}: error: {one_line(str(in_plain_words(error)))}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as error:  # a package of the lab extra, missing: one line naming the extra
         missing = lab_module_of(error)

@@ -322,3 +322,14 @@ def mode_options(
             {option: action.default for option, action in actions.items()},
         )
     )
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def progress_bar(console, *, shown: bool = True):
+    """The bar every command shows while it works: on a terminal only (piped output gets no bar, and no blank
+    line where one was), gone when the work is done; ``shown=False`` for work too short to need one."""
+    from rich.progress import Progress
+
+    return Progress(console=console, transient=True, disable=not shown or not console.is_terminal)

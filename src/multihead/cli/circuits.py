@@ -8,7 +8,7 @@ from multihead._console import make_console
 from multihead._errors import bad_argument
 from multihead._figures import print_written
 from multihead._userfiles import from_option, from_options, output_folder
-from multihead.cli._shared import add_threads_option
+from multihead.cli._shared import add_threads_option, progress_bar
 
 WHATS = ("z", "pattern", "q", "k", "v")
 
@@ -145,7 +145,6 @@ def _parse_receivers(spec: str) -> list[tuple[int, int]]:
 
 
 def run_patch(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
 
     from multihead.lab.circuits import activation_patching, attribution_patching, path_patching
     from multihead.lab.circuits.report import patching_data, patching_page, print_page, write_report
@@ -176,7 +175,7 @@ def run_patch(args: argparse.Namespace) -> int:
     assert answer is not None and wrong is not None  # both required by the parser
     console = make_console()
     with (
-        Progress(console=console, transient=True, disable=not console.is_terminal) as bar,
+        progress_bar(console) as bar,
         from_options(PATCH_OPTIONS),
     ):
         if args.method == "attribution":  # one backward: nothing to follow

@@ -14,6 +14,7 @@ from multihead.cli._shared import (
     MODEL_HELP,
     add_threads_option,
     mode_options,
+    progress_bar,
 )
 
 
@@ -212,11 +213,10 @@ def _remove_listed_heads(console, model, plan: dict[int, list[int]], out_dir: Pa
 
 def _measure_importance(args: argparse.Namespace, console, model, texts: list[str]):
     """Every head's ablation importance over ``texts`` (ablated as --how says), a progress bar on a terminal."""
-    from rich.progress import Progress
 
     from multihead.lab.inspect.importance import ablation_importance
 
-    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
+    with progress_bar(console) as bar:
         task = bar.add_task("ablating heads", total=None)
         return ablation_importance(
             model, texts, how=args.how, progress=lambda done, total: bar.update(task, completed=done, total=total)
@@ -229,13 +229,12 @@ def _prune_by_fraction(
     """`heads prune --fraction`: the least important heads of ``model`` (an Encoder of ``heads`` heads in all; by
     the (layers, heads) ``scores``) removed a step at a time, the fidelity and speed curve printed and written,
     and the model pruned by --fraction saved to ``out_dir``/model."""
-    from rich.progress import Progress
 
     from multihead._userfiles import writing
     from multihead.lab.inspect import headreport
     from multihead.lab.inspect.importance import prune_by_importance
 
-    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar, from_options(PRUNE_OPTIONS):
+    with progress_bar(console) as bar, from_options(PRUNE_OPTIONS):
         task = bar.add_task("pruning curve", total=None)
         pruned = prune_by_importance(
             model,
@@ -285,7 +284,6 @@ def _task_importance(args: argparse.Namespace, console, out_dir: Path, task: str
 def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
     """`multihead heads syntax`: every head scored on the treebank by
     :func:`multihead.lab.inspect.syntax.syntax_scores`, the table printed, JSON and PNG written."""
-    from rich.progress import Progress
 
     from multihead.integrations import load_text_model
     from multihead.lab.inspect.headreport import syntax_table, write_syntax
@@ -299,7 +297,7 @@ def run_syntax(args: argparse.Namespace, console, out_dir: Path) -> int:
     with from_option("--model"):
         model = load_text_model(args.model)
     shown = len(sentences) if args.max_sentences is None else max(0, min(len(sentences), args.max_sentences))
-    with Progress(console=console, transient=True) as bar, from_options(SYNTAX_OPTIONS):
+    with progress_bar(console) as bar, from_options(SYNTAX_OPTIONS):
         task = bar.add_task("sentences", total=shown)
         scores = syntax_scores(
             model,

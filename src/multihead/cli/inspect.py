@@ -6,7 +6,7 @@ import argparse
 
 from multihead._console import make_console
 from multihead._errors import bad_argument, items_renamed
-from multihead._figures import skipped_note  # "wrote <path>"; one line for a figure left out
+from multihead._figures import print_written  # "wrote <path> (<size>)"; one line for a figure left out
 from multihead._limits import format_bytes
 from multihead._userfiles import from_option, from_options, output_folder, spelled_as_options
 from multihead.cli._shared import (
@@ -15,6 +15,7 @@ from multihead.cli._shared import (
     add_threads_option,
     parse_indices,
     parse_token,
+    progress_bar,
 )
 
 DEFAULT_TEXT = "The bank was full of money."
@@ -103,7 +104,6 @@ def add_parser(subparsers) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     if args.long is not None:
         return run_long(args)
-    from rich.progress import Progress
 
     from multihead.integrations import load_text_model
     from multihead.lab.circuits import detector_behaviours
@@ -149,7 +149,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     text = args.text if args.text is not None else saved.task_text or DEFAULT_TEXT
     scores = read_scores_folder(args.scores, model, argument="--scores") if args.scores is not None else None
     with (
-        Progress(console=console, transient=True, disable=corpus is None or not console.is_terminal) as progress,
+        progress_bar(console, shown=corpus is not None) as progress,
         from_option("--token", names=("token",)),
         from_option("--heads", names=("heads",)),
         from_option("--part", names=("part",)),
@@ -177,9 +177,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     columns |= {f"{name} (detector)": values.tolist() for name, values in (detected or {}).items()}
     extra_columns = inspection.head_columns(columns) if columns else None
     paths = write_reports(inspection, args.out, formats, console=console, extra_columns=extra_columns, argument="--out")
+    print_written(console, paths)  # with the one note of a figure left out
     for name, path in paths.items():
         size = path.stat().st_size
-        console.print(f"{name} report: {path.resolve()} ({format_bytes(size)})", soft_wrap=True, markup=False)
         if name == "html" and size > HTML_SIZE_NOTE:  # a browser or a notebook cell slows down past it
             console.print(
                 f"note: report.html is {format_bytes(size)}, over {format_bytes(HTML_SIZE_NOTE)}: a browser may be "
@@ -188,15 +188,11 @@ def run_inspect(args: argparse.Namespace) -> int:
                 markup=False,
                 highlight=False,
             )
-    note = skipped_note(paths.skipped.values())  # png without matplotlib: the other reports, and this line
-    if note is not None:
-        console.print(note, soft_wrap=True, markup=False, highlight=False)
     return 0
 
 
 def run_long(args: argparse.Namespace) -> int:
     """`multihead inspect --long FILE`: each head's profile over the file's text."""
-    from rich.progress import Progress
 
     from multihead._userfiles import read_text
     from multihead.integrations import load_text_model
@@ -221,7 +217,7 @@ def run_long(args: argparse.Namespace) -> int:
         model = load_text_model(args.model)
     console = make_console()
     with (
-        Progress(console=console, transient=True, disable=not console.is_terminal) as progress,
+        progress_bar(console) as progress,
         from_options({"text": "--long", "layers": "--layers", "heads": "--heads", "part": "--part"}),
     ):
         task = progress.add_task("windows", total=None)
@@ -235,10 +231,5 @@ def run_long(args: argparse.Namespace) -> int:
         )
     if "terminal" in formats:
         print_long(console, found)
-    written = write_long(found, args.out, formats, argument="--out")
-    for name, path in written.items():
-        console.print(f"{name} report: {path.resolve()} ({format_bytes(path.stat().st_size)})", markup=False)
-    note = skipped_note(written.skipped.values())  # png without matplotlib
-    if note is not None:
-        console.print(note, soft_wrap=True, markup=False, highlight=False)
+    print_written(console, write_long(found, args.out, formats, argument="--out"))  # png without matplotlib: a note
     return 0

@@ -189,8 +189,8 @@ def pick_token(
             "token",
             f"an occurrence 1..{len(found)} of {word!r}",
             nth,
-            f"{word!r} occurs {times} in the text: pass {word}:{len(found)} or less (token=({word!r}, "
-            f"{len(found)}) in Python), or a token index 0..{len(tokens) - 1}",
+            f"{word!r} occurs {times} in the text: pass token=({word!r}, {len(found)}) or a lower occurrence, or a "
+            f"token index 0..{len(tokens) - 1}",
         )
     return found[nth - 1]
 

@@ -76,13 +76,20 @@ def find_model_dir(path: str | Path | None = None) -> Path:
     missing = [name for name in (config_name, *REQUIRED_FILES[1:]) if path_kind(directory / name) != "file"]
     if missing:
         convertible = other_formats(directory)
+        if convertible:
+            fix = conversion_fix(directory, convertible, api=True)
+        elif config_name in missing:  # no config at all: not a BERT folder with a file missing, no model's folder
+            fix = (
+                "point at a model's folder: a Hugging Face checkpoint (config.json, weights, tokenizer files), or "
+                "one that multihead train or multihead heads prune saved"
+            )
+        else:
+            fix = "point at a Hugging Face BERT checkpoint folder (safetensors format)"
         raise bad_argument(
             "model",
             f"a directory with {', '.join(REQUIRED_FILES)}",
             f"{str(directory)!r} without {', '.join(missing)}",
-            conversion_fix(directory, convertible, api=True)
-            if convertible
-            else "point at a Hugging Face BERT checkpoint folder (safetensors format)",
+            fix,
             kind=MissingFileError,
         )
     return directory
