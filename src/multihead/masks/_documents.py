@@ -404,16 +404,25 @@ class _RaggedDocuments(Mask):
         host = None
         if host_readable(self.cu_q) and host_readable(self.cu_k):
             host = _ragged(self.cu_q.cpu(), self.cu_k.cpu(), _on_cpu(shape))
-        key_ids, query_ids, positions = on_device[:3]
-        return _BoundRaggedDocuments(
-            key_ids,
-            query_ids,
-            positions,
-            shape,
-            band=self.band,
-            host=None if host is None else (host[0], host[1], host[2]),
-            key_span=None if host is None else (host[3], host[4]),
-        )
+        return _bound_ragged(on_device, host, shape, self.band)
+
+
+def _bound_ragged(
+    on_device: tuple, host: tuple | None, shape: AttentionShape, band: tuple[int | None, int | None]
+) -> BoundTerm:
+    """The bound term of rows that each see one range of keys: ``on_device`` (key ids, query ids, positions, first
+    key, last key), as built on the call's device, and ``host`` the same on the CPU where the boundaries are host
+    readable (None: they are not), for the block classifier's key span."""
+    key_ids, query_ids, positions = on_device[:3]
+    return _BoundRaggedDocuments(
+        key_ids,
+        query_ids,
+        positions,
+        shape,
+        band=band,
+        host=None if host is None else (host[0], host[1], host[2]),
+        key_span=None if host is None else (host[3], host[4]),
+    )
 
 
 def ragged_documents(cu_q: torch.Tensor, cu_k: torch.Tensor, band: tuple[int | None, int | None]) -> Mask:
@@ -465,19 +474,11 @@ class _KeyRanges(Mask):
             _moved("key_ranges(first)", self.first, shape.device),
             _moved("key_ranges(end)", self.end, shape.device),
         )
-        key_ids, query_ids, positions, first_key, last_key = _key_ranges(*moved, shape)
+        on_device = _key_ranges(*moved, shape)
         host = None
         if host_readable(self.first) and host_readable(self.end):
             host = _key_ranges(self.first.long(), self.end.long(), _on_cpu(shape))
-        return _BoundRaggedDocuments(
-            key_ids,
-            query_ids,
-            positions,
-            shape,
-            band=self.band,
-            host=None if host is None else (host[0], host[1], host[2]),
-            key_span=None if host is None else (host[3], host[4]),
-        )
+        return _bound_ragged(on_device, host, shape, self.band)
 
 
 def key_ranges(first: torch.Tensor, end: torch.Tensor, band: tuple[int | None, int | None]) -> Mask:
