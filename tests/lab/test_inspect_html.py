@@ -62,6 +62,7 @@ def test_the_page_carries_to_dict_and_the_view():
         "stat_names": STAT_NAMES,
         "extra_columns": EXTRA,
         "words": {"query": words, "key": words},
+        "queries": [[token, index, index] for index, token in enumerate(TOKENS)],  # each a word of one piece
         "bars_shown": 12,
         "line_threshold": 0.01,
         "scale": {

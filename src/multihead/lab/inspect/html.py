@@ -36,14 +36,14 @@ Inside a report (the ids below are those of its shadow tree):
 * the text as clickable tokens (``.token[data-index]``); the selected query token has class
   ``selected``, and every token is shaded by how much the query attends to it;
 * where the selected query attends in the selected head: one ``.weight-row`` per key in ``#attention-bars``
-  (``data-key``, ``data-weight``, a ``.key-token``, a bar, a ``.weight-pct``), sorted by weight (masked keys
-  last), the :data:`BARS_SHOWN` strongest shown and the others behind a "show all" toggle
-  (``#bars-toggle``); next to a labelled heatmap of the whole head (``#head-detail``; click a row to pick
-  the query), which takes the whole width for a text over 24 pieces. When the cells are too small for every
-  label, the heatmap labels every k-th row and column plus the selected query and its strongest key, and
-  the hovered cell's row and column; the labels drawn are in the canvas' ``data-labels`` (``{"rows":
-  [[i, text], ...], "cols": [[j, text], ...]}``) and hovering a cell names its query and key in full (its
-  title);
+  (``data-key``, ``data-weight``, a ``.key-token``, a bar, a ``.weight-pct``), sorted by weight (masked keys last),
+  under a title naming the query as the terminal does (``#bars-title``: "Where bank (#1-3) attends ..." for the piece
+  that stands for a word of several pieces, from ``view["queries"]``), the :data:`BARS_SHOWN` strongest shown and the
+  others behind a "show all" toggle (``#bars-toggle``); next to a labelled heatmap of the whole head (``#head-detail``;
+  click a row to pick the query), which takes the whole width for a text over 24 pieces. When the cells are too small
+  for every label, the heatmap labels every k-th row and column plus the selected query and its strongest key, and the
+  hovered cell's row and column; the labels drawn are in the canvas' ``data-labels`` (``{"rows": [[i, text], ...],
+  "cols": [[j, text], ...]}``) and hovering a cell names its query and key in full (its title);
 * the head view (bertviz's, ``#head-view``, an SVG): for the selected layer, a line from each query (left
   column) to each key (right column) it attends to with weight at least :data:`LINE_THRESHOLD`, opacity =
   weight, one colour per head (``line[data-head][data-query][data-key]``). The selected head is always
@@ -174,6 +174,8 @@ def _data(inspection: Inspection, extra_columns: ExtraColumns | None) -> dict:
         "stat_names": STAT_NAMES,
         "extra_columns": dict(extra_columns or {}),
         "words": {"query": _words_view(inspection.words[0]), "key": _words_view(inspection.words[1])},
+        # what each query piece's row stands for (Inspection.query_of): [its word, first piece, last piece]
+        "queries": [list(inspection.query_of(index)) for index in range(len(inspection.tokens))],
         "bars_shown": BARS_SHOWN,
         "line_threshold": LINE_THRESHOLD,
         "scale": {

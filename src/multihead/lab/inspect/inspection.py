@@ -130,12 +130,17 @@ def _folded(word: str) -> str:
     return "".join(ch for ch in decomposed if not unicodedata.combining(ch)).casefold()
 
 
-def _occurrences(pieces: Pieces, word: str) -> list[int]:
-    """The indices where ``word`` occurs: as a piece (case-insensitive), else as a word of the text, the
-    index of its first piece; either match is made as the tokenizer folds text (case, accents)."""
+def _occurrences(pieces: Pieces, word: str, *, causal: bool) -> list[int]:
+    """The query pieces where ``word`` occurs: as a word of the text, the piece that stands for it
+    (:meth:`~multihead.lab.models.Pieces.query_piece`), else as a piece ("##bank"); either match is made as the
+    tokenizer folds text (case, accents)."""
     wanted = _folded(word)
-    found = [index for index, piece in enumerate(pieces.tokens) if _folded(piece) == wanted]
-    return found or [index for whole, index in pieces.word_starts() if _folded(whole) == wanted]
+    found = [
+        pieces.query_piece(index, causal=causal)
+        for index in pieces.present_words()
+        if _folded(pieces.words[index]) == wanted
+    ]
+    return found or [index for index, piece in enumerate(pieces.tokens) if _folded(piece) == wanted]
 
 
 def pick_token(
@@ -144,20 +149,25 @@ def pick_token(
     """The index of the query token to show.
 
     ``tokens``: the query pieces, a :class:`~multihead.lab.models.Pieces` with their words (or bare pieces,
-    grouped by their markers). ``token``: a piece or a word of the text, matched as the tokenizer folds text
-    (case, accents: "café" finds "Café" and an uncased tokenizer's "cafe"; its first occurrence),
+    grouped by their markers). ``token``: a word of the text, else a piece ("##bank"), matched as the tokenizer
+    folds text (case, accents: "café" finds "Café" and an uncased tokenizer's "cafe"; its first occurrence),
     ``(word, n)`` for its n-th occurrence counted from 1, an int index, or None for the default: the first
     content word (not special, punctuation or a function word), or, when ``causal``, the last one. A causal
     query sees only what comes before it: the first word sees almost nothing (an induction head there shows
     only <bos>), the last sees the whole text.
+
+    A word of several pieces ("b an k") is its query piece (:meth:`~multihead.lab.models.Pieces.query_piece`):
+    its first piece, or in a ``causal`` part its last, the one that has read the whole word; the reports then
+    name the word and its pieces (:attr:`Inspection.query`).
     """
     pieces = Pieces.of(tokens)
     tokens = pieces.tokens
     if token is None:
-        words = pieces.word_starts()
-        for first_word, index in reversed(words) if causal else words:
-            if first_word.isalnum() and first_word.lower() not in _FUNCTION_WORDS:
-                return index
+        words = pieces.present_words()
+        for candidate in reversed(words) if causal else words:
+            text = pieces.words[candidate]
+            if text.isalnum() and text.lower() not in _FUNCTION_WORDS:
+                return pieces.query_piece(candidate, causal=causal)
         if causal:  # no content word: the last piece of a word, else the last piece
             return next((k for k in reversed(range(len(tokens))) if pieces.word_ids[k] is not None), len(tokens) - 1)
         return 1 if len(tokens) > 2 else 0
@@ -179,7 +189,7 @@ def pick_token(
             "pass e.g. token='bank', token=('bank', 2) or token=3",
             kind=TypeError,
         )
-    found = _occurrences(pieces, word)
+    found = _occurrences(pieces, word, causal=causal)
     if not found:
         shown = " ".join(tokens if len(tokens) <= 40 else list(tokens[:40]) + ["..."])
         raise bad_argument("token", "a word of the text", repr(word), f"pick one of its tokens: {shown}")
@@ -211,7 +221,8 @@ class Inspection:
     j = len(key_tokens), weights[l, h, i, j] from query piece i to key piece j; all 0 in the cell of a head
     pruned from that layer (:attr:`present` says which cells hold a head). ``stats``: statistics of this
     text; ``role_stats``: those the roles were labelled from (the corpus when one was given, else this
-    text); ``corpus``: corpus statistics or None; ``token``: the index of the selected query token.
+    text); ``corpus``: corpus statistics or None; ``token``: the index of the selected query token
+    (:attr:`query`: the word it stands for).
     ``part``: the model's part ("self", "encoder", "decoder" or "cross"); ``causal``: True when query i sees
     keys 0..i only (a decoder: the weights above the diagonal are 0 because they are masked).
     ``pieces``, ``key_pieces``: the words of each axis as the tokenizer made them
@@ -266,8 +277,8 @@ class Inspection:
         return (
             f"Inspection(model={self.model_name!r}{part}, text={shorten(self.text)!r}, "
             f"{counted(len(self.tokens), 'token')}, "
-            f"{counted(len(self.layers), 'layer')} x {counted(len(self.heads), 'head')}, token {self.token} "
-            f"{self.tokens[self.token]!r}, roles from {self.role_stats.roles_source})"
+            f"{counted(len(self.layers), 'layer')} x {counted(len(self.heads), 'head')}, {self._query_repr}, "
+            f"roles from {self.role_stats.roles_source})"
         )
 
     def _repr_html_(self) -> str | None:
@@ -296,6 +307,33 @@ class Inspection:
         """The pieces of the query and of the key axis with their words (``pieces``, ``key_pieces``)."""
         assert self.pieces is not None and self.key_pieces is not None  # both set on construction
         return self.pieces, self.key_pieces
+
+    @property
+    def query(self) -> tuple[str, int, int]:
+        """What the selected query token stands for (:meth:`query_of` of ``token``)."""
+        return self.query_of(self.token)
+
+    def query_of(self, index: int) -> tuple[str, int, int]:
+        """What query piece ``index`` stands for: (its word as it stands in the text, the word's first piece,
+        its last) when it is the word's query piece (:meth:`~multihead.lab.models.Pieces.query_piece`: its first
+        piece, or in a causal part its last), else (the piece, ``index``, ``index``): a special piece, or a piece
+        inside a word picked by its index. Every report names the query so: "'bank' (tokens 1-3)"."""
+        pieces = self.words[0]
+        word = pieces.word_ids[index]
+        if word is None or pieces.query_piece(word, causal=self.causal) != index:
+            return self.tokens[index], index, index
+        return (pieces.words[word], *pieces.span(word))
+
+    @property
+    def _query_repr(self) -> str:
+        text, first, last = self.query
+        return f"token {first} {text!r}" if first == last else f"tokens {first}-{last} {text!r}"
+
+    @property
+    def query_title(self) -> str:
+        """The selected query as the reports' titles name it: "'bank' (token 2)", "'bank' (tokens 1-3)"."""
+        text, first, last = self.query
+        return f"'{text}' (token {first})" if first == last else f"'{text}' (tokens {first}-{last})"
 
     @property
     def masked(self) -> torch.Tensor | None:
@@ -386,6 +424,9 @@ class Inspection:
         whether it is causal, the query and key pieces, weights, statistics, roles, each head's top keys for
         the selected token. ``inspect.json`` holds it, and the HTML page draws it.
 
+        "token" is the selected query piece and "query" what it stands for (:attr:`query`): {"text": its word,
+        "pieces": [the word's first piece, its last]}, or the piece alone (both indices ``token``).
+
         "part", "causal" and "key_tokens" are always there (for a BERT-like encoder: "self", false, and the
         same pieces as "tokens"). "weights" is (layers, heads, i, j) and "most_attended" (layers, heads, i),
         indices into "key_tokens". Past :data:`DENSE_WEIGHTS_LIMIT` weights in all, "weights" is their compact
@@ -421,9 +462,12 @@ class Inspection:
         if self.pruned:
             data["layer_heads"] = self.layer_heads
         roles = self.role_stats.as_dict()
+        query, first, last = self.query
         data.update(
             {
                 "token": self.token,
+                # what the selected query piece stands for: its word (as the text has it) and the word's pieces
+                "query": {"text": query, "pieces": [first, last]},
                 "weights": (
                     cells(self.weights.to(torch.float64).round(decimals=DECIMALS).tolist())
                     if self.weights.numel() <= DENSE_WEIGHTS_LIMIT

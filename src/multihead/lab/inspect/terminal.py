@@ -219,22 +219,25 @@ def attention_tables(inspection: Inspection, width: int, top: int = 2) -> list[T
 
 
 def attention_title(inspection: Inspection, top: int = 2) -> str:
-    token = inspection.tokens[inspection.token]
+    """The token table's title, naming the query as it stands in the text: "Where 'bank' (tokens 1-3)
+    attends: top 2 per head" for a word of several pieces (:attr:`Inspection.query_title`)."""
     where = "" if inspection.same_axes else " in the source text"
-    return f"Where '{token}' (token {inspection.token}) attends{where}: top {top} per head"
+    return f"Where {inspection.query_title} attends{where}: top {top} per head"
 
 
 # --------------------------------------------------------------------------- the strongest links
 
 
 def strongest_links(inspection: Inspection, count: int = 6) -> list[tuple[int, int, str, float]]:
-    """The heads where the selected token puts most weight on another word (not itself, [CLS] or [SEP]); in
-    cross-attention, on a word of the source text (any key piece but [CLS] and [SEP]).
+    """The heads where the selected token puts most weight on another word (not the pieces of the word it
+    stands for, :attr:`Inspection.query`, nor [CLS] or [SEP]); in cross-attention, on a word of the source text
+    (any key piece but [CLS] and [SEP]).
 
     Returns up to ``count`` (layer, head, key piece, weight), strongest first.
     """
     links = []
     present = inspection.present.tolist()
+    _, first, last = inspection.query  # the pieces of its word (the query alone when it stands for a piece)
     for row, layer in enumerate(inspection.layers):
         for col, head in enumerate(inspection.heads):
             if not present[row][col]:
@@ -242,7 +245,7 @@ def strongest_links(inspection: Inspection, count: int = 6) -> list[tuple[int, i
             weights = inspection.weights[row, col, inspection.token]  # (j,)
             for key in weights.argsort(descending=True).tolist():
                 piece = inspection.key_tokens[key]
-                itself = inspection.same_axes and key == inspection.token
+                itself = inspection.same_axes and first <= key <= last
                 if not itself and piece not in SPECIAL_TOKENS:
                     links.append((layer, head, piece, float(weights[key])))
                     break
@@ -341,10 +344,10 @@ def print_inspection(inspection: Inspection, console: Console | None = None) -> 
     _print_tables(console, attention_title(inspection), attention_tables(inspection, width))
     links = strongest_links(inspection)
     if links:
-        token = inspection.tokens[inspection.token]
+        target = "another word" if same else "a word of the source text"
         console.print(
             Text(
-                f"Strongest links from '{token}' to {'another word' if same else 'a word of the source text'}: "
+                f"Strongest links from '{inspection.query[0]}' to {target}: "
                 + ", ".join(f"{piece} {weight:.0%} (L{layer} H{head})" for layer, head, piece, weight in links),
                 overflow="fold",
             )

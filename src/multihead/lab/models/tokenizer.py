@@ -204,6 +204,35 @@ words=['unaffable', 'flat'])
                 first.setdefault(word, position)
         return [(self.words[word], position) for word, position in first.items()]
 
+    def present_words(self) -> list[int]:
+        """The words that have pieces here, in text order (a truncated or shifted text may lack some)."""
+        return list(dict.fromkeys(word for word in self.word_ids if word is not None))
+
+    def span(self, word: int) -> tuple[int, int]:
+        """The first and the last piece of word ``word`` (a word's pieces are neighbours)."""
+        positions = [position for position, owner in enumerate(self.word_ids) if owner == word]
+        if not positions:
+            raise bad_argument(
+                "word", f"a word index in 0..{len(self.words) - 1}", word, "pick one of the words of word_ids"
+            )
+        return positions[0], positions[-1]
+
+    def query_piece(self, word: int, *, causal: bool) -> int:
+        """The piece that stands for word ``word`` as a query: the first of its pieces with characters that has
+        read all of the word's characters. Every piece of a bidirectional part sees the whole word, so that is
+        the word's first piece (WordPiece's "una" of "una ##ff ##able", GPT-2's "\u0120b" of "\u0120b an k"),
+        past a lone "\u0120" before it; a causal piece sees only itself and what comes before it, so that is
+        the word's last piece with characters.
+
+            >>> text = Pieces.from_markers(["The", "\u0120b", "an", "k"])
+            >>> text.query_piece(1, causal=False), text.query_piece(1, causal=True)
+            (1, 3)
+        """
+        first, last = self.span(word)
+        markers = "".join(WORD_MARKERS)  # a piece of white space alone shows as its marker, or as nothing
+        written = [k for k in range(first, last + 1) if self.tokens[k].strip().strip(markers)] or [first]
+        return written[-1] if causal else written[0]
+
 
 @dataclass
 class TokenBatch:

@@ -442,9 +442,13 @@
     }
     var row = ax.matrix(state.li, state.hi)[r], max = Math.max.apply(null, row);
     title.textContent = "";
+    /* a piece names what its row stands for: its whole word and the word's pieces when it is the word's query
+       piece (multihead.lab.inspect.Inspection.query_of), else itself */
+    var named = ax.words ? [ax.rows[r], r, r] : view.queries[r];
     title.appendChild(document.createTextNode("Where " + (ax.words ? "the word " : "")));
-    title.appendChild(el("code", "", ax.rows[r]));
-    title.appendChild(document.createTextNode(" (#" + r + ") attends" + (sameAxes ? "" : " in the source text") +
+    title.appendChild(el("code", "", named[0]));
+    title.appendChild(document.createTextNode(" (#" + (named[1] === named[2] ? named[1] : named[1] + "-" + named[2]) +
+      ") attends" + (sameAxes ? "" : " in the source text") +
       " in layer " + report.layers[state.li] + ", head " + report.heads[state.hi]));
     var order = Array.prototype.map.call(row, function (w, c) { return c; })  /* row may be a Float32Array */
       .filter(function (c) { return !ax.masked(r, c); });
