@@ -89,13 +89,15 @@ def make_console() -> Any:
 
 def table(title: str, columns: Sequence[tuple[str, str]]) -> Any:
     """A table titled ``title`` with ``columns`` (header, "left" or "right"): rich's (``box.SIMPLE_HEAD``, the title
-    on the left) where installed, else a :class:`PlainTable`. Rows go in with ``add_row(*cells, style=None)``."""
+    on the left above it, at the console's width: a :class:`~multihead._titled_table.TitledTable`) where installed,
+    else a :class:`PlainTable`. Rows go in with ``add_row(*cells, style=None)``."""
     if not _rich_installed():
         return PlainTable(title, columns)
     from rich import box
-    from rich.table import Table
 
-    made = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left")
+    from multihead._titled_table import TitledTable
+
+    made = TitledTable(box=box.SIMPLE_HEAD, title=title)
     for header, justify in columns:
         made.add_column(header, justify=justify)  # type: ignore[arg-type]
     return made

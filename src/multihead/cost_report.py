@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from multihead._console import table
-from multihead._figures import pyplot, save_figure
+from multihead._figures import fitted_title, pyplot, save_figure
 from multihead._userfiles import output_folder, writing
 from multihead.cost import (
     QUADRATIC_TERMS,
@@ -254,7 +254,8 @@ def plot_cost(
     left.plot(lengths, [r.total_flops for r in reports], "k--", label="total", linewidth=1)
     left.axvline(n_star, color="grey", linestyle=":", label=f"crossover n = {n_star:.0f}")
     left.axvline(seq, color="red", linestyle="-", alpha=0.4, label=f"your n = {seq}")
-    left.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel="FLOPs", title=f"FLOPs ({mode})")
+    left.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel="FLOPs")
+    fitted_title(left, f"FLOPs ({mode})")
     left.legend(fontsize=8)
     right.plot(lengths, [r.bytes.peak / 2**20 for r in reports], label="peak allocated")
     right.plot(lengths, [r.bytes.weights / 2**20 for r in reports], label="parameters")
@@ -267,10 +268,12 @@ def plot_cost(
         label="(b, h, n, n) weights if returned",
     )
     right.axvline(seq, color="red", linestyle="-", alpha=0.4)
-    right.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel="MiB", title=f"memory ({dtype})")
+    right.set(xscale="log", yscale="log", xlabel="sequence length n", ylabel="MiB")
+    fitted_title(right, f"memory ({dtype})")
     right.legend(fontsize=8)
     s = shape
-    figure.suptitle(
+    fitted_title(
+        figure,
         f"multihead cost: embed_dim {s.embed_dim}, {s.h} heads"
         + (f" ({s.g} kv heads)" if s.g != s.h else "")
         + f", batch {batch}",

@@ -213,14 +213,14 @@ def _train_symmetry(settings, out: Path) -> int:
     divergence over training in a table; symmetry.json and symmetry.png written."""
     from rich import box
     from rich.status import Status
-    from rich.table import Table
 
+    from multihead._titled_table import TitledTable
     from multihead.lab.train.symmetry import run_symmetry
 
     console = make_console()
     with Status("training twice: random heads, then identical heads", console=console):
         run = run_symmetry(settings)
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="mean pairwise JSD between a layer's heads (bits)")
+    table = TitledTable(box=box.SIMPLE_HEAD, pad_edge=False, title="mean pairwise JSD between a layer's heads (bits)")
     table.add_column("step", justify="right")
     for name in ("random", "identical"):
         for layer in range(settings.layers):

@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils import benchmark
 
 import multihead
-from multihead._figures import Written, draw_figure, pyplot, save_figure
+from multihead._figures import Written, draw_figure, fitted_title, pyplot, save_figure
 from multihead.cost import DTYPES, LayerShape, MachineRates, Roofline, attention_kernel_cost, bound, estimate, roofline
 
 # a time whose half-IQR exceeds NOISY_SPREAD_PCT of its median is called out in a note: the rule by which a
@@ -469,10 +469,11 @@ def plot(results: dict, path: Path) -> Path:
         labels = [f"n={r['n']}{' causal' if r['causal'] else ''}\n{r['mode']}" for r in records]
         axis.set_xticks(range(len(records)), [label.replace("forward+backward", "fwd+bwd") for label in labels])
         axis.tick_params(axis="x", labelsize=7, labelrotation=30)
-        axis.set(ylabel="multihead time / peer time", title=f"{group}, {dtype} (below 1: multihead is faster)")
+        axis.set(ylabel="multihead time / peer time")
+        fitted_title(axis, f"{group}, {dtype} (below 1: multihead is faster)")
         axis.set_ylim(bottom=0)
         axis.legend(fontsize=8)
-    figure.suptitle(f"multihead bench: {results['machine']['description']}", fontsize=9)
+    fitted_title(figure, f"multihead bench: {results['machine']['description']}", fontsize=9)
     return save_figure(figure, path)
 
 

@@ -13,7 +13,8 @@ from rich import box
 from rich.table import Table
 
 from multihead._errors import bad_argument
-from multihead._figures import Written, draw_figure, print_written, pyplot, save_figure
+from multihead._figures import Written, draw_figure, fitted_title, print_written, pyplot, save_figure
+from multihead._titled_table import TitledTable
 from multihead._userfiles import (
     NON_NEGATIVE_INT,
     NUMBER,
@@ -85,7 +86,8 @@ def importance_figure(importance: HeadImportance) -> Any:
     plt = pyplot("importance.png")
     figure, axis = plt.subplots(figsize=(8, 4))
     image = axis.imshow(importance.scores.numpy() * IMPORTANCE_SCALE, cmap="magma", aspect="auto")
-    axis.set(xlabel="head", ylabel="layer", title=f"head importance: {importance.metric}")
+    axis.set(xlabel="head", ylabel="layer")
+    fitted_title(axis, f"head importance: {importance.metric}")
     axis.set_xticks(range(importance.scores.shape[1]))
     axis.set_yticks(range(importance.scores.shape[0]))
     figure.colorbar(image, ax=axis, label=f"score {IMPORTANCE_UNIT}")
@@ -98,7 +100,7 @@ def importance_table(
     """Rows layers, columns heads (the checkpoint's numbers): scores x ``scale`` (IMPORTANCE_SCALE, which
     ``title`` should say); "-" where not measured. ``kept``: each layer's heads (a pruned model's
     ``head_ids``); the others read "pruned"."""
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+    table = TitledTable(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
     table.add_column("L", justify="right", style="bold")
     for head in range(scores.shape[1]):
         table.add_column(f"h{head}", justify="right")
@@ -226,10 +228,9 @@ def _ratio_cell(row: dict, key: str) -> str:
 
 
 def curve_table(curve: list[dict]) -> Table:
-    table = Table(
+    table = TitledTable(
         title="Pruning curve (heads removed least important first; speed-up: the median of paired runs of the "
         "original and the pruned copy, then the lowest-highest pair)",
-        title_justify="left",
         box=box.SIMPLE_HEAD,
         padding=(0, 1, 0, 0),
         pad_edge=False,
@@ -361,10 +362,9 @@ def read_scores_folder(folder: str | Path, model: torch.nn.Module, *, argument: 
 
 def syntax_table(scores: SyntaxScores) -> Table:
     """One row per relation: dependents, the best offset baseline, the best head and its margin."""
-    table = Table(
+    table = TitledTable(
         title=f"Syntactic heads on {scores.source} ({scores.sentences} sentences): the share of "
         "dependents whose most-attended word is their head (or the reverse)",
-        title_justify="left",
         box=box.SIMPLE_HEAD,
     )
     for name in ("relation", "dependents", "baseline", "best head", "direction", "score", "margin"):
@@ -389,7 +389,6 @@ def syntax_table(scores: SyntaxScores) -> Table:
             f"left out (no sentence of the {scores.sentences} has them): {', '.join(scores.left_out)}; "
             "name relations with --relations"
         )
-        table.caption_justify = "left"
     return table
 
 
@@ -416,7 +415,8 @@ def write_syntax(scores: SyntaxScores, out_dir: Path) -> Written:
         )
         names = [f"{row['relation']}\nL{row['layer']}H{row['head']}" for row in rows]
         axis.set_xticks(list(positions), names, fontsize=7)
-        axis.set(ylabel="share of dependents", ylim=(0, 1), title="Syntactic heads against the offset baseline")
+        axis.set(ylabel="share of dependents", ylim=(0, 1))
+        fitted_title(axis, "Syntactic heads against the offset baseline")
         axis.legend(fontsize=8)
         return figure
 

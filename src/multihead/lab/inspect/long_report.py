@@ -32,6 +32,7 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from multihead._figures import Written
+from multihead._titled_table import TitledTable
 from multihead.lab.inspect.colours import MASKED_RGB, weight_rgb_pixels
 from multihead.lab.inspect.long import LONG_ROLES, PROFILE_POINTS, HeadProfile, LongInspection
 from multihead.lab.inspect.page import Grid, Mosaic, Page, Table, write_report
@@ -82,8 +83,8 @@ def _layer_table(layer: int, columns: Sequence[str], rows: Sequence[Sequence[str
     """One layer's table of its heads (``rows``: the head, then a cell per name of ``columns``), of the ``shown``
     columns (indices into ``columns``) after the head; a block after the first is titled "continued"."""
     title = f"layer {layer}" if shown[0] == 0 else f"layer {layer}, continued"
-    table = RichTable(  # collapsed padding: two spaces between columns, so a whole row fits 100 columns
-        title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, title_justify="left"
+    table = TitledTable(  # collapsed padding: two spaces between columns, so a whole row fits 100 columns
+        title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True
     )
     for name in ("head", *(columns[index] for index in shown)):
         # the role and the numbers keep their width; the piece most received wraps in what is left

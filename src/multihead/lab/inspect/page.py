@@ -26,8 +26,9 @@ its full name as its ``title`` and ``alt``.
 the scale of its table's numbers (:func:`~multihead.lab.inspect.colours.value_scale`, bounded by their largest
 magnitude): signed when one is negative.
 
-The same page goes to the terminal (:func:`print_page`: a table per grid, the larger half by magnitude in bold)
-and to a PNG (:func:`plot_grids`: the grids as heatmaps on the same colour scales, then the mosaics);
+The same page goes to the terminal (:func:`print_page`: a table per grid, the larger half by magnitude in bold,
+each titled above it at the console's width) and to a PNG (:func:`plot_grids`: the grids as heatmaps on the same
+colour scales, then the mosaics);
 :func:`write_report` writes ``<name>.json`` (the data), ``<name>.html`` and ``<name>.png``.
 """
 
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import json
 import math
-import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,10 +44,10 @@ from typing import Any
 import torch
 from rich import box
 from rich.console import Console
-from rich.table import Table as RichTable
 from rich.text import Text
 
-from multihead._figures import Written, draw_figure, pyplot, save_figure
+from multihead._figures import Written, draw_figure, fitted_title, pyplot, save_figure
+from multihead._titled_table import TitledTable
 from multihead._userfiles import output_folder, writing
 from multihead.lab._html import template_environment
 from multihead.lab._png import png_data_uri
@@ -201,12 +201,12 @@ def _mosaic_view(mosaic: Mosaic) -> dict:
 
 
 def print_page(console: Console, page: Page) -> None:
-    """The page's grids and tables as terminal tables, then its notes."""
+    """The page's grids and tables as terminal tables, each titled above it at the console's width (wrapped
+    between words), then its notes."""
     for grid in page.grids:
         _print_grid(console, grid)
     for table in page.tables:
-        console.print(table.title, soft_wrap=True, markup=False, highlight=False)
-        shown = RichTable(box=box.SIMPLE_HEAD, pad_edge=False)
+        shown = TitledTable(box=box.SIMPLE_HEAD, pad_edge=False, title=Text(table.title))  # Text: never markup
         scale = table.scale()
         for name in table.header:
             shown.add_column(name, justify="left" if name == "likeliest tokens" else "right")
@@ -219,8 +219,7 @@ def print_page(console: Console, page: Page) -> None:
 
 def _print_grid(console: Console, grid: Grid) -> None:
     """A grid as a table: a row per layer, a column per head (or position), the larger half by |score| in bold."""
-    console.print(grid.title, soft_wrap=True, markup=False, highlight=False)
-    table = RichTable(box=box.SIMPLE_HEAD, pad_edge=False)
+    table = TitledTable(box=box.SIMPLE_HEAD, pad_edge=False, title=Text(grid.title))  # Text: never markup
     table.add_column(grid.down, justify="right")
     prefix = "H" if grid.across == "head" else "pos "
     for index in range(grid.scores.shape[1]):
@@ -271,7 +270,7 @@ def plot_grids(grids: Sequence[Grid], path: str | Path, mosaics: Sequence[Mosaic
         axes.set_yticks(range(layers))
         if grid.rows is not None:
             axes.set_yticklabels(list(grid.rows), fontsize=7)
-        axes.set_title("\n".join(textwrap.wrap(grid.title, 80)), fontsize=8)
+        fitted_title(axes, grid.title, fontsize=8)
         figure.colorbar(image, ax=axes, label=grid.label)
     return save_figure(figure, Path(path))
 
@@ -296,9 +295,7 @@ def _plot_mosaic(axes: Any, mosaic: Mosaic) -> None:
     axes.set_yticks([r * (height + gap) + height / 2 for r in range(len(mosaic.rows))])
     axes.set_yticklabels(list(mosaic.rows), fontsize=7)
     axes.tick_params(length=0)
-    axes.set_title(
-        "\n".join(textwrap.wrap(f"{mosaic.title} ({mosaic.note})" if mosaic.note else mosaic.title, 100)), fontsize=8
-    )
+    fitted_title(axes, f"{mosaic.title} ({mosaic.note})" if mosaic.note else mosaic.title, fontsize=8)
 
 
 def write_report(

@@ -16,13 +16,12 @@ instead and writes the other formats.
 from __future__ import annotations
 
 import math
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import numpy
 
-from multihead._figures import PNG_DPI, pyplot, save_figure
+from multihead._figures import PNG_DPI, fitted_title, pyplot, save_figure
 from multihead.lab.inspect.colours import MASKED_RGB, WEIGHT_SCALE_LABEL, WEIGHT_STOPS, WEIGHT_TICKS
 from multihead.lab.inspect.inspection import Inspection
 
@@ -71,11 +70,12 @@ def heatmap_figure(inspection: Inspection) -> Any:
     x_margin = _label_inches(x_labels.values())
 
     width = cols * (cell + CELL_GAP_INCHES) + y_margin + 1.0  # 1.0: the colour bar with its ticks and label
-    lines = _title_lines(inspection, width, _thinned(inspection, cell))
-    height = rows * (cell + HEAD_TITLE_INCHES) + x_margin + 0.2 + (TITLE_FONT * 1.4 / 72) * len(lines)
+    height = rows * (cell + HEAD_TITLE_INCHES) + x_margin + 0.2  # and the title's lines, once wrapped
     figure, axes = plt.subplots(rows, cols, figsize=(width, height), dpi=PNG_DPI, squeeze=False, layout="constrained")
     try:
-        _draw(figure, axes, inspection, colormap, norm, cell, x_labels, y_labels, lines)
+        _draw(figure, axes, inspection, colormap, norm, cell, x_labels, y_labels)
+        title = fitted_title(figure, _title(inspection, _thinned(inspection, cell)), fontsize=TITLE_FONT)
+        figure.set_figheight(height + (TITLE_FONT * 1.4 / 72) * len(title.get_text().split("\n")))
     except BaseException:
         plt.close(figure)
         raise
@@ -91,9 +91,8 @@ def _draw(
     cell: float,
     x_labels: dict[int, str],
     y_labels: dict[int, str],
-    lines: list[str],
 ) -> None:
-    """Fill :func:`heatmap_figure`'s grid of ``axes``, its colour bar and title."""
+    """Fill :func:`heatmap_figure`'s grid of ``axes`` and its colour bar."""
     rows = len(inspection.layers)
     queries, keys = len(inspection.tokens), len(inspection.key_tokens)
     roles = inspection.role_stats.roles()
@@ -125,7 +124,6 @@ def _draw(
     bar.ax.set_yticklabels([f"{tick:g}" for tick in WEIGHT_TICKS], fontsize=8)
     bar.set_label(WEIGHT_SCALE_LABEL, fontsize=9)
     bar.outline.set_linewidth(0.5)
-    figure.suptitle("\n".join(lines), fontsize=TITLE_FONT)
 
 
 def heatmap_grid(inspection: Inspection, path: str | Path) -> Path:
@@ -180,10 +178,10 @@ def _ordinal(k: int) -> str:
     return f"{k}th " if 10 <= k % 100 <= 20 else f"{k}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th') } "
 
 
-def _title_lines(inspection: Inspection, width: float, thinned: str = "") -> list[str]:
-    """The figure's title, wrapped to ``width`` inches: the model, the text, what the axes are (and
-    ``thinned``, which labels are shown) and where the roles come from; then the part and its causality
-    (:attr:`Inspection.notes`) on lines of their own."""
+def _title(inspection: Inspection, thinned: str = "") -> str:
+    """The figure's title (:func:`~multihead._figures.fitted_title` wraps it to the figure): the model, the text,
+    what the axes are (and ``thinned``, which labels are shown) and where the roles come from; then the part and
+    its causality (:attr:`Inspection.notes`) on lines of their own."""
     axes_note = "rows: query tokens, columns: key tokens"
     if not inspection.same_axes:
         axes_note = "rows: decoder input, columns: source text"
@@ -194,8 +192,7 @@ def _title_lines(inspection: Inspection, width: float, thinned: str = "") -> lis
     title = f'{inspection.model_name}: attention weights on "{_clip(inspection.text)}" ' + (
         f"({axes_note}; roles from {inspection.role_stats.roles_source})"
     )
-    chars = max(40, int(width * 72 / (0.55 * TITLE_FONT)))  # characters of DejaVu Sans a line holds
-    return [wrapped for line in [title, *inspection.notes] for wrapped in textwrap.wrap(line, chars)]
+    return "\n".join(" ".join(line.split()) for line in [title, *inspection.notes])  # a newline of the text: a space
 
 
 def _masked(inspection: Inspection) -> numpy.ndarray | None:
