@@ -152,11 +152,23 @@ def test_dla_lens_and_detect_write_what_python_gives(checkpoint, tmp_path, capsy
     )
 
 
+def test_lens_writes_a_png_of_its_table_as_the_other_modes_write_theirs(checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["circuits", "lens", "--model", str(checkpoint), "--text", CLEAN, "--answer", "h", "--wrong", "p"]
+    assert main([*argv, "--format", "png", "--out", str(out)]) == 0
+    assert sorted(path.name for path in out.iterdir()) == ["lens.png"]
+    assert (out / "lens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {(out / 'lens.png').resolve()}" in capsys.readouterr().out
+    for mode in ("patch", "dla", "lens", "detect"):  # every mode's --format lists png
+        assert main(["circuits", mode, "--help"]) == 0
+        assert "any of terminal,html,json,png" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize(
     "argv, option, fragment",
     [
         (["lens", "--text", CLEAN, "--answer", "h"], "--wrong", "given with --answer"),
-        (["lens", "--text", CLEAN, "--format", "png"], "--format", "one or more of terminal, html, json"),
+        (["lens", "--text", CLEAN, "--format", "pdf"], "--format", "one or more of terminal, html, json, png"),
         (["lens", "--text", CLEAN, "--top", "0"], "--top", "an int in [1,"),
         (["dla", "--text", CLEAN, "--answer", "h h", "--wrong", "p"], "--answer", "one token"),
         (["detect", "--half-length", "0"], "--half-length", "a positive whole number"),

@@ -167,3 +167,17 @@ def test_bench(no_matplotlib, tmp_path, monkeypatch, capsys):
     assert skipped_lines(printed.out) == [note("bench_quick.png")]
     assert f"wrote {(out / 'bench_quick.json').resolve()}" in printed.out
     assert sorted(path.name for path in out.iterdir()) == ["bench_quick.json"]
+
+
+def test_circuits_lens(no_matplotlib, tmp_path, capsys):
+    """lens.png, its table drawn as the other modes draw their grids: left out with the one line."""
+    run = tmp_path / "run"
+    assert main(["train", "induction", *TINY_RUN, "--out", str(run)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "circuits"
+    argv = ["circuits", "lens", "--model", str(run / "model"), "--text", "b c d b c", "--format", "json,png"]
+    assert main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert skipped_lines(printed.out) == [note("lens.png")] and printed.err == ""
+    assert f"wrote {(out / 'lens.json').resolve()}" in printed.out
+    assert sorted(path.name for path in out.iterdir()) == ["lens.json"]

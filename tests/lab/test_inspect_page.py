@@ -178,8 +178,36 @@ def test_the_png_draws_every_grid_on_the_score_scale(tmp_path, monkeypatch):
     expected = torch.tensor([SCORE_STOPS[0], SCORE_STOPS[5], SCORE_STOPS[-1]])  # the page's scale
     assert (colours - expected).abs().max() <= 1  # matplotlib samples the ramp at 256 levels
     plt.close(drawn[0])
-    lens = Page("lens", tables=[Table("t", ["after"], [["embedding"]])])
-    assert "png" not in report.write_report({}, "lens", tmp_path, ["png", "html"], lens)
+
+
+def test_the_png_of_a_page_of_tables_alone_draws_its_tables_shaded_as_the_html(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from multihead.lab.inspect import page as report
+
+    drawn = []
+    monkeypatch.setattr(report, "save_figure", lambda figure, path: drawn.append(figure) or path)
+    rows = [["embedding", "'$' 'a'", -0.5], ["layer 0", "'b' '$'", 2.0]]  # "$" twice: text, not mathtext
+    lens = Page("lens", tables=[Table("the lens", ["after", "likeliest tokens", "answer - wrong"], rows)])
+    assert set(report.write_report({}, "lens", tmp_path, ["png", "html"], lens)) == {"png", "html"}
+    (axes,) = drawn[0].axes
+    (table,) = axes.tables
+    cells = table.get_celld()
+    texts = [[cells[row, column].get_text().get_text() for column in range(3)] for row in range(3)]
+    assert texts == [["after", "likeliest tokens", "answer - wrong"], *([*row[:2], f"{row[2]:+.3f}"] for row in rows)]
+    assert not any(cell.get_text().get_parse_math() for cell in cells.values())
+    scale = lens.tables[0].scale()
+    for row, value in ((1, -0.5), (2, 2.0)):
+        shade = [round(channel * 255) for channel in cells[row, 2].get_facecolor()[:3]]
+        assert shade == list(scale.rgb(value))
+    assert axes.get_title() == "the lens"
+    plt.close(drawn[0])
+    drawn.clear()
+    both = Page("dla", grids=[Grid("a", SCORES)], tables=lens.tables)  # a page with a grid: its PNG is the grid
+    report.write_report({}, "dla", tmp_path, ["png"], both)
+    assert not any(axes.tables for axes in drawn[0].axes)
+    plt.close(drawn[0])
+    assert "png" not in report.write_report({}, "empty", tmp_path, ["png", "html"], Page("empty"))
 
 
 TILES = [

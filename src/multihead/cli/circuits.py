@@ -86,7 +86,7 @@ def add_parser(subparsers) -> None:
             "--format",
             default="terminal,json",
             metavar="LIST",
-            help="any of terminal,html,json" + (",png" if mode == "dla" else "") + " (default terminal,json)",
+            help="any of terminal,html,json,png (default terminal,json)",
         )
         sub.add_argument("--out", metavar="DIR", default="multihead-circuits", help="where the files go")
         add_threads_option(sub)
@@ -263,7 +263,7 @@ def run_lens(args: argparse.Namespace) -> int:
     from multihead.lab.circuits import logit_lens
     from multihead.lab.circuits.report import lens_page, print_page, write_report
 
-    formats, lm = _opened(args, allowed=("terminal", "html", "json"))
+    formats, lm = _opened(args)
     if (args.answer is None) != (args.wrong is None):
         raise bad_argument("--wrong", "given with --answer, or neither", repr(args.wrong), "pass both or neither")
     with from_options({"text": "--text"}):

@@ -8,7 +8,8 @@ shown in the terminal, written as an HTML page and a PNG, beside its data as JSO
 One page, four formats, drawn by :mod:`multihead.lab.inspect.page` (``print_page``, ``write_report`` and
 ``plot_grids`` come from there): the terminal prints each grid as a table (a row per layer, the larger half by
 magnitude in bold) and each table; ``<name>.html`` is the page; ``<name>.png`` draws the page's grids as heatmaps
-on the same colour scale (with matplotlib; left out without it); ``<name>.json`` holds ``data``.
+on the same colour scale, or, for the logit lens, which has no grid, its table, shaded as in the page (with
+matplotlib; left out without it); ``<name>.json`` holds ``data``.
 ``patching.json`` holds the result
 (:meth:`~multihead.lab.circuits.PatchingResult.to_dict`) with its scores under ``"heads"`` (by head) or
 ``"positions"`` (by position) — layers x heads, or layers x positions, of the normalised logit difference

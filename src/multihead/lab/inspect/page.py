@@ -28,7 +28,7 @@ magnitude): signed when one is negative.
 
 The same page goes to the terminal (:func:`print_page`: a table per grid, the larger half by magnitude in bold,
 each titled above it at the console's width) and to a PNG (:func:`plot_grids`: the grids as heatmaps on the same
-colour scales, then the mosaics);
+colour scales, then the mosaics; a page of tables alone, the logit lens, draws its tables, shaded as in the HTML);
 :func:`write_report` writes ``<name>.json`` (the data), ``<name>.html`` and ``<name>.png``.
 """
 
@@ -242,20 +242,30 @@ def _print_grid(console: Console, grid: Grid) -> None:
     console.print(table)
 
 
-def plot_grids(grids: Sequence[Grid], path: str | Path, mosaics: Sequence[Mosaic] = ()) -> Path:
+TABLE_FONT = 9.0  # points: a table's cells in the PNG
+TABLE_ROW_INCHES = 0.26  # a table's row in the PNG (its header too)
+
+
+def plot_grids(
+    grids: Sequence[Grid], path: str | Path, mosaics: Sequence[Mosaic] = (), tables: Sequence[Table] = ()
+) -> Path:
     """The grids as heatmaps, one above the other (layers down, heads or positions across), each on its
     :meth:`Grid.scale` (the HTML's): diverging around 0 (red positive, blue negative) when a score is negative,
-    else sequential from 0; then each mosaic as one picture of its tiles, its rows and columns labelled."""
+    else sequential from 0; then each mosaic as one picture of its tiles, its rows and columns labelled; then each
+    table as a table, its numbers shaded on :meth:`Table.scale` as the HTML shades them."""
     plt = pyplot("the heatmap")
     columns = min(max((grid.scores.shape[1] for grid in grids), default=0), 40)  # a wider grid: narrower cells
     heights = [max(2.6, 1.4 + 0.3 * grid.scores.shape[0]) for grid in grids]
     heights += [1.2 + 1.6 * len(mosaic.rows) for mosaic in mosaics]
+    heights += [0.5 + TABLE_ROW_INCHES * (len(table.rows) + 1) for table in tables]  # 0.5: the title, the margins
     width = max([5.0, 1.8 + 0.45 * columns, *(1.5 + 1.6 * len(mosaic.columns) for mosaic in mosaics)])
     figure, axes_list = plt.subplots(
         len(heights), 1, figsize=(width, sum(heights)), squeeze=False, gridspec_kw={"height_ratios": heights}
     )
-    for mosaic, axes in zip(mosaics, axes_list[len(grids) :, 0], strict=True):
+    pictures = len(grids) + len(mosaics)  # the axes, top down: the grids', the mosaics', then the tables'
+    for mosaic, axes in zip(mosaics, axes_list[len(grids) : pictures, 0], strict=True):
         _plot_mosaic(axes, mosaic)
+    needed = [_plot_table(axes, table) for table, axes in zip(tables, axes_list[pictures:, 0], strict=True)]
     for grid, axes in zip(grids, axes_list[:, 0], strict=False):
         scores = grid.scores.detach().double().cpu()
         scale = grid.scale()
@@ -272,7 +282,46 @@ def plot_grids(grids: Sequence[Grid], path: str | Path, mosaics: Sequence[Mosaic
             axes.set_yticklabels(list(grid.rows), fontsize=7)
         fitted_title(axes, grid.title, fontsize=8)
         figure.colorbar(image, ax=axes, label=grid.label)
+    figure.set_figwidth(max([width, *needed]))  # a table needs room for its texts
     return save_figure(figure, Path(path))
+
+
+def _plot_table(axes: Any, table: Table) -> float:
+    """``table`` as a matplotlib table filling ``axes`` (no axis): its header in bold, its columns as wide as
+    their longest texts are to one another, a number right-aligned on its shade of :meth:`Table.scale` (light
+    text on a dark one), a text left-aligned as it is (a token such as "$" is not mathtext). Returns the width in
+    inches the figure needs for the table's texts to fit."""
+    scale = table.scale()
+    texts = [[scale.number(cell, 3) if isinstance(cell, float) else cell for cell in row] for row in table.rows]
+    shades = [
+        [tuple(channel / 255 for channel in scale.rgb(cell)) if isinstance(cell, float) else "white" for cell in row]
+        for row in table.rows
+    ]
+    axes.axis("off")
+    drawn = axes.table(
+        cellText=texts, cellColours=shades, colLabels=list(table.header), bbox=(0, 0, 1, 1), cellLoc="left"
+    )
+    drawn.auto_set_font_size(False)
+    drawn.set_fontsize(TABLE_FONT)
+    drawn.auto_set_column_width(list(range(len(table.header))))
+    for (row, column), cell in drawn.get_celld().items():
+        text = cell.get_text()
+        text.set_parse_math(False)
+        value = table.rows[row - 1][column] if row else None  # row 0: the header
+        if row == 0:
+            text.set_fontweight("bold")
+        elif isinstance(value, float):
+            text.set_horizontalalignment("right")
+            if scale.dark(value):
+                text.set_color("white")
+    fitted_title(axes, table.title, fontsize=8)
+    renderer = axes.figure.canvas.get_renderer()
+    cells = drawn.get_celld()
+    widest = [
+        max(cells[row, column].get_required_width(renderer) for row in range(len(texts) + 1))
+        for column in range(len(table.header))
+    ]
+    return 1.2 * sum(widest) / axes.figure.dpi + 0.4  # a fifth more air in the cells, a margin each side
 
 
 def _plot_mosaic(axes: Any, mosaic: Mosaic) -> None:
@@ -307,10 +356,10 @@ def write_report(
     *,
     argument: str = "folder",
 ) -> Written:
-    """Write ``data`` as ``<name>.json``, ``page`` as ``<name>.html`` and its grids as ``<name>.png`` (those of
-    ``formats`` asked for; a page without grids or mosaics has no PNG) into ``folder``, created if missing. Returns
-    {format: path}; a PNG left out without matplotlib is in ``skipped``. A folder that cannot be written raises
-    ValueError naming ``argument``."""
+    """Write ``data`` as ``<name>.json``, ``page`` as ``<name>.html`` and its grids and mosaics as ``<name>.png``
+    (those of ``formats`` asked for; the PNG of a page without grids or mosaics draws its tables, and an empty page
+    has none) into ``folder``, created if missing. Returns {format: path}; a PNG left out without matplotlib is in
+    ``skipped``. A folder that cannot be written raises ValueError naming ``argument``."""
     written = Written()
     if not any(kind in ("json", "html", "png") for kind in formats):
         return written
@@ -325,6 +374,12 @@ def write_report(
         with writing(argument, path):
             path.write_text(render_page(page), encoding="ascii")
         written["html"] = path
-    if "png" in formats and (page.grids or page.mosaics):
-        draw_figure(written, "png", out / f"{name}.png", lambda target: plot_grids(page.grids, target, page.mosaics))
+    if "png" in formats and (page.grids or page.mosaics or page.tables):
+        # the PNG shows the page's pictures; a page of tables alone (the logit lens) shows its tables instead
+        tables = () if page.grids or page.mosaics else page.tables
+
+        def draw(target: Path) -> None:
+            plot_grids(page.grids, target, page.mosaics, tables)
+
+        draw_figure(written, "png", out / f"{name}.png", draw)
     return written
