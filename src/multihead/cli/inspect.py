@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from multihead._console import make_console
 from multihead._errors import bad_argument, items_renamed
@@ -17,6 +19,13 @@ from multihead.cli._shared import (
     parse_token,
     progress_bar,
 )
+
+if TYPE_CHECKING:  # the lab loads when a command runs, not when the CLI starts
+    import torch
+
+    from multihead.lab.inspect.inspection import Inspection
+    from multihead.lab.inspect.saved import SavedModelExtras
+    from multihead.lab.models.contract import TextEncoder
 
 DEFAULT_TEXT = "The bank was full of money."
 
@@ -106,12 +115,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         return run_long(args)
 
     from multihead.integrations import load_text_model
-    from multihead.lab.circuits import detector_behaviours
-    from multihead.lab.inspect.behaviours import BEHAVIOURS_FILE
     from multihead.lab.inspect.headreport import read_scores_folder
-    from multihead.lab.inspect.inspection import bundled_corpus, inspect_text, read_corpus_lines
+    from multihead.lab.inspect.inspection import bundled_corpus, read_corpus_lines
     from multihead.lab.inspect.recording import head_numbers
-    from multihead.lab.inspect.saved import saved_model_extras
     from multihead.lab.inspect.write import check_formats, write_reports
 
     with from_option("--format"):
@@ -139,14 +145,6 @@ def run_inspect(args: argparse.Namespace) -> int:
     numbers, checkpoint_heads = head_numbers(model)
     layers = parse_indices("layers", args.layers, len(numbers))
     heads = parse_indices("heads", args.heads, checkpoint_heads)
-    # a `multihead train` checkpoint's part, probes and task: its behaviours.json came with --model
-    with from_options({BEHAVIOURS_FILE: f"--model {BEHAVIOURS_FILE}"}), from_options({"part": "--part"}):
-        saved = saved_model_extras(args.model, model, args.part)
-    # a causal LM's heads scored by the head detectors, as roles; the checkpoint's own probes, where it saved them,
-    # measured the same behaviour on its task and take their place
-    detected = detector_behaviours(model)
-    behaviours = {**(detected or {}), **(saved.behaviours or {})} or None
-    text = args.text if args.text is not None else saved.task_text or DEFAULT_TEXT
     scores = read_scores_folder(args.scores, model, argument="--scores") if args.scores is not None else None
     with (
         progress_bar(console, shown=corpus is not None) as progress,
@@ -158,19 +156,19 @@ def run_inspect(args: argparse.Namespace) -> int:
         spelled_as_options({"truncate": "--truncate"}),
     ):
         task = progress.add_task("corpus statistics", total=len(corpus or ()))
-        inspection = inspect_text(
+        inspection, saved, detected = inspect_model(
             model,
-            text,
+            args.model,
+            text=args.text,
+            part=args.part,
             layers=layers,
             heads=heads,
-            part=saved.part,
             token=token,
             corpus=corpus,
             corpus_source=corpus_source,
             truncate=args.truncate,
             progress=lambda done: progress.update(task, completed=done),
             relations=None if scores is None else scores.relations,  # each head's relation, into its role
-            behaviours=behaviours,
         )
     # the --scores columns, the probes' and the detectors' measures, beside them, as columns of the HTML report
     columns: dict[str, list[list[float | None]]] = {**(scores.columns if scores else {}), **saved.probe_columns()}
@@ -189,6 +187,35 @@ def run_inspect(args: argparse.Namespace) -> int:
                 highlight=False,
             )
     return 0
+
+
+def inspect_model(
+    model: TextEncoder, folder: str | Path | None, *, text: str | None = None, part: str | None = None, **options: Any
+) -> tuple[Inspection, SavedModelExtras, dict[str, torch.Tensor] | None]:
+    """What ``multihead inspect --model FOLDER`` shows of ``model``, loaded from ``folder`` (None: the bundled
+    model): :func:`~multihead.lab.inspect.inspect_text` of ``text`` (default: an input of the task a ``multihead
+    train`` checkpoint learned, else :data:`DEFAULT_TEXT`), its roles weighing the probes the checkpoint saved and,
+    of a causal model, the head detectors' scores. The one path from a checkpoint to its heads' roles:
+    ``multihead train`` labels the heads of its table with it. ``options``: inspect_text's other arguments.
+
+    Returns (the inspection, the folder's :class:`~multihead.lab.inspect.SavedModelExtras`, the detectors'
+    behaviours or None for a model that is not causal).
+    """
+    from multihead.lab.circuits import detector_behaviours
+    from multihead.lab.inspect.behaviours import BEHAVIOURS_FILE
+    from multihead.lab.inspect.inspection import inspect_text
+    from multihead.lab.inspect.saved import saved_model_extras
+
+    # a `multihead train` checkpoint's part, probes and task: its behaviours.json came with --model
+    with from_options({BEHAVIOURS_FILE: f"--model {BEHAVIOURS_FILE}"}), from_options({"part": "--part"}):
+        saved = saved_model_extras(folder, model, part)
+    # a causal LM's heads scored by the head detectors, as roles; the checkpoint's own probes, where it saved them,
+    # measured the same behaviour on its task and take their place
+    detected = detector_behaviours(model)
+    behaviours = {**(detected or {}), **(saved.behaviours or {})} or None
+    text = text if text is not None else saved.task_text or DEFAULT_TEXT
+    inspection = inspect_text(model, text, part=saved.part, behaviours=behaviours, **options)
+    return inspection, saved, detected
 
 
 def run_long(args: argparse.Namespace) -> int:

@@ -187,7 +187,7 @@ def run_train(args: argparse.Namespace) -> int:
             "prev: attention from t to t - 1. induction: attention from a repeated token to the token after its "
             "earlier occurrence (prefix matching, TransformerLens' induction score). copies: predictions at repeated "
             "tokens the head's own logits get right. ablated: repeated-token loss with the head zeroed "
-            f"(unablated {final['loss']:.3f}). role: multihead.lab.inspect.roles on these probes."
+            f"(unablated {final['loss']:.3f}). {_ROLE_NOTE}"
         )
     else:
         console.print(
@@ -198,11 +198,11 @@ def run_train(args: argparse.Namespace) -> int:
         note = (
             "aligned: target positions whose largest cross-attention weight falls on the source token they reverse "
             f"(chance {1 / settings.length:.0%}). ablated: loss with the head zeroed (unablated "
-            f"{final['loss']:.4f}). role: multihead.lab.inspect.roles on these probes."
+            f"{final['loss']:.4f}). {_ROLE_NOTE}"
         )
-    console.print(_probe_table(run, induction))
+    paths = run.save(out)  # first: the roles are those inspect gives the saved checkpoint
+    console.print(_probe_table(run, induction, _checkpoint_roles(paths["model"])))
     console.print(note, markup=False)  # prose: wrapped at the console's width between words
-    paths = run.save(out)
     print_written(console, paths)
     console.print(f"inspect it: multihead inspect --model {paths['model']}", soft_wrap=True, markup=False)
     return 0
@@ -249,13 +249,33 @@ def _train_symmetry(settings, out: Path) -> int:
     return 0
 
 
-def _probe_table(run, induction: bool):
+# the roles of the table: inspect's, on the saved checkpoint (one rule, one threshold, one label per head)
+_ROLE_NOTE = (
+    "role: what `multihead inspect --model OUT/model` labels the head (multihead.lab.inspect.roles on an input of "
+    "the task and these probes, with the head detectors of a decoder; ?: low confidence)."
+)
+
+
+def _checkpoint_roles(folder: Path) -> dict[tuple[int, int], str]:
+    """Each head's role as ``multihead inspect --model FOLDER`` labels it (its role grid's cell), by (layer,
+    head): the saved checkpoint read back through :func:`multihead.cli.inspect.inspect_model`, inspect's own path."""
+    from multihead.cli.inspect import inspect_model
+    from multihead.integrations import load_text_model
+
+    inspection, _, _ = inspect_model(load_text_model(folder), folder)
+    roles = inspection.role_stats.roles()  # roles[row][col]
+    return {
+        (layer, head): roles[row][col].cell
+        for row, layer in enumerate(inspection.layers)
+        for col, head in enumerate(inspection.heads)
+    }
+
+
+def _probe_table(run, induction: bool, roles: dict[tuple[int, int], str]):
     """One row per head a run measured (an induction run's every head, a reverse run's cross-attention heads):
-    its probe scores, its ablated loss and the role the probes give it."""
+    its probe scores, its ablated loss and ``roles[layer, head]``, the role inspect gives it."""
     from rich import box
     from rich.table import Table
-
-    from multihead.lab.inspect.roles import label_head
 
     final = run.final
     columns = ("prev", "induction", "copies") if induction else ("aligned",)
@@ -267,13 +287,8 @@ def _probe_table(run, induction: bool):
     for layer in range(layers):
         for head in range(heads):
             measures = {name: float(values[layer, head]) for name, values in behaviours.items()}
-            # the probe signals alone: without text statistics the role is the probes' verdict
-            role = label_head({"best_offset": -1.0, **measures}, {"probe": 1.0})
-            label = role.short if role.confidence != "low" else "-"
             if induction:
                 previous = float(final["previous_token"][layer, head])
-                if previous >= 0.4 and role.label not in ("induction", "prefix"):
-                    label = f"prev {previous:.0%}"
                 cells = [previous, measures["prefix_matching"], measures["copying"]]
             else:
                 cells = [measures["alignment"]]
@@ -281,6 +296,6 @@ def _probe_table(run, induction: bool):
                 f"L{layer}H{head}",
                 *(f"{value:.0%}" for value in cells),
                 f"{float(final['ablated_loss'][layer, head]):.4f}",
-                label,
+                roles[layer, head],
             )
     return table

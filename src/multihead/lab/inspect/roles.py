@@ -280,6 +280,13 @@ class Role:
         """The label with its strength, e.g. "[CLS] 61%" (the label alone for a pruned head)."""
         return self.label if self.strength is None else f"{self.label} {self.strength:.0%}"
 
+    @property
+    def cell(self) -> str:
+        """The role as every grid and table of roles prints it (``multihead inspect``'s, ``multihead train``'s):
+        :attr:`short`, ending in "?" when the confidence is low (no behaviour measured near its threshold: the
+        label is only the strongest guess)."""
+        return self.short + ("?" if self.confidence == "low" else "")
+
     def as_dict(self) -> dict:
         """Plain values for JSON (numbers rounded to 6 places)."""
         return {

@@ -139,9 +139,7 @@ def _role_cell(role: Role) -> Text:
     """The label with its strength ("[CLS] 61%"), coloured by kind; a low-confidence label (no behaviour measured
     near its threshold: only the strongest guess) ends in "?" and is dim."""
     style = _ROLE_STYLES.get(role.label, "cyan")
-    if role.confidence == "low":
-        return Text(role.short + "?", style=f"{style} dim")
-    return Text(role.short, style=style)
+    return Text(role.cell, style=f"{style} dim" if role.confidence == "low" else style)
 
 
 def role_grid(inspection: Inspection, layers: Sequence[int] | None = None) -> Table:
