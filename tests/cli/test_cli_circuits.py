@@ -169,7 +169,7 @@ def test_lens_writes_a_png_of_its_table_as_the_other_modes_write_theirs(checkpoi
     [
         (["lens", "--text", CLEAN, "--answer", "h"], "--wrong", "given with --answer"),
         (["lens", "--text", CLEAN, "--format", "pdf"], "--format", "one or more of terminal, html, json, png"),
-        (["lens", "--text", CLEAN, "--top", "0"], "--top", "an int in [1,"),
+        (["lens", "--text", CLEAN, "--top", "0"], "--top", "a whole number in [1,"),
         (["dla", "--text", CLEAN, "--answer", "h h", "--wrong", "p"], "--answer", "one token"),
         (["detect", "--half-length", "0"], "--half-length", "a positive whole number"),
     ],
