@@ -98,3 +98,34 @@ def test_a_folder_without_any_model_is_not_called_a_bert_checkpoint(tmp_path, ca
     assert main(["inspect", TEXT, "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "BERT" not in err and "Hugging Face checkpoint (config.json, weights, tokenizer files)" in err, err
+
+
+def every_parser() -> list[tuple[str, object]]:
+    """(name, parser) of every command and mode of `multihead`."""
+    import argparse
+
+    from multihead.cli import build_parser
+
+    found, todo = [], [("multihead", build_parser())]
+    while todo:
+        name, parser = todo.pop()
+        found.append((name, parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += [(f"{name} {sub}", child) for sub, child in action.choices.items()]
+    return found
+
+
+def test_every_format_option_has_the_one_default():
+    from multihead.cli._shared import DEFAULT_FORMATS
+
+    formats = {
+        name: action
+        for name, parser in every_parser()
+        for action in parser._actions
+        if "--format" in action.option_strings
+    }
+    assert {"multihead inspect", "multihead circuits patch", "multihead circuits lens"} <= set(formats)
+    for name, action in formats.items():
+        assert action.default == DEFAULT_FORMATS, name
+        assert f"(default {DEFAULT_FORMATS})" in action.help, name

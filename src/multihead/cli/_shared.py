@@ -333,3 +333,20 @@ def progress_bar(console, *, shown: bool = True):
     from rich.progress import Progress
 
     return Progress(console=console, transient=True, disable=not shown or not console.is_terminal)
+
+
+# --------------------------------------------------------------------------- --format
+
+# What every command that writes reports shows when --format is not given: the terminal and the HTML page (JSON
+# and PNG on request), one default for inspect, inspect --long and circuits alike.
+DEFAULT_FORMATS = "terminal,html"
+
+
+def add_format_option(parser: argparse.ArgumentParser, formats: str) -> None:
+    """``--format LIST`` among ``formats`` ("terminal,html,json,png"), its default :data:`DEFAULT_FORMATS`."""
+    parser.add_argument(
+        "--format",
+        default=DEFAULT_FORMATS,
+        metavar="LIST",
+        help=f"any of {formats}, comma-separated (default {DEFAULT_FORMATS})",
+    )

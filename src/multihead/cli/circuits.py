@@ -8,7 +8,7 @@ from multihead._console import make_console
 from multihead._errors import bad_argument
 from multihead._figures import print_written
 from multihead._userfiles import from_option, from_options, output_folder
-from multihead.cli._shared import add_threads_option, progress_bar
+from multihead.cli._shared import add_format_option, add_threads_option, progress_bar
 
 WHATS = ("z", "pattern", "q", "k", "v")
 
@@ -51,12 +51,7 @@ def add_parser(subparsers) -> None:
         default="exact",
         help="exact patching, or its first-order estimate from one backward (default exact)",
     )
-    patch.add_argument(
-        "--format",
-        default="terminal,json",
-        metavar="LIST",
-        help="any of terminal,html,json,png (default terminal,json)",
-    )
+    add_format_option(patch, "terminal,html,json,png")
     patch.add_argument(
         "--out",
         metavar="DIR",
@@ -82,12 +77,7 @@ def add_parser(subparsers) -> None:
         sub.add_argument("--wrong", metavar="TOKEN", required=mode == "dla", help="the token it competes with")
         if mode == "lens":
             sub.add_argument("--top", type=int, default=5, metavar="K", help="tokens shown per layer (default 5)")
-        sub.add_argument(
-            "--format",
-            default="terminal,json",
-            metavar="LIST",
-            help="any of terminal,html,json,png (default terminal,json)",
-        )
+        add_format_option(sub, "terminal,html,json,png")
         sub.add_argument("--out", metavar="DIR", default="multihead-circuits", help="where the files go")
         add_threads_option(sub)
         sub.set_defaults(run=run_dla if mode == "dla" else run_lens)
@@ -106,12 +96,7 @@ def add_parser(subparsers) -> None:
     )
     detect.add_argument("--batch", type=int, default=4, metavar="B", help="sequences (default 4)")
     detect.add_argument("--seed", type=int, default=0, help="seeds the random tokens (default 0)")
-    detect.add_argument(
-        "--format",
-        default="terminal,json",
-        metavar="LIST",
-        help="any of terminal,html,json,png (default terminal,json)",
-    )
+    add_format_option(detect, "terminal,html,json,png")
     detect.add_argument("--out", metavar="DIR", default="multihead-circuits", help="where the files go")
     add_threads_option(detect)
     detect.set_defaults(run=run_detect)
@@ -212,14 +197,13 @@ def run_patch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _opened(args: argparse.Namespace, allowed: tuple[str, ...] | None = None):
-    """The formats checked (among ``allowed``, default all), the output folder checked (made when written), the
-    model loaded: (formats, lm)."""
+def _opened(args: argparse.Namespace):
+    """The formats checked, the output folder checked (made when written), the model loaded: (formats, lm)."""
     from multihead.integrations import load_causal_lm
     from multihead.lab.circuits.report import FORMATS, check_formats
 
     with from_option("--format", names=("format",)):
-        formats = check_formats(args.format, allowed or FORMATS)
+        formats = check_formats(args.format, FORMATS)
     if any(name != "terminal" for name in formats):
         output_folder("--out", args.out, create=False)
     with from_option("--model"):

@@ -14,6 +14,7 @@ from multihead._userfiles import from_option, from_options, output_folder, spell
 from multihead.cli._shared import (
     BUNDLED,
     MODEL_HELP,
+    add_format_option,
     add_threads_option,
     parse_indices,
     parse_token,
@@ -83,11 +84,7 @@ def add_parser(subparsers) -> None:
         default="multihead-report",
         help="where the html/png/json reports go (default: multihead-report)",
     )
-    parser.add_argument(
-        "--format",
-        metavar="LIST",
-        help="any of terminal,html,png,json, comma-separated (default: terminal,html)",
-    )
+    add_format_option(parser, "terminal,html,json,png")
     parser.add_argument(
         "--truncate", action="store_true", help="cut texts over the model's position limit (512 for all-MiniLM-L6-v2)"
     )
@@ -121,7 +118,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     from multihead.lab.inspect.write import check_formats, write_reports
 
     with from_option("--format"):
-        formats = check_formats("terminal,html" if args.format is None else args.format)
+        formats = check_formats(args.format)
     parse_indices("layers", args.layers)  # their form now, before the model loads; their range once it has
     parse_indices("heads", args.heads)
     token = parse_token(args.token)
@@ -236,7 +233,7 @@ def run_long(args: argparse.Namespace) -> int:
         given = "--scores" if args.scores is not None else "--truncate"
         raise bad_argument("--long", f"no {given} beside it", given, f"leave out {given}")
     with from_option("--format"):
-        formats = check_formats("terminal,html" if args.format is None else args.format)
+        formats = check_formats(args.format)
     if any(name != "terminal" for name in formats):
         output_folder("--out", args.out, create=False)
     text = read_text("--long", args.long, what="a UTF-8 text file", fix="pass --long FILE, a text file")
