@@ -212,8 +212,8 @@ def test_cpu_backward_is_refused_with_the_reason():
     ("kwargs", "fragment"),
     [
         ({"return_lse": True}, "return_lse on CPU"),
-        ({"mask": masks.bias(torch.zeros(5, 5))}, "dense bias tensor on CPU"),
-        ({"mask": torch.ones(5, 5, dtype=torch.bool)}, "dense allowed tensor on CPU"),
+        ({"mask": masks.bias(torch.zeros(5, 5))}, "a bias term whose mod reads a tensor by query position, on CPU"),
+        ({"mask": torch.ones(5, 5, dtype=torch.bool)}, "an allowed term whose mod reads a tensor by query position"),
         ({"dropout": 0.1, "training": True}, "dropout"),
         ({"return_weights": True}, None),  # served: the weights come from another pass, as for sdpa
     ],

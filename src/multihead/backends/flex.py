@@ -97,8 +97,8 @@ def _unsupported_terms(mask: BoundMask, device: torch.device) -> list[str]:
     if device.type != "cpu":
         return []
     return [
-        f"a {term.kind} term whose mod reads a tensor by query position, on CPU (torch 2.13's CPU FlexAttention "
-        "kernel does not compile one with dynamic shapes)"
+        f"{'an' if term.kind[0] in 'aeiou' else 'a'} {term.kind} term whose mod reads a tensor by query position, on "
+        "CPU (torch 2.13's CPU FlexAttention kernel does not compile one with dynamic shapes)"
         for term in mask.terms
         if term.reads_pair_tensor
     ]
