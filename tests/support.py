@@ -111,3 +111,30 @@ def auto_candidates(q, k, v, *, mask=None, return_lse: bool = False) -> list[str
     options = dict(causal=False, scale=None, dropout=0.0, training=False, backend="auto", return_weights=False)
     call = _prepare(q, k, v, mask=mask, **options, return_lse=return_lse).call
     return [backend.name for backend in registry.serving_for_auto(call)]
+
+
+def forward_backward(backend: str, q, k, v, mask, dout):
+    """Output and (dq, dk, dv) of one backend, or of the low-precision textbook (``"textbook_lowp"``); q, k and v
+    are taken as fresh leaves."""
+    from multihead.functional import attention
+
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    if backend == "textbook_lowp":
+        out = textbook_lowp(q, k, v, mask=mask)[0]
+    else:
+        out = attention(q, k, v, mask=mask, backend=backend)
+    out.backward(dout.to(out.dtype))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def assert_forward_backward_within_rule(backend: str, q, k, v, mask, dout, dtype: torch.dtype, what: str):
+    """``backend``'s output and gradients on q, k, v cast to ``dtype`` within the tolerance rule against the float64
+    reference on the originals (the textbook in ``dtype`` as the rule's baseline); returns the backend's
+    (out, dq, dk, dv)."""
+    ref64 = forward_backward("reference", q, k, v, mask, dout)
+    low = [t.to(dtype) for t in (q, k, v)]
+    ref_lowp = forward_backward("textbook_lowp", *low, mask, dout)
+    fast = forward_backward(backend, *low, mask, dout)
+    for name, f, r64, rlp in zip(("output", "dq", "dk", "dv"), fast, ref64, ref_lowp, strict=True):
+        assert_within_rule(f, r64, rlp, what=f"{what} {name}")
+    return fast

@@ -16,7 +16,15 @@ import multihead
 from multihead import attention, attention_result, attention_varlen, attention_varlen_result, masks
 from multihead.masks import AttentionShape, bind_mask
 from multihead.paged import attention_with_kvcache
-from support import assert_within_rule, is_input_error, make_qkv, randn, textbook_lowp, tiny_blocks
+from support import (
+    assert_forward_backward_within_rule,
+    assert_within_rule,
+    is_input_error,
+    make_qkv,
+    randn,
+    textbook_lowp,
+    tiny_blocks,
+)
 from test_varlen import alone, document, packed
 
 BACKENDS = ["reference", "sdpa", "tiled", "materialized", "flex"]
@@ -53,17 +61,6 @@ def test_per_row_slopes_give_flash_attentions_bias(lengths, device):
     torch.testing.assert_close(bias[1:], row, rtol=0, atol=0)
 
 
-def run(backend, q, k, v, mask, dout):
-    """Output and input gradients of one backend (the textbook in the inputs' dtype for ``textbook_lowp``)."""
-    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    if backend == "textbook_lowp":
-        out = textbook_lowp(q, k, v, mask=mask)[0]
-    else:
-        out = attention(q, k, v, mask=mask, backend=backend)
-    out.backward(dout.to(out.dtype))
-    return out.detach(), q.grad, k.grad, v.grad
-
-
 @pytest.mark.portable
 @pytest.mark.parametrize("lengths", [(5, 7), (7, 5)], ids=["i<j", "i>j"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -76,12 +73,7 @@ def test_every_backend_serves_per_row_slopes(backend, combined, dtype, lengths, 
     if combined:
         mask = mask & masks.causal() & masks.padding(torch.tensor([j, 3], device=device))
     dout = randn(2, 6, i, 3, seed=7, device=device)
-    ref64 = run("reference", q, k, v, mask, dout)
-    low = [t.to(dtype) for t in (q, k, v)]
-    ref_lowp = run("textbook_lowp", *low, mask, dout)
-    fast = run(backend, *low, mask, dout)
-    for name, f, r64, rlp in zip(("output", "dq", "dk", "dv"), fast, ref64, ref_lowp, strict=True):
-        assert_within_rule(f, r64, rlp, what=f"{backend}/{dtype} {name}")
+    assert_forward_backward_within_rule(backend, q, k, v, mask, dout, dtype, f"{backend}/{dtype}")
 
 
 @pytest.mark.portable

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from multihead import masks
-from multihead.functional import attention
-from support import assert_within_rule, make_qkv, randn, textbook_lowp
+from support import assert_forward_backward_within_rule, make_qkv, randn
 
 pytestmark = pytest.mark.portable
 
@@ -30,17 +29,6 @@ def make_mask(kind: str, device: torch.device):
     raise ValueError(kind)
 
 
-def forward_backward(backend: str, q, k, v, mask, dout):
-    """Output and (dq, dk, dv) of one backend, or of the low-precision textbook; q, k, v are fresh leaves."""
-    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    if backend == "textbook_lowp":
-        out = textbook_lowp(q, k, v, mask=mask)[0]
-    else:
-        out = attention(q, k, v, mask=mask, backend=backend)
-    out.backward(dout.to(out.dtype))
-    return out.detach(), q.grad, k.grad, v.grad
-
-
 @pytest.mark.parametrize("kind", ["causal", "window", "padding"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("d", [64, 128])
@@ -49,10 +37,5 @@ def test_fused_shapes_forward_and_backward_within_the_rule(backend, d, dtype, ki
     q, k, v = make_qkv(b=B, h=H, g=G, i=QUERIES, j=KEYS, d=d, e=d, seed=d, device=device)
     dout = randn(B, H, QUERIES, d, seed=d + 1, device=device)
     mask = make_mask(kind, device)
-    ref64 = forward_backward("reference", q, k, v, mask, dout)
-    low = [t.to(dtype) for t in (q, k, v)]
-    ref_lowp = forward_backward("textbook_lowp", *low, mask, dout)
-    fast = forward_backward(backend, *low, mask, dout)
-    for name, f, r64, rlp in zip(("output", "dq", "dk", "dv"), fast, ref64, ref_lowp, strict=True):
-        assert f.dtype == dtype and f.device == q.device
-        assert_within_rule(f, r64, rlp, what=f"{backend}/d={d}/{dtype}/{kind} {name}")
+    fast = assert_forward_backward_within_rule(backend, q, k, v, mask, dout, dtype, f"{backend}/d={d}/{dtype}/{kind}")
+    assert all(f.dtype == dtype and f.device == q.device for f in fast)
