@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -264,11 +265,36 @@ class _Checked(NamedTuple):
     sinks: torch.Tensor | None
 
 
+# torch's context_parallel patches this name while it is active (its _distribute_function records the patch here)
+_TORCH_CP_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
+
+
+def _refuse_torch_context_parallel() -> None:
+    """Refuse a call inside torch's ``context_parallel``: it shards the sequence and replaces only
+    ``torch.nn.functional.scaled_dot_product_attention`` with its ring, so any other kernel of ours would attend
+    over this rank's shard alone, a silently wrong answer (and on the CPU, torch 2.13's ring has no rule for SDPA's
+    CPU kernel at all). multihead's own sequence split takes the same mesh."""
+    if torch.compiler.is_compiling():
+        return
+    cp = sys.modules.get(_TORCH_CP_MODULE)
+    replaced = getattr(cp, "_replaced_functions", None) if cp is not None else None
+    if replaced and torch.nn.functional.scaled_dot_product_attention in replaced:
+        raise bad_argument(
+            "attention",
+            "a call outside torch's context_parallel (it replaces only torch's scaled_dot_product_attention, so "
+            "multihead's kernels would attend over this rank's shard of the sequence alone)",
+            "a call inside it",
+            "split the sequence with multihead.parallel instead: SequenceParallelAttention(layer, mesh['cp']), "
+            "ring_attention or ulysses_attention take the same DeviceMesh (docs/parallel.md)",
+        )
+
+
 def _check_call(
     q, k, v, *, mask, causal, scale, dropout, training, backend, return_weights, return_lse, pages, sinks
 ) -> _Checked:
     """Every check of a call's arguments, run on every call (a kept plan skips binding and dispatch, never these):
     raises the argument's error, else the checked inputs."""
+    _refuse_torch_context_parallel()
     _check_tensors(q, k, v)
     _check_options(scale, dropout, training, causal, backend, return_weights, return_lse)
     unbatched = q.ndim == 3 and pages is None
