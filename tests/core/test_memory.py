@@ -25,17 +25,20 @@ def thp_mode(monkeypatch, tmp_path):
     _memory._madvise.cache_clear()
 
 
-def _anon_huge_kib(address: int) -> int | None:
-    """AnonHugePages of the mapping holding ``address`` in /proc/self/smaps (None when not found)."""
-    inside = False
+def _mapping_fields(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields ({"VmFlags": "rd wr mr ... hg", "THPeligible": "1", ...}) of the mapping
+    holding ``address`` (empty when not found)."""
+    inside, found = False, {}
     for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and len(fields) > 1 and ":" not in fields[0]:
+        fields = line.split(maxsplit=1)
+        if "-" in fields[0] and ":" not in fields[0]:
+            if inside:
+                break
             start, stop = (int(x, 16) for x in fields[0].split("-"))
             inside = start <= address < stop
-        elif inside and fields[0] == "AnonHugePages:":
-            return int(fields[1])
-    return None
+        elif inside and fields[0].endswith(":"):
+            found[fields[0][:-1]] = fields[1].strip() if len(fields) > 1 else ""
+    return found
 
 
 def test_small_tensors_are_left_alone():
@@ -56,8 +59,11 @@ def test_large_fresh_tensor_lands_on_huge_pages_where_the_kernel_offers_them():
         assert not _memory.advise_huge_pages(torch.empty(64 << 20, dtype=torch.uint8))
         return
     t.fill_(1.0)
-    huge_kib = _anon_huge_kib(t.data_ptr() + (8 << 20))
-    assert huge_kib is not None and huge_kib >= 32 << 10, f"AnonHugePages {huge_kib} KiB for a 64 MiB tensor"
+    # what we ask is the mapping's MADV_HUGEPAGE flag ("hg"), which makes it eligible; whether the kernel then
+    # finds free huge pages (its AnonHugePages) depends on the machine's memory at that moment, not on us
+    fields = _mapping_fields(t.data_ptr() + (8 << 20))
+    assert "hg" in fields.get("VmFlags", "").split(), fields
+    assert fields.get("THPeligible") == "1", fields
 
 
 def test_materialized_weights_are_the_same_with_and_without_huge_pages(monkeypatch):
