@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -48,7 +49,10 @@ def _wordpiece() -> transformers.PreTrainedTokenizerFast:
     )
 
 
-def _byte_bpe(bos: str, eos: str, pad: str, *, wrap: bool) -> transformers.PreTrainedTokenizerFast:
+def byte_bpe(
+    bos: str, eos: str, pad: str, *, wrap: bool, sentences: Sequence[str] = SENTENCES
+) -> transformers.PreTrainedTokenizerFast:
+    """GPT-2's byte-level BPE (no prefix space) trained on ``sentences``; with ``wrap``, <s> text </s> (BART)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -56,7 +60,7 @@ def _byte_bpe(bos: str, eos: str, pad: str, *, wrap: bool) -> transformers.PreTr
     trainer = trainers.BpeTrainer(
         vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tokenizer.train_from_iterator(SENTENCES * 4, trainer)
+    tokenizer.train_from_iterator(list(sentences) * 4, trainer)
     if wrap:  # <s> text </s>, as BART's tokenizer does
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A {eos}",
@@ -116,7 +120,7 @@ def tokenizer(family: str) -> transformers.PreTrainedTokenizerFast:
     if family == "wordpiece":
         return _wordpiece()
     if family == "byte_bpe":
-        return _byte_bpe("<|endoftext|>", "<|endoftext|>", "<|endoftext|>", wrap=False)
+        return byte_bpe("<|endoftext|>", "<|endoftext|>", "<|endoftext|>", wrap=False)
     if family == "sentencepiece_bpe":
         return _sentencepiece_bpe()
     if family == "unigram":
@@ -140,14 +144,14 @@ def build(name: str) -> tuple[transformers.PreTrainedModel, transformers.PreTrai
         )
         return transformers.BertForMaskedLM(config), tokenizer  # a save with its MLM head (cls.predictions.*)
     if name == "gpt2":
-        tokenizer = _byte_bpe("<|endoftext|>", "<|endoftext|>", "<|endoftext|>", wrap=False)
+        tokenizer = byte_bpe("<|endoftext|>", "<|endoftext|>", "<|endoftext|>", wrap=False)
         ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         config = transformers.GPT2Config(
             vocab_size=len(tokenizer), n_embd=24, n_layer=2, n_head=4, n_positions=64, **ids
         )
         return transformers.GPT2LMHeadModel(config), tokenizer
     if name == "llama":
-        tokenizer = _byte_bpe("<s>", "</s>", "<pad>", wrap=False)
+        tokenizer = byte_bpe("<s>", "</s>", "<pad>", wrap=False)
         config = transformers.LlamaConfig(
             vocab_size=len(tokenizer),
             hidden_size=32,
@@ -162,7 +166,7 @@ def build(name: str) -> tuple[transformers.PreTrainedModel, transformers.PreTrai
         )
         return transformers.LlamaForCausalLM(config), tokenizer
     if name == "bart":
-        tokenizer = _byte_bpe("<s>", "</s>", "<pad>", wrap=True)
+        tokenizer = byte_bpe("<s>", "</s>", "<pad>", wrap=True)
         config = transformers.BartConfig(
             vocab_size=len(tokenizer),
             d_model=24,
@@ -180,7 +184,7 @@ def build(name: str) -> tuple[transformers.PreTrainedModel, transformers.PreTrai
         )
         return transformers.BartForConditionalGeneration(config), tokenizer
     if name == "gpt_oss":  # learned sinks: head 0 of each layer parks its weight on its sink, the others keep theirs
-        tokenizer = _byte_bpe("<s>", "</s>", "<pad>", wrap=False)
+        tokenizer = byte_bpe("<s>", "</s>", "<pad>", wrap=False)
         ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         config = tiny_config("gpt_oss", vocab_size=len(tokenizer), max_position_embeddings=64, **ids)
         config.pad_token_id = tokenizer.pad_token_id
@@ -190,7 +194,7 @@ def build(name: str) -> tuple[transformers.PreTrainedModel, transformers.PreTrai
                 layer.self_attn.sinks.copy_(torch.tensor([8.0] + [-8.0] * (config.num_attention_heads - 1)))
         return model, tokenizer
     if name == "qwen3_next":  # a hybrid: linear-attention layers 0 and 2, attention layers 1 and 3
-        tokenizer = _byte_bpe("<s>", "</s>", "<pad>", wrap=False)
+        tokenizer = byte_bpe("<s>", "</s>", "<pad>", wrap=False)
         ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         kinds = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
         config = tiny_config("qwen3_next", vocab_size=len(tokenizer), num_hidden_layers=4, layer_types=kinds, **ids)

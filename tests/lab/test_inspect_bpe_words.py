@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from hf_checkpoints import byte_bpe
 from multihead.cli import main
 from multihead.integrations.transformers_models import load_model
 from multihead.lab.inspect.inspection import inspect_text, pick_token
@@ -31,22 +31,10 @@ PIECES = ["The", "b", "an", "k", "was", "full", "of", "m", "o", "n", "ey", "."] 
 BANK, MONEY = (1, 3), (7, 10)  # each word's first and last piece
 
 
-def byte_bpe() -> transformers.PreTrainedTokenizerFast:
-    """GPT-2's byte-level BPE (no prefix space), trained on :data:`CORPUS`."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(CORPUS * 4, trainer)
-    end = "<|endoftext|>"
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=end, eos_token=end, pad_token=end)
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    tokenizer = byte_bpe()
+    end = "<|endoftext|>"
+    tokenizer = byte_bpe(end, end, end, wrap=False, sentences=CORPUS)  # GPT-2's, trained on CORPUS
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         vocab_size=len(tokenizer),
