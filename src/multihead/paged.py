@@ -44,7 +44,7 @@ from multihead._limits import check_fits
 from multihead.backends.paged import PageTable
 from multihead.cache import check_fitting, checked_layout
 from multihead.functional import AttentionResult, attention_result
-from multihead.masks import aligned_alibi, key_range_positions, key_ranges, slope_table, to_device
+from multihead.masks import aligned_alibi, checked_slope_tensor, key_range_positions, key_ranges, slope_table, to_device
 from multihead.masks import softcap as capped_scores
 
 __all__ = ["PagedKVCache", "PagedBatch", "PagedPending", "attention_with_kvcache"]
@@ -764,22 +764,8 @@ def _checked_scale(scale: object) -> float | None:
 
 def _checked_slopes(slopes: object, q: torch.Tensor) -> torch.Tensor:
     """ALiBi's (h,) or (b, h) slopes as the (b or 1, h, 1) table, on q's device."""
-    if not isinstance(slopes, torch.Tensor) or not slopes.is_floating_point():
-        raise bad_argument(
-            "alibi_slopes",
-            "a float tensor of slopes, (h,) or (b, h)",
-            describe(slopes),
-            "use multihead.masks.alibi_slopes(h)",
-            kind=TypeError,
-        )
     b, h = q.shape[0], q.shape[2]
-    if slopes.ndim not in (1, 2):
-        raise bad_argument(
-            "alibi_slopes",
-            f"(h,) = ({h},) or (b, h) = ({b}, {h})",
-            tuple(slopes.shape),
-            f"use multihead.masks.alibi_slopes({h})",
-        )
+    slopes = checked_slope_tensor("alibi_slopes", slopes, b, h, "b", fix="use multihead.masks.alibi_slopes(h)")
     matching("alibi_slopes", slopes, q, "q", fix="move the slopes with .to(q.device)", check_dtype=False)
     return slope_table("alibi_slopes", slopes, b, h, "batch row", "b")
 

@@ -24,6 +24,7 @@ from multihead.masks import (
     Mask,
     aligned_alibi,
     band_intersection,
+    checked_slope_tensor,
     host_readable,
     ragged_documents,
     ragged_rows,
@@ -228,22 +229,9 @@ def _document_alibi(slopes: object, cu_q: torch.Tensor, cu_k: torch.Tensor, q: t
     query t and key c of a document, i.e. the distance to the query's aligned key position, the one the documents
     term aligns causal and windows by (``masks.ragged_rows``); ``slopes`` (h,), or (documents, h): each query row
     reads its document's row. Built by ops on q's device: no boundary is read on the host."""
-    if not isinstance(slopes, torch.Tensor) or not slopes.is_floating_point():
-        raise bad_argument(
-            "alibi_slopes",
-            "a float tensor of slopes, (h,) or (documents, h)",
-            describe(slopes),
-            "use multihead.masks.alibi_slopes(h), or stack one row of it per document",
-            kind=TypeError,
-        )
     documents, heads = cu_q.numel() - 1, q.shape[1]
-    if slopes.ndim not in (1, 2):
-        raise bad_argument(
-            "alibi_slopes",
-            f"(h,) = ({heads},) or (documents, h) = ({documents}, {heads})",
-            tuple(slopes.shape),
-            f"use multihead.masks.alibi_slopes({heads})",
-        )
+    fix = "use multihead.masks.alibi_slopes(h), or stack one row of it per document"
+    slopes = checked_slope_tensor("alibi_slopes", slopes, documents, heads, "documents", fix=fix)
     table = slope_table("alibi_slopes", slopes, documents, heads, "document", "documents")  # (n or 1, h, 1)
     document, positions = ragged_rows(to_device(cu_q, q.device), to_device(cu_k, q.device), q.shape[0])
     if table.shape[0] > 1:  # (documents, h, 1) -> (1, h, total_q): each query row its document's slopes

@@ -44,7 +44,7 @@ at all; such fully masked rows give output 0 on every backend.
 # One module per kind of term, each holding what the user builds and its bound term (its rule and block states): a
 # new kind is a new module. BoundMask combines bound terms through their attributes alone, never by their class.
 # Past __all__'s user-facing names, the ones kernels and integrations bind masks with are imported here too.
-from multihead.masks._alibi import alibi, alibi_slopes, aligned_alibi, slope_table  # noqa: F401
+from multihead.masks._alibi import alibi, alibi_slopes, aligned_alibi, checked_slope_tensor, slope_table  # noqa: F401
 from multihead.masks._base import (  # noqa: F401
     STATE_EMPTY,
     STATE_FULL,

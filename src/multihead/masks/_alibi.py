@@ -74,6 +74,24 @@ class _Alibi(Mask):
         return _BoundAlibi(_moved("alibi(slopes)", table, shape.device), shape, offset=offset)
 
 
+def checked_slope_tensor(name: str, slopes: object, rows: int, heads: int, letter: str, *, fix: str) -> torch.Tensor:
+    """``slopes`` as a caller of FlashAttention's layout passes them: a float tensor (TypeError naming ``name`` and
+    ``fix`` otherwise) of one or two dimensions, (h,) or (``letter``, h) = (``rows``, ``heads``); its exact shape is
+    :func:`slope_table`'s to check."""
+    if not isinstance(slopes, torch.Tensor) or not slopes.is_floating_point():
+        raise bad_argument(
+            name, f"a float tensor of slopes, (h,) or ({letter}, h)", describe(slopes), fix, kind=TypeError
+        )
+    if slopes.ndim not in (1, 2):
+        raise bad_argument(
+            name,
+            f"(h,) = ({heads},) or ({letter}, h) = ({rows}, {heads})",
+            tuple(slopes.shape),
+            f"use multihead.masks.alibi_slopes({heads})",
+        )
+    return slopes
+
+
 def slope_table(name: str, slopes: torch.Tensor, rows: int, heads: int, row: str, letter: str) -> torch.Tensor:
     """``slopes`` (h,) or (n, h) checked against ``heads`` query heads and ``rows`` rows of ``row`` (a batch row, a
     document; ``letter`` its axis letter), as the (n or 1, h, 1) table the bound term reads: a view, so learned
