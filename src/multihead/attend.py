@@ -29,6 +29,10 @@ from multihead.masks import Mask
 # What a step owned by another library may apply to the kernel's result: (result, the weights asked for) -> result
 Finish: TypeAlias = Callable[[AttentionResult, bool | WeightSelection], AttentionResult]
 
+# A kernel run in place of multihead.attention_result for a call, with its arguments: the sequence split across ranks
+# (multihead.parallel.sequence.SequenceSplit), which refuses those it cannot serve
+Kernel: TypeAlias = Callable[..., AttentionResult]
+
 
 class Attend(nn.Module):
     """``multihead.attention`` over projected heads, then the layer's head gate and ablation, if any.
@@ -63,6 +67,7 @@ class Attend(nn.Module):
         pages: PageTable | None = None,
         sinks: torch.Tensor | None = None,
         finish: Finish | None = None,
+        kernel: Kernel | None = None,
     ) -> AttentionResult:
         """Attention with this step's dropout (in training mode) and backend, then its head surgery.
 
@@ -74,8 +79,12 @@ class Attend(nn.Module):
         asks for (a pre-hook may have changed it). For a step owned by another library whose attention differs
         from the kernel's on some rows: the transformers integration gives rows with every key masked eager's
         uniform weights there, where the kernel gives 0 (:mod:`multihead.integrations.transformers_rows`).
+        ``kernel``: run in place of :func:`multihead.attention_result`, with the same arguments, by this call and by
+        the "uniform" ablation's second call: the sequence split across ranks, whose heads are then gated and
+        ablated here like any other call's.
         """
-        result = attention_result(
+        run = attention_result if kernel is None else kernel
+        result = run(
             q,
             k,
             v,
@@ -97,7 +106,9 @@ class Attend(nn.Module):
         out = result.output
         if self.head_ablation is not None:
             ablation = self.head_ablation
-            out = ablate_outputs(out, ablation, q, k, v, mask=mask, causal=causal, backend=self.backend, pages=pages)
+            out = ablate_outputs(
+                out, ablation, q, k, v, mask=mask, causal=causal, backend=self.backend, pages=pages, kernel=kernel
+            )
         gate = check_gate(q.shape[1], self.head_gate)  # checked again here: the tensor may have been resized
         if gate is not None:
             out = out * gate.to(out.dtype)[None, :, None, None]

@@ -14,7 +14,7 @@ Zero-ablating heads and pruning them give the same outputs (tested).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,7 +24,7 @@ from torch import nn
 from multihead._errors import bad_argument, describe
 from multihead._indices import checked_indices
 from multihead.backends.paged import PageTable
-from multihead.functional import attention
+from multihead.functional import AttentionResult, attention_result
 from multihead.masks import Mask, to_device
 
 
@@ -165,11 +165,13 @@ def ablate_outputs(
     causal: bool,
     backend: str,
     pages: PageTable | None = None,
+    kernel: Callable[..., AttentionResult] | None = None,
 ) -> torch.Tensor:
     """The per-head outputs ``out`` (b, h, i, e) with ``ablation.heads`` replaced as ``ablation.how`` says.
 
     q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), mask, causal and pages are the attention call's own (in a
-    paged call, k and v are page pools): "uniform" attends again from all-zero queries.
+    paged call, k and v are page pools): "uniform" attends again from all-zero queries, with the call's own
+    ``kernel`` when it has one (the sequence split across ranks: the keys are on every rank).
     """
     num_heads = out.shape[1]
     # the indices go to the device without waiting for it (a Python list as an index is a blocking copy)
@@ -181,7 +183,8 @@ def ablate_outputs(
     elif ablation.how == "uniform":
         # all-zero queries score every allowed key the same: softmax is uniform over the keys the
         # mask allows (an additive bias such as ALiBi still applies)
-        replacement = attention(torch.zeros_like(q), k, v, mask=mask, causal=causal, backend=backend, pages=pages)
+        run = attention_result if kernel is None else kernel
+        replacement = run(torch.zeros_like(q), k, v, mask=mask, causal=causal, backend=backend, pages=pages).output
     else:
         assert ablation.mean_outputs is not None  # make_ablation requires them for how="mean"
         replacement = torch.zeros(num_heads, out.shape[-1], dtype=out.dtype, device=out.device)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +38,7 @@ from multihead._symbolic import surely
 from multihead.attend import Attend
 from multihead.backends import registry
 from multihead.cache import KVCache, PendingAppend
-from multihead.functional import autocast_on
+from multihead.functional import AttentionResult, autocast_on
 from multihead.heads import HeadSurgery, prune_layer
 from multihead.masks import Mask, as_mask, window
 from multihead.paged import PagedBatch, PagedKVCache, PagedPending
@@ -140,6 +142,21 @@ _TORCH_LAYOUT = (
 )
 
 
+class SequenceSplitLike(Protocol):
+    """What the layer asks of a sequence split across ranks (:class:`multihead.parallel.sequence.SequenceSplit`):
+    the global positions of this rank's shard (for rotary), and the kernel ``Attend`` runs in place of the
+    one-process one (with :func:`multihead.attention_result`'s arguments; it refuses those it cannot serve)."""
+
+    def positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """(length,) the global positions of this rank's ``length`` positions."""
+        ...
+
+    @property
+    def __call__(self) -> Callable[..., AttentionResult]:
+        """(q, k, v, **attention_result's keywords) -> AttentionResult (a property: any signature matches)."""
+        ...
+
+
 class MultiHeadAttention(HeadSurgery, nn.Module):
     """Multi-head attention over batch-first inputs (b, seq, features).
 
@@ -239,6 +256,9 @@ class MultiHeadAttention(HeadSurgery, nn.Module):
             registry.get_backend(backend)  # raises with the list of names
         # the attention step: holds dropout, backend and head surgery (HeadSurgery's properties)
         self.attend: Attend = Attend(float(dropout), backend)
+        # None: the layer attends over the keys it is given; a split (set by multihead.parallel.ContextParallel): its
+        # input is this rank's shard of a sequence split across ranks, attended over the whole sequence
+        self.sequence_split: SequenceSplitLike | None = None
         eps, self.output_gate = _norm_eps(qk_norm, qk_norm_eps), _gate_kind(output_gate)
         self.rotary = self._rotary(rotary, rotary_dim)
         checked_flag("sinks", sinks)
@@ -644,15 +664,19 @@ class MultiHeadAttention(HeadSurgery, nn.Module):
         (b, i), h, e = query.shape[:2], self.num_heads, self.value_head_dim
         q, gate, k, v = self._heads(query, key, value)  # (b, h, i, d), (b, h, i, c) or None, (b, g, j, d), (b, g, j, e)
         rotary_end = None  # positions the rotary tables must cover after this call
+        split = self.sequence_split
         if self.rotary is not None:
-            where = self._positions(positions, b, i, cache)
+            # a shard of a split sequence sits at its global positions (the split's layout)
+            where = self._positions(positions, b, i, cache) if split is None else split.positions(i, query.device)
             # tables grow only once the call has succeeded (below): a failed call leaves them as they were
             q, k = self._rotate(q, where), self._rotate(k, where)
             rotary_end = where + i if isinstance(where, int) else None
         # staged, not appended: the keys count only once the whole call has succeeded (commit below), so a call
         # that raises leaves the cache exactly as it was
         pending, k, v, seen = self._staged(cache, k, v, mask)  # the hooks on Attend read q, k, v as positionals
-        result = self.attend(q, k, v, **seen, causal=causal, return_weights=need_weights, sinks=self.sinks)
+        result = self.attend(
+            q, k, v, **seen, causal=causal, return_weights=need_weights, sinks=self.sinks, kernel=split
+        )
         out = result.output if gate is None else result.output * torch.sigmoid(gate)  # (b, h, i, e)
         out = self.out_proj(out.transpose(1, 2).reshape(b, i, h * e))  # heads concatenated, then W^O
         weights = result.weights
@@ -705,6 +729,50 @@ class MultiHeadAttention(HeadSurgery, nn.Module):
                 "None (the layer has no rotary embedding)",
                 describe(positions),
                 "build the layer with rotary=True, or drop positions",
+            )
+        if self.sequence_split is not None:
+            self._check_split_call(key, need_weights, cache, positions)
+
+    def _check_split_call(self, key: object, need_weights: bool, cache: object, positions: object) -> None:
+        """What a call of a layer whose sequence is split across ranks cannot have, refused before anything runs:
+        cross-attention, the weights, a cache, positions of its own, and hooks on its ``Attend`` (capture and the
+        circuits tools read the call's q, k and v, which hold this rank's positions only)."""
+        undo = "or set layer.sequence_split = None to run the layer on this rank alone"
+        if key is not None:
+            raise bad_argument(
+                "key",
+                "None: a layer whose sequence is split across ranks attends to its own input (self-attention)",
+                "a key tensor",
+                f"run cross-attention with multihead.attention on one rank, {undo}",
+            )
+        if need_weights:
+            raise bad_argument(
+                "need_weights",
+                "False: the weights of a sequence split across ranks are never formed on any rank",
+                True,
+                f"look at the weights of a sequence that fits one rank, {undo}",
+            )
+        if cache is not None:
+            raise bad_argument(
+                "cache",
+                "None: a split sequence has no KV cache (the split is for training and prefill)",
+                describe(cache),
+                f"decode with the layer on one rank, {undo}",
+            )
+        if positions is not None:
+            raise bad_argument(
+                "positions",
+                "None: the positions of a rank's shard are the split's (its layout)",
+                describe(positions),
+                "shard the input in the split's layout (contiguous or zigzag) and drop positions",
+            )
+        if self.attend._forward_hooks or self.attend._forward_pre_hooks:
+            raise bad_argument(
+                "layer.attend",
+                "no forward hooks while the sequence is split across ranks",
+                "hooks (capture, circuits or your own) that would read this rank's positions only",
+                f"remove them (leave the capture block), {undo}",
+                kind=RuntimeError,
             )
 
     def _check_self_attention(self, value: object) -> None:

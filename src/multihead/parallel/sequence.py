@@ -50,7 +50,7 @@ from multihead import masks
 from multihead._errors import bad_argument, describe
 from multihead._inputs import tensor_argument
 from multihead.backends.sinks import check_sinks, kept_share, per_row, sink_lse
-from multihead.functional import attention, attention_result
+from multihead.functional import AttentionResult, attention, attention_result
 from multihead.layer import MultiHeadAttention
 from multihead.parallel._group import resolve_group
 from multihead.parallel.split import ulysses_kv_heads
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LAYOUTS",
     "SequenceParallelAttention",
+    "SequenceSplit",
     "ring_attention",
     "ulysses_attention",
     "zigzag_shard",
@@ -720,16 +721,122 @@ def ring_attention(
 # --------------------------------------------------------------------------- the layer
 
 
+@dataclass(frozen=True)
+class SequenceSplit:
+    """A layer's sequence split across the ranks of ``group``: set as ``layer.sequence_split`` (by
+    :class:`multihead.parallel.ContextParallel` or, for one call, :class:`SequenceParallelAttention`), the layer takes
+    this rank's shard (b, n/P, embed_dim) in ``layout``, rotates it at its global positions and attends over the whole
+    sequence with ``method``, through its ``Attend`` (head gates and ablations apply to its heads as on one rank).
+
+    Called as the kernel :func:`multihead.attention_result` would be, on the layer's local heads: q (b, h, n/P, d),
+    k (b, g, n/P, d), v (b, g, n/P, e) -> an AttentionResult with the output (b, h, n/P, e) only. ``key_padding``:
+    None or (b, n/P) bool, True = real key, sharded like k (for one call).
+    """
+
+    group: object
+    method: str = "ring"
+    layout: str = "contiguous"
+    key_padding: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise bad_argument("method", '"ring" or "ulysses"', repr(self.method), 'pass method="ring" or "ulysses"')
+        if self.layout not in LAYOUTS:
+            raise bad_argument(
+                "layout", f"one of {LAYOUTS}", repr(self.layout), 'pass layout="contiguous" or "zigzag"'
+            )
+
+    def positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """(length,) the global positions of this rank's ``length`` = n/P positions, in shard order."""
+        _, rank, world = _group_size(self.group, "the sequence split")
+        if self.layout == "zigzag" and length % 2:
+            raise bad_argument(
+                "query",
+                f"a zigzag shard of even length n/P (two chunks of n/(2P); P = {world})",
+                f"n/P = {length}",
+                f"pad the sequence to a multiple of 2P = {2 * world}, mark padded keys as padding, "
+                "and shard with zigzag_shard",
+            )
+        spans = _spans(self.layout, rank, world, length)
+        return torch.cat([torch.arange(start, start + count, device=device) for start, count in spans])
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: masks.Mask | torch.Tensor | None = None,
+        causal: bool = False,
+        scale: float | None = None,
+        dropout: float = 0.0,
+        training: bool = False,
+        backend: str = "auto",
+        pages: object = None,
+        sinks: torch.Tensor | None = None,
+        return_weights: object = False,
+        return_lse: bool = False,
+    ) -> AttentionResult:
+        """Ring or Ulysses attention of this rank's heads over the whole sequence; what it cannot serve, refused."""
+        if training and dropout > 0:
+            raise bad_argument(
+                "dropout",
+                "0 in training (attention dropout is not implemented across ranks)",
+                dropout,
+                "set layer.dropout = 0.0, or call .eval()",
+            )
+        if return_weights is not False or return_lse:
+            raise bad_argument(
+                "return_weights",
+                "no weights nor log-sum-exp: a sequence split across ranks never forms them on one rank",
+                f"return_weights={return_weights!r}, return_lse={return_lse!r}",
+                "look at the weights of a sequence that fits one rank",
+            )
+        if pages is not None:
+            raise bad_argument("pages", "None: a split sequence has no paged cache", describe(pages), "drop pages")
+        if isinstance(mask, torch.Tensor):
+            raise bad_argument(
+                "mask",
+                "a typed mask from multihead.masks on global positions (a tensor's (i, j) cannot be split)",
+                describe(mask),
+                "pass masks.causal() / masks.window(left, right) / masks.softcap(cap) / masks.padding(...)",
+                kind=TypeError,
+            )
+        fn = ring_attention if self.method == "ring" else ulysses_attention
+        out = fn(
+            q,
+            k,
+            v,
+            self.group,  # type: ignore[arg-type]  # checked by resolve_group
+            causal=causal,
+            mask=mask,
+            key_padding=self.key_padding,
+            scale=scale,
+            layout=self.layout,
+            backend=backend,
+            sinks=sinks,
+        )
+        return AttentionResult(out, None, None)  # (b, h, n/P, e)
+
+
+METHODS = ("ring", "ulysses")
+
+
 class SequenceParallelAttention(nn.Module):
     """A :class:`multihead.MultiHeadAttention` run on a sequence-sharded input: projections local, attention by
     ``method`` ("ring" or "ulysses") across ``group``, W^O local.
 
     Every rank holds the whole layer (the same weights, as under data parallelism: average the weight gradients
-    over the group, e.g. with DistributedDataParallel, to keep them equal). Self-attention only; rotary positions
-    are the global positions of the rank's shard. The layer's ``Attend`` seam is bypassed, so head gates,
-    ablations and weight capture do not apply here; no KV cache (this is for training and prefill).
+    over the group, e.g. with DistributedDataParallel, to keep them equal), or its head shard
+    (:func:`multihead.parallel.shard_heads` over another dimension of the mesh). Self-attention only; rotary
+    positions are the global positions of the rank's shard. The attention runs through the layer's ``Attend``, so
+    head gates and ablations act on its heads; weights, capture, a KV cache and attention dropout in training are
+    refused (this is for training and prefill).
 
         x (b, n/P, embed_dim), this rank's shard in ``layout``  ->  out (b, n/P, out_dim), the same shard
+
+    It splits the layer for its own calls only: ``layer(x)`` itself still runs on one rank. To split the layer for
+    every call, in place (inside a model), use :class:`multihead.parallel.ContextParallel`.
     """
 
     def __init__(
@@ -745,10 +852,7 @@ class SequenceParallelAttention(nn.Module):
             raise bad_argument(
                 "layer", "a multihead.MultiHeadAttention", describe(layer), "wrap a MultiHeadAttention", kind=TypeError
             )
-        if method not in ("ring", "ulysses"):
-            raise bad_argument("method", '"ring" or "ulysses"', repr(method), 'pass method="ring" or "ulysses"')
-        if layout not in LAYOUTS:
-            raise bad_argument("layout", f"one of {LAYOUTS}", repr(layout), 'pass layout="contiguous" or "zigzag"')
+        SequenceSplit(group, method, layout)  # checks method and layout
         self.layer, self.group, self.method, self.layout = layer, group, method, layout
 
     def forward(
@@ -768,38 +872,17 @@ class SequenceParallelAttention(nn.Module):
                 describe(x),
                 "shard a (b, n, embed_dim) input on dim 1 with the module's layout",
             )
-        if layer.training and layer.dropout > 0:
+        outer = layer.sequence_split
+        if outer is not None:
             raise bad_argument(
-                "layer.dropout",
-                "0 in training (attention dropout is not implemented across ranks)",
-                layer.dropout,
-                "set layer.dropout = 0.0, or call .eval()",
+                "layer",
+                "a layer whose sequence is not split already",
+                f"a layer split by {outer.method} over its own group",  # type: ignore[attr-defined]
+                "call the layer itself (ContextParallel split it), or set layer.sequence_split = None",
             )
-        group, rank, world = _group_size(self.group, "SequenceParallelAttention")
-        b, m, _ = x.shape
-        h, e = layer.num_heads, layer.value_head_dim
-        # the layer's own heads: q (b, h, n/P, d) with its output gate's logits, k (b, g, n/P, d), v (b, g, n/P, e),
-        # q and k normed where the layer norms them
-        q, gate, k, v = layer._heads(x, None, None)
-        if layer.rotary is not None:
-            if self.layout == "zigzag" and m % 2:
-                _check_inputs(q, k, v, key_padding, self.layout, world, "SequenceParallelAttention")
-            spans = _spans(self.layout, rank, world, m)
-            where = torch.cat([torch.arange(start, start + length, device=x.device) for start, length in spans])
-            q, k = layer._rotate(q, where), layer._rotate(k, where)  # its rotary_dim, where partial
-        fn = ring_attention if self.method == "ring" else ulysses_attention
-        out = fn(
-            q,
-            k,
-            v,
-            group,
-            causal=causal,
-            mask=mask,
-            key_padding=key_padding,
-            layout=self.layout,
-            backend=layer.backend,
-            sinks=layer.sinks,
-        )  # (b, h, n/P, e)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)  # the layer's output gate, before W^O
-        return layer.out_proj(out.transpose(1, 2).reshape(b, m, h * e))  # (b, n/P, out_dim)
+        layer.sequence_split = SequenceSplit(self.group, self.method, self.layout, key_padding)
+        try:  # the layer's own forward (a head shard's too), with this split for this call only
+            out, _ = layer(x, mask=mask, causal=causal)
+        finally:
+            layer.sequence_split = None
+        return out  # (b, n/P, out_dim)
