@@ -1,7 +1,8 @@
 """Other libraries' models on multihead's kernel. Each integration imports its library; nothing else here does.
 
 ``multihead.integrations.transformers`` (the ``hf`` extra) puts a transformers model's attention on the kernel and
-needs nothing of the lab. :func:`load_text_model` and :func:`load_causal_lm` (in
+needs nothing of the lab; ``multihead.integrations.transformers_parallel`` splits such a model's sequence across
+ranks. :func:`load_text_model` and :func:`load_causal_lm` (in
 :mod:`multihead.integrations.folders`) open any ``--model`` folder as the lab's models, so they load the lab when
 first touched: ``pip install 'multihead[hf]'`` alone runs the integration without the lab.
 """

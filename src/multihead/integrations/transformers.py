@@ -119,8 +119,13 @@ def attention_forward(
     query (b, h, i, d), key (b, g, j, d), value (b, g, j, e); attention_mask None, a typed mask (what
     :func:`~multihead.integrations.transformers_masks.typed_mask` made), or a (b, 1 or h, i, >= j) tensor,
     boolean (True = may attend) or additive float; ``softcap`` (Gemma 2) caps the scores. Returns (output
-    (b, i, h, e), weights (b, h, i, j) when ``output_attentions`` was asked, else None).
+    (b, i, h, e), weights (b, h, i, j) when ``output_attentions`` was asked, else None). A module whose sequence is
+    split across ranks (:func:`multihead.integrations.transformers_parallel.context_parallel`) takes this rank's
+    shard, i = j = n/P, and its split serves the call or refuses it.
     """
+    split = module.__dict__.get(SPLIT_ATTRIBUTE)
+    if split is not None:  # the sequence split across ranks (multihead.integrations.transformers_parallel)
+        return split(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     _check_keywords(module, kwargs)
     mask = kernel_mask(attention_mask, key.shape[-2])
     picked = _sparse_indices(module, kwargs)
@@ -203,6 +208,11 @@ def _weights_asked(module: nn.Module, kwargs: dict) -> bool:
 # model's graph guards on that module alone; a module-level dictionary was guarded as a whole, so running or
 # freeing any other model recompiled it
 SEAM_ATTRIBUTE = "_multihead_attend"
+
+
+# A module's sequence split across ranks, set by multihead.integrations.transformers_parallel.context_parallel and
+# kept beside its seam for the same reason: a callable that takes the call in attention_forward's place
+SPLIT_ATTRIBUTE = "_multihead_sequence_split"
 
 
 def _seam(module: nn.Module) -> Attend:
