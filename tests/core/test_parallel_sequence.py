@@ -204,10 +204,15 @@ def check_rank(rank: int, world: int) -> dict:
         for key, call in {
             "ulysses heads": lambda: ulysses_attention(*local),
             "ulysses kv heads": lambda: ulysses_attention(local[0][:, :2].repeat(1, 3, 1, 1), *local[1:]),
-            "alibi": lambda: ring_attention(*local, mask=masks.alibi(masks.alibi_slopes(3))),
-            "typed padding": lambda: ring_attention(
-                *local, mask=masks.padding(torch.tensor([3, 4], device=rank_device()))
+            # ALiBi with positions given per query row: not the split's global ones (masks.alibi is served)
+            "aligned alibi": lambda: ring_attention(
+                *local,
+                mask=masks.aligned_alibi(
+                    torch.ones(1, 3, 1, device=rank_device()),
+                    torch.zeros(1, N // world, dtype=torch.long, device=rank_device()),
+                ),
             ),
+            "bias": lambda: ring_attention(*local, mask=masks.bias(torch.zeros(N // world, N, device=rank_device()))),
             "odd zigzag": lambda: ring_attention(*(t[:, :, :5] for t in local), layout="zigzag"),
         }.items():
             try:
@@ -267,8 +272,8 @@ def test_world_2_and_refusals(device):
     for key, fragments in {
         "ulysses heads": ("h = 3", "g = 3", "P = 2"),
         "ulysses kv heads": ("h = 6", "g = 3", "P = 2"),
-        "alibi": ("mask", "alibi"),
-        "typed padding": ("mask", "key_padding"),
+        "aligned alibi": ("mask", "alibi(heads=3", "masks.alibi(slopes)"),
+        "bias": ("mask", "bias(shape=", "cannot be split"),
         "odd zigzag": ("n/P = 5", "2P"),
     }.items():
         is_ours, message = refusals[key]

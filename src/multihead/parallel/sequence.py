@@ -9,7 +9,8 @@ values (b, g, n/P, e). Two ways to attend over the whole sequence:
 Both keep O(n/P) memory per rank in training as in inference. Ring attention saves only the rank's own q, k, v,
 output and LSE for the backward, which sends K/V round the ring again with their dK/dV accumulators and recomputes
 each block. Per rank, with S the bytes of its K and V shards: forward P - 1 sends of S, backward 2P - 1 sends of S
-(P - 1 K/V, P dK/dV); key_padding adds b n/P elements to each K/V send (details: :func:`ring_attention`).
+(P - 1 K/V, P dK/dV); a key validity adds b n/P elements to each K/V send and document indices 8 b n/P bytes
+each (details: :func:`ring_attention`).
 
 Layouts (``layout=``) say which positions a rank's shard holds; every rank must use the same one and the same shapes:
 
@@ -28,10 +29,23 @@ sequences, so either layout balances. A sequence whose length does not split is 
 pad it to a multiple of P (contiguous) or 2P (zigzag), mark the padded keys with ``key_padding`` and drop the
 padded queries' outputs.
 
-Masks: ``causal=True``, ``mask=`` built from ``masks.causal()``, ``masks.window(...)`` and ``masks.softcap(...)``
-(positions are global, the query and key lengths are equal, so either alignment means the same), and
-``key_padding``: a (b, n/P) bool tensor, True = real key, sharded like K/V. Other typed masks (padding given as a
-typed mask, alibi, bias, allowed, tensors) are refused with a ValueError naming the mask.
+Masks, forward and backward, on global positions (the query and key lengths are equal, so either alignment means
+the same); what each tensor means under the split:
+
+    causal=True, masks.causal(), masks.window(left, right), masks.softcap(cap)    as on one rank
+    key_padding=valid          (b, n/P) bool, this rank's shard of the key validity (True = real), sharded like k
+    masks.padding(lengths)     (b,) integer key lengths of the WHOLE sequence: global key p is real iff p < lengths[b]
+    masks.padding(valid)       (b, n/P) bool shard, as key_padding; with key_padding, both apply
+    masks.documents(ids)       (b, n/P) integers, this rank's shard of every position's document (q and k alike)
+    masks.documents(cu_seqlens=...)  the whole packed row's boundaries (batch 1), the last one n
+    masks.alibi(slopes)        (h,) or (b, h) for the call's h query heads: -slope |p_q - p_k| on global positions;
+                               learned slopes get their gradient (each rank its share: sum it over ranks)
+
+Terms combine with ``&`` as on one rank. Ring attention sends the key validity and the document indices with K/V
+(the indices exactly, as int64 bytes); Ulysses all-gathers the shards into position order, and passes the global
+terms (lengths, cu_seqlens, each rank's heads' slopes) to the kernel as they are. Terms whose tensors hold one
+rank's (i, j) pairs or its own positions (bias, allowed, plain tensors, selected, custom, aligned ALiBi) are refused
+with an error naming the term and what to do.
 """
 
 from __future__ import annotations
@@ -52,6 +66,10 @@ from multihead._inputs import tensor_argument
 from multihead.backends.sinks import check_sinks, kept_share, per_row, sink_lse
 from multihead.functional import AttentionResult, attention, attention_result
 from multihead.layer import MultiHeadAttention
+from multihead.masks._alibi import _Alibi, slope_table
+from multihead.masks._base import host_readable, to_device
+from multihead.masks._documents import _Documents
+from multihead.masks._padding import _Padding
 from multihead.parallel._group import resolve_group
 from multihead.parallel.split import ulysses_kv_heads
 
@@ -164,39 +182,169 @@ def _combine(terms: list[masks.Mask]) -> masks.Mask | None:
     return None if not terms else terms[0] if len(terms) == 1 else masks.Combined(tuple(terms))
 
 
-def _check_mask(mask: object, causal: bool, function: str) -> _Diagonals:
+@dataclass(frozen=True)
+class _SplitTerms:
+    """A call's typed mask sorted by how each term crosses the split, checked against this rank's sizes (b batch
+    rows, h query heads, m = n/P positions): what :func:`_check_mask` returns."""
+
+    diagonals: _Diagonals
+    lengths: tuple[torch.Tensor, ...]  # padding(lengths): (b,) key lengths of the whole sequence
+    valid: tuple[torch.Tensor, ...]  # padding(valid): (b, m) bool shards of the key validity, sharded like k
+    ids: tuple[torch.Tensor, ...]  # documents(ids): (b, m) int64 shards of every position's document
+    bounds: tuple[torch.Tensor, ...]  # documents(cu_seqlens=...): (d + 1,) boundaries of the whole packed row
+    slopes: torch.Tensor | None  # the alibi terms' slopes summed, (b or 1, h, 1) (a view: learned ones keep grad)
+
+
+_SERVED = "causal, window, softcap, padding, documents and alibi"
+
+
+def _check_mask(mask: object, causal: bool, function: str, b: int, h: int, m: int, world: int) -> _SplitTerms:
+    """Sort ``mask``'s terms (:class:`_SplitTerms`) and check their tensors against the shard's sizes; every term
+    that cannot be split by the ranks' global positions is refused here, before any collective."""
+    n = m * world
     left: int | None = None
     right: int | None = 0 if causal else None
     extra: list[masks.Mask] = []
-    if mask is None:
-        return _Diagonals(left, right, ())
-    if not isinstance(mask, masks.Mask):
+    lengths: list[torch.Tensor] = []
+    valid: list[torch.Tensor] = []
+    ids: list[torch.Tensor] = []
+    bounds: list[torch.Tensor] = []
+    tables: list[torch.Tensor] = []
+    if mask is not None and not isinstance(mask, masks.Mask):
         raise bad_argument(
             "mask",
-            f"None or a typed mask from multihead.masks (causal, window, softcap) for {function}",
+            f"None or a typed mask from multihead.masks ({_SERVED}) for {function}",
             describe(mask),
-            "pass masks.causal() / masks.window(left, right) / masks.softcap(cap); give padded keys as key_padding",
+            "pass masks.causal() / window / softcap / padding / documents / alibi terms on global positions: a "
+            "tensor's (i, j) entries cannot be split across the ranks",
             kind=TypeError,
         )
-    for term in mask.terms():
+    for term in mask.terms() if mask is not None else ():
         band = term.key_band()
         if band is not None:
             left, right = masks.band_intersection((left, right), band)
         elif term.cap is not None:
             extra.append(term)
+        elif isinstance(term, _Padding) and term.keys.dtype == torch.bool:
+            if tuple(term.keys.shape) != (b, m):
+                raise bad_argument(
+                    "padding(valid)",
+                    f"a (b, n/P) = ({b}, {m}) bool shard of this rank's key validity, sharded like k (True = real)",
+                    tuple(term.keys.shape),
+                    "shard the (b, n) validity with the call's layout, as key_padding is; or give the whole "
+                    "sequence's key lengths as padding(lengths)",
+                )
+            valid.append(term.keys)
+        elif isinstance(term, _Padding):
+            lengths.append(_checked_lengths(term.keys, b, n))
+        elif isinstance(term, _Documents) and term.ids is not None:
+            if tuple(term.ids.shape) != (b, m):
+                raise bad_argument(
+                    "documents(ids)",
+                    f"a (b, n/P) = ({b}, {m}) shard of every position's document index, sharded like q and k",
+                    tuple(term.ids.shape),
+                    "shard the (b, n) indices with the call's layout; or give one packed row's boundaries as "
+                    "documents(cu_seqlens=...)",
+                )
+            ids.append(term.ids)
+        elif isinstance(term, _Documents) and term.bounds is not None:
+            bounds.append(_checked_bounds(term.bounds, b, n))
+        elif isinstance(term, _Alibi):
+            tables.append(slope_table("alibi(slopes)", term.slopes, b, h, "batch row", "b"))
         else:
-            fix = (
-                "pass key_padding=, a (b, n/P) bool shard of this rank's keys (True = real)"
-                if term.kind == "padding"
-                else "use causal, window or softcap; run this mask on one rank with multihead.attention"
-            )
             raise bad_argument(
                 "mask",
-                f"only causal, window and softcap terms in {function} (the sequence is split across ranks)",
+                f"only {_SERVED} terms in {function} (the sequence is split across ranks)",
                 repr(term),
-                fix,
+                _refusal_fix(term),
             )
-    return _Diagonals(left, right, tuple(extra))
+    slopes = None
+    for table in tables:  # biases add: -s1 |d| - s2 |d| = -(s1 + s2) |d|
+        slopes = table if slopes is None else slopes + table
+    return _SplitTerms(
+        _Diagonals(left, right, tuple(extra)), tuple(lengths), tuple(valid), tuple(ids), tuple(bounds), slopes
+    )
+
+
+def _refusal_fix(term: masks.Mask) -> str:
+    """What to do instead of a term the split cannot serve: it holds (i, j) entries, or positions, of one rank."""
+    if term.kind == "alibi":  # aligned_alibi: positions given per query row, not the split's global ones
+        return "use masks.alibi(slopes): the split applies it on the global positions"
+    if term.kind == "tensor":
+        return (
+            "a tensor's (i, j) entries cannot be split across the ranks: express it with causal, window, padding "
+            "or documents terms, or run it on one rank with multihead.attention"
+        )
+    return f"express it with {_SERVED} terms, or run it on one rank with multihead.attention"
+
+
+def _checked_lengths(lengths: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """padding(lengths) of the whole sequence: (b,) key lengths in [0, n], checked where the host can read them
+    (a CUDA tensor is used as it is, never read: as on one rank, a length past n keeps every key)."""
+    if tuple(lengths.shape) != (b,):
+        raise bad_argument(
+            "padding(lengths)",
+            f"shape (b,) = ({b},): one key length of the whole sequence per batch row",
+            tuple(lengths.shape),
+            "give one key length per batch element",
+        )
+    if host_readable(lengths) and b and (int(lengths.min()) < 0 or int(lengths.max()) > n):
+        raise bad_argument(
+            "padding(lengths)",
+            f"lengths in [0, {n}] (n, the whole sequence's length: lengths count global positions)",
+            f"values from {int(lengths.min())} to {int(lengths.max())}",
+            "clip the lengths to the sequence length; for this rank's keys alone pass padding(valid) or key_padding",
+        )
+    return lengths
+
+
+def _checked_bounds(bounds: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """documents(cu_seqlens=...) of the whole packed row: batch 1, its last boundary n where the host can read it."""
+    if b != 1:
+        raise bad_argument(
+            "documents(cu_seqlens)",
+            "a call of batch 1 (one packed row)",
+            f"batch {b}",
+            "pack the batch into one row, or pass documents(ids) with a (b, n/P) shard of indices",
+        )
+    if host_readable(bounds) and int(bounds[-1]) != n:
+        raise bad_argument(
+            "documents(cu_seqlens)",
+            f"a last boundary equal to the whole sequence's length n = {n} (boundaries are global positions)",
+            int(bounds[-1]),
+            "end cu_seqlens at the packed length of the whole row, not of this rank's shard",
+        )
+    return bounds
+
+
+def _global_positions(layout: str, rank: int, world: int, m: int, device: torch.device) -> torch.Tensor:
+    """(m,) int64: the global position of each entry of rank ``rank``'s shard, in shard order (built on device)."""
+    spans = _spans(layout, rank, world, m)
+    return torch.cat([torch.arange(start, start + length, device=device) for start, length in spans])
+
+
+def _shard_validity(
+    key_padding: torch.Tensor | None, terms: _SplitTerms, where: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """This rank's key validity (b, m) bool: key_padding and every padding(valid) shard, and, given ``where``
+    (the shard's global positions), the padding(lengths) terms (p < lengths[b]); None when nothing masks keys."""
+    found = [] if key_padding is None else [key_padding.to(device)]
+    found += [to_device(part, device) for part in terms.valid]
+    if where is not None:
+        found += [where[None, :] < to_device(lengths, device)[:, None] for lengths in terms.lengths]
+    valid = None
+    for part in found:
+        valid = part if valid is None else valid & part
+    return valid
+
+
+def _shard_documents(terms: _SplitTerms, where: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """(t, b, m) int64: each of the t documents terms' index of this rank's positions (t = 1 for one term): the
+    documents(ids) shards, and, given ``where``, each cu_seqlens boundary list's document of those positions."""
+    rows = [to_device(ids, device) for ids in terms.ids]
+    if where is not None:
+        rows += [torch.bucketize(where, to_device(bounds, device)[1:], right=True)[None, :] for bounds in terms.bounds]
+    return torch.stack(rows) if rows else None
 
 
 def _check_inputs(
@@ -310,7 +458,11 @@ def ulysses_attention(
             heads read. Other (h, g, P) are refused with a ValueError naming them.
         v: (b, g, n/P, e) this rank's values.
         group: the process group the sequence is split over, a 1-D DeviceMesh, or None (the whole world).
-        causal, mask: ``masks.causal``/``window``/``softcap`` terms on global positions (the module docstring).
+        causal, mask: causal, window, softcap, padding, documents and alibi terms on global positions (the module
+            docstring says what each tensor means). padding(lengths), documents(cu_seqlens=...) and the slopes go
+            to the kernel as they are (each rank takes its h/P heads' slopes, so learned ones get their gradient
+            there, the other heads' 0 on this rank: sum it over ranks as a replicated parameter's); padding(valid)
+            shards join key_padding's all-gather, documents(ids) shards are all-gathered (one more collective).
         key_padding: None or (b, n/P) bool, True = real key, sharded like k (all-gathered: one extra collective).
         scale: multiplies q k^T; default 1/sqrt(d).
         layout: "contiguous" or "zigzag": which positions every rank's shard holds (the module docstring).
@@ -323,12 +475,14 @@ def ulysses_attention(
         (b, h, n/P, e): this rank's shard of the output, in the same layout as q.
 
     Communication per forward: 4 all-to-alls (q, k, v to head shards, the output back; each moves
-    (P - 1)/P of its tensor), plus one all-gather of key_padding when given; the backward runs the transposed
-    all-to-alls (4 more). Autograd flows through torch's functional ``all_to_all_single_autograd``.
+    (P - 1)/P of its tensor), plus one all-gather of the key validity when key_padding or padding(valid) is given,
+    and one of the document indices when documents(ids) is; the backward runs the transposed all-to-alls (4 more).
+    Autograd flows through torch's functional ``all_to_all_single_autograd``.
     """
     group, rank, world = _group_size(group, "ulysses_attention")
     b, h, g, m = _check_inputs(q, k, v, key_padding, layout, world, "ulysses_attention")
-    diagonals = _check_mask(mask, causal, "ulysses_attention")
+    split = _check_mask(mask, causal, "ulysses_attention", b, h, m, world)
+    diagonals = split.diagonals
     kv_heads = ulysses_kv_heads(h, g, world, q_argument="q", kv_argument="k")  # shared with `multihead cost --cp`
     if kv_heads != g:
         k = k.repeat_interleave(kv_heads // g, dim=1)  # (b, P, n/P, d): kv head j serves rank j's query heads
@@ -345,11 +499,18 @@ def ulysses_attention(
     terms: list[masks.Mask] = list(diagonals.extra)
     if diagonals.left is not None or diagonals.right is not None:
         terms.append(masks.window(diagonals.left, diagonals.right))
-    if key_padding is not None:
-        pieces = [torch.empty_like(key_padding) for _ in range(world)]
-        dist.all_gather(pieces, key_padding.contiguous(), group=group)
-        valid = torch.cat(pieces, dim=1)  # (b, n) in shard order
-        terms.append(masks.padding(valid if inverse is None else valid.index_select(1, inverse)))
+    # every rank attends over the whole sequence in position order: terms on global positions apply as they are
+    terms += [masks.padding(lengths) for lengths in split.lengths]
+    terms += [masks.documents(cu_seqlens=bounds) for bounds in split.bounds]
+    valid = _shard_validity(key_padding, split, None, q.device)  # key_padding & padding(valid) shards: (b, n/P)
+    if valid is not None:
+        terms.append(masks.padding(_natural_keys(_gathered(valid, world, group), inverse)))  # (b, n)
+    ids = _shard_documents(split, None, q.device)  # documents(ids) shards: (t, b, n/P)
+    if ids is not None:
+        terms += [masks.documents(row) for row in _natural_keys(_gathered(ids, world, group), inverse)]  # (b, n) each
+    if split.slopes is not None:  # this rank's heads' slopes, (b or 1, h/P) -> (h/P,) or (b, h/P)
+        local_slopes = split.slopes[:, rank * (h // world) : (rank + 1) * (h // world), 0]
+        terms.append(masks.alibi(local_slopes[0] if local_slopes.shape[0] == 1 else local_slopes))
     combined = _combine(terms)
     local_sinks = None
     if sinks is not None:
@@ -363,6 +524,19 @@ def ulysses_attention(
     if order is not None:
         out = out.index_select(2, order)  # back to shard order
     return _heads_to_seq(out, world, group)  # (b, h, n/P, e)
+
+
+def _gathered(x: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's (..., m) shard of ``x`` (no gradient: key validity, document indices), concatenated in rank
+    order on the last dim: (..., P m), the positions in shard order (one all-gather)."""
+    pieces = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(pieces, x.contiguous(), group=group)
+    return torch.cat(pieces, dim=-1)
+
+
+def _natural_keys(x: torch.Tensor, inverse: torch.Tensor | None) -> torch.Tensor:
+    """(..., n) in shard order -> position order (``inverse``: argsort of the shard order, None for contiguous)."""
+    return x if inverse is None else x.index_select(-1, inverse)
 
 
 # --------------------------------------------------------------------------- ring
@@ -417,27 +591,53 @@ class _Ring:
     m: int
     d: int
     e: int
+    padded: bool = False  # a (b, m) key validity travels with K/V
+    documents: int = 0  # how many (b, m) rows of document indices travel with K/V (one per documents term)
 
-    def pack(self, k: torch.Tensor, v: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
-        """K, V (and key_padding, as 0/1 in k's dtype) in one flat buffer: one send per ring step."""
+    def pack(
+        self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """K, V, the key validity (b, m) and the document indices (t, b, m) in one flat buffer of k's dtype: one
+        send per ring step. The validity goes as 0/1, exact in any dtype; the indices go as their int64 bytes
+        reinterpreted (never converted: bfloat16 holds integers exactly only up to 256, float16 up to 2048), so
+        every index arrives exactly. 8 t b m bytes."""
         pieces = [k.reshape(-1), v.reshape(-1)]
-        if key_padding is not None:
-            pieces.append(key_padding.to(k.dtype).reshape(-1))
-        return torch.cat(pieces)  # (b g m d + b g m e [+ b m],)
+        if valid is not None:
+            pieces.append(valid.to(k.dtype).reshape(-1))
+        if ids is not None:
+            pieces.append(ids.contiguous().view(k.dtype).reshape(-1))  # 8 // element size entries an index
+        return torch.cat(pieces)  # (b g m d + b g m e [+ b m] [+ 8 t b m / element size],)
 
-    def unpack(self, held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(k (b, g, m, d), v (b, g, m, e), valid (b, m) or None): views of a buffer made by :meth:`pack`."""
+    def unpack(
+        self, held: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(k (b, g, m, d), v (b, g, m, e) in ``dtype``, valid (b, m) bool or None, ids (t, b, m) int64 or None)
+        from a buffer made by :meth:`pack`."""
         b, g, m, d, e = self.b, self.g, self.m, self.d, self.e
-        k = held[: b * g * m * d].view(b, g, m, d)
-        v = held[b * g * m * d : b * g * m * (d + e)].view(b, g, m, e)
-        valid = held[b * g * m * (d + e) :].view(b, m) > 0.5 if held.numel() > b * g * m * (d + e) else None
-        return k, v, valid
+        kv = b * g * m * (d + e)
+        k = held[: b * g * m * d].view(b, g, m, d).to(dtype)
+        v = held[b * g * m * d : kv].view(b, g, m, e).to(dtype)
+        valid = held[kv : kv + b * m].view(b, m) > 0.5 if self.padded else None
+        ids = None
+        if self.documents:
+            # copied out: an int64 view needs a start aligned to 8 bytes, which the buffer's tail may not have
+            tail = held[kv + (b * m if self.padded else 0) :].clone()
+            ids = tail.view(torch.int64).view(self.documents, b, m)
+        return k, v, valid, ids
 
     def blocks(
-        self, source: int, valid: torch.Tensor | None, device: torch.device
+        self,
+        source: int,
+        valid: torch.Tensor | None,
+        q_ids: torch.Tensor | None,
+        k_ids: torch.Tensor | None,
+        slopes: torch.Tensor | None,
+        device: torch.device,
     ) -> list[tuple[slice, slice, masks.Mask | None]]:
         """(query slice, key slice, mask) of every (query chunk, key chunk) pair of this rank's queries against
-        rank ``source``'s keys that the causal/window bounds do not rule out; the slices index the shards."""
+        rank ``source``'s keys that the causal/window bounds do not rule out (nor, where the indices are on the
+        CPU, the documents); the slices index the shards. ``valid`` (b, m) the source's key validity, ``q_ids`` and
+        ``k_ids`` (t, b, m) this rank's and the source's document indices, ``slopes`` (b or 1, h, 1) ALiBi's."""
         q_spans = _spans(self.layout, self.rank, self.world, self.m)
         k_spans = _spans(self.layout, source, self.world, self.m)
         found = []
@@ -455,6 +655,17 @@ class _Ring:
                 terms = list(self.diagonals.extra) + ([block_mask] if block_mask is not None else [])
                 if valid is not None:
                     terms.append(masks.padding(valid[:, cols]))
+                if q_ids is not None and k_ids is not None:
+                    # a pair in one document under every indexing: (b, 1, rows, cols), the block's own pairs
+                    same = (q_ids[:, :, rows, None] == k_ids[:, :, None, cols]).all(0).unsqueeze(1)
+                    if host_readable(same) and not bool(same.any()):
+                        continue  # on the CPU, where reading waits for no device: no pair shares a document
+                    terms.append(masks.allowed(same))
+                if slopes is not None:
+                    # query row r sits at global q_span[0] + r, key column c at k_span[0] + c: the bias
+                    # -slope |q_span[0] + r - k_span[0] - c| is ALiBi with row r aligned to column r + qs - ks
+                    aligned = torch.arange(q_span[1], device=device)[None, :] + (q_span[0] - k_span[0])
+                    terms.append(masks.aligned_alibi(slopes, aligned, name="alibi(slopes)"))
                 found.append((rows, cols, _combine(terms)))
         return found
 
@@ -523,6 +734,8 @@ class _RingAttention(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         key_padding: torch.Tensor | None,
+        ids: torch.Tensor | None,
+        slopes: torch.Tensor | None,
         ring: _Ring,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -530,12 +743,13 @@ class _RingAttention(torch.autograd.Function):
         outs: list[torch.Tensor | None] = [None] * 2
         lses: list[torch.Tensor | None] = [None] * 2
         q_spans = _spans(ring.layout, ring.rank, ring.world, m)
-        held = ring.pack(k, v, key_padding)
+        held = ring.pack(k, v, key_padding, ids)
         q_blocks = q.to(_block_dtype(q))
         for step in range(ring.world):
             pending = _Pending(held, ring, tag=_KV_TAG) if step < ring.world - 1 else None  # overlaps the blocks
-            k_src, v_src, valid = ring.unpack(held.to(q_blocks.dtype))
-            for rows, cols, block_mask in ring.blocks((ring.rank - step) % ring.world, valid, q.device):
+            k_src, v_src, valid, k_ids = ring.unpack(held, q_blocks.dtype)
+            source = (ring.rank - step) % ring.world
+            for rows, cols, block_mask in ring.blocks(source, valid, ids, k_ids, slopes, q.device):
                 result = attention_result(
                     q_blocks[:, :, rows],
                     k_src[:, :, cols],
@@ -567,16 +781,21 @@ class _RingAttention(torch.autograd.Function):
             lse = sink_lse(lse, sinks)  # the backward's weights exp(lse_block - lse) are then the sinks' own
         out = out.to(q.dtype)
         ctx.ring = ring
-        ctx.save_for_backward(q, k, v, key_padding, out, lse, sinks)
+        ctx.save_for_backward(q, k, v, key_padding, ids, slopes, out, lse, sinks)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(
         ctx, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, torch.Tensor | None, None, torch.Tensor | None]:
         ring: _Ring = ctx.ring
-        q, k, v, key_padding, out, lse, sinks = ctx.saved_tensors
+        q, k, v, key_padding, ids, slopes, out, lse, sinks = ctx.saved_tensors
+        # learned ALiBi slopes: one leaf every block's bias reads, so each block's recomputation gives its share
+        slope_leaf = slopes.detach().requires_grad_() if ctx.needs_input_grad[5] else None
+        d_slopes = None  # summed over the blocks in float32 at least
+        if slope_leaf is not None:
+            d_slopes = torch.zeros_like(slopes, dtype=torch.promote_types(slopes.dtype, torch.float32))
         b, g, m, d = ring.b, ring.g, ring.m, ring.d
         finite = torch.isfinite(lse)  # False on rows no key may serve: their gradient is 0
         lse_safe = torch.where(finite, lse, torch.zeros_like(lse))
@@ -584,15 +803,17 @@ class _RingAttention(torch.autograd.Function):
         delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (b, h, n/P)
         work = torch.promote_types(k.dtype, torch.float32)  # gradients summed in float32 at least, sent in k's dtype
         dq = torch.zeros_like(q, dtype=torch.promote_types(q.dtype, torch.float32))
-        held = ring.pack(k, v, key_padding)
+        held = ring.pack(k, v, key_padding, ids)
         q_blocks = q.to(_block_dtype(q))
         grads_pending: _Pending | None = None
         for step in range(ring.world):
             pending = _Pending(held, ring, tag=_KV_TAG) if step < ring.world - 1 else None  # overlaps the blocks
-            k_src, v_src, valid = ring.unpack(held.to(q_blocks.dtype))
+            k_src, v_src, valid, k_ids = ring.unpack(held, q_blocks.dtype)
             dkv = torch.zeros(b * g * m * (d + ring.e), dtype=work, device=k.device)  # this step's dK, dV
             dk_src, dv_src = dkv[: b * g * m * d].view_as(k_src), dkv[b * g * m * d :].view_as(v_src)
-            for rows, cols, block_mask in ring.blocks((ring.rank - step) % ring.world, valid, q.device):
+            source = (ring.rank - step) % ring.world
+            table = slopes if slope_leaf is None else slope_leaf
+            for rows, cols, block_mask in ring.blocks(source, valid, ids, k_ids, table, q.device):
                 with torch.enable_grad():
                     q_blk = q_blocks[:, :, rows].detach().requires_grad_()
                     k_blk = k_src[:, :, cols].detach().requires_grad_()
@@ -619,13 +840,16 @@ class _RingAttention(torch.autograd.Function):
                     grad_lse = weight * (row_dot - delta[:, :, rows].to(lse_blk.dtype))
                     grad_blk = torch.autograd.grad(
                         (out_blk, lse_blk),
-                        (q_blk, k_blk, v_blk),
+                        (q_blk, k_blk, v_blk) + (() if slope_leaf is None else (slope_leaf,)),
                         (grad_o.to(out_blk.dtype) * weight.unsqueeze(-1).to(out_blk.dtype), grad_lse),
                         allow_unused=True,
                     )
-                for into, grad in zip((dq[:, :, rows], dk_src[:, :, cols], dv_src[:, :, cols]), grad_blk, strict=True):
+                into_grads = (dq[:, :, rows], dk_src[:, :, cols], dv_src[:, :, cols])
+                for into, grad in zip(into_grads, grad_blk[:3], strict=True):
                     if grad is not None:
                         into += grad
+                if d_slopes is not None and grad_blk[3] is not None:
+                    d_slopes += grad_blk[3]  # this block's pairs' share
             if grads_pending is not None:
                 dkv += grads_pending.wait().to(work)  # the dK/dV of this block from the ranks it visited before
             if ring.world > 1:  # on to the next rank; after the last step that is the block's owner
@@ -636,8 +860,9 @@ class _RingAttention(torch.autograd.Function):
             dkv = grads_pending.wait()  # this rank's own dK/dV, summed over every rank's queries
         dk = dkv[: b * g * m * d].view_as(k)
         dv = dkv[b * g * m * d :].view_as(v)
-        d_sinks = _sinks_grad(sinks, lse, delta) if ctx.needs_input_grad[5] else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, d_sinks
+        d_sinks = _sinks_grad(sinks, lse, delta) if ctx.needs_input_grad[7] else None
+        d_table = None if d_slopes is None else d_slopes.to(slopes.dtype)  # this rank's rows' share
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, d_table, None, d_sinks
 
 
 def _sinks_grad(sinks: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
@@ -672,7 +897,14 @@ def ring_attention(
         k: (b, g, n/P, d) this rank's keys, h % g == 0 (GQA and MQA send only the g kv heads round).
         v: (b, g, n/P, e) this rank's values.
         group: the process group the sequence is split over, a 1-D DeviceMesh, or None (the whole world).
-        causal, mask: ``masks.causal``/``window``/``softcap`` terms on global positions (the module docstring).
+        causal, mask: causal, window, softcap, padding, documents and alibi terms on global positions (the module
+            docstring says what each tensor means). The key validity (key_padding, padding(valid) shards and
+            padding(lengths) at this rank's global positions, and-ed) and each documents term's indices of this
+            rank's positions travel with K/V; each block takes the documents term as a dense (b, 1, n/2P, n/2P)
+            bool of its pairs (a block with no pair in one document is skipped where the indices are on the CPU,
+            never read from a device), and ALiBi with the block's global offset. Learned ALiBi slopes
+            (requires_grad) get their gradient, recomputed with each block in the backward: this rank's rows'
+            share, summed over ranks as a replicated parameter's (as the sinks' below).
         key_padding: None or (b, n/P) bool, True = real key, sharded like k; it travels with K/V.
         scale: multiplies q k^T; default 1/sqrt(d).
         layout: "contiguous" or "zigzag" (the module docstring). With ``causal`` use "zigzag": every rank then
@@ -686,22 +918,22 @@ def ring_attention(
     Returns:
         (b, h, n/P, e): this rank's shard of the output, in the same layout as q.
 
-    Forward: P steps; at each of the first P - 1 the K/V (and key_padding) this rank holds go to rank + 1 as one
-    packed buffer, and rank - 1's come in, point to point, while the rank attends to the block it holds. Each
-    (query chunk, key chunk) pair runs ``multihead.attention_result(..., return_lse=True)``, skipped where the
-    causal/window bounds rule it out, and the partial outputs merge by their log-sum-exp. No autograd graph is
-    kept: only this rank's q, k, v, key_padding, merged output and merged LSE are saved, so memory per rank is
-    O(n/P) in training as in inference.
+    Forward: P steps; at each of the first P - 1 the K/V (with the key validity and document indices) this rank
+    holds go to rank + 1 as one packed buffer, and rank - 1's come in, point to point, while the rank attends to
+    the block it holds. Each (query chunk, key chunk) pair runs ``multihead.attention_result(..., return_lse=True)``,
+    skipped where the causal/window bounds rule it out, and the partial outputs merge by their log-sum-exp. No
+    autograd graph is kept: only this rank's q, k, v, key validity, document indices, merged output and merged LSE
+    are saved, so memory per rank is O(n/P) in training as in inference.
 
     Backward: the K/V buffers go round the ring again (P - 1 sends), and with each block a dK/dV accumulator:
     every rank recomputes its blocks against the K/V it holds, weights their gradient by exp(lse_block - lse),
     keeps dQ, and adds its dK/dV to the accumulator, which it sends on to rank + 1; after the last step one more
     send brings each finished dK/dV to its owner (P sends). Sends per rank, with S = b g (n/P) (d + e) x the
-    element size (this rank's K and V bytes) and T = b (n/P) x the element size when key_padding is given
-    (else 0):
+    element size (this rank's K and V bytes), T = b (n/P) x the element size when a key validity is given
+    (key_padding, padding; else 0) and I = 8 t b (n/P) bytes for t documents terms (their int64 indices; else 0):
 
-        forward    P - 1 sends    (P - 1)(S + T) bytes
-        backward   2P - 1 sends   (P - 1)(S + T) + P S bytes     (none at P = 1)
+        forward    P - 1 sends    (P - 1)(S + T + I) bytes
+        backward   2P - 1 sends   (P - 1)(S + T + I) + P S bytes     (none at P = 1)
 
     Partial outputs merge, and gradients sum on each rank, in float32 at least; the dK/dV accumulators travel
     in k's dtype. A window cutting a block off the diagonal is evaluated as a dense (n/2P, n/2P) bool mask for
@@ -709,11 +941,30 @@ def ring_attention(
     """
     group, rank, world = _group_size(group, "ring_attention")
     b, h, g, m = _check_inputs(q, k, v, key_padding, layout, world, "ring_attention")
-    diagonals = _check_mask(mask, causal, "ring_attention")
-    ring = _Ring(group, rank, world, layout, diagonals, scale, backend, b, g, m, k.shape[-1], v.shape[-1])
+    split = _check_mask(mask, causal, "ring_attention", b, h, m, world)
     if sinks is not None:
         check_sinks(sinks, q)
-    out = _RingAttention.apply(q, k, v, key_padding, ring, sinks)
+    where = _global_positions(layout, rank, world, m, q.device)  # (n/P,) this rank's positions
+    valid = _shard_validity(key_padding, split, where, q.device)  # (b, n/P) bool: travels with K/V
+    ids = _shard_documents(split, where, q.device)  # (t, b, n/P) int64: travels with K/V, exactly
+    slopes = None if split.slopes is None else to_device(split.slopes, q.device)  # (b or 1, h, 1)
+    ring = _Ring(
+        group,
+        rank,
+        world,
+        layout,
+        split.diagonals,
+        scale,
+        backend,
+        b,
+        g,
+        m,
+        k.shape[-1],
+        v.shape[-1],
+        padded=valid is not None,
+        documents=0 if ids is None else ids.shape[0],
+    )
+    out = _RingAttention.apply(q, k, v, valid, ids, slopes, ring, sinks)
     assert isinstance(out, torch.Tensor)
     return out  # (b, h, n/P, e)
 
