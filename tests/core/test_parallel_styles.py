@@ -1,9 +1,9 @@
 """The ParallelStyles for torch's ``parallelize_module`` (issue 48, item 1): ``HeadParallel`` over a tensor-parallel
 mesh dimension, ``ContextParallel`` over a context-parallel one, each alone on 2, 3 and 4 gloo ranks and together on
-a 2 x 2 mesh, applied by a dict plan to the attention of a model of residual blocks. Each equals the whole model in
-one process, in float64: outputs, input gradients and every parameter's gradient (gathered over the head shards,
-summed over the sequence shards as data parallelism sums a replicated parameter's). Then DTensor inputs and outputs,
-``src_data_rank``, head surgery through the seam, and the refusals."""
+a 2 x 2 mesh, applied by a dict plan to the attention of a model of residual blocks (a window, then a window and
+ALiBi). Each equals the whole model in one process, in float64: outputs, input gradients and every parameter's
+gradient (gathered over the head shards, summed over the sequence shards as data parallelism sums a replicated
+parameter's). Then DTensor inputs and outputs, ``src_data_rank``, head surgery through the seam, and the refusals."""
 
 from __future__ import annotations
 
@@ -21,23 +21,29 @@ ROWWISE, COLUMN_SHARDED = ("q_proj.", "k_proj.", "v_proj.", "sinks"), "out_proj.
 
 
 class Block(torch.nn.Module):
-    """x + attn(x), then x + tanh(W x): one attention layer of 2026's options and a replicated part around it."""
+    """x + attn(x), then x + tanh(W x): one attention layer of 2026's options and a replicated part around it; with
+    ``alibi``, ALiBi slopes of the layer's heads too (each head shard cuts its own, the sequence split biases on
+    global positions)."""
 
-    def __init__(self, kv_heads: int):
+    def __init__(self, kv_heads: int, alibi: bool):
         super().__init__()
+        self.alibi = alibi
         options = dict(num_kv_heads=kv_heads, head_dim=HEAD_DIM, rotary=True, qk_norm=True, sinks=True)
         self.attn = multihead.MultiHeadAttention(EMBED, HEADS, dtype=torch.float64, **options)
         self.mlp = torch.nn.Linear(EMBED, EMBED, dtype=torch.float64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, n, EMBED) -> (b, n, EMBED)
-        x = x + self.attn(x, causal=True, mask=multihead.masks.window(9, 0))[0]
+        mask = multihead.masks.window(9, 0)
+        if self.alibi:  # the whole layer's slopes, (HEADS,), on every rank
+            mask = mask & multihead.masks.alibi(multihead.masks.alibi_slopes(HEADS).to(x))
+        x = x + self.attn(x, causal=True, mask=mask)[0]
         return x + torch.tanh(self.mlp(x))
 
 
 class Net(torch.nn.Module):
     def __init__(self, kv_heads: int):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(kv_heads) for _ in range(2))
+        self.blocks = torch.nn.ModuleList(Block(kv_heads, alibi=index == 1) for index in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:

@@ -56,7 +56,7 @@ from multihead.integrations.transformers_internals import (  # transformers' int
     eager_mask,
     sdpa_mask,
 )
-from multihead.masks import AttentionShape, Mask, causal, documents, host_readable, padding, window
+from multihead.masks import AttentionShape, Mask, causal, cut_parts, documents, host_readable, padding, window
 
 __all__ = ["TransformersMask", "typed_mask", "kernel_mask", "EDITS_THE_MASK", "NEEDS_EAGER_MASK"]
 
@@ -91,6 +91,16 @@ class TransformersMask(Mask):
 
     def terms(self) -> tuple[Mask, ...]:
         return tuple(term for part in self.parts for term in part.terms())
+
+    def _for_heads(self, start: int, count: int, total: int) -> Mask:
+        # its parts (diagonals, padding, documents) hold nothing per head today, so this is the mask itself; a part
+        # that ever does is cut like any mask's, the sizes kept (the row counts are kept for the uncut mask only)
+        parts = cut_parts(self.parts, start, count, total)
+        if parts is None:
+            return self
+        return TransformersMask(
+            parts, batch=self.batch, q_length=self.q_length, kv_length=self.kv_length, device=self.device
+        )
 
     # transformers' generate builds a compileable cache's mask once and hands it back to the model as its
     # attention_mask, whose mask code asks a prepared mask for its rank: this one reads as the (b, 1, i, j) mask

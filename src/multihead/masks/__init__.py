@@ -44,7 +44,16 @@ at all; such fully masked rows give output 0 on every backend.
 # One module per kind of term, each holding what the user builds and its bound term (its rule and block states): a
 # new kind is a new module. BoundMask combines bound terms through their attributes alone, never by their class.
 # Past __all__'s user-facing names, the ones kernels and integrations bind masks with are imported here too.
-from multihead.masks._alibi import alibi, alibi_slopes, aligned_alibi, checked_slope_tensor, slope_table  # noqa: F401
+# The sequence split (multihead.parallel) alone reads terms by class: it shards the tensors of padding, documents
+# and ALiBi terms by the ranks' global positions, which no bound term knows.
+from multihead.masks._alibi import (  # noqa: F401
+    AlibiMask,
+    alibi,
+    alibi_slopes,
+    aligned_alibi,
+    checked_slope_tensor,
+    slope_table,
+)
 from multihead.masks._base import (  # noqa: F401
     STATE_EMPTY,
     STATE_FULL,
@@ -64,6 +73,7 @@ from multihead.masks._bound_mask import BoundMask
 from multihead.masks._custom import custom
 from multihead.masks._diagonal import band_intersection, causal, window  # noqa: F401
 from multihead.masks._documents import (  # noqa: F401
+    DocumentsMask,
     document_positions,
     documents,
     key_range_positions,
@@ -71,8 +81,8 @@ from multihead.masks._documents import (  # noqa: F401
     ragged_documents,
     ragged_rows,
 )
-from multihead.masks._mask import Combined, Mask, all_of, allowed, as_mask, bias  # noqa: F401
-from multihead.masks._padding import padding
+from multihead.masks._mask import Combined, Mask, all_of, allowed, as_mask, bias, cut_parts  # noqa: F401
+from multihead.masks._padding import PaddingMask, padding  # noqa: F401
 from multihead.masks._selected import selected
 from multihead.masks._softcap import softcap
 

@@ -24,12 +24,12 @@ from multihead.masks._base import (
     _select,
     device_scalar,
 )
-from multihead.masks._mask import Mask
+from multihead.masks._mask import Mask, cut_head_axis
 
 SLOPES_LAYOUT = "a float tensor of slopes, (h,) one per query head or (b, h) one per batch row and head"
 
 
-class _Alibi(Mask):
+class AlibiMask(Mask):
     kind = "alibi"
 
     def __init__(self, slopes: torch.Tensor | Sequence[float] | Sequence[Sequence[float]], align: str):
@@ -68,10 +68,32 @@ class _Alibi(Mask):
             return f"alibi(batch={self.slopes.shape[0]}, heads={self.slopes.shape[1]})"
         return f"alibi(heads={self.slopes.shape[0]})"
 
+    def _for_heads(self, start: int, count: int, total: int) -> Mask:
+        # no size-1 head axis is shared here: slope_table takes one slope per head, exactly
+        cut = cut_head_axis(
+            "alibi(slopes)",
+            self.slopes,
+            self.slopes.ndim - 1,
+            start,
+            count,
+            total,
+            shared=False,
+            fix=global_slopes_fix(total),
+        )
+        return self if cut is self.slopes else AlibiMask(cut, self.align)
+
     def _bind(self, shape: AttentionShape) -> BoundTerm:
         table = slope_table("alibi(slopes)", self.slopes, shape.batch, shape.heads, "batch row", "b")
         offset = shape.k_len - shape.q_len if self.align == "bottom_right" else 0
         return _BoundAlibi(_moved("alibi(slopes)", table, shape.device), shape, offset=offset)
+
+
+def global_slopes_fix(total: int) -> str:
+    """The fix for slopes given for other heads than the ``total`` they are cut from (a rank's own, say)."""
+    return (
+        f"pass the slopes of all {total} query heads of the layer, e.g. alibi_slopes({total}), on every rank: a "
+        "head-parallel layer cuts each rank's heads from them"
+    )
 
 
 def checked_slope_tensor(name: str, slopes: object, rows: int, heads: int, letter: str, *, fix: str) -> torch.Tensor:
@@ -124,6 +146,10 @@ class _AlignedAlibi(Mask):
     def __repr__(self) -> str:
         return f"alibi(heads={self.table.shape[1]}, positions={tuple(self.positions.shape)})"
 
+    def _for_heads(self, start: int, count: int, total: int) -> Mask:
+        cut = cut_head_axis(self.name, self.table, 1, start, count, total, shared=False, fix=global_slopes_fix(total))
+        return self if cut is self.table else _AlignedAlibi(cut, self.positions, self.name)
+
     def _bind(self, shape: AttentionShape) -> BoundTerm:
         rows, heads, per_row = self.table.shape
         if rows not in (1, shape.batch) or heads != shape.heads or per_row not in (1, shape.q_len):
@@ -155,7 +181,7 @@ def alibi(slopes: torch.Tensor | Sequence[float] | Sequence[Sequence[float]], *,
     Under a causal mask this is the paper's ``slope * (j - i)``; without one it is the
     symmetric variant used by bidirectional encoders.
     """
-    return _Alibi(slopes, align)
+    return AlibiMask(slopes, align)
 
 
 def aligned_alibi(table: torch.Tensor, positions: torch.Tensor, *, name: str = "alibi_slopes") -> Mask:

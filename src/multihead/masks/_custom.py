@@ -19,6 +19,7 @@ from multihead.masks._base import (
     _as_4d,
     _block_indices,
     _states,
+    device_scalar,
 )
 from multihead.masks._bound_mask import BoundMask
 from multihead.masks._mask import Combined, Mask
@@ -135,16 +136,18 @@ def _name(function: Callable) -> str:
     return getattr(function, "__qualname__", type(function).__name__)
 
 
-def _probed(name: str, function: ModFunction, shape: AttentionShape, floating: bool) -> torch.Tensor:
-    """``function`` called once on a 2 x 2 block of position 0, on the call's device, and its result checked (a
-    bool or a float tensor), so that a wrong function is named when the mask is bound, not deep in a kernel: two
-    rows and two columns make ``and`` / ``if`` on the positions fail here. The result's shape is checked on each
-    block it is evaluated for (:func:`_user_evaluate`)."""
+def _probed(name: str, function: ModFunction, shape: AttentionShape, floating: bool, head_offset: int) -> torch.Tensor:
+    """``function`` called once on a 2 x 2 block of position 0 (head ``head_offset``, the first head the call
+    has: it may index a table by it), on the call's device, and its result checked (a bool or a float tensor), so
+    that a wrong function is named when the mask is bound, not deep in a kernel: two rows and two columns make
+    ``and`` / ``if`` on the positions fail here. The result's shape is checked on each block it is evaluated for
+    (:func:`_user_evaluate`)."""
     zero = torch.zeros((), dtype=torch.long, device=shape.device)
     rows, cols = zero.expand(1, 1, 2, 1), zero.expand(1, 1, 1, 2)
+    head = torch.full((1, 1, 1, 1), head_offset, dtype=torch.long, device=shape.device)
     expected = "a floating tensor (the bias)" if floating else "a bool tensor (True = may attend)"
     try:
-        value = function(zero.expand(1, 1, 1, 1), zero.expand(1, 1, 1, 1), rows, cols)
+        value = function(zero.expand(1, 1, 1, 1), head, rows, cols)
     except Exception as error:
         raise bad_argument(
             name,
@@ -161,32 +164,51 @@ def _probed(name: str, function: ModFunction, shape: AttentionShape, floating: b
     return value
 
 
+def _offset_repr(head_offset: int) -> str:
+    return f", heads from {head_offset}" if head_offset else ""
+
+
 class _CustomMask(Mask):
+    """A user's mask_mod; ``head_offset``: the global number of the call's head 0 (:meth:`Mask.for_heads`), added
+    to every head index the function is given, so it always sees the heads of the whole layer."""
+
     kind = "custom"
 
-    def __init__(self, mask_mod: ModFunction, block_mod: Callable | None, monotone: bool):
+    def __init__(self, mask_mod: ModFunction, block_mod: Callable | None, monotone: bool, head_offset: int = 0):
         self.mask_mod, self.block_mod, self.monotone = mask_mod, block_mod, monotone
+        self.head_offset = head_offset
 
     def __repr__(self) -> str:
         blocks = f", block_mod={_name(self.block_mod)}" if self.block_mod else ", monotone=True" * self.monotone
-        return f"custom(mask_mod={_name(self.mask_mod)}{blocks})"
+        return f"custom(mask_mod={_name(self.mask_mod)}{blocks}{_offset_repr(self.head_offset)})"
+
+    def _for_heads(self, start: int, count: int, total: int) -> Mask:
+        # block_mod is not shifted: it classifies blocks for every head at once, and reads no head
+        if start == 0:
+            return self
+        return _CustomMask(self.mask_mod, self.block_mod, self.monotone, self.head_offset + start)
 
     def _bind(self, shape: AttentionShape) -> BoundTerm:
-        _probed("mask_mod", self.mask_mod, shape, floating=False)
+        _probed("mask_mod", self.mask_mod, shape, floating=False, head_offset=self.head_offset)
         return _BoundCustomMask(self, shape)
 
 
 class _CustomScores(Mask):
+    """A user's score_mod; ``head_offset`` as for :class:`_CustomMask`."""
+
     kind = "custom"
 
-    def __init__(self, score_mod: ModFunction):
-        self.score_mod = score_mod
+    def __init__(self, score_mod: ModFunction, head_offset: int = 0):
+        self.score_mod, self.head_offset = score_mod, head_offset
 
     def __repr__(self) -> str:
-        return f"custom(score_mod={_name(self.score_mod)})"
+        return f"custom(score_mod={_name(self.score_mod)}{_offset_repr(self.head_offset)})"
+
+    def _for_heads(self, start: int, count: int, total: int) -> Mask:
+        return self if start == 0 else _CustomScores(self.score_mod, self.head_offset + start)
 
     def _bind(self, shape: AttentionShape) -> BoundTerm:
-        probe = _probed("score_mod", self.score_mod, shape, floating=True)
+        probe = _probed("score_mod", self.score_mod, shape, floating=True, head_offset=self.head_offset)
         return _BoundCustomScores(self, shape, requires_grad=probe.requires_grad)
 
 
@@ -197,11 +219,19 @@ def _code(function: Callable) -> object:
 
 
 def _user_evaluate(
-    term: BoundTerm, name: str, function: ModFunction, rows: Index, cols: Index, heads: torch.Tensor | None
+    term: BoundTerm,
+    name: str,
+    function: ModFunction,
+    rows: Index,
+    cols: Index,
+    heads: torch.Tensor | None,
+    head_offset: int,
 ) -> torch.Tensor:
-    """A user's mod on a block's positions, checked to broadcast to (b, h_sel, rows, cols)."""
+    """A user's mod on a block's positions (its heads numbered from ``head_offset``), checked to broadcast to
+    (b, h_sel, rows, cols)."""
     indices = _block_indices(term.shape, rows, cols, heads)
-    value = _as_4d(function(*indices))
+    b, h, q, k = indices
+    value = _as_4d(function(b, h + head_offset if head_offset else h, q, k))
     target = tuple(len(index.reshape(-1)) for index in indices)
     try:
         fits = torch.broadcast_shapes(value.shape, target) == target
@@ -217,15 +247,31 @@ def _user_evaluate(
     return value
 
 
-def _called(function: ModFunction) -> ModFunction:
+def _called(function: ModFunction, head_offset: int | torch.Tensor) -> ModFunction:
     """A user's function called from one of ours: handed a function that reads a tensor from its closure directly,
     torch 2.13's inductor writes a CPU FlexAttention kernel that fails to compile (an undeclared split size in its
-    C++), and compiles this one. (Our own rules take their values as default arguments, which it compiles.)"""
+    C++), and compiles this one. (Our own rules take their values as default arguments, which it compiles.) Its
+    head index is the global one: the call's heads counted from ``head_offset`` (a 0-d tensor in a lifted term,
+    so that every offset shares one compiled kernel)."""
+    if isinstance(head_offset, int) and head_offset == 0:
 
-    def rule(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, function=function) -> torch.Tensor:
-        return function(b, h, q, k)
+        def rule(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, function=function) -> torch.Tensor:
+            return function(b, h, q, k)
 
-    return rule
+        return rule
+
+    def shifted(
+        b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, function=function, offset=head_offset
+    ) -> torch.Tensor:
+        return function(b, h + offset, q, k)
+
+    return shifted
+
+
+def _lifted_offset(head_offset: int, device: torch.device) -> int | torch.Tensor:
+    """A head offset as a compiled kernel reads it: a 0-d tensor (a Python number would be compiled in), 0 as it is
+    (no shift at all)."""
+    return device_scalar(head_offset, device) if head_offset else 0
 
 
 def _user_host_term(term: BoundTerm) -> BoundTerm | None:
@@ -242,19 +288,28 @@ class _BoundCustomMask(BoundTerm):
 
     def __init__(self, spec: _CustomMask, shape: AttentionShape):
         self.spec, self.shape = spec, shape
+        self.head_offset: int | torch.Tensor = spec.head_offset  # what the rule reads: a 0-d tensor once lifted
         self._span_states: dict[tuple[int, int, int, int], BlockState] = {}
 
     def rule(self) -> ModFunction:
-        return _called(self.spec.mask_mod)
+        return _called(self.spec.mask_mod, self.head_offset)
+
+    def lifted(self) -> BoundTerm:
+        if not self.spec.head_offset:
+            return self
+        lifted = _BoundCustomMask(self.spec, self.shape)
+        lifted.head_offset = _lifted_offset(self.spec.head_offset, self.shape.device)
+        return lifted
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
-        return _user_evaluate(self, "mask_mod", self.spec.mask_mod, rows, cols, heads)
+        return _user_evaluate(self, "mask_mod", self.spec.mask_mod, rows, cols, heads, self.spec.head_offset)
 
     def structure(self) -> tuple:
-        return self.kind, _code(self.spec.mask_mod)
+        return self.kind, _code(self.spec.mask_mod), bool(self.spec.head_offset)
 
     def signature(self) -> tuple:
-        return self.kind, _code(self.spec.mask_mod), self.spec.block_mod is not None, self.spec.monotone
+        spec = self.spec
+        return self.kind, _code(spec.mask_mod), spec.block_mod is not None, spec.monotone, spec.head_offset
 
     def may_empty_rows(self) -> bool:
         """On the CPU, exact where blocks are classified (a row block with a full key block is settled without
@@ -315,7 +370,9 @@ class _BoundCustomMask(BoundTerm):
         # monotone along rows and columns: a block's extremes are at its four corners, for each batch row and head
         corner_rows = torch.stack([row_start, row_stop - 1], -1).reshape(-1)  # (2 q_blocks,)
         corner_cols = torch.stack([col_start, col_stop - 1], -1).reshape(-1)
-        keep = _user_evaluate(self, "mask_mod", self.spec.mask_mod, corner_rows, corner_cols, None)
+        keep = _user_evaluate(
+            self, "mask_mod", self.spec.mask_mod, corner_rows, corner_cols, None, self.spec.head_offset
+        )
         keep = keep.expand(-1, -1, len(corner_rows), len(corner_cols))
         some = keep.any(0).any(0).reshape(size[0], 2, size[1], 2).any(3).any(1)
         every = keep.all(0).all(0).reshape(size[0], 2, size[1], 2).all(3).all(1)
@@ -331,18 +388,26 @@ class _BoundCustomScores(BoundTerm):
 
     def __init__(self, spec: _CustomScores, shape: AttentionShape, *, requires_grad: bool):
         self.spec, self.shape, self.requires_grad = spec, shape, requires_grad
+        self.head_offset: int | torch.Tensor = spec.head_offset  # what the rule reads: a 0-d tensor once lifted
 
     def rule(self) -> ModFunction:
-        return _called(self.spec.score_mod)
+        return _called(self.spec.score_mod, self.head_offset)
+
+    def lifted(self) -> BoundTerm:
+        if not self.spec.head_offset:
+            return self
+        lifted = _BoundCustomScores(self.spec, self.shape, requires_grad=self.requires_grad)
+        lifted.head_offset = _lifted_offset(self.spec.head_offset, self.shape.device)
+        return lifted
 
     def evaluate(self, rows: Index, cols: Index, heads: torch.Tensor | None) -> torch.Tensor:
-        return _user_evaluate(self, "score_mod", self.spec.score_mod, rows, cols, heads)
+        return _user_evaluate(self, "score_mod", self.spec.score_mod, rows, cols, heads, self.spec.head_offset)
 
     def host_term(self) -> BoundTerm | None:
         return _user_host_term(self)
 
     def structure(self) -> tuple:
-        return self.kind, _code(self.spec.score_mod)
+        return self.kind, _code(self.spec.score_mod), bool(self.spec.head_offset)
 
     def signature(self) -> tuple:
-        return self.kind, _code(self.spec.score_mod), self.requires_grad
+        return self.kind, _code(self.spec.score_mod), self.requires_grad, self.spec.head_offset

@@ -35,7 +35,7 @@ from multihead.masks._mask import Mask
 _NO_DOCUMENT = torch.iinfo(torch.int64).min
 
 
-class _Documents(Mask):
+class DocumentsMask(Mask):
     """``ids`` (b, j) document indices, or ``bounds`` (d + 1,) cumulative lengths for one packed row."""
 
     kind = "documents"
@@ -127,8 +127,8 @@ def documents(
             kind=TypeError,
         )
     if cu_seqlens is not None:
-        return _Documents(None, _checked_boundaries(cu_seqlens), align)
-    return _Documents(
+        return DocumentsMask(None, _checked_boundaries(cu_seqlens), align)
+    return DocumentsMask(
         _integer_tensor("documents(ids)", ids, 2, "a (b, j) integer tensor of document indices"), None, align
     )
 

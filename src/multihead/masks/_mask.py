@@ -42,6 +42,42 @@ class Mask:
         """Validate against the call's sizes and return a mask kernels can evaluate."""
         return BoundMask([term._bind(shape) for term in self.terms()], shape)
 
+    def for_heads(self, start: int, count: int, total: int) -> Mask:
+        """This mask as query heads ``start .. start + count - 1`` of ``total`` see it, renumbered 0 .. count - 1:
+        what one rank of a head-parallel layer (:func:`multihead.parallel.shard_heads`) applies to its own heads.
+
+        Per-head parts are cut to those heads: ALiBi slopes (h,) or (b, h), a tensor's head axis of size ``total``
+        (one of size 1 is shared by every head and stays), :func:`selected`'s indexer heads; a :func:`custom`
+        function is called with the global head index ``h + start``. A mask with no per-head part is returned as
+        it is, and so is every mask cut to all its heads (``for_heads(0, total, total)``). A head axis of any
+        other size is a ValueError naming the mask: it was built for other heads (a rank's own, say), and would
+        otherwise be applied to the wrong ones.
+
+            >>> masks.alibi(masks.alibi_slopes(8)).for_heads(4, 2, 8)  # the slopes of heads 4 and 5
+            alibi(heads=2)
+        """
+        for name, value in (("total", total), ("start", start), ("count", count)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise bad_argument(
+                    f"for_heads({name})",
+                    "an int",
+                    describe(value),
+                    "pass the first head, the number of heads and the layer's number of query heads",
+                    kind=TypeError,
+                )
+        if total < 1 or count < 1 or start < 0 or start + count > total:
+            raise bad_argument(
+                "for_heads(start, count, total)",
+                "heads start .. start + count - 1 of total: 0 <= start, count >= 1, start + count <= total",
+                f"start={start}, count={count}, total={total}",
+                "cut heads that exist, e.g. for_heads(rank * h // P, h // P, h)",
+            )
+        return self._for_heads(start, count, total)
+
+    def _for_heads(self, start: int, count: int, total: int) -> Mask:
+        """:meth:`for_heads` on valid arguments; overridden by every mask with a per-head part."""
+        return self
+
     def key_band(self) -> tuple[int | None, int | None] | None:
         """(left, right) for a band around the aligned diagonal (causal, window: keys p - left ... p + right, None
         unbounded), None for any other term."""
@@ -70,8 +106,49 @@ class Combined(Mask):
     def terms(self) -> tuple[Mask, ...]:
         return self.parts
 
+    def _for_heads(self, start: int, count: int, total: int) -> Mask:
+        parts = cut_parts(self.parts, start, count, total)
+        return self if parts is None else Combined(parts)
+
     def __repr__(self) -> str:
         return " & ".join(repr(p) for p in self.parts)
+
+
+def cut_parts(parts: tuple[Mask, ...], start: int, count: int, total: int) -> tuple[Mask, ...] | None:
+    """Each of ``parts`` cut to heads start .. start + count - 1 of ``total`` (:meth:`Mask.for_heads`), or None
+    where none of them changed (the mask holding them is then itself the cut)."""
+    cut = tuple(part._for_heads(start, count, total) for part in parts)
+    return None if all(new is old for new, old in zip(cut, parts, strict=True)) else cut
+
+
+def cut_head_axis(
+    name: str, tensor: torch.Tensor, axis: int, start: int, count: int, total: int, *, shared: bool, fix: str
+) -> torch.Tensor:
+    """``tensor`` with its head axis ``axis`` cut to heads start .. start + count - 1 of ``total``: a view
+    (``narrow``), so a learned tensor keeps its gradient; ``tensor`` itself where nothing is cut (all heads, or a
+    size-1 axis where ``shared``: one value broadcast to every head). Any other size is a ValueError naming
+    ``name``: the tensor was built for other heads, and its entries would land on the wrong ones."""
+    size = tensor.shape[axis]
+    if size == 1 and shared:
+        return tensor
+    if size != total:
+        also = " or 1 (one for every head)" if shared else ""
+        raise bad_argument(
+            name,
+            f"a head axis of size {total} (all the query heads){also}, to cut heads {start} .. {start + count - 1} "
+            "from",
+            f"shape {tuple(tensor.shape)}, {size} along the head axis",
+            fix,
+        )
+    return tensor if (start, count) == (0, total) else tensor.narrow(axis, start, count)
+
+
+def whole_mask_fix(total: int) -> str:
+    """The fix for a mask built for other heads than the ``total`` it is cut from."""
+    return (
+        f"build it for all {total} query heads of the layer (a head-parallel layer takes the whole layer's mask on "
+        "every rank and cuts each rank's heads from it)"
+    )
 
 
 # --------------------------------------------------------------------------- a caller's tensor as a mask
@@ -107,6 +184,15 @@ class _Dense(Mask):
 
     def __repr__(self) -> str:
         return f"{'bias' if self.is_bias else 'allowed'}(shape={tuple(self.tensor.shape)})"
+
+    def _for_heads(self, start: int, count: int, total: int) -> Mask:
+        if self.tensor.ndim < 3:  # (i, j), (j,), a scalar: no head axis, the same for every head
+            return self
+        # broadcast from the right against (b, h, i, j): the head axis is the third from the end
+        cut = cut_head_axis(
+            self.name, self.tensor, self.tensor.ndim - 3, start, count, total, shared=True, fix=whole_mask_fix(total)
+        )
+        return self if cut is self.tensor else _Dense(cut, self.name)
 
     def _bind(self, shape: AttentionShape) -> BoundTerm:
         target = (shape.batch, shape.heads, shape.q_len, shape.k_len)

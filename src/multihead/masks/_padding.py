@@ -23,7 +23,7 @@ from multihead.masks._base import (
 from multihead.masks._mask import Mask
 
 
-class _Padding(Mask):
+class PaddingMask(Mask):
     kind = "padding"
 
     def __init__(self, keys: torch.Tensor | Sequence[int]):
@@ -115,7 +115,7 @@ def padding(keys: torch.Tensor | Sequence[int]) -> Mask:
     are masked key by key. The same holds for a (b, j) bool tensor, and wherever values cannot be read
     at all (meta or fake tensors, torch.compile's tracing).
     """
-    return _Padding(keys)
+    return PaddingMask(keys)
 
 
 class _BoundPadding(BoundTerm):

@@ -8,7 +8,7 @@ import torch
 
 from multihead._errors import bad_argument, describe
 from multihead.masks._base import AttentionShape, BoundTerm, host_readable
-from multihead.masks._mask import Mask, _BoundDense
+from multihead.masks._mask import Mask, _BoundDense, whole_mask_fix
 
 
 class _Selected(Mask):
@@ -19,6 +19,27 @@ class _Selected(Mask):
 
     def __repr__(self) -> str:
         return f"selected(shape={tuple(self.indices.shape)}, block_size={self.block_size})"
+
+    def _for_heads(self, start: int, count: int, total: int) -> Mask:
+        if self.indices.ndim == 3 or self.indices.shape[1] == 1:  # one indexer for every head
+            return self
+        selectors = self.indices.shape[1]
+        if total % selectors != 0:
+            raise bad_argument(
+                "selected(indices)",
+                f"indexer heads s dividing the {total} query heads, to cut heads {start} .. {start + count - 1} from",
+                f"shape {tuple(self.indices.shape)}, s = {selectors}",
+                whole_mask_fix(total),
+            )
+        if (start, count) == (0, total):
+            return self
+        group = total // selectors  # query head n reads indexer head n // group
+        if start % group == 0 and count % group == 0:  # whole groups: their indexer heads, in the same grouping
+            return _Selected(self.indices.narrow(1, start // group, count // group), self.block_size)
+        # part of a group: one indexer head per query head (a copy of the picks alone, (b, count, i, k), never j)
+        per_head = self.indices.narrow(1, start // group, (start + count - 1) // group - start // group + 1)
+        per_head = per_head.repeat_interleave(group, dim=1).narrow(1, start % group, count)
+        return _Selected(per_head, self.block_size)
 
     def _bind(self, shape: AttentionShape) -> BoundTerm:
         return _BoundDense(self.keep(shape), shape)

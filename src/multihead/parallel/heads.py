@@ -53,7 +53,7 @@ from torch import nn
 from multihead._errors import bad_argument, describe
 from multihead.cache import KVCache
 from multihead.layer import MultiHeadAttention
-from multihead.masks import Mask
+from multihead.masks import Mask, as_mask
 from multihead.paged import PagedBatch
 from multihead.parallel._group import resolve_group
 from multihead.parallel.split import check_head_split  # shared with `multihead cost --tp`
@@ -139,8 +139,11 @@ class HeadParallelAttention(MultiHeadAttention):
     - ``new_cache`` gives a :class:`KVCache` of this rank's g/P key/value heads, (b, g/P, max_len, d).
     - :func:`multihead.lab.inspect.capture` on this layer records its local heads, numbered 0 .. h/P - 1; local head
       m is global head ``head_offset + m``.
-    - a tensor ``mask`` with a head axis of size h, (b or 1, h, i, j), is cut to this rank's heads; typed masks
-      with per-head parts (ALiBi) must be built for the local heads (``alibi(slopes[heads])``).
+    - ``mask`` is given for the layer's h heads, the same on every rank, and each rank applies its own heads' part
+      of it (:meth:`multihead.masks.Mask.for_heads`): ALiBi slopes (h,) or (b, h), a tensor's head axis of size
+      h ((b or 1, h, i, j), in ``bias``/``allowed`` or plain), ``selected``'s indexer heads; a ``custom``
+      function gets global head indices. A head axis of size h/P (a mask built for the local heads) is a
+      ValueError, never applied to the wrong heads; one of size 1 is shared by every head.
     """
 
     global_num_heads: int
@@ -163,8 +166,8 @@ class HeadParallelAttention(MultiHeadAttention):
         positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`MultiHeadAttention.forward` over this rank's heads: (b, i, out_dim) summed over the group."""
-        if isinstance(mask, torch.Tensor) and mask.ndim == 4 and mask.shape[1] == self.global_num_heads > 1:
-            mask = mask[:, self.head_offset : self.head_offset + self.num_heads]  # (b, h/P, i, j)
+        if mask is not None:  # the whole layer's mask: this rank's heads' part of it, renumbered from 0
+            mask = as_mask(mask).for_heads(self.head_offset, self.num_heads, self.global_num_heads)
         # each input's gradient is summed over the ranks in backward (non-tensors go on to the layer's checks)
         if isinstance(query, torch.Tensor):
             query = _CopyToHeads.apply(query, self.group)

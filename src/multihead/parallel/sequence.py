@@ -66,10 +66,7 @@ from multihead._inputs import tensor_argument
 from multihead.backends.sinks import check_sinks, kept_share, per_row, sink_lse
 from multihead.functional import AttentionResult, attention, attention_result
 from multihead.layer import MultiHeadAttention
-from multihead.masks._alibi import _Alibi, slope_table
-from multihead.masks._base import host_readable, to_device
-from multihead.masks._documents import _Documents
-from multihead.masks._padding import _Padding
+from multihead.masks import AlibiMask, DocumentsMask, PaddingMask, host_readable, slope_table, to_device
 from multihead.parallel._group import resolve_group
 from multihead.parallel.split import ulysses_kv_heads
 
@@ -225,7 +222,7 @@ def _check_mask(mask: object, causal: bool, function: str, b: int, h: int, m: in
             left, right = masks.band_intersection((left, right), band)
         elif term.cap is not None:
             extra.append(term)
-        elif isinstance(term, _Padding) and term.keys.dtype == torch.bool:
+        elif isinstance(term, PaddingMask) and term.keys.dtype == torch.bool:
             if tuple(term.keys.shape) != (b, m):
                 raise bad_argument(
                     "padding(valid)",
@@ -235,9 +232,9 @@ def _check_mask(mask: object, causal: bool, function: str, b: int, h: int, m: in
                     "sequence's key lengths as padding(lengths)",
                 )
             valid.append(term.keys)
-        elif isinstance(term, _Padding):
+        elif isinstance(term, PaddingMask):
             lengths.append(_checked_lengths(term.keys, b, n))
-        elif isinstance(term, _Documents) and term.ids is not None:
+        elif isinstance(term, DocumentsMask) and term.ids is not None:
             if tuple(term.ids.shape) != (b, m):
                 raise bad_argument(
                     "documents(ids)",
@@ -247,9 +244,9 @@ def _check_mask(mask: object, causal: bool, function: str, b: int, h: int, m: in
                     "documents(cu_seqlens=...)",
                 )
             ids.append(term.ids)
-        elif isinstance(term, _Documents) and term.bounds is not None:
+        elif isinstance(term, DocumentsMask) and term.bounds is not None:
             bounds.append(_checked_bounds(term.bounds, b, n))
-        elif isinstance(term, _Alibi):
+        elif isinstance(term, AlibiMask):
             tables.append(slope_table("alibi(slopes)", term.slopes, b, h, "batch row", "b"))
         else:
             raise bad_argument(
@@ -993,9 +990,7 @@ class SequenceSplit:
         if self.method not in METHODS:
             raise bad_argument("method", '"ring" or "ulysses"', repr(self.method), 'pass method="ring" or "ulysses"')
         if self.layout not in LAYOUTS:
-            raise bad_argument(
-                "layout", f"one of {LAYOUTS}", repr(self.layout), 'pass layout="contiguous" or "zigzag"'
-            )
+            raise bad_argument("layout", f"one of {LAYOUTS}", repr(self.layout), 'pass layout="contiguous" or "zigzag"')
 
     def positions(self, length: int, device: torch.device) -> torch.Tensor:
         """(length,) the global positions of this rank's ``length`` = n/P positions, in shard order."""
@@ -1008,8 +1003,7 @@ class SequenceSplit:
                 f"pad the sequence to a multiple of 2P = {2 * world}, mark padded keys as padding, "
                 "and shard with zigzag_shard",
             )
-        spans = _spans(self.layout, rank, world, length)
-        return torch.cat([torch.arange(start, start + count, device=device) for start, count in spans])
+        return _global_positions(self.layout, rank, world, length, device)
 
     def __call__(
         self,
