@@ -3,7 +3,7 @@
 # already has torch (CUDA), Triton, pytest, hypothesis and transformers: it installs nothing, and imports multihead,
 # the tests' helpers and the benchmarks from this checkout (PYTHONPATH=src:tests:benchmarks).
 #
-#   scripts/gpu_check.sh [--part 1|2|3|all] [--out DIR] [--smoke]
+#   scripts/gpu_check.sh [--part 1|2|3|4|all] [--out DIR] [--smoke]
 #
 #   part 1  env.txt, env.json: nvidia-smi, versions (torch, CUDA, cuDNN, Triton), the device, multihead's import;
 #           tests.txt, tests.xml: the portable test suite on CUDA (pytest -m portable --device cuda)
@@ -12,9 +12,12 @@
 #   part 3  gpu_heads.{json,md,log}: exact per-head weights on a Llama-shaped layer (benchmarks/gpu_heads.py);
 #           host_overhead.{json,md,log}: decode latency, auto against torch SDPA and the cached layer step
 #           (benchmarks/host_overhead.py --device cuda)
+#   part 4  parallel_nccl.{txt,xml}: the equality tests of multihead.parallel and the transformers split on CUDA,
+#           NCCL, one process per GPU (world sizes above the GPU count skip); parallel_shared.{txt,xml}: the same
+#           tests with the ranks sharing the GPUs over gloo (MULTIHEAD_RANKS_SHARE_GPU=1: 2 to 4 processes on one GPU)
 #
 # Each part fits one device call of at most 9 minutes (each step has its own timeout, and the benchmarks keep
-# what they measured when cut short); the default runs all three. Everything goes into one folder: --out, else
+# what they measured when cut short); the default runs all four. Everything goes into one folder: --out, else
 # $OUT when set (the device tool's folder that comes back), else gpu-check/. summary-part<N>.txt lists each
 # step's status, exit code and seconds; the script exits 1 when a step failed, 0 otherwise.
 #
@@ -35,12 +38,12 @@ while [ $# -gt 0 ]; do
         --out=*) OUT_DIR="${1#--out=}"; shift ;;
         --smoke) SMOKE=1; shift ;;
         -h|--help) usage; exit 0 ;;
-        *) echo "gpu_check.sh: unknown argument '$1'. Usage: scripts/gpu_check.sh [--part 1|2|3|all] [--out DIR] [--smoke]" >&2; exit 2 ;;
+        *) echo "gpu_check.sh: unknown argument '$1'. Usage: scripts/gpu_check.sh [--part 1|2|3|4|all] [--out DIR] [--smoke]" >&2; exit 2 ;;
     esac
 done
 case "$PART" in
-    1|2|3|all) ;;
-    *) echo "gpu_check.sh: --part: expected 1, 2, 3 or all, got '$PART'" >&2; exit 2 ;;
+    1|2|3|4|all) ;;
+    *) echo "gpu_check.sh: --part: expected 1, 2, 3, 4 or all, got '$PART'" >&2; exit 2 ;;
 esac
 if [ -z "$OUT_DIR" ]; then
     echo "gpu_check.sh: --out: expected a folder, got an empty string" >&2
@@ -92,7 +95,7 @@ step() {
         124|137) status="timed out after ${limit}s" ;;
         *) status=failed ;;
     esac
-    if [ "$name" = tests ] && [ "$rc" = 5 ]; then
+    if [ "$rc" = 5 ] && { [ "${name%%_*}" = tests ] || [ "${name%%_*}" = parallel ]; }; then
         status="no tests selected"  # pytest's 5: nothing in the selection carries the marker (not a failure)
     fi
     case "$status" in ok|"no tests selected") ;; *) FAILED=1 ;; esac
@@ -238,7 +241,9 @@ for name in sorted(modules):
 EOF
 }
 
-portable_tests() {
+# the test files left out of this image's run (transformers_ignores), as --ignore=PATH words; their reasons in
+# tests-ignored.txt
+test_ignores() {
     local ignores
     ignores="$(transformers_ignores 2>"$OUT_DIR/tests-ignored.txt")" || {
         echo "could not decide which transformers tests to leave out:" >&2
@@ -251,6 +256,12 @@ portable_tests() {
         echo "# nothing left out: transformers is within the tested range and every import is installed" \
             >>"$OUT_DIR/tests-ignored.txt"
     fi
+    echo "$ignores"
+}
+
+portable_tests() {
+    local ignores
+    ignores="$(test_ignores)" || return 2
     cat "$OUT_DIR/tests-ignored.txt"
     local selection=(tests)
     if [ "$SMOKE" = 1 ]; then
@@ -284,6 +295,31 @@ part3() {
         "$PY" benchmarks/host_overhead.py --device "$DEVICE" --out "$OUT_DIR" $SMOKE_FLAG
 }
 
+# ---------------------------------------------------------------------------------------------------- part 4
+
+# parallel_tests NAME: the portable tests of multihead.parallel and of the transformers split on $DEVICE, into
+# NAME.xml; the ranks share the GPUs over gloo when MULTIHEAD_RANKS_SHARE_GPU=1 is set (tests/distributed.py)
+parallel_tests() {
+    local name="$1" ignores
+    ignores="$(test_ignores)" || return 2
+    local selection=(tests/core/test_parallel_*.py tests/lab/test_*parallel*.py)
+    if [ "$SMOKE" = 1 ]; then
+        selection=(tests/core/test_parallel_sinks.py)  # one small file: the steps and their reports, not the GPU
+    fi
+    # shellcheck disable=SC2086  # $ignores is a list of --ignore=PATH words
+    "$PY" -m pytest -m portable --device "$DEVICE" -q -p no:cacheprovider -o timeout=300 \
+        --junitxml="$OUT_DIR/$name.xml" $ignores "${selection[@]}"
+}
+
+shared_parallel_tests() {
+    MULTIHEAD_RANKS_SHARE_GPU=1 parallel_tests parallel_shared
+}
+
+part4() {
+    step parallel_nccl 240 "$OUT_DIR/parallel_nccl.txt" parallel_tests parallel_nccl
+    step parallel_shared 240 "$OUT_DIR/parallel_shared.txt" shared_parallel_tests
+}
+
 run_part() {
     local part="$1" started=$SECONDS
     SUMMARY=
@@ -294,10 +330,10 @@ run_part() {
 }
 
 export PY OUT_DIR SMOKE DEVICE
-export -f environment transformers_ignores portable_tests
+export -f environment transformers_ignores test_ignores portable_tests parallel_tests shared_parallel_tests
 
 if [ "$PART" = all ]; then
-    for part in 1 2 3; do run_part "$part"; done
+    for part in 1 2 3 4; do run_part "$part"; done
 else
     run_part "$PART"
 fi

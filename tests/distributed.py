@@ -6,7 +6,10 @@ cores is fine).
 
 On ``device=cuda`` (``pytest --device cuda``) the group is NCCL, rank r on cuda:r, and ``rank_device()`` tells a
 rank's code where to build its tensors; ``cannot_run(device, world_size)`` says why a world size cannot run there
-(no NCCL, fewer GPUs than ranks), for the caller to skip with.
+(no NCCL, fewer GPUs than ranks), for the caller to skip with. NCCL refuses two ranks on one GPU, so with
+``MULTIHEAD_RANKS_SHARE_GPU=1`` (scripts/gpu_check.sh's part 4) the ranks share the machine's GPUs instead, rank r on
+cuda:(r % count), over a gloo group: any number of ranks on one GPU. gloo takes CUDA tensors in its collectives;
+whether its point-to-point sends and all-to-all take them too is what that part finds out (not run without a GPU).
 
 ``fn(rank, world_size, *args)`` runs after ``init_process_group`` in each rank and its return value (picklable)
 comes back to the caller. A rank that raises makes ``run_ranks`` raise :class:`RankFailed` with the traceback of the
@@ -33,6 +36,7 @@ import torch.multiprocessing as mp
 __all__ = ["RankFailed", "cannot_run", "rank_device", "run_ranks", "set_rank_device"]
 
 GROUP_TIMEOUT_S = 30  # a collective waiting longer than this on a dead peer raises instead of hanging
+SHARE_GPU = "MULTIHEAD_RANKS_SHARE_GPU"  # "1": ranks share the GPUs over gloo (NCCL takes one rank per GPU)
 
 
 class RankFailed(RuntimeError):
@@ -55,15 +59,28 @@ def set_rank_device(device: torch.device) -> None:
         torch.cuda.set_device(_rank_device)
 
 
+def ranks_share_gpus() -> bool:
+    """Whether cuda ranks share the GPUs over gloo (``MULTIHEAD_RANKS_SHARE_GPU=1``) rather than one each on NCCL."""
+    return os.environ.get(SHARE_GPU) == "1"
+
+
 def group_backend(device: torch.device) -> str:
-    """The process-group backend for ranks on ``device``'s type: nccl for cuda, gloo for the CPU."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    """The process-group backend for ranks on ``device``'s type: nccl for cuda (gloo when they share the GPUs),
+    gloo for the CPU."""
+    return "nccl" if torch.device(device).type == "cuda" and not ranks_share_gpus() else "gloo"
+
+
+def _cuda_device(rank: int) -> torch.device:
+    """Rank ``rank``'s GPU: its own, or one shared round-robin when the ranks share the GPUs."""
+    return torch.device("cuda", rank % torch.cuda.device_count() if ranks_share_gpus() else rank)
 
 
 def cannot_run(device: torch.device, world_size: int) -> str | None:
     """Why ``world_size`` ranks cannot run on ``device``'s type here (a skip reason), or None when they can."""
     if torch.device(device).type != "cuda":
         return None
+    if ranks_share_gpus():
+        return None if torch.cuda.device_count() else f"{SHARE_GPU}=1: this machine has no GPU to share"
     if not dist.is_nccl_available():
         return "--device cuda: this torch has no NCCL for the ranks' process group"
     count = torch.cuda.device_count()
@@ -79,7 +96,7 @@ def _worker(
     torch.set_num_threads(1)  # ranks share the machine's cores
     outcome: tuple[str, Any]
     try:
-        device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+        device = _cuda_device(rank) if device_type == "cuda" else torch.device("cpu")
         set_rank_device(device)
         dist.init_process_group(
             group_backend(device),
@@ -111,8 +128,9 @@ def run_ranks(
     """``fn(rank, world_size, *args)`` on ``world_size`` ranks; their return values, by rank.
 
     Gloo ranks on the CPU, or NCCL ranks on cuda:0 .. cuda:world_size-1 for a cuda ``device`` (check
-    ``cannot_run`` first). ``fn`` must be importable by the spawned processes (a module-level function of a test
-    file) and builds its tensors on ``rank_device()``.
+    ``cannot_run`` first; gloo ranks sharing the GPUs under ``MULTIHEAD_RANKS_SHARE_GPU=1``). ``fn`` must be
+    importable by the spawned processes (a module-level function of a test file) and builds its tensors on
+    ``rank_device()``.
     """
     device_type = torch.device(device).type
     with tempfile.TemporaryDirectory(prefix="multihead-dist-") as folder:

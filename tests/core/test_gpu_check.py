@@ -26,8 +26,14 @@ EXPECTED = {
         "host_overhead.log",
         "summary-part3.txt",
     ],
+    4: ["parallel_nccl.txt", "parallel_nccl.xml", "parallel_shared.txt", "parallel_shared.xml", "summary-part4.txt"],
 }
-STEPS = {1: ["env", "tests"], 2: ["gpu_kernels"], 3: ["gpu_heads", "host_overhead"]}
+STEPS = {
+    1: ["env", "tests"],
+    2: ["gpu_kernels"],
+    3: ["gpu_heads", "host_overhead"],
+    4: ["parallel_nccl", "parallel_shared"],
+}
 
 
 def run_script(*args: str, timeout: float = 150, hide_gpus: bool = False) -> subprocess.CompletedProcess:
@@ -79,7 +85,7 @@ def test_without_cuda_and_without_smoke_it_stops_with_a_message(tmp_path):
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--part", "4"], "--part: expected 1, 2, 3 or all, got '4'"), (["--frobnicate"], "unknown argument")],
+    [(["--part", "5"], "--part: expected 1, 2, 3, 4 or all, got '5'"), (["--frobnicate"], "unknown argument")],
 )
 def test_a_bad_argument_is_refused(tmp_path, args, message):
     done = run_script(*args, "--out", str(tmp_path), timeout=60)
