@@ -2,20 +2,32 @@
 
 One :class:`multihead.MultiHeadAttention` layer (512 wide, 8 heads, float32; and a grouped-query case with 2
 key/value heads), causal self-attention, forward and forward+backward, split over P = 1, 2, 4 gloo ranks on this
-machine three ways:
+machine by the library's ParallelStyles for torch's ``parallelize_module`` (:mod:`multihead.parallel.styles`, the
+configuration users run), applied in place to the layer on a DeviceMesh built once per launch:
 
-    tp        shard_heads(layer): every rank holds the whole input (b, n, D) and h/P heads
-    ulysses   SequenceParallelAttention(layer, method="ulysses"): rank r holds positions [r n/P, (r + 1) n/P)
-    ring      SequenceParallelAttention(layer, method="ring", layout="zigzag"): rank r holds zigzag_shard(x, r, P)
+    tp        HeadParallel() on a 1-D mesh of the P ranks: every rank holds the whole input (b, n, D) and h/P heads
+    ulysses   ContextParallel(method="ulysses", layout="contiguous") on that mesh: rank r holds positions
+              [r n/P, (r + 1) n/P)
+    ring      ContextParallel(method="ring", layout="zigzag") on that mesh: rank r holds zigzag_shard(x, r, P)
+
+and, at P = 4 only, on a 2-D mesh init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp")): HeadParallel() over
+mesh["tp"], then ContextParallel over mesh["cp"] (each rank h/2 heads of n/2 positions):
+
+    tp2 x ring2      the ring's ContextParallel (zigzag) over cp = 2
+    tp2 x ulysses2   Ulysses' ContextParallel (contiguous) over cp = 2
+
+(The method names are those of the earlier results, which ran shard_heads and SequenceParallelAttention: the same
+splits and the same bytes.)
 
 What is measured, per call (each rank runs the same steps; rank 0 reads the machine-wide counters):
 
-    bytes     the loopback interface's TX byte counter (/proc/net/dev, line "lo:") read on rank 0 between
-              barriers before and after the call: every rank is on this machine, so it counts every rank's sends
-              (TCP/IP headers included). The same window around no call at all (barriers only) is measured too;
-              its median is subtracted and the rest divided by P: bytes sent per rank. Every process's own
-              write count (/proc/self/io wchar, which counts gloo's writev on its sockets) is kept beside it as
-              a per-rank cross-check that no other process on the machine can disturb.
+    bytes     the loopback interface's TX byte counter (/proc/net/dev, line "lo:") read on rank 0 before the
+              call (between two barriers, so no rank sends before it is read) and after it (after a barrier):
+              every rank is on this machine, so it counts every rank's sends (TCP/IP headers included). The
+              same window around no call at all (barriers only) is measured too; its median is subtracted and
+              the rest divided by P: bytes sent per rank. Every process's own write count (/proc/self/io
+              wchar, which counts gloo's writev on its sockets) is kept beside it as a per-rank cross-check
+              that no other process on the machine can disturb.
     memory    the harness's peak: one call with every buffer >= 64 KiB mmapped, VmHWM after it minus VmRSS just
               before it (/proc/self/clear_refs resets VmHWM), on every rank; the table gives the largest.
     time      seconds of the call on each rank between barriers; per step the slowest rank; the median over
@@ -26,6 +38,10 @@ What is measured, per call (each rank runs the same steps; rank 0 reads the mach
 Then the longest sequence per memory budget: ring, Ulysses and tp at n = P x n0 for P = 1, 2, 4, the per-rank
 peak and the input each rank holds, forward and forward+backward (if their total stays flat, a per-rank budget
 holds a P times longer sequence), beside the plain layer measured on one process at the same n.
+
+At P = 2 it also records (does not time) whether torch's own context parallel
+(``torch.distributed.tensor.experimental.context_parallel``) runs torch's causal SDPA on the CPU: one call on a 1-D
+mesh of the 2 ranks, its exception's type and first line kept in the results (``torch_context_parallel``).
 
 The driver (this script run without torchrun's environment) launches
 ``python -m torch.distributed.run --standalone --nproc-per-node P benchmarks/parallel.py --plan ...`` for each P,
@@ -69,7 +85,11 @@ import multihead
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCRIPT = Path(__file__).resolve()
-METHODS = ("tp", "ulysses", "ring")
+METHODS = ("tp", "ulysses", "ring")  # one mesh dimension of all P ranks
+GRID_WORLD = 4  # the 2-D cases run at this P only
+GRID_METHODS = {"tp2 x ring2": (2, 2, "ring"), "tp2 x ulysses2": (2, 2, "ulysses")}  # name: (tp, cp, cp method)
+CP_LAYOUTS = {"ring": "zigzag", "ulysses": "contiguous"}  # the sequence layout each ContextParallel method runs in
+TORCH_CP_WORLD = 2  # the launch that tries torch's own context_parallel
 MODES = ("forward", "forward+backward")
 WORLDS = (1, 2, 4)
 CORES = 2  # this machine's cores: ranks beyond this share them
@@ -130,13 +150,42 @@ def threads_per_rank(world: int, cores: int = CORES) -> int:
     return max(1, cores // world)
 
 
+def split_of(method: str, world: int) -> tuple[int, int, str | None]:
+    """(tp, cp, cp method) of ``method`` on ``world`` ranks: heads over tp ranks, the sequence over cp ranks by the
+    cp method (None without a sequence split). ValueError for an unknown method, or a 2-D method on a ``world``
+    that is not its tp x cp."""
+    if method in ("tp", "layer"):
+        return world, 1, None
+    if method in ("ulysses", "ring"):
+        return 1, world, method
+    if method in GRID_METHODS:
+        tp, cp, cp_method = GRID_METHODS[method]
+        if tp * cp != world:
+            raise ValueError(f"world: {method!r} runs on tp x cp = {tp * cp} ranks, got world = {world}")
+        return tp, cp, cp_method
+    raise ValueError(f"method: unknown method {method!r}; one of {METHODS + tuple(GRID_METHODS)} or 'layer'")
+
+
+def methods_at(world: int) -> tuple[str, ...]:
+    """The methods a launch of ``world`` ranks measures: the 1-D ones, and the 2-D ones at P = GRID_WORLD."""
+    return METHODS + (tuple(GRID_METHODS) if world == GRID_WORLD else ())
+
+
 def feasible(method: str, shape: Shape, world: int) -> str | None:
-    """Why ``method`` cannot split ``shape`` over ``world`` ranks, or None (the library's own rules)."""
+    """Why ``method`` cannot split ``shape`` over ``world`` ranks, or None (the library's own rules: tp must divide
+    h and g; Ulysses over cp needs cp | h/tp and (cp | g/tp or g/tp | cp))."""
     h, g = shape.num_heads, shape.num_kv_heads
+    tp, cp, cp_method = split_of(method, world)
     if method == "tp" and (h % world or g % world):
-        return f"P = {world} must divide h = {h} and g = {g} (shard_heads keeps each kv head on one rank)"
+        return f"P = {world} must divide h = {h} and g = {g} (HeadParallel keeps each kv head on one rank)"
     if method == "ulysses" and (h % world or (g % world and world % g)):
         return f"Ulysses needs P | h and (P | g or g | P); h = {h}, g = {g}, P = {world}"
+    if method in GRID_METHODS:
+        if h % tp or g % tp:
+            return f"tp = {tp} must divide h = {h} and g = {g}"
+        hl, gl = h // tp, g // tp
+        if cp_method == "ulysses" and (hl % cp or (gl % cp and cp % gl)):
+            return f"Ulysses over cp = {cp} needs cp | h/tp and (cp | g/tp or g/tp | cp); h/tp = {hl}, g/tp = {gl}"
     return None
 
 
@@ -144,8 +193,10 @@ def not_run(config: Config) -> list[str]:
     """The (shape, method, P) the library refuses, with the reason: they are left out of the plan."""
     out = []
     for shape in config.shapes:
-        for method in METHODS:
+        for method in METHODS + tuple(GRID_METHODS):
             for world in config.worlds:
+                if method not in methods_at(world):
+                    continue
                 reason = feasible(method, shape, world)
                 if reason is not None:
                     out.append(f"{shape.name} {method} at P = {world}: {reason}")
@@ -153,11 +204,11 @@ def not_run(config: Config) -> list[str]:
 
 
 def plan_cases(config: Config, world: int) -> list[dict]:
-    """The cases one launch of ``world`` ranks runs: every (shape, method, mode) that fits, then the
-    longest-sequence cases (ring at n = world x n0, forward and forward+backward)."""
+    """The cases one launch of ``world`` ranks runs: every (shape, method, mode) that fits (the 2-D methods at
+    P = GRID_WORLD only), then the longest-sequence cases (ring at n = world x n0, forward and forward+backward)."""
     cases = []
     for shape in config.shapes:
-        for method in METHODS:
+        for method in methods_at(world):
             if feasible(method, shape, world) is not None:
                 continue
             for mode in MODES:
@@ -243,32 +294,36 @@ def wchar_bytes() -> int:
 def formula_sent_bytes(
     method: str, shape: Shape, *, seq: int, batch: int, world: int, itemsize: int = 4
 ) -> dict[str, int]:
-    """Bytes each rank sends per call by the issue's formulas (forward, backward), without the cost model:
+    """Bytes each rank sends per call by the issue's formulas (forward, backward), without the cost model. With
+    heads over t ranks and the sequence over c (:func:`split_of`), h' = h/t, g' = g/t, m = n/c:
 
-    tp       forward one ring all-reduce of the (b, n, out) output, backward one of the (b, n, D) input
-             gradient: 2 (P - 1) / P x size each
-    ulysses  4 all-to-alls each way (q, k, v to heads and the output back; their gradients backward): (P - 1) / P
-             of each rank's (b, n/P, .) shard; kv heads replicated to P when g < P
-    ring     forward P - 1 sends of the rank's K/V shard (b, g, n/P, d + e); backward (2P - 1) x that shard
+    tp       forward one ring all-reduce of the (b, m, out) output over the t ranks, backward one of the (b, m, D)
+             input gradient: 2 (t - 1) / t x size each
+    ulysses  4 all-to-alls each way (q, k, v to heads and the output back; their gradients backward): (c - 1) / c
+             of each rank's (b, m, .) shard of h' query and G key/value heads, G = g' or c when g' < c (replicated)
+    ring     forward c - 1 sends of the rank's K/V shard (b, g', m, d + e); backward (2c - 1) x that shard
+
+    A 2-D method (tp2 x ring2, tp2 x ulysses2) sends its tp all-reduces plus its cp method's bytes.
     """
-    p, b, n = world, batch, seq
+    tp, cp, cp_method = split_of(method, world)
+    b = batch
     h, g, d = shape.num_heads, shape.num_kv_heads, shape.embed_dim // shape.num_heads
-    if p == 1:
-        return {"forward": 0, "backward": 0}
-    if method == "tp":
-        size = b * n * shape.embed_dim * itemsize
-        each = 2 * (p - 1) * size // p
-        return {"forward": each, "backward": each}
-    m = n // p
-    if method == "ulysses":
-        kv = g if g % p == 0 else p
-        size = b * m * (2 * h * d + 2 * kv * d) * itemsize  # q and out (h heads), k and v (kv heads)
-        each = (p - 1) * size // p
-        return {"forward": each, "backward": each}
-    if method == "ring":
-        shard = b * g * m * 2 * d * itemsize
-        return {"forward": (p - 1) * shard, "backward": (2 * p - 1) * shard}
-    raise ValueError(f"unknown method {method!r}")
+    hl, gl, m = h // tp, g // tp, seq // cp
+    forward = backward = 0
+    if tp > 1:
+        size = b * m * shape.embed_dim * itemsize
+        forward += 2 * (tp - 1) * size // tp
+        backward += 2 * (tp - 1) * size // tp
+    if cp > 1 and cp_method == "ulysses":
+        kv = gl if gl % cp == 0 else cp
+        size = b * m * (2 * hl * d + 2 * kv * d) * itemsize  # q and out (h' heads), k and v (kv heads)
+        forward += (cp - 1) * size // cp
+        backward += (cp - 1) * size // cp
+    elif cp > 1:
+        shard = b * gl * m * 2 * d * itemsize
+        forward += (cp - 1) * shard
+        backward += (2 * cp - 1) * shard
+    return {"forward": forward, "backward": backward}
 
 
 def predicted(case: dict, world: int) -> dict:
@@ -292,9 +347,10 @@ def predicted(case: dict, world: int) -> dict:
         out["source"] = f"formula only (cost model missing: {error})"
         return out
     layer_shape = LayerShape(shape.embed_dim, shape.num_heads, num_kv_heads=shape.num_kv_heads)
-    split: dict[str, Any] = (
-        {"tp": world} if case["method"] in ("tp", "layer") else {"cp": world, "cp_method": case["method"]}
-    )
+    tp, cp, cp_method = split_of(case["method"], world)
+    split: dict[str, Any] = {"tp": tp, "cp": cp}
+    if cp_method is not None:
+        split.update(cp_method=cp_method, layout=CP_LAYOUTS[cp_method])
     try:
         cost = parallel_cost(
             layer_shape,
@@ -363,10 +419,28 @@ def ratio(measured: float | None, expected: float | None) -> float | None:
 # --------------------------------------------------------------------------- one rank (under torchrun)
 
 
-def _step_factory(case: dict, rank: int, world: int) -> tuple[Callable[[], object], Callable[[], None], int]:
-    """(step, clear, input bytes) of one case on this rank: the module, this rank's input and output gradient;
-    the bytes of the input (and, for backward, the output gradient) this rank holds before the call."""
-    from multihead.parallel import SequenceParallelAttention, shard_heads, zigzag_shard
+def build_meshes(world: int, grid: bool) -> dict[str, Any]:
+    """The DeviceMeshes of one launch, built once on every rank in the same order (a 2-D mesh creates subgroups,
+    a collective): "all", 1-D over the default group's ``world`` ranks; with ``grid``, "grid", the (cp, tp) mesh of
+    GRID_METHODS."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    meshes: dict[str, Any] = {"all": init_device_mesh("cpu", (world,))}
+    if grid:
+        tp, cp = next(iter(GRID_METHODS.values()))[:2]
+        meshes["grid"] = init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))
+    return meshes
+
+
+def _step_factory(
+    case: dict, rank: int, world: int, meshes: dict[str, Any]
+) -> tuple[Callable[[], object], Callable[[], None], int]:
+    """(step, clear, input bytes) of one case on this rank: the layer parallelized in place by the styles, this
+    rank's input and output gradient; the bytes of the input (and, for backward, the output gradient) this rank
+    holds before the call."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from multihead.parallel import ContextParallel, HeadParallel, zigzag_shard
 
     shape = Shape(**case["shape"])
     b, n, mode = case["batch"], case["seq"], case["mode"]
@@ -375,23 +449,27 @@ def _step_factory(case: dict, rank: int, world: int) -> tuple[Callable[[], objec
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(b, n, shape.embed_dim, generator=generator)
     grad = torch.randn(b, n, shape.embed_dim, generator=generator)
-    module: torch.nn.Module
-    if case["method"] in ("tp", "layer"):
-        module = shard_heads(layer) if case["method"] == "tp" else layer  # "layer": the plain layer, one process
-
-        def call(inp: torch.Tensor) -> torch.Tensor:
-            return module(inp, causal=case["causal"])[0]
-
-    else:
-        layout = "zigzag" if case["method"] == "ring" else "contiguous"
-        module = SequenceParallelAttention(layer, method=case["method"], layout=layout)
-        if layout == "zigzag":
-            x, grad = (zigzag_shard(t, rank, world, dim=1).clone() for t in (x, grad))
+    method = case["method"]
+    if method != "layer":  # "layer": the plain layer, one process
+        tp, cp, cp_method = split_of(method, world)
+        if method in GRID_METHODS:
+            tp_mesh, cp_mesh = meshes["grid"]["tp"], meshes["grid"]["cp"]
         else:
-            x, grad = (t.chunk(world, dim=1)[rank].clone() for t in (x, grad))
+            tp_mesh = cp_mesh = meshes["all"]
+        if method == "tp" or tp > 1:
+            parallelize_module(layer, tp_mesh, HeadParallel())
+        if cp_method is not None:
+            layout = CP_LAYOUTS[cp_method]
+            parallelize_module(layer, cp_mesh, ContextParallel(method=cp_method, layout=layout))
+            position = cp_mesh.get_local_rank()
+            if layout == "zigzag":
+                x, grad = (zigzag_shard(t, position, cp, dim=1).clone() for t in (x, grad))
+            else:
+                x, grad = (t.chunk(cp, dim=1)[position].clone() for t in (x, grad))
+    module: torch.nn.Module = layer
 
-        def call(inp: torch.Tensor) -> torch.Tensor:
-            return module(inp, causal=case["causal"])
+    def call(inp: torch.Tensor) -> torch.Tensor:
+        return module(inp, causal=case["causal"])[0]  # (out, weights); (out, None) after ContextParallel
 
     del layer
     backward = mode == "forward+backward"
@@ -414,12 +492,17 @@ def _step_factory(case: dict, rank: int, world: int) -> tuple[Callable[[], objec
 
 
 def _window(step: Callable[[], object], rank: int) -> dict:
-    """One step between barriers: its seconds on this rank, this process's written bytes and (rank 0) lo's TX."""
+    """One step between barriers: its seconds on this rank, this process's written bytes and (rank 0) lo's TX.
+
+    The counters are read between two barriers before the step: with one, a rank could leave it and send (in a
+    subgroup without rank 0, as the 2-D cases' first collective is) before rank 0 has read lo's start. The
+    barrier-only windows go through the same two barriers, so their bytes are subtracted with the baseline."""
     import torch.distributed as dist
 
     dist.barrier()
     tx0 = lo_tx_bytes() if rank == 0 else 0
     w0 = wchar_bytes()
+    dist.barrier()  # no rank sends before rank 0 has read lo's start
     t0 = time.perf_counter()
     step()
     seconds = time.perf_counter() - t0
@@ -434,9 +517,9 @@ class _Workload:
         self.step, self.clear = step, clear
 
 
-def measure_case(case: dict, rank: int, world: int) -> dict:
+def measure_case(case: dict, rank: int, world: int, meshes: dict[str, Any]) -> dict:
     """On every rank: warm-up, the memory call, then ``repeats`` timed and counted steps."""
-    step, clear, held_bytes = _step_factory(case, rank, world)
+    step, clear, held_bytes = _step_factory(case, rank, world, meshes)
     record: dict[str, Any] = {"case": case, "input_mib": held_bytes / MIB}
     if case["repeats"]:
         clear()
@@ -461,6 +544,60 @@ def measure_case(case: dict, rank: int, world: int) -> dict:
     return record
 
 
+def probe_torch_context_parallel(mesh: Any) -> dict:
+    """Whether torch's own context parallel runs torch's SDPA here: one causal call inside
+    ``torch.distributed.tensor.experimental.context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2])``.
+    Recorded, not timed: {"ran", "error_type", "error" (its first line), "shard"} on this rank."""
+    import torch.distributed as dist
+
+    found: dict[str, Any] = {"ran": False, "error_type": None, "error": None, "shard": None}
+    try:
+        from torch.distributed.tensor.experimental import context_parallel
+
+        generator = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(1, 2, 16 * mesh.size(), 8, generator=generator) for _ in range(3))
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            found["shard"] = list(q.shape)
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        found["ran"] = True
+    except Exception as error:  # what torch raises is the result
+        found["error_type"] = f"{type(error).__module__}.{type(error).__qualname__}".removeprefix("builtins.")
+        found["error"] = (str(error).strip().splitlines() or [""])[0]
+    dist.barrier()
+    return found
+
+
+def summarise_torch_cp(ranks: list[dict]) -> dict | None:
+    """The ranks' torch context_parallel outcomes as one: rank 0's, with "world" and whether every rank saw the
+    same ("agree"); None when the launch did not try it."""
+    outcomes = [r.get("torch_context_parallel") for r in ranks]
+    if outcomes[0] is None:
+        return None
+    first = outcomes[0]
+    same = all(o is not None and (o["ran"], o["error_type"], o["error"]) == (first["ran"], first["error_type"],
+               first["error"]) for o in outcomes)  # fmt: skip
+    return {**first, "world": len(ranks), "agree": same}
+
+
+def torch_cp_text(outcome: dict | None) -> str:
+    """The report's line on torch's own context_parallel."""
+    if outcome is None:
+        return "- torch's own context_parallel was not tried in this run."
+    head = (
+        f"- torch's own context parallel (`torch.distributed.tensor.experimental.context_parallel`, a 1-D mesh of "
+        f"P = {outcome['world']} gloo ranks, one causal `scaled_dot_product_attention` call on the CPU"
+        + (f", q/k/v sharded to {tuple(outcome['shard'])}" if outcome.get("shard") else "")
+        + "): "
+    )
+    agree = "" if outcome.get("agree", True) else " (the ranks did not all see the same)"
+    if outcome["ran"]:
+        return head + f"ran{agree}. It is not measured here: only multihead's styles are."
+    return (
+        head + f"raised {outcome['error_type']}: {outcome['error']}{agree} So torch's context parallel is not "
+        "measured here: on the CPU it cannot run torch's own SDPA."
+    )
+
+
 def worker(plan_path: Path) -> int:
     """One rank of a torchrun launch: run the plan's cases, write rank<r>.json beside the plan."""
     import torch.distributed as dist
@@ -470,6 +607,7 @@ def worker(plan_path: Path) -> int:
     torch.set_num_threads(plan["threads"])
     set_mmap_threshold(TIMING_MMAP_THRESHOLD)
     dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    meshes = build_meshes(world, grid=any(case["method"] in GRID_METHODS for case in plan["cases"]))
     gc.freeze()  # the imported modules out of every later gc.collect(): the harness collects around each call
     out: dict[str, Any] = {"rank": rank, "world": world, "threads": torch.get_num_threads(), "pid": os.getpid()}
     noop = [_window(lambda: None, rank) for _ in range(plan["noop_repeats"])]
@@ -477,7 +615,7 @@ def worker(plan_path: Path) -> int:
     records = []
     for case in plan["cases"]:
         started = time.perf_counter()
-        records.append(measure_case(case, rank, world))
+        records.append(measure_case(case, rank, world, meshes))
         if rank == 0:
             print(
                 f"P={world} {case['kind']} {case['shape']['name']} {case['method']} {case['mode']} n={case['seq']}: "
@@ -486,6 +624,8 @@ def worker(plan_path: Path) -> int:
             )
     noop_end = [_window(lambda: None, rank) for _ in range(plan["noop_repeats"])]
     out.update(noop=noop, noop_end=noop_end, idle=idle, records=records)
+    if plan.get("torch_cp_probe"):  # last: nothing measured after it
+        out["torch_context_parallel"] = probe_torch_context_parallel(meshes["all"])
     dist.barrier()
     dist.destroy_process_group()
     Path(plan_path.parent, f"rank{rank}.json").write_text(json.dumps(out))
@@ -502,6 +642,7 @@ def launch(config: Config, world: int, folder: Path) -> list[dict]:
         "threads": threads_per_rank(world),
         "noop_repeats": config.noop_repeats,
         "cases": plan_cases(config, world),
+        "torch_cp_probe": world == TORCH_CP_WORLD,
     }
     plan_path = folder / "plan.json"
     plan_path.write_text(json.dumps(plan))
@@ -668,6 +809,7 @@ def run(config: Config, say: Callable[[str], None] = print) -> dict:
     load_before = load_average()
     launches = []
     rows = []
+    torch_cp = None
     with tempfile.TemporaryDirectory(prefix="multihead-parallel-") as tmp:
         for world in config.worlds:
             say(f"launching {world} rank(s), {threads_per_rank(world)} thread(s) each")
@@ -676,6 +818,7 @@ def run(config: Config, say: Callable[[str], None] = print) -> dict:
             noop = summarise_noop(ranks)
             noop_end = summarise_noop(ranks, "noop_end")
             noop_tx = noop["lo_tx_median"] or 0
+            torch_cp = summarise_torch_cp(ranks) or torch_cp
             for index in range(len(ranks[0]["records"])):
                 rows.append(summarise_case(ranks, index, noop_tx, noop["wchar_median"]))
             launches.append(
@@ -697,6 +840,7 @@ def run(config: Config, say: Callable[[str], None] = print) -> dict:
         "launches": launches,
         "not_run": not_run(config),
         "rows": rows,
+        "torch_context_parallel": torch_cp,
         "elapsed_s": time.perf_counter() - started,
     }
 
@@ -823,8 +967,9 @@ def notes(results: dict) -> list[str]:
     if modelled:
         lines.append(
             "- The cost model's bytes equal the issue's formulas (tp 2 (P - 1)/P x all-reduced tensor each way; "
-            "Ulysses (P - 1)/P of 4 shards each way; ring P - 1 K/V shards forward, 2P - 1 backward) on "
-            f"{len(modelled) - len(differ)} of {len(modelled)} cases"
+            "Ulysses (P - 1)/P of 4 shards each way; ring P - 1 K/V shards forward, 2P - 1 backward; a 2-D case "
+            "its tp all-reduces of (b, n/cp, D) over tp = 2 plus its cp method's bytes with h/2, g/2 heads on n/cp "
+            f"positions) on {len(modelled) - len(differ)} of {len(modelled)} cases"
             + (
                 "."
                 if not differ
@@ -840,6 +985,14 @@ def notes(results: dict) -> list[str]:
                 f"- gloo's all-reduce ({r['shape']}, tp forward, P = {r['world']}): each rank wrote "
                 f"{per_rank} x the ring volume 2 (P - 1)/P x size: {r['all_reduce']['verdict']}."
             )
+    grid = [r for r in rows if r["method"] in GRID_METHODS and r["bytes_ratio"] is not None]
+    if grid:
+        lines.append(
+            "- 2-D cases (P = 4 on a (cp 2, tp 2) mesh): measured / predicted bytes "
+            + ", ".join(f"{r['shape']} {r['method']} {r['mode']} {r['bytes_ratio']:.3f}" for r in grid)
+            + ". lo counts every rank's sends, so total / P is the mean per rank whichever subgroup sent them."
+        )
+    lines.append(torch_cp_text(results.get("torch_context_parallel")))
     for line in results.get("not_run", []):
         lines.append(f"- Not run: {line}.")
     return lines
@@ -876,11 +1029,19 @@ def markdown(results: dict) -> str:
         "interface): 4 ranks share 2 cores, so time cannot fall past 2 ranks, and a send is a memory copy through "
         "the kernel, not a network. Each rank runs max(1, 2 // P) torch threads.",
         "",
+        "Splits, through multihead's ParallelStyles for torch's `parallelize_module`, applied in place to the layer: "
+        'tp = `HeadParallel()` on a 1-D mesh of the P ranks; ring = `ContextParallel(method="ring", '
+        'layout="zigzag")`; ulysses = `ContextParallel(method="ulysses", layout="contiguous")`; at P = 4 '
+        'also tp2 x ring2 and tp2 x ulysses2: a (cp 2, tp 2) mesh, `HeadParallel()` over mesh["tp"], then the '
+        'ContextParallel over mesh["cp"] (each rank h/2 heads of n/2 positions).',
+        "",
         f"One layer, causal self-attention, batch {config['batch']}, float32, n = {config['seq']} in the main "
         f"tables; {config['repeats']} timed steps per case after a warm-up and the memory call. Bytes: lo's TX "
-        "counter on rank 0 around each step (barriers on both sides), minus the median of barrier-only windows, "
-        "divided by P; median over the steps. 'written' is each rank's own /proc/self/io wchar over the same "
-        "window (barrier-only subtracted), the largest rank. Predicted: " + ("; ".join(sources) or "none") + ".",
+        "counter on rank 0 around each step (read between two barriers before it, after one barrier after it), "
+        "minus the median of barrier-only windows, divided by P; median over the steps. 'written' is each rank's "
+        "own /proc/self/io wchar over the same window (barrier-only subtracted), the largest rank. Predicted: "
+        + ("; ".join(sources) or "none")
+        + ".",
         "",
         "Reproduce: `make bench-parallel` (`python benchmarks/parallel.py`; `--quick` for the short run).",
         "",
@@ -924,7 +1085,7 @@ def plot(results: dict, path: Path) -> bool:
     shapes = results["config"]["shapes"]
     first = shapes[0]["name"] if shapes else None
     rows = [r for r in results["rows"] if r["kind"] == "main" and r["shape"] == first]
-    for method, color in zip(METHODS, ("C0", "C1", "C2"), strict=True):
+    for method, color in zip(METHODS + tuple(GRID_METHODS), ("C0", "C1", "C2", "C3", "C4"), strict=True):
         for mode, marker in zip(MODES, ("o", "s"), strict=True):
             sel = [r for r in rows if r["method"] == method and r["mode"] == mode and r["world"] > 1]
             if not sel:

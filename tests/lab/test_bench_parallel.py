@@ -82,6 +82,42 @@ def test_formula_sent_bytes():
         bench.formula_sent_bytes("allgather", MHA, seq=n, batch=b, world=2)
 
 
+def test_formula_of_the_2d_cases():
+    b, n, d, s = 2, 24, 16, 4
+    m = n // 2  # the sequence over cp = 2
+    all_reduce = 2 * 1 * b * m * 64 * s // 2  # (b, n/cp, D) float32 over the 2 tp ranks: 2 (t - 1)/t x size
+    # ring over cp = 2 with g' = g/2 kv heads: (c - 1) forward, (2c - 1) backward K/V shards (b, g', m, 2d)
+    for shape, gl in ((MHA, 2), (GQA, 1)):
+        shard = b * gl * m * 2 * d * s
+        assert bench.formula_sent_bytes("tp2 x ring2", shape, seq=n, batch=b, world=4) == {
+            "forward": all_reduce + shard,
+            "backward": all_reduce + 3 * shard,
+        }
+    # Ulysses over cp = 2, h' = 2: MHA g' = 2 (cp | g'); GQA g' = 1 replicated to G = c = 2
+    for shape in (MHA, GQA):
+        each = 1 * b * m * (2 * 2 * d + 2 * 2 * d) * s // 2
+        assert bench.formula_sent_bytes("tp2 x ulysses2", shape, seq=n, batch=b, world=4) == {
+            "forward": all_reduce + each,
+            "backward": all_reduce + each,
+        }
+    assert bench.split_of("tp2 x ring2", 4) == (2, 2, "ring")
+    assert bench.split_of("tp", 4) == (4, 1, None) and bench.split_of("ulysses", 2) == (1, 2, "ulysses")
+    with pytest.raises(ValueError, match="world"):
+        bench.formula_sent_bytes("tp2 x ulysses2", MHA, seq=n, batch=b, world=2)
+
+
+@pytest.mark.parametrize("method", ["tp2 x ring2", "tp2 x ulysses2"])
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("shape", [MHA, GQA, bench.MHA, bench.GQA], ids=lambda s: s.name)
+def test_the_2d_formula_equals_parallel_cost(method, mode, shape):
+    pytest.importorskip("multihead.cost_parallel")
+    got = bench.predicted(case(method, mode, shape, seq=48), 4)
+    assert got["source"] == "multihead.cost_parallel.parallel_cost", got["source"]
+    assert got["sent"] == got["formula_sent"]  # parallel_cost(..., tp=2, cp=2, cp_method=...) and the formula
+    assert got["sent"]["forward"] > 0 and (got["sent"]["backward"] > 0) == (mode == "forward+backward")
+    assert got["peak_bytes"] > 0
+
+
 def case(method: str, mode: str, shape: bench.Shape = MHA, seq: int = 24, kind: str = "main") -> dict:
     return {
         "kind": kind,
@@ -121,7 +157,24 @@ def test_feasible_not_run_and_plan():
         ("MHA 64/4", "ring"),
         ("GQA 64/4/2", "ulysses"),
         ("GQA 64/4/2", "ring"),
+        ("MHA 64/4", "tp2 x ring2"),  # the 2-D cases: P = 4 only; GQA's g/tp = 1 divides cp = 2 for Ulysses
+        ("MHA 64/4", "tp2 x ulysses2"),
+        ("GQA 64/4/2", "tp2 x ring2"),
+        ("GQA 64/4/2", "tp2 x ulysses2"),
     }
+    for world in (1, 2):
+        methods = {c["method"] for c in bench.plan_cases(config, world) if c["kind"] == "main"}
+        assert methods == {"tp", "ulysses", "ring"}, world
+    # the library's rules for the 2-D cases: tp | h and g; Ulysses over cp needs cp | h/tp and (cp | g/tp or g/tp | cp)
+    odd = bench.Shape("odd 96/6/3", 96, 6, 3)
+    assert "tp = 2 must divide" in bench.feasible("tp2 x ring2", odd, 4)
+    assert bench.feasible("tp2 x ulysses2", bench.Shape("h6 96/6/6", 96, 6, 6), 4).startswith("Ulysses over cp = 2")
+    assert bench.feasible("tp2 x ulysses2", bench.Shape("h8 96/8/8", 96, 8, 8), 4) is None
+    odd_config = bench.Config(quick=True, batch=1, seq=32, shapes=(odd,), repeats=1, noop_repeats=1, scale_n0=16)
+    assert [line for line in bench.not_run(odd_config) if "x" in line.split(" at ")[0]] == [
+        f"odd 96/6/3 tp2 x ring2 at P = 4: {bench.feasible('tp2 x ring2', odd, 4)}",
+        f"odd 96/6/3 tp2 x ulysses2 at P = 4: {bench.feasible('tp2 x ulysses2', odd, 4)}",
+    ]  # listed at P = 4 only, where they would run
     scaling = [c for c in cases if c["kind"] == "scaling"]
     assert [(c["method"], c["mode"], c["seq"]) for c in scaling] == [
         (method, mode, 64) for method in ("ring", "ulysses", "tp") for mode in ("forward", "forward+backward")
@@ -165,11 +218,17 @@ def rank_record(world: int, rank: int, cases: list[dict], sent: int) -> dict:
 def synthetic_results() -> dict:
     cases = [case("tp", "forward"), case("ring", "forward+backward"), case("ring", "forward", seq=48, kind="scaling")]
     rows, launches = [], []
-    for world in (1, 2):
+    torch_cp = None
+    for world in (1, 2, 4):
         sent = 0 if world == 1 else 2 * (world - 1) * 2 * 24 * 64 * 4 // world  # the tp all-reduce's ring volume
-        ranks = [rank_record(world, r, cases, sent) for r in range(world)]
+        launch_cases = cases + ([case("tp2 x ring2", "forward")] if world == 4 else [])
+        ranks = [rank_record(world, r, launch_cases, sent) for r in range(world)]
+        if world == 2:
+            for r in ranks:
+                r["torch_context_parallel"] = dict(TORCH_CP_ERROR)
+        torch_cp = bench.summarise_torch_cp(ranks) or torch_cp
         noop = bench.summarise_noop(ranks)
-        for index in range(len(cases)):
+        for index in range(len(launch_cases)):
             rows.append(bench.summarise_case(ranks, index, noop["lo_tx_median"], noop["wchar_median"]))
         launches.append({"world": world, "threads_per_rank": 1, "noop": noop, "noop_end": noop,
                          "idle_lo_tx_per_s": 500.0, "seconds": 3.0})  # fmt: skip
@@ -178,7 +237,28 @@ def synthetic_results() -> dict:
                "multihead": "y", "python": "3"}  # fmt: skip
     return {"config": bench.asdict(config), "machine": machine, "load_before": (0.1, 0.2, 0.3), "load_after": None,
             "git": {"commit": "abc1234", "modified": ["src/x.py"]},
-            "launches": launches, "not_run": ["nothing at P = 4: because"], "rows": rows, "elapsed_s": 1.0}  # fmt: skip
+            "launches": launches, "not_run": ["nothing at P = 4: because"], "rows": rows,
+            "torch_context_parallel": torch_cp, "elapsed_s": 1.0}  # fmt: skip
+
+
+TORCH_CP_ERROR = {"ran": False, "error_type": "NotImplementedError", "shard": [1, 2, 16, 8],
+                  "error": "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a "
+                           "sharding strategy registered."}  # fmt: skip
+
+
+def test_summarise_torch_cp_and_its_line():
+    ranks = [{"torch_context_parallel": dict(TORCH_CP_ERROR)} for _ in range(2)]
+    got = bench.summarise_torch_cp(ranks)
+    assert got["world"] == 2 and got["agree"] and got["error_type"] == "NotImplementedError"
+    assert bench.summarise_torch_cp([{}, {}]) is None  # a launch that did not try it
+    ranks[1]["torch_context_parallel"] = {**TORCH_CP_ERROR, "error": "something else"}
+    assert not bench.summarise_torch_cp(ranks)["agree"]
+    line = bench.torch_cp_text(got)
+    assert "raised NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu" in line
+    assert "not measured" in line and "P = 2" in line
+    ran = bench.torch_cp_text({**TORCH_CP_ERROR, "ran": True, "error_type": None, "error": None, "world": 2})
+    assert "ran" in ran and "not measured" in ran and "raised" not in ran
+    assert "not tried" in bench.torch_cp_text(None)
 
 
 def test_summarise_case_subtracts_the_barrier_only_bytes_and_takes_the_slowest_rank():
@@ -208,6 +288,17 @@ def test_markdown_and_reports(tmp_path, monkeypatch):
     assert len(bytes_rows) == 2  # the bytes table and the memory/time table
     assert bytes_rows[0].endswith("| 1.000 |")
     assert "Not run: nothing at P = 4: because." in text
+    assert "HeadParallel()" in text and 'ContextParallel(method="ring", layout="zigzag")' in text
+    # the torch context_parallel outcome of the P = 2 launch
+    assert (
+        "torch's own context parallel (`torch.distributed.tensor.experimental.context_parallel`, a 1-D mesh of "
+        "P = 2 gloo ranks" in text
+    )
+    assert "raised NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu" in text
+    # the 2-D case at P = 4 in both tables, and its ratio in the notes
+    grid_rows = [line for line in text.splitlines() if line.startswith("| MHA 64/4 | tp2 x ring2 | forward | 4 |")]
+    assert len(grid_rows) == 2
+    assert "2-D cases (P = 4 on a (cp 2, tp 2) mesh)" in text
     scaling = [line for line in text.splitlines() if line.startswith("| ring | forward | 2 | 48 |")]  # longest n
     # the synthetic ranks send 12288 B each (tp's volume); ring forward predicts one K/V shard, 2 * 4 * 24 * 32 * 4 B
     assert len(scaling) == 1 and scaling[0].endswith("| 0.0117 MiB / 0.0117 MiB / 0.0234 MiB |")
