@@ -29,11 +29,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankFailed", "cannot_run", "rank_device", "run_ranks", "set_rank_device"]
+__all__ = ["RankFailed", "cannot_run", "rank_device", "run_ranks", "set_rank_device", "skip_unless_ranks_run"]
 
 GROUP_TIMEOUT_S = 30  # a collective waiting longer than this on a dead peer raises instead of hanging
 SHARE_GPU = "MULTIHEAD_RANKS_SHARE_GPU"  # "1": ranks share the GPUs over gloo (NCCL takes one rank per GPU)
@@ -87,6 +88,13 @@ def cannot_run(device: torch.device, world_size: int) -> str | None:
     if count < world_size:
         return f"--device cuda: {world_size} ranks need {world_size} GPUs (one each, NCCL); this machine has {count}"
     return None
+
+
+def skip_unless_ranks_run(device: torch.device, world_size: int) -> None:
+    """Skip the calling test when ``world_size`` ranks cannot run on ``device``'s type here (:func:`cannot_run`)."""
+    reason = cannot_run(device, world_size)
+    if reason:
+        pytest.skip(reason)
 
 
 def _worker(

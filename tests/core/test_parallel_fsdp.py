@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import multihead
-from distributed import cannot_run, rank_device, run_ranks
+from distributed import rank_device, run_ranks, skip_unless_ranks_run
 
 BATCH, SEQ, EMBED, HEADS, KV_HEADS = 12, 7, 24, 6, 2
 STEPS = 3
@@ -99,8 +99,6 @@ def fsdp_errors(rank: int, world_size: int, folder: str) -> dict[str, float]:
 @pytest.mark.portable
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_fully_shard_trains_and_checkpoints_as_one_process(world_size, tmp_path, device):
-    reason = cannot_run(device, world_size)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, world_size)
     for errors in run_ranks(fsdp_errors, world_size, args=(str(tmp_path / "checkpoint"),), device=device):
         assert errors["parameters"] < 1e-12 and errors["checkpoint outputs"] < 1e-12, errors

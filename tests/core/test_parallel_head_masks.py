@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import multihead
-from distributed import cannot_run, rank_device, run_ranks
+from distributed import rank_device, run_ranks, skip_unless_ranks_run
 from multihead import masks
 from multihead.parallel.heads import gather_head_weights, shard_heads
 
@@ -101,9 +101,7 @@ def errors(rank: int, world: int) -> dict[str, object]:
 @pytest.mark.portable
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_mask_on_head_shards_equals_the_whole_layer(world, device):
-    reason = cannot_run(device, world)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, world)
     for rank, found in enumerate(run_ranks(errors, world, device=device)):
         message = found.pop("local slopes")
         assert f"got shape ({H // world},), {H // world} along the head axis" in message, message

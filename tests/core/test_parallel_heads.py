@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import multihead
-from distributed import RankFailed, cannot_run, group_backend, rank_device, run_ranks, set_rank_device
+from distributed import RankFailed, group_backend, rank_device, run_ranks, set_rank_device, skip_unless_ranks_run
 from multihead.cost import LayerShape
 from multihead.cost_parallel import parallel_cost
 from multihead.lab.inspect import capture
@@ -251,9 +251,7 @@ def in_this_process(tmp_path_factory, device: torch.device) -> list[dict]:
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda p: f"P={p}")
 def reports(request, tmp_path_factory, device) -> tuple[int, list[dict]]:
     """Every rank's report for P ranks: gloo on the CPU; on --device cuda, NCCL with a GPU a rank (else skipped)."""
-    reason = cannot_run(device, request.param)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, request.param)
     if request.param == 1 and not dist.is_initialized():
         return 1, in_this_process(tmp_path_factory, device)
     return request.param, run_ranks(check_rank, request.param, device=device)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import multihead
-from distributed import cannot_run, rank_device, run_ranks
+from distributed import rank_device, run_ranks, skip_unless_ranks_run
 from multihead.parallel.heads import gather_head_weights, shard_heads
 from multihead.parallel.sequence import SequenceParallelAttention
 
@@ -91,8 +91,6 @@ def sequence_errors(rank: int, world: int) -> dict[str, float]:
 @pytest.mark.portable
 @pytest.mark.parametrize("check", [head_errors, sequence_errors], ids=["heads", "sequence"])
 def test_each_option_sharded_equals_the_whole_layer(check, device):
-    reason = cannot_run(device, 2)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, 2)
     for rank_errors in run_ranks(check, 2, device=device):
         assert rank_errors and max(rank_errors.values()) < 1e-10, rank_errors

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 import multihead
-from distributed import cannot_run, rank_device, run_ranks
+from distributed import rank_device, run_ranks, skip_unless_ranks_run
 from multihead import masks
 from multihead.parallel import sequence
 from multihead.parallel.sequence import ring_attention, ulysses_attention, zigzag_shard
@@ -235,9 +235,7 @@ def check_rank(rank: int, world: int) -> dict:
 
 
 def check_world(world: int, device: torch.device) -> list[dict]:
-    reason = cannot_run(device, world)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, world)
     reports = run_ranks(check_rank, world, device=device)
     for rank, report in enumerate(reports):
         errors = report["errors"]

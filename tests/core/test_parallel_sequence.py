@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import multihead
-from distributed import RankFailed, cannot_run, rank_device, run_ranks
+from distributed import RankFailed, rank_device, run_ranks, skip_unless_ranks_run
 from multihead import masks
 from multihead.parallel import sequence
 from multihead.parallel.sequence import (
@@ -227,9 +227,7 @@ def check_rank(rank: int, world: int) -> dict:
 def check_world(world: int, device: torch.device) -> list[dict]:
     """Every rank's report for P ranks, asserted: gloo on the CPU; on --device cuda, NCCL with a GPU a rank
     (skipped where there are fewer GPUs than ranks)."""
-    reason = cannot_run(device, world)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, world)
     reports = run_ranks(check_rank, world, device=device)
     for rank, report in enumerate(reports):
         bad = {key: err for key, err in report["errors"].items() if not err <= TOL}

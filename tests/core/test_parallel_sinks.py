@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import multihead
-from distributed import cannot_run, rank_device, run_ranks
+from distributed import rank_device, run_ranks, skip_unless_ranks_run
 from multihead import masks
 from multihead.parallel.sequence import ring_attention, ulysses_attention, zigzag_shard
 
@@ -62,8 +62,6 @@ def errors(rank: int, world: int) -> dict[str, float]:
 @pytest.mark.portable
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_and_ulysses_with_sinks_equal_one_process(world, device):
-    reason = cannot_run(device, world)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, world)
     for rank_errors in run_ranks(errors, world, device=device):
         assert rank_errors and max(rank_errors.values()) < 1e-10, rank_errors

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import multihead
-from distributed import cannot_run, rank_device, run_ranks
+from distributed import rank_device, run_ranks, skip_unless_ranks_run
 from multihead.parallel import gather_head_weights, zigzag_shard
 
 BATCH, SEQ, EMBED, HEADS, HEAD_DIM = 2, 24, 16, 12, 4
@@ -144,9 +144,7 @@ def world_errors(rank: int, world: int) -> dict[str, float]:
 @pytest.mark.portable
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_each_style_and_both_on_a_2d_mesh_equal_one_process(world, device):
-    reason = cannot_run(device, world)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, world)
     for errors in run_ranks(world_errors, world, device=device):
         assert len(errors) == (7 if world == 4 else 5) and max(errors.values()) < 1e-10, errors
 
@@ -211,9 +209,7 @@ def dtensor_and_surgery_errors(rank: int, world: int) -> dict[str, float]:
 
 @pytest.mark.portable
 def test_dtensors_src_data_rank_and_head_surgery_under_the_styles(device):
-    reason = cannot_run(device, 2)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, 2)
     for errors in run_ranks(dtensor_and_surgery_errors, 2, device=device):
         assert len(errors) == 6 and max(errors.values()) < 1e-10, errors
 
@@ -266,9 +262,7 @@ def refusals(rank: int, world: int) -> dict[str, str]:
 
 @pytest.mark.portable
 def test_what_the_styles_cannot_serve_is_refused_by_name(device):
-    reason = cannot_run(device, 2)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, 2)
     expected = {
         "weights": "need_weights",
         "cross-attention": "key",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import multihead
-from distributed import cannot_run, rank_device, run_ranks
+from distributed import rank_device, run_ranks, skip_unless_ranks_run
 from support import is_input_error
 
 
@@ -43,9 +43,7 @@ def inside_and_after(rank: int, world_size: int) -> dict[str, object]:
 
 @pytest.mark.portable
 def test_multihead_refuses_inside_torchs_context_parallel_and_runs_after_it(device):
-    reason = cannot_run(device, 2)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, 2)
     for found in run_ranks(inside_and_after, 2, device=device):
         assert found["shard"] == (1, 2, 8, 4)  # torch sharded the sequence: the refused calls would see half of it
         for name in ("attention", "attention tiled", "layer"):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from distributed import cannot_run, rank_device, run_ranks
+from distributed import rank_device, run_ranks, skip_unless_ranks_run
 from hf_tiny import tiny_config
 from support import is_input_error
 
@@ -201,9 +201,7 @@ def refusals(rank: int, world: int) -> dict[str, tuple[bool, str] | str]:
 @pytest.mark.portable
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_models_give_the_one_process_logits_loss_and_gradients(world, device):
-    reason = cannot_run(device, world)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, world)
     for found in run_ranks(split_errors, world, device=device):
         assert len(found) == len(CONFIGS) * (2 * len(SPLITS) + 3), sorted(found)
         for key, errors in found.items():
@@ -240,9 +238,7 @@ EXPECTED = {
 
 @pytest.mark.portable
 def test_what_the_split_cannot_serve_is_refused_by_name(device):
-    reason = cannot_run(device, 2)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_ranks_run(device, 2)
     for found in run_ranks(refusals, 2, device=device):
         assert found.pop("served") == "served"
         assert set(found) == set(EXPECTED)
