@@ -369,8 +369,7 @@ def _check_inputs(
         )
     if h % g:
         raise bad_argument("k", f"a number of kv heads g dividing h = {h}", f"g = {g}", "use g in the divisors of h")
-    if layout not in LAYOUTS:
-        raise bad_argument("layout", f"one of {LAYOUTS}", repr(layout), 'pass layout="contiguous" or "zigzag"')
+    check_layout(layout)
     if layout == "zigzag" and m % 2:
         raise bad_argument(
             "q",
@@ -987,10 +986,8 @@ class SequenceSplit:
     key_padding: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise bad_argument("method", '"ring" or "ulysses"', repr(self.method), 'pass method="ring" or "ulysses"')
-        if self.layout not in LAYOUTS:
-            raise bad_argument("layout", f"one of {LAYOUTS}", repr(self.layout), 'pass layout="contiguous" or "zigzag"')
+        check_method(self.method)
+        check_layout(self.layout)
 
     def positions(self, length: int, device: torch.device) -> torch.Tensor:
         """(length,) the global positions of this rank's ``length`` = n/P positions, in shard order."""
@@ -1065,6 +1062,18 @@ class SequenceSplit:
 
 
 METHODS = ("ring", "ulysses")
+
+
+def check_method(method: object) -> None:
+    """ValueError naming ``method`` unless it is one of :data:`METHODS`."""
+    if method not in METHODS:
+        raise bad_argument("method", '"ring" or "ulysses"', repr(method), 'pass method="ring" or "ulysses"')
+
+
+def check_layout(layout: object) -> None:
+    """ValueError naming ``layout`` unless it is one of :data:`LAYOUTS`."""
+    if layout not in LAYOUTS:
+        raise bad_argument("layout", f"one of {LAYOUTS}", repr(layout), 'pass layout="contiguous" or "zigzag"')
 
 
 class SequenceParallelAttention(nn.Module):

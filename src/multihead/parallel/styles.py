@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from multihead._errors import bad_argument, describe
 from multihead.layer import MultiHeadAttention
 from multihead.parallel.heads import HeadParallelAttention, shard_heads
-from multihead.parallel.sequence import LAYOUTS, METHODS, SequenceSplit
+from multihead.parallel.sequence import SequenceSplit, check_layout, check_method
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -235,10 +235,8 @@ class ContextParallel(ParallelStyle):
 
     def __init__(self, *, method: str = "ring", layout: str = "zigzag", use_local_output: bool = True):
         super().__init__()
-        if method not in METHODS:
-            raise bad_argument("method", '"ring" or "ulysses"', repr(method), 'pass method="ring" or "ulysses"')
-        if layout not in LAYOUTS:
-            raise bad_argument("layout", f"one of {LAYOUTS}", repr(layout), 'pass layout="zigzag" or "contiguous"')
+        check_method(method)
+        check_layout(layout)
         if not isinstance(use_local_output, bool):
             raise bad_argument(
                 "use_local_output", "True or False", describe(use_local_output), "pass True", kind=TypeError
