@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 
-from multihead.backends import materialized, tiled
+from multihead.backends import materialized, spans, tiled
 
 
 def make_qkv(b=2, h=6, g=3, i=5, j=7, d=4, e=3, *, dtype=torch.float64, seed=0, requires_grad=False, device="cpu"):
@@ -58,11 +58,16 @@ def tiny_blocks(block_q: int = 2, block_k: int = 3, rows: int = 2):
     """Tiny kernel blocks, so small tests cross many blocks, partial blocks and skipped blocks (and the
     materialised kernel's row blocks attend key spans narrower than the whole sequence)."""
     saved = tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK, materialized.KEY_BLOCK
+    saved_plan = spans.PLAN_ROWS, spans.PLAN_KEYS, spans.GROUP_ROWS, spans.UNMASKED_KEYS
     tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK, materialized.KEY_BLOCK = block_q, block_k, rows, block_k
+    # the spans backend's plan: row tiles of block_q, key tiles of block_k, groups of at most two row tiles, and a
+    # key tile kept whole already run unmasked
+    spans.PLAN_ROWS, spans.PLAN_KEYS, spans.GROUP_ROWS, spans.UNMASKED_KEYS = block_q, block_k, 2 * block_q, block_k
     try:
         yield
     finally:
         tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK, materialized.KEY_BLOCK = saved
+        spans.PLAN_ROWS, spans.PLAN_KEYS, spans.GROUP_ROWS, spans.UNMASKED_KEYS = saved_plan
 
 
 def is_input_error(exc: BaseException, kind: type[Exception]) -> bool:

@@ -1,4 +1,4 @@
-"""The blocked kernels (tiled, materialized) in the whole PyTorch autograd stack.
+"""The blocked kernels (tiled, spans, materialized) in the whole PyTorch autograd stack.
 
 gradcheck and gradgradcheck, double backward against the reference's, batched gradients
 (``is_grads_batched``), torch.func (vmap, grad, vjp, jacrev) and autocast. The backend functions are
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from multihead import masks
-from multihead.backends import materialized, reference, tiled
+from multihead.backends import materialized, reference, spans, tiled
 from multihead.functional import attention_result
 from multihead.masks import AttentionShape, bind_mask
 from support import make_qkv
@@ -25,9 +25,11 @@ pytestmark = pytest.mark.portable
 SIZES = dict(b=2, h=6, g=3, i=7, j=5, d=4, e=8)
 KERNELS = {
     "tiled": tiled.tiled_attention,
+    "spans": spans.spans_attention,
     "materialized": materialized.materialized_attention,
     "reference": reference.reference_attention,
 }
+LSE_KERNELS = ("tiled", "spans")  # the kernels returning the LSE (the others here: their weights)
 
 
 def make_mask(b: int, h: int, i: int, j: int, *, seed: int = 3, device: torch.device | str = "cpu") -> masks.Mask:
@@ -51,13 +53,13 @@ def bound(q: torch.Tensor, k: torch.Tensor, mask: masks.Mask | None = None):
 
 
 def call(backend: str, q, k, v, mask, *, like: str | None = None, dropout: float = 0.0, finite: bool = False):
-    """``backend``'s kernel, called as dispatch calls it: (output, lse) like tiled, or (output, weights) like
-    materialized (``like`` defaults to ``backend``).
+    """``backend``'s kernel, called as dispatch calls it: (output, lse) like tiled and spans, or (output, weights)
+    like materialized (``like`` defaults to ``backend``).
 
     ``finite``: the LSE's -inf (rows with no key) replaced by 0, for the numerical checks.
     """
     res = KERNELS[backend](q, k, v, mask=mask, scale=0.5, dropout=dropout, need_weights=True, need_lse=True)
-    second = res.lse if (like or backend) == "tiled" else res.weights
+    second = res.lse if (like or backend) in LSE_KERNELS else res.weights
     if finite:
         second = second.masked_fill(second == -math.inf, 0.0)
     return res.output, second
@@ -81,7 +83,7 @@ def random_like(outputs, seed: int, batch: tuple[int, ...] = ()):
 # --------------------------------------------------------------------------- gradcheck, double backward
 
 
-@pytest.mark.parametrize("backend", ["tiled", "materialized"])
+@pytest.mark.parametrize("backend", ["tiled", "spans", "materialized"])
 def test_gradcheck_through_output_and_lse_or_weights(backend, small_blocks, device):
     q, k, v = make_qkv(**SIZES, requires_grad=True, device=device)
     mask = bound(q, k)
@@ -90,7 +92,7 @@ def test_gradcheck_through_output_and_lse_or_weights(backend, small_blocks, devi
     )
 
 
-@pytest.mark.parametrize("backend,dropout", [("tiled", 0.0), ("tiled", 0.3), ("materialized", 0.0)])
+@pytest.mark.parametrize("backend,dropout", [("tiled", 0.0), ("tiled", 0.3), ("spans", 0.0), ("materialized", 0.0)])
 def test_gradgradcheck(backend, dropout, small_blocks, device):
     """Double backward through the output and the LSE (tiled) or the weights (materialized); under dropout
     the double backward rebuilds the keep-masks the blocks drew."""
@@ -104,7 +106,7 @@ def test_gradgradcheck(backend, dropout, small_blocks, device):
     assert torch.autograd.gradgradcheck(fn, (q, k, v), fast_mode=True)
 
 
-@pytest.mark.parametrize("backend", ["tiled", "materialized"])
+@pytest.mark.parametrize("backend", ["tiled", "spans", "materialized"])
 def test_double_backward_equals_the_reference(backend, small_blocks, device):
     """create_graph=True: the first-order gradients are the plain ones, bit for bit, and the gradients of
     a loss on them equal the reference's (whose double backward is torch's own)."""
@@ -149,7 +151,7 @@ def test_third_order_equals_the_reference(small_blocks, device):
 # --------------------------------------------------------------------------- batched gradients
 
 
-@pytest.mark.parametrize("backend", ["tiled", "materialized"])
+@pytest.mark.parametrize("backend", ["tiled", "spans", "materialized"])
 def test_is_grads_batched_equals_a_loop_over_grad_outputs(backend, small_blocks, device):
     q, k, v = make_qkv(**SIZES, requires_grad=True, device=device)
     outputs = call(backend, q, k, v, bound(q, k))
@@ -305,7 +307,7 @@ def test_vmap_dropout_follows_the_randomness_flag(small_blocks, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-@pytest.mark.parametrize("backend", ["tiled", "materialized"])
+@pytest.mark.parametrize("backend", ["tiled", "spans", "materialized"])
 def test_autocast_casts_the_inputs_and_keeps_out_of_the_kernels(backend, dtype, small_blocks, device):
     """Under autocast the kernels run in the autocast dtype, as torch's SDPA does (float64 is left alone),
     forward and backward; the result is the kernel's own result for inputs of that dtype."""
@@ -315,8 +317,8 @@ def test_autocast_casts_the_inputs_and_keeps_out_of_the_kernels(backend, dtype, 
         outputs = call(backend, q, k, v, mask)
         weighted_loss(outputs, random_like(outputs, seed=2)).backward()  # backward inside autocast too
     run_dtype = torch.float64 if dtype == torch.float64 else torch.bfloat16
-    # the output in the run dtype, and so materialized's weights; tiled's LSE in float32 for half inputs
-    second_dtype = torch.float32 if backend == "tiled" and run_dtype == torch.bfloat16 else run_dtype
+    # the output in the run dtype, and so materialized's weights; the LSE in float32 for half inputs
+    second_dtype = torch.float32 if backend in LSE_KERNELS and run_dtype == torch.bfloat16 else run_dtype
     assert [o.dtype for o in outputs] == [run_dtype, second_dtype]
     assert [t.grad.dtype for t in (q, k, v)] == [dtype] * 3
     plain = [t.detach().to(run_dtype).requires_grad_(True) for t in (q, k, v)]

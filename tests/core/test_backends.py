@@ -15,7 +15,7 @@ from multihead.backends._blocks import softmax_rows_
 from multihead.functional import WeightSelection, attention, attention_result
 from support import assert_within_rule, make_qkv, textbook_lowp, tiny_blocks
 
-FAST_BACKENDS = ["sdpa", "tiled", "materialized"]
+FAST_BACKENDS = ["sdpa", "tiled", "spans", "materialized"]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 
 

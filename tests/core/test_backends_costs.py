@@ -14,7 +14,7 @@ from multihead import masks
 from multihead.backend_rates import fit_rate_and_row_cost
 from multihead.backends import costs, policy, registry, sdpa
 from multihead.backends.costs import KernelRates, dense_mask_bytes, live_fraction
-from multihead.backends.rates import CPU_AVX2_RATES
+from multihead.backends.rates import CPU_AVX2_RATES, CPU_AVX512_BF16_RATES
 from multihead.masks import AttentionShape, bind_mask
 
 KIND = policy.current_policy().kind_of(torch.device("cpu"))  # as conftest plans the suite's CPU calls
@@ -226,16 +226,18 @@ def test_two_lengths_part_the_rate_from_the_cost_per_row():
     )
 
 
-def test_auto_runs_the_block_kernel_where_the_mask_leaves_few_blocks(rates):
+def test_auto_runs_a_block_skipping_kernel_where_the_mask_leaves_few_blocks(rates):
     n = 2048
     q = torch.randn(1, 4, n, 16)
     windowed = multihead.explain(q, q, q, mask=masks.window(128))
-    assert windowed.chosen == "tiled"
-    assert set(windowed.estimates) == {"sdpa", "tiled", "materialized"}
-    assert windowed.estimates["tiled"].seconds < windowed.estimates["sdpa"].seconds
+    assert windowed.chosen == "spans"
+    assert set(windowed.estimates) == {"sdpa", "tiled", "spans", "materialized"}
+    seconds = {name: estimate.seconds for name, estimate in windowed.estimates.items()}
+    assert seconds["spans"] < seconds["tiled"] < seconds["sdpa"]
     text = str(windowed)
-    assert text.startswith("chosen: tiled (~") and "computes 23% of the pairs" in text  # (2 x 8 - 1) of 64 blocks
-    assert "builds a 4.0 MiB dense mask; 'tiled' is cheaper" in text
+    assert text.startswith("chosen: spans (~") and "computes 9% of the pairs" in text  # 32-key tiles, 256-row groups
+    assert "tiled: could serve" in text and "computes 23% of the pairs" in text  # (2 x 8 - 1) of 64 blocks
+    assert "builds a 4.0 MiB dense mask; 'spans' is cheaper" in text
     # the same rates, no mask: SDPA's own kernel does the same work at the same rate, and ranks first
     assert multihead.explain(q, q, q).chosen == "sdpa"
     # and the call runs the chosen kernel, equal to the reference
@@ -268,14 +270,20 @@ def test_sdpa_with_sinks_estimates_its_mask_of_every_head_and_one_more_key(rates
     assert causal.seconds == pytest.approx(flops / 50e9 + 4 * h * n * (n + 1) / 1e9)
 
 
-def test_the_shipped_rates_send_padded_training_to_sdpa_when_short_and_to_tiled_when_long():
-    """benchmarks/dispatch.py, padding (70% real) forward+backward at h = 16, float32: SDPA took 117 ms against
-    tiled's 134 at n = 1024, and 29.3 s against tiled's 25.8 at n = 16384. Tiled skips the padded keys' blocks;
-    rates measured at n = 1024 alone put it 48% behind SDPA per pair, where it ran 19% behind at n = 16384."""
-    install_rates(CPU_AVX2_RATES)
-    for n, expected in ((1024, "sdpa"), (16384, "tiled")):
+@pytest.mark.parametrize("shipped", [CPU_AVX2_RATES, CPU_AVX512_BF16_RATES], ids=["avx2", "avx512-bf16"])
+def test_the_shipped_rates_send_padded_training_to_spans_and_weigh_sdpa_against_tiled_by_length(shipped):
+    """Padding (70% real) forward+backward at h = 16, float32. Spans runs SDPA's kernel on the real keys alone: at
+    n = 1024 it took 154 ms against SDPA's 180 and tiled's 210 (the AVX-512 EPYC, interleaved, 2026-12-07). Between
+    the other two: benchmarks/dispatch.py measured SDPA 117 ms against tiled's 134 at n = 1024, and 29.3 s against
+    tiled's 25.8 at n = 16384; rates measured at n = 1024 alone put tiled 48% behind SDPA per pair, where it ran 19%
+    behind at n = 16384."""
+    install_rates(shipped)
+    for n, faster_of_two in ((1024, "sdpa"), (16384, "tiled")):
         q = torch.empty(1, 16, n, 64, requires_grad=True)
-        assert multihead.explain(q, q, q, mask=masks.padding(torch.tensor([int(0.7 * n)]))).chosen == expected
+        explained = multihead.explain(q, q, q, mask=masks.padding(torch.tensor([int(0.7 * n)])))
+        assert explained.chosen == "spans"
+        seconds = {name: explained.estimates[name].seconds for name in ("sdpa", "tiled")}
+        assert min(seconds, key=seconds.__getitem__) == faster_of_two
 
 
 def test_small_calls_and_backends_without_estimates_keep_the_priority_order(rates):
@@ -300,15 +308,16 @@ def test_small_calls_and_backends_without_estimates_keep_the_priority_order(rate
 
 def test_auto_follows_the_installed_rates():
     q = torch.randn(1, 4, 2048, 16)
-    slow_blocks = KernelRates(
-        gflops={**FAST_BLOCKS.gflops, "tiled": {"forward float32": 1.0, "backward float32": 1.0}},
+    fast_tiled = KernelRates(
+        gflops={**FAST_BLOCKS.gflops, "tiled": {"forward float32": 1000.0, "backward float32": 1000.0}},
         mask_gbs=100.0,
+        masked_gps=100.0,  # masking its partial blocks costs it next to nothing
         source="test",
     )
-    with policy.use_policy(policy.current_policy().with_rates(slow_blocks)):
-        assert multihead.explain(q, q, q, mask=masks.window(128)).chosen == "sdpa"
-    with policy.use_policy(policy.current_policy().with_rates(FAST_BLOCKS)):
+    with policy.use_policy(policy.current_policy().with_rates(fast_tiled)):
         assert multihead.explain(q, q, q, mask=masks.window(128)).chosen == "tiled"
+    with policy.use_policy(policy.current_policy().with_rates(FAST_BLOCKS)):
+        assert multihead.explain(q, q, q, mask=masks.window(128)).chosen == "spans"
 
 
 def test_a_calibration_in_the_home_decides_nothing_until_the_user_opts_in(tmp_path, monkeypatch):
@@ -320,7 +329,8 @@ def test_a_calibration_in_the_home_decides_nothing_until_the_user_opts_in(tmp_pa
     monkeypatch.setenv("MULTIHEAD_CACHE", str(tmp_path))
     q = torch.randn(1, 4, 512, 16)
     assert multihead.explain(q, q, q, causal=True).chosen == "sdpa"
-    skewed = {**FAST_BLOCKS.gflops, "sdpa": {"forward float32": 1.0, "backward float32": 1.0}}
+    slow = {"forward float32": 1.0, "backward float32": 1.0}
+    skewed = {**FAST_BLOCKS.gflops, "sdpa": slow, "sdpa masked": slow}  # SDPA's kernel, alone or run by spans
     rates = machine.MachineRates(
         {"float32": 100.0}, 10.0, 2, details={"kernel_rates": {"gflops": skewed, "mask_gbs": 1.0, "source": "cached"}}
     )

@@ -188,7 +188,7 @@ def test_a_named_backend_that_cannot_serve_says_what_it_lacks(scratch_registry, 
 
 
 def test_the_real_registry_has_the_documented_backends_in_auto_order():
-    assert registry.available_backends() == ["sdpa", "tiled", "flex", "materialized", "reference", "paged"]
+    assert registry.available_backends() == ["sdpa", "tiled", "spans", "flex", "materialized", "reference", "paged"]
     assert registry.choose(make_call(paged=True), "auto").name == "paged"  # first for a paged call, whatever order
     assert registry.choose(make_call(need_lse=True), "auto").name == "tiled"
     assert registry.choose(make_call(weights="all"), "auto").name == "materialized"

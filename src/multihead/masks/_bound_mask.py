@@ -74,6 +74,9 @@ class BoundMask:
         # backends.costs keeps them here, as the estimates and the kernel of the one call this mask is bound to
         # ask for them alike
         self.block_fractions: dict[tuple[int, int, int, int], tuple[float, float]] = {}
+        # a kernel's plan of this call (the spans backend's row groups), keyed by the kernel and its settings: made
+        # once, for auto's estimate and the kernel alike
+        self.kernel_plans: dict[tuple, object] = {}
 
     @classmethod
     def none(cls, shape: AttentionShape) -> BoundMask:

@@ -1,0 +1,499 @@
+"""Groups of query rows through torch's fused CPU flash kernel, each over the span of keys its mask leaves alive.
+
+Why. A packed batch of 16 documents leaves 6% of its tiles alive, but the block loop of :mod:`tiled` (a few small
+torch ops per 256 x 256 block, ~100-150 GFLOP/s at best here) ran it level with padding every document to the
+longest on SDPA, which computes every pair of its dense mask. Torch's CPU flash kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu``: forward with the log-sum-exp, and a backward) takes an
+additive mask and is faster per pair than a matmul loop, but it computes every pair of what it is given. So this
+backend gives it only what is alive: the call's query rows in groups, each group with the keys from the first to the
+last tile its mask does not empty, and the mask of that span alone.
+
+The plan (:func:`span_plan`, kept on the bound mask, so that auto's estimate and the kernel make it once). The mask's
+tile states on a PLAN_ROWS x PLAN_KEYS grid (``BoundMask.block_states``, from what the host knows of the mask) give
+each row tile its live key span. Consecutive row tiles join one group while the group's span (its rows times its
+keys) stays within GROUP_WASTE times the sum of their own spans and the group holds at most GROUP_ROWS rows: a
+group's rows cut where a document begins (its span jumps), and grow along a diagonal until the triangle above it
+costs more than another kernel call. Packed documents then compute 1.35x the pairs the mask keeps, against 23x for
+the whole grid (benchmarks/packed.py).
+
+Each group runs the kernel on (b*g, r, rows, d) queries against its keys and values read through a view of their
+(b*g, 1, keys, d) tensors expanded over the r = h / g query heads that share them: grouped heads copy no key. The
+group's mask is built as one additive tensor (0 where a pair may attend, -inf where not, plus any bias) only when the
+mask does not keep the span whole.
+
+The contract, as every backend keeps it:
+
+- **Fully masked rows** give output 0, LSE -inf and gradient 0. A group with no live key is not run; a row whose
+  span is masked whole is found from its mask row (only where the mask may empty a row), its query zeroed first (so
+  no overflowing score meets -inf: inf - inf = NaN) and its LSE set to -inf (the kernel says 0).
+- **The LSE** is the kernel's, and differentiable: a gradient on it enters the kernel's backward through its row
+  term D = rowsum(dO * O), which the backward takes from the output it is given. With a gradient g on the LSE, q and
+  k gain a zero column, v a zero column, the output a column holding -g and dO a column of ones: the scores and dP
+  are unchanged and D becomes D - g, which is dS = P (dP - D + g), the gradient through the LSE (used by learned
+  sinks and by merging partial results).
+- **Half precision** computes in float32 (the kernel's half backward sums dK and dV over query blocks in half and
+  misses the FlashAttention tolerance rule: :data:`multihead.backends.costs.HALF_BACKWARD_INACCURATE_ON_CPU`).
+- **Double backward** differentiates the dense closed-form gradients (as :mod:`tiled`), built only when asked for.
+- Not served, each named by its Capabilities and so left to :mod:`tiled`: dropout (the kernel would draw torch's own
+  stream, and no weights could be returned with it), logit soft-capping (no score transform), a gradient to a bias,
+  and torch.func transforms (no vmap rule) or torch.compile tracing (a Python loop over groups, on a private op).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from multihead.backends._blocks import (
+    KernelFunction,
+    dense_input_grads,
+    double_backward,
+    finite_or_zero,
+    legacy_batched,
+    transforms_active,
+)
+from multihead.backends.call import AttentionCall
+from multihead.backends.costs import (
+    HALF_DTYPES,
+    Estimate,
+    call_kind,
+    cast_bytes,
+    dense_mask_seconds,
+    kernel_rates,
+    kernel_seconds,
+    pair_flops,
+)
+from multihead.backends.precision import autocast_inputs, autocast_off, compute_dtype
+from multihead.backends.registry import BackendOutput, Capabilities
+from multihead.masks import STATE_EMPTY, STATE_FULL, BoundMask, is_fake
+
+PLAN_ROWS = 32  # query rows per tile of the plan's grid
+PLAN_KEYS = 32  # keys per tile of the plan's grid
+GROUP_ROWS = 256  # the most query rows one kernel call takes
+# how much more than its row tiles' own spans a group may compute: 32, 256 and 1.25 ran packed documents fastest of
+# 16-64 rows per tile, 128-512 rows per group and 1.1-1.5 (69 ms against 69-83, 16 documents of 8,588 tokens, h = 8)
+GROUP_WASTE = 1.25
+# the fewest keys kept whole for a group's rows that run as a kernel call of their own, without a mask (beside the
+# calls over the rest of its span, whose mask is built and read): 128-512 against never, interleaved, packed
+# documents took 107-125 ms against 104 (their kept runs are short, and split from a partial tile on each side),
+# causal & padding at n = 8192 took 317-331 ms against 366; 512 was best for both
+UNMASKED_KEYS = 512
+# What one kernel call costs beside its pairs (torch's CPU flash kernel, float32, d = 64, 2 threads, on this project's
+# AVX-512 EPYC): fitting its time against its query rows (32 to 256) at a fixed key span gave a part per key, head and
+# head dim element, 0.06-0.3 ns forward and 0-1.4 ns backward (reading K and V again for every call, and in the
+# backward writing their gradients: more where h x keys x d outgrows the caches: 8 heads x 2048 keys is the high end),
+# and a fixed part of about 15 us
+CALL_SECONDS = 15e-6
+CALL_KEY_SECONDS_FORWARD = 0.2e-9
+CALL_KEY_SECONDS_BACKWARD = 1.0e-9
+
+_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@dataclass(frozen=True)
+class KeyPiece:
+    """Keys one kernel call of a group reads, and whether the mask must be applied to them (False: the mask keeps
+    every one of them for every row of the group, and the kernel runs without a mask)."""
+
+    keys: range
+    masked: bool
+
+
+@dataclass(frozen=True)
+class SpanGroup:
+    """Query rows run together, and the pieces of their key span, each one kernel call (none: every key of these
+    rows is masked)."""
+
+    rows: range
+    pieces: tuple[KeyPiece, ...]
+
+    @property
+    def pairs(self) -> int:
+        return len(self.rows) * sum(len(piece.keys) for piece in self.pieces)
+
+
+def span_plan(mask: BoundMask) -> tuple[SpanGroup, ...]:
+    """The call's query rows in groups, each with its live key span in pieces (see the module docstring), made once
+    per bound mask and kept on it. Read from the host's view of the mask (``BoundMask.on_host``): it waits for no
+    device."""
+    key = ("spans", PLAN_ROWS, PLAN_KEYS, GROUP_ROWS, GROUP_WASTE, UNMASKED_KEYS)
+    plan = mask.kernel_plans.get(key)
+    if plan is None:
+        plan = mask.kernel_plans[key] = _plan(mask)
+    return plan  # type: ignore[return-value]
+
+
+def _plan(mask: BoundMask) -> tuple[SpanGroup, ...]:
+    q_len, k_len = mask.shape.q_len, mask.shape.k_len
+    states = mask.on_host().block_states(PLAN_ROWS, PLAN_KEYS) if mask.keep_terms else None
+    if states is None or is_fake(states):  # nothing skipped, or nothing known (fake tensors): groups over every key
+        piece = (KeyPiece(range(k_len), masked=not mask.is_empty),)
+        return tuple(
+            SpanGroup(range(start, min(start + GROUP_ROWS, q_len)), piece) for start in range(0, q_len, GROUP_ROWS)
+        )
+    live = states != STATE_EMPTY  # (row tiles, key tiles)
+    tiles = torch.arange(live.shape[1])
+    first = torch.where(live, tiles, live.shape[1]).amin(1).mul_(PLAN_KEYS).tolist()  # each row tile's first key
+    stop = torch.where(live, tiles, -1).amax(1).add_(1).mul_(PLAN_KEYS).clamp_(max=k_len).tolist()
+    spans: list[tuple[range, range]] = []  # (rows, keys) of each group; keys empty where no key is alive
+    open_rows: range | None = None  # the group being grown: rows, keys, and the pairs of its tiles' own spans
+    open_keys, own_pairs = range(0), 0
+    for tile, (lo, hi) in enumerate(zip(first, stop, strict=True)):
+        rows = range(tile * PLAN_ROWS, min((tile + 1) * PLAN_ROWS, q_len))
+        if hi <= lo:  # no live key: a group of its own, never run
+            if open_rows is not None:
+                spans.append((open_rows, open_keys))
+                open_rows = None
+            spans.append((rows, range(0)))
+            continue
+        if open_rows is not None:
+            joined_rows = range(open_rows.start, rows.stop)
+            joined_keys = range(min(open_keys.start, lo), max(open_keys.stop, hi))
+            joined_own = own_pairs + len(rows) * (hi - lo)
+            if len(joined_rows) <= GROUP_ROWS and len(joined_rows) * len(joined_keys) <= GROUP_WASTE * joined_own:
+                open_rows, open_keys, own_pairs = joined_rows, joined_keys, joined_own
+                continue
+            spans.append((open_rows, open_keys))
+        open_rows, open_keys, own_pairs = rows, range(lo, hi), len(rows) * (hi - lo)
+    if open_rows is not None:
+        spans.append((open_rows, open_keys))
+    full = states == STATE_FULL
+    return tuple(SpanGroup(rows, _pieces(mask, full, rows, keys)) for rows, keys in spans)
+
+
+def _pieces(mask: BoundMask, full: torch.Tensor, rows: range, keys: range) -> tuple[KeyPiece, ...]:
+    """A group's key span as kernel calls: the longest run of key tiles that the mask keeps whole for all its rows
+    (``full``: (row tiles, key tiles) bool) runs unmasked where it holds at least UNMASKED_KEYS keys, the keys on
+    either side of it masked; else the whole span masked. A bias applies everywhere: one masked piece."""
+    if not keys:
+        return ()
+    if mask.bias_terms:
+        return (KeyPiece(keys, masked=True),)
+    first_tile, stop_tile = keys.start // PLAN_KEYS, -(-keys.stop // PLAN_KEYS)
+    whole = full[rows.start // PLAN_ROWS : -(-rows.stop // PLAN_ROWS), first_tile:stop_tile].all(0).tolist()
+    best_start, best_length, run_start = 0, 0, 0
+    for index, kept in enumerate([*whole, False]):
+        if not kept:
+            if index - run_start > best_length:
+                best_start, best_length = run_start, index - run_start
+            run_start = index + 1
+    if best_length == len(whole):
+        return (KeyPiece(keys, masked=False),)
+    plain_start = max(keys.start, (first_tile + best_start) * PLAN_KEYS)
+    plain_stop = min(keys.stop, (first_tile + best_start + best_length) * PLAN_KEYS)
+    if plain_stop - plain_start < UNMASKED_KEYS:
+        return (KeyPiece(keys, masked=True),)
+    pieces = [KeyPiece(range(plain_start, plain_stop), masked=False)]  # first: the others merge into it
+    for side in (range(keys.start, plain_start), range(plain_stop, keys.stop)):
+        if side:
+            pieces.append(KeyPiece(side, masked=True))
+    return tuple(pieces)
+
+
+class _Layout:
+    """One call's tensors as the kernel reads them: queries (b*g, r, i, w), keys and values (b*g, 1, j, w), w the
+    common head width (the kernel wants one: q and k padded with zeros to max(d, e), which leaves the scores as they
+    are, v with zeros that are dropped from the output), plus ``extra`` zero columns (the LSE's gradient)."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: int = 0):
+        self.b, self.h, self.i, self.d = q.shape
+        self.g, self.j, self.e = k.shape[1], k.shape[2], v.shape[3]
+        self.r = self.h // self.g
+        self.dtype = compute_dtype(q.dtype)
+        self.width = max(self.d, self.e) + extra
+        bg = self.b * self.g
+        self.q = self.widened(q.to(self.dtype).reshape(bg, self.r, self.i, self.d))  # (b*g, r, i, w)
+        self.k = self.widened(k.to(self.dtype).reshape(bg, 1, self.j, self.d))  # (b*g, 1, j, w)
+        self.v = self.widened(v.to(self.dtype).reshape(bg, 1, self.j, self.e))  # (b*g, 1, j, w)
+
+    def widened(self, t: torch.Tensor, column: torch.Tensor | None = None) -> torch.Tensor:
+        """(.., x) -> (.., w) with zeros after x (the last of them ``column`` (.., 1) where given)."""
+        if column is not None:
+            t = torch.cat([F.pad(t, (0, self.width - 1 - t.shape[-1])), column], dim=-1)
+        return t if t.shape[-1] == self.width else F.pad(t, (0, self.width - t.shape[-1]))
+
+    def grouped(self, t: torch.Tensor) -> torch.Tensor:
+        """(b, h, i, ..) -> (b*g, r, i, ..), a view where it can be."""
+        return t.reshape(self.b * self.g, self.r, *t.shape[2:])
+
+    def span(self, t: torch.Tensor, keys: range) -> torch.Tensor:
+        """(b*g, 1, j, w) -> the span's (b*g, r, len(keys), w), a view: every query head of the group reads it."""
+        part = t[:, :, keys.start : keys.stop]
+        return part.expand(part.shape[0], self.r, part.shape[2], part.shape[3])
+
+
+def _piece_mask(
+    lay: _Layout, mask: BoundMask, rows: range, piece: KeyPiece, check_empty: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The piece's additive mask, (b*g or 1, r or 1, rows, keys) in the compute dtype (None for an unmasked piece),
+    and the rows it masks whole, (b*g or 1, r or 1, rows, 1) bool (None unless ``check_empty``)."""
+    if not piece.masked:
+        return None, None
+    row_slice, key_slice = slice(rows.start, rows.stop), slice(piece.keys.start, piece.keys.stop)
+    keep, bias = mask.block(row_slice, key_slice, dtype=lay.dtype, minus_inf_as_keep=False)  # a bias's -inf stays
+    if keep is None and bias is None:
+        return None, None
+    if bias is None:
+        assert keep is not None  # one of them is set
+        additive = torch.where(keep, 0.0, -math.inf).to(lay.dtype)
+    else:  # out of place: the bias may be the caller's tensor
+        bias = bias.to(lay.dtype)
+        additive = bias if keep is None else bias.masked_fill(~keep, -math.inf)
+    additive = additive.reshape((1,) * (4 - additive.dim()) + tuple(additive.shape))  # (.., n or 1, L or 1) -> 4-d
+    batch, heads = additive.shape[0], additive.shape[1]
+    if batch > 1 or heads > 1:  # (b or 1, h or 1, n, L) -> the kernel's (b*g, r or 1, n, L)
+        per_head = (lay.g, lay.r) if heads > 1 else (1, 1)
+        additive = additive.reshape(batch, *per_head, *additive.shape[2:])
+        additive = additive.expand(lay.b, lay.g, per_head[1], *additive.shape[3:])
+        additive = additive.reshape(lay.b * lay.g, per_head[1], *additive.shape[3:])
+    empty = (additive == -math.inf).all(dim=-1, keepdim=True) if check_empty else None
+    return additive, empty
+
+
+def _guarded_queries(q_rows: torch.Tensor, empty: torch.Tensor | None) -> torch.Tensor:
+    """Queries (b*g, r, n, w) with the rows a piece masks whole zeroed: their scores are then 0 before the mask's
+    -inf, so no score overflowing to inf meets it (inf - inf = NaN)."""
+    return q_rows if empty is None else q_rows.masked_fill(empty, 0.0)
+
+
+def _forward(lay: _Layout, mask: BoundMask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (b, h, i, e) and LSE (b, h, i), both in the compute dtype."""
+    bg = lay.b * lay.g
+    out = torch.empty(bg, lay.r, lay.i, lay.e, dtype=lay.dtype, device=lay.q.device)
+    lse = torch.empty(bg, lay.r, lay.i, dtype=lay.dtype, device=lay.q.device)
+    may_empty = mask.may_empty_rows()
+    for group in span_plan(mask):
+        rows = slice(group.rows.start, group.rows.stop)
+        if not group.pieces:  # every key masked: output 0, LSE -inf
+            out[:, :, rows] = 0.0
+            lse[:, :, rows] = -math.inf
+            continue
+        # a row may see no key of one piece and some of another: with several pieces every masked one is checked
+        check_empty = may_empty or len(group.pieces) > 1
+        for index, piece in enumerate(group.pieces):
+            attn_mask, empty = _piece_mask(lay, mask, group.rows, piece, check_empty)
+            piece_out, piece_lse = _FORWARD(
+                _guarded_queries(lay.q[:, :, rows], empty),
+                lay.span(lay.k, piece.keys),
+                lay.span(lay.v, piece.keys),
+                attn_mask=attn_mask,
+                scale=scale,
+            )
+            piece_out = piece_out[..., : lay.e]
+            if empty is not None:  # the kernel gives such a row output 0 and LSE 0: its LSE is -inf
+                piece_lse = piece_lse.masked_fill(empty.squeeze(-1), -math.inf)
+            if index == 0:
+                out[:, :, rows], lse[:, :, rows] = piece_out, piece_lse
+            else:
+                _merge_(out[:, :, rows], lse[:, :, rows], piece_out, piece_lse)
+    return out.view(lay.b, lay.h, lay.i, lay.e), lse.view(lay.b, lay.h, lay.i)
+
+
+def _merge_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Fold one piece's softmax over its keys into the rows' so far, in place: out (.., n, e) and lse (.., n) become
+    those over both key sets. A row with no key in either stays output 0, LSE -inf."""
+    total = torch.logaddexp(lse, part_lse)
+    safe = finite_or_zero(total)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(part_out * torch.exp(part_lse - safe).unsqueeze(-1))
+    lse.copy_(total)
+
+
+def _backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    mask: BoundMask,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients for q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) in the compute dtype, piece by piece: given the
+    whole softmax's output and LSE, each piece's backward gives exactly its own keys' share of every gradient."""
+    lay = _Layout(q, k, v, extra=0 if grad_lse is None else 1)
+    bg = lay.b * lay.g
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grad_out, out = lay.grouped(grad_out.to(lay.dtype)), lay.grouped(out.to(lay.dtype))  # (b*g, r, i, e)
+    if grad_lse is None:
+        grad_out, out = lay.widened(grad_out), lay.widened(out)
+    else:  # the LSE's gradient g through the kernel's D = rowsum(dO * O): dO gains a 1, O a -g (module docstring)
+        minus_g = lay.grouped(grad_lse.to(lay.dtype)).neg().unsqueeze(-1)  # (b*g, r, i, 1)
+        grad_out, out = lay.widened(grad_out, torch.ones_like(minus_g)), lay.widened(out, minus_g)
+    # the kernel's backward recomputes P = exp(s - lse): an empty row's scores are -inf, so its lse is given as 0
+    kernel_lse = finite_or_zero(lay.grouped(lse.to(lay.dtype)))
+    dq = torch.zeros(bg, lay.r, lay.i, lay.d, dtype=lay.dtype, device=lay.q.device)
+    dk = torch.zeros(bg, 1, lay.j, lay.d, dtype=lay.dtype, device=lay.q.device)
+    dv = torch.zeros(bg, 1, lay.j, lay.e, dtype=lay.dtype, device=lay.q.device)
+    may_empty = mask.may_empty_rows()
+    for group in span_plan(mask):
+        rows = slice(group.rows.start, group.rows.stop)
+        check_empty = may_empty or len(group.pieces) > 1
+        for piece in group.pieces:
+            attn_mask, empty = _piece_mask(lay, mask, group.rows, piece, check_empty)
+            keys = slice(piece.keys.start, piece.keys.stop)
+            piece_dq, piece_dk, piece_dv = _BACKWARD(
+                grad_out[:, :, rows],
+                _guarded_queries(lay.q[:, :, rows], empty),
+                lay.span(lay.k, piece.keys),
+                lay.span(lay.v, piece.keys),
+                out[:, :, rows],
+                kernel_lse[:, :, rows],
+                0.0,
+                False,
+                attn_mask=attn_mask,
+                scale=scale,
+            )
+            dq[:, :, rows] += piece_dq[..., : lay.d]
+            dk[:, :, keys] += piece_dk[..., : lay.d].sum(1, keepdim=True)  # over the r query heads reading it
+            dv[:, :, keys] += piece_dv[..., : lay.e].sum(1, keepdim=True)
+    return (
+        dq.view(lay.b, lay.h, lay.i, lay.d),
+        dk.view(lay.b, lay.g, lay.j, lay.d),
+        dv.view(lay.b, lay.g, lay.j, lay.e),
+    )
+
+
+class _SpansAttention(KernelFunction):
+    """(q, k, v) -> (output, lse) in the compute dtype; backward is :class:`_SpansBackward`."""
+
+    @staticmethod
+    @autocast_off
+    def forward(q, k, v, mask: BoundMask, scale: float):
+        return _forward(_Layout(q, k, v), mask, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, mask, scale = inputs
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.mask, ctx.scale = mask, scale
+        ctx.set_materialize_grads(False)  # a gradient on only one of output / lse arrives as None
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, grad_out, grad_lse):
+        if grad_out is None and grad_lse is None:  # reached from a double backward, which returns None for out, lse
+            return None, None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        if legacy_batched(grad_out, grad_lse):  # is_grads_batched=True: the dense closed form, as tiled's
+            dq, dk, dv = dense_input_grads(q, k, v, grad_out, None, grad_lse, mask=ctx.mask, scale=ctx.scale)
+        else:  # a Function of its own, so that the gradients are differentiable (double backward)
+            dq, dk, dv = _SpansBackward.call_or_run(q, k, v, out, lse, grad_out, grad_lse, ctx.mask, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+class _SpansBackward(KernelFunction):
+    """(q, k, v, out, lse, grad_out, grad_lse) -> (dq, dk, dv) in the inputs' dtypes; its own backward (double
+    backward) differentiates the dense closed-form gradients, as :class:`multihead.backends.tiled._TiledBackward`."""
+
+    @staticmethod
+    @autocast_off
+    def forward(q, k, v, out, lse, grad_out, grad_lse, mask: BoundMask, scale: float):
+        dq, dk, dv = _backward(q, k, v, out, lse, grad_out, grad_lse, mask, scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, out, lse, grad_out, grad_lse, mask, scale = inputs
+        ctx.save_for_backward(q, k, v, grad_out, grad_lse)
+        ctx.mask, ctx.scale = mask, scale
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, grad_dq, grad_dk, grad_dv):
+        q, k, v, grad_out, grad_lse = ctx.saved_tensors
+        dq, dk, dv, d_grad_out, d_grad_lse = double_backward(
+            {"q": q, "k": k, "v": v, "grad_out": grad_out, "grad_lse": grad_lse},
+            (grad_dq, grad_dk, grad_dv),
+            mask=ctx.mask,
+            scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, d_grad_out, d_grad_lse, None, None
+
+
+def spans_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: BoundMask,
+    scale: float,
+    dropout: float,
+    need_weights: bool,
+    need_lse: bool,
+) -> BackendOutput:
+    """q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) -> output (b, h, i, e) in q's dtype (under torch.autocast, the
+    autocast dtype, float64 excepted), LSE (b, h, i) in the compute dtype (float32 for half inputs, as tiled's)."""
+    del dropout, need_weights  # its Capabilities refuse dropout; the registry computes any weights asked for
+    q, k, v = autocast_inputs(q, k, v)
+    output, lse = _SpansAttention.call(q, k, v, mask, scale)
+    return BackendOutput(output.to(q.dtype), None, lse if need_lse else None)
+
+
+def _check(call: AttentionCall) -> list[str]:
+    missing = []
+    if transforms_active():
+        missing.append("torch.func transforms (vmap, grad, jacrev: it has no vmap rule; tiled has)")
+    if torch.compiler.is_compiling():
+        missing.append("torch.compile tracing (a Python loop over row groups, each a private ATen op)")
+    return missing
+
+
+def _estimate(call: AttentionCall) -> Estimate | None:
+    """Its pieces' pairs at the rates of the kernel it runs (torch's SDPA alone for the unmasked pieces, given a
+    mask for the others), in the dtype it computes in; plus what each kernel call costs beside its pairs (a fixed
+    part, and its keys and values read, and in the backward their gradients written, for every query head); plus
+    building each masked piece's mask (forward, and again in the backward), and a half call's casts."""
+    plan = span_plan(call.mask)
+    masked = plain = keys_read = calls = 0
+    for group in plan:
+        for piece in group.pieces:
+            pairs = len(group.rows) * len(piece.keys)
+            masked, plain = (masked + pairs, plain) if piece.masked else (masked, plain + pairs)
+            keys_read += len(piece.keys)
+            calls += 1
+    work = compute_dtype(call.dtype)
+    kind = call_kind(call)
+    rates = kernel_rates(kind)
+    per_pair = float(pair_flops(call.qk_dim, call.v_dim)) * call.batch * call.heads
+    rows = call.batch * call.heads * call.q_len
+    plain_s = kernel_seconds("sdpa", work, call.requires_grad, per_pair * plain, rows, rates)
+    masked_s = kernel_seconds("sdpa masked", work, call.requires_grad, per_pair * masked, 0, rates)
+    if plain_s is None or masked_s is None:
+        return None
+    per_key = call.batch * call.heads * max(call.qk_dim, call.v_dim) * CALL_KEY_SECONDS_FORWARD
+    per_call = CALL_SECONDS
+    passes = 1
+    if call.requires_grad:
+        per_key += call.batch * call.heads * max(call.qk_dim, call.v_dim) * CALL_KEY_SECONDS_BACKWARD
+        per_call, passes = 2 * CALL_SECONDS, 2
+    seconds = plain_s + masked_s + calls * per_call + keys_read * per_key
+    if masked:
+        batch, heads, _ = call.mask.dense_extent()
+        seconds += passes * dense_mask_seconds(call, entries=batch * heads * masked)
+    if call.dtype in HALF_DTYPES and kind.type == "cpu":
+        sizes = (call.batch, call.heads, call.kv_heads, call.q_len, call.k_len, call.qk_dim, call.v_dim)
+        seconds += cast_bytes(*sizes, call.requires_grad) / (rates.fresh_gbs * 1e9)
+    computes_in = None if work == call.dtype else work
+    return Estimate(seconds, (masked + plain) / (call.q_len * call.k_len), computes_in=computes_in)
+
+
+CAPABILITIES = Capabilities(
+    device_types=frozenset({"cpu"}),  # torch's CPU flash kernel
+    lse=True,
+    weights=False,
+    dropout=False,
+    backward=True,
+    bias_grad=False,
+    compiles_dynamic=False,
+    python_block_loop=True,  # a loop over row groups, one fused kernel each
+    softcap=False,
+    sinks=True,  # its LSE is differentiable
+    check=_check,
+    estimate=_estimate,
+)

@@ -1,0 +1,147 @@
+"""The spans backend at its own sizes: its plan (every kept pair inside a group's pieces, unmasked pieces kept whole),
+its results against the float64 reference (output, LSE, gradients through both) on calls whose plans have several
+groups and unmasked pieces, and what it refuses. The mask-by-mask matrix at tiny plan tiles is in test_backends.py
+and the autograd stack (gradcheck, double backward, batched gradients, autocast) in test_autograd_stack.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import multihead
+from multihead import masks
+from multihead.backends import spans
+from multihead.masks import AttentionShape, bind_mask
+from support import make_qkv
+
+
+def documents_of(lengths: list[int]) -> torch.Tensor:
+    """(1, n) document index of each position of documents of ``lengths`` packed in one row."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+
+
+# sizes whose plans have many groups, groups cut at documents, unmasked pieces of UNMASKED_KEYS or more keys
+# (causal & padding, prefix documents) and rows with no key at all (padding of 0 keys, bottom-right causal i > j)
+CASES = {
+    "documents & causal": (1, 1100, 1100, lambda: masks.documents(documents_of([300, 37, 700, 63])) & masks.causal()),
+    "causal & padding": (2, 1300, 1300, lambda: masks.causal() & masks.padding(torch.tensor([1300, 1250]))),
+    "causal & padding, a row of no key": (2, 900, 900, lambda: masks.causal() & masks.padding(torch.tensor([900, 0]))),
+    "window": (1, 1000, 1000, lambda: masks.window(100, 20)),
+    "causal, more queries than keys": (1, 1200, 700, lambda: masks.causal()),
+    "documents, not causal": (1, 1200, 1200, lambda: masks.documents(documents_of([900, 300]))),
+    "causal & alibi": (1, 700, 700, lambda: masks.causal() & masks.alibi(masks.alibi_slopes(4))),
+}
+
+
+def plan_of(case: str):
+    b, i, j, make = CASES[case]
+    bound = bind_mask(make(), False, AttentionShape(b, 4, i, j, torch.device("cpu")))
+    return bound, spans.span_plan(bound)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_plan_holds_every_kept_pair_and_its_unmasked_pieces_are_kept_whole(case):
+    bound, plan = plan_of(case)
+    keep = bound.dense(torch.float32)[0]
+    keep = torch.ones(1, 1, bound.shape.q_len, bound.shape.k_len, dtype=torch.bool) if keep is None else keep
+    keep = keep.expand(bound.shape.batch, -1, bound.shape.q_len, bound.shape.k_len).any(1)  # (b, i, j) over heads
+    covered = torch.zeros_like(keep)
+    assert [row for group in plan for row in group.rows] == list(range(bound.shape.q_len))  # every row once, in order
+    for group in plan:
+        rows = slice(group.rows.start, group.rows.stop)
+        pieces = sorted(group.pieces, key=lambda piece: piece.keys.start)
+        assert all(a.keys.stop == b.keys.start for a, b in zip(pieces, pieces[1:], strict=False))  # one span
+        for piece in group.pieces:
+            keys = slice(piece.keys.start, piece.keys.stop)
+            assert covered[:, rows, keys].sum() == 0  # no pair in two pieces
+            covered[:, rows, keys] = True
+            if not piece.masked:
+                assert len(piece.keys) >= spans.UNMASKED_KEYS and keep[:, rows, keys].all()
+    assert not (keep & ~covered).any()  # every kept pair is computed
+    # and the plan is cached on the bound mask: auto's estimate and the kernel share it
+    assert spans.span_plan(bound) is plan
+
+
+def test_the_plans_skip_what_their_masks_rule_out():
+    """Packed documents are cut at their boundaries; their plan computes a fraction of the grid."""
+    bound, plan = plan_of("documents & causal")
+    computed = sum(group.pairs for group in plan)
+    kept = sum(n * (n + 1) // 2 for n in (300, 37, 700, 63))
+    assert kept <= computed <= 1.5 * kept < 0.5 * 1100 * 1100
+    assert any(not piece.masked for group in plan_of("causal & padding")[1] for piece in group.pieces)
+    assert any(not group.pieces for group in plan_of("causal, more queries than keys")[1])  # rows with no key
+
+
+def loss_of(result: multihead.AttentionResult, seed: int) -> torch.Tensor:
+    """A random linear function of the output and of the LSE (its -inf rows left out), so both get a gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    out_weights = torch.randn(result.output.shape, generator=gen, dtype=torch.float64).to(result.output.dtype)
+    lse_weights = torch.randn(result.lse.shape, generator=gen, dtype=torch.float64).to(result.lse.dtype)
+    lse = result.lse.masked_fill(result.lse == -math.inf, 0.0)
+    return (result.output * out_weights).sum() + (lse * lse_weights).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_output_lse_and_gradients_through_both_equal_the_reference(case, dtype):
+    b, i, j, make = CASES[case]
+    q, k, v = make_qkv(b=b, h=4, g=2, i=i, j=j, d=16, e=8, seed=3)
+    results = {}
+    for backend, run_dtype in (("reference", torch.float64), ("spans", dtype)):
+        leaves = [t.to(run_dtype).requires_grad_(True) for t in (q, k, v)]
+        result = multihead.attention_result(*leaves, mask=make(), backend=backend, return_lse=True)
+        grads = torch.autograd.grad(loss_of(result, seed=4), leaves)
+        results[backend] = (result.output, result.lse, *grads)
+    tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+    for name, got, want in zip(
+        ("output", "lse", "dq", "dk", "dv"), results["spans"], results["reference"], strict=True
+    ):
+        assert got.dtype == (dtype if name != "lse" else dtype)
+        finite = want.isfinite()
+        assert torch.equal(got.isfinite(), finite), f"{case} {name}: -inf where the reference has it"
+        torch.testing.assert_close(got[finite].double(), want[finite], rtol=0, atol=tolerance, msg=f"{case} {name}")
+    if case == "causal & padding, a row of no key":  # batch row 1 has no key: output 0, LSE -inf, gradients 0
+        output, lse, dq = results["spans"][:3]
+        assert (output[1] == 0).all() and (lse[1] == -math.inf).all() and (dq[1] == 0).all()
+
+
+def test_half_inputs_are_computed_in_float32_and_returned_in_their_dtype():
+    q, k, v = (t.to(torch.bfloat16).requires_grad_(True) for t in make_qkv(b=1, h=4, g=2, i=600, j=600, d=16, e=16))
+    result = multihead.attention_result(q, k, v, mask=masks.window(64), backend="spans", return_lse=True)
+    assert result.output.dtype == torch.bfloat16 and result.lse.dtype == torch.float32
+    result.output.float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.bfloat16
+    single = multihead.attention(q.float(), k.float(), v.float(), mask=masks.window(64), backend="spans")
+    assert torch.equal(result.output, single.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "options, lacks",
+    [
+        (dict(dropout=0.1, training=True), "dropout"),
+        (dict(mask=masks.softcap(30.0)), "logit soft-capping"),
+        (dict(mask=masks.bias(torch.zeros(1, 1, 8, 8, requires_grad=True))), "gradient with respect to an additive"),
+    ],
+    ids=["dropout", "softcap", "bias gradient"],
+)
+def test_what_it_does_not_serve_is_refused_by_name(options, lacks):
+    q, k, v = make_qkv(b=1, h=2, g=2, i=8, j=8, d=4, e=4, dtype=torch.float32, requires_grad=True)
+    with pytest.raises(ValueError, match=lacks):
+        multihead.attention(q, k, v, backend="spans", **options)
+    assert multihead.explain(q.detach(), k.detach(), v.detach(), **options).chosen != "spans"
+
+
+def test_under_torch_func_it_is_refused_and_auto_serves_the_call_elsewhere():
+    q, k, v = make_qkv(b=1, h=2, g=2, i=6, j=6, d=4, e=4)
+    stacked = torch.stack([q, 2 * q])
+
+    def lse_of(backend):
+        return lambda q: multihead.attention_result(q, k, v, causal=True, backend=backend, return_lse=True).lse
+
+    with pytest.raises(ValueError, match="torch.func transforms"):
+        torch.func.vmap(lse_of("spans"))(stacked)
+    batched = torch.func.vmap(lse_of("auto"))(stacked)
+    for n in range(2):
+        torch.testing.assert_close(batched[n], lse_of("spans")(stacked[n]), rtol=0, atol=1e-12)
