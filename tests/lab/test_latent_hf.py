@@ -21,7 +21,7 @@ from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
 from multihead import LatentAttention
-from support import assert_within_rule, randn
+from support import TINY, assert_within_rule, randn
 
 HIDDEN, HEADS, ROPE = 24, 3, 6
 SIZES = dict(kv_lora_rank=5, qk_nope_head_dim=4, qk_rope_head_dim=ROPE, v_head_dim=7)
@@ -142,7 +142,11 @@ def test_float32_is_within_the_rule_of_transformers_float32(q_lora, layout, abso
     ref_x, ref_params = gradients(ref, x64, module)
     assert_within_rule(my_x, ref_x, low_x, what="grad x")
     for name, ref_grad in ref_params.items():
-        assert_within_rule(my_params[name], ref_grad, low_params[name], what=f"grad {name}")
+        # a parameter's gradient sums over every token and row: its values reach hundreds (kv_a_layernorm's 380),
+        # where one float32 ulp is 4.5e-5, above the rule's tiny of 1e-5. The floor is one ulp of its largest value:
+        # on an AMD EPYC (AVX-512) ours was off by 4.9e-5 where transformers' float32 happened to be off by 1.8e-5
+        floor = max(TINY[torch.float32], torch.finfo(torch.float32).eps * ref_grad.abs().max().item())
+        assert_within_rule(my_params[name], ref_grad, low_params[name], what=f"grad {name}", tiny=floor)
 
 
 @pytest.mark.parametrize("absorb", [None, False, True], ids=["default", "plain", "absorbed"])
