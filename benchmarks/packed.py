@@ -4,10 +4,12 @@ Documents of mixed lengths (drawn once from a seeded generator, 32 to 1024 token
 heads over 2 key/value heads, d = 64, float32, causal within each document. Two ways, each on the backend ``auto``
 picks for it (named in the table):
 
-    (a) packed    multihead.attention_varlen(q, k, v, cu, cu, ...): one row of every document's tokens, the
-                  documents mask skipping every block between documents
-    (b) padded    multihead.attention on (documents, h, longest, d), each row padded to the longest document
-                  with masks.padding(lengths) and causal
+    (a) packed       multihead.attention_varlen(q, k, v, cu, cu, ...): one row of every document's tokens, the
+                     documents mask skipping every block between documents
+    (b) padded       multihead.attention on (documents, h, longest, d), each row padded to the longest document
+                     with masks.padding(lengths) and causal
+    (c) padded sdpa  the same padded call on backend="sdpa": torch's SDPA given the dense mask, which computes every
+                     pair of the padded grid (what auto chose for it before the spans backend, issue 49)
 
 Timed forward, and forward + backward (the gradient of the output's sum), interleaved (multihead.lab.bench.interleave:
 rounds of one block each, the order rotating); tokens/s counts the real tokens only. The share of 128 x 128 tiles
@@ -66,8 +68,8 @@ def ways(lengths: list[int], backward: bool) -> tuple[dict, dict]:
         if backward:
             out.sum().backward()
 
-    def padded_call():
-        out = multihead.attention(*padded, mask=padding, causal=True)
+    def padded_call(backend: str = "auto"):
+        out = multihead.attention(*padded, mask=padding, causal=True, backend=backend)
         if backward:
             out.sum().backward()
 
@@ -91,7 +93,8 @@ def ways(lengths: list[int], backward: bool) -> tuple[dict, dict]:
             "backend": multihead.explain(*(t.detach() for t in padded), mask=padding, causal=True).chosen,
         },
     }
-    return {"packed": packed_call, "padded": padded_call}, facts
+    facts["padded sdpa"] = {"skipped": 0.0, "backend": "sdpa"}  # given a dense mask, it computes every tile
+    return {"packed": packed_call, "padded": padded_call, "padded sdpa": lambda: padded_call("sdpa")}, facts
 
 
 def check(lengths: list[int]) -> float:
@@ -120,7 +123,7 @@ def measure(lengths: list[int], backward: bool, rounds: int, block_s: float) -> 
         "median_s": {name: statistics.median(times) for name, times in samples.items()},
         "tokens_per_s": {name: tokens / statistics.median(times) for name, times in samples.items()},
         "samples_s": samples,
-        "ratios": ratios_of(samples, [("padded", "packed")]),
+        "ratios": ratios_of(samples, [("padded", "packed"), ("padded sdpa", "packed")]),
         "facts": facts,
         "load_average_1min": {"before": load_before, "after": load_average()},
     }
@@ -136,16 +139,17 @@ def markdown(results: dict) -> str:
         f"rounds, the ratio the median of per-round ratios (lowest–highest). Packed equals each document alone to "
         f"{results['largest_difference']:.1e}.",
         "",
-        "| pass | packed tokens/s | padded tokens/s | padded / packed time | packed backend, tiles skipped "
-        "| padded backend, tiles skipped |",
-        "|---" * 6 + "|",
+        "| pass | packed tokens/s | padded tokens/s | padded sdpa tokens/s | padded / packed time "
+        "| padded sdpa / packed time | packed backend, tiles skipped | padded backend, tiles skipped |",
+        "|---" * 8 + "|",
     ]
     for row in results["rows"]:
         packed, padded = row["facts"]["packed"], row["facts"]["padded"]
+        rates = row["tokens_per_s"]
         lines.append(
-            f"| {row['pass']} | {row['tokens_per_s']['packed']:,.0f} | {row['tokens_per_s']['padded']:,.0f} | "
-            f"{ratio_text(row['ratios']['padded/packed'])} | {packed['backend']}, {packed['skipped']:.0%} | "
-            f"{padded['backend']}, {padded['skipped']:.0%} |"
+            f"| {row['pass']} | {rates['packed']:,.0f} | {rates['padded']:,.0f} | {rates['padded sdpa']:,.0f} | "
+            f"{ratio_text(row['ratios']['padded/packed'])} | {ratio_text(row['ratios']['padded sdpa/packed'])} | "
+            f"{packed['backend']}, {packed['skipped']:.0%} | {padded['backend']}, {padded['skipped']:.0%} |"
         )
     return "\n".join(lines) + "\n"
 
