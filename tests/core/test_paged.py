@@ -197,6 +197,26 @@ def test_the_paged_backend_equals_dense_attention_over_each_sequences_keys(keys_
         torch.testing.assert_close(out[row : row + 1], expected, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("keys_per_step", [3, 256], ids=["a page a step", "all at once"])
+def test_a_query_that_sees_no_key_gives_zero_even_where_its_scores_overflow(keys_per_step, monkeypatch, device):
+    """Sequence 1's query sits past its window (position 100, window 2, keys 0-2): it sees no key, and gives 0
+    (its scores, 1e20 x 1e20, overflow float32: unguarded, inf - inf would be NaN) on both paths of the kernel."""
+    import multihead.backends.paged
+
+    monkeypatch.setattr(multihead.backends.paged, "KEYS_PER_STEP", keys_per_step)
+    generator = torch.Generator().manual_seed(1)
+    pool_k = (torch.randn(4, 1, 3, 4, generator=generator) * 1e20).to(device)
+    pool_v = torch.randn(4, 1, 3, 4, generator=generator).to(device)
+    tables = torch.tensor([[0, 1], [2, -1]], device=device)
+    ends, first = torch.tensor([5, 3], device=device), torch.zeros(2, dtype=torch.long, device=device)
+    positions = torch.tensor([[4], [100]], device=device)
+    q = (torch.randn(2, 2, 1, 4, generator=generator) * 1e20).to(device)
+    pages = PageTable(tables, first, ends, positions, width=5, window=2)
+    assert multihead.explain(q, pool_k, pool_v, pages=pages, causal=True).chosen == "paged"
+    out = attention(q, pool_k, pool_v, pages=pages, causal=True)
+    assert (out[1] == 0).all()
+
+
 def test_a_paged_call_takes_no_mask():
     layer = make_layer("cpu")
     paged = layer.new_paged_cache(num_pages=4, page_size=4)
