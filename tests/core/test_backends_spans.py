@@ -145,3 +145,25 @@ def test_under_torch_func_it_is_refused_and_auto_serves_the_call_elsewhere():
     batched = torch.func.vmap(lse_of("auto"))(stacked)
     for n in range(2):
         torch.testing.assert_close(batched[n], lse_of("spans")(stacked[n]), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shipped", ["avx2", "avx512-bf16"])
+def test_the_shipped_rates_send_masked_calls_to_spans_and_plain_causal_to_sdpa(shipped):
+    """Auto's choice on each CPU kind's table (explain only: nothing runs). Measured on the AVX-512 EPYC
+    (benchmarks/packed.py, benchmarks/window.py, 2026-12-07): spans ran packed documents 1.9x faster than SDPA
+    with the padded dense mask, and causal & window(256) at 8k 16x faster than SDPA with a dense mask; plain
+    causal is SDPA's own kernel, which skips the blocks above the diagonal itself."""
+    from multihead.backends import policy
+    from multihead.backends.rates import CPU_AVX2_RATES, CPU_AVX512_BF16_RATES
+
+    table = {"avx2": CPU_AVX2_RATES, "avx512-bf16": CPU_AVX512_BF16_RATES}[shipped]
+    n = 4096
+    q = torch.empty(1, 8, n, 64, requires_grad=True)
+    k = torch.empty(1, 2, n, 64, requires_grad=True)
+    packed = masks.documents(documents_of([300, 900, 37, 1500, 700, 659])) & masks.causal()
+    with policy.use_policy(policy.current_policy().with_rates(table)):
+        for mask in (packed, masks.causal() & masks.window(255, 0)):
+            explained = multihead.explain(q, k, k, mask=mask)
+            assert explained.chosen == "spans", str(explained)
+            assert "'spans' is cheaper" in str(explained)  # the others, each with its estimate
+        assert multihead.explain(q, k, k, causal=True).chosen == "sdpa"

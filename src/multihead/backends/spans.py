@@ -13,8 +13,9 @@ tile states on a PLAN_ROWS x PLAN_KEYS grid (``BoundMask.block_states``, from wh
 each row tile its live key span. Consecutive row tiles join one group while the group's span (its rows times its
 keys) stays within GROUP_WASTE times the sum of their own spans and the group holds at most GROUP_ROWS rows: a
 group's rows cut where a document begins (its span jumps), and grow along a diagonal until the triangle above it
-costs more than another kernel call. Packed documents then compute 1.35x the pairs the mask keeps, against 23x for
-the whole grid (benchmarks/packed.py).
+costs more than another kernel call. Packed documents then compute 1.35x the pairs the mask keeps, against 28x for
+the whole grid (benchmarks/packed.py). A run of at least UNMASKED_KEYS keys that the mask keeps whole for every row
+of a group runs as a call of its own without a mask, merged into the rest by their log-sum-exps.
 
 Each group runs the kernel on its queries with the r = h / g query heads that share a key/value head stacked along
 its rows, (b, g, r * rows, d), against the span of keys and values read in place: grouped heads copy no key. The
@@ -23,9 +24,10 @@ mask does not keep the span whole.
 
 The contract, as every backend keeps it:
 
-- **Fully masked rows** give output 0, LSE -inf and gradient 0. A group with no live key is not run; a row whose
-  span is masked whole is found from its mask row (only where the mask may empty a row), its query zeroed first (so
-  no overflowing score meets -inf: inf - inf = NaN) and its LSE set to -inf (the kernel says 0).
+- **Fully masked rows** give output 0, LSE -inf and gradient 0. A group with no live key is not run; a row that a
+  piece masks whole is found from its mask row (where the mask may empty a row, or the group runs in several
+  pieces), its query zeroed first (so no overflowing score meets -inf: inf - inf = NaN) and its LSE set to -inf (the
+  kernel says 0).
 - **The LSE** is the kernel's, and differentiable: a gradient on it enters the kernel's backward through its row
   term D = rowsum(dO * O), which the backward takes from the output it is given. With a gradient g on the LSE, q and
   k gain a zero column, v a zero column, the output a column holding -g and dO a column of ones: the scores and dP
@@ -77,9 +79,9 @@ GROUP_ROWS = 256  # the most query rows one kernel call takes
 # 16-64 rows per tile, 128-512 rows per group and 1.1-1.5 (69 ms against 69-83, 16 documents of 8,588 tokens, h = 8)
 GROUP_WASTE = 1.25
 # the fewest keys kept whole for a group's rows that run as a kernel call of their own, without a mask (beside the
-# calls over the rest of its span, whose mask is built and read): 128-512 against never, interleaved, packed
-# documents took 107-125 ms against 104 (their kept runs are short, and split from a partial tile on each side),
-# causal & padding at n = 8192 took 317-331 ms against 366; 512 was best for both
+# calls over the rest of its span, whose mask is built and read). Interleaved, forward, h = 4-8: causal & padding
+# at n = 8192 took 317 ms at 512 against 366 never splitting (331 at 256); packed documents, whose kept runs are short
+# and have a partial tile on each side, took 107 ms at 512 against 104 never splitting (125 at 128)
 UNMASKED_KEYS = 512
 # What one kernel call costs beside its pairs (torch's CPU flash kernel, float32, d = 64, 2 threads, on this project's
 # AVX-512 EPYC): fitting its time against its query rows (32 to 256) at a fixed key span gave a part per key, head and
