@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 from multihead.backends import materialized, spans, tiled
@@ -68,6 +69,19 @@ def tiny_blocks(block_q: int = 2, block_k: int = 3, rows: int = 2):
     finally:
         tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK, materialized.KEY_BLOCK = saved
         spans.PLAN_ROWS, spans.PLAN_KEYS, spans.GROUP_ROWS, spans.UNMASKED_KEYS = saved_plan
+
+
+CPU_ONLY_BACKENDS = frozenset({"spans"})  # torch's CPU flash kernel: its Capabilities name the cpu device alone
+
+
+def refused_off_the_cpu(backend: str, device: torch.device, call) -> bool:
+    """For a CPU-only backend on another device: ``call()`` is refused with a ValueError naming the device, and
+    True says so (the caller checks nothing more); False where the backend serves the device."""
+    if backend not in CPU_ONLY_BACKENDS or device.type == "cpu":
+        return False
+    with pytest.raises(ValueError, match=f"device {device.type}"):
+        call()
+    return True
 
 
 def is_input_error(exc: BaseException, kind: type[Exception]) -> bool:
