@@ -470,13 +470,10 @@ def _estimate(call: AttentionCall) -> Estimate | None:
     masked_s = kernel_seconds("sdpa masked", work, call.requires_grad, per_pair * masked, 0, rates)
     if plain_s is None or masked_s is None:
         return None
-    per_key = call.batch * call.heads * max(call.qk_dim, call.v_dim) * CALL_KEY_SECONDS_FORWARD
-    per_call = CALL_SECONDS
-    passes = 1
-    if call.requires_grad:
-        per_key += call.batch * call.heads * max(call.qk_dim, call.v_dim) * CALL_KEY_SECONDS_BACKWARD
-        per_call, passes = 2 * CALL_SECONDS, 2
-    seconds = plain_s + masked_s + calls * per_call + keys_read * per_key
+    passes = 2 if call.requires_grad else 1
+    key_seconds = CALL_KEY_SECONDS_FORWARD + (CALL_KEY_SECONDS_BACKWARD if call.requires_grad else 0.0)
+    per_key = call.batch * call.heads * max(call.qk_dim, call.v_dim) * key_seconds  # its K and V, every query head
+    seconds = plain_s + masked_s + calls * passes * CALL_SECONDS + keys_read * per_key
     if masked:
         batch, heads, _ = call.mask.dense_extent()
         seconds += passes * dense_mask_seconds(call, entries=batch * heads * masked)
