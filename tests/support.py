@@ -59,16 +59,17 @@ def tiny_blocks(block_q: int = 2, block_k: int = 3, rows: int = 2):
     """Tiny kernel blocks, so small tests cross many blocks, partial blocks and skipped blocks (and the
     materialised kernel's row blocks attend key spans narrower than the whole sequence)."""
     saved = tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK, materialized.KEY_BLOCK
-    saved_plan = spans.PLAN_ROWS, spans.PLAN_KEYS, spans.GROUP_ROWS, spans.UNMASKED_KEYS
+    saved_plan = spans.PLAN_ROWS, spans.PLAN_KEYS, spans.GROUP_ROWS, spans.UNMASKED_KEYS, spans.CAUSAL_ROWS
     tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK, materialized.KEY_BLOCK = block_q, block_k, rows, block_k
     # the spans backend's plan: row tiles of block_q, key tiles of block_k, groups of at most two row tiles, and a
-    # key tile kept whole already run unmasked
+    # key tile kept whole already run unmasked, and a causal triangle of two rows already a causal call
     spans.PLAN_ROWS, spans.PLAN_KEYS, spans.GROUP_ROWS, spans.UNMASKED_KEYS = block_q, block_k, 2 * block_q, block_k
+    spans.CAUSAL_ROWS = 2
     try:
         yield
     finally:
         tiled.BLOCK_Q, tiled.BLOCK_K, materialized.ROWS_PER_BLOCK, materialized.KEY_BLOCK = saved
-        spans.PLAN_ROWS, spans.PLAN_KEYS, spans.GROUP_ROWS, spans.UNMASKED_KEYS = saved_plan
+        spans.PLAN_ROWS, spans.PLAN_KEYS, spans.GROUP_ROWS, spans.UNMASKED_KEYS, spans.CAUSAL_ROWS = saved_plan
 
 
 CPU_ONLY_BACKENDS = frozenset({"spans"})  # torch's CPU flash kernel: its Capabilities name the cpu device alone

@@ -32,6 +32,17 @@ CASES = {
     "causal, more queries than keys": (1, 1200, 700, lambda: masks.causal()),
     "documents, not causal": (1, 1200, 1200, lambda: masks.documents(documents_of([900, 300]))),
     "causal & alibi": (1, 700, 700, lambda: masks.causal() & masks.alibi(masks.alibi_slopes(4))),
+    # triangles run as causal calls: a whole causal call, one after a prefix every row sees, the rows of a window
+    # that reach back to the first key, and documents whose triangles follow one another with no row between
+    "causal": (1, 900, 900, lambda: masks.causal()),
+    "causal, fewer queries than keys": (2, 300, 1000, lambda: masks.causal()),
+    "wide window": (1, 1000, 1000, lambda: masks.window(600)),
+    "documents & causal, equal padding": (
+        2,
+        800,
+        800,
+        lambda: masks.documents(documents_of([250, 550]).expand(2, -1)) & masks.causal() & masks.padding([700, 700]),
+    ),
 }
 
 
@@ -53,12 +64,18 @@ def test_the_plan_holds_every_kept_pair_and_its_unmasked_pieces_are_kept_whole(c
         rows = slice(group.rows.start, group.rows.stop)
         pieces = sorted(group.pieces, key=lambda piece: piece.keys.start)
         assert all(a.keys.stop == b.keys.start for a, b in zip(pieces, pieces[1:], strict=False))  # one span
+        in_triangle = any(piece.causal for piece in group.pieces)
         for piece in group.pieces:
             keys = slice(piece.keys.start, piece.keys.stop)
             assert covered[:, rows, keys].sum() == 0  # no pair in two pieces
             covered[:, rows, keys] = True
-            if not piece.masked:
-                assert len(piece.keys) >= spans.UNMASKED_KEYS and keep[:, rows, keys].all()
+            if piece.causal:  # the mask keeps exactly the kernel's triangle: row n of the group its first n + 1 keys
+                assert len(piece.keys) == len(group.rows) and not piece.masked
+                triangle = torch.ones(len(group.rows), len(piece.keys), dtype=torch.bool).tril()
+                assert torch.equal(keep[:, rows, keys], triangle.expand_as(keep[:, rows, keys]))
+            elif not piece.masked:  # kept whole: a long run, or what every row of a triangle sees before it
+                assert len(piece.keys) >= spans.UNMASKED_KEYS or in_triangle
+                assert keep[:, rows, keys].all()
     assert not (keep & ~covered).any()  # every kept pair is computed
     # and the plan is cached on the bound mask: auto's estimate and the kernel share it
     assert spans.span_plan(bound) is plan
@@ -69,9 +86,26 @@ def test_the_plans_skip_what_their_masks_rule_out():
     bound, plan = plan_of("documents & causal")
     computed = sum(group.pairs for group in plan)
     kept = sum(n * (n + 1) // 2 for n in (300, 37, 700, 63))
-    assert kept <= computed <= 1.5 * kept < 0.5 * 1100 * 1100
+    # each document one causal call, which computes its triangle and the kernel's key blocks across the diagonal
+    assert [(group.rows, [piece.causal for piece in group.pieces]) for group in plan] == [
+        (range(0, 300), [True]),
+        (range(300, 337), [True]),
+        (range(337, 1037), [True]),
+        (range(1037, 1100), [True]),
+    ]
+    assert kept <= computed <= 2 * kept < 0.5 * 1100 * 1100
+    prefix, triangle = plan_of("causal, fewer queries than keys")[1][0].pieces  # bottom-right: 700 keys, then 300
+    assert (prefix.keys, prefix.masked, triangle.keys, triangle.causal) == (
+        range(0, 700),
+        False,
+        range(700, 1000),
+        True,
+    )
     assert any(not piece.masked for group in plan_of("causal & padding")[1] for piece in group.pieces)
-    assert any(not group.pieces for group in plan_of("causal, more queries than keys")[1])  # rows with no key
+    beyond = plan_of("causal, more queries than keys")[1]  # bottom-right: 500 rows with no key, then a triangle
+    assert all(not group.pieces for group in beyond if group.rows.stop <= 480)  # the row tiles with no key
+    assert beyond[-1].rows == range(500, 1200)
+    assert beyond[-1].pieces == (spans.KeyPiece(range(0, 700), masked=False, causal=True),)
 
 
 def loss_of(result: multihead.AttentionResult, seed: int) -> torch.Tensor:

@@ -126,3 +126,51 @@ def test_auto_counts_live_blocks_from_what_the_host_knows():
     causal_alone = costs.live_fraction(bind_mask(None, True, cpu), n, n, 64, 64)
     assert costs.live_fraction(unread, n, n, 64, 64) == causal_alone  # the band still settles its tiles
     assert costs.masked_fraction(unread, n, n, 64, 64) == causal_alone  # every live tile evaluated pair by pair
+
+
+def row_key_cases(device: torch.device):
+    """(name, mask, causal, b, i, j, says): masks whose rows each keep one run of keys (says True) and masks that
+    do not, or differ by batch row or head (says False)."""
+    packed = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3]])
+    cu = torch.tensor([0, 4, 4, 9, 13])  # an empty document among them
+    return [
+        ("causal", None, True, 1, 11, 13, True),
+        ("causal i > j", None, True, 2, 13, 7, True),
+        ("window both sides", masks.window(2, 5), False, 1, 12, 9, True),
+        ("top-left causal & window", masks.causal(align="top_left") & masks.window(3), False, 1, 9, 13, True),
+        ("padding of one length", masks.padding([9, 9]), True, 2, 11, 13, True),
+        ("documents", masks.documents(packed.to(device)) & masks.window(2), True, 1, 13, 13, True),
+        (
+            "documents out of order",
+            masks.documents(torch.tensor([[1, 0, 1, 0, 2]], device=device)),
+            False,
+            1,
+            5,
+            5,
+            False,
+        ),
+        ("varlen documents", masks.ragged_documents(cu, cu, (None, 0)), False, 1, 13, 13, True),
+        ("padding of two lengths", masks.padding([9, 5]), True, 2, 11, 13, False),
+        ("documents per batch row", masks.documents(torch.tensor([[0, 0, 1], [0, 1, 1]])), False, 2, 3, 3, False),
+        ("alibi", masks.alibi(masks.alibi_slopes(H)), True, 1, 5, 5, False),
+        ("dense keep", torch.ones(5, 5, dtype=torch.bool).tril(), False, 1, 5, 5, False),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_row_key_spans_say_each_rows_keys_where_they_say_anything(device, case):
+    """BoundMask.row_key_spans: where every row keeps one run of keys alike in every batch row and head, the runs
+    are exactly the pairs the mask keeps; elsewhere (and with a bias) None."""
+    name, mask, causal, b, i, j, says = row_key_cases(device)[case]
+    bound = bind_mask(mask, causal, AttentionShape(b, H, i, j, device))
+    spans = bound.row_key_spans()
+    assert (spans is not None) == says, name
+    if spans is None:
+        return
+    lo, hi = spans
+    assert lo.device.type == "cpu" and lo.shape == hi.shape == (i,), name
+    keys = torch.arange(j)
+    runs = (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None])  # (i, j)
+    keep, _ = bound.dense(torch.float32)
+    keep = torch.ones(1, 1, i, j, dtype=torch.bool) if keep is None else keep.cpu()
+    assert torch.equal(keep.expand(b, H, i, j), runs.expand(b, H, i, j)), name

@@ -15,10 +15,17 @@ keys) stays within GROUP_WASTE times the sum of their own spans and the group ho
 group's rows cut where a document begins (its span jumps), and grow along a diagonal until the triangle above it
 costs more than another kernel call. Packed documents then compute 1.35x the pairs the mask keeps, against 28x for
 the whole grid (benchmarks/packed.py). A run of at least UNMASKED_KEYS keys that the mask keeps whole for every row
-of a group runs as a call of its own without a mask, merged into the rest by their log-sum-exps.
+of a group runs as a call of its own without a mask, merged into the rest by their log-sum-exps. Before the tiles,
+the rows that see a causal triangle (each row one key more than the row above, from one first key: a causal call,
+each packed document under causal, the first rows of a window; read from :meth:`BoundMask.row_key_spans`) become
+groups of their own, each the kernel's own causal call with no mask tensor (is_causal: it skips its key blocks past
+the diagonal itself), after an unmasked call over the keys every row of it sees (a bottom-right causal call's
+prefix). A whole causal call with the LSE, which the plan of tiles ran as 65 calls in 444 ms at n = 8192, h = 4, is
+then one call in 244 ms; 16 packed documents are 16 calls.
 
 Each group runs the kernel on its queries with the r = h / g query heads that share a key/value head stacked along
-its rows, (b, g, r * rows, d), against the span of keys and values read in place: grouped heads copy no key. The
+its rows, (b, g, r * rows, d), against the span of keys and values read in place: grouped heads copy no key. A
+causal call keeps the heads apart, (b, h, rows, d), which the kernel reads against (b, g, keys, d) as grouped heads. The
 group's mask is built as one additive tensor (0 where a pair may attend, -inf where not, plus any bias) only when the
 mask does not keep the span whole.
 
@@ -83,6 +90,13 @@ GROUP_WASTE = 1.25
 # at n = 8192 took 317 ms at 512 against 366 never splitting (331 at 256); packed documents, whose kept runs are short
 # and have a partial tile on each side, took 107 ms at 512 against 104 never splitting (125 at 128)
 UNMASKED_KEYS = 512
+# the fewest query rows of a causal triangle (each row one key more than the row above) run as a causal call of their
+# own (the kernel's is_causal, no mask tensor): below it, the rows join the tiles' groups
+CAUSAL_ROWS = 32
+# the kernel's causal call computes its keys in blocks of this many: a triangle of n rows costs n (n + 1) / 2 pairs
+# plus n x min(n, CAUSAL_KEY_BLOCK) / 2 (fitted: the causal call's time over the full call's, h = 8, g = 2, d = 64,
+# was 1.01 at n <= 512, 0.79 at 768, 0.63 at 2048 and 0.57 at 4096, against 1.00, 0.83, 0.63 and 0.56 so counted)
+CAUSAL_KEY_BLOCK = 512
 # What one kernel call costs beside its pairs (torch's CPU flash kernel, float32, d = 64, 2 threads, on this project's
 # AVX-512 EPYC): fitting its time against its query rows (32 to 256) at a fixed key span gave a part per key, head and
 # head dim element, 0.06-0.3 ns forward and 0-1.4 ns backward (reading K and V again for every call, and in the
@@ -99,10 +113,20 @@ _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 @dataclass(frozen=True)
 class KeyPiece:
     """Keys one kernel call of a group reads, and whether the mask must be applied to them (False: the mask keeps
-    every one of them for every row of the group, and the kernel runs without a mask)."""
+    every one of them for every row of the group, and the kernel runs without a mask). ``causal``: the mask keeps
+    exactly the kernel's own causal triangle over them, the group's n-th row the first n + 1 keys (the kernel runs
+    with is_causal and no mask, and skips its key blocks past the diagonal)."""
 
     keys: range
     masked: bool
+    causal: bool = False
+
+    def pairs(self, rows: int) -> int:
+        """The (query, key) pairs the kernel computes for ``rows`` query rows: all of them, or for a causal piece
+        its triangle and the kernel's key blocks across the diagonal (CAUSAL_KEY_BLOCK)."""
+        if not self.causal:
+            return rows * len(self.keys)
+        return rows * (rows + 1) // 2 + rows * min(rows, CAUSAL_KEY_BLOCK) // 2
 
 
 @dataclass(frozen=True)
@@ -115,14 +139,14 @@ class SpanGroup:
 
     @property
     def pairs(self) -> int:
-        return len(self.rows) * sum(len(piece.keys) for piece in self.pieces)
+        return sum(piece.pairs(len(self.rows)) for piece in self.pieces)
 
 
 def span_plan(mask: BoundMask) -> tuple[SpanGroup, ...]:
     """The call's query rows in groups, each with its live key span in pieces (see the module docstring), made once
     per bound mask and kept on it. Read from the host's view of the mask (``BoundMask.on_host``): it waits for no
     device."""
-    key = ("spans", PLAN_ROWS, PLAN_KEYS, GROUP_ROWS, GROUP_WASTE, UNMASKED_KEYS)
+    key = ("spans", PLAN_ROWS, PLAN_KEYS, GROUP_ROWS, GROUP_WASTE, UNMASKED_KEYS, CAUSAL_ROWS)
     plan = mask.kernel_plans.get(key)
     if plan is None:
         plan = mask.kernel_plans[key] = _plan(mask)
@@ -141,30 +165,79 @@ def _plan(mask: BoundMask) -> tuple[SpanGroup, ...]:
     tiles = torch.arange(live.shape[1])
     first = torch.where(live, tiles, live.shape[1]).amin(1).mul_(PLAN_KEYS).tolist()  # each row tile's first key
     stop = torch.where(live, tiles, -1).amax(1).add_(1).mul_(PLAN_KEYS).clamp_(max=k_len).tolist()
-    spans: list[tuple[range, range]] = []  # (rows, keys) of each group; keys empty where no key is alive
+    full = states == STATE_FULL
+    groups: list[SpanGroup] = []
+    covered = 0  # rows before this are planned
+    for causal in [*_causal_groups(mask), None]:
+        gap = range(covered, q_len if causal is None else causal.rows.start)
+        spans = _tile_groups(gap, first, stop)
+        groups.extend(SpanGroup(rows, _pieces(mask, full, rows, keys)) for rows, keys in spans)
+        if causal is not None:
+            groups.append(causal)
+            covered = causal.rows.stop
+    return tuple(groups)
+
+
+def _causal_groups(mask: BoundMask) -> list[SpanGroup]:
+    """The runs of at least CAUSAL_ROWS query rows that see a causal triangle (each row one key more than the row
+    above, all from one first key), each a group of its own: the keys every row of the run sees (an unmasked piece,
+    where there are any) and the triangle (a causal piece). Packed documents' causal blocks, a causal call, and the
+    rows of a window that reach back to the first key. Found from the mask's runs of keys per row
+    (:meth:`BoundMask.row_key_spans`); none where the mask has no such runs."""
+    spans = mask.row_key_spans()
+    if spans is None:
+        return []
+    lo, hi = spans
+    reach = hi - torch.arange(len(hi))  # constant along a triangle, where each row sees one more key
+    keyless = hi <= lo  # a row without keys runs in no triangle, and the row after it starts one
+    starts = torch.ones(len(hi), dtype=torch.bool)
+    starts[1:] = (lo[1:] != lo[:-1]) | (reach[1:] != reach[:-1]) | keyless[1:] | keyless[:-1]
+    bounds = [*torch.nonzero(starts).flatten().tolist(), len(hi)]
+    first_keys, last_reach, empty = lo.tolist(), hi.tolist(), keyless.tolist()
+    groups = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end - start < CAUSAL_ROWS or empty[start]:
+            continue
+        diagonal = last_reach[start] - 1  # the first row's last key: where the triangle starts
+        pieces = [KeyPiece(range(diagonal, diagonal + end - start), masked=False, causal=True)]
+        if diagonal > first_keys[start]:  # keys every row sees, before the triangle
+            pieces.insert(0, KeyPiece(range(first_keys[start], diagonal), masked=False))
+        groups.append(SpanGroup(range(start, end), tuple(pieces)))
+    return groups
+
+
+def _tile_groups(rows: range, first: list[int], stop: list[int]) -> list[tuple[range, range]]:
+    """Query rows ``rows`` in groups of consecutive rows, each with the span of keys its tiles leave alive (empty:
+    no key alive), grown while the span stays within GROUP_WASTE times its tiles' own spans and GROUP_ROWS rows.
+    ``first`` and ``stop``: each row tile's first live key and the end of its last live tile (stop <= first: no
+    live key)."""
+    spans: list[tuple[range, range]] = []  # (rows, keys) of each group
+    if not rows:  # between two triangles that meet
+        return spans
     open_rows: range | None = None  # the group being grown: rows, keys, and the pairs of its tiles' own spans
     open_keys, own_pairs = range(0), 0
-    for tile, (lo, hi) in enumerate(zip(first, stop, strict=True)):
-        rows = range(tile * PLAN_ROWS, min((tile + 1) * PLAN_ROWS, q_len))
+    for tile in range(rows.start // PLAN_ROWS, -(-rows.stop // PLAN_ROWS)):
+        lo, hi = first[tile], stop[tile]
+        # a tile's rows within ``rows``: its span holds every key they see (a subset of its rows sees no more)
+        tile_rows = range(max(tile * PLAN_ROWS, rows.start), min((tile + 1) * PLAN_ROWS, rows.stop))
         if hi <= lo:  # no live key: a group of its own, never run
             if open_rows is not None:
                 spans.append((open_rows, open_keys))
                 open_rows = None
-            spans.append((rows, range(0)))
+            spans.append((tile_rows, range(0)))
             continue
         if open_rows is not None:
-            joined_rows = range(open_rows.start, rows.stop)
+            joined_rows = range(open_rows.start, tile_rows.stop)
             joined_keys = range(min(open_keys.start, lo), max(open_keys.stop, hi))
-            joined_own = own_pairs + len(rows) * (hi - lo)
+            joined_own = own_pairs + len(tile_rows) * (hi - lo)
             if len(joined_rows) <= GROUP_ROWS and len(joined_rows) * len(joined_keys) <= GROUP_WASTE * joined_own:
                 open_rows, open_keys, own_pairs = joined_rows, joined_keys, joined_own
                 continue
             spans.append((open_rows, open_keys))
-        open_rows, open_keys, own_pairs = rows, range(lo, hi), len(rows) * (hi - lo)
+        open_rows, open_keys, own_pairs = tile_rows, range(lo, hi), len(tile_rows) * (hi - lo)
     if open_rows is not None:
         spans.append((open_rows, open_keys))
-    full = states == STATE_FULL
-    return tuple(SpanGroup(rows, _pieces(mask, full, rows, keys)) for rows, keys in spans)
+    return spans
 
 
 def _pieces(mask: BoundMask, full: torch.Tensor, rows: range, keys: range) -> tuple[KeyPiece, ...]:
@@ -232,6 +305,15 @@ class _Layout:
         """(b, g, r * n, ..) -> (b, g, r, n, ..), a view."""
         return t.unflatten(2, (self.r, len(rows)))
 
+    def by_head(self, t: torch.Tensor, rows: range) -> torch.Tensor:
+        """(b, g, r, i, ..) -> the rows' (b, h, n, ..), a view: a causal call's layout (stacked heads would break
+        its triangle), which the kernel reads against (b, g, keys, w) as grouped heads."""
+        return t[:, :, :, rows.start : rows.stop].flatten(1, 2)
+
+    def from_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(b, h, n, ..) -> (b, g, r, n, ..), a view."""
+        return t.unflatten(1, (self.g, self.r))
+
 
 def _piece_mask(
     lay: _Layout, mask: BoundMask, rows: range, piece: KeyPiece, check_empty: bool
@@ -283,15 +365,25 @@ def _forward(lay: _Layout, mask: BoundMask, scale: float) -> tuple[torch.Tensor,
         # a row may see no key of one piece and some of another: with several pieces every masked one is checked
         check_empty = may_empty or len(group.pieces) > 1
         for index, piece in enumerate(group.pieces):
-            attn_mask, empty = _piece_mask(lay, mask, group.rows, piece, check_empty)
             keys = slice(piece.keys.start, piece.keys.stop)
-            piece_out, piece_lse = _FORWARD(
-                _guarded_queries(q_rows, empty), lay.k[:, :, keys], lay.v[:, :, keys], attn_mask=attn_mask, scale=scale
-            )
-            if empty is not None:  # the kernel gives such a row output 0 and LSE 0: its LSE is -inf
-                piece_lse = piece_lse.masked_fill(empty.squeeze(-1), -math.inf)
-            piece_out = lay.unstacked(piece_out[..., : lay.e], group.rows)  # (b, g, r, n, e)
-            piece_lse = lay.unstacked(piece_lse, group.rows)
+            if piece.causal:  # every row sees a key of the triangle: no row to guard
+                causal_out, causal_lse = _FORWARD(
+                    lay.by_head(lay.q, group.rows), lay.k[:, :, keys], lay.v[:, :, keys], is_causal=True, scale=scale
+                )
+                piece_out, piece_lse = lay.from_heads(causal_out[..., : lay.e]), lay.from_heads(causal_lse)
+            else:
+                attn_mask, empty = _piece_mask(lay, mask, group.rows, piece, check_empty)
+                stacked_out, stacked_lse = _FORWARD(
+                    _guarded_queries(q_rows, empty),
+                    lay.k[:, :, keys],
+                    lay.v[:, :, keys],
+                    attn_mask=attn_mask,
+                    scale=scale,
+                )
+                if empty is not None:  # the kernel gives such a row output 0 and LSE 0: its LSE is -inf
+                    stacked_lse = stacked_lse.masked_fill(empty.squeeze(-1), -math.inf)
+                piece_out = lay.unstacked(stacked_out[..., : lay.e], group.rows)  # (b, g, r, n, e)
+                piece_lse = lay.unstacked(stacked_lse, group.rows)
             if index == 0:
                 out[:, :, :, rows], lse[:, :, :, rows] = piece_out, piece_lse
             else:
@@ -343,21 +435,36 @@ def _backward(
         grad_rows, lse_rows = lay.stacked(grad_out, group.rows), lay.stacked(kernel_lse, group.rows).squeeze(-1)
         check_empty = may_empty or len(group.pieces) > 1
         for piece in group.pieces:
-            attn_mask, empty = _piece_mask(lay, mask, group.rows, piece, check_empty)
             keys = slice(piece.keys.start, piece.keys.stop)
-            piece_dq, piece_dk, piece_dv = _BACKWARD(
-                grad_rows,
-                _guarded_queries(q_rows, empty),
-                lay.k[:, :, keys],
-                lay.v[:, :, keys],
-                out_rows,
-                lse_rows,
-                0.0,
-                False,
-                attn_mask=attn_mask,
-                scale=scale,
-            )
-            dq[:, :, :, group.rows.start : group.rows.stop] += lay.unstacked(piece_dq[..., : lay.d], group.rows)
+            if piece.causal:
+                causal_dq, piece_dk, piece_dv = _BACKWARD(
+                    lay.by_head(grad_out, group.rows),
+                    lay.by_head(lay.q, group.rows),
+                    lay.k[:, :, keys],
+                    lay.v[:, :, keys],
+                    lay.by_head(out, group.rows),
+                    lay.by_head(kernel_lse, group.rows).squeeze(-1),
+                    0.0,
+                    True,
+                    scale=scale,
+                )
+                piece_dq = lay.from_heads(causal_dq[..., : lay.d])
+            else:
+                attn_mask, empty = _piece_mask(lay, mask, group.rows, piece, check_empty)
+                stacked_dq, piece_dk, piece_dv = _BACKWARD(
+                    grad_rows,
+                    _guarded_queries(q_rows, empty),
+                    lay.k[:, :, keys],
+                    lay.v[:, :, keys],
+                    out_rows,
+                    lse_rows,
+                    0.0,
+                    False,
+                    attn_mask=attn_mask,
+                    scale=scale,
+                )
+                piece_dq = lay.unstacked(stacked_dq[..., : lay.d], group.rows)
+            dq[:, :, :, group.rows.start : group.rows.stop] += piece_dq
             dk[:, :, keys] += piece_dk[..., : lay.d]
             dv[:, :, keys] += piece_dv[..., : lay.e]
     return dq.view(lay.b, lay.h, lay.i, lay.d), dk, dv
@@ -457,7 +564,7 @@ def _estimate(call: AttentionCall) -> Estimate | None:
     masked = plain = keys_read = calls = 0
     for group in plan:
         for piece in group.pieces:
-            pairs = len(group.rows) * len(piece.keys)
+            pairs = piece.pairs(len(group.rows))
             masked, plain = (masked + pairs, plain) if piece.masked else (masked, plain + pairs)
             keys_read += len(piece.keys)
             calls += 1

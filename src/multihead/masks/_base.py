@@ -276,6 +276,13 @@ class BoundTerm:
         arithmetic on the host (a band, key lengths given as ints); None where only its values would tell."""
         return None
 
+    def row_key_spans(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where this term keeps, for every query row, one run of consecutive keys, the same in every batch row
+        and head: (lo, hi), two (i,) int64 CPU tensors, row r keeping keys lo[r] .. hi[r] - 1 (none where hi[r] <=
+        lo[r]), in [0, j]; known on the host without a device read. None otherwise (a dense tensor, a user's
+        function, lengths that differ by batch row)."""
+        return None
+
     def callers_tensor(self) -> torch.Tensor | None:
         """The caller's own tensor, where this term evaluates to views of it (never written in place)."""
         return None

@@ -77,6 +77,7 @@ class BoundMask:
         # a kernel's plan of this call (the spans backend's row groups), keyed by the kernel and its settings: made
         # once, for auto's estimate and the kernel alike
         self.kernel_plans: dict[tuple, object] = {}
+        self._host_facts: dict[str, object] = {}  # what is read of the mask on the host once (row_key_spans)
 
     @classmethod
     def none(cls, shape: AttentionShape) -> BoundMask:
@@ -110,6 +111,27 @@ class BoundMask:
     def is_lower_right_causal(self) -> bool:
         """Exactly a bottom-right-aligned causal mask with i <= j, nothing else (torch's ``causal_lower_right``)."""
         return self.softcap is None and len(self.terms) == 1 and self.terms[0].is_lower_right_causal
+
+    def row_key_spans(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the mask keeps, for every query row, one run of consecutive keys with no bias or soft-cap, the same
+        in every batch row and head: (lo, hi), two (i,) int64 CPU tensors, row r keeping keys lo[r] .. hi[r] - 1
+        (none where hi[r] <= lo[r]); its keep terms' runs intersected. None where some term cannot say (see
+        :meth:`BoundTerm.row_key_spans`). Read on the host, made once."""
+        if "row_key_spans" not in self._host_facts:
+            self._host_facts["row_key_spans"] = self._row_key_spans()
+        return self._host_facts["row_key_spans"]  # type: ignore[return-value]
+
+    def _row_key_spans(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.bias_terms or self.softcap is not None or torch.compiler.is_compiling():
+            return None
+        q_len, k_len = self.shape.q_len, self.shape.k_len
+        lo, hi = torch.zeros(q_len, dtype=torch.long), torch.full((q_len,), k_len, dtype=torch.long)
+        for term in self.keep_terms:
+            spans = term.row_key_spans()
+            if spans is None:
+                return None
+            lo, hi = torch.maximum(lo, spans[0]), torch.minimum(hi, spans[1])
+        return lo, hi
 
     def may_empty_rows(self) -> bool:
         """Whether some query row may have every key masked, answered on the host without waiting for a device.

@@ -181,6 +181,15 @@ class _BoundDiagonal(BoundTerm):
         name = "causal" if left is None and right == 0 else "window"
         return _BoundDiagonal(_Diagonal(left, right, self.spec.align, name), self.offset, self.shape)
 
+    def row_key_spans(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not isinstance(self.offset, int):  # a symbolic alignment (torch.compile): no host numbers
+            return None
+        j = self.shape.k_len
+        aligned = torch.arange(self.shape.q_len) + self.offset  # each row's aligned key position
+        lo = torch.zeros_like(aligned) if self.spec.left is None else (aligned - self.spec.left).clamp(0, j)
+        hi = torch.full_like(aligned, j) if self.spec.right is None else (aligned + self.spec.right + 1).clamp(0, j)
+        return lo, hi
+
     def key_bounds(self, position: int) -> tuple[float, float]:
         """[lo, hi]: the keys this band lets query row ``position`` (0-based) see, before clipping to [0, j)."""
         p = position + self.offset  # its aligned position

@@ -290,6 +290,22 @@ class _BoundDocuments(BoundTerm):
             return True
         return bool(((self.host[2] < 0) | (self.host[2] >= self.shape.k_len)).any())
 
+    def row_key_spans(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # documents in order (packed rows) hold consecutive keys; one run per row where every batch row is alike
+        if self.host is None:
+            return None
+        key_ids, query_ids, positions = self.host
+        if any(bool((t != t[:1]).any()) for t in self.host) or bool((key_ids[0, 1:] < key_ids[0, :-1]).any()):
+            return None
+        lo = torch.searchsorted(key_ids[0], query_ids[0], side="left")  # a row with no document: an empty run
+        hi = torch.searchsorted(key_ids[0], query_ids[0], side="right")
+        left, right = self.band
+        if left is not None:
+            lo = torch.maximum(lo, positions[0] - left)
+        if right is not None:
+            hi = torch.minimum(hi, positions[0] + right + 1)
+        return lo, hi
+
     def host_term(self) -> BoundTerm | None:
         """This term over its host copies, on the CPU (a ragged term keeps its key spans, already there)."""
         if self.host is None:

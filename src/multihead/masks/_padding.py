@@ -152,6 +152,13 @@ class _BoundPadding(BoundTerm):
             )
         return self._key_counts
 
+    def row_key_spans(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # one run per row only where every batch row has the same length (keys 0 .. length - 1)
+        if self.lengths is None or len(set(self.lengths)) != 1:
+            return None
+        q_len = self.shape.q_len
+        return torch.zeros(q_len, dtype=torch.long), torch.full((q_len,), self.lengths[0], dtype=torch.long)
+
     def key_bounds(self, position: int) -> tuple[float, float] | None:
         # the shortest batch row is the worst; every row sees the same keys
         return None if self.lengths is None else (0, min(self.lengths) - 1)
