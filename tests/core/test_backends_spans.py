@@ -141,6 +141,28 @@ def test_output_lse_and_gradients_through_both_equal_the_reference(case, dtype):
         assert (output[1] == 0).all() and (lse[1] == -math.inf).all() and (dq[1] == 0).all()
 
 
+@pytest.mark.parametrize("case", ["window", "wide window", "causal, more queries than keys"])
+def test_a_bands_piece_masks_are_built_once_per_shape_and_offset_and_equal_those_built_each_time(case):
+    """A band's groups alike but for their place along the diagonal share one mask (_PieceMasks); every piece of
+    the plan, and pieces of one shape at other offsets (keys 0 .. 63 and 100 .. 163 for rows 100 .. 163), get the
+    mask built for them alone."""
+    bound, plan = plan_of(case)
+    assert bound.shift_invariant
+    q, k, v = make_qkv(b=1, h=4, g=2, i=bound.shape.q_len, j=bound.shape.k_len, d=8, e=8)
+    lay = spans._Layout(q, k, v)
+    shared = spans._PieceMasks(lay, bound)
+    extra = [(range(100, 164), spans.KeyPiece(keys, masked=True)) for keys in (range(0, 64), range(100, 164))]
+    pieces = [(group.rows, piece) for group in plan for piece in group.pieces] + extra * 2
+    for rows, piece in pieces:
+        got, want = shared.of(rows, piece, True), spans._piece_mask(lay, bound, rows, piece, True)
+        for a, b in zip(got, want, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b), (case, rows, piece)
+    assert shared.made is not None and len(shared.made) < len(pieces)  # built once, used again
+    # a mask of data (padding) is built for every piece
+    padded = bind_mask(masks.padding([900, 800]), False, AttentionShape(2, 4, 900, 900, torch.device("cpu")))
+    assert not padded.shift_invariant and spans._PieceMasks(lay, padded).made is None
+
+
 def test_half_inputs_are_computed_in_float32_and_returned_in_their_dtype():
     q, k, v = (t.to(torch.bfloat16).requires_grad_(True) for t in make_qkv(b=1, h=4, g=2, i=600, j=600, d=16, e=16))
     result = multihead.attention_result(q, k, v, mask=masks.window(64), backend="spans", return_lse=True)

@@ -192,6 +192,9 @@ class BoundTerm:
     requires_grad = False
     may_hold_minus_inf = False  # a bias term with -inf entries (pairs it masks)
     holds_data = True  # its meaning depends on tensor values, not only on sizes (padding, tensors, user functions)
+    # it keeps the same pairs in a block moved along the diagonal (rows and keys shifted alike): it depends on the
+    # query's position minus the key's alone (a band)
+    shift_invariant = False
     # its mod reads a tensor by query position (a dense tensor; ALiBi's own position or slopes per row): torch 2.13's
     # CPU flex fails to compile it, and refuses it
     reads_pair_tensor = False

@@ -112,6 +112,13 @@ class BoundMask:
         """Exactly a bottom-right-aligned causal mask with i <= j, nothing else (torch's ``causal_lower_right``)."""
         return self.softcap is None and len(self.terms) == 1 and self.terms[0].is_lower_right_causal
 
+    @property
+    def shift_invariant(self) -> bool:
+        """Whether every block moved along the diagonal (its rows and keys shifted alike) is the same block: every
+        term a band (:attr:`BoundTerm.shift_invariant`), no soft-cap. A kernel may build such a block's mask once
+        per shape and offset."""
+        return self.softcap is None and all(term.shift_invariant for term in self.terms)
+
     def row_key_spans(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Where the mask keeps, for every query row, one run of consecutive keys with no bias or soft-cap, the same
         in every batch row and head: (lo, hi), two (i,) int64 CPU tensors, row r keeping keys lo[r] .. hi[r] - 1

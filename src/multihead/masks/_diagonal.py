@@ -85,6 +85,7 @@ class _BoundDiagonal(BoundTerm):
 
     kind = "diagonal"
     holds_data = False
+    shift_invariant = True
 
     def __init__(self, spec: _Diagonal, offset: int, shape: AttentionShape):
         self.spec, self.offset, self.shape = spec, offset, shape
