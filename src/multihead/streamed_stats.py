@@ -203,8 +203,8 @@ def attention_stats(
         acc.row_weight = torch.zeros(i, dtype=work, device=call.q.device)
         acc.row_weight[torch.tensor(chosen_rows, device=call.q.device)] = 1.0
     blocks = weight_blocks(call.q, call.k, lse, call.mask, call.scale, head_index, block_q=BLOCK_Q, block_k=BLOCK_K)
-    for qb, kb, weights, log_weights in blocks:  # (b, H, n, m): the exact weights, 0 where masked
-        acc.add(qb, kb, weights, log_weights, j - i)
+    for qb, kb, weights, log_weights, may_mask in blocks:  # (b, H, n, m): the exact weights, 0 where masked
+        acc.add(qb, kb, weights, log_weights, j - i, may_mask)
     if sinks is not None:
         acc.add_sinks(lse.index_select(1, head_index).to(work), heads_of(sinks, head_index))
     return acc.result(output, chosen_heads, chosen_rows, far, call.unbatched)
@@ -267,6 +267,8 @@ class _Accumulators:
         self.received = torch.zeros(b, heads, j, **zeros)
         self.received_far = torch.zeros(b, heads, j, **zeros)
         self.edges = torch.tensor(DISTANCE_BANDS[1:], device=device)
+        self._countdowns: dict[int, torch.Tensor] = {}  # m -> (m, m - 1, .., 1): _first_key_of's
+        self._indicators: dict[tuple, torch.Tensor] = {}  # a block geometry's pairs per band, ahead and far
         # the running top-k: weights start below any weight, so the first block's fill them
         self.top_weights = torch.full((b, heads, i, top_k), -1.0, **zeros)
         self.top_keys = torch.full((b, heads, i, top_k), -1, dtype=torch.long, device=device)
@@ -278,46 +280,42 @@ class _Accumulators:
             self.row_cells, self.key_cells = to_device(grid.rows, device), to_device(grid.keys, device)
             self.spans: dict[tuple[str, int, int], tuple[int, int]] = {}  # a block's first and last cell, per axis
 
-    def add(self, qb: range, kb: range, p: torch.Tensor, log_p: torch.Tensor, offset: int) -> None:
+    def add(self, qb: range, kb: range, p: torch.Tensor, log_p: torch.Tensor, offset: int, may_mask: bool) -> None:
         """Fold in one block: ``p`` (b, H, n, m) the exact weights of query rows ``qb`` on keys ``kb`` (0 where
-        masked) and ``log_p`` their logs (-inf where masked; floored in place); query row r sits at position
-        r + ``offset``."""
+        masked) and ``log_p`` their logs (-inf where masked, if ``may_mask``; floored in place); query row r sits at
+        position r + ``offset``.
+
+        Every pass over the block is a float op or a plain reduction: here a comparison yielding bools, or a
+        reduction with indices (max, argmax), cost 5-15x a float op or a sum on a 4 x 128 x 256 block."""
         rows, cols = slice(qb.start, qb.stop), slice(kb.start, kb.stop)
         # the entropy's terms, -p log p, from log p at hand (0 where masked: a finite floor times p = 0)
-        self.neg_plogp[:, :, rows] -= (p * log_p.clamp_min_(_LOG_FLOOR)).sum(-1)
-        best, where = p.max(-1)  # (b, H, n)
+        self.neg_plogp[:, :, rows] -= (p * (log_p.clamp_min_(_LOG_FLOOR) if may_mask else log_p)).sum(-1)
+        best = p.amax(-1)  # (b, H, n)
         better = best > self.max_weight[:, :, rows]  # a row's first key of the largest weight keeps it
         self.max_weight[:, :, rows] = torch.where(better, best, self.max_weight[:, :, rows])
-        self.max_key[:, :, rows] = torch.where(better, where + kb.start, self.max_key[:, :, rows])
+        self.max_key[:, :, rows] = torch.where(better, self._first_key_of(p, best) + kb.start, self.max_key[:, :, rows])
         # Distances run over a block from `nearest` to `farthest`: a block far from the diagonal lies in one band
-        # and on one side of `far`, and takes row or column sums; only blocks across a boundary go pair by pair.
+        # and on one side of `far`, and takes row or column sums; only blocks across a boundary go pair by pair,
+        # with the block's (n, m) indicators of each band, of keys ahead and of far pairs, made once per geometry.
         nearest, farthest = qb.start + offset - (kb.stop - 1), qb.stop - 1 + offset - kb.start
         row_sums = p.sum(-1)
-        distance = None
-        if nearest >= 0 or farthest < 0:  # every key behind the query, or every key ahead of it
-            if farthest < 0:
-                self.ahead[:, :, rows] += row_sums
-            low, high = sorted((abs(nearest), abs(farthest)))
-            band = self._band(low)
-            if band == self._band(high):
-                self.bands[:, :, rows, band] += row_sums
-            else:
-                distance = self._distance(qb, kb, offset, p.device)
+        if farthest < 0:  # every key ahead of the query
+            self.ahead[:, :, rows] += row_sums
+        elif nearest < 0:
+            self.ahead[:, :, rows] += (p * self._pairs_where(qb, kb, offset, "ahead")).sum(-1)
+        low, high = sorted((abs(nearest), abs(farthest))) if nearest >= 0 or farthest < 0 else (0, None)
+        if high is not None and self._band(low) == self._band(high):
+            self.bands[:, :, rows, self._band(low)] += row_sums
         else:
-            distance = self._distance(qb, kb, offset, p.device)
-            self.ahead[:, :, rows] += (p * (distance < 0)).sum(-1)
-        if distance is not None:
-            band_index = torch.bucketize(distance.abs(), self.edges, right=True)  # (n, m): each pair's band, 0 .. 5
-            banded = p.new_zeros(*p.shape[:-1], len(DISTANCE_BANDS))
-            self.bands[:, :, rows] += banded.scatter_add_(-1, band_index.expand_as(p), p)
+            for band in self._bands_across(qb, kb, offset):
+                self.bands[:, :, rows, band] += (p * self._pairs_where(qb, kb, offset, band)).sum(-1)
         counted = p if self.row_weight is None else p * self.row_weight[rows, None]  # the rows the columns add
         column_sums = counted.sum(-2)
         self.received[:, :, cols] += column_sums
         if nearest >= self.far:
             self.received_far[:, :, cols] += column_sums
         elif farthest >= self.far:
-            distance = self._distance(qb, kb, offset, p.device) if distance is None else distance
-            self.received_far[:, :, cols] += (counted * (distance >= self.far)).sum(-2)
+            self.received_far[:, :, cols] += (counted * self._pairs_where(qb, kb, offset, "far")).sum(-2)
         if kb.start < self.first_keys:
             count = min(self.first_keys, kb.stop) - kb.start
             self.first[:, :, rows, kb.start : kb.start + count] += p[..., :count]
@@ -330,6 +328,38 @@ class _Accumulators:
             self.top_keys[:, :, rows] = keys.gather(-1, kept.indices)
         if self.pooled is not None:
             self._pool(qb, kb, counted)
+
+    def _first_key_of(self, p: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+        """(b, H, n) long: each row's first key in the block holding its largest weight ``best`` (b, H, n), by float
+        ops alone: sign(p - best) is 0 there and -1 elsewhere, so (1 + sign) x (m, m - 1, .., 1) peaks at the first
+        such key (p.max(-1)'s indices cost 14x p.amax(-1) here)."""
+        m = p.shape[-1]
+        countdown = self._countdowns.get(m)
+        if countdown is None:
+            countdown = self._countdowns[m] = torch.arange(m, 0, -1, dtype=p.dtype, device=p.device)
+        at_best = torch.sign(p - best.unsqueeze(-1))
+        return (m - torch.addcmul(countdown, at_best, countdown).amax(-1)).long()
+
+    def _pairs_where(self, qb: range, kb: range, offset: int, which: int | str) -> torch.Tensor:
+        """(n, m) 1.0 where the block's pair lies in distance band ``which`` (an int), or ahead of the query
+        ("ahead"), or at least ``far`` tokens back ("far"); 0.0 elsewhere. Kept per the block's geometry (its first
+        pair's distance and its size), which the blocks along a diagonal share."""
+        key = (qb.start + offset - kb.start, len(qb), len(kb), which)
+        indicator = self._indicators.get(key)
+        if indicator is None:
+            distance = self._distance(qb, kb, offset, self.edges.device)  # (n, m)
+            if isinstance(which, int):
+                kept = torch.bucketize(distance.abs(), self.edges, right=True) == which
+            else:
+                kept = distance < 0 if which == "ahead" else distance >= self.far
+            indicator = self._indicators[key] = kept.to(self.bands.dtype)
+        return indicator
+
+    def _bands_across(self, qb: range, kb: range, offset: int) -> range:
+        """The distance bands a block's pairs fall in: those from its nearest absolute distance to its farthest."""
+        nearest, farthest = qb.start + offset - (kb.stop - 1), qb.stop - 1 + offset - kb.start
+        low = 0 if nearest <= 0 <= farthest else min(abs(nearest), abs(farthest))
+        return range(self._band(low), self._band(max(abs(nearest), abs(farthest))) + 1)
 
     def add_sinks(self, lse: torch.Tensor, sinks: torch.Tensor) -> None:
         """Fold in the learned sinks ((heads,) or (b, heads, i)), from the LSE over keys and sink (b, heads, i):

@@ -217,6 +217,20 @@ def test_two_thousand_tokens_in_float32_and_unbatched(both_sides, device):
     assert (float(stats.ahead.max()) > 0) == both_sides
 
 
+def test_the_largest_weight_is_held_by_its_first_key_across_blocks(device):
+    """Keys 3, 7 and 300 are one vector, far above the others for every query: each row's largest weight is on
+    all three at once (300 in the second block of keys), and max_key names the first of them, as argmax does."""
+    q, k, v = inputs(device, b=1, h=2, g=1, i=40, j=400, d=8, seed=2)
+    q = 1 + 0.1 * q  # every query near the all-ones direction
+    k[..., [3, 7, 300], :] = 6.0  # one key, three times, along it: scores near 48 against at most about 20
+    stats = attention_stats(q, k, v)
+    weights = attention_result(q, k, v, return_weights=True).weights
+    assert torch.equal(weights[..., 3], weights[..., 7]) and torch.equal(weights[..., 3], weights[..., 300])
+    assert torch.equal(weights.argmax(-1), torch.full_like(stats.max_key, 3)), "the three keys lead every row"
+    assert torch.equal(stats.max_key, torch.full_like(stats.max_key, 3))
+    torch.testing.assert_close(stats.max_weight, weights[..., 3], rtol=0, atol=1e-12)
+
+
 def test_inputs_that_need_gradients_build_no_graph(device):
     q, k, v = (t.requires_grad_() for t in inputs(device))
     stats = attention_stats(q, k, v, causal=True)

@@ -66,11 +66,12 @@ def weight_blocks(
     *,
     block_q: int,
     block_k: int,
-) -> Iterator[tuple[range, range, torch.Tensor, torch.Tensor]]:
+) -> Iterator[tuple[range, range, torch.Tensor, torch.Tensor, bool]]:
     """The exact weights p = exp(s - lse) of the query heads ``heads`` (H,), block by block, every block the mask
     leaves empty skipped: q (b, h, i, d), k (b, g, j, d), lse (b, h, i) from the call's kernel. Yields each block's
-    query rows, keys, weights (b, H, rows, keys) and log-weights (-inf where masked), in the blocks' precision
-    (float32 for half inputs); the memory beyond the inputs is one block of scores."""
+    query rows, keys, weights (b, H, rows, keys), log-weights (-inf where masked), in the blocks' precision
+    (float32 for half inputs), and whether the log-weights may hold -inf (False for a block the mask keeps whole,
+    with no bias of -inf entries); the memory beyond the inputs is one block of scores."""
     i, j = q.shape[2], k.shape[2]
     work = compute_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
@@ -78,11 +79,13 @@ def weight_blocks(
     ks = k.index_select(1, heads // group).to(work)  # (b, H, j, d): each chosen head's own key head
     lse = lse.index_select(1, heads).to(work)
     safe_lse = lse.masked_fill(lse == -math.inf, 0.0).unsqueeze(-1)  # (b, H, i, 1): a row all masked gives p = 0
+    bias_masks = any(term.may_hold_minus_inf for term in mask.bias_terms)
     for qb in Blocks(i, block_q):
         for kb in Blocks(j, block_k):
-            if mask.state(qb, kb) is BlockState.EMPTY:
+            state = mask.state(qb, kb)
+            if state is BlockState.EMPTY:
                 continue
             scores = qs[:, :, qb.start : qb.stop] @ ks[:, :, kb.start : kb.stop].transpose(-1, -2)
             mask_scores_(scores, mask, slice(qb.start, qb.stop), slice(kb.start, kb.stop), heads)
             log_weights = scores.sub_(safe_lse[:, :, qb.start : qb.stop])  # log p: -inf where masked
-            yield qb, kb, log_weights.exp(), log_weights
+            yield qb, kb, log_weights.exp(), log_weights, bias_masks or state is not BlockState.FULL
