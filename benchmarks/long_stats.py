@@ -17,6 +17,7 @@ of one block each, the order rotating), each ratio x / y per round: median, lowe
 each is timed. Peak memory is one call per way (harness.common.peak_memory: VmHWM above the RSS before the call).
 
     python benchmarks/long_stats.py [--quick]      # writes benchmarks/results/long_stats.{json,md}
+    python benchmarks/long_stats.py --heads 4 --up-to 8192     # h = g = 4: long_stats_h4.{json,md}
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ INTERLEAVED_UP_TO = 8192
 MIB = 2**20
 
 
-def inputs(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def inputs(n: int, heads: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(n)
-    return tuple(torch.randn(1, 1, n, 64, generator=generator) for _ in range(3))  # type: ignore[return-value]
+    return tuple(torch.randn(1, heads, n, 64, generator=generator) for _ in range(3))  # type: ignore[return-value]
 
 
 def dense_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -62,9 +63,9 @@ def dense_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, 
     }
 
 
-def check(n: int) -> float:
+def check(n: int, heads: int) -> float:
     """The streamed statistics against the dense ones at ``n``: the largest difference."""
-    q, k, v = inputs(n)
+    q, k, v = inputs(n, heads)
     streamed = multihead.attention_stats(q, k, v, causal=True)
     dense = dense_stats(q, k, v)
     differences = [
@@ -74,8 +75,8 @@ def check(n: int) -> float:
     return max(differences)
 
 
-def measure(n: int, rounds: int, block_s: float) -> dict:
-    q, k, v = inputs(n)
+def measure(n: int, heads: int, rounds: int, block_s: float) -> dict:
+    q, k, v = inputs(n, heads)
     steps: dict[str, Callable[[], object]] = {
         "forward": lambda: multihead.attention(q, k, v, causal=True),
         "streamed": lambda: multihead.attention_stats(q, k, v, causal=True),
@@ -89,7 +90,7 @@ def measure(n: int, rounds: int, block_s: float) -> dict:
     for name, step in steps.items():
         peak_mib[name], _, result = peak_memory(Call(step))
         del result
-    row: dict = {"n": n, "dense_weights_mib": n * n * 4 / MIB, "peak_mib": peak_mib}
+    row: dict = {"n": n, "dense_weights_mib": heads * n * n * 4 / MIB, "peak_mib": peak_mib}
     if n <= INTERLEAVED_UP_TO:
         samples = interleave(steps, rounds=rounds, block_s=block_s)
         row["median_s"] = {name: statistics.median(times) for name, times in samples.items()}
@@ -138,6 +139,8 @@ def markdown(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="n = 512 and 1024, 2 rounds (a smoke run)")
+    parser.add_argument("--heads", type=int, default=1, help="heads h = g (default 1; results name them past 1)")
+    parser.add_argument("--up-to", type=int, default=None, help="the longest n (default 131072)")
     args = parser.parse_args(argv)
     ensure_malloc_env()
     prepare_allocator(print)
@@ -146,20 +149,24 @@ def main(argv: list[str] | None = None) -> int:
         sizes, rounds, block_s, checked_at = (512, 1024), 2, 0.1, 512
     else:
         sizes, rounds, block_s, checked_at = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), 3, 1.0, 4096
+    sizes = tuple(n for n in sizes if args.up_to is None or n <= args.up_to)
+    heads = args.heads
     results = {
         "machine": machine(),
         "source": source_state(),
-        "setup": "one head (b = 1, h = g = 1, d = 64), float32, causal, random inputs",
+        "setup": f"{'one head' if heads == 1 else f'{heads} heads'} (b = 1, h = g = {heads}, d = 64), float32, causal, "
+        "random inputs",
         "rounds": rounds,
         "block_s": block_s,
         "checked_at": checked_at,
-        "largest_difference": check(checked_at),
+        "largest_difference": check(checked_at, heads),
         "rows": [],
     }
     for n in sizes:
-        results["rows"].append(measure(n, rounds, block_s))
+        results["rows"].append(measure(n, heads, rounds, block_s))
         print(f"n = {n}: done", flush=True)
-    save_results("long_stats_quick" if args.quick else "long_stats", results, markdown(results))
+    name = "long_stats" + ("" if heads == 1 else f"_h{heads}") + ("_quick" if args.quick else "")
+    save_results(name, results, markdown(results))
     return 0
 
 
