@@ -141,6 +141,15 @@ def row_key_cases(device: torch.device):
         ("padding of one length", masks.padding([9, 9]), True, 2, 11, 13, True),
         ("documents", masks.documents(packed.to(device)) & masks.window(2), True, 1, 13, 13, True),
         (
+            "documents top-left, fewer queries",
+            masks.documents(packed.to(device), align="top_left") & masks.causal(align="top_left"),
+            False,
+            1,
+            9,
+            13,
+            True,
+        ),
+        (
             "documents out of order",
             masks.documents(torch.tensor([[1, 0, 1, 0, 2]], device=device)),
             False,
@@ -157,7 +166,7 @@ def row_key_cases(device: torch.device):
     ]
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(13))
 def test_row_key_spans_say_each_rows_keys_where_they_say_anything(device, case):
     """BoundMask.row_key_spans: where every row keeps one run of keys alike in every batch row and head, the runs
     are exactly the pairs the mask keeps; elsewhere (and with a bias) None."""
