@@ -40,7 +40,7 @@ from multihead.backends import registry
 from multihead.cache import KVCache, PendingAppend
 from multihead.functional import AttentionResult, autocast_on
 from multihead.heads import HeadSurgery, prune_layer
-from multihead.masks import Mask, as_mask, window
+from multihead.masks import Mask, as_mask, host_readable, window
 from multihead.paged import PagedBatch, PagedKVCache, PagedPending
 from multihead.positional import RotaryEmbedding, check_positions
 
@@ -663,14 +663,14 @@ class MultiHeadAttention(HeadSurgery, nn.Module):
         self._check_call(query, key, value, causal, need_weights, average_weights, cache, positions)
         (b, i), h, e = query.shape[:2], self.num_heads, self.value_head_dim
         q, gate, k, v = self._heads(query, key, value)  # (b, h, i, d), (b, h, i, c) or None, (b, g, j, d), (b, g, j, e)
-        rotary_end = None  # positions the rotary tables must cover after this call
+        rotary_end = rotary_asked = None  # what the rotary tables must cover after this call, for how many positions
         split = self.sequence_split
         if self.rotary is not None:
             # a shard of a split sequence sits at its global positions (the split's layout)
             where = self._positions(positions, b, i, cache) if split is None else split.positions(i, query.device)
             # tables grow only once the call has succeeded (below): a failed call leaves them as they were
             q, k = self._rotate(q, where), self._rotate(k, where)
-            rotary_end = where + i if isinstance(where, int) else None
+            rotary_end, rotary_asked = _positions_end(where, i)
         # staged, not appended: the keys count only once the whole call has succeeded (commit below), so a call
         # that raises leaves the cache exactly as it was
         pending, k, v, seen = self._staged(cache, k, v, mask)  # the hooks on Attend read q, k, v as positionals
@@ -683,7 +683,7 @@ class MultiHeadAttention(HeadSurgery, nn.Module):
         if weights is not None and average_weights:
             weights = weights.mean(dim=1)  # (b, i, j)
         if self.rotary is not None and rotary_end is not None:  # rotary_end is set only with a rotary
-            self.rotary.reserve(rotary_end, q)
+            self.rotary.reserve(rotary_end, q, asked=rotary_asked)
         if pending is not None:
             pending.commit()
         return out, weights
@@ -839,3 +839,16 @@ class MultiHeadAttention(HeadSurgery, nn.Module):
         # left where it is: rotate reads a CPU tensor's values (to check them and size its tables) before moving it
         # to the device itself without waiting; a tensor already on the device is never read
         return positions
+
+
+def _positions_end(where: int | torch.Tensor, i: int) -> tuple[int | None, int | None]:
+    """One past the last rotary position of a call's i rows at ``where`` (an offset, or a tensor of positions), for
+    the tables to cover once the call has succeeded, and for a tensor how many positions it asked for (the tables
+    then grow only where :func:`~multihead.positional.worth_a_table`, as rotate's own growth); (None, None) for
+    positions on a device (never read: their angles are computed per call). Without tensor positions growing the
+    tables, every decode step of a paged batch computed its angles in float64, for q and for k."""
+    if isinstance(where, int):
+        return where + i, None
+    if not host_readable(where) or where.numel() == 0:
+        return None, None
+    return int(where.max()) + 1, where.numel()

@@ -380,10 +380,14 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos[:, None], sin[:, None]  # (b, 1, n, d/2): shared by the heads of each batch row
         return self._rotate_pairs(x, cos, sin)
 
-    def reserve(self, length: int, like: torch.Tensor) -> None:
+    def reserve(self, length: int, like: torch.Tensor, *, asked: int | None = None) -> None:
         """Grow the cached tables to cover positions 0 .. length - 1 for tensors like ``like``, where they fit
-        in memory (past that, rotations compute their angles per call)."""
+        in memory (past that, rotations compute their angles per call); with ``asked`` (the positions a call of
+        scattered positions asked for), only where a table is worth it for them (:func:`worth_a_table`), as
+        :meth:`rotate` grows them."""
         if torch.compiler.is_compiling():  # compiled graphs compute their angles in the graph
+            return
+        if asked is not None and not (self._covers(length, like) or self._worth_a_table(length, asked, like)):
             return
         try:
             self._tables(length, like, "length")

@@ -5,6 +5,7 @@ the user functions flex's users write most, run everywhere against the reference
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -342,6 +343,27 @@ def test_flex_compiles_and_runs_a_user_mask():
 def test_a_wrong_custom_mask_is_refused_when_made(call, error, words):
     with pytest.raises(error, match=words):
         call()
+
+
+def test_a_functions_arguments_are_read_once_per_code_and_defaults():
+    """Closures made on every call (one code) are checked once; the same code with one default fewer, which then
+    needs five arguments, is still refused, and so is a function that says another signature."""
+
+    def made(*defaults):
+        def mod(b, h, q, kv, extra):
+            return kv <= q
+
+        mod.__defaults__ = defaults or None
+        return mod
+
+    for _ in range(3):
+        masks.custom(made(0))  # (b, h, q, kv) and a default
+    with pytest.raises(TypeError, match="four arguments"):
+        masks.custom(made())
+    said = made(0)
+    said.__signature__ = inspect.signature(lambda b, h, q: q)  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="four arguments"):
+        masks.custom(said)
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,28 @@ def assert_same_snapshot(before, after):
         assert torch.equal(a[4], b[4]) and torch.equal(a[5], b[5])
 
 
+def test_a_paged_batchs_positions_grow_the_rotary_tables_and_later_steps_read_them(device, monkeypatch):
+    """A paged batch rotates by a tensor of positions, each sequence at its own length. On the CPU those are read:
+    once a call has succeeded the tables cover them, and the next step reads its angles there (per-call float64
+    angles, for q and for k, were half of a decode step's rotary time). A device's positions are never read: its
+    steps compute their angles per call."""
+    layer = make_layer(device, rotary=True)
+    paged = layer.new_paged_cache(num_pages=32, page_size=3)
+    handles = [paged.add() for _ in range(2)]
+    for index, handle in enumerate(handles):
+        layer(tokens(5 + 3 * index, index, device), causal=True, cache=paged.batch([handle]))
+    assert layer.rotary._cos_sin.shape[-2] >= 8  # the longer prompt's positions 0 .. 7
+    per_call = []
+    angles = type(layer.rotary)._cos_sin_of
+    monkeypatch.setattr(type(layer.rotary), "_cos_sin_of", lambda self, *a: per_call.append(1) or angles(self, *a))
+    steps = 6
+    for step in range(steps):  # a step that reaches past the table rotates per call; the table then grows, doubling
+        layer(tokens(1, 100 + step, device, rows=2), causal=True, cache=paged.batch(handles))
+    assert layer.rotary._cos_sin.shape[-2] >= 8 + steps
+    # q and k: at most one step's per-call angles on the CPU (the one growth), every step's on a device
+    assert len(per_call) <= 2 if device.type == "cpu" else len(per_call) == 2 * steps
+
+
 @pytest.mark.parametrize("window", [None, 4], ids=["full", "window 4"])
 @pytest.mark.parametrize("rotary", [True, False], ids=["rotary", "plain"])
 def test_paged_decoding_equals_a_contiguous_cache_per_sequence(rotary, window, device):

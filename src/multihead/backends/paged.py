@@ -119,27 +119,27 @@ class PageTable:
         tables, first, ends = self.tables, self.first_slots, self.key_ends
         if not all(host_readable(t) for t in (tables, first, ends)):
             return
-        held = ends.long() - first.long()  # (S,) keys of each sequence
-        if bool((held < 0).any()):
-            s = int((held < 0).nonzero()[0])
-            raise bad_argument(
-                "pages.key_ends",
-                "key_ends[s] >= first_slots[s] (a sequence holds no fewer than 0 keys)",
-                f"key_ends[{s}] = {int(ends[s])} below first_slots[{s}] = {int(first[s])}",
-                "pass each sequence's end of keys (its length)",
-            )
-        paged = (tables >= 0).long().cumprod(dim=1).sum(dim=1) * page  # (S,) keys its leading pages hold
-        room = torch.clamp(paged, max=self.width)
-        over = held > room
-        if bool(over.any()):
-            s = int(over.nonzero()[0])
-            raise bad_argument(
-                "pages.key_ends",
-                f"at most the keys sequence {s}'s table holds: {int(room[s])} ({int(paged[s]) // page} pages of "
-                f"{page} before its first -1, and width {self.width})",
-                f"key_ends[{s}] - first_slots[{s}] = {int(held[s])}",
-                "give the table a page for every key (or a larger width), or a key end within it",
-            )
+        # as Python ints: a decode step's table is a few rows of a few pages, where a dozen tensor ops per check
+        # cost 90 us of every layer's call and these loops a few
+        for s, (row, start, end) in enumerate(zip(tables.tolist(), first.tolist(), ends.tolist(), strict=True)):
+            held = end - start  # the keys of sequence s
+            if held < 0:
+                raise bad_argument(
+                    "pages.key_ends",
+                    "key_ends[s] >= first_slots[s] (a sequence holds no fewer than 0 keys)",
+                    f"key_ends[{s}] = {end} below first_slots[{s}] = {start}",
+                    "pass each sequence's end of keys (its length)",
+                )
+            leading = next((column for column, held_page in enumerate(row) if held_page < 0), len(row))
+            room = min(leading * page, self.width)  # the keys its pages before its first -1 hold, within width
+            if held > room:
+                raise bad_argument(
+                    "pages.key_ends",
+                    f"at most the keys sequence {s}'s table holds: {room} ({leading} pages of {page} before its "
+                    f"first -1, and width {self.width})",
+                    f"key_ends[{s}] - first_slots[{s}] = {held}",
+                    "give the table a page for every key (or a larger width), or a key end within it",
+                )
 
     def gather(self, pool: torch.Tensor) -> torch.Tensor:
         """Each sequence's keys (or values) in order: (P, g, page, x) -> (S, g, width, x); column c holds the key at
