@@ -149,7 +149,7 @@ def test_a_bands_piece_masks_are_built_once_per_shape_and_offset_and_equal_those
     bound, plan = plan_of(case)
     assert bound.shift_invariant
     q, k, v = make_qkv(b=1, h=4, g=2, i=bound.shape.q_len, j=bound.shape.k_len, d=8, e=8)
-    lay = spans._Layout(q, k, v)
+    lay = spans._Layout(q, k, v, scale=1.0)
     shared = spans._PieceMasks(lay, bound)
     extra = [(range(100, 164), spans.KeyPiece(keys, masked=True)) for keys in (range(0, 64), range(100, 164))]
     pieces = [(group.rows, piece) for group in plan for piece in group.pieces] + extra * 2
@@ -161,6 +161,25 @@ def test_a_bands_piece_masks_are_built_once_per_shape_and_offset_and_equal_those
     # a mask of data (padding) is built for every piece
     padded = bind_mask(masks.padding([900, 800]), False, AttentionShape(2, 4, 900, 900, torch.device("cpu")))
     assert not padded.shift_invariant and spans._PieceMasks(lay, padded).made is None
+
+
+@pytest.mark.parametrize("case", ["causal", "documents & causal", "causal, fewer queries than keys", "window"])
+def test_a_negative_scale_gives_the_references_results_through_causal_calls(case):
+    """torch's causal mode scales after its triangle's -inf (a negative scale gave NaN rows): spans negates the
+    queries instead, and their gradient back."""
+    b, i, j, make = CASES[case]
+    q, k, v = make_qkv(b=b, h=4, g=2, i=i, j=j, d=16, e=8, seed=5)
+    results = {}
+    for backend in ("reference", "spans"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        result = multihead.attention_result(*leaves, mask=make(), backend=backend, return_lse=True, scale=-0.8)
+        results[backend] = (result.output, result.lse, *torch.autograd.grad(loss_of(result, seed=6), leaves))
+    for name, got, want in zip(
+        ("output", "lse", "dq", "dk", "dv"), results["spans"], results["reference"], strict=True
+    ):
+        finite = want.isfinite()
+        assert torch.equal(got.isfinite(), finite), f"{case} {name}"
+        torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=1e-10, msg=f"{case} {name}")
 
 
 def test_half_inputs_are_computed_in_float32_and_returned_in_their_dtype():

@@ -275,15 +275,23 @@ class _Layout:
     values (b, g, j, w) read in place (no copy per head; and the kernel's row blocks grow with r, which it runs
     faster: 52 against 60 ms over packed documents' groups with h = 8, g = 2, against keys expanded per head). w is
     the common head width the kernel wants: q and k padded with zeros to max(d, e), which leaves the scores as they
-    are, v with zeros that are dropped from the output; plus ``extra`` zero columns (the LSE's gradient)."""
+    are, v with zeros that are dropped from the output; plus ``extra`` zero columns (the LSE's gradient).
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra: int = 0):
+    ``scale`` is the call's; the kernel is given ``kernel_scale`` = |scale|, and for a negative scale the queries
+    negated (the same scores): its causal mode applies the scale after the triangle's -inf, which a negative scale
+    turns into +inf, and its rows into NaN (torch 2.13: is_causal with scale=-0.8 gives NaN where a mask does not).
+    A query's gradient is then negated back (:meth:`query_grad`)."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, extra: int = 0):
         self.b, self.h, self.i, self.d = q.shape
         self.g, self.j, self.e = k.shape[1], k.shape[2], v.shape[3]
         self.r = self.h // self.g
         self.dtype = compute_dtype(q.dtype)
         self.width = max(self.d, self.e) + extra
-        self.q = self.widened(self.grouped(q.to(self.dtype)))  # (b, g, r, i, w)
+        self.negated = scale < 0
+        self.kernel_scale = abs(scale)
+        queries = q.to(self.dtype)
+        self.q = self.widened(self.grouped(queries.neg() if self.negated else queries))  # (b, g, r, i, w)
         self.k = self.widened(k.to(self.dtype))  # (b, g, j, w)
         self.v = self.widened(v.to(self.dtype))  # (b, g, j, w)
 
@@ -304,6 +312,10 @@ class _Layout:
     def unstacked(self, t: torch.Tensor, rows: range) -> torch.Tensor:
         """(b, g, r * n, ..) -> (b, g, r, n, ..), a view."""
         return t.unflatten(2, (self.r, len(rows)))
+
+    def query_grad(self, dq: torch.Tensor) -> torch.Tensor:
+        """The gradient of the call's queries from that of the kernel's (negated for a negative scale)."""
+        return dq.neg_() if self.negated else dq
 
     def by_head(self, t: torch.Tensor, rows: range) -> torch.Tensor:
         """(b, g, r, i, ..) -> the rows' (b, h, n, ..), a view: a causal call's layout (stacked heads would break
@@ -370,7 +382,7 @@ def _guarded_queries(q_rows: torch.Tensor, empty: torch.Tensor | None) -> torch.
     return q_rows if empty is None else q_rows.masked_fill(empty, 0.0)
 
 
-def _forward(lay: _Layout, mask: BoundMask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(lay: _Layout, mask: BoundMask) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (b, h, i, e) and LSE (b, h, i), both in the compute dtype."""
     out = torch.empty(lay.b, lay.g, lay.r, lay.i, lay.e, dtype=lay.dtype, device=lay.q.device)
     lse = torch.empty(lay.b, lay.g, lay.r, lay.i, dtype=lay.dtype, device=lay.q.device)
@@ -389,7 +401,11 @@ def _forward(lay: _Layout, mask: BoundMask, scale: float) -> tuple[torch.Tensor,
             keys = slice(piece.keys.start, piece.keys.stop)
             if piece.causal:  # every row sees a key of the triangle: no row to guard
                 causal_out, causal_lse = _FORWARD(
-                    lay.by_head(lay.q, group.rows), lay.k[:, :, keys], lay.v[:, :, keys], is_causal=True, scale=scale
+                    lay.by_head(lay.q, group.rows),
+                    lay.k[:, :, keys],
+                    lay.v[:, :, keys],
+                    is_causal=True,
+                    scale=lay.kernel_scale,
                 )
                 piece_out, piece_lse = lay.from_heads(causal_out[..., : lay.e]), lay.from_heads(causal_lse)
             else:
@@ -399,7 +415,7 @@ def _forward(lay: _Layout, mask: BoundMask, scale: float) -> tuple[torch.Tensor,
                     lay.k[:, :, keys],
                     lay.v[:, :, keys],
                     attn_mask=attn_mask,
-                    scale=scale,
+                    scale=lay.kernel_scale,
                 )
                 if empty is not None:  # the kernel gives such a row output 0 and LSE 0: its LSE is -inf
                     stacked_lse = stacked_lse.masked_fill(empty.squeeze(-1), -math.inf)
@@ -434,7 +450,7 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients for q (b, h, i, d), k (b, g, j, d), v (b, g, j, e) in the compute dtype, piece by piece: given the
     whole softmax's output and LSE, each piece's backward gives exactly its own keys' share of every gradient."""
-    lay = _Layout(q, k, v, extra=0 if grad_lse is None else 1)
+    lay = _Layout(q, k, v, scale, extra=0 if grad_lse is None else 1)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grad_out, out = lay.grouped(grad_out.to(lay.dtype)), lay.grouped(out.to(lay.dtype))  # (b, g, r, i, e)
@@ -468,7 +484,7 @@ def _backward(
                     lay.by_head(kernel_lse, group.rows).squeeze(-1),
                     0.0,
                     True,
-                    scale=scale,
+                    scale=lay.kernel_scale,
                 )
                 piece_dq = lay.from_heads(causal_dq[..., : lay.d])
             else:
@@ -483,13 +499,13 @@ def _backward(
                     0.0,
                     False,
                     attn_mask=attn_mask,
-                    scale=scale,
+                    scale=lay.kernel_scale,
                 )
                 piece_dq = lay.unstacked(stacked_dq[..., : lay.d], group.rows)
             dq[:, :, :, group.rows.start : group.rows.stop] += piece_dq
             dk[:, :, keys] += piece_dk[..., : lay.d]
             dv[:, :, keys] += piece_dv[..., : lay.e]
-    return dq.view(lay.b, lay.h, lay.i, lay.d), dk, dv
+    return lay.query_grad(dq.view(lay.b, lay.h, lay.i, lay.d)), dk, dv
 
 
 class _SpansAttention(KernelFunction):
@@ -498,7 +514,7 @@ class _SpansAttention(KernelFunction):
     @staticmethod
     @autocast_off
     def forward(q, k, v, mask: BoundMask, scale: float):
-        return _forward(_Layout(q, k, v), mask, scale)
+        return _forward(_Layout(q, k, v, scale), mask)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
