@@ -42,7 +42,9 @@ __all__ = ["AttentionStats", "StatsSettings", "PoolGrid", "attention_stats", "DI
 DISTANCE_BANDS = (0, 1, 2, 9, 65, 513)
 POOLS = ("max", "mean", "sum")  # a cell's largest weight, its mean, or its total
 _LOG_FLOOR = -1e30  # below any log-weight of a kept pair; keeps 0 x log 0 at 0, not NaN
-BLOCK_Q = 128
+# query rows and keys per block of the second pass: fewer, taller blocks spend less on each block's dozen small ops.
+# Interleaved at n = 8192, h = 4, causal: 663 ms at 512 x 256, 717 at 256 x 256, 766 at 1024 x 256, 805 at 128 x 256
+BLOCK_Q = 512
 BLOCK_K = 256
 
 
