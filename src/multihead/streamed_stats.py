@@ -42,10 +42,17 @@ __all__ = ["AttentionStats", "StatsSettings", "PoolGrid", "attention_stats", "DI
 DISTANCE_BANDS = (0, 1, 2, 9, 65, 513)
 POOLS = ("max", "mean", "sum")  # a cell's largest weight, its mean, or its total
 _LOG_FLOOR = -1e30  # below any log-weight of a kept pair; keeps 0 x log 0 at 0, not NaN
-# query rows and keys per block of the second pass: fewer, taller blocks spend less on each block's dozen small ops.
-# Interleaved at n = 8192, h = 4, causal: 663 ms at 512 x 256, 717 at 256 x 256, 766 at 1024 x 256, 805 at 128 x 256
-BLOCK_Q = 512
+# query rows per block of the second pass: i / 16, from BLOCK_Q_FEWEST to BLOCK_Q_MOST. Taller blocks spend less on
+# each block's dozen small ops, but across a causal diagonal they compute more pairs the mask drops. Interleaved, h = 4,
+# causal: at n = 8192, 663 ms at 512 rows, 717 at 256, 766 at 1024, 805 at 128; at n = 1024 512 rows cost 7.7x the
+# forward against 5.1x at 128
+BLOCK_Q_FEWEST, BLOCK_Q_MOST = 128, 512
 BLOCK_K = 256
+
+
+def block_rows(i: int) -> int:
+    """The query rows per block of the statistics' pass for i query rows (see BLOCK_Q_FEWEST)."""
+    return min(BLOCK_Q_MOST, max(BLOCK_Q_FEWEST, i // 16))
 
 
 @dataclass(frozen=True)
@@ -204,7 +211,9 @@ def attention_stats(
     if rows is not None:  # only the chosen rows add to the column sums and the map
         acc.row_weight = torch.zeros(i, dtype=work, device=call.q.device)
         acc.row_weight[torch.tensor(chosen_rows, device=call.q.device)] = 1.0
-    blocks = weight_blocks(call.q, call.k, lse, call.mask, call.scale, head_index, block_q=BLOCK_Q, block_k=BLOCK_K)
+    blocks = weight_blocks(
+        call.q, call.k, lse, call.mask, call.scale, head_index, block_q=block_rows(i), block_k=BLOCK_K
+    )
     for qb, kb, weights, log_weights, may_mask in blocks:  # (b, H, n, m): the exact weights, 0 where masked
         acc.add(qb, kb, weights, log_weights, j - i, may_mask)
     if sinks is not None:

@@ -270,9 +270,9 @@ def test_bad_arguments_are_named(arguments, kind, fragment, device):
 
 def test_memory_stays_linear_in_the_length(monkeypatch):
     # the statistics of 4096 x 4096 weights without a 4096 x 4096 tensor: every tensor of weights exponentiated in
-    # the statistics' pass is one BLOCK_Q x BLOCK_K block (512 x 256), and in the kernel's pass (where it is a Python
-    # block loop: tiled's 256 x 256 blocks, in place; spans runs torch's fused kernel, exponentiating nothing in
-    # Python) one block too
+    # the statistics' pass is one block (256 x 256 at i = 4096: block_rows), and in the kernel's pass (where it is a
+    # Python block loop: tiled's 256 x 256 blocks, in place; spans runs torch's fused kernel, exponentiating nothing
+    # in Python) one block too
     q, k, v = inputs("cpu", b=1, h=1, g=1, i=4096, j=4096, d=8, dtype=torch.float32)
     sizes: dict[str, list[int]] = {"exp": [], "exp_": []}
     for name in sizes:
@@ -286,7 +286,7 @@ def test_memory_stays_linear_in_the_length(monkeypatch):
     stats = attention_stats(q, k, v, causal=True)
     assert stats.received.shape == (1, 1, 4096)
     assert sizes["exp"]  # the statistics' pass was watched
-    block = streamed_stats.BLOCK_Q * streamed_stats.BLOCK_K
+    block = streamed_stats.block_rows(4096) * streamed_stats.BLOCK_K
     assert max(sizes["exp"]) == block < 4096 * 4096 / 100 and max(sizes["exp_"], default=0) <= 256 * 256
     assert math.isclose(float(stats.received.sum()), 4096.0, rel_tol=1e-4)
 
