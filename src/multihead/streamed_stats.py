@@ -314,11 +314,11 @@ class _Accumulators:
             self.ahead[:, :, rows] += row_sums
         elif nearest < 0:
             self.ahead[:, :, rows] += (p * self._pairs_where(qb, kb, offset, "ahead")).sum(-1)
-        low, high = sorted((abs(nearest), abs(farthest))) if nearest >= 0 or farthest < 0 else (0, None)
-        if high is not None and self._band(low) == self._band(high):
-            self.bands[:, :, rows, self._band(low)] += row_sums
+        bands = self._bands_across(nearest, farthest)
+        if len(bands) == 1:
+            self.bands[:, :, rows, bands[0]] += row_sums
         else:
-            for band in self._bands_across(qb, kb, offset):
+            for band in bands:
                 self.bands[:, :, rows, band] += (p * self._pairs_where(qb, kb, offset, band)).sum(-1)
         counted = p if self.row_weight is None else p * self.row_weight[rows, None]  # the rows the columns add
         column_sums = counted.sum(-2)
@@ -366,9 +366,9 @@ class _Accumulators:
             indicator = self._indicators[key] = kept.to(self.bands.dtype)
         return indicator
 
-    def _bands_across(self, qb: range, kb: range, offset: int) -> range:
-        """The distance bands a block's pairs fall in: those from its nearest absolute distance to its farthest."""
-        nearest, farthest = qb.start + offset - (kb.stop - 1), qb.stop - 1 + offset - kb.start
+    def _bands_across(self, nearest: int, farthest: int) -> range:
+        """The distance bands of a block whose pairs' distances run from ``nearest`` to ``farthest``: those from its
+        smallest absolute distance to its largest (one band: the block takes its row sums whole)."""
         low = 0 if nearest <= 0 <= farthest else min(abs(nearest), abs(farthest))
         return range(self._band(low), self._band(max(abs(nearest), abs(farthest))) + 1)
 

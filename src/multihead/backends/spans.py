@@ -338,10 +338,15 @@ class _PieceMasks:
             {} if mask.shift_invariant else None
         )
 
+    @staticmethod
+    def shape_of(rows: range, piece: KeyPiece) -> tuple[int, int, int]:
+        """What makes a band's piece masks alike: the piece's first key less its first row, its rows, its keys."""
+        return piece.keys.start - rows.start, len(rows), len(piece.keys)
+
     def of(self, rows: range, piece: KeyPiece, check_empty: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.made is None or not piece.masked:
             return _piece_mask(self.lay, self.mask, rows, piece, check_empty)
-        key = (piece.keys.start - rows.start, len(rows), len(piece.keys), check_empty)
+        key = (*self.shape_of(rows, piece), check_empty)
         if key not in self.made:
             self.made[key] = _piece_mask(self.lay, self.mask, rows, piece, check_empty)
         return self.made[key]
@@ -608,7 +613,7 @@ def _estimate(call: AttentionCall) -> Estimate | None:
             masked, plain = (masked + pairs, plain) if piece.masked else (masked, plain + pairs)
             keys_read += len(piece.keys)
             calls += 1
-            shape = (piece.keys.start - group.rows.start, len(group.rows), len(piece.keys))
+            shape = _PieceMasks.shape_of(group.rows, piece)
             if piece.masked and not (call.mask.shift_invariant and shape in shapes_built):
                 built += pairs
                 shapes_built.add(shape)
