@@ -343,7 +343,9 @@ def _bind(checked: _Checked, mask, causal, scale, dropout, training, return_weig
     if bound_pages is None:
         bound = bind_mask(mask, causal, shape)
     else:
-        bound = bind_mask(bound_pages.table.keeps(causal), False, shape)
+        table = bound_pages.table  # bound once for all the layers that attend through it; unmasked where it can be
+        keeps = None if table.every_key_kept(causal) else table.keeps(causal)
+        bound = table.derived(("bound", causal, shape), lambda: bind_mask(keeps, False, shape))
     selection = None
     if isinstance(return_weights, WeightSelection):
         selection = _check_selection(return_weights, h, i)
@@ -697,24 +699,39 @@ def _with_sinks(
 def _prepared_and_chosen(
     q, k, v, *, mask, causal, scale, dropout, training, backend, pages, sinks, return_weights, return_lse
 ) -> tuple[_Prepared, registry.Backend]:
-    """The checked call and its backend. Every call runs every check (:func:`_check_call`); a call with no mask and
-    no page table then takes the binding and the backend kept for its signature, when there is one (a decode step
-    runs the same call each token), else they are made now and kept."""
+    """The checked call and its backend. Every call runs every check (:func:`_check_call`); a call with no mask then
+    takes the binding and the backend kept for its signature, when there is one (a decode step runs the same call
+    each token), else they are made now and kept: by the module for dense keys, by the page table for a paged call
+    (the layers of a decode step attend through one table)."""
     flags = dict(causal=causal, scale=scale, dropout=dropout, training=training, backend=backend)
     wants = dict(return_weights=return_weights, return_lse=return_lse)
     checked = _check_call(q, k, v, mask=mask, **flags, **wants, pages=pages, sinks=sinks)
     current = policy.current_policy()
     key = None
-    if mask is None and pages is None and not current.autotune:
+    if mask is None and not current.autotune:
         key = _plan_key(q, k, v, **flags, **wants, sinks=sinks)
-    plan = None if key is None else _PLANS.get(key)
+
+    def bound_and_chosen() -> tuple[_Prepared, registry.Backend]:
+        p = _bind(checked, mask, causal, scale, dropout, training, return_weights, return_lse)
+        return p, registry.choose(p.call, backend)
+
+    plan: _Plan | None = None
+    if key is not None and checked.pages is not None:
+        # a paged call's plan is kept by its table: the layers of a decode step attend through one table, and
+        # each would bind its mask and dispatch again (a call's plan key alone cannot tell two tables apart)
+        def planned() -> _Plan:
+            p, chosen = bound_and_chosen()
+            return _Plan(p.mask, p.scale, p.dropout, p.call, chosen, current)
+
+        plan = checked.pages.table.derived(("plan", key, id(current)), planned)
+    elif key is not None:
+        plan = _PLANS.get(key)
     if plan is not None and plan.policy is current:
         return plan.prepared(checked), plan.chosen
-    p = _bind(checked, mask, causal, scale, dropout, training, return_weights, return_lse)
-    chosen = registry.choose(p.call, backend)
+    p, chosen = bound_and_chosen()
     if backend == "auto" and current.autotune:
         chosen = _autotuned(p, chosen)
-    elif key is not None:
+    elif key is not None and checked.pages is None:
         _keep_plan(key, _Plan(p.mask, p.scale, p.dropout, p.call, chosen, current))
     return p, chosen
 
@@ -735,7 +752,8 @@ class _Plan:
     def prepared(self, checked: _Checked) -> _Prepared:
         q, k, v = checked.q, checked.k, checked.v
         unbatched, sinks = checked.unbatched, checked.sinks
-        return _Prepared(q, k, v, self.mask, self.scale, self.dropout, None, unbatched, self.call, None, sinks)
+        pages = checked.pages  # a paged call's plan is its table's own (its mask is the table's)
+        return _Prepared(q, k, v, self.mask, self.scale, self.dropout, None, unbatched, self.call, pages, sinks)
 
 
 _PLANS: dict[tuple, _Plan] = {}

@@ -831,7 +831,10 @@ class MultiHeadAttention(HeadSurgery, nn.Module):
         self, positions: torch.Tensor | None, b: int, i: int, cache: KVCache | PagedBatch | None
     ) -> int | torch.Tensor:
         if positions is None and isinstance(cache, PagedBatch):
-            return cache.positions(i, self.k_proj.weight.device)  # (S, i): each sequence at its own length
+            # sequences at one length share an offset (the contiguous path's rotation, from the tables); else (S, i),
+            # each sequence at its own length
+            shared = cache.shared_offset()
+            return cache.positions(i, self.k_proj.weight.device) if shared is None else shared
         start = 0 if cache is None or isinstance(cache, PagedBatch) else cache.seen
         if positions is None:
             return start

@@ -41,7 +41,7 @@ import torch
 from multihead._errors import bad_argument, checked_flag, describe, positive_int
 from multihead._inputs import floating_argument, matching, tensor_argument
 from multihead._limits import check_fits
-from multihead.backends.paged import PageTable
+from multihead.backends.paged import KeptValues, PageTable
 from multihead.cache import check_fitting, checked_layout
 from multihead.functional import AttentionResult, attention_result
 from multihead.masks import aligned_alibi, checked_slope_tensor, key_range_positions, key_ranges, slope_table, to_device
@@ -152,8 +152,10 @@ class PagedKVCache:
         """The sequence's block table: the pool pages holding its keys, in order."""
         return list(self._sequence("handle", handle).pages)
 
-    def batch(self, handles: list[int]) -> PagedBatch:
-        """A view of some sequences, one per batch row, to pass a layer as its ``cache``."""
+    def batch(self, handles: list[int], *, shared: KeptValues | None = None) -> PagedBatch:
+        """A view of some sequences, one per batch row, to pass a layer as its ``cache``. ``shared``: where the
+        views of several pools that add, append and free together (the layers of one model) keep the plans of
+        their appends, made once for all of them (None: this view's own)."""
         if not isinstance(handles, (list, tuple)) or not handles:
             raise bad_argument(
                 "handles", "a non-empty list of sequence handles", describe(handles), "pass e.g. [cache.add()]"
@@ -162,7 +164,7 @@ class PagedKVCache:
             raise bad_argument("handles", "each sequence once", list(handles), "drop the repeated handles")
         for handle in handles:
             self._sequence("handles", handle)
-        return PagedBatch(self, list(handles))
+        return PagedBatch(self, list(handles), KeptValues() if shared is None else shared)
 
     def _sequence(self, name: str, handle: object) -> _Sequence:
         if not isinstance(handle, int) or isinstance(handle, bool) or handle not in self._sequences:
@@ -218,11 +220,24 @@ def _state(cache: PagedKVCache, handles: list[int]) -> tuple:
     )
 
 
+@dataclass(frozen=True)
+class _AppendPlan:
+    """An append of n tokens to each of S sequences: the pages each takes from the free list, the pool page and
+    slot of each new token, (S, n) both, and the table to attend through after it."""
+
+    reserved: list[list[int]]
+    page_index: torch.Tensor
+    slot_index: torch.Tensor
+    pages: PageTable
+
+
 class PagedBatch:
     """Sequences of a :class:`PagedKVCache`, one per batch row: what a layer takes as ``cache`` for them."""
 
-    def __init__(self, cache: PagedKVCache, handles: list[int]):
-        self.cache, self.handles = cache, handles
+    def __init__(self, cache: PagedKVCache, handles: list[int], plans: KeptValues):
+        # plans: this append's and positions' plans by what they are made from (the chosen sequences' state), kept
+        # for every layer's view of one step: pools in step hold equal tables, and each layer would build its own
+        self.cache, self.handles, self.plans = cache, handles, plans
 
     @property
     def window(self) -> int | None:
@@ -230,8 +245,19 @@ class PagedBatch:
 
     def positions(self, new: int, device: torch.device) -> torch.Tensor:
         """(S, new): the positions of each sequence's next ``new`` tokens (rotary reads them)."""
-        seen = torch.tensor([self.cache._sequences[h].seen for h in self.handles], dtype=torch.long)
-        return to_device(seen[:, None] + torch.arange(new), torch.device(device))
+        seen = [self.cache._sequences[h].seen for h in self.handles]
+        device = torch.device(device)
+
+        def make() -> torch.Tensor:
+            return to_device(torch.tensor(seen, dtype=torch.long)[:, None] + torch.arange(new), device)
+
+        return self.plans.get(("positions", tuple(seen), new, device), make)
+
+    def shared_offset(self) -> int | None:
+        """The next token's position where every sequence has seen as many tokens (one sequence, or sequences
+        decoded in step), else None."""
+        seen = {self.cache._sequences[h].seen for h in self.handles}
+        return seen.pop() if len(seen) == 1 else None
 
     def check_compatible(
         self, batch_size: int, num_kv_heads: int, head_dim: int, value_head_dim: int, dtype: torch.dtype, device
@@ -295,6 +321,18 @@ class PagedBatch:
         new = keys.shape[2]
         self.check_room(new)
         state = _state(cache, self.handles)
+        device = cache.keys.device
+        plan = self.plans.get(
+            ("append", state, new, cache.page_size, cache.window, device), lambda: self._append_plan(new, device)
+        )
+        # keys (S, g, n, d) -> pool[page, :, slot]: one write of every new key
+        cache.keys[plan.page_index, :, plan.slot_index] = keys.permute(0, 2, 1, 3)
+        cache.values[plan.page_index, :, plan.slot_index] = values.permute(0, 2, 1, 3)
+        return PagedPending(self, new, plan.reserved, plan.pages, state)
+
+    def _append_plan(self, new: int, device: torch.device) -> _AppendPlan:
+        """Where ``new`` more tokens of every sequence go and the table to attend through after them."""
+        cache = self.cache
         reserved = self._reservations(new)
         sequences = [cache._sequences[handle] for handle in self.handles]
         tables = [sequence.pages + pages for sequence, pages in zip(sequences, reserved, strict=True)]
@@ -306,12 +344,6 @@ class PagedBatch:
         offsets = torch.stack(
             [torch.arange(s.seen, s.seen + new) - first for s, first in zip(sequences, firsts, strict=True)]
         )  # (S, n)
-        device = cache.keys.device
-        page_index = to_device(padded.gather(1, offsets // cache.page_size), device)  # (S, n): sent unwaited
-        slot_index = to_device(offsets % cache.page_size, device)
-        # keys (S, g, n, d) -> pool[page, :, slot]: one write of every new key
-        cache.keys[page_index, :, slot_index] = keys.permute(0, 2, 1, 3)
-        cache.values[page_index, :, slot_index] = values.permute(0, 2, 1, 3)
         held = PageTable(
             tables=to_device(padded, device),
             first_slots=to_device(torch.tensor(firsts, dtype=torch.long), device),
@@ -320,7 +352,12 @@ class PagedBatch:
             width=max(s.seen + new - first for s, first in zip(sequences, firsts, strict=True)),
             window=cache.window,
         )
-        return PagedPending(self, new, reserved, held, state)
+        return _AppendPlan(
+            reserved,
+            to_device(padded.gather(1, offsets // cache.page_size), device),  # (S, n): sent unwaited
+            to_device(offsets % cache.page_size, device),
+            held,
+        )
 
     def _check(self, name: str, t: object, last_axis: str, last: int) -> torch.Tensor:
         cache = self.cache

@@ -13,7 +13,9 @@ against. The kernel itself never gathers a sequence's whole cache: it reads a fe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,32 @@ from multihead.masks import Mask, custom, host_readable
 __all__ = ["PageTable", "KEYS_PER_STEP", "CAPABILITIES", "paged_attention_backend"]
 
 KEYS_PER_STEP = 256  # keys of each sequence the kernel reads per step (whole pages): few steps, bounded memory
+DERIVED_KEPT = 16  # what a table keeps derived from it (checks, bound masks, read plans) before starting afresh
+
+Derived = TypeVar("Derived")
+
+
+class KeptValues:
+    """Values made once by key and kept, at most ``limit`` of them (past it, the kept ones are dropped): what a
+    page table derives, and a decode step's append plan shared by the layers of one model."""
+
+    def __init__(self, limit: int = DERIVED_KEPT):
+        self.limit = limit
+        self._values: dict[object, object] = {}
+
+    def get(self, key: object, make: Callable[[], Derived]) -> Derived:
+        """The value kept for ``key``, else ``make()`` kept (nothing is kept when it raises). Read once, so a
+        thread that clears the values meanwhile cannot make another's lookup fail."""
+        value = self._values.get(key, _MISSING)
+        if value is _MISSING:
+            value = make()
+            if len(self._values) >= self.limit:
+                self._values.clear()
+            self._values[key] = value
+        return value  # type: ignore[return-value]  # kept under its key by this method only
+
+
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -47,10 +75,29 @@ class PageTable:
     positions: torch.Tensor
     width: int
     window: int | None = None
+    # what is derived from the table (its key-end check, its dense mask bound to a call, the kernel's read plan),
+    # kept by what its tensors hold: every layer of a decode step attends through one table, and each would
+    # otherwise redo these host-side steps (a third of a paged layer call's time)
+    _derived: KeptValues = field(default_factory=KeptValues, init=False, repr=False, compare=False)
+
+    def derived(self, what: tuple, make: Callable[[], Derived]) -> Derived:
+        """``make()``, computed once for this table as its tensors now hold (``what`` names it, with what else it
+        depends on): kept by the tensors' version counters, so a table changed in place is derived afresh. Under
+        inference mode (no version counters), while torch.compile traces, or for a field that is no tensor (refused
+        by the check ``make`` runs), computed on every call."""
+        tensors = (self.tables, self.first_slots, self.key_ends, self.positions)
+        kept = all(isinstance(t, torch.Tensor) and not t.is_inference() for t in tensors)
+        if not kept or torch.compiler.is_compiling():
+            return make()
+        return self._derived.get((what, tuple(t._version for t in tensors)), make)
 
     def check(self, q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor) -> None:
         """Raise unless q (S, h, i, d) and the pools (P, g, page, d), (P, g, page, e) fit this table (shapes only:
-        nothing is read from a device)."""
+        nothing is read from a device). Once passed, kept for these shapes and devices (:meth:`derived`)."""
+        fits = (tuple(q.shape), q.device, tuple(key_pool.shape), tuple(value_pool.shape), key_pool.device)
+        self.derived(("fits", fits), lambda: self._check_fit(q, key_pool, value_pool))
+
+    def _check_fit(self, q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor) -> None:
         if q.ndim != 4:
             raise bad_argument(
                 "q", "shape (S, h, i, d) for a paged call", f"shape {tuple(q.shape)}", "give one row per sequence"
@@ -150,6 +197,26 @@ class PageTable:
         gathered = pool[columns]  # (S, C, g, page, x)
         return gathered.transpose(1, 2).reshape(s, pool.shape[1], c * page, pool.shape[3])[:, :, : self.width]
 
+    def every_key_kept(self, causal: bool) -> bool:
+        """Whether every query sees every key column 0 .. width - 1 of its row (the dense equivalent needs no mask:
+        sequences of one length, each query at or past its last key, within the window). Known only where the
+        table's values are on the host: False for a device's table, which is never waited for."""
+        return self.derived(("every key kept", causal), lambda: self._every_key_kept(causal))
+
+    def _every_key_kept(self, causal: bool) -> bool:
+        tensors = (self.first_slots, self.key_ends, self.positions)
+        if not all(host_readable(t) for t in tensors):
+            return False
+        rows = zip(*(t.tolist() for t in tensors), strict=True)  # (first, end, [positions]) per sequence
+        for first, end, at in rows:
+            if end - first != self.width:  # a shorter sequence: its row's last columns are masked
+                return False
+            if causal and min(at) < end - 1:  # a query before the sequence's last key
+                return False
+            if self.window is not None and max(at) - self.window >= first:  # a key out of a query's window
+                return False
+        return True
+
     def keeps(self, causal: bool) -> Mask:
         """The mask of the dense equivalent over (S, h, i, width): key column c of row s (position first_slots[s]
         + c) exists, and with ``causal`` is at or before the query's position, within the window if any."""
@@ -199,44 +266,46 @@ def _paged_kernel(
     _, g, page_size, e = value_pool.shape
     group = h // g
     work = compute_dtype(q.dtype)
-    at = table.positions.repeat(1, group)[:, None, :, None]  # (S, 1, group * i, 1): each query's position
     step = max(1, KEYS_PER_STEP // page_size)  # table columns read at once: about KEYS_PER_STEP keys per sequence
-    tables = table.tables[:, : math.ceil(table.width / page_size)]  # the columns any sequence's keys reach
+    columns = math.ceil(table.width / page_size)  # the table columns any sequence's keys reach
 
-    def read(column: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys (S, g, C * page, d) and values of table columns column .. column + step - 1 (a few pages of each
-        sequence, never its whole cache), and which of them each query sees, (S, 1, group * i, C * page)."""
-        page = tables[:, column : column + step]  # (S, C): these columns' pages of every sequence
-        width = page.shape[1] * page_size
-        keys = key_pool[page.clamp(min=0)].transpose(1, 2).reshape(s, g, width, d).to(work)
-        values = value_pool[page.clamp(min=0)].transpose(1, 2).reshape(s, g, width, e).to(work)
-        offsets = column * page_size + torch.arange(width, device=q.device)
-        key_at = (table.first_slots[:, None] + offsets)[:, None, None, :]  # (S, 1, 1, C * page)
-        real = (page >= 0).repeat_interleave(page_size, dim=1)[:, None, None, :]
-        keep = real & (key_at < table.key_ends[:, None, None, None])
-        if pages.causal:
-            keep = keep & (key_at <= at)
-        if table.window is not None:
-            keep = keep & (key_at > at - table.window)
-        return keys, values, keep
+    def read(column: int, plan: _ReadPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (S, g, C * page, d) and values of the plan's table columns (a few pages of each sequence, never
+        its whole cache)."""
+        width = plan.pages.shape[1] * page_size
+        keys = key_pool[plan.pages].transpose(1, 2).reshape(s, g, width, d).to(work)
+        values = value_pool[plan.pages].transpose(1, 2).reshape(s, g, width, e).to(work)
+        return keys, values
 
     grouped = q.to(work).reshape(s, g, group * i, d)  # (S, g, group * i, d): a key head's queries together
-    if tables.shape[1] <= step and not need_lse and q.device.type in VERIFIED_EMPTY_ROW_DEVICES:
+    if columns <= step and not need_lse and q.device.type in VERIFIED_EMPTY_ROW_DEVICES:
         # every sequence's keys in one read (decoding up to KEYS_PER_STEP keys): torch's fused kernel over them, in
         # 6 of the loop's 20 ops (a decode step of 8 heads over 100 keys: 170 us against 230). A query with no key
-        # gets output 0 there once its scores are 0 (sdpa.VERIFIED_EMPTY_ROW_DEVICES): its query is zeroed
-        keys, values, keep = read(0)
-        empty = keep.logical_not().all(dim=-1, keepdim=True)  # (S, 1, group * i, 1)
-        out = F.scaled_dot_product_attention(grouped.masked_fill(empty, 0.0), keys, values, attn_mask=keep, scale=scale)
+        # gets output 0 there once its scores are 0 (sdpa.VERIFIED_EMPTY_ROW_DEVICES): its query is zeroed. The
+        # plan is the table's, made once for all the layers that read through it
+        plan = table.derived(
+            ("read", pages.causal, group, page_size, columns),
+            lambda: _read_plan(table, pages.causal, group, 0, columns, page_size, whole=True),
+        )
+        keys, values = read(0, plan)
+        if plan.every_key_kept:  # known on the host: no mask to apply, and no row without keys
+            width = table.width  # past it, the last page's slots no key has filled yet
+            out = F.scaled_dot_product_attention(grouped, keys[:, :, :width], values[:, :, :width], scale=scale)
+        else:
+            assert plan.keep is not None and plan.empty is not None  # a plan with a mask
+            grouped = grouped.masked_fill(plan.empty, 0.0)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.keep, scale=scale)
         return out.reshape(s, h, i, e).to(q.dtype), None
     queries = grouped * scale
     best = torch.full((s, g, group * i, 1), -math.inf, dtype=work, device=q.device)
     total = torch.zeros_like(best)
     out = torch.zeros(s, g, group * i, e, dtype=work, device=q.device)
-    for column in range(0, tables.shape[1], step):
-        keys, values, keep = read(column)
+    for column in range(0, columns, step):
+        plan = _read_plan(table, pages.causal, group, column, min(column + step, columns), page_size)
+        keys, values = read(column, plan)
+        assert plan.keep is not None  # a part of the table: always masked
         scores = queries @ keys.transpose(-1, -2)  # (S, g, group * i, C * page)
-        scores = scores.masked_fill(~keep, -math.inf)
+        scores = scores.masked_fill(~plan.keep, -math.inf)
         new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
         safe = torch.where(new_best == -math.inf, torch.zeros_like(new_best), new_best)  # no key yet: no shift
         weights = torch.exp(scores - safe)
@@ -250,6 +319,41 @@ def _paged_kernel(
         lse = torch.where(total > 0, best + torch.log(total.clamp_min(torch.finfo(work).tiny)), best)
         lse = lse.reshape(s, h, i)
     return out.reshape(s, h, i, e).to(q.dtype), lse
+
+
+@dataclass(frozen=True)
+class _ReadPlan:
+    """What the kernel reads for table columns start .. stop - 1: ``pages`` (S, C) (-1 read as page 0, masked),
+    ``keep`` (S, 1, group * i, C * page): which keys each query sees, and ``empty`` (S, 1, group * i, 1): queries
+    that see none of them; or, with ``every_key_kept`` (:meth:`PageTable.every_key_kept`, the whole table read at
+    once), neither: every query sees keys 0 .. width - 1 of its row."""
+
+    pages: torch.Tensor
+    keep: torch.Tensor | None
+    empty: torch.Tensor | None
+    every_key_kept: bool
+
+
+def _read_plan(
+    table: PageTable, causal: bool, group: int, start: int, stop: int, page_size: int, whole: bool = False
+) -> _ReadPlan:
+    """The plan of one read; ``whole``: the read of every column at once, which needs no mask where every key is
+    kept."""
+    pages = table.tables[:, start:stop]  # (S, C): these columns' pages of every sequence
+    if whole and table.every_key_kept(causal):
+        return _ReadPlan(pages.clamp(min=0), None, None, True)
+    width = pages.shape[1] * page_size
+    at = table.positions.repeat(1, group)[:, None, :, None]  # (S, 1, group * i, 1): each query's position
+    offsets = start * page_size + torch.arange(width, device=pages.device)
+    key_at = (table.first_slots[:, None] + offsets)[:, None, None, :]  # (S, 1, 1, C * page)
+    real = (pages >= 0).repeat_interleave(page_size, dim=1)[:, None, None, :]
+    keep = real & (key_at < table.key_ends[:, None, None, None])
+    if causal:
+        keep = keep & (key_at <= at)
+    if table.window is not None:
+        keep = keep & (key_at > at - table.window)
+    keep = keep.expand(-1, -1, at.shape[2], -1)
+    return _ReadPlan(pages.clamp(min=0), keep, keep.logical_not().all(dim=-1, keepdim=True), False)
 
 
 def paged_attention_backend(

@@ -45,6 +45,7 @@ from multihead._userfiles import (
     path_kind,
     read_json,
 )
+from multihead.backends.paged import KeptValues
 from multihead.cache import KVCache
 from multihead.lab.models.contract import evaluating
 from multihead.lab.models.files import reading
@@ -300,7 +301,8 @@ class PagedDecoderCache:
 
     def batch(self, handles: list[int]) -> PagedDecoderBatch:
         """The sequences ``handles``, one per batch row, as the model's ``cache``."""
-        return PagedDecoderBatch([pool.batch(handles) for pool in self.pools], list(handles))
+        plans = KeptValues()  # the layers' pools hold equal tables: each append's plan is made once, for all
+        return PagedDecoderBatch([pool.batch(handles, shared=plans) for pool in self.pools], list(handles))
 
 
 class PagedDecoderBatch:
