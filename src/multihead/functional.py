@@ -344,8 +344,9 @@ def _bind(checked: _Checked, mask, causal, scale, dropout, training, return_weig
         bound = bind_mask(mask, causal, shape)
     else:
         table = bound_pages.table  # bound once for all the layers that attend through it; unmasked where it can be
-        keeps = None if table.every_key_kept(causal) else table.keeps(causal)
-        bound = table.derived(("bound", causal, shape), lambda: bind_mask(keeps, False, shape))
+        rule = table.dense_rule(causal)
+        keeps = None if rule is not None else table.keeps(causal)
+        bound = table.derived(("bound", causal, shape), lambda: bind_mask(keeps, rule == "causal", shape))
     selection = None
     if isinstance(return_weights, WeightSelection):
         selection = _check_selection(return_weights, h, i)

@@ -200,6 +200,7 @@ def test_the_paged_backend_equals_dense_attention_over_each_sequences_keys(keys_
     import multihead.backends.paged
 
     monkeypatch.setattr(multihead.backends.paged, "KEYS_PER_STEP", keys_per_step)
+    monkeypatch.setattr(multihead.backends.paged, "FUSED_READ_KEYS", keys_per_step)
     generator = torch.Generator().manual_seed(0)
     pool_k = torch.randn(9, 2, 3, 4, generator=generator, dtype=torch.float64).to(device)
     pool_v = torch.randn(9, 2, 3, 5, generator=generator, dtype=torch.float64).to(device)
@@ -226,6 +227,7 @@ def test_a_query_that_sees_no_key_gives_zero_even_where_its_scores_overflow(keys
     import multihead.backends.paged
 
     monkeypatch.setattr(multihead.backends.paged, "KEYS_PER_STEP", keys_per_step)
+    monkeypatch.setattr(multihead.backends.paged, "FUSED_READ_KEYS", keys_per_step)
     generator = torch.Generator().manual_seed(1)
     pool_k = (torch.randn(4, 1, 3, 4, generator=generator) * 1e20).to(device)
     pool_v = torch.randn(4, 1, 3, 4, generator=generator).to(device)

@@ -17,7 +17,7 @@ from support import is_input_error, randn
 
 pytestmark = pytest.mark.portable
 
-G, PAGE, D, E = 2, 3, 4, 5
+G, PAGE, D, E = 2, 3, 4, 4  # e = d: torch's fused (flash) kernel serves the reads, as in a real model
 
 
 def pools(device, seed=0):
@@ -37,7 +37,7 @@ def fill(pool_k, pool_v, tables, lengths, seed=0):
             pool_v[page, :, offset] = randn(G, E, seed=seed + 100 * row + slot + 50, device=pool_v.device)
 
 
-def dense_reference(q, pool_k, pool_v, tables, ends, causal, positions, window=None):
+def dense_reference(q, pool_k, pool_v, tables, ends, causal, positions, window=None, scale=None):
     """Each sequence's own keys gathered and attended with the reference backend (the same rule as the table:
     causal by position, and the window)."""
     out = []
@@ -50,37 +50,55 @@ def dense_reference(q, pool_k, pool_v, tables, ends, causal, positions, window=N
         keep = torch.ones_like(key_at, dtype=torch.bool) & (key_at <= at if causal else True)
         if window is not None:
             keep = keep & (key_at > at - window)
-        out.append(attention(q[row : row + 1], keys[None], values[None], mask=keep, backend="reference"))
+        one = attention(q[row : row + 1], keys[None], values[None], mask=keep, scale=scale, backend="reference")
+        out.append(one)
     return torch.cat(out)
 
 
 @pytest.mark.parametrize(
-    "positions, causal, window, unmasked",
+    "positions, causal, window, scale, rule",
     [
-        ([[4], [4]], True, None, True),  # a decode step of two sequences of 5 keys: every query sees every key
-        ([[3, 4], [3, 4]], True, None, False),  # a query before the last key: causal hides it
-        ([[3, 4], [3, 4]], False, None, True),  # without causal it sees them all
-        ([[4], [4]], True, 3, False),  # a window of 3 hides keys 0 and 1
+        ([[4], [4]], True, None, None, "every key"),  # a decode step of two sequences of 5 keys
+        ([[3, 4], [3, 4]], True, None, None, None),  # a query before the last key: causal hides it
+        ([[3, 4], [3, 4]], False, None, None, "every key"),  # without causal it sees them all
+        ([[4], [4]], True, 3, None, None),  # a window of 3 hides keys 0 and 1
+        ([list(range(5))] * 2, True, None, None, "causal"),  # a prefill of 5 queries: a causal square
+        ([list(range(5))] * 2, True, None, -0.7, "causal"),  # the same, with a negative scale
+        ([list(range(5))] * 2, True, 5, None, "causal"),  # a window of 5 hides none of 5 keys
+        ([list(range(5))] * 2, True, 4, None, None),  # a window of 4 hides key 0 from query 4
+        ([[0, 2, 1, 3, 4]] * 2, True, None, None, None),  # queries out of order
     ],
-    ids=["decode", "two-queries-causal", "two-queries-full", "window"],
+    ids=[
+        "decode",
+        "two-queries-causal",
+        "two-queries-full",
+        "window",
+        "prefill",
+        "prefill-negative-scale",
+        "prefill-window-5",
+        "prefill-window-4",
+        "prefill-out-of-order",
+    ],
 )
-def test_sequences_of_one_length_are_read_unmasked_only_where_every_key_is_seen(
-    positions, causal, window, unmasked, device
-):
-    """Two sequences of 5 keys on pages of 3: width 5, and slot 5 of each last page holds 1e6. Read unmasked,
-    the kernel must stop at the width; masked, the mask must hide what the table says. Both equal dense
-    attention over each sequence's keys, and so do the weights (computed over the dense equivalent)."""
+def test_a_table_is_read_unmasked_only_where_its_rule_holds(positions, causal, window, scale, rule, device):
+    """Two sequences of 5 keys on pages of 3: width 5, and slot 5 of each last page holds 1e6. Read by a rule
+    (every key, or a causal square), the kernel must stop at the width; masked, the mask must hide what the table
+    says. Both equal dense attention over each sequence's keys, and the weights (computed over the dense
+    equivalent, on the backend that returns them) sum to 1."""
     pool_k, pool_v = pools(device)
     tables = torch.tensor([[4, 1], [0, 5]], device=device)
     fill(pool_k, pool_v, tables, [5, 5])
     ends = torch.tensor([5, 5], device=device)
     at = torch.tensor(positions, device=device)
     pages = PageTable(tables, torch.zeros(2, dtype=torch.long, device=device), ends, at, width=5, window=window)
-    assert pages.every_key_kept(causal) == (unmasked and device.type == "cpu")  # a device's table is not read
+    assert pages.dense_rule(causal) == (rule if device.type == "cpu" else None)  # a device's table is not read
     q = randn(2, 4, at.shape[1], D, seed=7, device=device)
     assert multihead.explain(q, pool_k, pool_v, pages=pages, causal=causal).chosen == "paged"
-    result = attention_result(q, pool_k, pool_v, pages=pages, causal=causal, return_weights=True)
-    expected = dense_reference(q, pool_k, pool_v, tables, ends, causal, at, window)
+    out = attention(q, pool_k, pool_v, pages=pages, causal=causal, scale=scale)  # the paged kernel's
+    expected = dense_reference(q, pool_k, pool_v, tables, ends, causal, at, window, scale)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    # asked for weights, the call runs where they are returned: over the dense equivalent the rule binds
+    result = attention_result(q, pool_k, pool_v, pages=pages, causal=causal, scale=scale, return_weights=True)
     torch.testing.assert_close(result.output, expected, atol=1e-12, rtol=0)
     assert result.weights is not None and result.weights.shape == (2, 4, at.shape[1], 5)
     torch.testing.assert_close(result.weights.sum(-1), torch.ones_like(result.weights.sum(-1)), atol=1e-12, rtol=0)
@@ -97,10 +115,10 @@ def test_a_table_changed_in_place_is_checked_and_read_afresh():
     pages = PageTable(tables, torch.zeros(2, dtype=torch.long), ends, at, width=5)
     q = randn(2, 4, 1, D, seed=3)
     attention(q, pool_k, pool_v, pages=pages, causal=True)
-    assert pages.every_key_kept(True)
+    assert pages.dense_rule(True) == "every key"
     ends[1] = 3  # sequence 1 now holds 3 keys: its last two columns are masked
     out = attention(q, pool_k, pool_v, pages=pages, causal=True)
-    assert not pages.every_key_kept(True)
+    assert pages.dense_rule(True) is None
     torch.testing.assert_close(out, dense_reference(q, pool_k, pool_v, tables, ends, True, at), atol=1e-12, rtol=0)
     ends[0] = 7  # past the 6 keys its two pages hold
     with pytest.raises(ValueError, match=r"sequence 0's table holds: 5") as raised:

@@ -6,8 +6,9 @@ A paged call is ``attention(q, key_pool, value_pool, pages=PageTable(...))``: q 
 dense equivalent is the call over each sequence's keys gathered in order, (S, g, width, d), with the mask
 :meth:`PageTable.keeps` (column c of row s is the key at position ``first_slots[s] + c``): that is how every other
 backend serves a paged call, how the weights of a paged call are computed, and what the paged kernel is tested
-against. The kernel itself never gathers a sequence's whole cache: it reads a few columns of pages at a time
-(about :data:`KEYS_PER_STEP` keys of every sequence) with an online softmax.
+against. The kernel gathers a sequence's whole cache only where it holds up to :data:`FUSED_READ_KEYS` keys (one
+call of torch's fused kernel); past that, and for the log-sum-exp, it reads a few columns of pages at a time (about
+:data:`KEYS_PER_STEP` keys of every sequence) with an online softmax.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from multihead.backends.registry import AttentionCall, BackendOutput, Capabiliti
 from multihead.backends.sdpa import VERIFIED_EMPTY_ROW_DEVICES
 from multihead.masks import Mask, custom, host_readable
 
-__all__ = ["PageTable", "KEYS_PER_STEP", "CAPABILITIES", "paged_attention_backend"]
+__all__ = ["PageTable", "KEYS_PER_STEP", "FUSED_READ_KEYS", "CAPABILITIES", "paged_attention_backend"]
 
 KEYS_PER_STEP = 256  # keys of each sequence the kernel reads per step (whole pages): few steps, bounded memory
+FUSED_READ_KEYS = 2048  # a table of up to this many keys a sequence is read at once, into torch's fused kernel
 DERIVED_KEPT = 16  # what a table keeps derived from it (checks, bound masks, read plans) before starting afresh
 
 Derived = TypeVar("Derived")
@@ -197,25 +199,34 @@ class PageTable:
         gathered = pool[columns]  # (S, C, g, page, x)
         return gathered.transpose(1, 2).reshape(s, pool.shape[1], c * page, pool.shape[3])[:, :, : self.width]
 
-    def every_key_kept(self, causal: bool) -> bool:
-        """Whether every query sees every key column 0 .. width - 1 of its row (the dense equivalent needs no mask:
-        sequences of one length, each query at or past its last key, within the window). Known only where the
-        table's values are on the host: False for a device's table, which is never waited for."""
-        return self.derived(("every key kept", causal), lambda: self._every_key_kept(causal))
+    def dense_rule(self, causal: bool) -> str | None:
+        """What the dense equivalent's mask comes down to, where the table's values on the host say so:
 
-    def _every_key_kept(self, causal: bool) -> bool:
+        - ``"every key"``: every query sees key columns 0 .. width - 1 of its row (sequences of one length, each
+          query at or past its last key, within the window: a decode step in step);
+        - ``"causal"``: with ``causal``, a prefill: every sequence holds ``width`` keys from its first slot and its
+          ``width`` queries sit at their positions in order, with no window that hides any (a causal square);
+        - None: a mask is needed, and always for a device's table (its values are never waited for).
+        """
+        return self.derived(("dense rule", causal), lambda: self._dense_rule(causal))
+
+    def _dense_rule(self, causal: bool) -> str | None:
         tensors = (self.first_slots, self.key_ends, self.positions)
         if not all(host_readable(t) for t in tensors):
-            return False
-        rows = zip(*(t.tolist() for t in tensors), strict=True)  # (first, end, [positions]) per sequence
-        for first, end, at in rows:
-            if end - first != self.width:  # a shorter sequence: its row's last columns are masked
-                return False
-            if causal and min(at) < end - 1:  # a query before the sequence's last key
-                return False
-            if self.window is not None and max(at) - self.window >= first:  # a key out of a query's window
-                return False
-        return True
+            return None
+        rows = list(zip(*(t.tolist() for t in tensors), strict=True))  # (first, end, [positions]) per sequence
+        if any(end - first != self.width for first, end, _ in rows):  # a shorter sequence: its last columns masked
+            return None
+        window = self.window
+        if all(
+            (not causal or min(at) >= end - 1) and (window is None or max(at) - window < first)
+            for first, end, at in rows
+        ):
+            return "every key"  # no query before its row's last key, no key out of a window
+        in_order = all(at == list(range(first, end)) for first, end, at in rows)
+        if causal and in_order and (window is None or self.width <= window):
+            return "causal"
+        return None
 
     def keeps(self, causal: bool) -> Mask:
         """The mask of the dense equivalent over (S, h, i, width): key column c of row s (position first_slots[s]
@@ -278,23 +289,34 @@ def _paged_kernel(
         return keys, values
 
     grouped = q.to(work).reshape(s, g, group * i, d)  # (S, g, group * i, d): a key head's queries together
-    if columns <= step and not need_lse and q.device.type in VERIFIED_EMPTY_ROW_DEVICES:
-        # every sequence's keys in one read (decoding up to KEYS_PER_STEP keys): torch's fused kernel over them, in
-        # 6 of the loop's 20 ops (a decode step of 8 heads over 100 keys: 170 us against 230). A query with no key
-        # gets output 0 there once its scores are 0 (sdpa.VERIFIED_EMPTY_ROW_DEVICES): its query is zeroed. The
-        # plan is the table's, made once for all the layers that read through it
+    fused = columns <= max(1, FUSED_READ_KEYS // page_size)
+    if fused and not need_lse and q.device.type in VERIFIED_EMPTY_ROW_DEVICES:
+        # every sequence's keys in one read (up to FUSED_READ_KEYS keys): torch's fused kernel over them, in 6 of
+        # the loop's 20 ops a read (a decode step of 8 heads over 100 keys: 170 us against 230; over 281 keys, one
+        # read took a decode of 4 layers from 1.60x the contiguous cache's time to 1.37x). A query with no key gets
+        # output 0 there once its scores are 0 (sdpa.VERIFIED_EMPTY_ROW_DEVICES): its query is zeroed. The plan
+        # is the table's, made once for all the layers that read through it
         plan = table.derived(
             ("read", pages.causal, group, page_size, columns),
             lambda: _read_plan(table, pages.causal, group, 0, columns, page_size, whole=True),
         )
         keys, values = read(0, plan)
-        if plan.every_key_kept:  # known on the host: no mask to apply, and no row without keys
+        if plan.rule is not None:  # known on the host: every key, or a causal square; no row without keys
             width = table.width  # past it, the last page's slots no key has filled yet
-            out = F.scaled_dot_product_attention(grouped, keys[:, :, :width], values[:, :, :width], scale=scale)
-        else:
-            assert plan.keep is not None and plan.empty is not None  # a plan with a mask
-            grouped = grouped.masked_fill(plan.empty, 0.0)
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.keep, scale=scale)
+            keys, values = keys[:, :, :width], values[:, :, :width]
+            if plan.rule == "causal":  # a prefill: each head's own causal square, its queries in (S, h, i, d)
+                # torch 2.13's causal mode gives NaN rows for a negative scale (it scales after the triangle's
+                # -inf): the queries are negated instead, as spans does
+                queries = q.to(work) if scale >= 0 else -q.to(work)
+                out = F.scaled_dot_product_attention(
+                    queries, keys, values, is_causal=True, scale=abs(scale), enable_gqa=group > 1
+                )
+            else:
+                out = F.scaled_dot_product_attention(grouped, keys, values, scale=scale).reshape(s, h, i, e)
+            return out.to(q.dtype), None
+        assert plan.keep is not None and plan.empty is not None  # a plan with a mask
+        grouped = grouped.masked_fill(plan.empty, 0.0)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.keep, scale=scale)
         return out.reshape(s, h, i, e).to(q.dtype), None
     queries = grouped * scale
     best = torch.full((s, g, group * i, 1), -math.inf, dtype=work, device=q.device)
@@ -325,23 +347,24 @@ def _paged_kernel(
 class _ReadPlan:
     """What the kernel reads for table columns start .. stop - 1: ``pages`` (S, C) (-1 read as page 0, masked),
     ``keep`` (S, 1, group * i, C * page): which keys each query sees, and ``empty`` (S, 1, group * i, 1): queries
-    that see none of them; or, with ``every_key_kept`` (:meth:`PageTable.every_key_kept`, the whole table read at
-    once), neither: every query sees keys 0 .. width - 1 of its row."""
+    that see none of them; or, with a ``rule`` (:meth:`PageTable.dense_rule`, the whole table read at once),
+    neither: every query sees keys 0 .. width - 1 of its row, or those up to its own (a causal square)."""
 
     pages: torch.Tensor
     keep: torch.Tensor | None
     empty: torch.Tensor | None
-    every_key_kept: bool
+    rule: str | None = None
 
 
 def _read_plan(
     table: PageTable, causal: bool, group: int, start: int, stop: int, page_size: int, whole: bool = False
 ) -> _ReadPlan:
-    """The plan of one read; ``whole``: the read of every column at once, which needs no mask where every key is
-    kept."""
+    """The plan of one read; ``whole``: the read of every column at once, which needs no mask where the table's
+    rule says so."""
     pages = table.tables[:, start:stop]  # (S, C): these columns' pages of every sequence
-    if whole and table.every_key_kept(causal):
-        return _ReadPlan(pages.clamp(min=0), None, None, True)
+    rule = table.dense_rule(causal) if whole else None
+    if rule is not None:
+        return _ReadPlan(pages.clamp(min=0), None, None, rule)
     width = pages.shape[1] * page_size
     at = table.positions.repeat(1, group)[:, None, :, None]  # (S, 1, group * i, 1): each query's position
     offsets = start * page_size + torch.arange(width, device=pages.device)
@@ -353,7 +376,7 @@ def _read_plan(
     if table.window is not None:
         keep = keep & (key_at > at - table.window)
     keep = keep.expand(-1, -1, at.shape[2], -1)
-    return _ReadPlan(pages.clamp(min=0), keep, keep.logical_not().all(dim=-1, keepdim=True), False)
+    return _ReadPlan(pages.clamp(min=0), keep, keep.logical_not().all(dim=-1, keepdim=True))
 
 
 def paged_attention_backend(
