@@ -195,9 +195,7 @@ class PageTable:
         position first_slots[s] + c (past a sequence's own keys, whatever its padding pages hold: masked)."""
         page = pool.shape[2]
         columns = self.tables[:, : math.ceil(self.width / page)].clamp(min=0)  # (S, C): -1 reads page 0, masked
-        s, c = columns.shape
-        gathered = pool[columns]  # (S, C, g, page, x)
-        return gathered.transpose(1, 2).reshape(s, pool.shape[1], c * page, pool.shape[3])[:, :, : self.width]
+        return pages_in_order(pool, columns)[:, :, : self.width]
 
     def dense_rule(self, causal: bool) -> str | None:
         """What the dense equivalent's mask comes down to, where the table's values on the host say so:
@@ -254,6 +252,16 @@ class PageTable:
         return self.gather(key_pool), self.gather(value_pool), self.keeps(causal)
 
 
+def pages_in_order(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """The keys (or values) of pool pages ``pages`` (S, C) (each >= 0), each row's in order: (P, g, page, x) ->
+    (S, g, C * page, x). One index_select over the flattened pages (a quarter faster than indexing by the (S, C)
+    table), then the copy that puts each head's keys together."""
+    s, c = pages.shape
+    _, g, page, x = pool.shape
+    gathered = pool.index_select(0, pages.reshape(-1)).view(s, c, g, page, x)
+    return gathered.transpose(1, 2).reshape(s, g, c * page, x)
+
+
 @dataclass(frozen=True)
 class BoundPages:
     """A paged call's table with the call's causal flag: what :func:`paged_attention_backend` reads."""
@@ -283,10 +291,7 @@ def _paged_kernel(
     def read(column: int, plan: _ReadPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (S, g, C * page, d) and values of the plan's table columns (a few pages of each sequence, never
         its whole cache)."""
-        width = plan.pages.shape[1] * page_size
-        keys = key_pool[plan.pages].transpose(1, 2).reshape(s, g, width, d).to(work)
-        values = value_pool[plan.pages].transpose(1, 2).reshape(s, g, width, e).to(work)
-        return keys, values
+        return pages_in_order(key_pool, plan.pages).to(work), pages_in_order(value_pool, plan.pages).to(work)
 
     grouped = q.to(work).reshape(s, g, group * i, d)  # (S, g, group * i, d): a key head's queries together
     fused = columns <= max(1, FUSED_READ_KEYS // page_size)
