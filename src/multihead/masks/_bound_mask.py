@@ -77,7 +77,7 @@ class BoundMask:
         # a kernel's plan of this call (the spans backend's row groups), keyed by the kernel and its settings: made
         # once, for auto's estimate and the kernel alike
         self.kernel_plans: dict[tuple, object] = {}
-        self._host_facts: dict[str, object] = {}  # what is read of the mask on the host once (row_key_spans)
+        self._row_key_spans_read: tuple[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # read once
 
     @classmethod
     def none(cls, shape: AttentionShape) -> BoundMask:
@@ -124,9 +124,9 @@ class BoundMask:
         in every batch row and head: (lo, hi), two (i,) int64 CPU tensors, row r keeping keys lo[r] .. hi[r] - 1
         (none where hi[r] <= lo[r]); its keep terms' runs intersected. None where some term cannot say (see
         :meth:`BoundTerm.row_key_spans`). Read on the host, made once."""
-        if "row_key_spans" not in self._host_facts:
-            self._host_facts["row_key_spans"] = self._row_key_spans()
-        return self._host_facts["row_key_spans"]  # type: ignore[return-value]
+        if self._row_key_spans_read is None:  # held in a 1-tuple: None is an answer, read once like the others
+            self._row_key_spans_read = (self._row_key_spans(),)
+        return self._row_key_spans_read[0]
 
     def _row_key_spans(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.bias_terms or self.softcap is not None or torch.compiler.is_compiling():
