@@ -343,10 +343,13 @@ def _bind(checked: _Checked, mask, causal, scale, dropout, training, return_weig
     if bound_pages is None:
         bound = bind_mask(mask, causal, shape)
     else:
-        table = bound_pages.table  # bound once for all the layers that attend through it; unmasked where it can be
-        rule = table.dense_rule(causal)
-        keeps = None if rule is not None else table.keeps(causal)
-        bound = table.derived(("bound", causal, shape), lambda: bind_mask(keeps, rule == "causal", shape))
+        table = bound_pages.table  # bound once for all the layers that attend through it
+
+        def bound_table() -> BoundMask:
+            rule = table.dense_rule(causal)  # unmasked, or causal alone, where the table's values say so
+            return bind_mask(None if rule is not None else table.keeps(causal), rule == "causal", shape)
+
+        bound = table.derived(("bound", causal, shape), bound_table)
     selection = None
     if isinstance(return_weights, WeightSelection):
         selection = _check_selection(return_weights, h, i)

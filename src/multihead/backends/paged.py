@@ -288,9 +288,8 @@ def _paged_kernel(
     step = max(1, KEYS_PER_STEP // page_size)  # table columns read at once: about KEYS_PER_STEP keys per sequence
     columns = math.ceil(table.width / page_size)  # the table columns any sequence's keys reach
 
-    def read(column: int, plan: _ReadPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (S, g, C * page, d) and values of the plan's table columns (a few pages of each sequence, never
-        its whole cache)."""
+    def read(plan: _ReadPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (S, g, C * page, d) and values (S, g, C * page, e) of the plan's table columns."""
         return pages_in_order(key_pool, plan.pages).to(work), pages_in_order(value_pool, plan.pages).to(work)
 
     grouped = q.to(work).reshape(s, g, group * i, d)  # (S, g, group * i, d): a key head's queries together
@@ -305,7 +304,7 @@ def _paged_kernel(
             ("read", pages.causal, group, page_size, columns),
             lambda: _read_plan(table, pages.causal, group, 0, columns, page_size, whole=True),
         )
-        keys, values = read(0, plan)
+        keys, values = read(plan)
         if plan.rule is not None:  # known on the host: every key, or a causal square; no row without keys
             width = table.width  # past it, the last page's slots no key has filled yet
             keys, values = keys[:, :, :width], values[:, :, :width]
@@ -329,7 +328,7 @@ def _paged_kernel(
     out = torch.zeros(s, g, group * i, e, dtype=work, device=q.device)
     for column in range(0, columns, step):
         plan = _read_plan(table, pages.causal, group, column, min(column + step, columns), page_size)
-        keys, values = read(column, plan)
+        keys, values = read(plan)
         assert plan.keep is not None  # a part of the table: always masked
         scores = queries @ keys.transpose(-1, -2)  # (S, g, group * i, C * page)
         scores = scores.masked_fill(~plan.keep, -math.inf)
