@@ -20,7 +20,7 @@ pytestmark = pytest.mark.portable
 G, PAGE, D, E = 2, 3, 4, 4  # e = d: torch's fused (flash) kernel serves the reads, as in a real model
 
 
-def pools(device, seed=0):
+def pools(device):
     """A pool of 6 pages of 3 slots; every slot holds 1e6 unless a test fills it: a slot read where it should be
     masked shows at once."""
     keys = torch.full((6, G, PAGE, D), 1e6, dtype=torch.float64, device=device)
