@@ -311,7 +311,8 @@ def _paged_kernel(
             if plan.rule == "causal":  # a prefill: each head's own causal square, its queries in (S, h, i, d)
                 # torch 2.13's causal mode gives NaN rows for a negative scale (it scales after the triangle's
                 # -inf): the queries are negated instead, as spans does
-                queries = q.to(work) if scale >= 0 else -q.to(work)
+                queries = grouped.view(s, h, i, d)  # q in the work dtype, cast once
+                queries = queries if scale >= 0 else -queries
                 out = F.scaled_dot_product_attention(
                     queries, keys, values, is_causal=True, scale=abs(scale), enable_gqa=group > 1
                 )
