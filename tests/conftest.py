@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multihead.backends import policy
+from multihead.backends import native, policy
 from support import tiny_blocks
 
 # The tests live in one folder per wing (core, lab, cli), as src/ does; some import another's helpers by module name
@@ -35,6 +35,11 @@ for pointer_out_of_home in ("MULTIHEAD_CACHE", "HF_HOME", "HF_HUB_CACHE", "MPLCO
 # the same folder at the same time) is never loaded
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(ISOLATED_HOME, "torchinductor")
 os.environ["TRITON_CACHE_DIR"] = os.path.join(ISOLATED_HOME, "triton")
+
+# multihead's native CPU kernel is built once into the checkout's build folder (ignored by git), never into or from
+# the user's cache; built here, before any test, so that no test's output carries the build's notice
+os.environ[native.DIR_ENV] = str(Path(__file__).resolve().parent.parent / "build" / "native")
+native.available()
 
 torch.set_num_threads(2)
 # auto plans every CPU call of the suite as the kind its choices were written for (cpu-avx2, whose table was

@@ -138,6 +138,9 @@ layer = multihead.MultiHeadAttention(16, 4)
 with capture(layer, heads=[1]) as recorder:
     layer(torch.randn(2, 5, 16))
 status = main(["cost", "--embed-dim", "64", "--heads", "4", "--seq", "32"])
+# the native kernel's source travels in the wheel: it builds (or loads) and runs a causal call on spans
+from multihead.backends import native
+packed = multihead.attention(*(torch.randn(1, 2, 300, 8) for _ in range(3)), causal=True, backend="spans")
 try:
     import multihead.lab.inspect
     refused = None
@@ -148,6 +151,7 @@ print(json.dumps({{
     "out": list(out.shape), "weights": list(recorder.weights(0, 1).shape), "cost": status,
     "flops": estimate(LayerShape(64, 4), seq=32).total_flops, "refused": refused,
     "loaded": sorted(m for m in sys.modules if m.split(".")[0] in lab),
+    "native": native.unavailable_reason(), "packed": list(packed.shape),
 }}))
 """
 
@@ -159,6 +163,7 @@ def test_the_core_then_the_lab_then_plots_each_install_and_run(wheel, tmp_path):
     facts = env.script(CORE_SCRIPT, cwd=tmp_path)
     assert facts["out"] == [1, 2, 8, 4] and facts["weights"] == [2, 5, 5] and facts["flops"] > 0
     assert facts["cost"] == 0 and facts["loaded"] == []
+    assert facts["native"] is None and facts["packed"] == [1, 2, 300, 8]
     assert facts["refused"].startswith("multihead.lab.inspect needs multihead's lab extra, which is not installed")
     assert facts["refused"].endswith(f"Fix: pip install 'multihead[{LAB_EXTRA}]'")
     assert "FLOPs" in env.command("cost", "--embed-dim", "64", "--heads", "4", "--seq", "32", cwd=tmp_path).stdout

@@ -279,6 +279,7 @@ class Estimate:
     computed_fraction: float  # share of the i x j pairs the kernel computes
     dense_mask_bytes: int = 0  # a mask it must build as an (.., i, j) tensor
     computes_in: torch.dtype | None = None  # set when it computes in another dtype than the call's
+    note: str | None = None  # which kernel serves a part of the call, where that depends on the machine
 
     def __str__(self) -> str:
         text = f"~{_time(self.seconds)}, computes {self.computed_fraction:.0%} of the pairs"
@@ -286,6 +287,8 @@ class Estimate:
             text += f" in {str(self.computes_in).removeprefix('torch.')}"
         if self.dense_mask_bytes:
             text += f" and builds a {self.dense_mask_bytes / 2**20:.1f} MiB dense mask"
+        if self.note:
+            text += f"; {self.note}"
         return text
 
 
