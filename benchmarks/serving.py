@@ -7,6 +7,8 @@ tokens each. Ways, interleaved (multihead.lab.bench.interleave: rounds of one bl
 
     one by one     Decoder.generate(prompt, 32) for each prompt in turn (its contiguous KV cache)
     batch of B     Decoder.generate_batch(prompts, 32, max_batch=B, page_size=16), B = 1, 4 and 16
+    batch of 1, torch's kernels   the same with multihead's native kernel turned off (use_native(False)): its
+                   decode steps copy every page into torch's kernel's layout, as before the native page read
 
 Every way gives the same tokens (checked). Throughput counts the new tokens. Memory: the peak number of pages the
 paged cache holds at once (its pages in use, sampled after every call of the model) times the page's bytes, against
@@ -25,6 +27,7 @@ import torch
 from harness.common import ensure_malloc_env, prepare_allocator, save_results
 from hf_capture import load_average, machine, machine_line, ratio_text, ratios_of, source_state
 
+from multihead.backends import native
 from multihead.lab.bench import interleave
 from multihead.lab.models.decoder import Decoder, DecoderConfig
 
@@ -71,6 +74,14 @@ def peak_pages(decoder: Decoder, batch: list[list[int]], max_batch: int) -> int:
     return peak[0]
 
 
+def on_torch_kernels(step):
+    def run():
+        with native.use_native(False):
+            return step()
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 prompts, batches of 1 and 4, 2 rounds")
@@ -88,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = {"one by one": lambda: [decoder.generate(p, NEW_TOKENS) for p in batch]}
     for size in batches:
         steps[f"batch of {size}"] = lambda size=size: decoder.generate_batch(batch, NEW_TOKENS, max_batch=size)
+    if native.available():  # a batch of one without the native kernel's page reads: their share of its time
+        steps["batch of 1, torch's kernels"] = on_torch_kernels(
+            lambda: decoder.generate_batch(batch, NEW_TOKENS, max_batch=1)
+        )
     load_before = load_average()
     samples = interleave(steps, rounds=rounds, block_s=block_s)
     new_tokens = count * NEW_TOKENS
@@ -111,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": {name: new_tokens / statistics.median(times) for name, times in samples.items()},
         "samples_s": samples,
         "ratios": ratios_of(samples, [("one by one", name) for name in steps if name != "one by one"]),
+        "native": native.unavailable_reason() or "multihead's native kernel",
         "cache_mib": memory,
         "load_average_1min": {"before": load_before, "after": load_average()},
     }
@@ -125,7 +141,8 @@ def markdown(results: dict) -> str:
         f"A decoder of 4 layers, 8 query heads over 2 key/value heads, width 256, rotary, float32; {len(lengths)} "
         f"prompts of {min(lengths)} to {max(lengths)} tokens, {NEW_TOKENS} greedy tokens each (every way gives the "
         f"same tokens). {results['rounds']} interleaved rounds of about {results['block_s']} s per way; tokens/s "
-        "from the medians, speedups the median of per-round ratios (lowest–highest).",
+        "from the medians, speedups the median of per-round ratios (lowest–highest). A decode step of sequences of "
+        f"one length read its pages on: {results['native']}.",
         "",
         "| way | new tokens/s | speedup over one by one |",
         "|---|---|---|",

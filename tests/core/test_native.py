@@ -190,6 +190,55 @@ def test_use_native_takes_a_bool():
             pass
 
 
+def test_the_paged_decode_reads_the_pages_where_they_lie_and_stops_at_the_width():
+    """Pages out of order and not every page of a sequence in use; slots past the width hold 1e6, so a key read
+    past it shows. Against each sequence's keys gathered and attended densely, for d != e and widths that end
+    inside a page."""
+    require_native()
+    gen = torch.Generator().manual_seed(0)
+    pool_k = torch.full((9, 2, 4, 24), 1e6)
+    pool_v = torch.full((9, 2, 4, 20), 1e6)
+    tables = torch.tensor([[7, 2, 5, 0], [1, 8, 3, 6]])
+    for width in (1, 10, 13, 16):
+        for pages in tables.tolist():
+            for slot in range(width):
+                pool_k[pages[slot // 4], :, slot % 4] = torch.randn(2, 24, generator=gen)
+                pool_v[pages[slot // 4], :, slot % 4] = torch.randn(2, 20, generator=gen)
+        q = torch.randn(2, 2, 3, 24, generator=gen)  # (S, g, r, d)
+        out = native.paged_forward(q, pool_k, pool_v, tables, width, 0.3)
+        keys = pool_k[tables].transpose(1, 2).reshape(2, 2, 16, 24)[:, :, :width].double()
+        values = pool_v[tables].transpose(1, 2).reshape(2, 2, 16, 20)[:, :, :width].double()
+        want = torch.softmax(q.double() @ keys.transpose(-1, -2) * 0.3, -1) @ values
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5, msg=f"width {width}")
+    with pytest.raises(RuntimeError, match="a page outside the pool"):
+        native.paged_forward(q, pool_k, pool_v, torch.tensor([[9, 0, 0, 0], [0, 0, 0, 0]]), 5, 0.3)
+
+
+def test_a_decode_step_of_one_length_runs_on_the_native_read_and_a_training_call_does_not(monkeypatch):
+    """attention over a paged table whose sequences are all at one length (the table's rule: every key) goes to
+    the native read in float32 with the same output as torch's path; with a gradient wanted it runs the path that
+    autograd differentiates."""
+    require_native()
+    calls = []
+    real = native.paged_forward
+    monkeypatch.setattr(native, "paged_forward", lambda *args: calls.append(args) or real(*args))
+    gen = torch.Generator().manual_seed(1)
+    pool_k, pool_v = torch.randn(6, 2, 3, 8, generator=gen), torch.randn(6, 2, 3, 8, generator=gen)
+    tables = torch.tensor([[4, 1], [0, 5]])
+    ends, at = torch.tensor([5, 5]), torch.tensor([[4], [4]])
+    pages = multihead.backends.PageTable(tables, torch.zeros(2, dtype=torch.long), ends, at, width=5)
+    q = torch.randn(2, 4, 1, 8, generator=gen)
+    out = multihead.attention(q, pool_k, pool_v, pages=pages, causal=True)
+    assert len(calls) == 1
+    with native.use_native(False):
+        on_torch = multihead.attention(q, pool_k, pool_v, pages=pages, causal=True)
+    assert len(calls) == 1
+    torch.testing.assert_close(out, on_torch, rtol=0, atol=1e-6)
+    trained = multihead.attention(q.requires_grad_(True), pool_k, pool_v, pages=pages, causal=True)
+    assert len(calls) == 1 and trained.grad_fn is not None
+    torch.testing.assert_close(trained.detach(), out, rtol=0, atol=1e-6)
+
+
 def test_a_fake_tensor_or_a_subclass_keeps_torchs_kernels():
     """While tracing (fake tensors) or on a tensor subclass other than a parameter, the native kernels are not
     called: they have no rule for them. Nor in another dtype."""
@@ -197,10 +246,10 @@ def test_a_fake_tensor_or_a_subclass_keeps_torchs_kernels():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     plain = torch.randn(1, 2, 8, 4)
-    assert native.serves_causal(plain, plain, plain)
+    assert native.serves_causal(plain, plain, plain) and native.serves_paged(plain, plain, plain)
     with FakeTensorMode():
         fake = torch.randn(1, 2, 8, 4)
-        assert not native.serves_causal(fake, fake, fake)
+        assert not native.serves_causal(fake, fake, fake) and not native.serves_paged(fake, fake, fake)
     parameter = torch.nn.Parameter(torch.randn(1, 2, 8, 4))
     assert native.serves_causal(parameter, plain, plain)
 

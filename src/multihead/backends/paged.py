@@ -8,7 +8,11 @@ dense equivalent is the call over each sequence's keys gathered in order, (S, g,
 backend serves a paged call, how the weights of a paged call are computed, and what the paged kernel is tested
 against. The kernel gathers a sequence's whole cache only where it holds up to :data:`FUSED_READ_KEYS` keys (one
 call of torch's fused kernel); past that, and for the log-sum-exp, it reads a few columns of pages at a time (about
-:data:`KEYS_PER_STEP` keys of every sequence) with an online softmax.
+:data:`KEYS_PER_STEP` keys of every sequence) with an online softmax. A decode step whose sequences are all at one
+length (the table's rule "every key"), in float32 with no gradient wanted, reads the pages where they lie on
+multihead's native kernel (:func:`multihead.backends.native.paged_forward`) instead of gathering them: an attention
+call of 8 heads over 2 key/value heads (d = 64, pages of 16) took 62 us against 151 over 200 keys, and 167 against
+286 over 2,000 (one sequence, 2-core AVX-512 EPYC).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 
 from multihead._errors import bad_argument, describe, positive_int
 from multihead._inputs import tensor_argument
+from multihead.backends import native
 from multihead.backends.precision import compute_dtype
 from multihead.backends.registry import AttentionCall, BackendOutput, Capabilities
 from multihead.backends.sdpa import VERIFIED_EMPTY_ROW_DEVICES
@@ -304,6 +309,10 @@ def _paged_kernel(
             ("read", pages.causal, group, page_size, columns),
             lambda: _read_plan(table, pages.causal, group, 0, columns, page_size, whole=True),
         )
+        if plan.rule == "every key" and native.serves_paged(grouped, key_pool, value_pool):
+            # a decode step of sequences of one length, read where the pages lie (no copy of them per layer)
+            out = native.paged_forward(grouped, key_pool, value_pool, plan.pages, table.width, scale)
+            return out.reshape(s, h, i, e).to(q.dtype), None
         keys, values = read(plan)
         if plan.rule is not None:  # known on the host: every key, or a causal square; no row without keys
             width = table.width  # past it, the last page's slots no key has filled yet

@@ -10,6 +10,9 @@ Why native kernels. Where torch's CPU kernels do more work than a call needs, an
   sgemm torch's kernel calls. On this project's 2-core AVX-512 EPYC it ran those 16 documents 1.47x faster than
   torch's kernel (h = 8, g = 2, d = 64), and a causal n = 8,192 (h = 4) level with it (0.98-1.03x over block shapes).
   The spans backend runs its causal triangles' forward on it.
+- :func:`paged_forward`. A decode step over a page pool: torch's kernels need each sequence's keys side by side, so
+  the paged backend copied every page of every sequence into one tensor for the keys and one for the values, in
+  every layer at every step. The native kernel reads the pages where they lie.
 
 How they are built. ``torch.utils.cpp_extension`` compiles them with the machine's C++ compiler and ninja, for the
 instruction set torch's own CPU kernels chose (``torch.backends.cpu.get_cpu_capability()``: AVX-512, AVX2 or plain
@@ -163,10 +166,36 @@ def serves_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return all(_plain_float32_on_cpu(t) for t in (q, k, v)) and available()
 
 
+def serves_paged(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor) -> bool:
+    """Whether :func:`paged_forward` takes these: real float32 CPU tensors that need no gradient (the kernel has no
+    backward: a paged call that trains runs the Python path, which autograd differentiates)."""
+    tensors = (q, key_pool, value_pool)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return all(_plain_float32_on_cpu(t) for t in tensors) and available()
+
+
 def _plain_float32_on_cpu(t: torch.Tensor) -> bool:
     # the exact type (a tensor or a parameter): a fake tensor (tracing) or any other subclass keeps torch's kernels,
-    # whose rules it has; and a type check costs a fraction of a fake-tensor check
+    # whose rules it has; and a type check costs a fraction of a fake-tensor check, on a path run by every layer of
+    # every decode step
     return type(t) in _PLAIN and t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def paged_forward(
+    q: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    pages: torch.Tensor,
+    width: int,
+    scale: float,
+) -> torch.Tensor:
+    """A decode step read where the pages lie: q (S, g, r, d) (the r queries of each key/value head together)
+    against keys 0 .. width - 1 of each sequence's pages ``pages`` (S, C) (each a page of the pools, C * page >=
+    width) in pools (P, g, page, d) and (P, g, page, e) -> output (S, g, r, e), float32. Every query sees every one
+    of those keys."""
+    q, key_pool, value_pool = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, key_pool, value_pool))
+    return torch.ops.multihead_native.paged_forward(q, key_pool, value_pool, pages.long(), width, scale)
 
 
 def causal_forward(

@@ -14,6 +14,13 @@
 //   head x / (h / g)); the last dimension of each has stride 1. Row t sees keys 0..t.
 //   Returns out (b, h, n, e) and lse (b, h, n), both contiguous float32: lse[t] = log(sum_j exp(scale * q_t . k_j)).
 //   Every row sees key 0, so no row is empty.
+//
+// paged_forward. A decode step over a page pool: torch's kernels need each sequence's keys side by side, so the
+// Python path copies every page of every sequence into (S, g, width, d) for the keys and again for the values, each
+// layer, each step. This kernel reads the pages where they lie.
+//   q (S, g, r, d): the r queries of each key/value head together; key_pool (P, g, page, d), value_pool
+//   (P, g, page, e); pages (S, C) int64, each >= 0 and < P, C * page >= width. Every query of sequence s sees keys
+//   0 .. width - 1 of its pages in order (a decode step of sequences of one length). Returns out (S, g, r, e).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -71,6 +78,17 @@ float exp_shifted_sum(float* x, int64_t n, float shift) {
     x[j] = std::exp(x[j] - shift);
     sum += x[j];
   }
+  return sum;
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  Vec total(0.0f);
+  int64_t x = 0;
+  for (; x + Vec::size() <= n; x += Vec::size()) {
+    total = at::vec::fmadd(Vec::loadu(a + x), Vec::loadu(b + x), total);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, total);
+  for (; x < n; ++x) sum += a[x] * b[x];
   return sum;
 }
 
@@ -163,8 +181,83 @@ std::tuple<at::Tensor, at::Tensor> causal_forward(const at::Tensor& q, const at:
   return {out, lse};
 }
 
+at::Tensor paged_forward(const at::Tensor& q, const at::Tensor& key_pool, const at::Tensor& value_pool,
+                         const at::Tensor& pages, int64_t width, double scale) {
+  for (const at::Tensor* t : {&q, &key_pool, &value_pool}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4 && t->stride(3) == 1,
+                "paged_forward: q and the pools must be 4-D float32 CPU tensors with a dense last dimension");
+  }
+  TORCH_CHECK(pages.device().is_cpu() && pages.scalar_type() == at::kLong && pages.dim() == 2,
+              "paged_forward: pages must be a 2-D int64 CPU tensor");
+  const int64_t s = q.size(0), g = q.size(1), r = q.size(2), d = q.size(3);
+  const int64_t pool_pages = key_pool.size(0), page = key_pool.size(2), e = value_pool.size(3);
+  TORCH_CHECK(key_pool.size(1) == g && value_pool.size(1) == g && key_pool.size(3) == d &&
+                  value_pool.size(0) == pool_pages && value_pool.size(2) == page && pages.size(0) == s,
+              "paged_forward: shapes disagree");
+  TORCH_CHECK(width > 0 && pages.size(1) * page >= width, "paged_forward: the pages hold fewer than width keys");
+  at::Tensor table = pages.contiguous();
+  const int64_t columns = (width + page - 1) / page;
+  const int64_t* table_data = table.data_ptr<int64_t>();
+  for (int64_t index = 0; index < s * table.size(1); ++index) {
+    if (index % table.size(1) < columns) {
+      TORCH_CHECK(table_data[index] >= 0 && table_data[index] < pool_pages,
+                  "paged_forward: a page outside the pool");
+    }
+  }
+
+  at::Tensor out = at::empty({s, g, r, e}, q.options());
+  const float* q_data = q.data_ptr<float>();
+  const float* k_data = key_pool.data_ptr<float>();
+  const float* v_data = value_pool.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, s * g, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(r * width);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t sequence = task / g, head = task % g;
+      const int64_t* row_pages = table_data + sequence * table.size(1);
+      const float* queries = q_data + sequence * q.stride(0) + head * q.stride(1);
+      for (int64_t column = 0; column < columns; ++column) {  // scores: each key of the page against each query
+        const float* keys = k_data + row_pages[column] * key_pool.stride(0) + head * key_pool.stride(1);
+        const int64_t first = column * page, count = std::min(page, width - first);
+        for (int64_t query = 0; query < r; ++query) {
+          const float* q_row = queries + query * q.stride(2);
+          for (int64_t key = 0; key < count; ++key) {
+            const float* k_row = keys + key * key_pool.stride(2);
+            scores[query * width + first + key] = dot(q_row, k_row, d) * fscale;
+          }
+        }
+      }
+      float* out_rows = out_data + (sequence * g + head) * r * e;
+      for (int64_t query = 0; query < r; ++query) {  // softmax over the width, then the values it weighs
+        float* row = scores.data() + query * width;
+        const float inverse = 1.0f / exp_shifted_sum(row, width, row_max(row, width));
+        float* out_row = out_rows + query * e;
+        std::fill(out_row, out_row + e, 0.0f);
+        for (int64_t column = 0; column < columns; ++column) {
+          const float* values = v_data + row_pages[column] * value_pool.stride(0) + head * value_pool.stride(1);
+          const int64_t first = column * page, count = std::min(page, width - first);
+          for (int64_t key = 0; key < count; ++key) {
+            const float* v_row = values + key * value_pool.stride(2);
+            const Vec weight(row[first + key] * inverse);
+            int64_t x = 0;
+            for (; x + Vec::size() <= e; x += Vec::size()) {
+              at::vec::fmadd(weight, Vec::loadu(v_row + x), Vec::loadu(out_row + x)).store(out_row + x);
+            }
+            for (; x < e; ++x) out_row[x] += row[first + key] * inverse * v_row[x];
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY(multihead_native, library) {
   library.def(
       "causal_forward(Tensor q, Tensor k, Tensor v, float scale, int block_rows, int block_keys) -> (Tensor, Tensor)");
   library.impl("causal_forward", c10::DispatchKey::CPU, TORCH_FN(causal_forward));
+  library.def(
+      "paged_forward(Tensor q, Tensor key_pool, Tensor value_pool, Tensor pages, int width, float scale) -> Tensor");
+  library.impl("paged_forward", c10::DispatchKey::CPU, TORCH_FN(paged_forward));
 }
