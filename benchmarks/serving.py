@@ -15,7 +15,7 @@ paged cache holds at once (its pages in use, sampled after every call of the mod
 what contiguous caches hold for the same work: one (B, g, longest, d + e) cache per layer for a batch decoded
 together as generate does (B = 16), and one per prompt for one by one (the largest, at a time).
 
-    python benchmarks/serving.py [--quick]      # writes benchmarks/results/serving.{json,md}
+    python benchmarks/serving.py [--quick] [--rounds N]      # writes benchmarks/results/serving.{json,md}
 """
 
 from __future__ import annotations
@@ -85,10 +85,11 @@ def on_torch_kernels(step):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 prompts, batches of 1 and 4, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of about 1 s per way (default 3)")
     args = parser.parse_args(argv)
     ensure_malloc_env()
     prepare_allocator(print)
-    count, batches, rounds, block_s = (4, (1, 4), 2, 0.1) if args.quick else (16, (1, 4, 16), 3, 1.0)
+    count, batches, rounds, block_s = (4, (1, 4), 2, 0.1) if args.quick else (16, (1, 4, 16), args.rounds, 1.0)
     decoder = build()
     batch = prompts(count, seed=1)
     with torch.no_grad():
