@@ -103,13 +103,40 @@ def add_parser(subparsers) -> None:
         "hitters, a pooled map of the whole text, and the sink, heavy-hitter, long-range and local roles; "
         "long.html, long.png and long.json as --format asks",
     )
+    parser.add_argument(
+        "--browse",
+        nargs="?",
+        const=BUNDLED,
+        metavar="CORPUS",
+        help="browse every head over a corpus instead (a text file, one document per line, or a folder of .txt "
+        "files; --browse alone reads the bundled UD English sentences): each head's top contexts by each measure "
+        "(the largest weight off the special pieces, its output's norm, its entropy low and high, its "
+        "previous-token and prefix-matching weight) and their distributions, in memory that does not grow with "
+        "the corpus; browse.html, browse.png and browse.json as --format asks",
+    )
+    parser.add_argument(
+        "--top-k", type=int, metavar="N", help="with --browse: contexts kept per head and measure (default 8)"
+    )
     add_threads_option(parser)
     parser.set_defaults(run=run_inspect)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    if args.long is not None and args.browse is not None:
+        raise bad_argument("--browse", "no --long beside it", f"--long {args.long}", "leave out one of them")
+    if args.long is not None and args.top_k is not None:
+        raise bad_argument("--top-k", "--browse beside it, not --long", f"--long {args.long}", "leave out --top-k")
     if args.long is not None:
         return run_long(args)
+    if args.browse is not None:
+        return run_browse(args)
+    if args.top_k is not None:
+        raise bad_argument(
+            "--top-k",
+            "--browse beside it (it sets the contexts --browse keeps)",
+            "no --browse",
+            "add --browse CORPUS, or leave out --top-k",
+        )
 
     from multihead.integrations import load_text_model
     from multihead.lab.inspect.headreport import read_scores_folder
@@ -215,6 +242,60 @@ def inspect_model(
     return inspection, saved, detected
 
 
+def _own_text_formats(option: str, args: argparse.Namespace) -> list[str]:
+    """The checked --format of ``option`` (--long, --browse), which reads its own text: a one-text option beside it
+    is refused by name, and the --out folder is checked before the model loads."""
+    from multihead.lab.inspect.write import check_formats
+
+    for name, value in (("text", args.text), ("--token", args.token), ("--corpus", args.corpus)):
+        if value is not None:
+            raise bad_argument(option, f"no {name} beside it", f"{name} {value}", f"leave out {name}")
+    if args.scores is not None or args.truncate:
+        given = "--scores" if args.scores is not None else "--truncate"
+        raise bad_argument(option, f"no {given} beside it", given, f"leave out {given}")
+    with from_option("--format"):
+        formats = check_formats(args.format)
+    if any(name != "terminal" for name in formats):
+        output_folder("--out", args.out, create=False)
+    return formats
+
+
+def run_browse(args: argparse.Namespace) -> int:
+    """`multihead inspect --browse [CORPUS]`: every head's top contexts and measures over the corpus."""
+    from multihead.integrations import load_text_model
+    from multihead.lab.inspect.browse import browse_corpus, bundled_documents, read_documents
+    from multihead.lab.inspect.browse_report import print_browse, write_browse
+
+    formats = _own_text_formats("--browse", args)
+    if args.browse == BUNDLED:
+        documents: Any = bundled_documents()
+        total = len(documents)
+    else:
+        total = sum(1 for _ in read_documents(args.browse, argument="--browse"))  # for the bar's ETA
+        documents = read_documents(args.browse, argument="--browse")
+    with from_option("--model"):
+        model = load_text_model(args.model)
+    console = make_console()
+    with (
+        progress_bar(console) as progress,
+        from_options({"layers": "--layers", "heads": "--heads", "part": "--part", "top_k": "--top-k"}),
+    ):
+        task = progress.add_task("documents", total=total)
+        found = browse_corpus(
+            model,
+            documents,
+            part=args.part,
+            layers=parse_indices("layers", args.layers),
+            heads=parse_indices("heads", args.heads),
+            top_k=8 if args.top_k is None else args.top_k,
+            progress=lambda done, _: progress.update(task, completed=done),
+        )
+    if "terminal" in formats:
+        print_browse(console, found)
+    print_written(console, write_browse(found, args.out, formats, argument="--out"))
+    return 0
+
+
 def run_long(args: argparse.Namespace) -> int:
     """`multihead inspect --long FILE`: each head's profile over the file's text."""
 
@@ -222,20 +303,8 @@ def run_long(args: argparse.Namespace) -> int:
     from multihead.integrations import load_text_model
     from multihead.lab.inspect.long import inspect_long
     from multihead.lab.inspect.long_report import print_long, write_long
-    from multihead.lab.inspect.write import check_formats
 
-    for option, value in (("text", args.text), ("--token", args.token), ("--corpus", args.corpus)):
-        if value is not None:
-            raise bad_argument(
-                "--long", f"no {option} beside it (the file is the text)", f"{option} {value}", f"leave out {option}"
-            )
-    if args.scores is not None or args.truncate:
-        given = "--scores" if args.scores is not None else "--truncate"
-        raise bad_argument("--long", f"no {given} beside it", given, f"leave out {given}")
-    with from_option("--format"):
-        formats = check_formats(args.format)
-    if any(name != "terminal" for name in formats):
-        output_folder("--out", args.out, create=False)
+    formats = _own_text_formats("--long", args)
     text = read_text("--long", args.long, what="a UTF-8 text file", fix="pass --long FILE, a text file")
     with from_option("--model"):
         model = load_text_model(args.model)

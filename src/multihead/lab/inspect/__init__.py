@@ -7,6 +7,7 @@ rec.weights(0, 2)                                   # (b, i, j): layer 0, head 2
 stats = multihead.lab.inspect.head_stats(model, multihead.lab.inspect.bundled_corpus())
 stats.roles()[0][2].label                           # 'prev'
 inspection = multihead.lab.inspect.inspect_text(model, "The bank was full of money.", token="bank")
+found = multihead.lab.inspect.browse_corpus(model, documents)    # every head's top contexts over a corpus
 multihead.lab.inspect.write_reports(inspection, "report", ["terminal", "html"])
 multihead.lab.inspect.report(model, "The bank was full of money.", out_dir="report")   # both steps at once
 extras = multihead.lab.inspect.saved_model_extras(folder, model)   # a `multihead train` checkpoint's part, probes, text
@@ -23,6 +24,7 @@ from multihead.lab.extra import require_lab
 require_lab("multihead.lab.inspect")  # one line naming the extra, before any lab import fails
 
 from multihead.capture import Recorder, attention_layers, attention_sites, capture
+from multihead.lab.inspect.browse import CorpusBrowse, browse_corpus
 from multihead.lab.inspect.importance import (
     PruneResult,
     ablation_importance,
@@ -39,6 +41,8 @@ from multihead.lab.inspect.syntax import SyntaxScores, bundled_treebank, read_co
 from multihead.lab.inspect.write import report, write_reports
 
 __all__ = [
+    "browse_corpus",
+    "CorpusBrowse",
     "inspect_long",
     "LongInspection",
     "capture",

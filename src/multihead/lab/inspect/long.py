@@ -240,14 +240,14 @@ def inspect_long(
     chosen_part, sites = part_sites(model, part)
     numbers, _ = head_numbers(model, sites=sites)
     chosen_layers = checked_indices("layers", layers, len(sites), "layer")
-    size = _checked_window(window, tokenizer.max_length)
+    size = checked_window(window, tokenizer.max_length)
     map_side = positive_int("map_side", map_side)
     if pool not in MAP_POOLS:
         raise bad_argument("pool", f"one of {list(MAP_POOLS)}", repr(pool), 'pass pool="max" or pool="mean"')
     batch = tokenizer.batch([text], max_length=_WHOLE)
     ids = batch.input_ids[0]
     pieces = batch.pieces[0]
-    lead, trail = _special_ends(pieces.word_ids)
+    lead, trail = special_ends(pieces.word_ids)
     body = len(ids) - lead - trail
     if size <= lead + trail:
         raise bad_argument("window", f"more than the {lead + trail} special pieces", size, "pass a larger window")
@@ -284,7 +284,7 @@ def inspect_long(
     )
 
 
-def _checked_window(window: int | None, limit: int) -> int:
+def checked_window(window: int | None, limit: int) -> int:
     """The pieces per window, specials included: ``window``, or the model's ``limit`` positions when None."""
     size = limit if window is None else window
     if not isinstance(size, int) or isinstance(size, bool) or not 2 <= size <= limit:
@@ -294,7 +294,7 @@ def _checked_window(window: int | None, limit: int) -> int:
     return size
 
 
-def _special_ends(word_ids: Sequence[int | None]) -> tuple[int, int]:
+def special_ends(word_ids: Sequence[int | None]) -> tuple[int, int]:
     """(lead, trail): how many special pieces (no word) open and close the text; every window keeps them."""
     lead = next((index for index, word in enumerate(word_ids) if word is not None), len(word_ids))
     trail = next((index for index, word in enumerate(reversed(word_ids)) if word is not None), 0)
