@@ -272,3 +272,49 @@ def test_a_missing_corpus_is_one_line(tmp_path, capsys):
     from test_cli_errors import assert_one_line
 
     assert_one_line(capsys, ["inspect", "--browse", str(tmp_path / "absent.txt")], "inspect", "--browse", "not found")
+
+
+def test_the_sample_is_every_query_in_order_when_it_holds_them_all(minilm):
+    browse = browse_corpus(minilm, CORPUS[:3], layers=[0], samples=10_000)
+    expected = []
+    for index, text in enumerate(CORPUS[:3]):
+        batch = minilm.tokenizer.batch([text], max_length=10**9)
+        tokens = batch.pieces[0].tokens
+        expected += [(index, position, tokens[position]) for position in range(1, len(tokens) - 1)]
+    assert browse.samples == expected and browse.queries == len(expected)
+    assert browse_corpus(minilm, CORPUS[:3], layers=[0], samples=10_000).samples == expected  # seeded
+    none = browse_corpus(minilm, CORPUS[:3], layers=[0], samples=0)
+    assert none.samples == [] and none.heads[0].projections == {} and "projections" in none.to_dict()["heads"][0]
+
+
+def test_the_projections_are_the_sampled_pieces_vectors_on_their_principal_axes(minilm):
+    """A sample of 12 of the corpus's queries: each head's queries and keys there (captured from the document run
+    alone) on their two principal axes, as numpy's SVD finds them (each axis up to its sign); values and outputs
+    likewise."""
+    import numpy
+
+    browse = browse_corpus(minilm, CORPUS[:6], layers=[2], heads=[0, 7], samples=12)
+    assert len(browse.samples) == 12 and len(set(browse.samples)) == 12
+    vectors = {name: [] for name in ("q", "k", "v", "outputs")}
+    for document, position, piece in browse.samples:
+        batch = minilm.tokenizer.batch([CORPUS[document]], max_length=10**9)
+        assert batch.pieces[0].tokens[position] == piece
+        with torch.no_grad(), capture(minilm, layers=[2], heads=[0, 7], qkv=True, outputs=True) as rec:
+            minilm(batch.input_ids)
+        for name in vectors:
+            vectors[name].append(getattr(rec, name)(2)[0, :, position].double())
+    for column, head in enumerate(browse.heads):
+        spaces = {
+            "queries and keys": torch.cat([torch.stack(vectors["q"])[:, column], torch.stack(vectors["k"])[:, column]]),
+            "values": torch.stack(vectors["v"])[:, column],
+            "outputs": torch.stack(vectors["outputs"])[:, column],
+        }
+        for name, points in spaces.items():
+            centred = (points - points.mean(0)).numpy()
+            _, _, vh = numpy.linalg.svd(centred, full_matrices=False)
+            want = torch.from_numpy(centred @ vh[:2].T)
+            got = head.projections[name]
+            assert got.shape == want.shape, name
+            for axis in range(2):
+                sign = 1.0 if (got[:, axis] * want[:, axis]).sum() >= 0 else -1.0
+                torch.testing.assert_close(got[:, axis], sign * want[:, axis], atol=2e-4, rtol=0, msg=name)

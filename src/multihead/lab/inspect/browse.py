@@ -27,6 +27,11 @@ Kept per head: for each measure its :data:`top_k` contexts (the query's pieces w
 window, with the query's weights on them), the highest first, ties going to the earlier document and piece; and a
 :class:`MeasureHistogram` of its values over every measured query, on fixed bins (weights and scores in [0, 1],
 entropy in [0, ln(positions)], output norms on a log scale), so its counts are exact and need no second pass.
+
+And over the corpus, a uniform sample of ``samples`` query pieces (reservoir sampling, seeded: the same corpus
+gives the same sample), the same pieces for every head: each head's queries and keys there, its values and its
+outputs, projected to 2-D by PCA (:attr:`HeadBrowse.projections`): queries and keys in one projection, so that the
+keys a query meets lie near it.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ _RANKED_LOW = {"entropy-low"}  # measures whose lowest values are the top contex
 WEIGHT_BINS = 20  # bins of the measures in [0, 1]
 ENTROPY_BINS = 20
 NORM_EDGES = tuple(10.0 ** (exponent / 4) for exponent in range(-12, 13))  # 1e-3 .. 1e3, 4 bins a decade
+PROJECTIONS = ("queries and keys", "values", "outputs")
+SAMPLE_SEED = 0  # the reservoir's generator: the same corpus gives the same sample
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,9 @@ class HeadBrowse:
     top: dict[str, list[TopContext]]
     histograms: dict[str, MeasureHistogram]
     mean: dict[str, float]
+    # PROJECTIONS -> (points, 2) PCA coordinates over the sampled pieces: "queries and keys" holds the queries
+    # then the keys (2 x samples points), "values" and "outputs" one point per sample
+    projections: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -129,6 +139,10 @@ class HeadBrowse:
             "mean": {name: round(value, 6) for name, value in self.mean.items()},
             "top": {name: [context.to_dict() for context in contexts] for name, contexts in self.top.items()},
             "histograms": {name: histogram.to_dict() for name, histogram in self.histograms.items()},
+            "projections": {
+                name: [[round(x, 4), round(y, 4)] for x, y in points.tolist()]
+                for name, points in self.projections.items()
+            },
         }
 
 
@@ -146,6 +160,8 @@ class CorpusBrowse:
     top_k: int
     context: int
     heads: list[HeadBrowse] = field(default_factory=list)
+    # the sampled query pieces, the same for every head: (document, position, piece), in sample order
+    samples: list[tuple[int, int, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-ready, bounded: top_k contexts of 2 x context + 1 pieces and a histogram per head and measure,
@@ -159,6 +175,7 @@ class CorpusBrowse:
             "top_k": self.top_k,
             "context": self.context,
             "measures": list(MEASURES),
+            "samples": [list(sample) for sample in self.samples],
             "heads": [head.to_dict() for head in self.heads],
         }
 
@@ -211,6 +228,7 @@ def browse_corpus(
     context: int = 8,
     window: int | None = None,
     batch_size: int = 16,
+    samples: int = 256,
     progress: Callable[[int, int | None], None] | None = None,
 ) -> CorpusBrowse:
     """Measure every chosen head of ``model`` over ``documents`` (see the module docstring).
@@ -228,6 +246,7 @@ def browse_corpus(
         window: pieces per window, specials included (default: the model's positions).
         batch_size: windows per forward pass (padded to the longest of them; each gives the weights it gives
             alone).
+        samples: query pieces sampled from the corpus for the heads' projections (0: none).
         progress: called as ``progress(done, total)`` after each document (total: ``len(documents)`` where it
             has one, else None).
 
@@ -236,11 +255,13 @@ def browse_corpus(
 
     Raises:
         ValueError or TypeError naming ``documents``, ``top_k``, ``context``, ``window``, ``batch_size``,
-        ``layers``, ``heads`` or ``part``.
+        ``samples``, ``layers``, ``heads`` or ``part``.
     """
     tokenizer = text_tokenizer(model)
     top_k = positive_int("top_k", top_k)
     batch_size = positive_int("batch_size", batch_size)
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
+        raise bad_argument("samples", "an int >= 0 (pieces sampled for the projections)", describe(samples), "e.g. 256")
     if not isinstance(context, int) or isinstance(context, bool) or context < 0:
         raise bad_argument("context", "an int >= 0 (pieces on each side of a query)", describe(context), "e.g. 8")
     if isinstance(documents, str | bytes) or not isinstance(documents, Iterable):
@@ -259,7 +280,8 @@ def browse_corpus(
     causal = is_causal_part(model, chosen_part)
     total = len(documents) if isinstance(documents, Sequence) else None
     tallies = {layer: _LayerTally(len(layer_heads[layer]), top_k, context, size) for layer in chosen_layers}
-    reader = _WindowReader(model, chosen_part, chosen_layers, heads, tallies, batch_size, progress, total)
+    sampler = _Sampler(samples, chosen_layers)
+    reader = _WindowReader(model, chosen_part, chosen_layers, heads, tallies, sampler, batch_size, progress, total)
     for index, text in enumerate(documents):
         if not isinstance(text, str) or not text.strip():
             raise bad_argument(
@@ -297,9 +319,12 @@ def browse_corpus(
         top_k=top_k,
         context=context,
     )
+    browse.samples = list(sampler.where)
     for layer in chosen_layers:
         for column, position in enumerate(layer_heads[layer]):
-            browse.heads.append(tallies[layer].head(layer, numbers[layer][position], column))
+            found = tallies[layer].head(layer, numbers[layer][position], column)
+            found.projections = sampler.projections(layer, column)
+            browse.heads.append(found)
     return browse
 
 
@@ -322,8 +347,9 @@ class _WindowReader:
     weights and outputs are those it gives alone), each folded into its layers' tallies; counts the documents done
     (a document is done once its last window is read) and reports them to ``progress``."""
 
-    def __init__(self, model, part, layers, heads, tallies, batch_size, progress, total):
+    def __init__(self, model, part, layers, heads, tallies, sampler, batch_size, progress, total):
         self.model, self.part, self.layers, self.heads, self.tallies = model, part, layers, heads, tallies
+        self.sampler = sampler
         self.batch_size, self.progress, self.total = batch_size, progress, total
         self.device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
         self.pending: list[tuple[_Window, bool]] = []
@@ -353,20 +379,100 @@ class _WindowReader:
         with (
             evaluating(self.model),
             torch.no_grad(),
-            capture(self.model, part=self.part, layers=self.layers, heads=self.heads, outputs=True) as rec,
+            capture(
+                self.model,
+                part=self.part,
+                layers=self.layers,
+                heads=self.heads,
+                outputs=True,
+                qkv=self.sampler.size > 0,
+            ) as rec,
         ):
             self.model(input_ids.to(self.device), attention_mask.to(self.device))
+        # which measured rows of these windows enter the sample, and the slot each takes
+        taken = [
+            (row, window.rows[index], slot)
+            for row, (window, _) in enumerate(windows)
+            for index, slot in self.sampler.draw(window)
+        ]
         for layer in self.layers:
             weights, outputs = rec.weights(layer).double().cpu(), rec.outputs(layer).double().cpu()
             for row, (window, _) in enumerate(windows):
                 n = len(window.ids)
                 self.tallies[layer].add(window, weights[row, :, :n, :n], outputs[row, :, :n])
+            if taken:
+                spaces = (rec.q(layer), rec.k(layer), rec.v(layer), outputs)
+                self.sampler.store(layer, taken, [space.float().cpu() for space in spaces])
         for window, last in windows:
             self.queries += len(window.rows)
             if last:
                 self.documents += 1
                 if self.progress is not None:
                     self.progress(self.documents, self.total)
+
+
+class _Sampler:
+    """A uniform sample of ``size`` measured query pieces over the corpus (Algorithm R, seeded), the same pieces for
+    every layer and head: each slot's (document, position, piece) and, per layer, its (slot, h, x) queries, keys,
+    values and outputs."""
+
+    def __init__(self, size: int, layers: Sequence[int]):
+        self.size = size
+        self.generator = torch.Generator().manual_seed(SAMPLE_SEED)
+        self.seen = 0
+        self.where: list[tuple[int, int, str]] = []
+        self.vectors: dict[int, list[torch.Tensor] | None] = {layer: None for layer in layers}
+
+    def draw(self, window: _Window) -> list[tuple[int, int]]:
+        """The window's measured rows that enter the sample, as (index into window.rows, slot); a row taking a slot
+        an earlier row of the same draw took replaces it (the later wins, as Algorithm R)."""
+        taken = []
+        for index, row in enumerate(window.rows):
+            if self.seen < self.size:
+                slot = self.seen
+                self.where.append((0, 0, ""))
+            else:
+                slot = int(torch.randint(0, self.seen + 1, (1,), generator=self.generator))
+            self.seen += 1
+            if slot < self.size:
+                self.where[slot] = (window.document, int(window.places[row]), window.tokens[row])
+                taken.append((index, slot))
+        return taken
+
+    def store(self, layer: int, taken: list[tuple[int, int, int]], spaces: list[torch.Tensor]) -> None:
+        """Write the taken pieces' vectors: ``taken`` (batch row, the piece's place in its window, slot),
+        ``spaces`` the batch's (B, h, n, x) queries, keys, values and outputs."""
+        stored = self.vectors[layer]
+        if stored is None:
+            stored = self.vectors[layer] = [torch.zeros(self.size, space.shape[1], space.shape[3]) for space in spaces]
+        for row, place, slot in taken:
+            for kept, space in zip(stored, spaces, strict=True):
+                kept[slot] = space[row, :, place]
+
+    def projections(self, layer: int, column: int) -> dict[str, torch.Tensor]:
+        """Head ``column``'s PCA projections (see :data:`PROJECTIONS`); none without a sample."""
+        stored = self.vectors.get(layer)
+        if stored is None:
+            return {}
+        count = min(self.seen, self.size)
+        q, k, v, out = (space[:count, column].double() for space in stored)
+        return {"queries and keys": pca_2d(torch.cat([q, k])), "values": pca_2d(v), "outputs": pca_2d(out)}
+
+
+def pca_2d(points: torch.Tensor) -> torch.Tensor:
+    """(n, x) -> (n, 2): the points centred and projected on their two principal axes, each axis's sign set so
+    that its largest loading is positive (the same points give the same picture). Fewer than two axes of spread
+    (n < 2, or all points equal) give zeros there."""
+    centred = points - points.mean(0, keepdim=True)
+    if centred.shape[0] < 2:
+        return torch.zeros(centred.shape[0], 2, dtype=points.dtype)
+    _, _, vh = torch.linalg.svd(centred, full_matrices=False)
+    axes = vh[:2]  # (<= 2, x)
+    signs = torch.sign(axes.gather(1, axes.abs().argmax(1, keepdim=True)))
+    coordinates = centred @ (axes * torch.where(signs == 0, 1.0, signs)).T
+    if coordinates.shape[1] < 2:
+        coordinates = torch.cat([coordinates, torch.zeros(coordinates.shape[0], 2 - coordinates.shape[1])], 1)
+    return coordinates
 
 
 def window_measures(found: _Window, weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
