@@ -16,9 +16,11 @@ from multihead.integrations import load_text_model
 from multihead.lab.inspect import bundled_corpus
 from multihead.lab.inspect.browse import MEASURES, browse_corpus, read_documents, window_measures
 from multihead.lab.inspect.browse import _Window as Window
+from multihead.lab.inspect.browse_report import MAIN_MEASURE, render_browser
 from multihead.lab.inspect.long import special_ends
 from multihead.lab.models import load_minilm
 from support import is_input_error
+from test_inspect_html import browser, page_opener  # noqa: F401 (browser: the module's chromium fixture)
 
 
 def brute_force(model, documents, layers, window, context):
@@ -239,8 +241,9 @@ def test_the_command_writes_what_python_gives(tmp_path, capsys, minilm):
         (5, 2),
     ]
     page = (out / "browse.html").read_text(encoding="ascii")
+    assert [f'id="L{h["layer"]}H{h["head"]}"' in page for h in written["heads"]] == [True] * 4  # a card each
     best = written["heads"][0]["top"]["max-off-sink"][0]
-    assert f"&lt;&lt;{best['pieces'][best['query']]}&gt;&gt;" in page  # the query marked in its context
+    assert f"<<{best['pieces'][best['query']]}>>" in printed  # the terminal marks the query in its context
 
 
 @pytest.mark.parametrize(
@@ -318,3 +321,47 @@ def test_the_projections_are_the_sampled_pieces_vectors_on_their_principal_axes(
             for axis in range(2):
                 sign = 1.0 if (got[:, axis] * want[:, axis]).sum() >= 0 else -1.0
                 torch.testing.assert_close(got[:, axis], sign * want[:, axis], atol=2e-4, rtol=0, msg=name)
+
+
+def test_the_browser_page_opens_offline_with_every_card_and_works_with_scripts_off(minilm, browser, tmp_path):  # noqa: F811
+    """browse.html in Debian's chromium: a card per head, each with every measure's top contexts (the query
+    outlined, its title its weight, as browse_corpus kept them) and its projections; the grid's cells link to the
+    cards; the script shows one card at a time and switches the grid's measure; with scripts off every card is
+    there. Nothing is fetched but the file itself, and no error is logged."""
+    browse = browse_corpus(minilm, CORPUS[:5], layers=[0, 4], heads=[0, 3, 9], top_k=3, samples=20)
+    html = render_browser(browse)
+    assert html.isascii()
+    with page_opener(browser, tmp_path) as open_:
+        page = open_(html)
+        ids = page.locator("section.head").evaluate_all("cards => cards.map(card => card.id)")
+        assert ids == ["L0H0", "L0H3", "L0H9", "L4H0", "L4H3", "L4H9"]
+        assert page.locator("section.head:not([hidden])").count() == 1  # the script shows one
+        links = page.locator(f'div.grid[data-measure="{MAIN_MEASURE}"] td a')
+        assert links.count() == 6
+        links.nth(4).click()
+        visible = page.locator("section.head:not([hidden])")
+        assert visible.count() == 1 and visible.get_attribute("id") == "L4H3"
+        card = browse.head(4, 3)
+        for measure in MEASURES:
+            rows = visible.locator(f'div.measure[data-measure="{measure}"] ol.contexts li')
+            assert rows.count() == len(card.top[measure]) == 3
+            first = card.top[measure][0]
+            query = rows.nth(0).locator("span.piece.query")
+            assert query.count() == 1 and query.text_content() == first.pieces[first.query]
+            assert query.get_attribute("title") == f"weight {first.weights[first.query]:.3f}"
+        plots = visible.locator(".plots svg")
+        assert plots.count() == 3
+        assert plots.nth(0).locator("rect").count() == 20 and plots.nth(0).locator("circle").count() == 20
+        page.select_option("#measure", "previous-token")
+        shown = page.locator("div.grid:not([hidden])")
+        assert shown.count() == 1 and shown.get_attribute("data-measure") == "previous-token"
+    context = browser.new_context(java_script_enabled=False)
+    try:
+        path = tmp_path / "static.html"
+        path.write_text(html, encoding="ascii")
+        static = context.new_page()
+        static.goto(path.as_uri())
+        assert static.locator("section.head:not([hidden])").count() == 6  # every card, no script
+        assert static.locator("#pick").is_hidden()  # the measure menu needs the script
+    finally:
+        context.close()
