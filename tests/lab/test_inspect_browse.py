@@ -365,3 +365,25 @@ def test_the_browser_page_opens_offline_with_every_card_and_works_with_scripts_o
         assert static.locator("#pick").is_hidden()  # the measure menu needs the script
     finally:
         context.close()
+
+
+def test_a_batch_stops_short_of_the_weight_budget_with_the_same_results(minilm, monkeypatch):
+    """With a budget below one window's weights, every window runs alone: the same measures (to float32's rounding
+    of padded and unpadded calls), the same sample."""
+    import multihead.lab.inspect.browse as browse_module
+
+    batched = browse_corpus(minilm, CORPUS[:6], layers=[1], top_k=3, samples=8)
+    calls = []
+    real_flush = browse_module._WindowReader.flush
+
+    def counted(self):
+        calls.append(len(self.pending))
+        return real_flush(self)
+
+    monkeypatch.setattr(browse_module, "WEIGHT_BUDGET", 1)
+    monkeypatch.setattr(browse_module._WindowReader, "flush", counted)
+    alone = browse_corpus(minilm, CORPUS[:6], layers=[1], top_k=3, samples=8)
+    assert max(calls) == 1 and alone.samples == batched.samples and alone.queries == batched.queries
+    for one, other in zip(alone.heads, batched.heads, strict=True):
+        for measure in MEASURES:
+            assert [c.score for c in one.top[measure]] == pytest.approx([c.score for c in other.top[measure]], abs=1e-5)

@@ -67,6 +67,9 @@ WEIGHT_BINS = 20  # bins of the measures in [0, 1]
 ENTROPY_BINS = 20
 NORM_EDGES = tuple(10.0 ** (exponent / 4) for exponent in range(-12, 13))  # 1e-3 .. 1e3, 4 bins a decade
 PROJECTIONS = ("queries and keys", "values", "outputs")
+# the most bytes of weights one batch of windows records (every recorded head's (n, n) weights, float32): a batch of
+# short sentences fills batch_size first; windows of 1,024 pieces of a 12 x 12-head model (604 MiB each) run alone
+WEIGHT_BUDGET = 256 * 2**20
 SAMPLE_SEED = 0  # the reservoir's generator: the same corpus gives the same sample
 
 
@@ -245,7 +248,7 @@ def browse_corpus(
         context: pieces kept on each side of a context's query.
         window: pieces per window, specials included (default: the model's positions).
         batch_size: windows per forward pass (padded to the longest of them; each gives the weights it gives
-            alone).
+            alone), fewer where their recorded weights would pass :data:`WEIGHT_BUDGET`.
         samples: query pieces sampled from the corpus for the heads' projections (0: none).
         progress: called as ``progress(done, total)`` after each document (total: ``len(documents)`` where it
             has one, else None).
@@ -356,6 +359,12 @@ class _WindowReader:
         self.documents = self.queries = 0
 
     def read(self, window: _Window, last_of_its_document: bool) -> None:
+        """Queue ``window``; the queue runs once it holds ``batch_size`` windows, or before the weights the model
+        would record for it pass WEIGHT_BUDGET (a batch of long windows: every recorded head's (n, n) weights)."""
+        longest = max([len(window.ids), *(len(queued.ids) for queued, _ in self.pending)])
+        heads = sum(tally.ranked.shape[0] for tally in self.tallies.values())
+        if self.pending and (len(self.pending) + 1) * heads * longest**2 * 4 > WEIGHT_BUDGET:
+            self.flush()
         self.pending.append((window, last_of_its_document))
         if len(self.pending) == self.batch_size:
             self.flush()
@@ -396,10 +405,10 @@ class _WindowReader:
             for index, slot in self.sampler.draw(window)
         ]
         for layer in self.layers:
-            weights, outputs = rec.weights(layer).double().cpu(), rec.outputs(layer).double().cpu()
-            for row, (window, _) in enumerate(windows):
+            weights, outputs = rec.weights(layer).cpu(), rec.outputs(layer).cpu()
+            for row, (window, _) in enumerate(windows):  # in float64 one window at a time
                 n = len(window.ids)
-                self.tallies[layer].add(window, weights[row, :, :n, :n], outputs[row, :, :n])
+                self.tallies[layer].add(window, weights[row, :, :n, :n].double(), outputs[row, :, :n].double())
             if taken:
                 spaces = (rec.q(layer), rec.k(layer), rec.v(layer), outputs)
                 self.sampler.store(layer, taken, [space.float().cpu() for space in spaces])
