@@ -16,7 +16,7 @@ from multihead.integrations import load_text_model
 from multihead.lab.inspect import bundled_corpus
 from multihead.lab.inspect.browse import MEASURES, browse_corpus, read_documents, window_measures
 from multihead.lab.inspect.browse import _Window as Window
-from multihead.lab.inspect.browse_report import MAIN_MEASURE, render_browser
+from multihead.lab.inspect.browse_report import MAIN_MEASURE, head_roles, render_browser
 from multihead.lab.inspect.long import special_ends
 from multihead.lab.models import load_minilm
 from support import is_input_error
@@ -242,6 +242,12 @@ def test_the_command_writes_what_python_gives(tmp_path, capsys, minilm):
     ]
     page = (out / "browse.html").read_text(encoding="ascii")
     assert [f'id="L{h["layer"]}H{h["head"]}"' in page for h in written["heads"]] == [True] * 4  # a card each
+    # each head's role, as inspect labels it from the bundled corpus, in its grid cell and on its card
+    roles = head_roles(minilm, [0, 5], [1, 2])
+    assert sorted(roles) == [(0, 1), (0, 2), (5, 1), (5, 2)]
+    for (layer, head), role in roles.items():
+        assert f'title="L{layer}H{head} ({role}): max-off-sink' in page
+        assert f"<h2>layer {layer}, head {head}: {role}</h2>" in page
     best = written["heads"][0]["top"]["max-off-sink"][0]
     assert f"<<{best['pieces'][best['query']]}>>" in printed  # the terminal marks the query in its context
 

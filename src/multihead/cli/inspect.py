@@ -264,7 +264,7 @@ def run_browse(args: argparse.Namespace) -> int:
     """`multihead inspect --browse [CORPUS]`: every head's top contexts and measures over the corpus."""
     from multihead.integrations import load_text_model
     from multihead.lab.inspect.browse import browse_corpus, bundled_documents, read_documents
-    from multihead.lab.inspect.browse_report import print_browse, write_browse
+    from multihead.lab.inspect.browse_report import head_roles, print_browse, write_browse
 
     formats = _own_text_formats("--browse", args)
     if args.browse == BUNDLED:
@@ -290,9 +290,11 @@ def run_browse(args: argparse.Namespace) -> int:
             top_k=8 if args.top_k is None else args.top_k,
             progress=lambda done, _: progress.update(task, completed=done),
         )
+    # the heads' roles on the grid and the cards, labelled as inspect labels them, from the bundled corpus
+    roles = head_roles(model, sorted({h.layer for h in found.heads}), sorted({h.head for h in found.heads}))
     if "terminal" in formats:
         print_browse(console, found)
-    print_written(console, write_browse(found, args.out, formats, argument="--out"))
+    print_written(console, write_browse(found, args.out, formats, argument="--out", roles=roles))
     return 0
 
 

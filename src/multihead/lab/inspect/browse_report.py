@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from multihead.lab.inspect.browse import MEASURES, CorpusBrowse, TopContext
 from multihead.lab.inspect.colours import value_scale, weight_rgb
 from multihead.lab.inspect.page import Grid, Page, Table, print_page, write_report
 
-__all__ = ["browse_page", "print_browse", "write_browse", "render_browser", "context_text"]
+__all__ = ["browse_page", "print_browse", "write_browse", "render_browser", "head_roles", "context_text"]
 
 # what each measure's mean is, for a grid's title
 MEANING = {
@@ -103,9 +103,16 @@ def print_browse(console: Console, found: CorpusBrowse) -> None:
     print_page(console, browse_page(found))
 
 
-def write_browse(found: CorpusBrowse, folder: str | Path, formats: Sequence[str], *, argument: str) -> Written:
-    """``browse.json``, ``browse.html`` (the head browser, :func:`render_browser`) and ``browse.png`` (the grids)
-    (those of ``formats`` asked for) into ``folder``."""
+def write_browse(
+    found: CorpusBrowse,
+    folder: str | Path,
+    formats: Sequence[str],
+    *,
+    argument: str,
+    roles: Mapping[tuple[int, int], str] | None = None,
+) -> Written:
+    """``browse.json``, ``browse.html`` (the head browser, :func:`render_browser`, with ``roles``) and
+    ``browse.png`` (the grids) (those of ``formats`` asked for) into ``folder``."""
     written = write_report(
         found.to_dict(),
         "browse",
@@ -117,7 +124,7 @@ def write_browse(found: CorpusBrowse, folder: str | Path, formats: Sequence[str]
     if "html" in formats:
         path = output_folder(argument, folder) / "browse.html"
         with writing(argument, path):
-            path.write_text(render_browser(found), encoding="ascii")
+            path.write_text(render_browser(found, roles), encoding="ascii")
         written["html"] = path
     return written
 
@@ -130,9 +137,26 @@ PLOT_SIDE = 220  # a projection's picture, in pixels a side
 HISTOGRAM_WIDTH, HISTOGRAM_HEIGHT = 120, 28
 
 
-def render_browser(found: CorpusBrowse) -> str:
+def head_roles(model, layers: Sequence[int] | None = None, heads: Sequence[int] | None = None) -> dict:
+    """{(layer, head number): role label} of ``model``'s heads, labelled as ``multihead inspect`` labels them from
+    the bundled corpus (:func:`~multihead.lab.inspect.head_stats`, :meth:`~multihead.lab.inspect.HeadStats.roles`)."""
+    from multihead.lab.inspect.inspection import bundled_corpus
+    from multihead.lab.inspect.stats import head_stats
+
+    stats = head_stats(model, bundled_corpus(), layers=layers, heads=heads)
+    labels = stats.roles()
+    return {
+        (layer, head): labels[row][column].label
+        for row, layer in enumerate(stats.layers)
+        for column, head in enumerate(stats.heads)
+        if labels[row][column].label != "pruned"
+    }
+
+
+def render_browser(found: CorpusBrowse, roles: Mapping[tuple[int, int], str] | None = None) -> str:
     """The head browser (browse.html): the facts and the limits that bound it, a layer x head grid (each cell a
-    link to its head's card, shaded by the head's mean of a measure, with that measure's histogram), and a card
+    link to its head's card, shaded by the head's mean of a measure, with that measure's histogram and the head's
+    role from ``roles`` ({(layer, head): label}, e.g. :func:`head_roles`; none: no roles shown)), and a card
     per head: its top contexts per measure (each piece shaded by the query's weight on it, the query outlined),
     each measure's histogram, and its PCA projections. Static: with scripts off every card is on the page and the
     grid's links go to them; a script on top shows one card at a time and lets the grid show any measure."""
@@ -154,6 +178,7 @@ def render_browser(found: CorpusBrowse) -> str:
                     "value": scale.number(float(values[row, column]), 2),
                     "style": _background(scale, float(values[row, column])),
                     "bars": _bars(by_place[(layer, number)].histograms[measure]),
+                    "role": (roles or {}).get((layer, number), ""),
                 }
                 for column, number in enumerate(numbers)
             ]
@@ -166,7 +191,7 @@ def render_browser(found: CorpusBrowse) -> str:
         "limits": f"the top {found.top_k} contexts per head and measure ({found.context} pieces each side kept, "
         f"{CARD_PIECES} shown); {len(found.samples)} sampled pieces in each projection",
     }
-    cards = [_card(found, head) for head in found.heads]
+    cards = [_card(found, head, (roles or {}).get((head.layer, head.head), "")) for head in found.heads]
     return template.render(
         title=f"every head over a corpus: {found.model}",
         facts=facts,
@@ -215,7 +240,7 @@ def _bars(histogram) -> list[dict]:
     ]
 
 
-def _card(found: CorpusBrowse, head) -> dict:
+def _card(found: CorpusBrowse, head, role: str) -> dict:
     contexts = {}
     for measure in MEASURES:
         rows = []
@@ -237,7 +262,7 @@ def _card(found: CorpusBrowse, head) -> dict:
         contexts[measure] = rows
     return {
         "id": _card_id(head.layer, head.head),
-        "title": f"layer {head.layer}, head {head.head}",
+        "title": f"layer {head.layer}, head {head.head}" + (f": {role}" if role else ""),
         "mean": {measure: f"{value:.3f}" for measure, value in head.mean.items()},
         "contexts": contexts,
         "bars": {measure: _bars(histogram) for measure, histogram in head.histograms.items()},
