@@ -13,7 +13,7 @@ import torch
 import multihead
 from multihead import masks
 from multihead.backends import native, spans
-from support import make_qkv
+from support import is_input_error, make_qkv
 
 # This machine kind has a C++ compiler and ninja: the kernel must build here. A machine without them runs torch's
 # kernel, and the tests below that need the native kernel say why it is missing instead of passing without it.
@@ -152,8 +152,9 @@ def test_the_environment_turns_it_off_and_an_unknown_value_is_refused(fresh_stat
     assert not native.serves_causal(q, k, v)  # so spans runs torch's kernel
     fresh_status.setattr(native, "_loaded", None)
     fresh_status.setenv(native.ENABLE_ENV, "sometimes")
-    with pytest.raises(ValueError, match=r"MULTIHEAD_NATIVE='sometimes' is not understood: expected 1/on .* or 0/off"):
+    with pytest.raises(ValueError, match=r"MULTIHEAD_NATIVE: expected 1/on .* or 0/off .*, got 'sometimes'") as raised:
         native.available()
+    assert is_input_error(raised.value, ValueError)
 
 
 def test_a_build_that_fails_gives_its_reason_and_spans_runs_torchs_kernel(fresh_status, tmp_path):

@@ -23,8 +23,8 @@ the diagonal itself), after an unmasked call over the keys every row of it sees 
 prefix). A whole causal call with the LSE, which the plan of tiles ran as 65 calls in 444 ms at n = 8192, h = 4, is
 then one call in 244 ms; 16 packed documents are 16 calls. In float32 a causal call's forward runs on multihead's
 native kernel (:mod:`multihead.backends.native`: 128-row blocks, so 64 keys a row past the diagonal where torch's
-kernel computes up to 512; 1.47x faster over the 16 documents), its backward on torch's, given the native output and
-LSE; torch's kernel serves both where the native one is not available.
+kernel computes up to 512: the 16 documents' causal calls ran 1.47x faster, the packed forward 1.31x), its backward
+on torch's, given the native output and LSE; torch's kernel serves both where the native one is not available.
 
 Each group runs the kernel on its queries with the r = h / g query heads that share a key/value head stacked along
 its rows, (b, g, r * rows, d), against the span of keys and values read in place: grouped heads copy no key. A

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from multihead._errors import bad_argument
+
 # Query rows per block, and keys per chunk before a block's diagonal square. Measured on 2 threads (torch 2.13, h = 8,
 # g = 2, d = 64 over 16 packed documents; h = 4, n = 8,192): 128 x 512 ran the documents in 33.0 ms against torch's
 # 49.0 and the 8k call in 230 ms against 238; 64 x 256 32.8 and 248.5; 256 x 512 37.5 and 235.
@@ -66,9 +68,11 @@ def enabled_by_environment() -> bool:
         return True
     if value in _OFF:
         return False
-    raise ValueError(
-        f"{ENABLE_ENV}={os.environ[ENABLE_ENV]!r} is not understood: expected 1/on to allow multihead's native CPU "
-        f"kernel (the default) or 0/off to run torch's kernel instead"
+    raise bad_argument(
+        ENABLE_ENV,
+        "1/on (the default: multihead's native CPU kernels where they build) or 0/off (torch's kernels instead)",
+        repr(os.environ[ENABLE_ENV]),
+        f"set {ENABLE_ENV}=0 or {ENABLE_ENV}=1, or unset it",
     )
 
 
