@@ -25,6 +25,7 @@ LAYERS = [
     ("multihead.lab.inspect.headreport", "reports: what the commands print and write"),
     ("multihead.lab.inspect.write", "reports: what the commands print and write"),
     ("multihead.lab.inspect.long_report", "reports: what the commands print and write"),
+    ("multihead.lab.inspect.browse_report", "reports: what the commands print and write"),
     ("multihead.lab.circuits.report", "reports: what the commands print and write"),
     ("multihead.lab.inspect.page", "reports: what the commands print and write"),
     ("multihead.lab.inspect", "models and their inspection"),

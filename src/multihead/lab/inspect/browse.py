@@ -286,28 +286,10 @@ def browse_corpus(
     sampler = _Sampler(samples, chosen_layers)
     reader = _WindowReader(model, chosen_part, chosen_layers, heads, tallies, sampler, batch_size, progress, total)
     for index, text in enumerate(documents):
-        if not isinstance(text, str) or not text.strip():
-            raise bad_argument(
-                "documents", "non-empty strings", f"document {index}: {describe(text)}", "drop the empty ones"
-            )
-        batch = tokenizer.batch([text], max_length=10**9)
-        ids, pieces = batch.input_ids[0], batch.pieces[0]
-        lead, trail = special_ends(pieces.word_ids)
-        if size <= lead + trail:
-            raise bad_argument("window", f"more than the {lead + trail} special pieces", size, "pass a larger window")
-        body = len(ids) - lead - trail
-        stretches = windows_of(body, size - lead - trail) if body else []
-        measured_until = 0
-        for number, (start, stop) in enumerate(stretches):
-            window_ids = torch.cat([ids[:lead], ids[lead + start : lead + stop], ids[len(ids) - trail :]])
-            places = torch.cat(
-                [torch.arange(lead), lead + torch.arange(start, stop), len(ids) - trail + torch.arange(trail)]
-            )
-            rows = list(range(lead + max(0, measured_until - start), lead + stop - start))  # its new body pieces
-            measured_until = stop
-            tokens = [pieces.tokens[p] for p in places.tolist()]
-            reader.read(_Window(index, window_ids, places, tokens, lead, trail, rows), number == len(stretches) - 1)
-        if not stretches:  # nothing but special pieces: no query to measure
+        windows = _windows_of(index, text, tokenizer, size)
+        for number, stretch in enumerate(windows):
+            reader.read(stretch, number == len(windows) - 1)
+        if not windows:  # nothing but special pieces: no query to measure
             reader.document_done()
     reader.flush()
     done, queries = reader.documents, reader.queries
@@ -329,6 +311,32 @@ def browse_corpus(
             found.projections = sampler.projections(layer, column)
             browse.heads.append(found)
     return browse
+
+
+def _windows_of(index: int, text: object, tokenizer, size: int) -> list[_Window]:
+    """Document ``index``'s windows of ``size`` pieces (its specials in each), each with the body pieces it measures
+    (those no earlier window measured); none for a document of special pieces alone."""
+    if not isinstance(text, str) or not text.strip():
+        raise bad_argument(
+            "documents", "non-empty strings", f"document {index}: {describe(text)}", "drop the empty ones"
+        )
+    batch = tokenizer.batch([text], max_length=10**9)
+    ids, pieces = batch.input_ids[0], batch.pieces[0]
+    lead, trail = special_ends(pieces.word_ids)
+    if size <= lead + trail:
+        raise bad_argument("window", f"more than the {lead + trail} special pieces", size, "pass a larger window")
+    body = len(ids) - lead - trail
+    windows, measured_until = [], 0
+    for start, stop in windows_of(body, size - lead - trail) if body else []:
+        window_ids = torch.cat([ids[:lead], ids[lead + start : lead + stop], ids[len(ids) - trail :]])
+        places = torch.cat(
+            [torch.arange(lead), lead + torch.arange(start, stop), len(ids) - trail + torch.arange(trail)]
+        )
+        rows = list(range(lead + max(0, measured_until - start), lead + stop - start))  # its new body pieces
+        measured_until = stop
+        tokens = [pieces.tokens[p] for p in places.tolist()]
+        windows.append(_Window(index, window_ids, places, tokens, lead, trail, rows))
+    return windows
 
 
 @dataclass(frozen=True)
