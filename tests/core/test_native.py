@@ -186,9 +186,10 @@ def test_the_library_is_named_by_what_it_is_built_from(monkeypatch, tmp_path):
 
 
 def test_use_native_takes_a_bool():
-    with pytest.raises(TypeError, match=r"use_native\(enabled\) takes a bool, got str"):
+    with pytest.raises(TypeError, match=r"enabled: expected a bool .*, got str 'no'") as raised:
         with native.use_native("no"):  # type: ignore[arg-type]
             pass
+    assert is_input_error(raised.value, TypeError) and native.available()  # and nothing was turned off
 
 
 def test_the_paged_decode_reads_the_pages_where_they_lie_and_stops_at_the_width():

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from multihead._errors import bad_argument
+from multihead._errors import bad_argument, describe
 
 # Query rows per block, and keys per chunk before a block's diagonal square. Measured on 2 threads (torch 2.13, h = 8,
 # g = 2, d = 64 over 16 packed documents; h = 4, n = 8,192): 128 x 512 ran the documents in 33.0 ms against torch's
@@ -147,7 +147,13 @@ def use_native(enabled: bool) -> Iterator[None]:
     ``use_native(True)`` restores the default (the native kernel where it is available)."""
     global _turned_off
     if not isinstance(enabled, bool):
-        raise TypeError(f"use_native(enabled) takes a bool, got {type(enabled).__name__}: pass True or False")
+        raise bad_argument(
+            "enabled",
+            "a bool (use_native(True) or use_native(False))",
+            describe(enabled),
+            "pass True or False",
+            kind=TypeError,
+        )
     before, _turned_off = _turned_off, not enabled
     try:
         yield
