@@ -185,6 +185,11 @@ def serves_paged(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tens
     return all(_plain_float32_on_cpu(t) for t in tensors) and available()
 
 
+def _dense_last(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors as the kernels read them: each with a dense last dimension (copied where it is strided)."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
 def _plain_float32_on_cpu(t: torch.Tensor) -> bool:
     # the exact type (a tensor or a parameter): a fake tensor (tracing) or any other subclass keeps torch's kernels,
     # whose rules it has; and a type check costs a fraction of a fake-tensor check, on a path run by every layer of
@@ -204,7 +209,7 @@ def paged_forward(
     against keys 0 .. width - 1 of each sequence's pages ``pages`` (S, C) (each a page of the pools, C * page >=
     width) in pools (P, g, page, d) and (P, g, page, e) -> output (S, g, r, e), float32. Every query sees every one
     of those keys."""
-    q, key_pool, value_pool = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, key_pool, value_pool))
+    q, key_pool, value_pool = _dense_last(q, key_pool, value_pool)
     return torch.ops.multihead_native.paged_forward(q, key_pool, value_pool, pages.long(), width, scale)
 
 
@@ -215,5 +220,5 @@ def causal_forward(
     q (b, h, n, d), k (b, g, m, d), v (b, g, m, e) float32 on the CPU, m >= n, h a multiple of g -> output
     (b, h, n, e) and LSE (b, h, n), float32. Not differentiable itself: its callers' autograd Functions run the
     backward."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = _dense_last(q, k, v)
     return torch.ops.multihead_native.causal_forward(q, k, v, scale, CAUSAL_BLOCK_ROWS, CAUSAL_BLOCK_KEYS)

@@ -63,6 +63,8 @@ __all__ = [
 
 MEASURES = ("max-off-sink", "output-norm", "entropy-low", "entropy-high", "previous-token", "prefix-matching")
 _RANKED_LOW = {"entropy-low"}  # measures whose lowest values are the top contexts
+# each measure's sign in the ranking: its top contexts are its highest values times this
+_RANK_SIGNS = torch.tensor([-1.0 if name in _RANKED_LOW else 1.0 for name in MEASURES], dtype=torch.float64)
 WEIGHT_BINS = 20  # bins of the measures in [0, 1]
 ENTROPY_BINS = 20
 NORM_EDGES = tuple(10.0 ** (exponent / 4) for exponent in range(-12, 13))  # 1e-3 .. 1e3, 4 bins a decade
@@ -361,6 +363,7 @@ class _WindowReader:
     def __init__(self, model, part, layers, heads, tallies, sampler, batch_size, progress, total):
         self.model, self.part, self.layers, self.heads, self.tallies = model, part, layers, heads, tallies
         self.sampler = sampler
+        self.recorded_heads = sum(tally.ranked.shape[0] for tally in tallies.values())  # over every layer
         self.batch_size, self.progress, self.total = batch_size, progress, total
         self.device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
         self.pending: list[tuple[_Window, bool]] = []
@@ -370,8 +373,7 @@ class _WindowReader:
         """Queue ``window``; the queue runs once it holds ``batch_size`` windows, or before the weights the model
         would record for it pass WEIGHT_BUDGET (a batch of long windows: every recorded head's (n, n) weights)."""
         longest = max([len(window.ids), *(len(queued.ids) for queued, _ in self.pending)])
-        heads = sum(tally.ranked.shape[0] for tally in self.tallies.values())
-        if self.pending and (len(self.pending) + 1) * heads * longest**2 * 4 > WEIGHT_BUDGET:
+        if self.pending and (len(self.pending) + 1) * self.recorded_heads * longest**2 * 4 > WEIGHT_BUDGET:
             self.flush()
         self.pending.append((window, last_of_its_document))
         if len(self.pending) == self.batch_size:
@@ -555,8 +557,7 @@ class _LayerTally:
         self.queries += values.shape[-1]
         for measure, edges in enumerate(self.edges):
             self.counts[measure] += _binned(values[:, measure], edges)
-        sign = torch.tensor([-1.0 if name in _RANKED_LOW else 1.0 for name in MEASURES], dtype=torch.float64)
-        joined = torch.cat([self.ranked, values * sign[:, None]], -1)  # the kept first: a tie keeps the earlier
+        joined = torch.cat([self.ranked, values * _RANK_SIGNS[:, None]], -1)  # the kept first: a tie keeps the earlier
         order = joined.sort(dim=-1, descending=True, stable=True).indices[..., : self.top_k]
         kept = self.ranked.shape[-1]
         self.ranked = joined.gather(-1, order)
